@@ -1,0 +1,173 @@
+"""What happens to a checkpoint after training commits it: validate, upload, resume, prune.
+
+These functions are the checkpoint lifecycle the Prefect tasks wrap. Any of them may run
+concurrently with training and with each other; a per-checkpoint lock makes "validate
+step N" happen once, whoever asks first, and the ledger records every verdict.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator
+
+from goodput.config import RunConfig
+from storage.ledger import Ledger, LedgerEntry, checkpoint_key, ledger_key
+from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, verify_files
+from training.checkpoint import checkpoint_path, checkpoint_root, committed_checkpoints, step_of
+
+
+def ledger_of(config: RunConfig) -> Ledger:
+    return Ledger(config.run_dir, config.run.run_id)
+
+
+@contextmanager
+def _step_lock(config: RunConfig, step: int):
+    root = checkpoint_root(config.run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".step-{step:08d}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def new_checkpoints(config: RunConfig, still_running: Callable[[], bool]) -> Iterator[int]:
+    """Yield each checkpoint step as training commits it, until training has ended.
+
+    `still_running` should block for a poll interval. Checkpoints whose fate is already
+    settled in the ledger (uploaded or rejected) are not yielded again.
+    """
+    settled = set(ledger_of(config).read().steps("uploaded", "rejected"))
+    seen: set[int] = set()
+    while True:
+        running = still_running()
+        for path in committed_checkpoints(config.run_dir):
+            step = step_of(path)
+            if step not in seen and step not in settled:
+                seen.add(step)
+                yield step
+        if not running:
+            return
+
+
+def unjudged_steps(config: RunConfig) -> list[int]:
+    """Committed checkpoints on local disk that the ledger has no verdict on yet."""
+    entries = ledger_of(config).read().entries
+    return [step_of(p) for p in committed_checkpoints(config.run_dir)
+            if step_of(p) not in entries or entries[step_of(p)].state == "committed"]
+
+
+def verify_in_fresh_process(path: Path, timeout_s: float = 600) -> dict:
+    """Reload the checkpoint in a new single process (no state shared with training)."""
+    proc = subprocess.run([sys.executable, "-m", "training.checkpoint", "verify", str(path)],
+                          capture_output=True, text=True, timeout=timeout_s)
+    lines = proc.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {"ok": False, "reason": f"verifier crashed (exit {proc.returncode}): "
+                                       f"{proc.stderr.strip()[-500:]}"}
+
+
+def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
+    """committed -> validated, or -> rejected with the reason (the directory is moved aside)."""
+    ledger = ledger_of(config)
+    with _step_lock(config, step):
+        entry = ledger.read().entries.get(step)
+        if entry is not None and entry.state != "committed":
+            return entry  # judged already
+        path = checkpoint_path(config.run_dir, step)
+        manifest = CheckpointManifest.load(path)
+        ledger.record(step, "committed", loss=manifest.loss, tokens_seen=manifest.tokens_seen)
+        result = verify_in_fresh_process(path)
+        if result["ok"]:
+            return ledger.record(step, "validated", note=f"{result['tensors']} tensors finite")
+        aside = checkpoint_root(config.run_dir) / "rejected" / f"{path.name}-{int(time.time())}"
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        path.rename(aside)  # kept for inspection, out of reach of resume
+        return ledger.record(step, "rejected", note=f"{result['reason']} (kept at {aside})")
+
+
+def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
+    """validated -> uploaded: every shard first, the manifest last, then the ledger."""
+    ledger = ledger_of(config)
+    with _step_lock(config, step):
+        entry = ledger.read().entries.get(step)
+        if entry is None or entry.state == "committed":
+            raise ValueError(f"checkpoint step {step} is not validated yet; validate it first")
+        if entry.state in ("uploaded", "rejected"):
+            return entry  # done already, or never to be uploaded
+        key = checkpoint_key(config.run.run_id, step)
+        store.upload_dir(checkpoint_path(config.run_dir, step), key, last=(CHECKPOINT_MANIFEST,))
+        entry = ledger.record(step, "uploaded", store_url=store.url(key))
+    ledger.push(store)
+    return entry
+
+
+def restore_ledger(config: RunConfig, store) -> None:
+    """A new machine (no local ledger) starts from the store's copy of the ledger."""
+    ledger = ledger_of(config)
+    if not ledger.path.is_file() and store.exists(ledger_key(config.run.run_id)):
+        ledger.replace(store.get_bytes(ledger_key(config.run.run_id)))
+
+
+def resume_point(config: RunConfig, store) -> Path | None:
+    """The newest validated checkpoint, on local disk; downloaded from the store if missing.
+
+    Judges every committed checkpoint first, so progress saved just before a crash counts.
+    """
+    restore_ledger(config, store)
+    for step in unjudged_steps(config):
+        validate_checkpoint(config, step)
+    ledger = ledger_of(config).read()
+    for entry in sorted(ledger.entries.values(), key=lambda e: e.step, reverse=True):
+        if entry.state not in ("validated", "uploaded"):
+            continue
+        path = checkpoint_path(config.run_dir, entry.step)
+        if (path / CHECKPOINT_MANIFEST).is_file():
+            return path
+        if entry.state == "uploaded":
+            return download_checkpoint(config, entry.step, store)
+    return None
+
+
+def download_checkpoint(config: RunConfig, step: int, store) -> Path:
+    """Fetch an uploaded checkpoint into the local tier; verify it before it becomes visible."""
+    path = checkpoint_path(config.run_dir, step)
+    staging = path.with_name(f".download-{path.name}")
+    shutil.rmtree(staging, ignore_errors=True)
+    store.download_dir(checkpoint_key(config.run.run_id, step), staging, last=(CHECKPOINT_MANIFEST,))
+    problems = verify_files(staging, CheckpointManifest.load(staging).files)
+    if problems:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise IOError(f"checkpoint step {step} from the store fails verification: {problems[:3]}")
+    shutil.rmtree(path, ignore_errors=True)  # debris without a manifest, if any
+    staging.rename(path)
+    return path
+
+
+def prune_local(config: RunConfig) -> list[int]:
+    """Keep the newest `checkpoint.keep_local` local checkpoints; delete older *uploaded* ones.
+
+    A checkpoint that is not safely in the store is never deleted, nor is the newest
+    resumable one. Deletions are noted in the ledger history.
+    """
+    ledger = ledger_of(config)
+    entries = ledger.read().entries
+    newest = ledger.read().newest()
+    local = [step_of(p) for p in committed_checkpoints(config.run_dir)]
+    deleted = []
+    for step in local[:-config.checkpoint.keep_local]:
+        entry = entries.get(step)
+        if entry is None or entry.state != "uploaded" or (newest and newest.step == step):
+            continue
+        with _step_lock(config, step):
+            shutil.rmtree(checkpoint_path(config.run_dir, step))
+        ledger.record(step, "uploaded", note="local copy pruned; store copy kept")
+        deleted.append(step)
+    return deleted

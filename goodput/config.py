@@ -1,0 +1,291 @@
+"""RunConfig: the one configuration tree of a run.
+
+Loaded from YAML (`configs/*.yaml`), overridden field by field (`training.max_steps=50`),
+validated before anything starts. Errors name the field and say what to do.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from storage.manifests import canonical_json
+from storage.checksums import sha256_bytes
+
+
+class ConfigError(ValueError):
+    """A configuration problem, worded for the user: which field, what is wrong, what to do."""
+
+
+class _Section(BaseModel):
+    # Unknown keys are mistakes (a typo silently ignored would train the wrong model).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(_Section):
+    source: str = Field(
+        "builtin",
+        description="'builtin' (a corpus built from documentation every Python installation "
+        "ships), local files (a path, a glob, or a comma-separated list of json/jsonl/parquet/"
+        "txt files), or a Hugging Face hub dataset name (needs network).",
+    )
+    format: Literal["auto", "json", "parquet", "text"] = Field(
+        "auto", description="File format; 'auto' picks it from the file extension."
+    )
+    hub_config: str | None = Field(None, description="Hub dataset configuration name.")
+    hub_split: str = Field("train", description="Split to read from a hub dataset.")
+    revision: str | None = Field(None, description="Hub dataset revision (commit or tag).")
+    text_column: str = Field("text", description="Column that holds the document text.")
+    max_docs: int | None = Field(None, ge=1, description="Use at most this many documents.")
+    validation_fraction: float = Field(
+        0.05, gt=0, lt=0.5, description="Share of documents held out for validation."
+    )
+    num_shards: int = Field(
+        4, ge=1, le=4096, description="Train token shards; each is tokenized by its own task."
+    )
+    data_dir: str = Field(
+        "./.goodput/data", description="Local cache of prepared datasets (one dir per dataset id)."
+    )
+
+
+class TokenizerConfig(_Section):
+    path: str | None = Field(
+        None, description="An existing tokenizer.json to use instead of training one."
+    )
+    vocab_size: int = Field(4096, ge=260, le=1_000_000, description="BPE vocabulary size to train.")
+    min_frequency: int = Field(2, ge=1, description="Minimum pair frequency when training BPE.")
+
+
+class ModelConfig(_Section):
+    dim: int = Field(128, ge=8, description="Hidden size.")
+    n_layers: int = Field(4, ge=1, description="Transformer blocks.")
+    n_heads: int = Field(4, ge=1, description="Attention heads.")
+    n_kv_heads: int | None = Field(None, ge=1, description="Key/value heads (GQA); None = n_heads.")
+    ffn_multiple_of: int = Field(32, ge=1, description="SwiGLU hidden size is rounded up to this.")
+    norm_eps: float = Field(1e-5, gt=0)
+    rope_theta: float = Field(10000.0, gt=0)
+    max_seq_len: int = Field(256, ge=8, description="Longest sequence the RoPE cache covers.")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "ModelConfig":
+        if self.dim % self.n_heads:
+            raise ValueError(f"n_heads={self.n_heads} does not divide dim={self.dim}; "
+                             "choose n_heads among the divisors of dim")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for RoPE; "
+                             "change dim or n_heads")
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            raise ValueError(f"n_kv_heads={kv} does not divide n_heads={self.n_heads}")
+        return self
+
+
+class ParallelismConfig(_Section):
+    nnodes: int = Field(1, ge=1, description="Nodes (one torchrun each).")
+    nproc_per_node: int = Field(2, ge=1, description="Worker processes per node.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="'auto': nccl when CUDA is available, else gloo."
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field("auto")
+    rdzv_endpoint: str | None = Field(
+        None, description="host:port of the c10d rendezvous; None picks a free local port."
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+class TrainingConfig(_Section):
+    seed: int = 1337
+    max_steps: int = Field(300, ge=1, description="Optimizer steps to train.")
+    seq_len: int = Field(128, ge=8, description="Tokens per sample.")
+    micro_batch_size: int = Field(8, ge=1, description="Samples per rank per micro-step.")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a share of the peak.")
+    warmup_steps: int = Field(20, ge=0)
+    weight_decay: float = Field(0.1, ge=0)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    grad_clip: float = Field(1.0, ge=0, description="Max global grad norm; 0 disables clipping.")
+    peak_flops_per_device: float | None = Field(
+        None, gt=0,
+        description="Peak FLOP/s of one device, for the MFU estimate. None: known GPUs are "
+        "looked up; on CPU MFU is left out.",
+    )
+    log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
+
+    @property
+    def tokens_per_rank_step(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps * self.seq_len
+
+
+class CheckpointConfig(_Section):
+    every_steps: int = Field(50, ge=1, description="Save a checkpoint every N steps (and at the end).")
+    keep_local: int = Field(
+        3, ge=1, description="Local checkpoints kept; older uploaded ones are deleted."
+    )
+
+
+class StorageConfig(_Section):
+    uri: str = Field(
+        "./.goodput/store",
+        description="Object store root: a local directory, file://..., or s3://bucket/prefix.",
+    )
+    endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint (SeaweedFS, MinIO); None uses AWS."
+    )
+    region: str | None = None
+
+
+class EvalConfig(_Section):
+    max_batches: int = Field(20, ge=1, description="Validation batches for held-out loss.")
+    batch_size: int = Field(8, ge=1)
+    num_samples: int = Field(3, ge=0, description="Generated samples in the report.")
+    sample_tokens: int = Field(48, ge=1)
+    temperature: float = Field(0.8, ge=0, description="0 means greedy decoding.")
+    top_k: int | None = Field(50, ge=1)
+    prompts: list[str] = Field(
+        default_factory=lambda: ["The ", "A function ", "In Python, "],
+        description="Prompts for generated samples (cycled).",
+    )
+
+
+class FaultsConfig(_Section):
+    crash_at_step: int | None = Field(
+        None, ge=1, description="Kill a worker when this step is reached (fires once per run)."
+    )
+    crash_rank: int = Field(0, ge=0, description="Rank that crashes.")
+
+
+class RunSection(_Section):
+    run_id: str = Field("tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
+                        description="Names the run; checkpoints and ledger live under it.")
+    runs_dir: str = Field("./.goodput/runs", description="Local run directories.")
+    max_attempts: int = Field(3, ge=1, description="Training attempts (1 + Prefect retries).")
+    retry_delay_s: float = Field(1.0, ge=0)
+    hang_timeout_s: float = Field(
+        600.0, gt=0, description="Kill the workers when the heartbeat stalls this long."
+    )
+
+
+class RunConfig(_Section):
+    run: RunSection = Field(default_factory=RunSection)
+    data: DataConfig = Field(default_factory=DataConfig)
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "RunConfig":
+        if self.training.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"training.seq_len={self.training.seq_len} exceeds model.max_seq_len="
+                f"{self.model.max_seq_len}; raise model.max_seq_len or lower training.seq_len")
+        if self.training.warmup_steps >= self.training.max_steps:
+            raise ValueError(
+                f"training.warmup_steps={self.training.warmup_steps} must be below "
+                f"training.max_steps={self.training.max_steps}")
+        if self.faults.crash_rank >= self.parallelism.world_size:
+            raise ValueError(f"faults.crash_rank={self.faults.crash_rank} is not a rank of "
+                             f"world size {self.parallelism.world_size}")
+        return self
+
+    # -- derived paths -----------------------------------------------------------------
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.runs_dir) / self.run.run_id
+
+    def config_hash(self) -> str:
+        """Hash of what determines the training trajectory (not paths, faults or eval)."""
+        keys = ("data", "tokenizer", "model", "training")
+        return sha256_bytes(canonical_json(self.model_dump(include=set(keys))))[:16]
+
+
+# -- loading -------------------------------------------------------------------------------
+
+def _format_error(err: ValidationError, origin: str) -> str:
+    lines = [f"invalid configuration ({origin}):"]
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field; check the spelling against configs/tiny.yaml"
+        lines.append(f"  {field}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`training.max_steps=50` -> (['training', 'max_steps'], 50). Values parse as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.field=value "
+                          "(e.g. training.max_steps=50)")
+    key, raw = text.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if not path:
+        raise ConfigError(f"override {text!r} has an empty field name")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from e
+    return path, value
+
+
+def apply_overrides(tree: dict, overrides: list[str]) -> dict:
+    tree = dict(tree)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = tree
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: {part} is a value, not a section")
+            else:
+                child = node[part] = dict(child)
+            node = child
+        node[path[-1]] = value
+    return tree
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,
+                ) -> RunConfig:
+    """Read YAML (or nothing: all defaults), apply overrides, validate."""
+    tree: dict = {}
+    origin = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {p} not found; pass an existing YAML file "
+                              "(e.g. configs/tiny.yaml)")
+        try:
+            tree = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+        if not isinstance(tree, dict):
+            raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(tree).__name__}")
+        origin = str(p)
+    tree = apply_overrides(tree, overrides or [])
+    return config_from_dict(tree, origin if not overrides else f"{origin} + overrides")
+
+
+def config_from_dict(tree: dict, origin: str = "dict") -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_error(e, origin)) from None
+
+
+def dump_config(config: RunConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

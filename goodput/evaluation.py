@@ -1,0 +1,66 @@
+"""Evaluate a checkpoint in its own process and keep the report with the run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from goodput.checkpoints import download_checkpoint, ledger_of, restore_ledger
+from goodput.config import RunConfig
+from goodput.runs import write_run_config
+from storage.manifests import EvalReport
+from training.checkpoint import checkpoint_path, is_committed
+
+
+def report_path(config: RunConfig, step: int) -> Path:
+    return config.run_dir / "eval" / f"step-{step:08d}.json"
+
+
+def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = None) -> Path:
+    """A validated checkpoint of the run: the newest, or the given step, or a directory.
+
+    A checkpoint that only the store holds any more is downloaded first.
+    """
+    if checkpoint is not None and not str(checkpoint).isdigit():
+        path = Path(str(checkpoint))
+        if not is_committed(path):
+            raise FileNotFoundError(f"{path} is not a committed checkpoint (no manifest.json)")
+        return path
+    restore_ledger(config, store)
+    ledger = ledger_of(config).read()
+    if checkpoint is None:
+        entry = ledger.newest()
+        if entry is None:
+            raise FileNotFoundError(f"run '{config.run.run_id}' has no validated checkpoint yet; "
+                                    "train it first (goodput train)")
+    else:
+        entry = ledger.entries.get(int(checkpoint))
+        if entry is None or entry.state not in ("validated", "uploaded"):
+            state = entry.state if entry else "not in the ledger"
+            raise FileNotFoundError(f"checkpoint step {checkpoint} of run '{config.run.run_id}' "
+                                    f"is {state}; pick one of {ledger.steps('validated', 'uploaded')}")
+    path = checkpoint_path(config.run_dir, entry.step)
+    if is_committed(path):
+        return path
+    return download_checkpoint(config, entry.step, store)
+
+
+def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path) -> EvalReport:
+    """Run `python -m training.evaluate`; a report that exists for this checkpoint is reused."""
+    from training.checkpoint import step_of
+
+    out = report_path(config, step_of(checkpoint))
+    if out.is_file():
+        report = EvalReport.model_validate_json(out.read_text())
+        if report.checkpoint == str(checkpoint):
+            return report
+    config_path = write_run_config(config)
+    proc = subprocess.run(
+        [sys.executable, "-m", "training.evaluate", "--checkpoint", str(checkpoint),
+         "--dataset", str(dataset_dir), "--config", str(config_path), "--out", str(out)],
+        capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"evaluation of {checkpoint} failed (exit {proc.returncode}):\n"
+                           f"{proc.stderr.strip()[-2000:]}")
+    return EvalReport.model_validate_json(out.read_text())

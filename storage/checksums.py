@@ -1,0 +1,46 @@
+"""Content checksums: one definition of "the same bytes" for shards, checkpoints and uploads."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+_CHUNK = 4 * 1024 * 1024
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file, read in chunks so large shards never sit in memory."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_atomic(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` so readers see either the old file or the whole new one, never a part.
+
+    The bytes go to a temporary file in the same directory, are fsynced, and are renamed
+    over the target; the directory is fsynced so the rename itself survives a power loss.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

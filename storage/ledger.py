@@ -1,0 +1,108 @@
+"""The checkpoint ledger: per run, the state of every checkpoint.
+
+    committed -> validated -> uploaded        or  rejected (with the reason)
+
+One JSON file, `<run_dir>/ledger.json`, mirrored to `runs/<run_id>/ledger.json` in the
+store so a new machine can resume from the store alone. Writers (validation and upload
+tasks run concurrently) take an exclusive file lock and replace the file atomically.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Literal
+
+from pydantic import BaseModel, Field
+
+from storage.checksums import write_atomic
+
+State = Literal["committed", "validated", "uploaded", "rejected"]
+RESUMABLE: tuple[State, ...] = ("validated", "uploaded")
+LEDGER_FILE = "ledger.json"
+
+
+class Transition(BaseModel):
+    state: State
+    at: float
+    note: str = ""
+
+
+class LedgerEntry(BaseModel):
+    step: int
+    state: State
+    reason: str = ""
+    loss: float | None = None
+    tokens_seen: int | None = None
+    store_url: str | None = None
+    history: list[Transition] = Field(default_factory=list)
+
+
+class LedgerData(BaseModel):
+    run_id: str
+    entries: dict[int, LedgerEntry] = Field(default_factory=dict)
+
+    def newest(self, states: tuple[State, ...] = RESUMABLE) -> LedgerEntry | None:
+        matching = [e for e in self.entries.values() if e.state in states]
+        return max(matching, key=lambda e: e.step) if matching else None
+
+    def steps(self, *states: State) -> list[int]:
+        return sorted(s for s, e in self.entries.items() if not states or e.state in states)
+
+
+class Ledger:
+    def __init__(self, run_dir: str | Path, run_id: str):
+        self.path = Path(run_dir) / LEDGER_FILE
+        self.run_id = run_id
+
+    def read(self) -> LedgerData:
+        if not self.path.is_file():
+            return LedgerData(run_id=self.run_id)
+        return LedgerData.model_validate_json(self.path.read_text())
+
+    @contextmanager
+    def edit(self) -> Iterator[LedgerData]:
+        """Read-modify-write under an exclusive lock; the change lands atomically or not at all."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            data = self.read()
+            yield data
+            write_atomic(self.path, data.model_dump_json(indent=2).encode())
+
+    def record(self, step: int, state: State, note: str = "", **fields) -> LedgerEntry:
+        """Move checkpoint `step` to `state`. A rejected checkpoint never becomes resumable again."""
+        with self.edit() as data:
+            entry = data.entries.get(step) or LedgerEntry(step=step, state=state)
+            if entry.state == "rejected" and state != "rejected":
+                raise ValueError(f"checkpoint step {step} was rejected ({entry.reason}); "
+                                 f"it cannot become {state}")
+            entry.state = state
+            if state == "rejected":
+                entry.reason = note
+            for key, value in fields.items():
+                setattr(entry, key, value)
+            entry.history.append(Transition(state=state, at=time.time(), note=note))
+            data.entries[step] = entry
+            return entry.model_copy()
+
+    def replace(self, raw: bytes) -> None:
+        """Replace the ledger wholesale (used when restoring it from the store)."""
+        data = LedgerData.model_validate_json(raw)
+        with self.edit() as current:
+            current.entries = data.entries
+
+    def push(self, store) -> None:
+        """Mirror the ledger to the store. Holding the lock keeps an older copy from landing last."""
+        with self.edit() as data:
+            store.put_bytes(ledger_key(self.run_id), data.model_dump_json(indent=2).encode())
+
+
+def ledger_key(run_id: str) -> str:
+    return f"runs/{run_id}/{LEDGER_FILE}"
+
+
+def checkpoint_key(run_id: str, step: int) -> str:
+    return f"runs/{run_id}/checkpoints/step-{step:08d}"

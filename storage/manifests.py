@@ -1,0 +1,141 @@
+"""The contracts between stages that describe data on disk (see shared/DESIGN.md, section 2).
+
+Each manifest is a pydantic model serialised as JSON next to the data it describes and is
+written last: its presence means everything it lists is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from storage.checksums import sha256_file, write_atomic
+
+DATASET_MANIFEST = "manifest.json"
+CHECKPOINT_MANIFEST = "manifest.json"
+
+
+class FileEntry(BaseModel):
+    """One file of a checkpoint or dataset: path relative to the manifest, size, sha256."""
+
+    path: str
+    size: int
+    sha256: str
+
+
+class ShardInfo(BaseModel):
+    """One Arrow IPC file of token ids: a table with one row per document."""
+
+    path: str  # relative to the dataset directory
+    n_tokens: int
+    n_docs: int
+    size: int
+    sha256: str
+
+
+class DatasetManifest(BaseModel):
+    dataset_id: str = Field(description="Hash of source fingerprint + tokenizer + prep params.")
+    source: str = Field(description="Human-readable description of the text source.")
+    tokenizer: str = Field(description="Path of tokenizer.json relative to the dataset directory.")
+    tokenizer_sha256: str
+    vocab_size: int
+    eos_id: int
+    dtype: Literal["uint8", "uint16", "uint32"]
+    splits: dict[str, list[ShardInfo]]
+    created_at: float
+
+    def n_tokens(self, split: str) -> int:
+        return sum(s.n_tokens for s in self.splits[split])
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        path = Path(directory) / DATASET_MANIFEST
+        write_atomic(path, self.model_dump_json(indent=2).encode())
+        return path
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "DatasetManifest":
+        return cls.model_validate_json((Path(directory) / DATASET_MANIFEST).read_text())
+
+
+class CheckpointManifest(BaseModel):
+    """Written by rank 0 after every shard of a DCP save is durable."""
+
+    step: int
+    tokens_seen: int
+    files: list[FileEntry]
+    world_size: int
+    layout: dict[str, int]
+    config_hash: str
+    dataset_id: str
+    model_args: dict = Field(description="Arguments that rebuild the model (training.model.ModelArgs).")
+    loss: float | None = None
+    created_at: float
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        path = Path(directory) / CHECKPOINT_MANIFEST
+        write_atomic(path, self.model_dump_json(indent=2).encode())
+        return path
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "CheckpointManifest":
+        return cls.model_validate_json((Path(directory) / CHECKPOINT_MANIFEST).read_text())
+
+
+def list_files(directory: str | os.PathLike, exclude: tuple[str, ...] = ()) -> list[FileEntry]:
+    """Every regular file under `directory` (recursively) with size and sha256, sorted."""
+    root = Path(directory)
+    entries = []
+    for p in sorted(root.rglob("*")):
+        # DCP's own `.metadata` counts; our in-flight temporary files do not.
+        if p.is_file() and p.name not in exclude and ".tmp-" not in p.name:
+            rel = p.relative_to(root).as_posix()
+            entries.append(FileEntry(path=rel, size=p.stat().st_size, sha256=sha256_file(p)))
+    return entries
+
+
+def verify_files(directory: str | os.PathLike, files: list[FileEntry]) -> list[str]:
+    """Problems found comparing `directory` against `files`; empty when everything matches."""
+    root = Path(directory)
+    problems = []
+    for entry in files:
+        p = root / entry.path
+        if not p.is_file():
+            problems.append(f"missing file {entry.path}")
+            continue
+        size = p.stat().st_size
+        if size != entry.size:
+            problems.append(f"{entry.path}: size {size} != manifest {entry.size}")
+            continue
+        digest = sha256_file(p)
+        if digest != entry.sha256:
+            problems.append(f"{entry.path}: sha256 {digest[:12]}… != manifest {entry.sha256[:12]}…")
+    return problems
+
+
+def canonical_json(obj) -> bytes:
+    """Stable JSON bytes for hashing (sorted keys, no whitespace)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+class EvalSample(BaseModel):
+    prompt: str
+    completion: str
+
+
+class EvalReport(BaseModel):
+    """Held-out quality of one checkpoint."""
+
+    run_id: str
+    step: int
+    checkpoint: str
+    dataset_id: str
+    loss: float
+    perplexity: float
+    tokens_evaluated: int
+    samples: list[EvalSample]
+    wall_time_s: float
+    created_at: float

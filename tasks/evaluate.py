@@ -1,0 +1,48 @@
+"""Prefect policy around evaluation: locate the checkpoint, evaluate it, show the report."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_table_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
+
+from goodput import evaluation
+from goodput.config import RunConfig
+from storage.manifests import EvalReport
+from tasks.train import open_run_store
+
+
+def artifact_key(*parts: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+
+
+@task(name="locate-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
+      tags=["evaluate"])
+def locate_checkpoint(config: RunConfig, checkpoint: str | None) -> Path:
+    return evaluation.locate_checkpoint(config, open_run_store(config), checkpoint)
+
+
+@task(name="evaluate-checkpoint", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5,
+      tags=["evaluate"])
+def evaluate_checkpoint(config: RunConfig, checkpoint: Path, dataset_dir: Path) -> EvalReport:
+    report = evaluation.evaluate(config, checkpoint, dataset_dir)
+    get_run_logger().info(f"step {report.step}: held-out loss {report.loss:.4f}, "
+                          f"perplexity {report.perplexity:.2f} ({report.tokens_evaluated:,} tokens)")
+    return report
+
+
+@task(name="publish-eval-report", cache_policy=NO_CACHE, tags=["evaluate"])
+def publish_eval_report(report: EvalReport) -> None:
+    rows = [{"metric": "held-out loss", "value": f"{report.loss:.4f}"},
+            {"metric": "perplexity", "value": f"{report.perplexity:.2f}"},
+            {"metric": "tokens evaluated", "value": f"{report.tokens_evaluated:,}"},
+            {"metric": "checkpoint step", "value": str(report.step)}]
+    rows += [{"metric": f"sample {i + 1}", "value": f"{s.prompt!r} → {s.completion!r}"}
+             for i, s in enumerate(report.samples)]
+    create_table_artifact(table=rows, key=artifact_key("eval", report.run_id),
+                          description=f"Evaluation of {report.run_id} at step {report.step}")

@@ -1,0 +1,99 @@
+"""Held-out loss, perplexity and generated samples for one checkpoint, in one process.
+
+    python -m training.evaluate --checkpoint DIR --dataset DIR --config run.yaml --out report.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from storage.checksums import write_atomic
+from storage.manifests import CheckpointManifest, DatasetManifest, EvalReport, EvalSample
+from training.checkpoint import load_all_tensors, model_state_from
+from training.data import TokenStream, sequential_batches
+from training.model import ModelArgs, Transformer
+
+
+def load_model(checkpoint: Path, device: torch.device) -> tuple[Transformer, CheckpointManifest]:
+    """The model of a committed checkpoint, whatever layout trained it."""
+    manifest = CheckpointManifest.load(checkpoint)
+    model = Transformer(ModelArgs(**manifest.model_args))
+    model.load_state_dict(model_state_from(load_all_tensors(checkpoint, prefix="model.")))
+    return model.to(device).eval(), manifest
+
+
+@torch.no_grad()
+def held_out_loss(model: Transformer, stream: TokenStream, seq_len: int, batch_size: int,
+                  max_batches: int, device: torch.device) -> tuple[float, int]:
+    """Mean next-token cross-entropy over the first `max_batches` validation batches."""
+    total, tokens = 0.0, 0
+    for inputs, targets in sequential_batches(stream, seq_len, batch_size, max_batches):
+        loss = model(inputs.to(device), targets.to(device))
+        total += loss.item() * targets.numel()
+        tokens += targets.numel()
+    if tokens == 0:
+        raise ValueError(f"validation split has {stream.n_tokens} tokens, not enough for one "
+                         f"sample of seq_len={seq_len}; add data or raise data.validation_fraction")
+    return total / tokens, tokens
+
+
+def generate_samples(model: Transformer, tokenizer: Tokenizer, prompts: list[str], count: int,
+                     max_new_tokens: int, temperature: float, top_k: int | None, seed: int,
+                     device: torch.device) -> list[EvalSample]:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    samples = []
+    for i in range(count):
+        prompt = prompts[i % len(prompts)]
+        ids = tokenizer.encode(prompt).ids or [0]
+        out = model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature,
+                             top_k, generator)
+        samples.append(EvalSample(prompt=prompt, completion=tokenizer.decode(out[0, len(ids):].tolist())))
+    return samples
+
+
+def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_cfg, seq_len: int,
+                        seed: int, device: torch.device | None = None) -> EvalReport:
+    start = time.perf_counter()
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, ckpt = load_model(checkpoint, device)
+    dataset = DatasetManifest.load(dataset_dir)
+    stream = TokenStream(dataset_dir, dataset, "validation")
+    loss, tokens = held_out_loss(model, stream, seq_len, eval_cfg.batch_size, eval_cfg.max_batches, device)
+    tokenizer = Tokenizer.from_file(str(dataset_dir / dataset.tokenizer))
+    samples = generate_samples(model, tokenizer, eval_cfg.prompts, eval_cfg.num_samples,
+                               eval_cfg.sample_tokens, eval_cfg.temperature, eval_cfg.top_k, seed, device)
+    return EvalReport(run_id=run_id, step=ckpt.step, checkpoint=str(checkpoint),
+                      dataset_id=dataset.dataset_id, loss=loss, perplexity=math.exp(loss),
+                      tokens_evaluated=tokens, samples=samples,
+                      wall_time_s=time.perf_counter() - start, created_at=time.time())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.evaluate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    from goodput.config import load_config
+
+    config = load_config(args.config)
+    report = evaluate_checkpoint(Path(args.checkpoint), Path(args.dataset), config.run.run_id,
+                                 config.eval, config.training.seq_len, config.training.seed)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out, report.model_dump_json(indent=2).encode())
+    print(f"[eval] step {report.step}: loss {report.loss:.4f}, perplexity {report.perplexity:.2f} "
+          f"over {report.tokens_evaluated:,} tokens", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

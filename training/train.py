@@ -1,0 +1,222 @@
+"""The training loop that runs in every torchrun worker.
+
+    torchrun --nproc-per-node 2 -m training --config run.yaml --dataset DATASET_DIR
+
+Reads like nanoGPT's train.py: set up, build the model, resume, loop (micro-batches with
+gradient accumulation, clip, AdamW with warmup + cosine), checkpoint every N steps. The
+launch task adds supervision around it; nothing here knows about Prefect.
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import nullcontext
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from goodput.config import RunConfig
+from storage.checksums import fsync_dir
+from storage.manifests import DatasetManifest
+from training.checkpoint import checkpoint_path, committed_checkpoints, load_checkpoint, save_checkpoint
+from training.data import DistributedSampleLoader, TokenStream
+from training.metrics import MetricsWriter, peak_flops
+from training.model import Transformer, model_args_from_config
+
+
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(config: RunConfig) -> Dist:
+    """Join the process group torchrun set up (or run as a single process without one)."""
+    want_cuda = config.parallelism.device == "cuda" or (
+        config.parallelism.device == "auto" and torch.cuda.is_available())
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
+    if want_cuda:
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ:
+        backend = config.parallelism.backend
+        if backend == "auto":
+            backend = "nccl" if want_cuda else "gloo"
+        dist.init_process_group(backend=backend, device_id=device if want_cuda else None)
+        return Dist(dist.get_rank(), local_rank, dist.get_world_size(), device)
+    return Dist(0, 0, 1, device)
+
+
+def lr_at(step: int, cfg) -> float:
+    """Linear warmup to the peak, then cosine down to min_lr_ratio * peak at max_steps.
+
+    A pure function of the step, so the schedule needs no state of its own in a checkpoint.
+    """
+    if step <= cfg.warmup_steps:
+        return cfg.lr * step / max(1, cfg.warmup_steps)
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
+
+
+def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.optim.AdamW:
+    # No weight decay on norms (1-D weights), as in GPT-2/Llama recipes.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             fused=device.type == "cuda")
+
+
+def resolve_resume(resume: str, run_dir: Path) -> Path | None:
+    """'none', 'auto' (newest committed checkpoint of this run) or an explicit directory."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        committed = committed_checkpoints(run_dir)
+        return committed[-1] if committed else None
+    path = Path(resume)
+    if not path.is_dir():
+        raise FileNotFoundError(f"--resume {resume}: no such checkpoint directory")
+    return path
+
+
+class CrashInjector:
+    """faults.crash_at_step: SIGKILL one worker once per run (a marker file remembers it fired)."""
+
+    def __init__(self, config: RunConfig, rank: int):
+        self.step, self.rank = config.faults.crash_at_step, config.faults.crash_rank
+        self.marker = config.run_dir / "faults" / f"crash_at_step-{self.step}.fired"
+        self.armed = self.step is not None and rank == self.rank and not self.marker.exists()
+
+    def maybe_fire(self, step: int) -> None:
+        if self.armed and step == self.step:
+            self.marker.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.marker, "w") as f:
+                f.write(str(time.time()))
+                f.flush()
+                os.fsync(f.fileno())
+            fsync_dir(self.marker.parent)
+            print(f"[faults] killing rank {self.rank} (pid {os.getpid()}) at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
+    """Run (or continue) training to config.training.max_steps. Returns a small summary."""
+    tcfg = config.training
+    run_dir = config.run_dir
+    env = init_distributed(config)
+    torch.manual_seed(tcfg.seed)  # same init on every rank; DDP also broadcasts rank 0's weights
+
+    manifest = DatasetManifest.load(dataset_dir)
+    model = Transformer(model_args_from_config(config.model, manifest.vocab_size)).to(env.device)
+    ddp_model = DistributedDataParallel(model) if dist.is_initialized() else model
+    optimizer = build_optimizer(model, tcfg, env.device)
+    loader = DistributedSampleLoader(TokenStream(dataset_dir, manifest, "train"), tcfg.seq_len,
+                                     tcfg.micro_batch_size, env.rank, env.world_size, tcfg.seed)
+    metrics = MetricsWriter(run_dir, enabled=env.is_main)
+    attempt = os.environ.get("GOODPUT_ATTEMPT", "0")
+
+    step, tokens_seen = 0, 0
+    resume_from = resolve_resume(resume, run_dir)
+    if resume_from is not None:
+        extras = load_checkpoint(resume_from, model, optimizer, {
+            "progress": {"step": 0, "tokens_seen": 0}, "data": loader.state_dict(),
+            "rng": {"torch": torch.get_rng_state()}})
+        step, tokens_seen = extras["progress"]["step"], extras["progress"]["tokens_seen"]
+        loader.load_state_dict(extras["data"])
+        torch.set_rng_state(extras["rng"]["torch"])
+        if env.is_main:
+            print(f"[train] resumed from {resume_from} at step {step}", flush=True)
+
+    tokens_per_step = tcfg.tokens_per_rank_step * env.world_size
+    flops_per_token = model.flops_per_token(tcfg.seq_len)
+    device_peak = peak_flops(torch.cuda.get_device_name(env.device) if env.device.type == "cuda"
+                             else "cpu", tcfg.peak_flops_per_device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=env.device.type == "cuda")
+    crash = CrashInjector(config, env.rank)
+    if env.is_main:
+        print(f"[train] {model.num_params(False):,} parameters, world size {env.world_size}, "
+              f"{tokens_per_step:,} tokens/step, steps {step + 1}..{tcfg.max_steps}", flush=True)
+
+    last_loss = float("nan")
+    while step < tcfg.max_steps:
+        step_start = time.perf_counter()
+        lr = lr_at(step + 1, tcfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=env.device)
+        for micro in range(tcfg.grad_accum_steps):
+            inputs, targets = (t.to(env.device, non_blocking=True) for t in loader.next_batch())
+            last_micro = micro == tcfg.grad_accum_steps - 1
+            # Gradients are all-reduced once per step, on the last micro-batch.
+            sync = ddp_model.no_sync() if (dist.is_initialized() and not last_micro) else nullcontext()
+            with sync:
+                with autocast:
+                    loss = ddp_model(inputs, targets) / tcfg.grad_accum_steps
+                loss.backward()
+            loss_sum += loss.detach()
+        grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+                     if tcfg.grad_clip > 0 else _grad_norm(model))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        tokens_seen += tokens_per_step
+
+        if dist.is_initialized():
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+        last_loss = loss_sum.item()
+        step_time = time.perf_counter() - step_start
+        tokens_per_s = tokens_per_step / step_time
+        if env.is_main and (step % tcfg.log_every == 0 or step == tcfg.max_steps):
+            achieved = flops_per_token * tokens_per_s / env.world_size
+            metrics.log({"step": step, "loss": last_loss, "lr": lr, "grad_norm": float(grad_norm),
+                         "tokens_seen": tokens_seen, "tokens_per_s": tokens_per_s,
+                         "step_time_s": step_time, "flops_per_s_per_device": achieved,
+                         "mfu": achieved / device_peak if device_peak else None,
+                         "attempt": attempt})
+        metrics.heartbeat(step=step, loss=last_loss, tokens_per_s=tokens_per_s,
+                          max_steps=tcfg.max_steps, attempt=attempt)
+
+        if step % config.checkpoint.every_steps == 0 or step == tcfg.max_steps:
+            path = checkpoint_path(run_dir, step)
+            save_checkpoint(path, model, optimizer,
+                            {"progress": {"step": step, "tokens_seen": tokens_seen},
+                             "data": loader.state_dict(), "rng": {"torch": torch.get_rng_state()}},
+                            {"step": step, "tokens_seen": tokens_seen,
+                             "world_size": env.world_size, "layout": {"dp": env.world_size},
+                             "config_hash": config.config_hash(),
+                             "dataset_id": manifest.dataset_id,
+                             "model_args": vars(model.args), "loss": last_loss})
+            if env.is_main:
+                print(f"[checkpoint] committed {path.name} (loss {last_loss:.4f})", flush=True)
+        crash.maybe_fire(step)
+
+    metrics.close()
+    summary = {"final_step": step, "tokens_seen": tokens_seen, "final_loss": last_loss}
+    # Clean shutdown: without it gloo workers sometimes abort at exit (STACK_NOTES).
+    del ddp_model, model, optimizer
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
+
+
+def _grad_norm(model: torch.nn.Module) -> torch.Tensor:
+    norms = [p.grad.detach().norm() for p in model.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
