@@ -209,7 +209,8 @@ class RunConfig(_Section):
     def config_hash(self) -> str:
         """Hash of what determines the training trajectory (not paths, faults or eval)."""
         keys = ("data", "tokenizer", "model", "training")
-        return sha256_bytes(canonical_json(self.model_dump(include=set(keys))))[:16]
+        tree = self.model_dump(include=set(keys), exclude={"data": {"data_dir"}})
+        return sha256_bytes(canonical_json(tree))[:16]
 
 
 # -- loading -------------------------------------------------------------------------------

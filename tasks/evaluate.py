@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 from prefect import task
@@ -12,6 +13,7 @@ from prefect.logging import get_run_logger
 
 from goodput import evaluation
 from goodput.config import RunConfig
+from goodput.runs import update_summary
 from storage.manifests import EvalReport
 from tasks.train import open_run_store
 
@@ -46,3 +48,13 @@ def publish_eval_report(report: EvalReport) -> None:
              for i, s in enumerate(report.samples)]
     create_table_artifact(table=rows, key=artifact_key("eval", report.run_id),
                           description=f"Evaluation of {report.run_id} at step {report.step}")
+
+
+@task(name="record-eval", cache_policy=NO_CACHE, tags=["evaluate"])
+def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
+    values = {"step": report.step, "loss": report.loss, "perplexity": report.perplexity,
+              "tokens_evaluated": report.tokens_evaluated,
+              "report": str(evaluation.report_path(config, report.step)),
+              "wall_time_s": time.time() - started}
+    update_summary(config.run_dir, "evaluate", values)
+    return values

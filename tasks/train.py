@@ -6,6 +6,7 @@ checkpoint. A configuration error is never retried (retrying the same inputs can
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from prefect import task
@@ -15,7 +16,8 @@ from prefect.runtime import flow_run, task_run
 
 from goodput import checkpoints
 from goodput.config import ConfigError, RunConfig
-from goodput.runs import train_attempt
+from goodput.data.prepare import find_prepared, plan_dataset
+from goodput.runs import train_attempt, update_summary
 from infra.torchrun import TrainingFailed
 from storage import open_store
 from storage.ledger import LedgerEntry
@@ -72,3 +74,27 @@ def upload_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
 @task(name="prune-local-checkpoints", cache_policy=NO_CACHE, tags=["checkpoint"])
 def prune_local_checkpoints(config: RunConfig) -> list[int]:
     return checkpoints.prune_local(config)
+
+
+@task(name="locate-dataset", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
+      tags=["training"])
+def locate_dataset(config: RunConfig) -> Path:
+    """The prepared dataset of this config on local disk (downloaded from the store if needed)."""
+    plan = plan_dataset(config)
+    if find_prepared(plan, open_run_store(config)) is None:
+        raise ConfigError(f"dataset {plan.dataset_id} is not prepared for this config; "
+                          "run `goodput prepare` (or the pipeline) first")
+    return plan.local_dir
+
+
+@task(name="record-training", cache_policy=NO_CACHE, tags=["training"])
+def record_training(config: RunConfig, outcome: dict, started: float) -> dict:
+    """Write the train stage's part of summary.json: final step, ledger, wall time."""
+    ledger = checkpoints.ledger_of(config).read()
+    newest = ledger.newest()
+    values = {"final_step": newest.step if newest else None,
+              "final_train_loss": newest.loss if newest else None,
+              "last_attempt": outcome, "wall_time_s": time.time() - started,
+              "ledger": {str(s): e.state for s, e in sorted(ledger.entries.items())}}
+    update_summary(config.run_dir, "train", values)
+    return values

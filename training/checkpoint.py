@@ -18,6 +18,7 @@ import re
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -128,7 +129,9 @@ def load_all_tensors(path: Path, prefix: str = "") -> dict:
             state[fqn] = torch.empty(meta.size, dtype=meta.properties.dtype)
         else:
             state[fqn] = None  # a pickled object; DCP puts the loaded value here
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():  # single-process load is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return state
 
 

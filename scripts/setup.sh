@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates .venv with everything Goodput needs. Idempotent: a second run installs nothing new.
+# On a machine without a GPU it installs the CPU build of torch first, so nothing pulls a
+# multi-GB CUDA build; bring your own CUDA torch into the venv on GPU machines.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+. .venv/bin/activate
+if ! python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    pip install -q "torch>=2.6,<2.15"
+  else
+    pip install -q torch==2.13.0
+  fi
+fi
+pip install -q -e ".[test]"

@@ -1,0 +1,72 @@
+"""Small real inputs the tests build for themselves."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from goodput.config import RunConfig, load_config
+from storage.checksums import sha256_file
+from storage.manifests import DatasetManifest, ShardInfo
+from storage.shards import write_shard
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def synthetic_dataset(directory: Path, vocab_size: int = 256, docs_per_shard: int = 200) -> Path:
+    """A tokenized dataset of learnable counting sequences, in the real shard format."""
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    splits = {}
+    for split, n_shards in (("train", 2), ("validation", 1)):
+        infos = []
+        for i in range(n_shards):
+            docs = [((np.arange(rng.integers(40, 120)) + rng.integers(0, vocab_size)) % (vocab_size - 1)
+                     + 1).tolist() + [0] for _ in range(docs_per_shard)]
+            path = directory / f"{split}-{i:05d}.arrow"
+            n_tokens, n_docs = write_shard(path, docs, "uint16")
+            infos.append(ShardInfo(path=path.name, n_tokens=n_tokens, n_docs=n_docs,
+                                   size=path.stat().st_size, sha256=sha256_file(path)))
+        splits[split] = infos
+    DatasetManifest(dataset_id="synthetic", source="counting sequences", tokenizer="tokenizer.json",
+                    tokenizer_sha256="", vocab_size=vocab_size, eos_id=0, dtype="uint16",
+                    splits=splits, created_at=time.time()).save(directory)
+    return directory
+
+
+def small_config(tmp_path: Path, *overrides: str) -> RunConfig:
+    """A model and run small enough for a test: seconds per training stage on 2 cores."""
+    return load_config(None, [
+        f"run.runs_dir={tmp_path / 'runs'}", "run.run_id=test", "run.retry_delay_s=0",
+        f"data.data_dir={tmp_path / 'data'}", f"storage.uri={tmp_path / 'store'}",
+        "data.max_docs=400", "data.num_shards=2", "data.validation_fraction=0.1",
+        "tokenizer.vocab_size=512",
+        "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
+        "training.seq_len=64", "training.micro_batch_size=4", "training.max_steps=30",
+        "training.warmup_steps=3", "checkpoint.every_steps=10", "eval.max_batches=5",
+        "eval.num_samples=2", "eval.sample_tokens=8", *overrides])
+
+
+def torchrun_training(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> subprocess.CompletedProcess:
+    """Plain torchrun, no orchestrator: the path users take when debugging."""
+    from goodput.runs import write_run_config
+    from infra.torchrun import free_port
+
+    config_path = write_run_config(config)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "training",
+           "--config", str(config_path), "--dataset", str(dataset_dir), "--resume", resume]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+
+
+def losses_by_step(run_dir: Path) -> dict[int, float]:
+    """Per-step training loss; where a step ran twice (after a resume), the later one."""
+    path = run_dir / "metrics.jsonl"
+    return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}

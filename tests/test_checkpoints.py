@@ -1,0 +1,139 @@
+"""Checkpoints from real torchrun training: commit, validate, reject, upload, resume."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from goodput import checkpoints
+from storage import open_store
+from storage.manifests import CheckpointManifest, list_files
+from tests.helpers import losses_by_step, small_config, synthetic_dataset, torchrun_training
+from training.checkpoint import (checkpoint_path, committed_checkpoints, load_all_tensors,
+                                 verify_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A run trained to step 20 with plain torchrun, checkpoints at 10 and 20."""
+    root = tmp_path_factory.mktemp("trained")
+    dataset = synthetic_dataset(root / "dataset")
+    config = small_config(root, "training.max_steps=20", "model.max_seq_len=64")
+    proc = torchrun_training(config, dataset)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return root, dataset
+
+
+@pytest.fixture
+def run(trained, tmp_path):
+    """A private copy of the trained run, free to damage."""
+    root, dataset = trained
+    shutil.copytree(root / "runs", tmp_path / "runs")
+    return small_config(tmp_path, "training.max_steps=20"), dataset
+
+
+def test_training_commits_checkpoints_that_verify(run):
+    config, _ = run
+    committed = committed_checkpoints(config.run_dir)
+    assert [p.name for p in committed] == ["step-00000010", "step-00000020"]
+    manifest = CheckpointManifest.load(committed[-1])
+    assert manifest.step == 20 and manifest.world_size == 2
+    assert ".metadata" in {f.path for f in manifest.files}
+    result = verify_checkpoint(committed[-1])
+    assert result["ok"], result
+    assert checkpoints.validate_checkpoint(config, 20).state == "validated"
+
+
+def test_checkpoint_without_manifest_is_never_resumed(run, tmp_path):
+    config, dataset = run
+    (checkpoint_path(config.run_dir, 20) / "manifest.json").unlink()  # killed mid-commit
+    assert [p.name for p in committed_checkpoints(config.run_dir)] == ["step-00000010"]
+    store = open_store(str(tmp_path / "store"))
+    assert checkpoints.resume_point(config, store) == checkpoint_path(config.run_dir, 10)
+    # Plain torchrun's --resume auto agrees, and saving step 20 again clears the debris.
+    proc = torchrun_training(config, dataset, resume="auto")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resumed from" in proc.stdout and "step-00000010" in proc.stdout
+    assert verify_checkpoint(checkpoint_path(config.run_dir, 20))["ok"]
+
+
+def test_flipped_byte_is_rejected_and_kept_aside(run, tmp_path):
+    config, _ = run
+    shard = next(checkpoint_path(config.run_dir, 20).glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    entry = checkpoints.validate_checkpoint(config, 20)
+    assert entry.state == "rejected"
+    assert "sha256" in entry.reason and shard.name in entry.reason
+    assert not checkpoint_path(config.run_dir, 20).exists()
+    assert list((config.run_dir / "checkpoints" / "rejected").glob("step-00000020-*"))
+    store = open_store(str(tmp_path / "store"))
+    assert checkpoints.resume_point(config, store) == checkpoint_path(config.run_dir, 10)
+    with pytest.raises(ValueError, match="rejected"):
+        checkpoints.ledger_of(config).record(20, "validated")
+
+
+def test_missing_shard_and_non_finite_weights_are_rejected(run):
+    config, _ = run
+    next(checkpoint_path(config.run_dir, 10).glob("*.distcp")).unlink()
+    assert "missing file" in checkpoints.validate_checkpoint(config, 10).reason
+
+    # Checksums that match, weights that do not: what a diverged run would save.
+    path = checkpoint_path(config.run_dir, 20)
+    manifest = CheckpointManifest.load(path)
+    state = load_all_tensors(path)
+    state["model.norm.weight"][0] = float("nan")
+    shutil.rmtree(path)
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    manifest.files = list_files(path, exclude=("manifest.json",))
+    manifest.save(path)
+    entry = checkpoints.validate_checkpoint(config, 20)
+    assert entry.state == "rejected" and "non-finite" in entry.reason and "norm.weight" in entry.reason
+
+
+def test_upload_then_resume_from_the_store_alone(run, tmp_path):
+    config, dataset = run
+    store = open_store(str(tmp_path / "store"))
+    for step in (10, 20):
+        checkpoints.validate_checkpoint(config, step)
+        entry = checkpoints.upload_checkpoint(config, step, store)
+        assert entry.state == "uploaded"
+    assert store.exists("runs/test/checkpoints/step-00000020/manifest.json")
+    ledger_in_store = json.loads(store.get_bytes("runs/test/ledger.json"))
+    assert {e["state"] for e in ledger_in_store["entries"].values()} == {"uploaded"}
+
+    shutil.rmtree(config.run_dir)  # a new machine: no local tier, no local ledger
+    path = checkpoints.resume_point(config, store)
+    assert path == checkpoint_path(config.run_dir, 20)
+    assert verify_checkpoint(path)["ok"]
+
+
+def test_resume_continues_the_exact_loss_curve(trained, tmp_path):
+    root, dataset = trained
+    full = losses_by_step(small_config(root, "training.max_steps=20").run_dir)
+    shutil.copytree(root / "runs", tmp_path / "runs")
+    config = small_config(tmp_path, "training.max_steps=20")
+    shutil.rmtree(checkpoint_path(config.run_dir, 20))
+    (config.run_dir / "metrics.jsonl").unlink()
+    proc = torchrun_training(config, dataset, resume=str(checkpoint_path(config.run_dir, 10)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    resumed = losses_by_step(config.run_dir)
+    assert sorted(resumed) == list(range(11, 21))
+    assert all(resumed[s] == full[s] for s in resumed), (resumed, full)
+
+
+def test_prune_keeps_newest_and_anything_not_uploaded(run, tmp_path):
+    config, _ = run
+    config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"keep_local": 1})})
+    store = open_store(str(tmp_path / "store"))
+    checkpoints.validate_checkpoint(config, 10)
+    checkpoints.validate_checkpoint(config, 20)
+    assert checkpoints.prune_local(config) == []  # step 10 is not in the store yet
+    checkpoints.upload_checkpoint(config, 10, store)
+    assert checkpoints.prune_local(config) == [10]
+    assert [p.name for p in committed_checkpoints(config.run_dir)] == ["step-00000020"]
+    assert torch.isfinite(load_all_tensors(checkpoint_path(config.run_dir, 20), "model.")
+                          ["model.output.weight"]).all()

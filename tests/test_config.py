@@ -1,0 +1,58 @@
+"""RunConfig: YAML + overrides, and errors that name the field and the fix."""
+
+import pytest
+
+from goodput.config import ConfigError, RunConfig, load_config
+
+
+def test_tiny_yaml_is_the_builtin_default():
+    assert load_config("configs/tiny.yaml") == RunConfig()
+
+
+def test_overrides_parse_as_yaml_values():
+    config = load_config("configs/tiny.yaml", ["training.max_steps=50", "training.lr=1e-3",
+                                               "storage.uri=s3://bucket/prefix", "data.max_docs=null"])
+    assert config.training.max_steps == 50
+    assert config.training.lr == pytest.approx(1e-3)
+    assert config.storage.uri == "s3://bucket/prefix"
+    assert config.data.max_docs is None
+
+
+@pytest.mark.parametrize("override, field, hint", [
+    ("model.n_heads=3", "model", "n_heads=3 does not divide dim=128"),
+    ("training.max_steps=0", "training.max_steps", "greater than or equal to 1"),
+    ("training.seq_len=512", "(top level)", "raise model.max_seq_len"),
+    ("training.max_stepz=5", "training.max_stepz", "unknown field"),
+    ("model.n_kv_heads=3", "model", "n_kv_heads=3 does not divide n_heads=4"),
+    ("run.run_id=bad/id", "run.run_id", "should match pattern"),
+    ("training.lr=fast", "training.lr", "valid number"),
+    ("faults.crash_rank=5", "(top level)", "faults.crash_rank=5 is not a rank"),
+])
+def test_invalid_values_name_the_field(override, field, hint):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/tiny.yaml", [override])
+    assert f"{field}:" in str(err.value)
+    assert hint in str(err.value)
+
+
+def test_malformed_override_and_missing_file():
+    with pytest.raises(ConfigError, match="section.field=value"):
+        load_config(None, ["training.max_steps"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("configs/nope.yaml")
+
+
+def test_yaml_that_is_not_a_mapping(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- just\n- a list\n")
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        load_config(bad)
+
+
+def test_config_hash_ignores_paths_and_faults():
+    base = load_config(None)
+    moved = load_config(None, ["run.runs_dir=/elsewhere", "faults.crash_at_step=3", "data.data_dir=/d",
+                               "storage.uri=s3://b/p"])
+    changed = load_config(None, ["training.lr=1e-4"])
+    assert base.config_hash() == moved.config_hash()
+    assert base.config_hash() != changed.config_hash()
