@@ -13,7 +13,7 @@ from tasks.train import locate_dataset
 
 
 @flow(name="evaluate")
-def evaluate(config: RunConfig, checkpoint: str | None = None) -> EvalReport:
+def evaluate(config: RunConfig = RunConfig(), checkpoint: str | None = None) -> EvalReport:
     """Evaluate `checkpoint` (a step number or a directory; default: the newest validated)."""
     started = time.time()
     dataset_dir = locate_dataset(config)

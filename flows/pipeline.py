@@ -15,7 +15,7 @@ from goodput.config import RunConfig
 
 
 @flow(name="pipeline")
-def pipeline(config: RunConfig) -> dict:
+def pipeline(config: RunConfig = RunConfig()) -> dict:
     dataset = prepare(config)
     trained = train(config)
     report = evaluate(config)

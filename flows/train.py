@@ -14,7 +14,7 @@ from tasks.train import (launch_training, locate_dataset, prune_local_checkpoint
 
 
 @flow(name="train")
-def train(config: RunConfig) -> dict:
+def train(config: RunConfig = RunConfig()) -> dict:
     """Train to `training.max_steps`, resuming from the newest validated checkpoint.
 
     While torchrun runs, every checkpoint it commits is validated in a fresh process and

@@ -84,7 +84,7 @@ def locate_dataset(config: RunConfig) -> Path:
     if find_prepared(plan, open_run_store(config)) is None:
         raise ConfigError(f"dataset {plan.dataset_id} is not prepared for this config; "
                           "run `goodput prepare` (or the pipeline) first")
-    return plan.local_dir
+    return Path(plan.local_dir)
 
 
 @task(name="record-training", cache_policy=NO_CACHE, tags=["training"])

@@ -1,0 +1,33 @@
+"""The prepare flow: text -> tokenizer -> token shards (in parallel) -> manifest -> store."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger, unmapped
+
+from goodput.config import RunConfig
+from storage.manifests import DatasetManifest
+from tasks.prepare import (build_tokenizer, find_prepared, plan_dataset, publish, shard_specs,
+                           stage_corpus, tokenize_shard, write_manifest)
+
+
+@flow(name="prepare")
+def prepare(config: RunConfig) -> DatasetManifest:
+    """Prepare the dataset `config.data` and `config.tokenizer` describe, or find it prepared."""
+    logger = get_run_logger()
+    plan = plan_dataset(config)
+    logger.info("dataset %s from %s", plan.dataset_id, plan.source)
+
+    manifest = find_prepared(plan, config.storage)
+    if manifest is None:
+        corpus = stage_corpus(plan, config)
+        tokenizer_path = build_tokenizer(plan, config)
+        specs = shard_specs(plan, corpus)
+        shards = tokenize_shard.map(plan=unmapped(plan), spec=specs)
+        manifest = write_manifest(plan, shards.result(), tokenizer_path)
+    # Also when found: a dataset prepared here while the store was down still gets uploaded.
+    publish(plan, manifest, config.storage)
+
+    logger.info("dataset %s: %d train tokens in %d shards, %d validation tokens (%s)",
+                manifest.dataset_id, manifest.n_tokens("train"), len(manifest.splits["train"]),
+                manifest.n_tokens("validation"), manifest.dtype)
+    return manifest

@@ -1,0 +1,592 @@
+"""One storage API over local directories and S3 (see shared/DESIGN.md, section 6).
+
+Stages hand data to each other through a `Store`: a root (`/runs/x`, `file:///runs/x` or
+`s3://bucket/prefix`) holding objects under "/"-separated keys. Every write is verified
+(size and checksum of what was stored), every read of a missing key raises
+`FileNotFoundError` naming the full URL, and a directory is published with its manifest
+last, so a reader that sees `manifest.json` can trust that everything it lists is there.
+
+S3 credentials come only from the standard AWS chain (environment, profile, instance role);
+this module never takes, stores or prints them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import shutil
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import unquote, urlparse
+
+import boto3
+import botocore.exceptions
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from s3transfer.utils import ChunksizeAdjuster
+
+from storage.checksums import fsync_dir, sha256_bytes, sha256_file
+
+log = logging.getLogger(__name__)
+
+MiB = 1024 * 1024
+MANIFEST_LAST = ("manifest.json",)
+# In-flight files carry this suffix (and a leading dot) until they are renamed into place.
+_PARTIAL_SUFFIX = ".partial"
+_T = TypeVar("_T")
+
+
+class IntegrityError(OSError):
+    """What was stored or fetched differs from what was sent (size or checksum)."""
+
+
+def open_store(uri: str, *, endpoint_url: str | None = None, region: str | None = None) -> Store:
+    """The store for `uri`: a plain path or `file://` URI, or `s3://bucket[/prefix]`.
+
+    `endpoint_url` and `region` only matter for S3; without them boto3 reads
+    AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL and AWS_DEFAULT_REGION like any AWS tool.
+    """
+    scheme = urlparse(uri).scheme
+    if scheme in ("", "file"):
+        return LocalStore(uri)
+    if scheme == "s3":
+        return S3Store(uri, endpoint_url=endpoint_url, region=region)
+    raise ValueError(
+        f"unsupported store URI {uri!r}: expected a local path, file:///abs/path or s3://bucket[/prefix]"
+    )
+
+
+def check_key(key: str) -> str:
+    """Reject keys that could escape the store root or mean different things on disk and in S3."""
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"invalid key {key!r}: use a relative 'a/b/c' path without '.', '..' or '//'")
+    return key
+
+
+def _folder(prefix: str) -> str:
+    """`prefix` as a folder ("a/b" -> "a/b/"), so "step-1" never matches "step-10/..."."""
+    prefix = prefix.strip("/")
+    return f"{check_key(prefix)}/" if prefix else ""
+
+
+def _join(prefix: str, rel: str) -> str:
+    return f"{prefix.strip('/')}/{rel}" if prefix.strip("/") else rel
+
+
+class Store(ABC):
+    """Objects under "/"-separated keys below one root URI.
+
+    Prefixes name folders: `list("ckpt/step-1")` returns keys under `ckpt/step-1/` and never
+    those of `ckpt/step-10`. `delete` of a missing key does nothing, so retried deletes succeed.
+    """
+
+    uri: str
+
+    def url(self, key: str) -> str:
+        """Full URI of `key`, as used in error messages and logs."""
+        return f"{self.uri}/{check_key(key)}"
+
+    @abstractmethod
+    def put_file(self, local_path: str | os.PathLike, key: str) -> None:
+        """Store a local file under `key` and verify the stored copy."""
+
+    @abstractmethod
+    def get_file(self, key: str, local_path: str | os.PathLike) -> None:
+        """Fetch `key` into `local_path` (parents created); the file appears whole or not at all."""
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def get_bytes(self, key: str) -> bytes: ...
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Every key under folder `prefix`, recursively, relative to the store root, sorted."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete every key under folder `prefix` ("" empties the store)."""
+
+    @abstractmethod
+    def verify(self, local_path: str | os.PathLike, key: str) -> None:
+        """Raise `IntegrityError` unless `key` holds exactly the bytes of `local_path`."""
+
+    def upload_dir(
+        self,
+        local_dir: str | os.PathLike,
+        prefix: str,
+        *,
+        last: tuple[str, ...] = MANIFEST_LAST,
+        max_workers: int = 4,
+    ) -> list[str]:
+        """Upload every file under `local_dir` to folder `prefix`; return the keys in upload order.
+
+        Files named in `last` go up only after all others succeeded, so a manifest is never
+        visible before its data; if any data file fails, the manifest is not uploaded.
+        """
+        root = Path(local_dir)
+        if not root.is_dir():
+            raise FileNotFoundError(f"no such directory: {root}")
+        rels = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+        first, final = _split_last(rels, last)
+        for batch in (first, final):
+            _run_parallel([lambda r=r: self.put_file(root / r, _join(prefix, r)) for r in batch], max_workers)
+        return [_join(prefix, r) for r in first + final]
+
+    def download_dir(
+        self,
+        prefix: str,
+        local_dir: str | os.PathLike,
+        *,
+        last: tuple[str, ...] = MANIFEST_LAST,
+        max_workers: int = 4,
+    ) -> list[str]:
+        """Download folder `prefix` into `local_dir`; return the keys in download order.
+
+        Files named in `last` arrive only after all others, so a local reader never sees a
+        manifest whose data is still missing. `get_file` verifies each file's size (and, on
+        S3, its sha256 when the object carries one).
+        """
+        folder = _folder(prefix)
+        keys = self.list(prefix)
+        if not keys:
+            raise FileNotFoundError(f"nothing stored under {self.uri}/{folder}")
+        first, final = _split_last(keys, last)
+        root = Path(local_dir)
+        for batch in (first, final):
+            _run_parallel([lambda k=k: self.get_file(k, root / k[len(folder) :]) for k in batch], max_workers)
+        return first + final
+
+
+def _split_last(paths: list[str], last: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    first = [p for p in paths if p.rsplit("/", 1)[-1] not in last]
+    final = [p for p in paths if p.rsplit("/", 1)[-1] in last]
+    return first, final
+
+
+def _run_parallel(jobs: list[Callable[[], None]], max_workers: int) -> None:
+    """Run `jobs` on a thread pool; the first failure cancels what has not started and is raised."""
+    if not jobs:
+        return
+    with ThreadPoolExecutor(max_workers=max_workers) as pool:
+        futures = [pool.submit(job) for job in jobs]
+        try:
+            for future in as_completed(futures):
+                future.result()
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+
+
+@contextmanager
+def _atomic_path(dest: Path) -> Iterator[Path]:
+    """A temporary path next to `dest`; on success it is fsynced and renamed onto `dest`.
+
+    Readers see the old file or the complete new one, never a part; on failure the
+    temporary file is removed. Names are unique per call, so threads writing the same
+    key do not trample each other's partial files.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # Not tempfile.mkstemp: its 0600 mode would survive the rename; this file gets the umask's.
+    tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:12]}{_PARTIAL_SUFFIX}")
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, dest)
+        fsync_dir(dest.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _compare(what: str, url: str, found: dict[str, object], expected: dict[str, object]) -> None:
+    """Raise IntegrityError naming each property (size, sha256, etag) where `found` differs."""
+    diffs = [f"{name} {found.get(name)} != expected {want}"
+             for name, want in expected.items() if found.get(name) != want]
+    if diffs:
+        raise IntegrityError(f"{what} {url}: " + "; ".join(diffs))
+
+
+class LocalStore(Store):
+    """A directory on a local or network filesystem; writes are atomic (temp file + rename)."""
+
+    def __init__(self, root: str | os.PathLike):
+        text = os.fspath(root)
+        if text.startswith("file:"):
+            parsed = urlparse(text)
+            if parsed.netloc not in ("", "localhost"):
+                raise ValueError(f"file URI {text!r} names host {parsed.netloc!r}; use file:///abs/path")
+            text = unquote(parsed.path)
+        self.root = Path(text).expanduser().absolute()
+        self.uri = self.root.as_uri()
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    def path(self, key: str) -> Path:
+        """Where `key` lives on disk."""
+        return self.root / check_key(key)
+
+    def url(self, key: str) -> str:
+        return self.path(key).as_uri()
+
+    def _existing(self, key: str) -> Path:
+        path = self.path(key)
+        if not path.is_file():
+            raise FileNotFoundError(f"no such object: {self.url(key)}")
+        return path
+
+    def put_file(self, local_path, key):
+        src = Path(local_path)
+        expected = _local_digest(src)
+        with _atomic_path(self.path(key)) as tmp:
+            shutil.copyfile(src, tmp)
+            # Checked before the rename, so a bad copy is never visible under `key`.
+            _compare("stored copy", self.url(key), _local_digest(tmp), expected)
+
+    def get_file(self, key, local_path):
+        src = self._existing(key)
+        with _atomic_path(Path(local_path)) as tmp:
+            shutil.copyfile(src, tmp)
+            _compare("download of", self.url(key), {"size": tmp.stat().st_size}, {"size": src.stat().st_size})
+
+    def put_bytes(self, key, data):
+        with _atomic_path(self.path(key)) as tmp:
+            tmp.write_bytes(data)
+
+    def get_bytes(self, key):
+        return self._existing(key).read_bytes()
+
+    def exists(self, key):
+        return self.path(key).is_file()
+
+    def list(self, prefix=""):
+        keys = []
+        for dirpath, _, filenames in os.walk(self.root / _folder(prefix)):
+            rel_dir = Path(dirpath).relative_to(self.root).as_posix()
+            for name in filenames:
+                if not (name.startswith(".") and name.endswith(_PARTIAL_SUFFIX)):
+                    keys.append(name if rel_dir == "." else f"{rel_dir}/{name}")
+        return sorted(keys)
+
+    def delete(self, key):
+        self.path(key).unlink(missing_ok=True)
+
+    def delete_prefix(self, prefix):
+        folder = _folder(prefix)
+        if folder:
+            shutil.rmtree(self.root / folder, ignore_errors=True)
+        else:
+            for key in self.list():
+                self.delete(key)
+
+    def verify(self, local_path, key):
+        stored = _local_digest(self._existing(key))
+        _compare("stored copy", self.url(key), stored, _local_digest(Path(local_path)))
+
+
+def _local_digest(path: Path) -> dict[str, object]:
+    return {"size": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Retries of whole-file operations, on top of botocore's per-request retries.
+
+    botocore retries single requests; a multipart upload whose part still fails after that
+    fails as a whole, and only a retry of the whole transfer recovers it.
+    """
+
+    attempts: int = 3
+    initial_delay: float = 1.0
+    max_delay: float = 15.0
+    max_total: float = 120.0  # no new attempt starts after this many seconds
+
+    def delay(self, attempt: int) -> float:
+        """Backoff after failed attempt `attempt`, jittered so parallel transfers spread out."""
+        return min(self.initial_delay * 2 ** (attempt - 1), self.max_delay) * random.uniform(0.5, 1.0)
+
+
+# S3 answers a bare "403" (no body) to HEAD requests with refused credentials.
+_AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "Forbidden",
+               "ExpiredToken", "InvalidToken"}
+_MISSING_CODES = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
+_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
+                    "ServiceUnavailable"}
+_CONNECTION_ERRORS = (botocore.exceptions.HTTPClientError, botocore.exceptions.ConnectionError)
+_CREDENTIALS_HINT = (
+    "credentials come from the standard AWS chain: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
+    "(and AWS_SESSION_TOKEN), else the profile named by AWS_PROFILE in ~/.aws/credentials, "
+    "else an instance or container role"
+)
+
+
+def _root_cause(exc: BaseException) -> BaseException:
+    """The botocore error inside boto3/s3transfer wrappers (S3UploadFailedError, RetriesExceededError)."""
+    for _ in range(5):
+        if isinstance(exc, (botocore.exceptions.ClientError, *_CONNECTION_ERRORS)):
+            break
+        inner = getattr(exc, "last_exception", None) or exc.__cause__ or exc.__context__
+        if inner is None:
+            break
+        exc = inner
+    return exc
+
+
+class S3Store(Store):
+    """Objects in `s3://bucket/prefix` on AWS or any S3-compatible endpoint (SeaweedFS, MinIO).
+
+    Files move with boto3's managed transfer: multipart from `part_size` up, `max_concurrency`
+    parts in flight. Each object carries its sha256 in metadata; after an upload the size,
+    ETag and sha256 metadata are checked against the local file, after a download the size
+    and sha256.
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        part_size: int = 8 * MiB,
+        max_concurrency: int = 8,
+        request_attempts: int = 10,
+        retry: RetryPolicy = RetryPolicy(),
+    ):
+        parsed = urlparse(uri)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise ValueError(f"not an S3 URI: {uri!r}; expected s3://bucket[/prefix]")
+        self.bucket = parsed.netloc
+        self.prefix = parsed.path.strip("/")
+        if self.prefix:
+            check_key(self.prefix)
+        self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+        self.retry = retry
+        self.transfer = TransferConfig(
+            multipart_threshold=part_size, multipart_chunksize=part_size, max_concurrency=max_concurrency
+        )
+        config = Config(
+            s3={"addressing_style": "path"},
+            retries={"mode": "standard", "max_attempts": request_attempts},
+            # upload_dir/download_dir run several transfers at once, each with its own parts.
+            max_pool_connections=4 * max_concurrency,
+        )
+        self._client = boto3.session.Session().client(
+            "s3", endpoint_url=endpoint_url, region_name=region, config=config
+        )
+
+    def __repr__(self) -> str:
+        return f"S3Store({self.uri!r}, endpoint_url={self._client.meta.endpoint_url!r})"
+
+    def _key(self, key: str) -> str:
+        return _join(self.prefix, check_key(key))
+
+    def _folder_key(self, prefix: str) -> str:
+        return _join(self.prefix, _folder(prefix))
+
+    # -- Store API ------------------------------------------------------------------------
+
+    def put_file(self, local_path, key):
+        path = Path(local_path)
+        expected = self._file_digest(path)
+
+        def upload() -> None:
+            self._client.upload_file(os.fspath(path), self.bucket, self._key(key), Config=self.transfer,
+                                     ExtraArgs={"Metadata": {"sha256": expected["sha256"]}})
+            _compare("stored object", self.url(key), self._head_digest(key), expected)
+
+        self._call("upload to", key, upload)
+
+    def get_file(self, key, local_path):
+        def download() -> None:
+            stored = self._head_digest(key)
+            with _atomic_path(Path(local_path)) as tmp:
+                self._client.download_file(self.bucket, self._key(key), os.fspath(tmp), Config=self.transfer)
+                _compare("download of", self.url(key), _local_digest(tmp), _known(stored, "size", "sha256"))
+
+        self._call("download of", key, download)
+
+    def put_bytes(self, key, data):
+        expected = {"size": len(data), "sha256": sha256_bytes(data), "etag": hashlib.md5(data).hexdigest()}
+
+        def put() -> None:
+            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
+                                    Metadata={"sha256": expected["sha256"]})
+            _compare("stored object", self.url(key), self._head_digest(key), expected)
+
+        self._call("upload to", key, put)
+
+    def get_bytes(self, key):
+        def get() -> bytes:
+            response = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
+            data = response["Body"].read()
+            found = {"size": len(data), "sha256": sha256_bytes(data)}
+            expected = _known(_response_digest(response), "size", "sha256")
+            _compare("download of", self.url(key), found, expected)
+            return data
+
+        return self._call("download of", key, get)
+
+    def exists(self, key):
+        try:
+            self._call("lookup of", key, lambda: self._head_digest(key))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def list(self, prefix=""):
+        folder_key = self._folder_key(prefix)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+
+        def list_all() -> list[str]:
+            paginator = self._client.get_paginator("list_objects_v2")
+            pages = paginator.paginate(Bucket=self.bucket, Prefix=folder_key)
+            return sorted(obj["Key"][strip:] for page in pages for obj in page.get("Contents", []))
+
+        return self._call("listing of", prefix, list_all)
+
+    def delete(self, key):
+        full_key = self._key(key)
+        self._call("delete of", key, lambda: self._client.delete_object(Bucket=self.bucket, Key=full_key))
+
+    def delete_prefix(self, prefix):
+        keys = self.list(prefix)
+        for start in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
+            batch = [{"Key": self._key(k)} for k in keys[start : start + 1000]]
+            self._call("delete of", prefix, lambda batch=batch: self._delete_batch(batch))
+
+    def _delete_batch(self, batch: list[dict[str, str]]) -> None:
+        response = self._client.delete_objects(Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True})
+        if errors := response.get("Errors"):
+            e = errors[0]
+            raise OSError(f"could not delete {len(errors)} objects in {self.uri}, "
+                          f"e.g. {e.get('Key')}: {e.get('Code')} {e.get('Message')}")
+
+    def verify(self, local_path, key):
+        expected = self._file_digest(Path(local_path))
+        stored = self._call("lookup of", key, lambda: self._head_digest(key))
+        _compare("stored object", self.url(key), stored, expected)
+
+    # -- checksums ------------------------------------------------------------------------
+
+    def _file_digest(self, path: Path) -> dict[str, object]:
+        """Size, sha256 and the ETag S3 computes for `path` uploaded with `self.transfer`.
+
+        SeaweedFS (checked with 4.48) returns standard ETags, like AWS: md5 hex for a single
+        PUT, md5 of the concatenated binary part md5s plus "-<parts>" for multipart. (AWS
+        objects encrypted with SSE-KMS or SSE-C have other ETags and would fail this check.)
+        """
+        size = path.stat().st_size
+        multipart = size >= self.transfer.multipart_threshold  # the test s3transfer applies
+        # s3transfer fits the configured part size to S3's limits (>= 5 MiB, <= 10,000 parts);
+        # the ETag depends on the part size the upload really uses.
+        read_size = ChunksizeAdjuster().adjust_chunksize(self.transfer.multipart_chunksize, size)
+        sha256, whole_md5, part_md5s = hashlib.sha256(), hashlib.md5(), []
+        with open(path, "rb") as f:
+            while chunk := f.read(read_size):
+                sha256.update(chunk)
+                if multipart:
+                    part_md5s.append(hashlib.md5(chunk).digest())
+                else:
+                    whole_md5.update(chunk)
+        if multipart:
+            etag = f"{hashlib.md5(b''.join(part_md5s)).hexdigest()}-{len(part_md5s)}"
+        else:
+            etag = whole_md5.hexdigest()
+        return {"size": size, "sha256": sha256.hexdigest(), "etag": etag}
+
+    def _head_digest(self, key: str) -> dict[str, object]:
+        return _response_digest(self._client.head_object(Bucket=self.bucket, Key=self._key(key)))
+
+    # -- errors and retries ---------------------------------------------------------------
+
+    def _call(self, what: str, key: str, fn: Callable[[], _T]) -> _T:
+        """Run `fn`, one whole operation on `key`, retrying transient failures with backoff.
+
+        A missing object raises FileNotFoundError and refused credentials PermissionError at
+        once. Connection errors, 5xx, throttling and checksum mismatches are retried until
+        `self.retry` is spent, then raised as ConnectionError / IntegrityError.
+        """
+        url = f"{self.uri}/{key}" if key else self.uri
+        start = time.monotonic()
+        for attempt in range(1, self.retry.attempts + 1):
+            try:
+                return fn()
+            except IntegrityError as exc:
+                error: OSError = exc
+            except Exception as exc:
+                error = self._translate(exc, what, url)
+                if error is exc:
+                    raise
+                if not isinstance(error, ConnectionError):
+                    raise error from None  # the botocore chain adds nothing and may name the key id
+            delay = self.retry.delay(attempt)
+            if attempt == self.retry.attempts or time.monotonic() - start + delay > self.retry.max_total:
+                break
+            log.warning("%s %s failed (attempt %d/%d), retrying in %.1fs: %s",
+                        what, url, attempt, self.retry.attempts, delay, error)
+            time.sleep(delay)
+        if isinstance(error, IntegrityError):
+            raise error
+        elapsed = time.monotonic() - start
+        raise ConnectionError(
+            f"{what} {url} failed after {attempt} attempts in {elapsed:.1f}s: {error}"
+        ) from error
+
+    def _translate(self, exc: Exception, what: str, url: str) -> Exception:
+        """`exc` as PermissionError, FileNotFoundError, ConnectionError (transient) or itself."""
+        if isinstance(exc, botocore.exceptions.NoCredentialsError):
+            return PermissionError(f"{what} {url}: no AWS credentials found; {_CREDENTIALS_HINT}")
+        cause = _root_cause(exc)
+        if isinstance(cause, _CONNECTION_ERRORS):
+            return ConnectionError(str(cause))
+        if not isinstance(cause, botocore.exceptions.ClientError):
+            return exc
+        code = cause.response.get("Error", {}).get("Code", "")
+        status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        if status >= 500 or code in _TRANSIENT_CODES:
+            return ConnectionError(f"{code or status}: {cause}")
+        if status == 403 or code in _AUTH_CODES:
+            return PermissionError(
+                f"{what} {url}: the S3 endpoint refused the credentials ({code}); {_CREDENTIALS_HINT}"
+            )
+        if status == 404 or code in _MISSING_CODES:
+            if code == "NoSuchBucket":
+                return FileNotFoundError(f"bucket {self.bucket!r} does not exist: {url}")
+            return FileNotFoundError(f"no such object: {url}")
+        return exc
+
+
+def _response_digest(response: dict) -> dict[str, object]:
+    """Size, ETag and (when the object has one) sha256 metadata of a HEAD or GET response."""
+    return {
+        "size": response["ContentLength"],
+        "etag": response["ETag"].strip('"'),
+        "sha256": response.get("Metadata", {}).get("sha256"),
+    }
+
+
+def _known(stored: dict[str, object], *names: str) -> dict[str, object]:
+    """The properties among `names` the object actually records (objects written by other tools
+    have no sha256 metadata; then only the size can be checked)."""
+    return {name: stored[name] for name in names if stored.get(name) is not None}

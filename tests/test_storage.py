@@ -1,0 +1,273 @@
+"""The Store API, the same round trips on a local directory and on real S3 (SeaweedFS)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from storage import LocalStore, S3Store, Store, open_store, sha256_file
+from storage.store import MiB, IntegrityError, RetryPolicy
+
+FAST_RETRY = RetryPolicy(attempts=3, initial_delay=0.05, max_delay=0.2, max_total=5.0)
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def store(request, tmp_path) -> Store:
+    if request.param == "local":
+        return open_store(str(tmp_path / "store"))
+    return open_store(request.getfixturevalue("s3_uri"))
+
+
+def write_random(path: Path, size: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(os.urandom(size))
+    return path
+
+
+def overwrite_behind_store(store: Store, key: str, data: bytes, request, metadata: dict | None = None):
+    """Replace the stored bytes of `key` without going through the store, as corruption would."""
+    if isinstance(store, LocalStore):
+        store.path(key).write_bytes(data)
+    else:
+        server = request.getfixturevalue("s3_server")
+        server.client().put_object(Bucket=store.bucket, Key=f"{store.prefix}/{key}", Body=data,
+                                   Metadata=metadata or {})
+
+
+def make_tree(root: Path) -> dict[str, bytes]:
+    """A checkpoint-like directory: data files in subfolders and a manifest at the top."""
+    files = {f"shard-{i}.bin": os.urandom(1000 + i) for i in range(4)}
+    files |= {"optim/state-0.bin": os.urandom(3000), "optim/deep/state-1.bin": b"", "manifest.json": b"{}"}
+    for rel, data in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_bytes(data)
+    return files
+
+
+def test_bytes_round_trip(store):
+    store.put_bytes("a/b.txt", b"hello")
+    assert store.get_bytes("a/b.txt") == b"hello"
+    assert store.exists("a/b.txt") and not store.exists("a/c.txt") and not store.exists("a")
+    store.put_bytes("a/b.txt", b"replaced")
+    assert store.get_bytes("a/b.txt") == b"replaced"
+
+
+def test_file_round_trip(store, tmp_path):
+    src = write_random(tmp_path / "src.bin", 300_000)
+    store.put_file(src, "data/src.bin")
+    dest = tmp_path / "fresh" / "deeper" / "out.bin"
+    store.get_file("data/src.bin", dest)
+    assert dest.read_bytes() == src.read_bytes()
+    assert os.listdir(dest.parent) == ["out.bin"]  # no partial files left beside it
+    store.verify(src, "data/src.bin")
+
+
+def test_list_is_recursive_sorted_and_scoped_to_folders(store):
+    keys = ["z", "ckpt/step-10/a", "ckpt/step-1/sub/b", "ckpt/step-1/a", "ckpt/step-1.txt"]
+    for key in keys:
+        store.put_bytes(key, key.encode())
+    assert store.list() == sorted(keys)
+    assert store.list("ckpt/step-1") == ["ckpt/step-1/a", "ckpt/step-1/sub/b"]
+    assert store.list("ckpt/step-1/") == ["ckpt/step-1/a", "ckpt/step-1/sub/b"]
+    assert store.list("nothing/here") == []
+
+
+def test_delete_and_delete_prefix(store):
+    for key in ["ckpt/step-1/a", "ckpt/step-1/sub/b", "ckpt/step-10/a", "ckpt/step-1.txt", "top"]:
+        store.put_bytes(key, b"x")
+    store.delete("top")
+    store.delete("top")  # deleting what is gone is fine, so retried deletes succeed
+    assert not store.exists("top")
+    store.delete_prefix("ckpt/step-1")
+    assert store.list() == ["ckpt/step-1.txt", "ckpt/step-10/a"]
+    store.delete_prefix("")
+    assert store.list() == []
+
+
+def test_missing_key_raises_file_not_found_naming_the_url(store, tmp_path):
+    url = re.escape(store.url("no/such.bin"))
+    with pytest.raises(FileNotFoundError, match=url):
+        store.get_bytes("no/such.bin")
+    with pytest.raises(FileNotFoundError, match=url):
+        store.get_file("no/such.bin", tmp_path / "out.bin")
+    assert not (tmp_path / "out.bin").exists()
+    with pytest.raises(FileNotFoundError):
+        store.download_dir("no/such/folder", tmp_path / "dl")
+
+
+@pytest.mark.parametrize("key", ["", "/abs", "../up", "a/../../b", "a//b", "a/./b"])
+def test_keys_that_could_escape_the_root_are_rejected(store, key):
+    with pytest.raises(ValueError, match="invalid key"):
+        store.put_bytes(key, b"x")
+
+
+def test_upload_dir_publishes_the_manifest_after_all_data(store, tmp_path):
+    files = make_tree(tmp_path / "ckpt")
+    order, seen_at_manifest = [], []
+    put_file = store.put_file
+
+    def recording_put(local_path, key):
+        if key.endswith("manifest.json"):
+            seen_at_manifest.extend(store.list("step-5"))
+        put_file(local_path, key)
+        order.append(key)
+
+    store.put_file = recording_put
+    uploaded = store.upload_dir(tmp_path / "ckpt", "step-5")
+
+    data_keys = sorted(f"step-5/{rel}" for rel in files if rel != "manifest.json")
+    assert order[-1] == uploaded[-1] == "step-5/manifest.json"
+    assert sorted(seen_at_manifest) == data_keys  # every data file was stored before the manifest
+    assert sorted(store.list("step-5")) == sorted(data_keys + ["step-5/manifest.json"])
+
+
+def test_upload_dir_withholds_the_manifest_when_data_fails(store, tmp_path):
+    make_tree(tmp_path / "ckpt")
+    put_file = store.put_file
+
+    def failing_put(local_path, key):
+        if key.endswith("shard-2.bin"):
+            raise OSError("disk on fire")
+        put_file(local_path, key)
+
+    store.put_file = failing_put
+    with pytest.raises(OSError, match="disk on fire"):
+        store.upload_dir(tmp_path / "ckpt", "step-5")
+    assert not store.exists("step-5/manifest.json")
+
+
+def test_download_dir_round_trip_fetches_the_manifest_last(store, tmp_path):
+    files = make_tree(tmp_path / "ckpt")
+    store.upload_dir(tmp_path / "ckpt", "runs/step-5")
+    local = tmp_path / "restored"
+    present_at_manifest = []
+    get_file = store.get_file
+
+    def recording_get(key, local_path):
+        if key.endswith("manifest.json"):
+            present_at_manifest.extend(p for p in local.rglob("*") if p.is_file())
+        get_file(key, local_path)
+
+    store.get_file = recording_get
+    fetched = store.download_dir("runs/step-5", local)
+
+    assert fetched[-1] == "runs/step-5/manifest.json"
+    assert len(present_at_manifest) == len(files) - 1
+    assert {p.relative_to(local).as_posix(): p.read_bytes() for p in local.rglob("*") if p.is_file()} == files
+
+
+def test_verify_detects_a_changed_object(store, tmp_path, request):
+    src = write_random(tmp_path / "src.bin", 10_000)
+    store.put_file(src, "obj.bin")
+    store.verify(src, "obj.bin")
+    overwrite_behind_store(store, "obj.bin", os.urandom(10_000), request)  # same size, other bytes
+    with pytest.raises(IntegrityError, match="obj.bin"):
+        store.verify(src, "obj.bin")
+
+
+@pytest.mark.s3
+def test_download_detects_bytes_that_do_not_match_their_checksum(s3_uri, tmp_path, request):
+    store = S3Store(s3_uri, retry=FAST_RETRY)
+    src = write_random(tmp_path / "src.bin", 10_000)
+    store.put_file(src, "obj.bin")
+    # Same size and the original sha256 in metadata, but other bytes: what bit rot looks like.
+    overwrite_behind_store(store, "obj.bin", os.urandom(10_000), request, {"sha256": sha256_file(src)})
+    with pytest.raises(IntegrityError, match="sha256"):
+        store.get_file("obj.bin", tmp_path / "out.bin")
+    assert not (tmp_path / "out.bin").exists()
+    with pytest.raises(IntegrityError, match="sha256"):
+        store.get_bytes("obj.bin")
+
+
+@pytest.mark.s3
+def test_multipart_upload_is_verified(s3_server, s3_uri, tmp_path):
+    store = S3Store(s3_uri, part_size=5 * MiB)
+    src = write_random(tmp_path / "big.bin", 12 * MiB + 123)  # three parts: 5 + 5 + 2 MiB
+    store.put_file(src, "big.bin")
+
+    head = s3_server.client().head_object(Bucket=store.bucket, Key=f"{store.prefix}/big.bin")
+    assert head["ETag"].strip('"').endswith("-3")  # checked against the local multipart ETag
+    assert head["Metadata"]["sha256"] == sha256_file(src)
+    store.get_file("big.bin", tmp_path / "back.bin")
+    assert sha256_file(tmp_path / "back.bin") == sha256_file(src)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("access_key", ["server", "unknown-key-id"])
+def test_wrong_credentials_are_refused_without_retrying(s3_server, s3_uri, monkeypatch, tmp_path, access_key):
+    secret = "not-the-secret-0123"
+    src = write_random(tmp_path / "src.bin", 100)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key if access_key == "server" else access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", secret)
+    store = open_store(s3_uri)
+    start = time.monotonic()
+    operations = [
+        lambda: store.put_bytes("x", b"1"),
+        lambda: store.put_file(src, "x"),  # boto3 wraps this one in S3UploadFailedError
+        lambda: store.get_bytes("x"),
+        lambda: store.get_file("x", tmp_path / "out"),
+        lambda: store.exists("x"),  # a HEAD: a bare 403 without an error code
+        lambda: store.list(),
+    ]
+    for operation in operations:
+        with pytest.raises(PermissionError, match="refused the credentials") as refused:
+            operation()
+        assert "AWS_ACCESS_KEY_ID" in str(refused.value)
+        assert secret not in str(refused.value) and secret not in repr(store)
+        assert refused.value.__cause__ is None and refused.value.__suppress_context__
+    assert time.monotonic() - start < 2
+
+
+@pytest.mark.s3
+def test_missing_credentials_are_reported(s3_uri, monkeypatch, tmp_path):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(PermissionError, match="no AWS credentials"):
+        open_store(s3_uri).put_bytes("x", b"1")
+
+
+def test_transient_errors_are_retried_with_backoff_then_reported(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "any")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "any")
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    policy = RetryPolicy(attempts=3, initial_delay=0.1, max_delay=1.0, max_total=10.0)
+    store = S3Store("s3://bucket/x", endpoint_url=dead, region="us-east-1", request_attempts=1, retry=policy)
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match="after 3 attempts"):
+        store.put_bytes("k", b"1")
+    assert time.monotonic() - start >= 0.15  # two backoffs: >= 0.05 + 0.1 with jitter
+
+    bounded = S3Store("s3://bucket/x", endpoint_url=dead, region="us-east-1", request_attempts=1,
+                      retry=RetryPolicy(attempts=50, initial_delay=0.1, max_delay=0.2, max_total=0.5))
+    start = time.monotonic()
+    with pytest.raises(ConnectionError, match=r"after \d attempts"):  # far fewer than 50
+        bounded.get_bytes("k")
+    assert time.monotonic() - start < 1.5
+
+
+def test_open_store_accepts_paths_file_uris_and_s3(tmp_path):
+    assert open_store(str(tmp_path)).root == tmp_path
+    assert open_store(tmp_path.as_uri()).root == tmp_path
+    assert open_store(str(tmp_path)).url("a/b c") == (tmp_path / "a/b c").as_uri()
+    s3 = open_store("s3://bucket/runs/one/", region="us-east-1")
+    assert (s3.bucket, s3.prefix) == ("bucket", "runs/one")
+    assert s3.url("step-1/m.json") == "s3://bucket/runs/one/step-1/m.json"
+
+
+@pytest.mark.parametrize(
+    "uri", ["http://host/x", "gs://bucket/x", "s3://", "s3:///nobucket", "file://otherhost/x"]
+)
+def test_open_store_rejects_other_uris(uri):
+    with pytest.raises(ValueError, match=re.escape(repr(uri))) as error:
+        open_store(uri)
+    assert "s3://bucket" in str(error.value) or "file:///" in str(error.value)
