@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import time
+
 from prefect import flow, get_run_logger, unmapped
 
 from goodput.config import RunConfig
 from storage.manifests import DatasetManifest
-from tasks.prepare import (build_tokenizer, find_prepared, plan_dataset, publish, shard_specs,
-                           stage_corpus, tokenize_shard, write_manifest)
+from tasks.prepare import (build_tokenizer, find_prepared, plan_dataset, publish, record_prepare,
+                           shard_specs, stage_corpus, tokenize_shard, write_manifest)
 
 
 @flow(name="prepare")
-def prepare(config: RunConfig) -> DatasetManifest:
+def prepare(config: RunConfig = RunConfig()) -> DatasetManifest:
     """Prepare the dataset `config.data` and `config.tokenizer` describe, or find it prepared."""
+    started = time.time()
     logger = get_run_logger()
     plan = plan_dataset(config)
     logger.info("dataset %s from %s", plan.dataset_id, plan.source)
@@ -30,4 +33,5 @@ def prepare(config: RunConfig) -> DatasetManifest:
     logger.info("dataset %s: %d train tokens in %d shards, %d validation tokens (%s)",
                 manifest.dataset_id, manifest.n_tokens("train"), len(manifest.splits["train"]),
                 manifest.n_tokens("validation"), manifest.dtype)
+    record_prepare(config, manifest, started)
     return manifest

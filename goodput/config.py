@@ -142,6 +142,12 @@ class StorageConfig(_Section):
     )
     region: str | None = None
 
+    def open(self):
+        """The store this section describes (storage.open_store)."""
+        from storage import open_store  # boto3 only where a store is actually used
+
+        return open_store(self.uri, endpoint_url=self.endpoint_url, region=self.region)
+
 
 class EvalConfig(_Section):
     max_batches: int = Field(20, ge=1, description="Validation batches for held-out loss.")

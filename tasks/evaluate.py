@@ -15,7 +15,6 @@ from goodput import evaluation
 from goodput.config import RunConfig
 from goodput.runs import update_summary
 from storage.manifests import EvalReport
-from tasks.train import open_run_store
 
 
 def artifact_key(*parts: str) -> str:
@@ -26,7 +25,7 @@ def artifact_key(*parts: str) -> str:
 @task(name="locate-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
       tags=["evaluate"])
 def locate_checkpoint(config: RunConfig, checkpoint: str | None) -> Path:
-    return evaluation.locate_checkpoint(config, open_run_store(config), checkpoint)
+    return evaluation.locate_checkpoint(config, config.storage.open(), checkpoint)
 
 
 @task(name="evaluate-checkpoint", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5,

@@ -7,12 +7,15 @@ changed files and other machines where a Prefect cache key would not.
 
 from __future__ import annotations
 
+import time
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from goodput.config import RunConfig, StorageConfig
 from goodput.data import prepare as lib
 from goodput.data.corpus import DataError
+from goodput.runs import update_summary
 from storage.manifests import DatasetManifest, ShardInfo
 
 TAGS = ["prepare"]
@@ -40,7 +43,7 @@ def plan_dataset(config: RunConfig) -> lib.DatasetPlan:
 
 @task(name="find-prepared-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
 def find_prepared(plan: lib.DatasetPlan, storage: StorageConfig) -> DatasetManifest | None:
-    return lib.find_prepared(plan, lib.dataset_store(storage))
+    return lib.find_prepared(plan, storage.open())
 
 
 @task(name="stage-corpus", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
@@ -72,4 +75,15 @@ def write_manifest(plan: lib.DatasetPlan, shard_infos: list[ShardInfo], tokenize
 
 @task(name="publish-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
 def publish(plan: lib.DatasetPlan, manifest: DatasetManifest, storage: StorageConfig) -> None:
-    lib.publish(plan, manifest, lib.dataset_store(storage))
+    lib.publish(plan, manifest, storage.open())
+
+
+@task(name="record-prepare", cache_policy=NO_CACHE, tags=TAGS)
+def record_prepare(config: RunConfig, manifest: DatasetManifest, started: float) -> dict:
+    """Write the prepare stage's part of the run's summary.json."""
+    values = {"dataset_id": manifest.dataset_id, "source": manifest.source,
+              "vocab_size": manifest.vocab_size,
+              "tokens": {split: manifest.n_tokens(split) for split in manifest.splits},
+              "wall_time_s": time.time() - started}
+    update_summary(config.run_dir, "prepare", values)
+    return values

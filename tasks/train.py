@@ -19,13 +19,7 @@ from goodput.config import ConfigError, RunConfig
 from goodput.data.prepare import find_prepared, plan_dataset
 from goodput.runs import train_attempt, update_summary
 from infra.torchrun import TrainingFailed
-from storage import open_store
 from storage.ledger import LedgerEntry
-
-
-def open_run_store(config: RunConfig):
-    return open_store(config.storage.uri, endpoint_url=config.storage.endpoint_url,
-                      region=config.storage.region)
 
 
 def retry_unless_config_error(task, task_run, state) -> bool:
@@ -47,7 +41,7 @@ def launch_training(config: RunConfig, dataset_dir: Path) -> dict:
     """Run torchrun to max_steps (one attempt per Prefect try), worker output in this log."""
     logger = get_run_logger()
     attempt = f"{str(flow_run.id or 'local')[:8]}-{task_run.run_count}"
-    result = train_attempt(config, dataset_dir, open_run_store(config), attempt, logger.info)
+    result = train_attempt(config, dataset_dir, config.storage.open(), attempt, logger.info)
     return {"attempt": attempt, "step": result.step, "wall_time_s": result.wall_time_s}
 
 
@@ -66,7 +60,7 @@ def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
 @task(name="upload-checkpoint", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30],
       tags=["checkpoint", "upload"], task_run_name="upload-step-{step}")
 def upload_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
-    entry = checkpoints.upload_checkpoint(config, step, open_run_store(config))
+    entry = checkpoints.upload_checkpoint(config, step, config.storage.open())
     get_run_logger().info(f"checkpoint step {step} uploaded to {entry.store_url}")
     return entry
 
@@ -81,7 +75,7 @@ def prune_local_checkpoints(config: RunConfig) -> list[int]:
 def locate_dataset(config: RunConfig) -> Path:
     """The prepared dataset of this config on local disk (downloaded from the store if needed)."""
     plan = plan_dataset(config)
-    if find_prepared(plan, open_run_store(config)) is None:
+    if find_prepared(plan, config.storage.open()) is None:
         raise ConfigError(f"dataset {plan.dataset_id} is not prepared for this config; "
                           "run `goodput prepare` (or the pipeline) first")
     return Path(plan.local_dir)

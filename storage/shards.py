@@ -1,0 +1,100 @@
+"""Token shards: the format the prepare stage writes and the training data loader reads.
+
+A shard is an Arrow IPC *file* (random access, memory-mappable) holding one record batch
+with one column, `tokens`, of type `list<uint8|uint16|uint32>`: one row per document, each
+row the document's token ids followed by the EOS id. The value type is the smallest that
+holds every id of the vocabulary, so a 50k vocabulary costs 2 bytes per token.
+
+Readers map the file and view the ids in place: `read_tokens` returns a numpy array over the
+mapped pages (no copy, no parsing), so a loader can sample windows from shards much larger
+than memory.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from storage.checksums import write_atomic
+
+COLUMN = "tokens"
+_MAX_LIST_OFFSET = 2**31 - 1  # `list` (not `large_list`) offsets are int32
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The smallest unsigned integer type that holds ids 0 .. vocab_size-1."""
+    for dtype in ("uint8", "uint16", "uint32"):
+        if vocab_size - 1 <= np.iinfo(dtype).max:
+            return dtype
+    raise ValueError(f"vocab_size={vocab_size} does not fit in uint32 token ids")
+
+
+def write_shard(path: str | os.PathLike, docs: Sequence[Sequence[int] | np.ndarray], dtype: str,
+                metadata: dict[str, str] | None = None) -> tuple[int, int]:
+    """Write `docs` (token ids, EOS already appended) as a shard; return (n_tokens, n_docs).
+
+    `metadata` goes into the file's schema (what made the shard, for checks on reuse). The
+    file appears whole or not at all (temporary file, fsync, rename), so a crash while
+    writing never leaves a shard that looks complete.
+    """
+    arrays = [np.asarray(doc) for doc in docs]
+    lengths = np.array([len(a) for a in arrays], dtype=np.int64)
+    n_tokens = int(lengths.sum())
+    if n_tokens > _MAX_LIST_OFFSET:
+        raise ValueError(f"{n_tokens} tokens do not fit in one shard (limit {_MAX_LIST_OFFSET}); "
+                         "write more, smaller shards (raise data.num_shards)")
+    values = np.concatenate(arrays) if arrays else np.empty(0)
+    if values.size and (values.min() < 0 or values.max() > np.iinfo(dtype).max):
+        raise ValueError(f"token ids range {values.min()}..{values.max()} does not fit {dtype}")
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    tokens = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(dtype)))
+    batch = pa.record_batch([tokens], names=[COLUMN], metadata=metadata)
+
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, batch.schema) as writer:
+        writer.write_batch(batch)
+    write_atomic(path, sink.getvalue())
+    return n_tokens, len(arrays)
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The key/value metadata `write_shard` was given (empty if none)."""
+    schema = pa.ipc.open_file(pa.memory_map(os.fspath(path), "r")).schema
+    return {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+
+
+def _read_column(path: str | os.PathLike) -> pa.ListArray:
+    """The `tokens` column of a shard, its buffers pointing into a memory map of the file."""
+    reader = pa.ipc.open_file(pa.memory_map(os.fspath(path), "r"))
+    if reader.num_record_batches != 1 or reader.schema.names != [COLUMN]:
+        raise ValueError(f"{path} is not a token shard: expected one record batch with one "
+                         f"column {COLUMN!r}, found {reader.num_record_batches} batches of "
+                         f"columns {reader.schema.names}")
+    return reader.get_batch(0).column(0)
+
+
+def read_tokens(path: str | os.PathLike) -> np.ndarray:
+    """All token ids of a shard, documents back to back, as a read-only view of the file.
+
+    The array's buffer is the memory-mapped file itself; the array keeps the mapping alive,
+    so it stays valid after the reader is gone. `zero_copy_only=True` makes any copy (which
+    would silently read a whole shard into memory) an error instead.
+    """
+    return _read_column(path).flatten().to_numpy(zero_copy_only=True)
+
+
+def shard_size(path: str | os.PathLike) -> tuple[int, int]:
+    """(n_tokens, n_docs) of a shard, from its offsets alone."""
+    offsets = _read_column(path).offsets
+    return offsets[-1].as_py() - offsets[0].as_py(), len(offsets) - 1
+
+
+def read_documents(path: str | os.PathLike) -> list[np.ndarray]:
+    """Each document of a shard (ids followed by EOS) as a view into the mapped file."""
+    column = _read_column(path)
+    values = column.values.to_numpy(zero_copy_only=True)
+    offsets = column.offsets.to_numpy()
+    return [values[start:stop] for start, stop in zip(offsets[:-1], offsets[1:])]

@@ -1,0 +1,112 @@
+"""The whole pipeline through real Prefect flow runs, real torchrun workers, real stores."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from flows.pipeline import pipeline
+from flows.train import train
+from goodput.config import dump_config
+from storage import open_store
+from storage.ledger import Ledger
+from tests.helpers import REPO, losses_by_step, small_config
+
+STEPS = 30
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pipeline")
+
+
+@pytest.fixture(scope="module")
+def finished(prefect_api, workdir):
+    """One uninterrupted pipeline run of the small config (shared by the tests below)."""
+    config = small_config(workdir, "run.run_id=clean")
+    result = pipeline(config)
+    return config, result
+
+
+def test_pipeline_completes_and_learns(finished):
+    config, result = finished
+    summary = json.loads((config.run_dir / "summary.json").read_text())
+    assert result["final_step"] == STEPS == summary["train"]["final_step"]
+    assert summary["prepare"]["dataset_id"] == result["dataset_id"]
+    first_loss = losses_by_step(config.run_dir)[1]
+    assert math.isclose(first_loss, math.log(512), rel_tol=0.1)  # a fresh model is near uniform
+    assert result["eval_loss"] < first_loss - 0.5, (result, first_loss)
+    assert summary["evaluate"]["perplexity"] == pytest.approx(math.exp(summary["evaluate"]["loss"]))
+    for stage in ("prepare", "train", "evaluate"):
+        assert summary[stage]["wall_time_s"] > 0
+
+    ledger = Ledger(config.run_dir, "clean").read()
+    assert ledger.steps("uploaded") == [10, 20, 30]
+    store = open_store(config.storage.uri)
+    for step in (10, 20, 30):
+        assert store.exists(f"runs/clean/checkpoints/step-{step:08d}/manifest.json")
+    assert json.loads(store.get_bytes("runs/clean/ledger.json"))["entries"]["30"]["state"] == "uploaded"
+    report = json.loads((config.run_dir / "eval" / "step-00000030.json").read_text())
+    assert len(report["samples"]) == 2 and all(s["completion"] for s in report["samples"])
+
+
+def test_crash_resumes_to_the_same_losses(finished, workdir):
+    clean_config, _ = finished
+    config = small_config(workdir, "run.run_id=crashy", "faults.crash_at_step=15",
+                          "faults.crash_rank=1")
+    result = train(config)
+    assert result["final_step"] == STEPS
+    assert len(list((config.run_dir / "attempts").iterdir())) == 2  # one crash, one retry
+    assert (config.run_dir / "faults" / "crash_at_step-15.fired").exists()
+    crashed, clean = losses_by_step(config.run_dir), losses_by_step(clean_config.run_dir)
+    assert sorted(crashed) == list(range(1, STEPS + 1))
+    assert crashed == clean  # exact on CPU: same data order, weights, optimizer state
+
+
+def test_rerun_redoes_no_finished_stage(finished):
+    config, result = finished
+    attempts = sorted(p.name for p in (config.run_dir / "attempts").iterdir())
+    dataset_files = {p: p.stat().st_mtime_ns for p in (config.run_dir.parents[1] / "data").rglob("*")}
+    report_mtime = (config.run_dir / "eval" / "step-00000030.json").stat().st_mtime_ns
+
+    again = pipeline(config)
+    assert again == result
+    assert sorted(p.name for p in (config.run_dir / "attempts").iterdir()) == attempts
+    assert {p: p.stat().st_mtime_ns for p in dataset_files} == dataset_files
+    assert (config.run_dir / "eval" / "step-00000030.json").stat().st_mtime_ns == report_mtime
+
+
+@pytest.mark.s3
+def test_pipeline_with_an_s3_store(prefect_api, s3_server, s3_uri, tmp_path):
+    config = small_config(tmp_path, "run.run_id=s3run", f"storage.uri={s3_uri}",
+                          f"storage.endpoint_url={s3_server.endpoint_url}", "training.max_steps=20")
+    result = pipeline(config)
+    assert result["final_step"] == 20
+    store = open_store(s3_uri, endpoint_url=s3_server.endpoint_url)
+    keys = store.list()
+    assert f"datasets/{result['dataset_id']}/manifest.json" in keys
+    assert "runs/s3run/checkpoints/step-00000020/manifest.json" in keys
+    assert "runs/s3run/ledger.json" in keys
+    assert Ledger(config.run_dir, "s3run").read().steps("uploaded") == [10, 20]
+
+
+def test_cli_reports_config_errors_before_starting_anything():
+    proc = subprocess.run([sys.executable, "-m", "goodput.cli", "train", "model.n_heads=3"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 2
+    assert "model: n_heads=3 does not divide dim=128" in proc.stderr
+
+
+def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
+    config, _ = finished
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(dump_config(config))
+    proc = subprocess.run([sys.executable, "-m", "goodput.cli", "evaluate", "--config", str(config_file),
+                           "--checkpoint", "20", "eval.num_samples=1"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"run directory: {config.run_dir.resolve()}" in proc.stdout
+    report = json.loads((config.run_dir / "eval" / "step-00000020.json").read_text())
+    assert report["step"] == 20 and report["loss"] > 0 and len(report["samples"]) == 1
