@@ -85,6 +85,13 @@ class ModelConfig(_Section):
 
 
 class ParallelismConfig(_Section):
+    """Where the workers run and how the model is laid out over them.
+
+    dp_replicate x dp_shard x tp x pp = world size (nnodes x nproc_per_node); one degree may
+    be -1, meaning "whatever the others leave". The mesh is named (dp_replicate, dp_shard,
+    tp) per pipeline stage with TP innermost, so TP groups sit on the fastest links.
+    """
+
     nnodes: int = Field(1, ge=1, description="Nodes (one torchrun each).")
     nproc_per_node: int = Field(2, ge=1, description="Worker processes per node.")
     backend: Literal["auto", "gloo", "nccl"] = Field(
@@ -94,10 +101,52 @@ class ParallelismConfig(_Section):
     rdzv_endpoint: str | None = Field(
         None, description="host:port of the c10d rendezvous; None picks a free local port."
     )
+    dp_replicate: int = Field(-1, description="Data-parallel replicas (DDP, or HSDP's replicate "
+                                              "axis with dp_shard > 1); -1 fills the rest.")
+    dp_shard: int = Field(1, description="FSDP2 sharding degree (ZeRO-3 by default); 1 = no FSDP.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree (within a node).")
+    pp: int = Field(1, ge=1, description="Pipeline stages (across nodes).")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field("1f1b")
+    microbatches: int | None = Field(None, ge=1, description="Pipeline micro-batches per step "
+                                                             "(default 2 x pp).")
+    reshard_after_forward: bool = Field(
+        True, description="FSDP2: free gathered weights after forward (ZeRO-3); False keeps "
+                          "them until backward (ZeRO-2-like, more memory, less communication).")
+    activation_checkpointing: Literal["none", "selective", "full"] = Field("none")
+    compile: bool = Field(False, description="torch.compile each transformer block.")
+    mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="'auto': bf16 params with fp32 reduce on GPU, fp32 on CPU.")
 
     @property
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
+
+    def degrees(self) -> dict[str, int]:
+        """The four degrees with -1 resolved; raises ValueError when they do not fit."""
+        named = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
+                 "pp": self.pp}
+        free = [k for k, v in named.items() if v == -1]
+        if len(free) > 1 or any(v == 0 or v < -1 for v in named.values()):
+            raise ValueError("parallelism degrees must be positive, with at most one -1 "
+                             f"(got {named})")
+        fixed = 1
+        for k, v in named.items():
+            if v != -1:
+                fixed *= v
+        if free:
+            if self.world_size % fixed:
+                raise ValueError(f"parallelism: {fixed} (product of the fixed degrees) does not "
+                                 f"divide world size {self.world_size}")
+            named[free[0]] = self.world_size // fixed
+        elif fixed != self.world_size:
+            raise ValueError(f"parallelism: dp_replicate*dp_shard*tp*pp = {fixed} but world size "
+                             f"is {self.world_size} (nnodes x nproc_per_node); make them equal")
+        return named
+
+    @model_validator(mode="after")
+    def _degrees_fit(self) -> "ParallelismConfig":
+        self.degrees()
+        return self
 
 
 class TrainingConfig(_Section):
@@ -202,6 +251,14 @@ class RunConfig(_Section):
             raise ValueError(
                 f"training.warmup_steps={self.training.warmup_steps} must be below "
                 f"training.max_steps={self.training.max_steps}")
+        deg, model = self.parallelism.degrees(), self.model
+        kv_heads = model.n_kv_heads or model.n_heads
+        if model.n_heads % deg["tp"] or kv_heads % deg["tp"]:
+            raise ValueError(f"parallelism.tp={deg['tp']} does not divide model.n_heads="
+                             f"{model.n_heads} and n_kv_heads={kv_heads}; choose a tp that does")
+        if deg["pp"] > model.n_layers:
+            raise ValueError(f"parallelism.pp={deg['pp']} exceeds model.n_layers={model.n_layers}; "
+                             "each pipeline stage needs at least one layer")
         if self.faults.crash_rank >= self.parallelism.world_size:
             raise ValueError(f"faults.crash_rank={self.faults.crash_rank} is not a rank of "
                              f"world size {self.parallelism.world_size}")

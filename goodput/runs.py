@@ -42,7 +42,8 @@ def write_run_config(config: RunConfig) -> Path:
 
 
 def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
-                  log: Callable[[str], None]) -> AttemptResult:
+                  log: Callable[[str], None],
+                  on_progress: Callable[[dict], None] | None = None) -> AttemptResult:
     """One attempt: resume from the newest validated checkpoint and train to max_steps.
 
     Raises TrainingFailed (with its failure class) when the attempt does not finish.
@@ -54,7 +55,8 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
         return AttemptResult(0, "done", "already complete", step_of(resume), 0.0)
     log(f"attempt {attempt}: resuming from {resume.name}" if resume else
         f"attempt {attempt}: starting from scratch")
-    result = run_attempt(config, config_path, dataset_dir, resume, attempt, log)
+    result = run_attempt(config, config_path, dataset_dir, resume, attempt, log,
+                         on_progress=on_progress)
     if result.failure_class != "done":
         raise TrainingFailed(f"training attempt {attempt} ended: {result.failure_class} "
                              f"({result.reason}) at step {result.step}",

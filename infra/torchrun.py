@@ -80,8 +80,12 @@ def worker_env(attempt: str) -> dict[str, str]:
 
 
 def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume: Path | None,
-                attempt: str, log: Callable[[str], None], poll_s: float = 0.5) -> AttemptResult:
-    """Run one training attempt to its end; never leaves a worker process behind."""
+                attempt: str, log: Callable[[str], None], poll_s: float = 0.5,
+                on_progress: Callable[[dict], None] | None = None) -> AttemptResult:
+    """Run one training attempt to its end; never leaves a worker process behind.
+
+    `on_progress` receives every new heartbeat (step, loss, tokens/s, ...) as it appears.
+    """
     endpoint = config.parallelism.rdzv_endpoint or f"127.0.0.1:{free_port()}"
     cmd = torchrun_command(config, config_path, dataset_dir, resume, endpoint)
     log(f"launch attempt {attempt}: {' '.join(cmd)}")
@@ -98,6 +102,8 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume:
             beat = read_heartbeat(config.run_dir)
             if beat is not None and beat != last_beat:
                 last_beat, last_progress = beat, time.monotonic()
+                if on_progress is not None:
+                    on_progress(beat)
             if time.monotonic() - last_progress > config.run.hang_timeout_s:
                 log(f"no training progress for {config.run.hang_timeout_s:.0f}s: killing the job")
                 hung = True
