@@ -143,6 +143,10 @@ class ParallelismConfig(_Section):
                              f"is {self.world_size} (nnodes x nproc_per_node); make them equal")
         return named
 
+    @property
+    def pipeline_microbatches(self) -> int:
+        return self.microbatches or 2 * self.degrees()["pp"]
+
     @model_validator(mode="after")
     def _degrees_fit(self) -> "ParallelismConfig":
         self.degrees()
@@ -256,9 +260,15 @@ class RunConfig(_Section):
         if model.n_heads % deg["tp"] or kv_heads % deg["tp"]:
             raise ValueError(f"parallelism.tp={deg['tp']} does not divide model.n_heads="
                              f"{model.n_heads} and n_kv_heads={kv_heads}; choose a tp that does")
-        if deg["pp"] > model.n_layers:
-            raise ValueError(f"parallelism.pp={deg['pp']} exceeds model.n_layers={model.n_layers}; "
-                             "each pipeline stage needs at least one layer")
+        stages = deg["pp"] * (2 if self.parallelism.pp_schedule == "interleaved-1f1b" else 1)
+        if deg["pp"] > 1 and stages > model.n_layers:
+            raise ValueError(f"{stages} pipeline stages (parallelism.pp={deg['pp']}, "
+                             f"{self.parallelism.pp_schedule}) exceed model.n_layers={model.n_layers}; "
+                             "each stage needs at least one layer")
+        if deg["pp"] > 1 and self.training.micro_batch_size % self.parallelism.pipeline_microbatches:
+            raise ValueError(f"training.micro_batch_size={self.training.micro_batch_size} does not "
+                             f"split into parallelism.microbatches={self.parallelism.pipeline_microbatches}; "
+                             "make it a multiple")
         if self.faults.crash_rank >= self.parallelism.world_size:
             raise ValueError(f"faults.crash_rank={self.faults.crash_rank} is not a rank of "
                              f"world size {self.parallelism.world_size}")

@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
+                                                     set_state_dict)
 
 from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, list_files, verify_files
 
@@ -62,12 +63,24 @@ def committed_checkpoints(run_dir: str | Path) -> list[Path]:
 
 # -- saving and loading inside the training job (collective: every rank calls) ---------------
 
-def _train_state(model, optimizer, extra: dict) -> dict:
-    model_state, optim_state = get_state_dict(model, optimizer)
+# Flattened optimizer state is keyed by parameter name, so the states of several pipeline
+# stages merge into one dict and load under any other layout.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _part_states(model_parts, optimizers) -> list[tuple[dict, dict]]:
+    return [get_state_dict(part, opt, options=_OPTIONS) for part, opt in zip(model_parts, optimizers)]
+
+
+def _train_state(parts: list[tuple[dict, dict]], extra: dict) -> dict:
+    model_state, optim_state = {}, {}
+    for m, o in parts:
+        model_state.update(m)
+        optim_state.update(o)
     return {"model": model_state, "optim": optim_state, **extra}
 
 
-def save_checkpoint(path: Path, model, optimizer, extra: dict, manifest_fields: dict,
+def save_checkpoint(path: Path, model_parts, optimizers, extra: dict, manifest_fields: dict,
                     ) -> CheckpointManifest | None:
     """Save model, optimizer and `extra` (progress, data position, RNG) with DCP, then commit.
 
@@ -78,7 +91,7 @@ def save_checkpoint(path: Path, model, optimizer, extra: dict, manifest_fields: 
     if rank == 0:
         _clear_for_save(path)
     _barrier()
-    dcp.save(_train_state(model, optimizer, extra), checkpoint_id=str(path))
+    dcp.save(_train_state(_part_states(model_parts, optimizers), extra), checkpoint_id=str(path))
     _barrier()  # every rank's shards are durable (FileSystemWriter fsyncs) before the commit
     manifest = None
     if rank == 0:
@@ -89,13 +102,18 @@ def save_checkpoint(path: Path, model, optimizer, extra: dict, manifest_fields: 
     return manifest
 
 
-def load_checkpoint(path: Path, model, optimizer, extra_template: dict) -> dict:
-    """Load a committed checkpoint into model and optimizer (any layout); returns the extras."""
+def load_checkpoint(path: Path, model_parts, optimizers, extra_template: dict) -> dict:
+    """Load a committed checkpoint into this rank's model parts and optimizers, whatever
+    layout saved it (DCP reshards); returns the extras."""
     if not is_committed(path):
         raise FileNotFoundError(f"{path} has no {CHECKPOINT_MANIFEST}: not a committed checkpoint")
-    state = _train_state(model, optimizer, extra_template)
+    parts = _part_states(model_parts, optimizers)
+    state = _train_state(parts, extra_template)
     dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    for (m, o), part, opt in zip(parts, model_parts, optimizers):
+        set_state_dict(part, opt, options=_OPTIONS,
+                       model_state_dict={k: state["model"][k] for k in m},
+                       optim_state_dict={k: state["optim"][k] for k in o})
     return {k: v for k, v in state.items() if k not in ("model", "optim")}
 
 

@@ -78,12 +78,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
-        q = self.wq(x).view(batch, seq, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(batch, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:seq], sin[:seq]
+        # Head counts come from the projections' outputs (-1), so the same code runs when
+        # tensor parallelism gives this rank only some of the heads.
+        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:
-            repeat = self.n_heads // self.n_kv_heads
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
+            repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -118,7 +121,9 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        # A dict keyed by layer index: a pipeline stage that keeps layers 4..7 still names
+        # them layers.4..layers.7, so checkpoints mean the same thing under every layout.
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         cos, sin = rope_cache(args.head_dim, args.max_seq_len, args.rope_theta)
@@ -139,12 +144,18 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=std)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
-        """tokens: (batch, seq) ids. Returns logits, or the mean cross-entropy with targets."""
-        seq = tokens.shape[1]
-        cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]
-        x = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        """tokens: (batch, seq) ids. Returns logits, or the mean cross-entropy with targets.
+
+        A pipeline stage is this model with the parts of other stages set to None: then the
+        input may be hidden states and the output is hidden states.
+        """
+        # Attention slices the rotary tables to its own sequence length: a pipeline stage
+        # with sequence parallelism receives only this rank's part of the sequence.
+        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            x = layer(x, self.rope_cos, self.rope_sin)
+        if self.output is None:
+            return x
         logits = self.output(self.norm(x))
         if targets is None:
             return logits
@@ -152,7 +163,7 @@ class Transformer(nn.Module):
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
-        return n - self.tok_embeddings.weight.numel() if non_embedding else n
+        return n - self.args.vocab_size * self.args.dim if non_embedding else n
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus attention scores (PaLM appendix B)."""

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+import torch.nn.functional as F
 
 from goodput.config import RunConfig
 from storage.checksums import fsync_dir
@@ -29,6 +29,7 @@ from training.checkpoint import checkpoint_path, committed_checkpoints, load_che
 from training.data import DistributedSampleLoader, TokenStream
 from training.metrics import MetricsWriter, peak_flops
 from training.model import Transformer, model_args_from_config
+from training.parallelize import Layout, clip_grad_norm_, parallelize
 
 
 @dataclass
@@ -120,21 +121,32 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
     tcfg = config.training
     run_dir = config.run_dir
     env = init_distributed(config)
-    torch.manual_seed(tcfg.seed)  # same init on every rank; DDP also broadcasts rank 0's weights
+    degrees = layout_degrees(config, env)
+    torch.manual_seed(tcfg.seed)  # the same initial weights on every rank, in every layout
 
     manifest = DatasetManifest.load(dataset_dir)
     model = Transformer(model_args_from_config(config.model, manifest.vocab_size)).to(env.device)
-    ddp_model = DistributedDataParallel(model) if dist.is_initialized() else model
-    optimizer = build_optimizer(model, tcfg, env.device)
+    model_args, n_params = vars(model.args), model.num_params(non_embedding=False)
+    flops_per_token = model.flops_per_token(tcfg.seq_len)
+    vocab = manifest.vocab_size
+
+    share = tcfg.grad_accum_steps * config.parallelism.pipeline_microbatches
+
+    def pipeline_loss(logits, targets):  # one pipeline micro-batch's share of the step's mean
+        return F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1)) / share
+
+    layout = parallelize(model, config.parallelism, degrees, env.device, pipeline_loss)
+    del model  # from here on the layout's parts are the model
+    optimizers = [build_optimizer(part, tcfg, env.device) for part in layout.model_parts]
     loader = DistributedSampleLoader(TokenStream(dataset_dir, manifest, "train"), tcfg.seq_len,
-                                     tcfg.micro_batch_size, env.rank, env.world_size, tcfg.seed)
+                                     tcfg.micro_batch_size, layout.dp_rank, layout.dp_size, tcfg.seed)
     metrics = MetricsWriter(run_dir, enabled=env.is_main)
     attempt = os.environ.get("GOODPUT_ATTEMPT", "0")
 
     step, tokens_seen = 0, 0
     resume_from = resolve_resume(resume, run_dir)
     if resume_from is not None:
-        extras = load_checkpoint(resume_from, model, optimizer, {
+        extras = load_checkpoint(resume_from, layout.model_parts, optimizers, {
             "progress": {"step": 0, "tokens_seen": 0}, "data": loader.state_dict(),
             "rng": {"torch": torch.get_rng_state()}})
         step, tokens_seen = extras["progress"]["step"], extras["progress"]["tokens_seen"]
@@ -143,43 +155,36 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
         if env.is_main:
             print(f"[train] resumed from {resume_from} at step {step}", flush=True)
 
-    tokens_per_step = tcfg.tokens_per_rank_step * env.world_size
-    flops_per_token = model.flops_per_token(tcfg.seq_len)
+    tokens_per_step = tcfg.tokens_per_rank_step * layout.dp_size
     device_peak = peak_flops(torch.cuda.get_device_name(env.device) if env.device.type == "cuda"
                              else "cpu", tcfg.peak_flops_per_device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=env.device.type == "cuda")
     crash = CrashInjector(config, env.rank)
     if env.is_main:
-        print(f"[train] {model.num_params(False):,} parameters, world size {env.world_size}, "
-              f"{tokens_per_step:,} tokens/step, steps {step + 1}..{tcfg.max_steps}", flush=True)
+        print(f"[train] {n_params:,} parameters, world size {env.world_size}, layout "
+              f"{' x '.join(f'{k}={v}' for k, v in degrees.items())}, {tokens_per_step:,} tokens/step, "
+              f"steps {step + 1}..{tcfg.max_steps}", flush=True)
 
     last_loss = float("nan")
     while step < tcfg.max_steps:
         step_start = time.perf_counter()
         lr = lr_at(step + 1, tcfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        for opt in optimizers:
+            for group in opt.param_groups:
+                group["lr"] = lr
         loss_sum = torch.zeros((), device=env.device)
         for micro in range(tcfg.grad_accum_steps):
             inputs, targets = (t.to(env.device, non_blocking=True) for t in loader.next_batch())
-            last_micro = micro == tcfg.grad_accum_steps - 1
-            # Gradients are all-reduced once per step, on the last micro-batch.
-            sync = ddp_model.no_sync() if (dist.is_initialized() and not last_micro) else nullcontext()
-            with sync:
-                with autocast:
-                    loss = ddp_model(inputs, targets) / tcfg.grad_accum_steps
-                loss.backward()
-            loss_sum += loss.detach()
-        grad_norm = (torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
-                     if tcfg.grad_clip > 0 else _grad_norm(model))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            loss_sum += forward_backward(layout, inputs, targets, env.device,
+                                         last_micro=micro == tcfg.grad_accum_steps - 1,
+                                         accum=tcfg.grad_accum_steps)
+        grad_norm = clip_grad_norm_(layout, tcfg.grad_clip)
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         step += 1
         tokens_seen += tokens_per_step
 
-        if dist.is_initialized():
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-        last_loss = loss_sum.item()
+        last_loss = global_loss(layout, loss_sum)
         step_time = time.perf_counter() - step_start
         tokens_per_s = tokens_per_step / step_time
         if env.is_main and (step % tcfg.log_every == 0 or step == tcfg.max_steps):
@@ -194,14 +199,14 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
 
         if step % config.checkpoint.every_steps == 0 or step == tcfg.max_steps:
             path = checkpoint_path(run_dir, step)
-            save_checkpoint(path, model, optimizer,
+            save_checkpoint(path, layout.model_parts, optimizers,
                             {"progress": {"step": step, "tokens_seen": tokens_seen},
                              "data": loader.state_dict(), "rng": {"torch": torch.get_rng_state()}},
                             {"step": step, "tokens_seen": tokens_seen,
-                             "world_size": env.world_size, "layout": {"dp": env.world_size},
+                             "world_size": env.world_size, "layout": degrees,
                              "config_hash": config.config_hash(),
                              "dataset_id": manifest.dataset_id,
-                             "model_args": vars(model.args), "loss": last_loss})
+                             "model_args": model_args, "loss": last_loss})
             if env.is_main:
                 print(f"[checkpoint] committed {path.name} (loss {last_loss:.4f})", flush=True)
         crash.maybe_fire(step)
@@ -209,7 +214,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
     metrics.close()
     summary = {"final_step": step, "tokens_seen": tokens_seen, "final_loss": last_loss}
     # Clean shutdown: without it gloo workers sometimes abort at exit (STACK_NOTES).
-    del ddp_model, model, optimizer
+    del layout, optimizers
     gc.collect()
     if dist.is_initialized():
         dist.barrier()
@@ -217,6 +222,51 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
     return summary
 
 
-def _grad_norm(model: torch.nn.Module) -> torch.Tensor:
-    norms = [p.grad.detach().norm() for p in model.parameters() if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+def layout_degrees(config: RunConfig, env: Dist) -> dict[str, int]:
+    """The configured degrees; a plain single process (no torchrun) runs the model whole."""
+    if not dist.is_initialized():
+        return {"dp_replicate": 1, "dp_shard": 1, "tp": 1, "pp": 1}
+    if env.world_size != config.parallelism.world_size:
+        raise ValueError(f"torchrun started {env.world_size} workers but the config asks for "
+                         f"parallelism.nnodes x nproc_per_node = {config.parallelism.world_size}")
+    return config.parallelism.degrees()
+
+
+def forward_backward(layout: Layout, inputs, targets, device, last_micro: bool, accum: int
+                     ) -> torch.Tensor:
+    """One micro-batch through this rank's part of the model; returns its share of the loss.
+
+    Gradients are synchronised across data-parallel ranks once per step, on the last
+    micro-batch.
+    """
+    if layout.schedule is not None:
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if layout.first_stage else ()
+        kwargs = {"target": targets, "losses": losses} if layout.last_stage else {}
+        layout.schedule.step(*args, **kwargs)
+        if not layout.last_stage:
+            return torch.zeros((), device=device)
+        return torch.stack(losses).sum().detach()  # shares of the mean: they add up
+    model = layout.model_parts[0]
+    if layout.fsdp:
+        model.set_requires_gradient_sync(last_micro)
+    sync = model.no_sync() if (layout.ddp and not last_micro) else nullcontext()
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16,
+                              enabled=device.type == "cuda" and not layout.fsdp)
+    with sync:
+        with autocast:
+            loss = model(inputs, targets) / accum
+        loss.backward()
+    return loss.detach()
+
+
+def global_loss(layout: Layout, local: torch.Tensor) -> float:
+    """The step's mean loss over the global batch, identical on every rank.
+
+    Exactly one rank per data-parallel replica reports (last pipeline stage, TP rank 0).
+    """
+    if not dist.is_initialized():
+        return local.item()
+    reported = local if layout.reports_loss else torch.zeros_like(local)
+    dist.all_reduce(reported)
+    return (reported / layout.dp_size).item()

@@ -1,0 +1,122 @@
+"""Every layout trains the single-process loss curve (fp32, CPU, same global batch).
+
+Each case is a real torchrun job; the reference is `python -m training` in one process.
+Checkpoints saved under one layout resume under another.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from goodput.runs import write_run_config
+from infra.torchrun import free_port
+from tests.helpers import REPO, losses_by_step, small_config, synthetic_dataset
+from training.checkpoint import checkpoint_path
+
+STEPS = 12
+RTOL = 1e-5
+# Global batch: 8 samples of 64 tokens = micro_batch_size x grad_accum x dp_size.
+BASE = ("model.n_layers=4", f"training.max_steps={STEPS}", "training.warmup_steps=2",
+        "training.grad_accum_steps=2", "checkpoint.every_steps=6")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return synthetic_dataset(tmp_path_factory.mktemp("parallel") / "dataset")
+
+
+def run_training(tmp_path, dataset, nproc: int, *overrides: str, resume: str = "auto",
+                 run_id: str = "layout") -> dict[int, float]:
+    config = small_config(tmp_path, f"run.run_id={run_id}", *BASE,
+                          f"parallelism.nproc_per_node={nproc}", *overrides)
+    config_path = write_run_config(config)
+    module = ["-m", "training", "--config", str(config_path), "--dataset", str(dataset),
+              "--resume", resume]
+    if nproc == 1:
+        cmd = [sys.executable, *module]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", *module]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return losses_by_step(config.run_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, dataset):
+    """One process, the whole model, 4 samples x 2 accumulation steps."""
+    return run_training(tmp_path_factory.mktemp("reference"), dataset, 1,
+                        "training.micro_batch_size=4", "parallelism.nproc_per_node=1")
+
+
+def assert_same_curve(losses, reference, steps=STEPS):
+    assert sorted(losses) == list(range(1, steps + 1))
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], rel=RTOL), (step, loss, reference[step])
+
+
+LAYOUTS_2 = {
+    "ddp": ("parallelism.dp_replicate=2", "training.micro_batch_size=2"),
+    "fsdp": ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "training.micro_batch_size=2"),
+    "fsdp-zero2": ("parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                   "parallelism.reshard_after_forward=false", "training.micro_batch_size=2"),
+    "tp": ("parallelism.dp_replicate=1", "parallelism.tp=2", "training.micro_batch_size=4"),
+    "pp-gpipe": ("parallelism.dp_replicate=1", "parallelism.pp=2", "parallelism.pp_schedule=gpipe",
+                 "training.micro_batch_size=4"),
+    "pp-1f1b": ("parallelism.dp_replicate=1", "parallelism.pp=2", "parallelism.pp_schedule=1f1b",
+                "training.micro_batch_size=4"),
+    "pp-interleaved": ("parallelism.dp_replicate=1", "parallelism.pp=2",
+                       "parallelism.pp_schedule=interleaved-1f1b", "training.micro_batch_size=4"),
+    "fsdp-ac": ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "training.micro_batch_size=2",
+                "parallelism.activation_checkpointing=full"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_2)
+def test_two_process_layouts_match_single_process(layout, tmp_path, dataset, reference):
+    assert_same_curve(run_training(tmp_path, dataset, 2, *LAYOUTS_2[layout]), reference)
+
+
+LAYOUTS_4 = {
+    "hsdp": ("parallelism.dp_replicate=2", "parallelism.dp_shard=2", "training.micro_batch_size=1"),
+    "fsdp-tp": ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=2",
+                "training.micro_batch_size=2"),
+    "pp-fsdp": ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.pp=2",
+                "training.micro_batch_size=2", "parallelism.microbatches=2"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_4)
+def test_four_process_layouts_match_single_process(layout, tmp_path, dataset, reference):
+    assert_same_curve(run_training(tmp_path, dataset, 4, *LAYOUTS_4[layout]), reference)
+
+
+@pytest.mark.slow
+def test_eight_process_pp_tp_fsdp(tmp_path, dataset, reference):
+    losses = run_training(tmp_path, dataset, 8, "parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                          "parallelism.tp=2", "parallelism.pp=2", "parallelism.microbatches=2",
+                          "training.micro_batch_size=2")
+    assert_same_curve(losses, reference)
+
+
+def test_checkpoints_reshard_across_layouts(tmp_path, dataset, reference):
+    """FSDPxTP on 4 processes -> DDP on 2 -> one process: the same curve, no sample skipped."""
+    first = run_training(tmp_path, dataset, 4, *LAYOUTS_4["fsdp-tp"], "training.max_steps=12",
+                         "checkpoint.every_steps=4")
+    config = small_config(tmp_path, "run.run_id=layout")
+    run_dir = config.run_dir
+    # Resume from step 4 under DDP on 2 processes, then from step 8 on one process.
+    (run_dir / "metrics.jsonl").unlink()
+    second = run_training(tmp_path, dataset, 2, *LAYOUTS_2["ddp"], "checkpoint.every_steps=4",
+                          resume=str(checkpoint_path(run_dir, 4)))
+    (run_dir / "metrics.jsonl").unlink()
+    third = run_training(tmp_path, dataset, 1, "parallelism.nproc_per_node=1",
+                         "training.micro_batch_size=4", "checkpoint.every_steps=4",
+                         resume=str(checkpoint_path(run_dir, 8)))
+    for losses, steps in ((first, range(1, 13)), (second, range(5, 13)), (third, range(9, 13))):
+        assert sorted(losses) == list(steps)
+        for step in steps:
+            assert losses[step] == pytest.approx(reference[step], rel=RTOL), (step, losses[step])

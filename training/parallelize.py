@@ -1,0 +1,248 @@
+"""Apply a parallelism layout to the model: the only place that knows about layouts.
+
+    mesh   = (pp, dp_replicate, dp_shard, tp), TP innermost (fastest links)
+    order  = pipeline split -> tensor parallel -> activation checkpointing -> compile
+             -> data parallel (FSDP2 / HSDP, or DDP when the layout is pure replication)
+
+The model (training/model.py) is plain PyTorch; pipeline stages are copies of the same
+model with the other stages' parts removed, so parameter names (and checkpoints) are the
+same under every layout.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass
+class Layout:
+    """What the training loop needs to know after the layout is applied."""
+
+    mesh: DeviceMesh | None
+    degrees: dict[str, int]
+    model_parts: list[nn.Module]  # one, or this rank's pipeline stages
+    schedule: object | None = None  # torch.distributed.pipelining schedule when pp > 1
+    first_stage: bool = True
+    last_stage: bool = True
+    ddp: bool = False  # model_parts[0] is DistributedDataParallel
+    fsdp: bool = False
+    stage_ids: list[int] = field(default_factory=lambda: [0])
+
+    @property
+    def dp_size(self) -> int:
+        return self.degrees["dp_replicate"] * self.degrees["dp_shard"]
+
+    @property
+    def dp_rank(self) -> int:
+        if self.mesh is None:
+            return 0
+        return (self.mesh.get_local_rank("dp_replicate") * self.degrees["dp_shard"]
+                + self.mesh.get_local_rank("dp_shard"))
+
+    @property
+    def reports_loss(self) -> bool:
+        """Exactly one rank per data-parallel replica holds the loss: last stage, TP rank 0."""
+        return self.last_stage and (self.mesh is None or self.mesh.get_local_rank("tp") == 0)
+
+    def group(self, dim: str):
+        return self.mesh.get_group(dim) if self.mesh is not None else None
+
+
+def build_mesh(degrees: dict[str, int], device_type: str) -> DeviceMesh | None:
+    if not dist.is_initialized():
+        return None
+    shape = tuple(degrees[d] for d in MESH_DIMS)
+    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+
+
+def parallelize(model: nn.Module, par_cfg, degrees: dict[str, int], device: torch.device,
+                loss_fn) -> Layout:
+    """Lay `model` (built whole, on `device`) out on this rank according to `degrees`."""
+    mesh = build_mesh(degrees, device.type)
+    if mesh is None:
+        return Layout(None, degrees, [_finish(model, par_cfg)])
+
+    stage_ids, parts = [0], [model]
+    if degrees["pp"] > 1:
+        stage_ids, parts = split_pipeline(model, mesh, par_cfg, degrees["pp"])
+    parts = [_apply_tp(part, mesh["tp"]) if degrees["tp"] > 1 else part for part in parts]
+    parts = [_finish(part, par_cfg) for part in parts]
+
+    dp_size = degrees["dp_replicate"] * degrees["dp_shard"]
+    pure_replication = degrees["dp_shard"] == 1 and degrees["tp"] == 1 and degrees["pp"] == 1
+    layout = Layout(mesh, degrees, parts, stage_ids=stage_ids)
+    if dp_size > 1 and pure_replication:
+        from torch.nn.parallel import DistributedDataParallel
+
+        layout.model_parts = [DistributedDataParallel(parts[0], process_group=mesh.get_group("dp_replicate"))]
+        layout.ddp = True
+    elif dp_size > 1:
+        layout.model_parts = [_apply_fsdp(p, mesh["dp_replicate", "dp_shard"], par_cfg, device)
+                              for p in parts]
+        layout.fsdp = True
+
+    if degrees["pp"] > 1:
+        _build_schedule(layout, mesh, par_cfg, device, loss_fn)
+    return layout
+
+
+# -- pipeline parallelism ---------------------------------------------------------------------
+
+def stages_per_rank(par_cfg) -> int:
+    return 2 if par_cfg.pp_schedule == "interleaved-1f1b" else 1
+
+
+def split_pipeline(model: nn.Module, mesh: DeviceMesh, par_cfg, pp: int):
+    """This rank's stages: copies of the model keeping a contiguous run of layers each.
+
+    With interleaving a rank holds stages r and r + pp (looping placement).
+    """
+    n_stages = pp * stages_per_rank(par_cfg)
+    layer_names = list(model.layers.keys())
+    if len(layer_names) < n_stages:
+        raise ValueError(f"{len(layer_names)} layers cannot fill {n_stages} pipeline stages; "
+                         "lower parallelism.pp or use a non-interleaved pp_schedule")
+    bounds = _even_split(len(layer_names), n_stages)
+    pp_rank = mesh.get_local_rank("pp")
+    stage_ids = [pp_rank + k * pp for k in range(stages_per_rank(par_cfg))]
+    parts = []
+    for sid in stage_ids:
+        part = copy.deepcopy(model)
+        keep = set(layer_names[bounds[sid]:bounds[sid + 1]])
+        for name in layer_names:
+            if name not in keep:
+                del part.layers[name]
+        if sid != 0:
+            part.tok_embeddings = None
+        if sid != n_stages - 1:
+            part.norm, part.output = None, None
+        parts.append(part)
+    return stage_ids, parts
+
+
+def _even_split(n: int, parts: int) -> list[int]:
+    base, extra = divmod(n, parts)
+    bounds = [0]
+    for i in range(parts):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return bounds
+
+
+def _build_schedule(layout: Layout, mesh: DeviceMesh, par_cfg, device, loss_fn) -> None:
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
+                                                        ScheduleInterleaved1F1B)
+
+    pp = layout.degrees["pp"]
+    n_stages = pp * stages_per_rank(par_cfg)
+    group = mesh.get_group("pp")
+    stages = [PipelineStage(part, sid, n_stages, device, group=group)
+              for sid, part in zip(layout.stage_ids, layout.model_parts)]
+    microbatches = par_cfg.pipeline_microbatches
+    # scale_grads would divide the *accumulated* gradients after every step, which is wrong
+    # with gradient accumulation; loss_fn already divides by micro-batches x accumulation.
+    if par_cfg.pp_schedule == "interleaved-1f1b":
+        layout.schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn,
+                                                  scale_grads=False)
+    else:
+        cls = ScheduleGPipe if par_cfg.pp_schedule == "gpipe" else Schedule1F1B
+        layout.schedule = cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
+    layout.first_stage = 0 in layout.stage_ids
+    layout.last_stage = (n_stages - 1) in layout.stage_ids
+
+
+# -- tensor parallelism -----------------------------------------------------------------------
+
+def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Megatron-style TP with sequence parallelism for the norms (activations between blocks
+    are sharded along the sequence, so norms and residual adds are not duplicated)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    top = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.output is not None:
+        top["norm"] = SequenceParallel()
+        top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                               desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return model
+
+
+# -- activation checkpointing, compile ---------------------------------------------------------
+
+def _finish(model: nn.Module, par_cfg) -> nn.Module:
+    """Activation checkpointing and compile, per block (both keep parameter names)."""
+    if par_cfg.activation_checkpointing != "none":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for i, name in enumerate(list(model.layers.keys())):
+            # "selective": every other block, trading half the recompute for half the memory.
+            if par_cfg.activation_checkpointing == "full" or i % 2 == 0:
+                model.layers[name] = checkpoint_wrapper(model.layers[name], preserve_rng_state=False)
+    if par_cfg.compile:
+        for block in model.layers.values():
+            block.compile()
+    return model
+
+
+# -- data parallelism -------------------------------------------------------------------------
+
+def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, par_cfg, device: torch.device) -> nn.Module:
+    """FSDP2 per block then the root; a 2-D (replicate, shard) mesh makes it HSDP."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    bf16 = par_cfg.mixed_precision == "bf16" or (par_cfg.mixed_precision == "auto" and device.type == "cuda")
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+        else MixedPrecisionPolicy()
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=par_cfg.reshard_after_forward)
+    # The root's parameters (embeddings, final norm, output) are used last in backward and
+    # first in forward: keep them gathered after forward.
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+    return model
+
+
+# -- gradient clipping across every layout ----------------------------------------------------
+
+def clip_grad_norm_(layout: Layout, max_norm: float) -> torch.Tensor:
+    """Global gradient norm over all stages and shards; clips in place when max_norm > 0."""
+    params = [p for part in layout.model_parts for p in part.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if hasattr(norm, "full_tensor"):  # DTensor: reduce over its mesh
+        norm = norm.full_tensor()
+    if layout.degrees["pp"] > 1:  # each stage saw only its own parameters
+        squared = norm ** 2
+        dist.all_reduce(squared, group=layout.group("pp"))
+        norm = squared.sqrt()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
