@@ -216,21 +216,113 @@ class EvalConfig(_Section):
 
 
 class FaultsConfig(_Section):
+    """How training reacts to bad steps, and faults to inject (each injection fires once per run)."""
+
+    spike_factor: float | None = Field(
+        3.0, gt=1, description="A loss above this multiple of the rolling mean is a spike: the "
+        "step is not applied and the run rolls back past its data. None turns detection off.")
+    spike_window: int = Field(20, ge=2, description="Steps in the rolling mean (detection starts "
+                                                    "once the window is full).")
+    mtbf_hours: float | None = Field(
+        None, gt=0, description="Mean time between failures for checkpoint-interval advice "
+        "(Young/Daly); None uses the failures observed in the run.")
+    emergency_save_s: float = Field(
+        60.0, gt=0, description="Time a worker gets on SIGTERM to save and exit before it is killed.")
     crash_at_step: int | None = Field(
-        None, ge=1, description="Kill a worker when this step is reached (fires once per run)."
+        None, ge=1, description="Inject: kill a worker (SIGKILL) when this step is reached."
     )
     crash_rank: int = Field(0, ge=0, description="Rank that crashes.")
+    nan_at_step: int | None = Field(
+        None, ge=1, description="Inject: make the loss of this step non-finite.")
+    sigterm_at_step: int | None = Field(
+        None, ge=1, description="Inject: SIGTERM every worker (a preemption) at this step.")
 
 
 class RunSection(_Section):
     run_id: str = Field("tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
                         description="Names the run; checkpoints and ledger live under it.")
     runs_dir: str = Field("./.goodput/runs", description="Local run directories.")
-    max_attempts: int = Field(3, ge=1, description="Training attempts (1 + Prefect retries).")
+    max_attempts: int = Field(6, ge=1, description="Training attempts in one flow run "
+                                                   "(1 + Prefect retries), all classes together.")
+    retry_budgets: dict[str, int] = Field(
+        default_factory=lambda: {"retryable": 4, "hang": 2, "rollback": 3, "oom": 0, "unknown": 1},
+        description="Retries per failure class (retryable: crash, comm timeout, preemption; "
+                    "hang; rollback: non-finite loss or spike; oom). Config errors never retry.")
+    no_progress_attempts: int = Field(
+        3, ge=1, description="Stop when this many failed attempts in a row committed no newer "
+                             "checkpoint than the one they resumed from.")
     retry_delay_s: float = Field(1.0, ge=0)
     hang_timeout_s: float = Field(
         600.0, gt=0, description="Kill the workers when the heartbeat stalls this long."
     )
+
+
+class SshLaunch(_Section):
+    options: list[str] = Field(
+        default_factory=lambda: ["-o", "BatchMode=yes"],
+        description="Extra ssh options, e.g. ['-i', 'key', '-o', 'StrictHostKeyChecking=no'].")
+
+
+class SlurmLaunch(_Section):
+    partition: str | None = Field(None, description="sbatch --partition")
+    account: str | None = Field(None, description="sbatch --account")
+    time: str = Field("24:00:00", description="sbatch --time: the job's wall-clock limit.")
+    gpus_per_node: int | None = Field(None, ge=1, description="sbatch --gpus-per-node; None "
+                                                              "requests no GPUs.")
+    cpus_per_node: int | None = Field(None, ge=1, description="sbatch --cpus-per-task (one "
+                                                              "task, one torchrun, per node).")
+    extra_sbatch: list[str] = Field(default_factory=list,
+                                    description="More sbatch options, one per #SBATCH line, "
+                                                "e.g. '--qos=high' or '--exclusive'.")
+    setup: list[str] = Field(default_factory=list,
+                             description="Shell lines run before srun, e.g. 'module load cuda'.")
+
+
+class KubernetesLaunch(_Section):
+    kind: Literal["jobset", "pytorchjob"] = Field(
+        "jobset", description="A JobSet (jobset.x-k8s.io) or a Kubeflow PyTorchJob.")
+    namespace: str = "default"
+    image: str | None = Field(None, description="Container image with this repository and its "
+                                                "environment installed.")
+    gpus_per_node: int | None = Field(None, ge=1, description="nvidia.com/gpu limit per pod.")
+    volume_claim: str | None = Field(
+        None, description="PersistentVolumeClaim holding the run and data directories, mounted "
+                          "at mount_path (they must be at the same paths as here).")
+    mount_path: str = "/goodput"
+
+
+class LaunchConfig(_Section):
+    """How the nodes of a training attempt are started: one torchrun per node.
+
+    Every node must see the run directory, the dataset and the config at the same paths
+    (a shared filesystem), as the launch task watches the heartbeat and exit records there.
+    """
+
+    kind: Literal["local", "ssh", "slurm", "kubernetes"] = Field(
+        "local", description="local: parallelism.nnodes torchrun 'nodes' on this machine; ssh: one "
+                             "per host in `hosts`; slurm: an sbatch job; kubernetes: a JobSet or "
+                             "PyTorchJob.")
+    hosts: list[str] = Field(default_factory=list, description="ssh: one host per node; the first "
+                                                               "hosts the rendezvous.")
+    rdzv_port: int = Field(29400, ge=1, le=65535, description="Port of the c10d rendezvous on the "
+                                                             "first node (ssh, slurm, kubernetes).")
+    network_interface: str | None = Field(
+        None, description="GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME on every node, e.g. 'eth0'.")
+    workdir: str | None = Field(None, description="Directory the nodes run in; None: this "
+                                                  "process's working directory.")
+    python: str | None = Field(None, description="Python on the nodes; None: this interpreter.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra worker environment.")
+    poll_s: float = Field(10.0, gt=0, description="How often slurm/kubernetes job state is queried.")
+    ssh: SshLaunch = Field(default_factory=SshLaunch)
+    slurm: SlurmLaunch = Field(default_factory=SlurmLaunch)
+    kubernetes: KubernetesLaunch = Field(default_factory=KubernetesLaunch)
+
+    @model_validator(mode="after")
+    def _kubernetes_image(self) -> "LaunchConfig":
+        if self.kind == "kubernetes" and not self.kubernetes.image:
+            raise ValueError("kind=kubernetes needs kubernetes.image: an image with this "
+                             "repository and its environment")
+        return self
 
 
 class RunConfig(_Section):
@@ -244,6 +336,7 @@ class RunConfig(_Section):
     storage: StorageConfig = Field(default_factory=StorageConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
@@ -269,6 +362,9 @@ class RunConfig(_Section):
             raise ValueError(f"training.micro_batch_size={self.training.micro_batch_size} does not "
                              f"split into parallelism.microbatches={self.parallelism.pipeline_microbatches}; "
                              "make it a multiple")
+        if self.launch.kind == "ssh" and len(self.launch.hosts) != self.parallelism.nnodes:
+            raise ValueError(f"launch.kind=ssh needs one host per node: {len(self.launch.hosts)} "
+                             f"launch.hosts for parallelism.nnodes={self.parallelism.nnodes}")
         if self.faults.crash_rank >= self.parallelism.world_size:
             raise ValueError(f"faults.crash_rank={self.faults.crash_rank} is not a rank of "
                              f"world size {self.parallelism.world_size}")

@@ -23,7 +23,10 @@ from goodput.checkpoints import resume_point
 from goodput.config import ConfigError, RunConfig, dump_config
 from infra.torchrun import AttemptResult, TrainingFailed, run_attempt
 from storage.checksums import write_atomic
-from training.checkpoint import step_of
+from storage.ledger import DataSkip, Ledger
+from storage.manifests import CheckpointManifest
+from training.checkpoint import committed_checkpoints, step_of
+from training.exits import attempt_dir
 
 
 def write_run_config(config: RunConfig) -> Path:
@@ -46,7 +49,8 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
                   on_progress: Callable[[dict], None] | None = None) -> AttemptResult:
     """One attempt: resume from the newest validated checkpoint and train to max_steps.
 
-    Raises TrainingFailed (with its failure class) when the attempt does not finish.
+    Raises TrainingFailed with the failure class and the retry policy's verdict when the
+    attempt does not finish. A rollback first records the data window to skip.
     """
     config_path = write_run_config(config)
     resume = resume_point(config, store)
@@ -57,17 +61,89 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
         f"attempt {attempt}: starting from scratch")
     result = run_attempt(config, config_path, dataset_dir, resume, attempt, log,
                          on_progress=on_progress)
-    if result.failure_class != "done":
-        raise TrainingFailed(f"training attempt {attempt} ended: {result.failure_class} "
-                             f"({result.reason}) at step {result.step}",
-                             result.failure_class, result.step)
-    return result
+    outcome = record_outcome(config, attempt, result, resume)
+    if result.failure_class == "done":
+        return result
+    if result.failure_class == "rollback":
+        skip = skip_data_before(config, store, result)
+        log(f"rollback: samples [{skip.start}, {skip.end}) will be skipped ({skip.reason})")
+    retry, why = retry_decision(config, read_outcomes(config, attempt_prefix(attempt)))
+    log(f"attempt {attempt} ended: {outcome['class']} at step {outcome['step']} ({outcome['reason']}); "
+        + ("retrying" if retry else f"not retrying: {why}"))
+    raise TrainingFailed(f"training attempt {attempt} ended: {result.failure_class} "
+                         f"({result.reason}) at step {result.step}" + ("" if retry else f"; {why}"),
+                         result.failure_class, result.step, retry=retry)
+
+
+def attempt_prefix(attempt: str) -> str:
+    """Attempts of one flow run share a prefix (`<flow run>-<try>`): budgets count per run."""
+    return attempt.rsplit("-", 1)[0]
+
+
+def record_outcome(config: RunConfig, attempt: str, result: AttemptResult,
+                   resumed_from: Path | None) -> dict:
+    """Why the attempt ended, where it started and what it left: the retry policy's input."""
+    committed = committed_checkpoints(config.run_dir)
+    outcome = {"attempt": attempt, "class": result.failure_class, "reason": result.reason,
+               "step": result.step, "exit_code": result.exit_code,
+               "resumed_from": step_of(resumed_from) if resumed_from else 0,
+               "newest_checkpoint": step_of(committed[-1]) if committed else 0,
+               "wall_time_s": result.wall_time_s, "time": time.time()}
+    directory = attempt_dir(config.run_dir, attempt)
+    directory.mkdir(parents=True, exist_ok=True)
+    write_atomic(directory / "outcome.json", json.dumps(outcome).encode())
+    return outcome
+
+
+def read_outcomes(config: RunConfig, prefix: str = "") -> list[dict]:
+    root = config.run_dir / "attempts"
+    paths = root.glob(f"attempt-{prefix}*/outcome.json") if root.is_dir() else []
+    return sorted((json.loads(p.read_text()) for p in paths), key=lambda o: o["time"])
+
+
+def retry_decision(config: RunConfig, outcomes: list[dict]) -> tuple[bool, str]:
+    """Retry the last failed attempt? Each failure class has its own budget, configuration
+    errors never retry, and attempts that keep failing without progress stop the run."""
+    last = outcomes[-1]
+    cls = last["class"]
+    if cls == "config":
+        return False, "configuration or data error: fix the input and rerun"
+    budgets = config.run.retry_budgets
+    budget = budgets.get(cls, budgets.get("unknown", 0))
+    failures = sum(1 for o in outcomes if o["class"] == cls)
+    if failures > budget:
+        hint = (" — lower training.micro_batch_size, or shard more (parallelism.dp_shard, "
+                "activation_checkpointing); `goodput plan` estimates memory") if cls == "oom" else ""
+        return False, f"{cls} failures ({failures}) exceed their budget of {budget} retries{hint}"
+    stalled = 0
+    for o in reversed(outcomes):
+        if o["class"] == "done" or o["newest_checkpoint"] > o["resumed_from"]:
+            break
+        stalled += 1
+    if stalled >= config.run.no_progress_attempts:
+        return False, (f"{stalled} attempts in a row committed no checkpoint newer than the one "
+                       "they resumed from")
+    return True, ""
+
+
+def skip_data_before(config: RunConfig, store, result: AttemptResult) -> DataSkip:
+    """Record the data window from the checkpoint the next attempt resumes at to the bad step."""
+    bad = next(r for r in result.records if r["class"] == "rollback")
+    resume = resume_point(config, store)
+    start = CheckpointManifest.load(resume).data_position if resume is not None else 0
+    return Ledger(config.run_dir, config.run.run_id).add_data_skip(
+        start, bad["sample_end"], f"rollback at step {bad['step']}: {bad['reason']}")
+
+
+def read_summary(run_dir: Path) -> dict:
+    path = Path(run_dir) / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def update_summary(run_dir: Path, section: str, values: dict) -> dict:
     """Merge one stage's results into summary.json (stages run separately or chained)."""
     path = Path(run_dir) / "summary.json"
-    summary = json.loads(path.read_text()) if path.is_file() else {}
+    summary = read_summary(run_dir)
     summary[section] = values
     summary["updated_at"] = time.time()
     path.parent.mkdir(parents=True, exist_ok=True)

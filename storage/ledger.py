@@ -40,9 +40,19 @@ class LedgerEntry(BaseModel):
     history: list[Transition] = Field(default_factory=list)
 
 
+class DataSkip(BaseModel):
+    """Global samples [start, end) that training never sees again (the data before a spike)."""
+
+    start: int
+    end: int
+    reason: str
+    at: float
+
+
 class LedgerData(BaseModel):
     run_id: str
     entries: dict[int, LedgerEntry] = Field(default_factory=dict)
+    data_skips: list[DataSkip] = Field(default_factory=list)
 
     def newest(self, states: tuple[State, ...] = RESUMABLE) -> LedgerEntry | None:
         matching = [e for e in self.entries.values() if e.state in states]
@@ -88,11 +98,17 @@ class Ledger:
             data.entries[step] = entry
             return entry.model_copy()
 
+    def add_data_skip(self, start: int, end: int, reason: str) -> DataSkip:
+        skip = DataSkip(start=start, end=end, reason=reason, at=time.time())
+        with self.edit() as data:
+            data.data_skips.append(skip)
+        return skip
+
     def replace(self, raw: bytes) -> None:
         """Replace the ledger wholesale (used when restoring it from the store)."""
         data = LedgerData.model_validate_json(raw)
         with self.edit() as current:
-            current.entries = data.entries
+            current.entries, current.data_skips = data.entries, data.data_skips
 
     def push(self, store) -> None:
         """Mirror the ledger to the store. Holding the lock keeps an older copy from landing last."""

@@ -66,6 +66,7 @@ class CheckpointManifest(BaseModel):
 
     step: int
     tokens_seen: int
+    data_position: int = Field(0, description="Global sample index the data loader resumes at.")
     files: list[FileEntry]
     world_size: int
     layout: dict[str, int]

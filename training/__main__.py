@@ -37,10 +37,19 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr, flush=True)
         return exits.CONFIG_ERROR
     run_dir = config.run_dir
-    try:
-        from training.train import train
+    from training.train import Preempted, RollbackRequested, train
 
+    try:
         summary = train(config, Path(args.dataset), args.resume)
+    except RollbackRequested as e:
+        print(f"[train] rollback: {e}", file=sys.stderr, flush=True)
+        exits.write_exit_record(run_dir, attempt, rank, exits.ROLLBACK, e.reason, e.step,
+                                sample_end=e.sample_end)
+        return exits.ROLLBACK
+    except Preempted as e:
+        print(f"[train] {e}", flush=True)
+        exits.write_exit_record(run_dir, attempt, rank, exits.RETRYABLE, str(e), e.step)
+        return exits.RETRYABLE
     except (ValueError, FileNotFoundError) as e:
         # Bad data, shapes that do not fit, a resume path that does not exist: retrying the
         # same inputs cannot help.

@@ -61,7 +61,12 @@ class DistributedSampleLoader:
                 f"of seq_len={seq_len}: fewer than one micro-batch across ranks "
                 f"({micro_batch} x {dp_size}); add data or lower training.seq_len")
         self.sample_index = 0  # next global sample to hand out, across all ranks
+        self.skips: list[tuple[int, int]] = []  # [start, end) windows never handed out
         self._epoch, self._order = -1, np.empty(0, dtype=np.int64)
+
+    def skip_windows(self, windows: list[tuple[int, int]]) -> None:
+        """Never hand out global samples in these windows (each starts on a step boundary)."""
+        self.skips = sorted(windows)
 
     def _sample_position(self, global_index: int) -> int:
         epoch, offset = divmod(global_index, self.samples_per_epoch)
@@ -71,6 +76,9 @@ class DistributedSampleLoader:
         return int(self._order[offset])
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        for start, end in self.skips:
+            if start <= self.sample_index < end:
+                self.sample_index = end
         first = self.sample_index + self.dp_rank * self.micro_batch
         rows = [self.stream.window(self._sample_position(first + i) * self.seq_len, self.seq_len + 1)
                 for i in range(self.micro_batch)]

@@ -10,6 +10,7 @@ launch task adds supervision around it; nothing here knows about Prefect.
 from __future__ import annotations
 
 import gc
+from collections import deque
 from contextlib import nullcontext
 import math
 import os
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 
 from goodput.config import RunConfig
 from storage.checksums import fsync_dir
+from storage.ledger import Ledger
 from storage.manifests import DatasetManifest
 from training.checkpoint import checkpoint_path, committed_checkpoints, load_checkpoint, save_checkpoint
 from training.data import DistributedSampleLoader, TokenStream
@@ -96,24 +98,101 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
     return path
 
 
-class CrashInjector:
-    """faults.crash_at_step: SIGKILL one worker once per run (a marker file remembers it fired)."""
+class RollbackRequested(Exception):
+    """A bad step (non-finite or spiking loss): resume from before it and skip its data."""
+
+    def __init__(self, step: int, sample_end: int, reason: str):
+        super().__init__(f"step {step}: {reason}")
+        self.step, self.sample_end, self.reason = step, sample_end, reason
+
+
+class Preempted(Exception):
+    """SIGTERM arrived; an emergency checkpoint at `step` is committed."""
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted (SIGTERM): emergency checkpoint at step {step}")
+        self.step = step
+
+
+class LossGuard:
+    """Flags a step whose loss or gradient norm is non-finite, or whose loss spikes above
+    `factor` x the mean of the last `window` good steps (in the spirit of llm-foundry's
+    loss-spike intervention). Every rank sees the same all-reduced loss, so all agree."""
+
+    def __init__(self, factor: float | None, window: int):
+        self.factor, self.recent = factor, deque(maxlen=window)
+
+    def check(self, loss: float, grad_norm: float) -> str:
+        if not math.isfinite(loss):
+            return f"non-finite loss {loss}"
+        if not math.isfinite(grad_norm):
+            return f"non-finite gradient norm {grad_norm}"
+        if self.factor and len(self.recent) == self.recent.maxlen:
+            mean = sum(self.recent) / len(self.recent)
+            if loss > self.factor * mean:
+                return f"loss spike {loss:.4f} > {self.factor} x rolling mean {mean:.4f}"
+        self.recent.append(loss)
+        return ""
+
+
+class PreemptionFlag:
+    """SIGTERM sets a flag; ranks agree on it at a step boundary so they save together."""
+
+    def __init__(self):
+        self.received = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.received = True
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([1.0 if self.received else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+class FaultInjector:
+    """faults.*_at_step: each injection fires once per run; a marker file remembers it fired."""
 
     def __init__(self, config: RunConfig, rank: int):
-        self.step, self.rank = config.faults.crash_at_step, config.faults.crash_rank
-        self.marker = config.run_dir / "faults" / f"crash_at_step-{self.step}.fired"
-        self.armed = self.step is not None and rank == self.rank and not self.marker.exists()
+        self.faults, self.rank = config.faults, rank
+        self.marker_dir = config.run_dir / "faults"
 
-    def maybe_fire(self, step: int) -> None:
-        if self.armed and step == self.step:
-            self.marker.parent.mkdir(parents=True, exist_ok=True)
-            with open(self.marker, "w") as f:
-                f.write(str(time.time()))
-                f.flush()
-                os.fsync(f.fileno())
-            fsync_dir(self.marker.parent)
+    def _fire_once(self, name: str, step: int | None, at: int, rank: int | None = 0) -> bool:
+        if step is None or step != at or (rank is not None and self.rank != rank):
+            return False
+        marker = self.marker_dir / f"{name}-{step}.fired"
+        if marker.exists():
+            return False
+        self.marker_dir.mkdir(parents=True, exist_ok=True)
+        with open(marker, "w") as f:
+            f.write(str(time.time()))
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(self.marker_dir)
+        return True
+
+    def poison_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        # Every rank checks the marker before rank 0 writes it: all ranks see the same NaN.
+        marker = self.marker_dir / f"nan_at_step-{step}.fired"
+        if self.faults.nan_at_step == step and not marker.exists():
+            if dist.is_initialized():
+                dist.barrier()
+            self._fire_once("nan_at_step", self.faults.nan_at_step, step)
+            return loss + float("nan")
+        return loss
+
+    def after_step(self, step: int) -> None:
+        if self._fire_once("crash_at_step", self.faults.crash_at_step, step, self.faults.crash_rank):
             print(f"[faults] killing rank {self.rank} (pid {os.getpid()}) at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._fire_once("sigterm_at_step", self.faults.sigterm_at_step, step):
+            # As a scheduler preempting the job would: SIGTERM to torchrun, which forwards it
+            # to every worker (or to this process when it runs without torchrun).
+            target = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
+            print(f"[faults] SIGTERM to pid {target} at step {step}", flush=True)
+            os.kill(target, signal.SIGTERM)
 
 
 def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
@@ -155,16 +234,33 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
         if env.is_main:
             print(f"[train] resumed from {resume_from} at step {step}", flush=True)
 
+    loader.skip_windows([(w.start, w.end) for w in Ledger(run_dir, config.run.run_id).read().data_skips])
     tokens_per_step = tcfg.tokens_per_rank_step * layout.dp_size
     device_peak = peak_flops(torch.cuda.get_device_name(env.device) if env.device.type == "cuda"
                              else "cpu", tcfg.peak_flops_per_device)
-    crash = CrashInjector(config, env.rank)
+    faults = FaultInjector(config, env.rank)
+    guard = LossGuard(config.faults.spike_factor, config.faults.spike_window)
+    preemption = PreemptionFlag()
     if env.is_main:
         print(f"[train] {n_params:,} parameters, world size {env.world_size}, layout "
               f"{' x '.join(f'{k}={v}' for k, v in degrees.items())}, {tokens_per_step:,} tokens/step, "
               f"steps {step + 1}..{tcfg.max_steps}", flush=True)
 
-    last_loss = float("nan")
+    def save(step: int, loss: float) -> float:
+        started = time.perf_counter()
+        path = checkpoint_path(run_dir, step)
+        save_checkpoint(path, layout.model_parts, optimizers,
+                        {"progress": {"step": step, "tokens_seen": tokens_seen},
+                         "data": loader.state_dict(), "rng": {"torch": torch.get_rng_state()}},
+                        {"step": step, "tokens_seen": tokens_seen, "data_position": loader.sample_index,
+                         "world_size": env.world_size, "layout": degrees,
+                         "config_hash": config.config_hash(), "dataset_id": manifest.dataset_id,
+                         "model_args": model_args, "loss": loss})
+        if env.is_main:
+            print(f"[checkpoint] committed {path.name} (loss {loss:.4f})", flush=True)
+        return time.perf_counter() - started
+
+    last_loss, saved_step = float("nan"), step
     while step < tcfg.max_steps:
         step_start = time.perf_counter()
         lr = lr_at(step + 1, tcfg)
@@ -177,39 +273,39 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
             loss_sum += forward_backward(layout, inputs, targets, env.device,
                                          last_micro=micro == tcfg.grad_accum_steps - 1,
                                          accum=tcfg.grad_accum_steps)
-        grad_norm = clip_grad_norm_(layout, tcfg.grad_clip)
+        loss_sum = faults.poison_loss(step + 1, loss_sum)
+        loss = global_loss(layout, loss_sum)
+        grad_norm = float(clip_grad_norm_(layout, tcfg.grad_clip))
+        verdict = guard.check(loss, grad_norm)
+        if verdict:  # the update is not applied; the next attempt rolls back past this data
+            raise RollbackRequested(step + 1, loader.sample_index, verdict)
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
         step += 1
         tokens_seen += tokens_per_step
-
-        last_loss = global_loss(layout, loss_sum)
+        last_loss = loss
         step_time = time.perf_counter() - step_start
         tokens_per_s = tokens_per_step / step_time
+
+        checkpoint_s = 0.0
+        if step % config.checkpoint.every_steps == 0 or step == tcfg.max_steps:
+            checkpoint_s, saved_step = save(step, loss), step
         if env.is_main and (step % tcfg.log_every == 0 or step == tcfg.max_steps):
             achieved = flops_per_token * tokens_per_s / env.world_size
-            metrics.log({"step": step, "loss": last_loss, "lr": lr, "grad_norm": float(grad_norm),
+            metrics.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                          "tokens_seen": tokens_seen, "tokens_per_s": tokens_per_s,
-                         "step_time_s": step_time, "flops_per_s_per_device": achieved,
+                         "step_time_s": step_time, "checkpoint_s": checkpoint_s,
+                         "flops_per_s_per_device": achieved,
                          "mfu": achieved / device_peak if device_peak else None,
                          "attempt": attempt})
-        metrics.heartbeat(step=step, loss=last_loss, tokens_per_s=tokens_per_s,
+        metrics.heartbeat(step=step, loss=loss, tokens_per_s=tokens_per_s,
                           max_steps=tcfg.max_steps, attempt=attempt)
-
-        if step % config.checkpoint.every_steps == 0 or step == tcfg.max_steps:
-            path = checkpoint_path(run_dir, step)
-            save_checkpoint(path, layout.model_parts, optimizers,
-                            {"progress": {"step": step, "tokens_seen": tokens_seen},
-                             "data": loader.state_dict(), "rng": {"torch": torch.get_rng_state()}},
-                            {"step": step, "tokens_seen": tokens_seen,
-                             "world_size": env.world_size, "layout": degrees,
-                             "config_hash": config.config_hash(),
-                             "dataset_id": manifest.dataset_id,
-                             "model_args": model_args, "loss": last_loss})
-            if env.is_main:
-                print(f"[checkpoint] committed {path.name} (loss {last_loss:.4f})", flush=True)
-        crash.maybe_fire(step)
+        faults.after_step(step)
+        if preemption.agreed():
+            if saved_step != step:
+                save(step, loss)
+            raise Preempted(step)
 
     metrics.close()
     summary = {"final_step": step, "tokens_seen": tokens_seen, "final_loss": last_loss}

@@ -1,0 +1,78 @@
+"""Goodput accounting: where every second of a run's wall time went.
+
+    productive   steps whose result the final model contains (the last run of each step)
+    lost work    steps computed and then thrown away (redone after a crash or rollback)
+    checkpoint   time training was blocked saving checkpoints
+    restart      everything else in the train stage: process start, rendezvous, loading a
+                 checkpoint, retry delays, teardown
+    evaluation   the evaluate stage
+
+goodput = productive / total. The parts add up to the total exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+from training.metrics import read_metrics
+
+
+def goodput_breakdown(run_dir, train_wall_s: float, eval_wall_s: float = 0.0) -> dict:
+    records = read_metrics(run_dir)
+    last_run: dict[int, dict] = {}
+    lost = 0.0
+    for record in records:  # metrics.jsonl is in time order
+        if record["step"] in last_run:
+            lost += last_run[record["step"]]["step_time_s"]
+        last_run[record["step"]] = record
+    productive = sum(r["step_time_s"] for r in last_run.values())
+    checkpoint = sum(r.get("checkpoint_s", 0.0) for r in records)
+    restart = max(0.0, train_wall_s - productive - lost - checkpoint)
+    total = productive + lost + checkpoint + restart + eval_wall_s
+    return {"productive_s": productive, "lost_work_s": lost, "checkpoint_s": checkpoint,
+            "restart_s": restart, "evaluation_s": eval_wall_s, "total_s": total,
+            "goodput": productive / total if total > 0 else None}
+
+
+def checkpoint_interval_advice(run_dir, failures: int, wall_s: float,
+                               mtbf_hours: float | None, every_steps: int) -> dict | None:
+    """Young/Daly: the interval that minimises expected lost time is sqrt(2 * C * MTBF),
+    with C the measured checkpoint cost and MTBF configured or observed in this run."""
+    records = read_metrics(run_dir)
+    saves = [r["checkpoint_s"] for r in records if r.get("checkpoint_s")]
+    if not saves or not records:
+        return None
+    cost = sum(saves) / len(saves)
+    step_time = sum(r["step_time_s"] for r in records) / len(records)
+    if mtbf_hours:
+        mtbf, source = mtbf_hours * 3600, "configured (faults.mtbf_hours)"
+    elif failures:
+        mtbf, source = wall_s / failures, f"observed ({failures} failures in {wall_s:.0f}s)"
+    else:
+        return {"checkpoint_cost_s": cost, "mtbf_s": None, "note":
+                "no failure observed and faults.mtbf_hours unset: no MTBF to plan for"}
+    interval = math.sqrt(2 * cost * mtbf)
+    steps = max(1, round(interval / step_time))
+    return {"checkpoint_cost_s": cost, "mtbf_s": mtbf, "mtbf_source": source,
+            "optimal_interval_s": interval, "optimal_every_steps": steps,
+            "current_every_steps": every_steps}
+
+
+def summarize_goodput(config) -> dict:
+    """The run's goodput section of summary.json, from its metrics, attempts and stage times."""
+    from goodput.runs import read_outcomes, read_summary, update_summary
+
+    summary = read_summary(config.run_dir)
+    train_wall = summary.get("train", {}).get("wall_time_total_s", 0.0)
+    eval_wall = summary.get("evaluate", {}).get("wall_time_s", 0.0)
+    outcomes = read_outcomes(config)
+    attempts: dict[str, int] = {}
+    for o in outcomes:
+        attempts[o["class"]] = attempts.get(o["class"], 0) + 1
+    failures = sum(n for cls, n in attempts.items() if cls != "done")
+    values = goodput_breakdown(config.run_dir, train_wall, eval_wall)
+    values["attempts"] = attempts
+    values["checkpoint_advice"] = checkpoint_interval_advice(
+        config.run_dir, failures, train_wall, config.faults.mtbf_hours, config.checkpoint.every_steps)
+    update_summary(config.run_dir, "goodput", values)
+    return values

@@ -1,0 +1,126 @@
+"""Failure classes and what the pipeline does about each: real flows, real torchrun."""
+
+import pytest
+
+from flows.prepare import prepare
+from flows.train import train
+from goodput.config import load_config
+from goodput.runs import read_outcomes, retry_decision
+from storage.ledger import Ledger
+from tests.helpers import losses_by_step, small_config
+from training.data import DistributedSampleLoader, TokenStream
+from training.train import LossGuard
+
+STEPS = 30
+
+
+# -- the policy, as plain functions -------------------------------------------------------------
+
+def test_loss_guard_flags_non_finite_and_spikes():
+    guard = LossGuard(factor=2.0, window=3)
+    assert guard.check(float("nan"), 1.0).startswith("non-finite loss")
+    assert guard.check(1.0, float("inf")).startswith("non-finite gradient")
+    for loss in (5.0, 4.0, 3.0):
+        assert guard.check(loss, 1.0) == ""  # filling the window: no verdict yet
+    assert guard.check(9.5, 1.0).startswith("loss spike 9.5000 > 2.0 x rolling mean 4.0000")
+    assert guard.check(3.5, 1.0) == ""  # the spike did not enter the window
+
+
+def _outcome(cls, resumed_from=0, newest=10):
+    return {"class": cls, "resumed_from": resumed_from, "newest_checkpoint": newest}
+
+
+def test_retry_policy_budgets_per_class_and_no_progress():
+    config = load_config(None, ["run.retry_budgets={retryable: 2, rollback: 1, oom: 0, unknown: 0}",
+                                "run.no_progress_attempts=2"])
+    assert retry_decision(config, [_outcome("config")]) == (False, "configuration or data error: "
+                                                                   "fix the input and rerun")
+    assert retry_decision(config, [_outcome("retryable"), _outcome("retryable", 10, 20)])[0]
+    spent = retry_decision(config, [_outcome("retryable", 0, 10), _outcome("retryable", 10, 20),
+                                    _outcome("retryable", 20, 30)])
+    assert spent[0] is False and "exceed their budget of 2" in spent[1]
+    oom = retry_decision(config, [_outcome("oom")])
+    assert oom[0] is False and "goodput plan" in oom[1]
+    assert retry_decision(config, [_outcome("hang")])[0] is False  # unknown budget: 0
+    stalled = retry_decision(config, [_outcome("retryable", 10, 10), _outcome("rollback", 10, 10)])
+    assert stalled[0] is False and "committed no checkpoint newer" in stalled[1]
+
+
+def test_loader_skips_windows_deterministically(tmp_path):
+    from tests.helpers import synthetic_dataset
+    from storage.manifests import DatasetManifest
+
+    directory = synthetic_dataset(tmp_path / "ds")
+    stream = TokenStream(directory, DatasetManifest.load(directory), "train")
+    plain = DistributedSampleLoader(stream, 16, 2, 0, 1, seed=1)
+    skipping = DistributedSampleLoader(stream, 16, 2, 0, 1, seed=1)
+    skipping.skip_windows([(2, 6)])
+    batches = [plain.next_batch()[0] for _ in range(5)]
+    skipped = [skipping.next_batch()[0] for _ in range(3)]
+    assert (skipped[0] == batches[0]).all()
+    assert (skipped[1] == batches[3]).all() and (skipped[2] == batches[4]).all()
+
+
+# -- the pipeline under faults -------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def workdir(prefect_api, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("faults")
+    prepare(small_config(workdir))
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def clean(workdir):
+    config = small_config(workdir, "run.run_id=clean")
+    train(config)
+    return losses_by_step(config.run_dir)
+
+
+def test_preemption_saves_and_resumes_to_the_same_losses(workdir, clean):
+    config = small_config(workdir, "run.run_id=preempted", "faults.sigterm_at_step=13")
+    assert train(config)["final_step"] == STEPS
+    outcomes = read_outcomes(config)
+    assert [o["class"] for o in outcomes] == ["retryable", "done"]
+    # The signal lands during step 13 or 14; the ranks agree on it at a step boundary.
+    saved_at = outcomes[0]["step"]
+    assert saved_at in (13, 14) and saved_at % 10  # not a regular checkpoint step
+    assert f"emergency checkpoint at step {saved_at}" in outcomes[0]["reason"]
+    assert outcomes[1]["resumed_from"] == saved_at  # the emergency checkpoint, validated
+    assert losses_by_step(config.run_dir) == clean
+
+
+def test_nan_rolls_back_and_skips_the_bad_data(workdir, clean):
+    config = small_config(workdir, "run.run_id=nan", "faults.nan_at_step=16")
+    assert train(config)["final_step"] == STEPS
+    outcomes = read_outcomes(config)
+    assert [o["class"] for o in outcomes] == ["rollback", "done"]
+    assert outcomes[1]["resumed_from"] == 10
+    ledger = Ledger(config.run_dir, "nan").read()
+    [skip] = ledger.data_skips
+    samples_per_step = 4 * 2  # micro_batch_size x data-parallel ranks
+    assert (skip.start, skip.end) == (10 * samples_per_step, 16 * samples_per_step)
+    assert "non-finite loss" in skip.reason
+    losses = losses_by_step(config.run_dir)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    assert all(losses[s] == clean[s] for s in range(1, 11))  # before the rollback point
+    assert losses[11] != clean[11]  # after it, different (later) data
+
+
+def test_configuration_errors_are_not_retried(workdir):
+    from prefect import flow
+
+    from tasks.train import launch_training
+
+    config = small_config(workdir, "run.run_id=nodata")
+
+    @flow
+    def launch_with_missing_dataset():
+        return launch_training.with_options(retries=3, retry_delay_seconds=0)(
+            config, workdir / "no-such-dataset")
+
+    state = launch_with_missing_dataset(return_state=True)
+    assert state.is_failed()
+    outcomes = read_outcomes(config)
+    assert [o["class"] for o in outcomes] == ["config"]  # one attempt, no retries
+    assert "no-such-dataset" in outcomes[0]["reason"]

@@ -1,0 +1,285 @@
+"""Export a committed checkpoint as a Hugging Face Llama model: safetensors + config.json.
+
+    goodput export runs/x/checkpoints/step-00000300 --format hf --out exported/ \
+        [--tokenizer DATASET_DIR_OR_TOKENIZER_JSON] [--dtype bfloat16] [--force]
+
+The result loads with `transformers.LlamaForCausalLM.from_pretrained(out)` (and, with a
+tokenizer, `AutoTokenizer.from_pretrained(out)`). Our model already is a Llama: the same
+blocks, and rotary embeddings in Hugging Face's rotate-half convention, so export only
+renames tensors; no q/k permutation is needed (tests/test_export.py checks logit parity).
+
+Only the model weights are read (not the optimizer state), whatever layout saved them.
+The checkpoint's files are checked against its manifest first, so a corrupt checkpoint is
+never exported. The output is written to a temporary sibling directory and moved into
+place at the end: a failed export leaves no half-written model behind.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors.torch import save_file
+
+from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, verify_files
+from training.checkpoint import is_committed, load_all_tensors, model_state_from
+from training.model import ModelArgs, Transformer
+
+# Hugging Face's default shard size ("5GB"); smaller models are one model.safetensors.
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+
+_TOP_LEVEL_NAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attention_norm": "input_layernorm",
+    "attention.wq": "self_attn.q_proj",
+    "attention.wk": "self_attn.k_proj",
+    "attention.wv": "self_attn.v_proj",
+    "attention.wo": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "feed_forward.w1": "mlp.gate_proj",
+    "feed_forward.w3": "mlp.up_proj",
+    "feed_forward.w2": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.(.+)\.weight$")
+
+
+class ExportError(ValueError):
+    """The inputs cannot be exported as asked; the message says what to change."""
+
+
+# -- names, config and weights in Hugging Face's terms -----------------------------------------
+
+def hf_name(name: str) -> str:
+    """Our parameter name -> the LlamaForCausalLM name (e.g. layers.3.attention.wq.weight ->
+    model.layers.3.self_attn.q_proj.weight)."""
+    if name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[name]
+    match = _LAYER_TENSOR.match(name)
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
+    raise ExportError(f"checkpoint tensor {name!r} has no Llama counterpart; "
+                      "training.export knows only the tensors of training.model.Transformer")
+
+
+def hf_state_dict(model_state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    # contiguous(): safetensors stores raw buffers; clone-free when already contiguous.
+    return {hf_name(name): tensor.to(dtype).contiguous() for name, tensor in model_state.items()}
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype, eos_id: int | None = None,
+              provenance: dict | None = None) -> dict:
+    """config.json for LlamaForCausalLM, readable by transformers 4.x and 5.x."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        # transformers 4.x reads rope_theta; 5.x reads rope_parameters.
+        "rope_theta": args.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": dtype_name,  # transformers 4.x
+        "dtype": dtype_name,        # transformers 5.x
+        # Without explicit ids transformers assumes Llama's 1 and 2, which mean other tokens
+        # here. Documents in the token stream follow an EOS, so EOS also serves as BOS (as GPT-2).
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": None,
+    }
+    if provenance:
+        config["goodput"] = provenance
+    return config
+
+
+def model_args_of(manifest: CheckpointManifest) -> ModelArgs:
+    try:
+        return ModelArgs(**manifest.model_args)
+    except TypeError as e:
+        raise ExportError(f"manifest model_args {manifest.model_args} do not describe "
+                          f"training.model.ModelArgs: {e}") from None
+
+
+# -- reading the checkpoint --------------------------------------------------------------------
+
+def read_checkpoint(checkpoint: str | Path) -> tuple[CheckpointManifest, dict[str, torch.Tensor]]:
+    """The manifest and model weights of a committed, intact checkpoint (any saving layout)."""
+    path = Path(checkpoint)
+    if not path.is_dir():
+        raise ExportError(f"{path} is not a directory; give a checkpoint directory such as "
+                          "<run_dir>/checkpoints/step-00000300")
+    if not is_committed(path):
+        raise ExportError(f"{path} has no {CHECKPOINT_MANIFEST}, so it is not a committed "
+                          "checkpoint (an interrupted save, or not a checkpoint at all)")
+    try:
+        manifest = CheckpointManifest.load(path)
+    except Exception as e:  # pydantic or JSON error: either way the checkpoint is unusable
+        raise ExportError(f"{path / CHECKPOINT_MANIFEST} is unreadable: {e}") from None
+    problems = verify_files(path, manifest.files)
+    if problems:
+        raise ExportError(f"{path} does not match its manifest ({'; '.join(problems[:3])}); "
+                          "export another checkpoint")
+    state = model_state_from(load_all_tensors(path, prefix="model."))
+    _check_fits(state, model_args_of(manifest), path)
+    return manifest, state
+
+
+def _check_fits(state: dict[str, torch.Tensor], args: ModelArgs, path: Path) -> None:
+    """The weights are exactly those of Transformer(args): names and shapes."""
+    with torch.device("meta"):  # shapes only: no memory, no init cost
+        expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in state.items()}
+    missing, unexpected = sorted(expected.keys() - found.keys()), sorted(found.keys() - expected.keys())
+    wrong = [f"{k} {found[k]} != {expected[k]}" for k in sorted(expected.keys() & found.keys())
+             if found[k] != expected[k]]
+    if missing or unexpected or wrong:
+        raise ExportError(f"model weights in {path} do not fit its manifest's model_args: "
+                          f"missing {missing[:3]}, unexpected {unexpected[:3]}, shapes {wrong[:3]}")
+
+
+# -- writing -----------------------------------------------------------------------------------
+
+def write_safetensors(tensors: dict[str, torch.Tensor], directory: Path,
+                      max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """model.safetensors, or model-0000i-of-0000n.safetensors + index when larger than one
+    shard may be (the layout `from_pretrained` expects). Returns the file names written."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + size > max_shard_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += size
+    # "format": "pt" tells transformers these are PyTorch tensors.
+    if len(shards) == 1:
+        save_file(shards[0], directory / SINGLE_FILE, metadata={"format": "pt"})
+        return [SINGLE_FILE]
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    weight_map = {}
+    for file_name, shard in zip(names, shards):
+        save_file(shard, directory / file_name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file_name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    _write_json(directory / SHARD_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return [*names, SHARD_INDEX]
+
+
+class TokenizerFiles(NamedTuple):
+    path: Path  # tokenizer.json
+    eos_token: str
+    eos_id: int
+
+
+def _tokenizer_files(tokenizer: str | Path, vocab_size: int) -> TokenizerFiles:
+    """A tokenizer.json, given itself or the dataset directory holding it, checked against the model."""
+    from goodput.data.corpus import DataError
+    from goodput.data.tokenizer import eos_id, load_tokenizer
+
+    path = Path(tokenizer)
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    try:
+        loaded = load_tokenizer(path)
+        eos = eos_id(loaded)
+    except DataError as e:
+        raise ExportError(f"--tokenizer: {e}") from None
+    if loaded.get_vocab_size() > vocab_size:
+        raise ExportError(f"tokenizer {path} has {loaded.get_vocab_size()} tokens but the model only "
+                          f"{vocab_size}; give the tokenizer of the dataset this run trained on")
+    return TokenizerFiles(path, loaded.id_to_token(eos), eos)
+
+
+def _tokenizer_config(eos_token: str, max_len: int) -> dict:
+    # The minimum AutoTokenizer needs to wrap tokenizer.json as a fast tokenizer.
+    return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos_token,
+            "eos_token": eos_token, "model_max_length": max_len,
+            "clean_up_tokenization_spaces": False}
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def _check_out(out: Path, force: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file; give a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ExportError(f"--out {out} is not empty; choose another directory or pass --force "
+                          "to replace its contents")
+
+
+def _move_into_place(staging: Path, out: Path) -> None:
+    """Swap the finished export in for `out`; an old `out` is removed only after the swap."""
+    old = None
+    if out.exists():
+        old = out.with_name(f".{out.name}.replaced-{uuid.uuid4().hex[:8]}")
+        out.rename(old)
+    staging.rename(out)
+    if old is not None:
+        shutil.rmtree(old)
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | None = None,
+              dtype: str | None = None, force: bool = False,
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+    """Write `checkpoint` to `out` as a LlamaForCausalLM; returns a summary of what was written.
+
+    `dtype` (float32, bfloat16, float16) defaults to the dtype the weights were saved in.
+    A non-empty `out` is replaced only with `force`.
+    """
+    out = Path(out).resolve()  # so the staging directory beside it has a name ("." has none)
+    _check_out(out, force)  # fail fast, before reading a possibly large checkpoint
+    if dtype is not None and dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    manifest, state = read_checkpoint(checkpoint)
+    args = model_args_of(manifest)
+    target = DTYPES[dtype] if dtype else state["tok_embeddings.weight"].dtype
+    tok = _tokenizer_files(tokenizer, args.vocab_size) if tokenizer is not None else None
+    provenance = {"checkpoint": str(Path(checkpoint).resolve()), "step": manifest.step,
+                  "tokens_seen": manifest.tokens_seen, "dataset_id": manifest.dataset_id,
+                  "config_hash": manifest.config_hash}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}")
+    staging.mkdir()
+    try:
+        files = write_safetensors(hf_state_dict(state, target), staging, max_shard_bytes)
+        _write_json(staging / "config.json",
+                    hf_config(args, target, tok.eos_id if tok else None, provenance))
+        files.append("config.json")
+        if tok:
+            shutil.copyfile(tok.path, staging / "tokenizer.json")
+            _write_json(staging / "tokenizer_config.json", _tokenizer_config(tok.eos_token, args.max_seq_len))
+            files += ["tokenizer.json", "tokenizer_config.json"]
+        _move_into_place(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return {"out": str(out), "format": "hf", "step": manifest.step,
+            "dtype": str(target).removeprefix("torch."),
+            "parameters": sum(t.numel() for t in state.values()), "files": files}
