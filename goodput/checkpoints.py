@@ -171,3 +171,45 @@ def prune_local(config: RunConfig) -> list[int]:
         ledger.record(step, "uploaded", note="local copy pruned; store copy kept")
         deleted.append(step)
     return deleted
+
+
+def prune_store(config: RunConfig, store) -> list[int]:
+    """Store retention (checkpoint.store_keep_every): keep every M-th step, the best by eval
+    loss and the newest validated; delete the rest from the store (manifest first, so a
+    half-deleted checkpoint is never taken for a whole one) and mark them pruned."""
+    keep_every = config.checkpoint.store_keep_every
+    if keep_every is None:
+        return []
+    ledger = ledger_of(config)
+    data = ledger.read()
+    newest = data.newest()
+    keep = {s for s in data.steps("uploaded") if s % keep_every == 0}
+    keep |= {newest.step} if newest else set()
+    best = best_by_eval(config)
+    keep |= {best} if best is not None else set()
+    pruned = []
+    for step in data.steps("uploaded"):
+        if step in keep:
+            continue
+        with _step_lock(config, step):
+            key = checkpoint_key(config.run.run_id, step)
+            store.delete(f"{key}/{CHECKPOINT_MANIFEST}")
+            store.delete_prefix(key)
+            shutil.rmtree(checkpoint_path(config.run_dir, step), ignore_errors=True)
+        ledger.record(step, "pruned", note=f"retention: not a multiple of {keep_every}, "
+                                           "not the best by eval, not the newest")
+        pruned.append(step)
+    if pruned:
+        ledger.push(store)
+    return pruned
+
+
+def best_by_eval(config: RunConfig) -> int | None:
+    """The step whose eval report has the lowest held-out loss, if any was evaluated."""
+    reports = sorted((config.run_dir / "eval").glob("step-*.json")) if (config.run_dir / "eval").is_dir() else []
+    losses = {int(p.stem.split("-")[1]): json.loads(p.read_text())["loss"] for p in reports}
+    return min(losses, key=losses.get) if losses else None
+
+
+def apply_retention(config: RunConfig, store) -> dict[str, list[int]]:
+    return {"local": prune_local(config), "store": prune_store(config, store)}

@@ -183,6 +183,9 @@ class CheckpointConfig(_Section):
     keep_local: int = Field(
         3, ge=1, description="Local checkpoints kept; older uploaded ones are deleted."
     )
+    store_keep_every: int | None = Field(
+        None, ge=1, description="Store retention: keep checkpoints whose step is a multiple of "
+        "this, the best by eval loss and the newest; delete the others. None keeps all.")
 
 
 class StorageConfig(_Section):

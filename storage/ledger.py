@@ -1,6 +1,6 @@
 """The checkpoint ledger: per run, the state of every checkpoint.
 
-    committed -> validated -> uploaded        or  rejected (with the reason)
+    committed -> validated -> uploaded (-> pruned by retention)   or  rejected (with the reason)
 
 One JSON file, `<run_dir>/ledger.json`, mirrored to `runs/<run_id>/ledger.json` in the
 store so a new machine can resume from the store alone. Writers (validation and upload
@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 
 from storage.checksums import write_atomic
 
-State = Literal["committed", "validated", "uploaded", "rejected"]
+State = Literal["committed", "validated", "uploaded", "rejected", "pruned"]
 RESUMABLE: tuple[State, ...] = ("validated", "uploaded")
 LEDGER_FILE = "ledger.json"
 

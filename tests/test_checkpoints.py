@@ -137,3 +137,20 @@ def test_prune_keeps_newest_and_anything_not_uploaded(run, tmp_path):
     assert [p.name for p in committed_checkpoints(config.run_dir)] == ["step-00000020"]
     assert torch.isfinite(load_all_tensors(checkpoint_path(config.run_dir, 20), "model.")
                           ["model.output.weight"]).all()
+
+
+def test_store_retention_keeps_every_mth_best_and_newest(run, tmp_path):
+    config, _ = run
+    config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(
+        update={"store_keep_every": 20})})
+    store = open_store(str(tmp_path / "store"))
+    for step in (10, 20):
+        checkpoints.validate_checkpoint(config, step)
+        checkpoints.upload_checkpoint(config, step, store)
+    assert checkpoints.prune_store(config, store) == [10]  # 20: multiple of 20, and newest
+    assert not store.list("runs/test/checkpoints/step-00000010")
+    assert store.exists("runs/test/checkpoints/step-00000020/manifest.json")
+    ledger = checkpoints.ledger_of(config).read()
+    assert ledger.entries[10].state == "pruned" and "retention" in ledger.entries[10].history[-1].note
+    assert json.loads(store.get_bytes("runs/test/ledger.json"))["entries"]["10"]["state"] == "pruned"
+    assert checkpoints.resume_point(config, store) == checkpoint_path(config.run_dir, 20)
