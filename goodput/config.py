@@ -179,6 +179,9 @@ class TrainingConfig(_Section):
 
 
 class CheckpointConfig(_Section):
+    async_mode: Literal["sync", "thread", "process"] = Field(
+        "thread", description="Save in the background: training blocks only while the state is "
+        "staged. 'sync' waits for the write.")
     every_steps: int = Field(50, ge=1, description="Save a checkpoint every N steps (and at the end).")
     keep_local: int = Field(
         3, ge=1, description="Local checkpoints kept; older uploaded ones are deleted."

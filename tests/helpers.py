@@ -50,6 +50,9 @@ def small_config(tmp_path: Path, *overrides: str) -> RunConfig:
         "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
         "training.seq_len=64", "training.micro_batch_size=4", "training.max_steps=30",
         "training.warmup_steps=3", "checkpoint.every_steps=10", "eval.max_batches=5",
+        # Synchronous saves: tests that crash right after a checkpoint step assert which
+        # checkpoint the retry resumes from (async saves are tested on their own).
+        "checkpoint.async_mode=sync",
         "eval.num_samples=2", "eval.sample_tokens=8", *overrides])
 
 

@@ -154,3 +154,24 @@ def test_store_retention_keeps_every_mth_best_and_newest(run, tmp_path):
     assert ledger.entries[10].state == "pruned" and "retention" in ledger.entries[10].history[-1].note
     assert json.loads(store.get_bytes("runs/test/ledger.json"))["entries"]["10"]["state"] == "pruned"
     assert checkpoints.resume_point(config, store) == checkpoint_path(config.run_dir, 20)
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_async_saves_commit_the_same_state(trained, tmp_path, mode):
+    """Background saves snapshot the state at the step they were taken: resuming from one
+    continues the synchronous run's curve exactly, and training was blocked only to stage."""
+    root, dataset = trained
+    full = losses_by_step(small_config(root, "training.max_steps=20").run_dir)
+    config = small_config(tmp_path, "training.max_steps=20", f"checkpoint.async_mode={mode}")
+    proc = torchrun_training(config, dataset)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert losses_by_step(config.run_dir) == full
+    assert [p.name for p in committed_checkpoints(config.run_dir)] == ["step-00000010", "step-00000020"]
+    assert all(verify_checkpoint(p)["ok"] for p in committed_checkpoints(config.run_dir))
+
+    shutil.rmtree(checkpoint_path(config.run_dir, 20))
+    (config.run_dir / "metrics.jsonl").unlink()
+    proc = torchrun_training(config, dataset, resume=str(checkpoint_path(config.run_dir, 10)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    resumed = losses_by_step(config.run_dir)
+    assert all(resumed[s] == full[s] for s in range(11, 21))

@@ -17,6 +17,7 @@ import math
 import re
 import shutil
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -25,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
@@ -80,26 +82,72 @@ def _train_state(parts: list[tuple[dict, dict]], extra: dict) -> dict:
     return {"model": model_state, "optim": optim_state, **extra}
 
 
-def save_checkpoint(path: Path, model_parts, optimizers, extra: dict, manifest_fields: dict,
-                    ) -> CheckpointManifest | None:
-    """Save model, optimizer and `extra` (progress, data position, RNG) with DCP, then commit.
+class Checkpointer:
+    """Saves checkpoints synchronously or in the background, and commits each when whole.
 
-    Returns the manifest on rank 0 (None elsewhere). Never overwrites a committed checkpoint:
-    one found at `path` (from an abandoned attempt that went further) is moved aside first.
+    Training blocks only while the state is staged (copied off the live tensors); the write
+    runs on its own gloo process group (on the default group it deadlocks against FSDP's
+    collectives) and rank 0 hashes the files and writes the manifest in a background thread
+    once every rank's shards are durable. At most one save is in flight; one that fails is
+    reported and never committed. Never overwrites a committed checkpoint: one found at the
+    target path (from an abandoned attempt that went further) is moved aside first.
     """
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        _clear_for_save(path)
-    _barrier()
-    dcp.save(_train_state(_part_states(model_parts, optimizers), extra), checkpoint_id=str(path))
-    _barrier()  # every rank's shards are durable (FileSystemWriter fsyncs) before the commit
-    manifest = None
-    if rank == 0:
+
+    def __init__(self, mode: str = "sync"):
+        self.mode = mode
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.group = (dist.new_group(backend="gloo")
+                      if mode != "sync" and dist.is_initialized() else None)
+        self._pending: threading.Thread | None = None
+        self.failures: list[str] = []
+
+    def save(self, path: Path, model_parts, optimizers, extra: dict, manifest_fields: dict) -> float:
+        """Start (or do) a save; returns the seconds training was blocked."""
+        started = time.perf_counter()
+        self.wait()
+        if self.rank == 0:
+            _clear_for_save(path)
+        _barrier()
+        state = _train_state(_part_states(model_parts, optimizers), extra)
+        if self.mode == "sync":
+            dcp.save(state, checkpoint_id=str(path))
+            _barrier()  # every rank's shards are durable (FileSystemWriter fsyncs) before the commit
+            self._commit(path, manifest_fields)
+            _barrier()
+            return time.perf_counter() - started
+        kind = (AsyncCheckpointerType.PROCESS if self.mode == "process"
+                else AsyncCheckpointerType.THREAD)
+        future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group,
+                                async_checkpointer_type=kind)
+        blocked = time.perf_counter() - started
+        # The coordinator's future completes after it gathered every rank's write results
+        # and wrote .metadata: then, and only then, the checkpoint may be committed.
+        self._pending = threading.Thread(target=self._finish, args=(future, path, manifest_fields),
+                                         name=f"commit-{path.name}", daemon=True)
+        self._pending.start()
+        return blocked
+
+    def _finish(self, future, path: Path, manifest_fields: dict) -> None:
+        try:
+            future.result()
+            self._commit(path, manifest_fields)
+        except Exception as e:  # reported, never committed: the directory stays debris
+            self.failures.append(f"{path.name}: {type(e).__name__}: {e}")
+            print(f"[checkpoint] save of {path.name} failed, not committed: {e}", flush=True)
+
+    def _commit(self, path: Path, manifest_fields: dict) -> None:
+        if self.rank != 0:
+            return
         manifest = CheckpointManifest(files=list_files(path, exclude=(CHECKPOINT_MANIFEST,)),
                                       created_at=time.time(), **manifest_fields)
         manifest.save(path)
-    _barrier()
-    return manifest
+        print(f"[checkpoint] committed {path.name} (loss {manifest.loss:.4f})", flush=True)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written and committed."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
 
 
 def load_checkpoint(path: Path, model_parts, optimizers, extra_template: dict) -> dict:

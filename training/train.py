@@ -27,7 +27,7 @@ from goodput.config import RunConfig
 from storage.checksums import fsync_dir
 from storage.ledger import Ledger
 from storage.manifests import DatasetManifest
-from training.checkpoint import checkpoint_path, committed_checkpoints, load_checkpoint, save_checkpoint
+from training.checkpoint import Checkpointer, checkpoint_path, committed_checkpoints, load_checkpoint
 from training.data import DistributedSampleLoader, TokenStream
 from training.metrics import MetricsWriter, peak_flops
 from training.model import Transformer, model_args_from_config
@@ -246,19 +246,17 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
               f"{' x '.join(f'{k}={v}' for k, v in degrees.items())}, {tokens_per_step:,} tokens/step, "
               f"steps {step + 1}..{tcfg.max_steps}", flush=True)
 
+    checkpointer = Checkpointer(config.checkpoint.async_mode)
+
     def save(step: int, loss: float) -> float:
-        started = time.perf_counter()
-        path = checkpoint_path(run_dir, step)
-        save_checkpoint(path, layout.model_parts, optimizers,
-                        {"progress": {"step": step, "tokens_seen": tokens_seen},
-                         "data": loader.state_dict(), "rng": {"torch": torch.get_rng_state()}},
-                        {"step": step, "tokens_seen": tokens_seen, "data_position": loader.sample_index,
-                         "world_size": env.world_size, "layout": degrees,
-                         "config_hash": config.config_hash(), "dataset_id": manifest.dataset_id,
-                         "model_args": model_args, "loss": loss})
-        if env.is_main:
-            print(f"[checkpoint] committed {path.name} (loss {loss:.4f})", flush=True)
-        return time.perf_counter() - started
+        return checkpointer.save(
+            checkpoint_path(run_dir, step), layout.model_parts, optimizers,
+            {"progress": {"step": step, "tokens_seen": tokens_seen},
+             "data": loader.state_dict(), "rng": {"torch": torch.get_rng_state()}},
+            {"step": step, "tokens_seen": tokens_seen, "data_position": loader.sample_index,
+             "world_size": env.world_size, "layout": degrees,
+             "config_hash": config.config_hash(), "dataset_id": manifest.dataset_id,
+             "model_args": model_args, "loss": loss})
 
     last_loss, saved_step = float("nan"), step
     while step < tcfg.max_steps:
@@ -278,6 +276,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
         grad_norm = float(clip_grad_norm_(layout, tcfg.grad_clip))
         verdict = guard.check(loss, grad_norm)
         if verdict:  # the update is not applied; the next attempt rolls back past this data
+            checkpointer.wait()  # the checkpoint to roll back to may still be in flight
             raise RollbackRequested(step + 1, loader.sample_index, verdict)
         for opt in optimizers:
             opt.step()
@@ -305,7 +304,10 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
         if preemption.agreed():
             if saved_step != step:
                 save(step, loss)
+            checkpointer.wait()
             raise Preempted(step)
+
+    checkpointer.wait()  # the last checkpoint is committed before the job reports success
 
     metrics.close()
     summary = {"final_step": step, "tokens_seen": tokens_seen, "final_loss": last_loss}
