@@ -1,25 +1,23 @@
-"""Start `torchrun ... -m training` and supervise it until it ends.
+"""Start `torchrun ... -m training` on every node and supervise the attempt until it ends.
 
-The supervisor streams the workers' output line by line to a callback (the Prefect run
-log), watches rank 0's heartbeat to catch a hung job, kills the whole process tree on
-hang, cancel or error, and turns the exit into a failure class the launch task maps to
-a retry decision (codes in training/exits.py).
+The supervisor starts the nodes through a launcher (infra/launchers.py: local, ssh, slurm,
+kubernetes), streams the workers' output line by line to a callback (the Prefect run log),
+watches rank 0's heartbeat to catch a hung job, ends every node on hang, cancel, error or
+the failure of any one node, and turns the exit into a failure class the launch task maps
+to a retry decision (codes in training/exits.py).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from goodput.config import RunConfig
+from infra.launchers import NodeLaunch, free_port, make_launcher  # noqa: F401 (free_port: API)
 from training import exits
 from training.metrics import read_heartbeat
 
@@ -27,10 +25,12 @@ from training.metrics import read_heartbeat
 class TrainingFailed(RuntimeError):
     """An attempt that ended without finishing; `failure_class` says what to do about it."""
 
-    def __init__(self, message: str, failure_class: str, step: int | None = None):
+    def __init__(self, message: str, failure_class: str, step: int | None = None,
+                 retry: bool = True):
         super().__init__(message)
         self.failure_class = failure_class
         self.step = step
+        self.retry = retry  # the retry policy's verdict (goodput.runs.retry_decision)
 
 
 @dataclass
@@ -43,62 +43,65 @@ class AttemptResult:
     records: list[dict] = field(default_factory=list)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path,
-                     resume: Path | None, rdzv_endpoint: str) -> list[str]:
-    """The torchrun command line for one node (every node runs the same line)."""
+                     resume: Path | None, attempt: str) -> list[str]:
+    """The torchrun command line, the same on every node. The rendezvous endpoint and each
+    node's own settings reach torchrun through its environment (infra/launchers.py)."""
     par = config.parallelism
+    log_dir = exits.attempt_dir(config.run_dir, attempt).resolve() / "torchrun"
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        config.launch.python or sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={par.nnodes}",
         f"--nproc-per-node={par.nproc_per_node}",
         "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={rdzv_endpoint}",
-        f"--rdzv-id={config.run.run_id}",
+        # Per attempt: a node left over from an earlier attempt cannot join this one.
+        f"--rdzv-id={config.run.run_id}-{attempt}",
         "--max-restarts=0",  # the launch task's retries resume from a *validated* checkpoint
+        # Worker output to the console with a [node rank] prefix, and per rank to files
+        # next to the attempt's exit records.
+        "--tee=3", f"--log-dir={log_dir}",
         "-m", "training",
-        "--config", str(config_path),
-        "--dataset", str(dataset_dir),
-        "--resume", str(resume) if resume is not None else "none",
+        "--config", str(config_path.resolve()),
+        "--dataset", str(dataset_dir.resolve()),
+        "--resume", str(resume.resolve()) if resume is not None else "none",
     ]
 
 
-def worker_env(attempt: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # several workers share the cores
-    env["PYTHONUNBUFFERED"] = "1"
-    env["GOODPUT_ATTEMPT"] = attempt
-    # A shared rendezvous TCP store made restarts flaky on one node (STACK_NOTES).
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    env["TOKENIZERS_PARALLELISM"] = "false"
-    return env
+def worker_env(config: RunConfig, attempt: str) -> dict[str, str]:
+    """What every worker needs on top of its node's own environment."""
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # workers share the cores
+           "PYTHONUNBUFFERED": "1", "GOODPUT_ATTEMPT": attempt,
+           # A shared rendezvous TCP store made restarts flaky (STACK_NOTES): rank 0's node
+           # opens a fresh store for the workers on every attempt.
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    if config.launch.network_interface:  # which NIC the collectives use between hosts
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = config.launch.network_interface
+    return {**env, **config.launch.env}
 
 
 def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume: Path | None,
                 attempt: str, log: Callable[[str], None], poll_s: float = 0.5,
                 on_progress: Callable[[dict], None] | None = None) -> AttemptResult:
-    """Run one training attempt to its end; never leaves a worker process behind.
+    """Run one training attempt on every node to its end; never leaves a worker behind.
 
     `on_progress` receives every new heartbeat (step, loss, tokens/s, ...) as it appears.
     """
-    endpoint = config.parallelism.rdzv_endpoint or f"127.0.0.1:{free_port()}"
-    cmd = torchrun_command(config, config_path, dataset_dir, resume, endpoint)
-    log(f"launch attempt {attempt}: {' '.join(cmd)}")
+    launcher = make_launcher(NodeLaunch(
+        config, torchrun_command(config, config_path, dataset_dir, resume, attempt),
+        worker_env(config, attempt), exits.attempt_dir(config.run_dir, attempt),
+        name=f"goodput-{config.run.run_id}-{attempt}"))
+    log(f"launch attempt {attempt}: {config.parallelism.nnodes} node(s) x "
+        f"{config.parallelism.nproc_per_node} worker(s), launcher {config.launch.kind}")
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=worker_env(attempt), start_new_session=True, bufsize=1)
-    reader = threading.Thread(target=_pump, args=(proc.stdout, log), daemon=True)
-    reader.start()
     hung = False
     try:
+        launcher.start(log)
         last_beat, last_progress = None, time.monotonic()
-        while proc.poll() is None:
+        while launcher.poll() is None:
             time.sleep(poll_s)
+            if not launcher.started:  # queued by a scheduler: waiting is not hanging
+                last_progress = time.monotonic()
+                continue
             beat = read_heartbeat(config.run_dir)
             if beat is not None and beat != last_beat:
                 last_beat, last_progress = beat, time.monotonic()
@@ -109,11 +112,10 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume:
                 hung = True
                 break
     finally:
-        # Hang, cancellation (an exception raised into this thread) or normal end: make
-        # sure no worker survives.
-        kill_process_tree(proc)
-        reader.join(timeout=5)
-    return classify(config.run_dir, attempt, proc.returncode, hung, time.monotonic() - start)
+        # Hang, cancellation (an exception raised into this thread), a failed node or the
+        # normal end: make sure no node and no worker survives.
+        returncode = launcher.stop()
+    return classify(config.run_dir, attempt, returncode, hung, time.monotonic() - start)
 
 
 def classify(run_dir: Path, attempt: str, returncode: int, hung: bool, wall: float) -> AttemptResult:
@@ -132,26 +134,3 @@ def classify(run_dir: Path, attempt: str, returncode: int, hung: bool, wall: flo
     reason = next((r["reason"] for r in records if r["class"] == "retryable"),
                   f"a worker died (torchrun exit {returncode})")
     return AttemptResult(returncode, "retryable", reason, step, wall, records)
-
-
-def _pump(stream, log: Callable[[str], None]) -> None:
-    for line in stream:
-        log(line.rstrip())
-
-
-def kill_process_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """SIGTERM the process group (workers may save), then SIGKILL whatever is left."""
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    try:  # torchrun may be gone while orphaned workers still hold the group
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()

@@ -1,0 +1,664 @@
+"""The layout planner: will this model and batch fit this cluster, and how should it be cut?
+
+    goodput plan --config configs/llama-7b.yaml --nodes 4 --gpus-per-node 8 --gpu-memory 80GiB
+
+Given a RunConfig and a cluster, `plan_layout` explains one layout (dp_replicate x dp_shard
+x tp x pp = world size) and `search` enumerates every factorisation of the world size and
+ranks the valid ones by an estimated step time. The estimates mirror what the trainer
+(training/parallelize.py) actually does; the byte accounting below is checked against
+measured training steps in tests/test_plan.py.
+
+Byte accounting, per GPU (worst pipeline rank), AdamW:
+- weights     fp32 master copy, 4 bytes/param, sharded over dp_shard by FSDP.
+- gradients   fp32, 4 bytes/param, sharded like the weights.
+- optimizer   AdamW exp_avg + exp_avg_sq in fp32, 8 bytes/param, sharded like the weights.
+  Together 16 bytes/param: bf16-on-GPU mixed precision keeps fp32 master weights, gradients
+  reduced in fp32 and fp32 Adam moments (FSDP2 MixedPrecisionPolicy(bf16, reduce fp32)), and
+  plain fp32 on CPU is 4 + 4 + 8 as well. 7B parameters: 112 GB unsharded, 14 GB over 8 shards.
+- buffers     what data parallelism adds: DDP's gradient buckets (one more fp32 gradient
+  copy); FSDP's all-gathered weights in compute precision (the root module, kept after
+  forward, plus two blocks in flight, or every block without reshard_after_forward) and its
+  unsharded gradients (one block in flight, or all of them while micro-batches accumulate
+  without syncing); bf16 weight copies that autocast saves for backward outside FSDP.
+- activations what autograd saves for backward, counted tensor by tensor for
+  training/model.py (per block: norms, q/k/v/attention output and log-sum-exp, SwiGLU's
+  four hidden-size tensors; the head's fp32 log-probabilities), times the micro-batches a
+  pipeline schedule keeps in flight. Checkpointed blocks keep only their input. Tensor
+  parallelism (with sequence parallelism for norms) divides everything but the all-gathered
+  inputs of the column-parallel matmuls and the replicated logits.
+- workspace   in backward, the larger of the loss gradient (fp32 gradients of the
+  log-probabilities and the logits, at its start) and one block recomputed under activation
+  checkpointing (later, once the loss is done); in the optimizer step, the temporaries of
+  AdamW's per-tensor update on CPU (sqrt and division of the largest tensor) -- the fused
+  CUDA update needs none.
+
+Peak = weights + optimizer + buffers + the larger of the backward phase (activations +
+backward workspace, plus gradients when they live across micro-batches: gradient
+accumulation, pipeline micro-batches) and the update (gradients + step workspace).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import dataclass, field
+
+from goodput.config import ConfigError, RunConfig
+from training.model import ModelArgs
+
+GiB = 1024**3
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+# Row-major mesh order of training/parallelize.py: TP innermost (consecutive ranks).
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+MASTER_BYTES = 4  # fp32 weights and gradients
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """What the layout runs on. Defaults: H100 SXM (dense bf16 peak, NVLink) and one
+    400 Gb/s InfiniBand NIC per GPU; they only scale the step-time estimate used to rank."""
+
+    nodes: int
+    gpus_per_node: int
+    gpu_memory: int  # bytes
+    gpu_flops: float = 989e12
+    intra_node_bandwidth: float = 450e9  # bytes/s per GPU, one direction
+    inter_node_bandwidth: float = 50e9
+    device: str = "cuda"  # "cpu" plans the fp32 layouts the test-suite measures
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80GB', '512MiB', '1.5TiB' or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"{text!r} is not a memory size; write e.g. 80GiB or 40GB")
+    number, prefix, binary = match.groups()
+    base = 1024 if binary else 1000
+    return int(float(number) * base ** " KMGT".index(prefix.upper() or " "))
+
+
+# -- parameters ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters of training/model.py's Transformer, split the way layouts cut them.
+
+    "matrix" parameters are split by tensor parallelism; "vector" ones (norm weights) are
+    replicated across TP ranks.
+    """
+
+    n_layers: int
+    embedding: int  # vocab x dim (token embeddings, sharded over vocab by TP)
+    block_matrix: int  # attention + SwiGLU projections of one block
+    block_vector: int  # the two RMSNorm weights of one block
+    head_matrix: int  # output projection, vocab x dim
+    head_vector: int  # final RMSNorm
+
+    @property
+    def total(self) -> int:
+        return (self.embedding + self.n_layers * (self.block_matrix + self.block_vector)
+                + self.head_matrix + self.head_vector)
+
+    @property
+    def non_embedding(self) -> int:
+        """As Transformer.num_params(): everything but the token embeddings."""
+        return self.total - self.embedding
+
+
+def count_params(args: ModelArgs) -> ParamCount:
+    dim, kv_dim = args.dim, args.kv_heads * args.head_dim
+    attention = 2 * dim * dim + 2 * dim * kv_dim  # wq, wo; wk, wv
+    ffn = 3 * dim * args.ffn_hidden  # w1, w3, w2
+    return ParamCount(n_layers=args.n_layers, embedding=args.vocab_size * dim,
+                      block_matrix=attention + ffn, block_vector=2 * dim,
+                      head_matrix=args.vocab_size * dim, head_vector=dim)
+
+
+def model_args(config: RunConfig) -> ModelArgs:
+    """The model the config trains, with the tokenizer's vocabulary size."""
+    return ModelArgs(vocab_size=config.tokenizer.vocab_size, **config.model.model_dump())
+
+
+# -- activations -----------------------------------------------------------------------------
+
+def _norm_bytes(args: ModelArgs, tokens: int, tp: int, act_bytes: int) -> float:
+    """RMSNorm computes in fp32: it saves its input as fp32 (the input itself when it already
+    is fp32; two copies otherwise, since it calls x.float() twice), the fp32 inverse RMS and
+    the normalised tensor. Sequence parallelism gives each TP rank a sequence shard."""
+    fp32_inputs = 1 if act_bytes == 4 else 2
+    return (4 * fp32_inputs * tokens * args.dim + act_bytes * tokens * args.dim + 4 * tokens) / tp
+
+
+def block_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_bytes: int) -> float:
+    """Bytes one block saves for backward for one micro-batch (training/model.py's Block).
+
+    Two norms, whose outputs the following matmuls save (whole under TP: all-gathered from
+    the sequence shards). SDPA saves q, k, v (k and v repeated to all heads under GQA), its
+    output (also wo's input, a view) and an fp32 log-sum-exp per head. SwiGLU saves the w1
+    and w3 outputs, silu(w1) and w2's input. TP splits attention by heads and SwiGLU by
+    hidden units.
+    """
+    tokens = batch * seq
+    matmul_input = act_bytes * tokens * args.dim
+    attention = (4 * act_bytes * tokens * args.dim + 4 * tokens * args.n_heads) / tp
+    swiglu = 4 * act_bytes * tokens * args.ffn_hidden / tp
+    return 2 * (_norm_bytes(args, tokens, tp, act_bytes) + matmul_input) + attention + swiglu
+
+
+def head_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_bytes: int) -> float:
+    """Final norm, the output projection's input, and the fp32 log-probabilities of the loss
+    (the logits are all-gathered under TP, so the loss works on the whole vocabulary)."""
+    tokens = batch * seq
+    return (_norm_bytes(args, tokens, tp, act_bytes) + act_bytes * tokens * args.dim
+            + 4 * tokens * args.vocab_size)
+
+
+def loss_workspace_bytes(args: ModelArgs, batch: int, seq: int) -> float:
+    """Gradients of the fp32 log-probabilities and of the logits, alive at once in backward."""
+    return 2 * 4 * batch * seq * args.vocab_size
+
+
+# -- layouts ---------------------------------------------------------------------------------
+
+@dataclass
+class Problem:
+    reason: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.reason}; fix: {self.fix}"
+
+
+@dataclass
+class Memory:
+    """Bytes per GPU on the pipeline rank that needs the most."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    buffers: float
+    activations: float
+    workspace: float  # backward
+    step_workspace: float  # optimizer update
+    grads_live_in_backward: bool  # gradient accumulation: gradients exist during backward
+
+    @property
+    def peak(self) -> float:
+        backward = self.activations + self.workspace
+        if self.grads_live_in_backward:
+            backward += self.gradients
+        update = self.gradients + self.step_workspace
+        return self.weights + self.optimizer + self.buffers + max(backward, update)
+
+
+@dataclass
+class LayoutPlan:
+    degrees: dict[str, int]
+    params: ParamCount
+    microbatches: int  # pipeline micro-batches per step (1 without PP)
+    memory: Memory | None = None
+    bubble: float = 0.0
+    comm: dict[str, float] = field(default_factory=dict)  # bytes sent per GPU per step, by axis
+    crosses_nodes: dict[str, bool] = field(default_factory=dict)
+    step_time_s: float | None = None
+    problems: list[Problem] = field(default_factory=list)  # why it cannot run
+    departures: list[str] = field(default_factory=list)  # where it leaves DESIGN's defaults
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def name(self) -> str:
+        return " x ".join(f"{k}={v}" for k, v in self.degrees.items())
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every layout of one config and cluster shares."""
+
+    config: RunConfig
+    cluster: Cluster
+    args: ModelArgs
+    params: ParamCount
+    bf16: bool
+
+    @property
+    def act_bytes(self) -> int:
+        return 2 if self.bf16 else 4
+
+
+def _setup(config: RunConfig, cluster: Cluster) -> _Setup:
+    args = model_args(config)
+    mp = config.parallelism.mixed_precision
+    bf16 = mp == "bf16" or (mp == "auto" and cluster.device == "cuda")
+    return _Setup(config, cluster, args, count_params(args), bf16)
+
+
+def plan_layout(config: RunConfig, cluster: Cluster, degrees: dict[str, int]) -> LayoutPlan:
+    """Explain one layout: memory, bubble, communication, step time, or why it cannot run."""
+    s = _setup(config, cluster)
+    par = config.parallelism
+    pp = degrees["pp"]
+    m = (par.microbatches or 2 * pp) if pp > 1 else 1
+    plan = LayoutPlan(dict(degrees), s.params, m)
+    world = cluster.world_size
+    if any(v < 1 for v in degrees.values()) or math.prod(degrees.values()) != world:
+        plan.problems = [Problem(
+            f"dp_replicate*dp_shard*tp*pp = {math.prod(v for v in degrees.values() if v > 0)} "
+            f"does not match the cluster's {world} GPUs",
+            "make the product equal the world size, or set one degree to -1 to fill the rest")]
+        return plan  # no layout to estimate
+    plan.problems = _structural_problems(s, degrees, m)
+    plan.bubble = pipeline_bubble(pp, m, _stages_per_rank(par.pp_schedule))
+    plan.memory = _memory(s, degrees, m, par.activation_checkpointing)
+    plan.comm, plan.crosses_nodes = _communication(s, degrees, m)
+    plan.step_time_s = _step_time(s, plan)
+    if plan.memory.peak > cluster.gpu_memory:
+        plan.problems.append(_out_of_memory(s, degrees, m, plan.memory))
+    plan.departures = _departures(plan, cluster)
+    return plan
+
+
+def _departures(plan: LayoutPlan, cluster: Cluster) -> list[str]:
+    """DESIGN's default rules a valid layout does not follow (TP within a node is a hard one):
+    ZeRO-style sharding whenever there is data parallelism, pipeline stages across nodes."""
+    d = plan.degrees
+    notes = []
+    if d["dp_replicate"] > 1 and d["dp_shard"] == 1:
+        notes.append("optimizer state replicated, not sharded (default: dp_shard > 1)")
+    if d["pp"] > 1 and cluster.nodes > 1 and not _axis_crosses_nodes(d, "pp", cluster.gpus_per_node):
+        notes.append("pipeline stages inside a node (default: PP across nodes)")
+    return notes
+
+
+def search(config: RunConfig, cluster: Cluster) -> list[LayoutPlan]:
+    """Every factorisation of the world size: valid ones first -- those that follow DESIGN's
+    default rules, fastest first, then the others -- and then the ones that cannot run."""
+    plans = [plan_layout(config, cluster, d) for d in factorisations(cluster.world_size)]
+    valid = sorted((p for p in plans if p.ok),
+                   key=lambda p: (bool(p.departures), p.step_time_s, p.memory.peak))
+    return valid + [p for p in plans if not p.ok]
+
+
+def plan(config: RunConfig, cluster: Cluster, force_search: bool = False) -> list[LayoutPlan]:
+    """The config's own layout, or a ranked search when it leaves the degrees at defaults."""
+    if force_search or layout_is_default(config):
+        return search(config, cluster)
+    return [plan_layout(config, cluster, configured_degrees(config, cluster))]
+
+
+def check(config: RunConfig, cluster: Cluster) -> LayoutPlan:
+    """The config's layout if it is valid on `cluster`; ConfigError with reasons and fixes."""
+    result = plan_layout(config, cluster, configured_degrees(config, cluster))
+    if not result.ok:
+        raise ConfigError(f"layout {result.name} cannot run on {cluster.world_size} GPUs:\n"
+                          + "\n".join(f"  - {p}" for p in result.problems))
+    return result
+
+
+def layout_is_default(config: RunConfig) -> bool:
+    defaults = type(config.parallelism)()
+    return all(getattr(config.parallelism, d) == getattr(defaults, d) for d in DEGREES)
+
+
+def configured_degrees(config: RunConfig, cluster: Cluster) -> dict[str, int]:
+    """The config's degrees with -1 resolved against the cluster's world size (left as -1,
+    to be reported, when the fixed degrees do not divide it)."""
+    named = {d: getattr(config.parallelism, d) for d in DEGREES}
+    free = [d for d, v in named.items() if v == -1]
+    fixed = math.prod(v for v in named.values() if v != -1)
+    if len(free) == 1 and cluster.world_size % fixed == 0:
+        named[free[0]] = cluster.world_size // fixed
+    return named
+
+
+def factorisations(world: int) -> list[dict[str, int]]:
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    return [dict(zip(DEGREES, combo)) for combo in itertools.product(divisors, repeat=4)
+            if math.prod(combo) == world]
+
+
+def pipeline_bubble(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    """Idle share of a pipelined step: (pp-1)/(m+pp-1); interleaving v stages per rank
+    shrinks it to (pp-1)/(v*m+pp-1)."""
+    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+
+
+def _stages_per_rank(schedule: str) -> int:
+    return 2 if schedule == "interleaved-1f1b" else 1
+
+
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
+
+
+def _structural_problems(s: _Setup, degrees: dict[str, int], m: int) -> list[Problem]:
+    """Layouts that cannot run at all, each with the change that makes it run."""
+    args, gpn = s.args, s.cluster.gpus_per_node
+    tp, pp = degrees["tp"], degrees["pp"]
+    problems = []
+    if tp > gpn or gpn % tp:
+        problems.append(Problem(
+            f"tp={tp} does not fit inside a node of {gpn} GPUs (TP all-reduces every layer and "
+            "needs the fast intra-node links)",
+            f"choose tp in {_divisors(gpn)} and move the rest to dp_shard or pp"))
+    head_tp = math.gcd(args.n_heads, args.kv_heads)
+    if head_tp % tp:
+        problems.append(Problem(
+            f"tp={tp} does not divide n_heads={args.n_heads} and n_kv_heads={args.kv_heads}",
+            f"choose tp in {_divisors(head_tp, gpn)}"))
+    if args.vocab_size % tp:
+        problems.append(Problem(
+            f"tp={tp} does not divide the vocabulary ({args.vocab_size}) that TP splits",
+            f"choose tp in {_divisors(math.gcd(args.vocab_size, head_tp), gpn)}, or a "
+            f"tokenizer.vocab_size divisible by {tp}"))
+    if pp > 1:
+        problems += _pipeline_problems(s, pp, m)
+    return problems
+
+
+def _pipeline_problems(s: _Setup, pp: int, m: int) -> list[Problem]:
+    par, args, mbs = s.config.parallelism, s.args, s.config.training.micro_batch_size
+    v = _stages_per_rank(par.pp_schedule)
+    problems = []
+    if args.n_layers % (pp * v):
+        fits = [d for d in range(2, args.n_layers // v + 1) if args.n_layers % (d * v) == 0]
+        problems.append(Problem(
+            f"{pp * v} pipeline stages (pp={pp}, {par.pp_schedule}) do not divide "
+            f"n_layers={args.n_layers} evenly",
+            f"choose pp in {fits}" if fits else "change model.n_layers or use pp=1"))
+    if m < 2 * pp:
+        problems.append(Problem(
+            f"microbatches={m} < 2*pp={2 * pp}: the pipeline bubble would be "
+            f"{pipeline_bubble(pp, m):.0%} of the step",
+            f"set parallelism.microbatches={2 * pp} (or more) and training.micro_batch_size "
+            f"to a multiple of it"))
+    elif mbs % m:
+        problems.append(Problem(
+            f"training.micro_batch_size={mbs} does not split into {m} pipeline micro-batches",
+            f"set training.micro_batch_size to a multiple of {m}"))
+    return problems
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Rank:
+    """One pipeline rank's share of the model: its stages' layer counts and ends."""
+
+    layers: tuple[int, ...]
+    first: bool  # holds the embeddings
+    last: bool  # holds the final norm, output projection and loss
+    inflight: int  # stage-forwards whose activations are alive at once
+
+
+def _pipeline_ranks(n_layers: int, pp: int, m: int, schedule: str) -> list[_Rank]:
+    """Layers per stage as training/parallelize.py splits them (earlier stages take the
+    remainder; rank r holds stages r, r+pp, ...) and the in-flight micro-batches of each
+    rank under torch.distributed.pipelining's schedules."""
+    v = _stages_per_rank(schedule) if pp > 1 else 1
+    n_stages = pp * v
+    base, extra = divmod(n_layers, n_stages)
+    sizes = [base + (1 if i < extra else 0) for i in range(n_stages)]
+    ranks = []
+    for r in range(pp):
+        if pp == 1:
+            inflight = 1
+        elif schedule == "gpipe":
+            inflight = m
+        elif schedule == "1f1b":
+            inflight = min(m, pp - r)
+        else:  # interleaved 1F1B: warm-up forwards plus the first steady one (schedules.py)
+            rounds = max(1, m // pp)
+            inflight = min((v - 1) * (m // rounds) + 2 * (pp - 1 - r) + 1, m * v)
+        ranks.append(_Rank(tuple(sizes[r + k * pp] for k in range(v)), r == 0, r == pp - 1,
+                           inflight))
+    return ranks
+
+
+def _memory(s: _Setup, degrees: dict[str, int], m: int, checkpointing: str) -> Memory:
+    ranks = _pipeline_ranks(s.args.n_layers, degrees["pp"], m, s.config.parallelism.pp_schedule)
+    per_rank = [_rank_memory(s, degrees, m, checkpointing, r) for r in ranks]
+    return max(per_rank, key=lambda mem: mem.peak)
+
+
+def _rank_memory(s: _Setup, degrees: dict[str, int], m: int, checkpointing: str,
+                 rank: _Rank) -> Memory:
+    pc, args, par, tcfg = s.params, s.args, s.config.parallelism, s.config.training
+    tp, dp_shard = degrees["tp"], degrees["dp_shard"]
+    dp = degrees["dp_replicate"] * dp_shard
+    fsdp = dp > 1 and not _pure_replication(degrees)
+    ddp = dp > 1 and _pure_replication(degrees)
+
+    root, block = _local_params(pc, rank, tp)
+    local = root + sum(rank.layers) * block  # this rank's parameters after TP
+    shard = dp_shard if fsdp else 1
+    n_micro = tcfg.grad_accum_steps * m
+
+    compute_bytes = 2 if s.bf16 else 4
+    buffers = 0.0
+    if fsdp:
+        gathered_blocks = 2 if par.reshard_after_forward else sum(rank.layers)
+        buffers += compute_bytes * (root + gathered_blocks * block)
+        # Without gradient sync (accumulating micro-batches) FSDP2 keeps unsharded gradients.
+        buffers += compute_bytes * local if n_micro > 1 else 4 * block
+    else:
+        if ddp:
+            buffers += MASTER_BYTES * local  # reducer buckets: a second gradient copy
+        if s.bf16:  # bf16 copies of the matmul weights that autocast saves for backward
+            matrices = sum(rank.layers) * pc.block_matrix + (pc.head_matrix if rank.last else 0)
+            buffers += 2 * matrices / tp
+
+    mb = tcfg.micro_batch_size // m
+    activations = rank.inflight * max(_stage_activations(s, mb, tp, n, checkpointing)
+                                      for n in rank.layers)
+    if rank.last:
+        activations += rank.inflight * head_activation_bytes(args, mb, tcfg.seq_len, tp,
+                                                             s.act_bytes)
+    loss = loss_workspace_bytes(args, mb, tcfg.seq_len) if rank.last else 0.0
+    recompute = (block_activation_bytes(args, mb, tcfg.seq_len, tp, s.act_bytes)
+                 if checkpointing != "none" else 0.0)
+    largest = max(pc.embedding / tp if rank.first else 0, pc.head_matrix / tp if rank.last else 0,
+                  args.dim * args.ffn_hidden / tp)  # w1/w2/w3 are the largest block matrices
+    step_workspace = 2 * MASTER_BYTES * largest / shard if s.cluster.device == "cpu" else 0.0
+    return Memory(weights=MASTER_BYTES * local / shard, gradients=MASTER_BYTES * local / shard,
+                  optimizer=ADAM_STATE_BYTES * local / shard, buffers=buffers,
+                  activations=activations, workspace=max(loss, recompute),
+                  step_workspace=step_workspace, grads_live_in_backward=n_micro > 1)
+
+
+def _local_params(pc: ParamCount, rank: _Rank, tp: int) -> tuple[float, float]:
+    """A pipeline rank's root-module parameters (embeddings, final norm and output where it
+    holds them) and those of one of its blocks, after TP splits the matrices."""
+    root = (pc.embedding / tp if rank.first else 0) + \
+        (pc.head_matrix / tp + pc.head_vector if rank.last else 0)
+    return root, pc.block_matrix / tp + pc.block_vector
+
+
+def _stage_activations(s: _Setup, mb: int, tp: int, layers: int, checkpointing: str) -> float:
+    """One micro-batch through `layers` blocks; checkpointed blocks keep only their input
+    (sequence-sharded under TP). "selective" checkpoints every other block, as the trainer."""
+    seq = s.config.training.seq_len
+    checkpointed = {"none": 0, "selective": math.ceil(layers / 2), "full": layers}[checkpointing]
+    full = block_activation_bytes(s.args, mb, seq, tp, s.act_bytes)
+    block_input = s.act_bytes * mb * seq * s.args.dim / tp
+    return checkpointed * block_input + (layers - checkpointed) * full
+
+
+def _pure_replication(degrees: dict[str, int]) -> bool:
+    """The trainer uses DDP for pure replication and FSDP2 for every other data-parallel layout."""
+    return degrees["dp_shard"] == 1 and degrees["tp"] == 1 and degrees["pp"] == 1
+
+
+def _out_of_memory(s: _Setup, degrees: dict[str, int], m: int, mem: Memory) -> Problem:
+    """Name the first single change that makes the layout fit, with its estimate."""
+    have = s.cluster.gpu_memory
+    reason = f"needs {mem.peak / GiB:.1f} GiB per GPU, more than the {have / GiB:.0f} GiB it has"
+    checkpointing = s.config.parallelism.activation_checkpointing
+    options = []
+    if checkpointing != "full":
+        options.append(("set parallelism.activation_checkpointing=full",
+                        _memory(s, degrees, m, "full")))
+    if degrees["dp_replicate"] > 1:
+        shard = degrees["dp_shard"] * degrees["dp_replicate"]
+        options.append((f"shard instead of replicating: dp_shard={shard}, dp_replicate=1 (FSDP "
+                        "shards weights, gradients and optimizer state)",
+                        _memory(s, {**degrees, "dp_shard": shard, "dp_replicate": 1}, m, checkpointing)))
+    for text, alternative in options:
+        if alternative.peak <= have:
+            return Problem(reason, f"{text} ({alternative.peak / GiB:.1f} GiB)")
+    return Problem(reason, "lower training.micro_batch_size, split the model over more tp or pp "
+                           "ranks, or use more GPUs")
+
+
+# -- communication and time ------------------------------------------------------------------------
+
+def _axis_crosses_nodes(degrees: dict[str, int], axis: str, gpus_per_node: int) -> bool:
+    """Ranks of one group along `axis` are `stride` apart; it stays in a node when it spans
+    no more than one node's GPUs."""
+    inner = MESH_ORDER[MESH_ORDER.index(axis) + 1:]
+    stride = math.prod(degrees[a] for a in inner)
+    return stride * degrees[axis] > gpus_per_node
+
+
+def _communication(s: _Setup, degrees: dict[str, int], m: int) -> tuple[dict[str, float], dict[str, bool]]:
+    """Bytes each GPU sends per optimizer step along each mesh axis (ring collectives:
+    all-reduce 2(d-1)/d of the data, all-gather and reduce-scatter (d-1)/d)."""
+    pc, args, tcfg, par = s.params, s.args, s.config.training, s.config.parallelism
+    tp, pp, shard, rep = degrees["tp"], degrees["pp"], degrees["dp_shard"], degrees["dp_replicate"]
+    ranks = _pipeline_ranks(args.n_layers, pp, m, par.pp_schedule)
+    busiest = max(ranks, key=lambda r: sum(r.layers) + r.first + r.last)
+    root, block = _local_params(pc, busiest, tp)
+    blocks = sum(busiest.layers) * block
+    local = root + blocks
+    n_micro = tcfg.grad_accum_steps * m
+    mb = tcfg.micro_batch_size // m
+    comm: dict[str, float] = {}
+
+    if _pure_replication(degrees) and rep > 1:  # DDP: fp32 gradient all-reduce once per step
+        comm["dp_replicate"] = 2 * _ring(rep) * 4 * local
+    elif rep * shard > 1:  # FSDP2 / HSDP
+        compute_bytes = 2 if s.bf16 else 4
+        gathers = n_micro * ((2 if par.reshard_after_forward else 1) * blocks + root)
+        comm["dp_shard"] = _ring(shard) * (compute_bytes * gathers + 4 * local)
+        comm["dp_replicate"] = 2 * _ring(rep) * 4 * local / shard
+    if tp > 1:
+        comm["tp"] = n_micro * _tp_bytes_per_microbatch(s, busiest, mb, tp)
+    if pp > 1:
+        boundary = s.act_bytes * mb * tcfg.seq_len * args.dim / tp
+        sends = 2 * len(busiest.layers)  # activations forward, their gradients backward
+        comm["pp"] = n_micro * sends * boundary
+    comm = {k: v for k, v in comm.items() if v > 0}
+    crosses = {k: _axis_crosses_nodes(degrees, k, s.cluster.gpus_per_node) for k in comm}
+    return comm, crosses
+
+
+def _ring(d: int) -> float:
+    """Share of the data each member of a ring of `d` sends in one all-gather or reduce-scatter."""
+    return (d - 1) / d
+
+
+def _tp_bytes_per_microbatch(s: _Setup, rank: _Rank, mb: int, tp: int) -> float:
+    """Sequence parallelism: per block, two all-gathers into and two reduce-scatters out of
+    the parallel matmuls in forward, the same in backward, and again when a checkpointed
+    block recomputes; the embedding's reduce-scatter and the head's all-gathers (the
+    logits whole) at the ends."""
+    seq, args, par = s.config.training.seq_len, s.args, s.config.parallelism
+    hidden = s.act_bytes * mb * seq * args.dim * _ring(tp)
+    layers = sum(rank.layers)
+    recomputed = {"none": 0, "selective": sum(math.ceil(n / 2) for n in rank.layers),
+                  "full": layers}[par.activation_checkpointing]
+    total = (8 * layers + 4 * recomputed) * hidden
+    if rank.first:
+        total += 2 * hidden
+    if rank.last:
+        total += 2 * hidden + s.act_bytes * mb * seq * args.vocab_size * _ring(tp)
+    return total
+
+
+def _step_time(s: _Setup, plan: LayoutPlan) -> float:
+    """Compute at peak FLOP/s stretched by the pipeline bubble, plus communication at link
+    bandwidth with no overlap: pessimistic, but it orders layouts by what they cost."""
+    tcfg, args, degrees = s.config.training, s.args, plan.degrees
+    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    tokens = tcfg.micro_batch_size * tcfg.grad_accum_steps * tcfg.seq_len * dp
+    flops_per_token = 6 * s.params.non_embedding + 12 * args.n_layers * args.dim * tcfg.seq_len
+    recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[s.config.parallelism.activation_checkpointing]
+    flops = flops_per_token * tokens * (1 + recompute / 3) / s.cluster.world_size
+    compute_s = flops / s.cluster.gpu_flops / (1 - plan.bubble)
+    links = {True: s.cluster.inter_node_bandwidth, False: s.cluster.intra_node_bandwidth}
+    return compute_s + sum(v / links[plan.crosses_nodes[k]] for k, v in plan.comm.items())
+
+
+# -- presentation ------------------------------------------------------------------------------------
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.2f}"
+
+
+def _size(x: float) -> str:
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.1f} {unit}"
+    return f"{x:.0f} B"
+
+
+def format_table(plans: list[LayoutPlan], limit: int | None = None) -> str:
+    """One line per layout: memory split in GiB, bubble, communication, estimated step time."""
+    header = ("rank", "dp_rep", "dp_shard", "tp", "pp", "weights", "grads", "optim", "buffers",
+              "acts", "peak GiB", "bubble", "comm/step", "step s", "verdict")
+    rows = []
+    shown = plans if limit is None else plans[:limit]
+    for i, p in enumerate(shown, 1):
+        d, mem = p.degrees, p.memory
+        mem_cols = ([_gib(mem.weights), _gib(mem.gradients), _gib(mem.optimizer), _gib(mem.buffers),
+                     _gib(mem.activations), _gib(mem.peak)] if mem else ["-"] * 6)
+        rows.append((str(i) if p.ok else "-", *(str(d[k]) for k in DEGREES), *mem_cols,
+                     f"{p.bubble:.1%}", _size(sum(p.comm.values())),
+                     f"{p.step_time_s:.3f}" if p.step_time_s is not None else "-",
+                     _verdict(p)))
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in [header, *rows]]
+    if limit is not None and len(plans) > limit:
+        lines.append(f"... {len(plans) - limit} more layouts")
+    return "\n".join(lines)
+
+
+def _verdict(p: LayoutPlan) -> str:
+    if not p.ok:
+        return p.problems[0].reason
+    return "; ".join(["ok", *p.departures])
+
+
+def explain(p: LayoutPlan, cluster: Cluster) -> str:
+    """Everything the planner knows about one layout, in words."""
+    pc, mem = p.params, p.memory
+    lines = [f"layout {p.name} on {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs "
+             f"({_gib(cluster.gpu_memory)} GiB each)",
+             f"  parameters: {pc.total:,} total, {pc.non_embedding:,} non-embedding"]
+    if mem is not None:
+        backward = ("gradients + activations + workspace" if mem.grads_live_in_backward
+                    else "activations + workspace")
+        lines += [f"  memory per GPU (GiB): weights {_gib(mem.weights)}, gradients "
+                  f"{_gib(mem.gradients)}, optimizer {_gib(mem.optimizer)}, buffers "
+                  f"{_gib(mem.buffers)}, activations {_gib(mem.activations)}, workspace "
+                  f"{_gib(mem.workspace)} (backward) / {_gib(mem.step_workspace)} (update)",
+                  f"  peak {_gib(mem.peak)} GiB = weights + optimizer + buffers + "
+                  f"max({backward}, gradients + update workspace)"]
+    if p.degrees["pp"] > 1:
+        lines.append(f"  pipeline: {p.microbatches} micro-batches, bubble {p.bubble:.1%}")
+    for axis, volume in p.comm.items():
+        link = "inter-node" if p.crosses_nodes[axis] else "intra-node"
+        lines.append(f"  communication {axis}: {_size(volume)} per GPU per step ({link})")
+    if p.step_time_s is not None:
+        lines.append(f"  estimated step time: {p.step_time_s:.3f} s (no overlap assumed)")
+    lines += [f"  note: {note}" for note in p.departures]
+    lines += [f"  ruled out: {problem}" for problem in p.problems]
+    return "\n".join(lines)

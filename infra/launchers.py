@@ -1,0 +1,458 @@
+"""Start the nodes of one training attempt, one `torchrun` each, and watch them.
+
+Every node runs the same torchrun command line (infra/torchrun.py). The facts that differ
+per node are derived on the node by a small shell wrapper (`node_wrapper`) from two values
+each launcher knows in its own way -- the node's index and the address other nodes reach it
+at (a literal for local and ssh nodes; SLURM_NODEID / SLURMD_NODENAME in a Slurm job; the
+JobSet job index or the PyTorchJob replica rank and the pod IP on Kubernetes):
+
+- node 0 hosts the c10d rendezvous store (`--rdzv-conf is_host=1`, the others 0). torchrun
+  would otherwise guess by matching the endpoint against its hostname, which fails when
+  nodes share a hostname (several on one machine, network namespaces) or resolve it to
+  the wrong interface (STACK_NOTES);
+- `--local-addr` is the node's own address, which rank 0's node advertises for the workers'
+  store (a fresh one per attempt, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1);
+- worker lines are prefixed `[node<i> rank<r>] `, the format the Prefect log sink filters on.
+
+They reach torchrun as its PET_<FLAG> environment variables, which it reads for any flag
+not given on the command line. The endpoint (host:port of node 0) is shared by all nodes.
+Global ranks are assigned by the c10d rendezvous (torchrun ignores --node-rank with it), so
+global rank 0 may run on any node.
+
+A launcher has four members, used by infra.torchrun.run_attempt:
+    start(log)  start or submit every node; worker output goes to `log` line by line
+    started     whether the nodes run yet (a scheduler may queue the job first)
+    poll()      None while running; the exit code once every node succeeded or any failed
+    stop()      end whatever still runs, on every node; returns the attempt's exit code
+Any node failing ends the attempt: poll() reports it and run_attempt stops the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import yaml
+
+from goodput.config import RunConfig
+
+Log = Callable[[str], None]
+STOPPED = -signal.SIGTERM  # exit code reported for a scheduler job this process ended
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class NodeLaunch:
+    """One attempt, as every launcher needs it."""
+
+    config: RunConfig
+    command: list[str]  # the torchrun command line, the same on every node
+    env: dict[str, str]  # worker environment on top of each node's own
+    attempt_dir: Path  # scripts, manifests and scheduler logs of this attempt
+    name: str  # job name, unique per attempt: goodput-<run>-<attempt>
+
+    @property
+    def nnodes(self) -> int:
+        return self.config.parallelism.nnodes
+
+    @property
+    def workdir(self) -> str:
+        return self.config.launch.workdir or os.getcwd()
+
+    def endpoint(self, head: str) -> str:
+        return self.config.parallelism.rdzv_endpoint or f"{head}:{self.config.launch.rdzv_port}"
+
+
+def node_wrapper(node: str, addr: str) -> list[str]:
+    """`bash -c SCRIPT torchrun` prefix that derives one node's torchrun settings from its
+    index and address (shell words, expanded on the node) and then runs the command."""
+    script = (f'node={node}; export PET_RDZV_CONF="is_host=$(( node == 0 ))" '
+              f'PET_LOCAL_ADDR={addr} '
+              'TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[node$node rank\\${rank}] "; exec "$@"')
+    return ["bash", "-c", script, "torchrun"]
+
+
+def make_launcher(spec: NodeLaunch) -> NodeProcesses | SchedulerJob:
+    launchers = {"local": LocalLauncher, "ssh": SshLauncher, "slurm": SlurmLauncher,
+                 "kubernetes": KubernetesLauncher}
+    return launchers[spec.config.launch.kind](spec)
+
+
+# -- nodes as processes of this machine: local, ssh ------------------------------------------
+
+class NodeProcesses:
+    """Each node is a process here (torchrun itself, or the ssh client running it)."""
+
+    started = True
+
+    def __init__(self, spec: NodeLaunch):
+        self.spec = spec
+        self.procs: list[subprocess.Popen] = []
+        self.readers: list[threading.Thread] = []
+
+    def node_commands(self) -> list[tuple[list[str], dict[str, str]]]:
+        raise NotImplementedError
+
+    def start(self, log: Log) -> None:
+        for i, (argv, env) in enumerate(self.node_commands()):
+            log(f"node {i}: {shlex.join(argv)}")
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True, env=env,
+                                    start_new_session=True, bufsize=1)
+            reader = threading.Thread(target=_pump, args=(proc.stdout, log), daemon=True)
+            reader.start()
+            self.procs.append(proc)
+            self.readers.append(reader)
+
+    def poll(self) -> int | None:
+        codes = [p.poll() for p in self.procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed:
+            return failed[0]
+        return 0 if all(c == 0 for c in codes) else None
+
+    def stop(self) -> int:
+        code = self.poll()
+        kill_process_groups(self.procs)
+        for reader in self.readers:
+            reader.join(timeout=5)
+        if code is None:  # ended here (hang, cancellation): report how the nodes ended
+            code = next((p.returncode for p in self.procs if p.returncode != 0), 0)
+        return code
+
+
+class LocalLauncher(NodeProcesses):
+    """parallelism.nnodes torchrun "nodes" on this machine, meeting on a free loopback port."""
+
+    def node_commands(self):
+        # A free port rather than launch.rdzv_port: runs on one machine must not collide.
+        endpoint = self.spec.config.parallelism.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+        env = {**os.environ, **self.spec.env, "PET_RDZV_ENDPOINT": endpoint}
+        return [(node_wrapper(str(i), "127.0.0.1") + self.spec.command, env)
+                for i in range(self.spec.nnodes)]
+
+
+class SshLauncher(NodeProcesses):
+    """`ssh HOST 'cd WORKDIR && env ... torchrun ...'` per host; launch.hosts[0] is node 0.
+
+    `-tt` gives the remote command a terminal, so when this side ends the ssh client the
+    remote torchrun gets SIGHUP and stops its workers.
+    """
+
+    def node_commands(self):
+        launch = self.spec.config.launch
+        addresses = [host.rsplit("@", 1)[-1] for host in launch.hosts]
+        shared = {**self.spec.env, "PET_RDZV_ENDPOINT": self.spec.endpoint(addresses[0])}
+        commands = []
+        for i, (host, addr) in enumerate(zip(launch.hosts, addresses)):
+            remote = ["env", *(f"{k}={v}" for k, v in shared.items()),
+                      *node_wrapper(str(i), shlex.quote(addr)), *self.spec.command]
+            line = f"cd {shlex.quote(self.spec.workdir)} && exec {shlex.join(remote)}"
+            commands.append((["ssh", "-tt", *launch.ssh.options, host, line], dict(os.environ)))
+        return commands
+
+
+def _pump(stream, log: Log) -> None:
+    for line in stream:
+        log(line.rstrip())  # rstrip also drops the \r a remote terminal adds
+
+
+def kill_process_groups(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """SIGTERM every process group (workers may save), then SIGKILL whatever is left."""
+    for proc in procs:
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for proc in procs:  # the node process may be gone while orphaned workers hold its group
+        _signal_group(proc, signal.SIGKILL)
+        proc.wait()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# -- scheduler jobs: slurm, kubernetes ----------------------------------------------------------
+
+def _run(argv: list[str]) -> str:
+    """A scheduler command; its stdout. Fails with the command's own error message."""
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{shlex.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+class SchedulerJob:
+    """A job the scheduler runs: submitted once, queried every launch.poll_s."""
+
+    def __init__(self, spec: NodeLaunch):
+        self.spec = spec
+        self.started = False
+        self.code: int | None = None
+        self._next_query = 0.0
+
+    def poll(self) -> int | None:
+        self.follow_logs()
+        if self.code is None and time.monotonic() >= self._next_query:
+            self._next_query = time.monotonic() + self.spec.config.launch.poll_s
+            self.code = self.query()
+            if self.code is not None:
+                self.follow_logs()
+        return self.code
+
+    def follow_logs(self) -> None:
+        """Pass new worker output to the log."""
+
+    def query(self) -> int | None:
+        """Ask the scheduler; set `started`; the exit code once the job is over."""
+        raise NotImplementedError
+
+
+class SlurmLauncher(SchedulerJob):
+    """An sbatch script with one `srun` task (one torchrun) per node; srun ends every node
+    when one fails (--kill-on-bad-exit). Watched with squeue/sacct, cancelled with scancel."""
+
+    def __init__(self, spec: NodeLaunch):
+        super().__init__(spec)
+        self.job_id: str | None = None
+        self.output: Path | None = None
+        self._log: Log = print
+        self._offset = 0
+        self._partial = ""
+
+    def script(self) -> str:
+        spec, slurm = self.spec, self.spec.config.launch.slurm
+        options = [f"--job-name={spec.name}", f"--nodes={spec.nnodes}", "--ntasks-per-node=1",
+                   f"--output={spec.attempt_dir.resolve()}/slurm-%j.out", f"--time={slurm.time}"]
+        options += [f"--partition={slurm.partition}"] if slurm.partition else []
+        options += [f"--account={slurm.account}"] if slurm.account else []
+        options += [f"--gpus-per-node={slurm.gpus_per_node}"] if slurm.gpus_per_node else []
+        options += [f"--cpus-per-task={slurm.cpus_per_node}"] if slurm.cpus_per_node else []
+        options += slurm.extra_sbatch
+        if spec.config.parallelism.rdzv_endpoint:
+            endpoint = shlex.quote(spec.config.parallelism.rdzv_endpoint)
+        else:
+            endpoint = f'"$head_node:{spec.config.launch.rdzv_port}"'
+        srun = ["srun", "--kill-on-bad-exit=1", f"--nodes={spec.nnodes}", "--ntasks-per-node=1",
+                *node_wrapper("$SLURM_NODEID", '"$SLURMD_NODENAME"'), *spec.command]
+        return "\n".join([
+            "#!/bin/bash",
+            f"# Training attempt of run {spec.config.run.run_id}: {spec.nnodes} node(s), one "
+            "torchrun each. Rendered by infra/launchers.py.",
+            *(f"#SBATCH {option}" for option in options),
+            "set -euo pipefail",
+            f"cd {shlex.quote(spec.workdir)}",
+            *spec.config.launch.slurm.setup,
+            *(f"export {k}={shlex.quote(v)}" for k, v in spec.env.items()),
+            "# The allocation's first node hosts the c10d rendezvous. (No `| head`: under",
+            "# pipefail its closing the pipe early would fail the job.)",
+            'nodes=( $(scontrol show hostnames "$SLURM_JOB_NODELIST") )',
+            'head_node=${nodes[0]}',
+            f"export PET_RDZV_ENDPOINT={endpoint}",
+            "# One task per node; the wrapper reads that node's SLURM_NODEID and SLURMD_NODENAME.",
+            shlex.join(srun),
+            "",
+        ])
+
+    def start(self, log: Log) -> None:
+        self._log = log
+        path = self.spec.attempt_dir / "sbatch.sh"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.script())
+        # --parsable prints "jobid" or "jobid;cluster".
+        self.job_id = _run(["sbatch", "--parsable", str(path)]).strip().split(";")[0]
+        self.output = self.spec.attempt_dir.resolve() / f"slurm-{self.job_id}.out"
+        log(f"submitted Slurm job {self.job_id}: {path}")
+
+    def query(self) -> int | None:
+        state = _run(["squeue", "-h", "-j", self.job_id, "-o", "%T"]).strip()
+        if state:  # still queued or running
+            self.started = self.started or state in ("RUNNING", "COMPLETING")
+            return None
+        # Gone from the queue: accounting has the verdict (it may lag a moment behind).
+        record = _run(["sacct", "-j", self.job_id, "-X", "-n", "-P", "-o", "State,ExitCode"]).strip()
+        if not record:
+            return None
+        state, exit_code = record.splitlines()[0].split("|")
+        if state.startswith(("PENDING", "RUNNING", "COMPLETING")):
+            return None
+        code, sig = (int(x) for x in exit_code.split(":"))
+        if state == "COMPLETED":
+            return 0
+        return code or (128 + sig if sig else 1)  # CANCELLED, TIMEOUT, NODE_FAIL... by signal
+
+    def follow_logs(self) -> None:
+        if self.output is None or not self.output.is_file():
+            return
+        with open(self.output, "rb") as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        self._offset += len(chunk)
+        *lines, self._partial = (self._partial + chunk.decode(errors="replace")).split("\n")
+        for line in lines:
+            self._log(line.rstrip())
+
+    def stop(self) -> int:
+        if self.job_id is not None and self.code is None:
+            _run(["scancel", self.job_id])
+            self._log(f"cancelled Slurm job {self.job_id}")
+        self.follow_logs()
+        if self._partial:
+            self._log(self._partial.rstrip())
+        return self.code if self.code is not None else STOPPED
+
+
+class KubernetesLauncher(SchedulerJob):
+    """A JobSet (one replicated job of `nnodes` single-pod jobs) or a PyTorchJob (a Master
+    and nnodes-1 Workers), applied with kubectl, watched through its status conditions,
+    deleted when the attempt ends. Nothing restarts inside it: the launch task's retry
+    resumes from the last validated checkpoint."""
+
+    LABEL = "goodput.dev/job"
+
+    def __init__(self, spec: NodeLaunch):
+        super().__init__(spec)
+        self._log: Log = print
+        self._logs: subprocess.Popen | None = None
+        self._reader: threading.Thread | None = None
+        self.name = re.sub(r"[^a-z0-9-]+", "-", spec.name.lower())[:40].strip("-")
+
+    @property
+    def kind(self) -> str:
+        return self.spec.config.launch.kubernetes.kind
+
+    @property
+    def namespace(self) -> str:
+        return self.spec.config.launch.kubernetes.namespace
+
+    def manifest(self) -> dict:
+        if self.kind == "jobset":
+            # Pod <jobset>-node-<i>-0 of job i resolves as <pod>.<jobset> (JobSet's headless
+            # service); the job index, from the pod's annotation, is the node index.
+            endpoint = self.spec.endpoint(f"{self.name}-node-0-0.{self.name}")
+            index = {"name": "NODE_INDEX", "valueFrom": {"fieldRef": {
+                "fieldPath": "metadata.annotations['jobset.sigs.k8s.io/job-index']"}}}
+            job = {"parallelism": 1, "completions": 1, "backoffLimit": 0,
+                   "template": self._pod(endpoint, [index], "$NODE_INDEX")}
+            return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
+                    "metadata": self._metadata(),
+                    "spec": {"failurePolicy": {"maxRestarts": 0},
+                             "network": {"enableDNSHostnames": True},
+                             "replicatedJobs": [{"name": "node", "replicas": self.spec.nnodes,
+                                                 "template": {"spec": job}}]}}
+        # PyTorchJob: the operator serves the master as <job>-master-0 and gives each pod its
+        # node rank as RANK (master 0, workers 1..n-1).
+        pod = self._pod(self.spec.endpoint(f"{self.name}-master-0"), [], "$RANK")
+        replicas = {"Master": {"replicas": 1, "restartPolicy": "Never", "template": pod}}
+        if self.spec.nnodes > 1:
+            replicas["Worker"] = {"replicas": self.spec.nnodes - 1, "restartPolicy": "Never",
+                                  "template": pod}
+        return {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": self._metadata(),
+                "spec": {"runPolicy": {"backoffLimit": 0, "cleanPodPolicy": "All"},
+                         "pytorchReplicaSpecs": replicas}}
+
+    def _metadata(self) -> dict:
+        return {"name": self.name, "namespace": self.namespace, "labels": {self.LABEL: self.name}}
+
+    def _pod(self, endpoint: str, node_env: list[dict], node: str) -> dict:
+        launch = self.spec.config.launch
+        k8s = launch.kubernetes
+        pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+        env = [*node_env, pod_ip, *({"name": k, "value": v} for k, v in self.spec.env.items()),
+               {"name": "PET_RDZV_ENDPOINT", "value": endpoint}]
+        # Kubernetes expands $(VAR) in commands itself; $$ keeps the shell's $(( )) intact.
+        command = [arg.replace("$(", "$$(") for arg in
+                   node_wrapper(node, '"$POD_IP"') + self.spec.command]
+        container = {"name": "pytorch",  # the name the PyTorchJob operator looks for
+                     "image": k8s.image, "workingDir": self.spec.workdir, "command": command,
+                     "env": env, "ports": [{"containerPort": launch.rdzv_port}]}
+        if k8s.gpus_per_node:
+            container["resources"] = {"limits": {"nvidia.com/gpu": k8s.gpus_per_node}}
+        spec = {"restartPolicy": "Never", "containers": [container]}
+        if k8s.volume_claim:
+            container["volumeMounts"] = [{"name": "shared", "mountPath": k8s.mount_path}]
+            spec["volumes"] = [{"name": "shared",
+                                "persistentVolumeClaim": {"claimName": k8s.volume_claim}}]
+        return {"metadata": {"labels": {self.LABEL: self.name}}, "spec": spec}
+
+    def start(self, log: Log) -> None:
+        self._log = log
+        path = self.spec.attempt_dir / "kubernetes.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(self.manifest(), sort_keys=False))
+        _run(["kubectl", "apply", "-f", str(path)])
+        log(f"applied {self.kind} {self.namespace}/{self.name}: {path}")
+
+    def query(self) -> int | None:
+        found = _run(["kubectl", "get", self.kind, self.name, "-n", self.namespace, "-o", "json"])
+        status = json.loads(found).get("status") or {}
+        true = {c["type"] for c in status.get("conditions", []) if c.get("status") == "True"}
+        if true & {"Completed", "Succeeded"}:
+            return 0
+        if "Failed" in true:
+            return self._failed_exit_code()
+        ready = sum(j.get("ready", 0) for j in status.get("replicatedJobsStatus", []))
+        if not self.started and ("Running" in true or ready >= self.spec.nnodes):
+            self.started = True
+            self._follow_logs()
+        return None
+
+    def _selector(self) -> list[str]:
+        return ["-n", self.namespace, "-l", f"{self.LABEL}={self.name}"]
+
+    def _failed_exit_code(self) -> int:
+        """The first non-zero exit code among the pods (torchrun's), else 1."""
+        pods = json.loads(_run(["kubectl", "get", "pods", *self._selector(), "-o", "json"]))
+        codes = [status["state"]["terminated"]["exitCode"] for pod in pods.get("items", [])
+                 for status in pod.get("status", {}).get("containerStatuses", [])
+                 if "terminated" in status.get("state", {})]
+        return next((c for c in codes if c != 0), 1)
+
+    def _follow_logs(self) -> None:
+        """Stream every pod's output until the pods end (no --prefix: torchrun's own
+        [node rank] prefix is the one the log sink knows)."""
+        self._logs = subprocess.Popen(
+            ["kubectl", "logs", *self._selector(), "-f", "--tail=-1", "--all-containers=true",
+             f"--max-log-requests={self.spec.nnodes}"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True, bufsize=1)
+        self._reader = threading.Thread(target=_pump, args=(self._logs.stdout, self._log),
+                                        daemon=True)
+        self._reader.start()
+
+    def stop(self) -> int:
+        if self._logs is not None:
+            if self.code is not None:  # finished pods end the stream: let it drain
+                try:
+                    self._logs.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+            kill_process_groups([self._logs])
+            self._reader.join(timeout=5)
+        _run(["kubectl", "delete", self.kind, self.name, "-n", self.namespace,
+              "--ignore-not-found", "--wait=false"])
+        self._log(f"deleted {self.kind} {self.namespace}/{self.name}")
+        return self.code if self.code is not None else STOPPED

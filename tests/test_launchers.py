@@ -1,0 +1,461 @@
+"""Launchers without a cluster: the rendered Slurm script and Kubernetes manifests, and the
+exact command lines, driven through the production code path against fake `ssh`, `sbatch`,
+`squeue`, `sacct`, `scancel`, `srun`, `scontrol` and `kubectl` executables on PATH. The fakes
+record their argv and answer like the real ones; the fake Slurm runs the rendered script
+with bash (its `srun` starts one task per node), and a fake interpreter in place of the
+nodes' Python records what each node's torchrun would have been given.
+
+Real multi-node training runs are in tests/test_multinode.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from infra.launchers import STOPPED, KubernetesLauncher, NodeLaunch, make_launcher, node_wrapper
+from infra.torchrun import run_attempt, torchrun_command, worker_env
+from tests.helpers import small_config
+from training import exits
+
+FAKE_TOOLS = r'''
+import json, os, signal, subprocess, sys, time
+from pathlib import Path
+
+state = Path(os.environ["FAKE_DIR"])
+prog, args = Path(sys.argv[0]).name, sys.argv[1:]
+with open(state / "calls.jsonl", "a") as f:
+    f.write(json.dumps([prog, *args]) + "\n")
+
+
+def fake_python():
+    """Stands in for the nodes' Python: records what torchrun would have been given."""
+    keys = ("PET_RDZV_ENDPOINT", "PET_RDZV_CONF", "PET_LOCAL_ADDR",
+            "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "GOODPUT_ATTEMPT", "GLOO_SOCKET_IFNAME",
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    record = {"argv": args, "cwd": os.getcwd(), "env": {k: os.environ.get(k) for k in keys}}
+    (state / f"node-{os.environ['PET_LOCAL_ADDR']}.json").write_text(json.dumps(record))
+    print(f"torchrun on {os.environ['PET_LOCAL_ADDR']}", flush=True)
+    sys.exit(int(os.environ.get("FAKE_EXIT", "0")))
+
+
+def ssh():
+    """Runs the remote command here, or inside the network namespace that owns the host's
+    address when FAKE_SSH_NETNS maps addresses to namespaces."""
+    rest = list(args)
+    while rest[0].startswith("-"):
+        rest = rest[2:] if rest[0] in ("-o", "-i", "-p") else rest[1:]
+    host, command = rest[0].rsplit("@", 1)[-1], rest[1]
+    netns = json.loads(os.environ.get("FAKE_SSH_NETNS", "{}"))
+    if host in netns:
+        os.execvp("ip", ["ip", "netns", "exec", netns[host], "bash", "-c", command])
+    os.execvp("bash", ["bash", "-c", command])
+
+
+def job_file(job, suffix):
+    return state / f"job-{job}.{suffix}"
+
+
+def sbatch():
+    assert args[0] == "--parsable"
+    script = Path(args[1])
+    options = dict(line[len("#SBATCH --"):].split("=", 1) for line in script.read_text().splitlines()
+                   if line.startswith("#SBATCH --") and "=" in line)
+    job = str(len(list(state.glob("job-*.script"))) + 1)
+    job_file(job, "script").write_text(script.read_text())
+    if os.fork() == 0:  # the job runs in the background, as under slurmd
+        os.setsid()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):  # let the caller's pipes close
+            os.dup2(devnull, fd)
+        if os.environ.get("FAKE_SLURM") == "hold":
+            job_file(job, "pid").write_text(str(os.getpid()))
+            time.sleep(300)
+            os._exit(0)
+        nodes = int(options["nodes"])
+        env = {**os.environ, "SLURM_JOB_ID": job, "SLURM_NNODES": str(nodes),
+               "SLURM_JOB_NODELIST": ",".join(f"fakenode{i}" for i in range(nodes))}
+        with open(options["output"].replace("%j", job), "w") as out:
+            proc = subprocess.Popen(["bash", str(script)], stdout=out, stderr=subprocess.STDOUT, env=env)
+            job_file(job, "pid").write_text(str(proc.pid))
+            code = proc.wait()
+        job_file(job, "exit").write_text(str(code))
+        os._exit(0)
+    print(f"{job};fakecluster")
+
+
+def squeue():
+    job = args[args.index("-j") + 1]
+    queried = job_file(job, "queried")
+    if job_file(job, "exit").exists() or job_file(job, "cancelled").exists():
+        return
+    print("RUNNING" if queried.exists() else "PENDING")  # queued at the first look
+    queried.touch()
+
+
+def sacct():
+    job = args[args.index("-j") + 1]
+    if job_file(job, "cancelled").exists():
+        print("CANCELLED by 0|0:15")
+    elif job_file(job, "exit").exists():
+        code = int(job_file(job, "exit").read_text())
+        print("COMPLETED|0:0" if code == 0 else f"FAILED|{code}:0")
+
+
+def scancel():
+    job = args[0]
+    job_file(job, "cancelled").touch()
+    os.killpg(int(job_file(job, "pid").read_text()), signal.SIGTERM)
+
+
+def srun():
+    first = next(i for i, a in enumerate(args) if not a.startswith("--"))
+    options, command = args[:first], args[first:]
+    nodes = int(next(o for o in options if o.startswith("--nodes=")).split("=")[1])
+    procs = [subprocess.Popen(command, env={**os.environ, "SLURM_NODEID": str(i),
+                                            "SLURMD_NODENAME": f"fakenode{i}"})
+             for i in range(nodes)]
+    codes = [p.wait() for p in procs]
+    sys.exit(next((c for c in codes if c), 0))
+
+
+def scontrol():
+    assert args[:2] == ["show", "hostnames"]
+    print("\n".join(args[2].split(",")))
+
+
+def kubectl():
+    verb = args[0]
+    if verb == "apply":
+        manifest = yaml_load(Path(args[args.index("-f") + 1]))
+        (state / "applied.json").write_text(json.dumps(manifest))
+        print(f"{manifest['kind'].lower()}/{manifest['metadata']['name']} created")
+    elif verb == "get" and args[1] == "pods":
+        print((state / "k8s-pods.json").read_text())
+    elif verb == "get":
+        statuses = json.loads((state / "k8s-status.json").read_text())
+        print(json.dumps({"status": statuses[0]}))
+        if len(statuses) > 1:
+            (state / "k8s-status.json").write_text(json.dumps(statuses[1:]))
+    elif verb == "logs":
+        print((state / "k8s-logs.txt").read_text(), end="")
+    elif verb == "delete":
+        print("deleted")
+
+
+def yaml_load(path):
+    import yaml
+    return yaml.safe_load(path.read_text())
+
+
+{"python": fake_python, "ssh": ssh, "sbatch": sbatch, "squeue": squeue, "sacct": sacct,
+ "scancel": scancel, "srun": srun, "scontrol": scontrol, "kubectl": kubectl}[prog]()
+'''
+
+TOOLS = ("python", "ssh", "sbatch", "squeue", "sacct", "scancel", "srun", "scontrol", "kubectl")
+
+
+@pytest.fixture
+def fakes(tmp_path, monkeypatch) -> Path:
+    """The fake executables first on PATH; returns the directory where they keep state."""
+    bin_dir, state = tmp_path / "bin", tmp_path / "fake-state"
+    bin_dir.mkdir()
+    state.mkdir()
+    tool = bin_dir / "fake_tools.py"
+    tool.write_text(f"#!{sys.executable}\n{FAKE_TOOLS}")
+    tool.chmod(0o755)
+    for name in TOOLS:
+        (bin_dir / name).symlink_to(tool)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_DIR", str(state))
+    return state
+
+
+def calls(state: Path, prog: str) -> list[list[str]]:
+    lines = (state / "calls.jsonl").read_text().splitlines()
+    return [call[1:] for call in map(json.loads, lines) if call[0] == prog]
+
+
+def node_records(state: Path) -> dict[str, dict]:
+    return {p.stem.removeprefix("node-"): json.loads(p.read_text()) for p in state.glob("node-*.json")}
+
+
+def launch_config(tmp_path, fakes: Path, *overrides: str):
+    """A 2-node run whose nodes' Python is the recording fake."""
+    return small_config(tmp_path, "parallelism.nnodes=2", "parallelism.nproc_per_node=1",
+                        f"launch.python={fakes.parent / 'bin' / 'python'}", "launch.poll_s=0.05",
+                        f"launch.workdir={tmp_path}", *overrides)
+
+
+def spec_of(config, attempt: str = "t1") -> NodeLaunch:
+    command = torchrun_command(config, config.run_dir / "config.yaml", Path("/data/set"), None, attempt)
+    return NodeLaunch(config, command, worker_env(config, attempt),
+                      exits.attempt_dir(config.run_dir, attempt), f"goodput-test-{attempt}")
+
+
+def attempt(config, attempt_id: str = "t1", lines: list[str] | None = None):
+    log = lines.append if lines is not None else (lambda line: None)
+    return run_attempt(config, config.run_dir / "config.yaml", Path("/data/set"), None, attempt_id,
+                       log, poll_s=0.05)
+
+
+def assert_node_settings(records: dict[str, dict], endpoint: str, addresses: list[str],
+                         attempt_id: str = "t1") -> None:
+    """What each node's torchrun got: one host of the rendezvous, its own address, the log prefix."""
+    assert sorted(records) == sorted(addresses)
+    for i, addr in enumerate(addresses):
+        env = records[addr]["env"]
+        assert env["PET_RDZV_ENDPOINT"] == endpoint
+        assert env["PET_RDZV_CONF"] == f"is_host={int(i == 0)}"
+        assert env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == f"[node{i} rank${{rank}}] "
+        assert env["GOODPUT_ATTEMPT"] == attempt_id
+        assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+        argv = records[addr]["argv"]
+        assert argv[:4] == ["-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
+        assert f"--rdzv-id=test-{attempt_id}" in argv and "--max-restarts=0" in argv
+
+
+# -- the torchrun command ------------------------------------------------------------------------
+
+def test_torchrun_command_is_the_same_for_every_node(tmp_path):
+    config = small_config(tmp_path, "parallelism.nnodes=3", "parallelism.nproc_per_node=4")
+    command = torchrun_command(config, Path("run.yaml"), Path("data"), None, "abc-1")
+    assert command[:9] == [sys.executable, "-m", "torch.distributed.run", "--nnodes=3",
+                           "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-id=test-abc-1",
+                           "--max-restarts=0", "--tee=3"]
+    attempt_dir = (tmp_path / "runs" / "test" / "attempts" / "attempt-abc-1").resolve()
+    assert command[9] == f"--log-dir={attempt_dir / 'torchrun'}"
+    assert command[10:] == ["-m", "training", "--config", str(Path("run.yaml").resolve()),
+                            "--dataset", str(Path("data").resolve()), "--resume", "none"]
+    assert not any(a.startswith(("--rdzv-endpoint", "--node-rank", "--local-addr")) for a in command)
+
+
+def test_node_wrapper_derives_each_nodes_settings(tmp_path):
+    out = tmp_path / "env"
+    for node, addr in (("0", "10.0.0.1"), ("1", "10.0.0.2")):
+        subprocess.run([*node_wrapper(node, addr), "bash", "-c",
+                        f'echo "$PET_RDZV_CONF|$PET_LOCAL_ADDR|$TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE" >> {out}'],
+                       check=True)
+    assert out.read_text().splitlines() == ["is_host=1|10.0.0.1|[node0 rank${rank}] ",
+                                            "is_host=0|10.0.0.2|[node1 rank${rank}] "]
+
+
+def test_worker_environment(tmp_path):
+    config = small_config(tmp_path, "launch.network_interface=ib0", "launch.env={NCCL_DEBUG: WARN}")
+    env = worker_env(config, "a-1")
+    assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "ib0"
+    assert env["NCCL_DEBUG"] == "WARN" and env["GOODPUT_ATTEMPT"] == "a-1"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert "PATH" not in env  # each node keeps its own environment
+
+
+# -- ssh ---------------------------------------------------------------------------------------------
+
+def test_ssh_runs_one_torchrun_per_host(tmp_path, fakes):
+    config = launch_config(tmp_path, fakes, "launch.kind=ssh", "launch.hosts=[alice@10.1.0.1, 10.1.0.2]",
+                           "launch.rdzv_port=29555", "launch.network_interface=eth7",
+                           "launch.ssh.options=[-i, /keys/id, -o, BatchMode=yes]")
+    lines: list[str] = []
+    result = attempt(config, lines=lines)
+    assert result.failure_class == "done" and result.exit_code == 0
+    ssh = sorted(calls(fakes, "ssh"), key=lambda c: c[5].endswith("2"))  # nodes start concurrently
+    assert [c[:6] for c in ssh] == [["-tt", "-i", "/keys/id", "-o", "BatchMode=yes", "alice@10.1.0.1"],
+                                    ["-tt", "-i", "/keys/id", "-o", "BatchMode=yes", "10.1.0.2"]]
+    remote = shlex.split(ssh[0][6])
+    assert remote[:3] == ["cd", str(tmp_path), "&&"]
+    records = node_records(fakes)
+    assert_node_settings(records, "10.1.0.1:29555", ["10.1.0.1", "10.1.0.2"])
+    assert all(r["env"]["GLOO_SOCKET_IFNAME"] == "eth7" and r["cwd"] == str(tmp_path)
+               for r in records.values())
+    assert "torchrun on 10.1.0.1" in lines and "torchrun on 10.1.0.2" in lines
+
+
+def test_ssh_config_needs_one_host_per_node(tmp_path):
+    with pytest.raises(Exception, match="one host per node: 1 launch.hosts for parallelism.nnodes=2"):
+        small_config(tmp_path, "parallelism.nnodes=2", "launch.kind=ssh", "launch.hosts=[a]")
+
+
+# -- slurm -------------------------------------------------------------------------------------------
+
+SLURM = ("launch.kind=slurm", "launch.slurm.partition=gpu", "launch.slurm.account=proj7",
+         "launch.slurm.time=02:00:00", "launch.slurm.gpus_per_node=8", "launch.slurm.cpus_per_node=96",
+         "launch.slurm.extra_sbatch=[--exclusive, --qos=high]",
+         "launch.slurm.setup=[export FAKE_SETUP_RAN=1]")
+
+
+def test_slurm_script(tmp_path, fakes):
+    config = launch_config(tmp_path, fakes, *SLURM)
+    spec = spec_of(config)
+    script = make_launcher(spec).script()
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    assert [line for line in lines if line.startswith("#SBATCH")] == [
+        "#SBATCH --job-name=goodput-test-t1", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --output={spec.attempt_dir.resolve()}/slurm-%j.out", "#SBATCH --time=02:00:00",
+        "#SBATCH --partition=gpu", "#SBATCH --account=proj7", "#SBATCH --gpus-per-node=8",
+        "#SBATCH --cpus-per-task=96", "#SBATCH --exclusive", "#SBATCH --qos=high"]
+    assert f"cd {tmp_path}" in lines and "export FAKE_SETUP_RAN=1" in lines
+    assert "export GOODPUT_ATTEMPT=t1" in lines
+    assert 'export PET_RDZV_ENDPOINT="$head_node:29400"' in lines
+    srun = shlex.split(lines[-1])
+    assert srun[:4] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1"]
+    assert srun[4:8] == node_wrapper("$SLURM_NODEID", '"$SLURMD_NODENAME"')
+    assert srun[8:] == spec.command
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid shell
+
+
+def test_slurm_job_is_submitted_watched_and_its_output_streamed(tmp_path, fakes):
+    config = launch_config(tmp_path, fakes, *SLURM)
+    lines: list[str] = []
+    result = attempt(config, lines=lines)
+    assert result.failure_class == "done" and result.exit_code == 0
+    script = exits.attempt_dir(config.run_dir, "t1") / "sbatch.sh"
+    assert calls(fakes, "sbatch") == [["--parsable", str(script)]]
+    queries = calls(fakes, "squeue")
+    assert len(queries) >= 2 and set(map(tuple, queries)) == {("-h", "-j", "1", "-o", "%T")}
+    assert calls(fakes, "sacct")[-1] == ["-j", "1", "-X", "-n", "-P", "-o", "State,ExitCode"]
+    assert calls(fakes, "scancel") == []  # it finished by itself
+    assert calls(fakes, "srun")[0][:3] == ["--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1"]
+    # The script ran: each node's torchrun got the head node as endpoint and its own name.
+    assert_node_settings(node_records(fakes), "fakenode0:29400", ["fakenode0", "fakenode1"])
+    assert {"torchrun on fakenode0", "torchrun on fakenode1"} <= set(lines)
+
+
+def test_slurm_job_failure_is_classified(tmp_path, fakes, monkeypatch):
+    monkeypatch.setenv("FAKE_EXIT", "75")
+    config = launch_config(tmp_path, fakes, *SLURM)
+    result = attempt(config)
+    assert result.exit_code == 75 and result.failure_class == "retryable"
+
+
+def test_slurm_job_is_cancelled_when_the_attempt_stops(tmp_path, fakes, monkeypatch):
+    monkeypatch.setenv("FAKE_SLURM", "hold")  # the job runs until cancelled
+    config = launch_config(tmp_path, fakes, *SLURM, "run.hang_timeout_s=0.5")
+    lines: list[str] = []
+    result = attempt(config, lines=lines)
+    assert result.failure_class == "hang" and result.exit_code == STOPPED  # never beat: hung
+    assert calls(fakes, "scancel") == [["1"]]
+    assert "cancelled Slurm job 1" in lines
+
+
+# -- kubernetes --------------------------------------------------------------------------------------
+
+K8S = ("launch.kind=kubernetes", "launch.kubernetes.image=registry.example/goodput:1.0",
+       "launch.kubernetes.namespace=ml", "launch.kubernetes.gpus_per_node=8",
+       "launch.kubernetes.volume_claim=shared-runs", "launch.kubernetes.mount_path=/goodput")
+
+
+def run_container(container: dict, fakes: Path, env: dict[str, str]) -> None:
+    """Run a manifest's container command here, as the kubelet would in the pod."""
+    values = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    command = [arg.replace("$$(", "$(") for arg in container["command"]]  # Kubernetes' own expansion
+    subprocess.run(command, env={**os.environ, **values, **env}, check=True, cwd=fakes)
+
+
+def test_jobset_manifest(tmp_path, fakes):
+    config = launch_config(tmp_path, fakes, *K8S)
+    spec = spec_of(config)
+    manifest = KubernetesLauncher(spec).manifest()
+    assert manifest["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and manifest["kind"] == "JobSet"
+    assert manifest["metadata"] == {"name": "goodput-test-t1", "namespace": "ml",
+                                    "labels": {"goodput.dev/job": "goodput-test-t1"}}
+    assert manifest["spec"]["failurePolicy"] == {"maxRestarts": 0}
+    [replicated] = manifest["spec"]["replicatedJobs"]
+    assert replicated["name"] == "node" and replicated["replicas"] == 2
+    job = replicated["template"]["spec"]
+    assert (job["parallelism"], job["completions"], job["backoffLimit"]) == (1, 1, 0)
+    pod = job["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["image"] == "registry.example/goodput:1.0"
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+    assert container["volumeMounts"] == [{"name": "shared", "mountPath": "/goodput"}]
+    assert pod["volumes"] == [{"name": "shared", "persistentVolumeClaim": {"claimName": "shared-runs"}}]
+    assert pod["restartPolicy"] == "Never"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["NODE_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.annotations['jobset.sigs.k8s.io/job-index']"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["PET_RDZV_ENDPOINT"]["value"] == "goodput-test-t1-node-0-0.goodput-test-t1:29400"
+    assert container["command"][-len(spec.command):] == spec.command
+    # What the pods' torchrun get, with the index and IP the cluster would provide.
+    for i in range(2):
+        run_container(container, fakes, {"NODE_INDEX": str(i), "POD_IP": f"10.9.0.{i + 1}"})
+    assert_node_settings(node_records(fakes), "goodput-test-t1-node-0-0.goodput-test-t1:29400",
+                         ["10.9.0.1", "10.9.0.2"])
+
+
+def test_pytorchjob_manifest(tmp_path, fakes):
+    config = launch_config(tmp_path, fakes, *K8S, "launch.kubernetes.kind=pytorchjob",
+                           "parallelism.nnodes=3")
+    manifest = KubernetesLauncher(spec_of(config)).manifest()
+    assert manifest["apiVersion"] == "kubeflow.org/v1" and manifest["kind"] == "PyTorchJob"
+    assert manifest["spec"]["runPolicy"] == {"backoffLimit": 0, "cleanPodPolicy": "All"}
+    replicas = manifest["spec"]["pytorchReplicaSpecs"]
+    assert {k: (v["replicas"], v["restartPolicy"]) for k, v in replicas.items()} == \
+        {"Master": (1, "Never"), "Worker": (2, "Never")}
+    [container] = replicas["Master"]["template"]["spec"]["containers"]
+    assert container["name"] == "pytorch"  # the operator finds the trainer by this name
+    for rank in range(3):  # the operator's RANK is the node rank
+        run_container(container, fakes, {"RANK": str(rank), "POD_IP": f"10.8.0.{rank + 1}"})
+    records = node_records(fakes)
+    assert [records[f"10.8.0.{r + 1}"]["env"]["PET_RDZV_CONF"] for r in range(3)] == \
+        ["is_host=1", "is_host=0", "is_host=0"]
+    assert {r["env"]["PET_RDZV_ENDPOINT"] for r in records.values()} == {"goodput-test-t1-master-0:29400"}
+
+
+def set_k8s(fakes: Path, statuses: list[dict], pods: list[int] = (), logs: str = "") -> None:
+    (fakes / "k8s-status.json").write_text(json.dumps(statuses))
+    (fakes / "k8s-pods.json").write_text(json.dumps({"items": [
+        {"status": {"containerStatuses": [{"state": {"terminated": {"exitCode": c}}}]}} for c in pods]}))
+    (fakes / "k8s-logs.txt").write_text(logs)
+
+
+RUNNING = {"replicatedJobsStatus": [{"name": "node", "ready": 2, "active": 2}]}
+
+
+def test_kubernetes_job_is_applied_watched_streamed_and_deleted(tmp_path, fakes):
+    config = launch_config(tmp_path, fakes, *K8S)
+    set_k8s(fakes, [{}, RUNNING, RUNNING, {"conditions": [{"type": "Completed", "status": "True"}]}],
+            logs="[node0 rank0] [train] done: step 30, loss 1.0\n")
+    lines: list[str] = []
+    result = attempt(config, lines=lines)
+    assert result.failure_class == "done" and result.exit_code == 0
+    manifest = exits.attempt_dir(config.run_dir, "t1") / "kubernetes.yaml"
+    assert yaml.safe_load(manifest.read_text())["kind"] == "JobSet"
+    kubectl = calls(fakes, "kubectl")
+    get = ["get", "jobset", "goodput-test-t1", "-n", "ml", "-o", "json"]
+    assert [c for c in kubectl if c[0] != "logs"] == [
+        ["apply", "-f", str(manifest)], get, get, get, get,
+        ["delete", "jobset", "goodput-test-t1", "-n", "ml", "--ignore-not-found", "--wait=false"]]
+    # Logs are followed once every pod is ready.
+    assert [c for c in kubectl if c[0] == "logs"] == [
+        ["logs", "-n", "ml", "-l", "goodput.dev/job=goodput-test-t1", "-f", "--tail=-1",
+         "--all-containers=true", "--max-log-requests=2"]]
+    assert "[node0 rank0] [train] done: step 30, loss 1.0" in lines
+
+
+def test_kubernetes_failure_reports_the_pods_exit_code(tmp_path, fakes):
+    config = launch_config(tmp_path, fakes, *K8S, "launch.kubernetes.kind=pytorchjob")
+    set_k8s(fakes, [{"conditions": [{"type": "Running", "status": "True"}]},
+                    {"conditions": [{"type": "Failed", "status": "True"}]}], pods=[0, 75])
+    result = attempt(config)
+    assert result.exit_code == 75 and result.failure_class == "retryable"
+    kubectl = [c for c in calls(fakes, "kubectl") if c[0] != "logs"]
+    assert kubectl[-2] == ["get", "pods", "-n", "ml", "-l", "goodput.dev/job=goodput-test-t1",
+                           "-o", "json"]
+    assert kubectl[-1][:3] == ["delete", "pytorchjob", "goodput-test-t1"]
+
+
+def test_kubernetes_job_is_deleted_when_the_attempt_stops(tmp_path, fakes):
+    config = launch_config(tmp_path, fakes, *K8S, "run.hang_timeout_s=0.5")
+    set_k8s(fakes, [RUNNING])  # running forever, never a heartbeat
+    result = attempt(config)
+    assert result.failure_class == "hang" and result.exit_code == STOPPED
+    assert calls(fakes, "kubectl")[-1][:3] == ["delete", "jobset", "goodput-test-t1"]
