@@ -240,6 +240,8 @@ class FaultsConfig(_Section):
     crash_rank: int = Field(0, ge=0, description="Rank that crashes.")
     nan_at_step: int | None = Field(
         None, ge=1, description="Inject: make the loss of this step non-finite.")
+    hang_at_step: int | None = Field(
+        None, ge=1, description="Inject: freeze a worker (SIGSTOP, rank faults.crash_rank) at this step.")
     sigterm_at_step: int | None = Field(
         None, ge=1, description="Inject: SIGTERM every worker (a preemption) at this step.")
 
@@ -258,9 +260,15 @@ class RunSection(_Section):
         3, ge=1, description="Stop when this many failed attempts in a row committed no newer "
                              "checkpoint than the one they resumed from.")
     retry_delay_s: float = Field(1.0, ge=0)
-    hang_timeout_s: float = Field(
-        600.0, gt=0, description="Kill the workers when the heartbeat stalls this long."
-    )
+    hang_timeout_s: float | None = Field(
+        None, gt=0, description="Kill the workers when no step completes for this long; None "
+        "derives it: max(run.hang_min_s, 20 x the slowest step seen in the attempt).")
+    hang_min_s: float = Field(60.0, gt=0, description="Floor of the derived hang timeout.")
+    startup_timeout_s: float = Field(
+        900.0, gt=0, description="Allowance until an attempt's first step (imports, rendezvous, "
+        "checkpoint load, compilation).")
+    checkpoint_timeout_s: float = Field(
+        1800.0, gt=0, description="Allowance for one checkpoint save while training is blocked.")
 
 
 class SshLaunch(_Section):

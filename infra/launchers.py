@@ -126,9 +126,9 @@ class NodeProcesses:
             return failed[0]
         return 0 if all(c == 0 for c in codes) else None
 
-    def stop(self) -> int:
+    def stop(self, grace_s: float = 5.0) -> int:
         code = self.poll()
-        kill_process_groups(self.procs)
+        kill_process_groups(self.procs, grace_s)
         for reader in self.readers:
             reader.join(timeout=5)
         if code is None:  # ended here (hang, cancellation): report how the nodes ended
@@ -315,7 +315,7 @@ class SlurmLauncher(SchedulerJob):
         for line in lines:
             self._log(line.rstrip())
 
-    def stop(self) -> int:
+    def stop(self, grace_s: float = 5.0) -> int:  # the scheduler applies its own grace
         if self.job_id is not None and self.code is None:
             _run(["scancel", self.job_id])
             self._log(f"cancelled Slurm job {self.job_id}")
@@ -443,7 +443,7 @@ class KubernetesLauncher(SchedulerJob):
                                         daemon=True)
         self._reader.start()
 
-    def stop(self) -> int:
+    def stop(self, grace_s: float = 5.0) -> int:  # the scheduler applies its own grace
         if self._logs is not None:
             if self.code is not None:  # finished pods end the stream: let it drain
                 try:

@@ -94,28 +94,71 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume:
         f"{config.parallelism.nproc_per_node} worker(s), launcher {config.launch.kind}")
     start = time.monotonic()
     hung = False
+    watch = HangWatch(config.run, attempt)
     try:
         launcher.start(log)
-        last_beat, last_progress = None, time.monotonic()
         while launcher.poll() is None:
             time.sleep(poll_s)
             if not launcher.started:  # queued by a scheduler: waiting is not hanging
-                last_progress = time.monotonic()
+                watch.restart()
                 continue
-            beat = read_heartbeat(config.run_dir)
-            if beat is not None and beat != last_beat:
-                last_beat, last_progress = beat, time.monotonic()
-                if on_progress is not None:
-                    on_progress(beat)
-            if time.monotonic() - last_progress > config.run.hang_timeout_s:
-                log(f"no training progress for {config.run.hang_timeout_s:.0f}s: killing the job")
+            beat = watch.observe(read_heartbeat(config.run_dir))
+            if beat is not None and on_progress is not None:
+                on_progress(beat)
+            stalled = watch.stalled()
+            if stalled:
+                log(f"{stalled}: killing the job")
                 hung = True
                 break
     finally:
         # Hang, cancellation (an exception raised into this thread), a failed node or the
-        # normal end: make sure no node and no worker survives.
-        returncode = launcher.stop()
+        # normal end: make sure no node and no worker survives. Workers that can still run
+        # get time for an emergency checkpoint; hung ones do not deserve the wait.
+        returncode = launcher.stop(grace_s=5.0 if hung else config.faults.emergency_save_s)
     return classify(config.run_dir, attempt, returncode, hung, time.monotonic() - start)
+
+
+class HangWatch:
+    """Tells a slow attempt from a hung one, from rank 0's heartbeat.
+
+    Until this attempt's first step: `run.startup_timeout_s` (imports, rendezvous, loading a
+    checkpoint, first-step compilation). While a checkpoint is being saved:
+    `run.checkpoint_timeout_s`. Otherwise `run.hang_timeout_s`, or when unset
+    max(run.hang_min_s, 20 x the slowest step seen).
+    """
+
+    def __init__(self, run_cfg, attempt: str):
+        self.cfg, self.attempt = run_cfg, attempt
+        self.last_beat: dict | None = None
+        self.slowest_step_s = 0.0
+        self.restart()
+
+    def restart(self) -> None:
+        self.since = time.monotonic()
+
+    def observe(self, beat: dict | None) -> dict | None:
+        """Returns the heartbeat when it is new progress of this attempt."""
+        if beat is None or beat.get("attempt") != self.attempt or beat == self.last_beat:
+            return None
+        if self.last_beat is not None and beat.get("phase") != "checkpoint":
+            self.slowest_step_s = max(self.slowest_step_s, beat.get("step_time_s", 0.0))
+        self.last_beat = beat
+        self.restart()
+        return beat
+
+    def timeout(self) -> tuple[float, str]:
+        if self.last_beat is None:
+            return self.cfg.startup_timeout_s, "no first step"
+        if self.last_beat.get("phase") == "checkpoint":
+            return self.cfg.checkpoint_timeout_s, "checkpoint save stalled"
+        if self.cfg.hang_timeout_s is not None:
+            return self.cfg.hang_timeout_s, "no training progress"
+        return max(self.cfg.hang_min_s, 20 * self.slowest_step_s), "no training progress"
+
+    def stalled(self) -> str:
+        limit, what = self.timeout()
+        waited = time.monotonic() - self.since
+        return f"{what} for {waited:.0f}s (limit {limit:.0f}s)" if waited > limit else ""
 
 
 def classify(run_dir: Path, attempt: str, returncode: int, hung: bool, wall: float) -> AttemptResult:
@@ -127,7 +170,7 @@ def classify(run_dir: Path, attempt: str, returncode: int, hung: bool, wall: flo
     if returncode == 0:
         return AttemptResult(0, "done", "done", step, wall, records)
     classes = {r["class"] for r in records}
-    for cls in ("config", "rollback"):  # the most specific verdict wins
+    for cls in ("config", "oom", "rollback"):  # the most specific verdict wins
         if cls in classes:
             reason = next(r["reason"] for r in records if r["class"] == cls)
             return AttemptResult(returncode, cls, reason, step, wall, records)

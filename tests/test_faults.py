@@ -77,6 +77,7 @@ def clean(workdir):
     return losses_by_step(config.run_dir)
 
 
+@pytest.mark.chaos
 def test_preemption_saves_and_resumes_to_the_same_losses(workdir, clean):
     config = small_config(workdir, "run.run_id=preempted", "faults.sigterm_at_step=13")
     assert train(config)["final_step"] == STEPS
@@ -90,6 +91,18 @@ def test_preemption_saves_and_resumes_to_the_same_losses(workdir, clean):
     assert losses_by_step(config.run_dir) == clean
 
 
+@pytest.mark.chaos
+def test_a_frozen_worker_is_detected_killed_and_resumed(workdir, clean):
+    config = small_config(workdir, "run.run_id=frozen", "faults.hang_at_step=12",
+                          "faults.crash_rank=1", "run.hang_min_s=4")
+    assert train(config)["final_step"] == STEPS
+    outcomes = read_outcomes(config)
+    assert [o["class"] for o in outcomes] == ["hang", "done"]
+    assert outcomes[1]["resumed_from"] == 10
+    assert losses_by_step(config.run_dir) == clean
+
+
+@pytest.mark.chaos
 def test_nan_rolls_back_and_skips_the_bad_data(workdir, clean):
     config = small_config(workdir, "run.run_id=nan", "faults.nan_at_step=16")
     assert train(config)["final_step"] == STEPS
@@ -107,6 +120,7 @@ def test_nan_rolls_back_and_skips_the_bad_data(workdir, clean):
     assert losses[11] != clean[11]  # after it, different (later) data
 
 
+@pytest.mark.chaos
 def test_configuration_errors_are_not_retried(workdir):
     from prefect import flow
 

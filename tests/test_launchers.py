@@ -337,7 +337,7 @@ def test_slurm_job_failure_is_classified(tmp_path, fakes, monkeypatch):
 
 def test_slurm_job_is_cancelled_when_the_attempt_stops(tmp_path, fakes, monkeypatch):
     monkeypatch.setenv("FAKE_SLURM", "hold")  # the job runs until cancelled
-    config = launch_config(tmp_path, fakes, *SLURM, "run.hang_timeout_s=0.5")
+    config = launch_config(tmp_path, fakes, *SLURM, "run.startup_timeout_s=0.5")
     lines: list[str] = []
     result = attempt(config, lines=lines)
     assert result.failure_class == "hang" and result.exit_code == STOPPED  # never beat: hung
@@ -454,7 +454,7 @@ def test_kubernetes_failure_reports_the_pods_exit_code(tmp_path, fakes):
 
 
 def test_kubernetes_job_is_deleted_when_the_attempt_stops(tmp_path, fakes):
-    config = launch_config(tmp_path, fakes, *K8S, "run.hang_timeout_s=0.5")
+    config = launch_config(tmp_path, fakes, *K8S, "run.startup_timeout_s=0.5")
     set_k8s(fakes, [RUNNING])  # running forever, never a heartbeat
     result = attempt(config)
     assert result.failure_class == "hang" and result.exit_code == STOPPED

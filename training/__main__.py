@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr, flush=True)
         return exits.CONFIG_ERROR
     run_dir = config.run_dir
+    import torch
+
     from training.train import Preempted, RollbackRequested, train
 
     try:
@@ -49,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"[train] {e}", flush=True)
         exits.write_exit_record(run_dir, attempt, rank, exits.RETRYABLE, str(e), e.step)
+        return exits.RETRYABLE
+    except torch.OutOfMemoryError as e:  # retrying the same layout would run out again
+        traceback.print_exc()
+        exits.write_exit_record(run_dir, attempt, rank, exits.RETRYABLE, f"out of memory: {e}",
+                                None, failure_class="oom")
         return exits.RETRYABLE
     except (ValueError, FileNotFoundError) as e:
         # Bad data, shapes that do not fit, a resume path that does not exist: retrying the

@@ -25,10 +25,12 @@ def attempt_dir(run_dir: str | Path, attempt: int | str) -> Path:
 
 
 def write_exit_record(run_dir: str | Path, attempt: int | str, rank: int, code: int,
-                      reason: str, step: int | None, **details) -> None:
+                      reason: str, step: int | None, failure_class: str | None = None,
+                      **details) -> None:
     directory = attempt_dir(run_dir, attempt)
     directory.mkdir(parents=True, exist_ok=True)
-    record = {"rank": rank, "code": code, "class": CLASS_OF_CODE.get(code, "unknown"),
+    record = {"rank": rank, "code": code,
+              "class": failure_class or CLASS_OF_CODE.get(code, "unknown"),
               "reason": reason, "step": step, "time": time.time(), "pid": os.getpid(), **details}
     (directory / f"rank-{rank}.json").write_text(json.dumps(record))
 

@@ -187,6 +187,9 @@ class FaultInjector:
         if self._fire_once("crash_at_step", self.faults.crash_at_step, step, self.faults.crash_rank):
             print(f"[faults] killing rank {self.rank} (pid {os.getpid()}) at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._fire_once("hang_at_step", self.faults.hang_at_step, step, self.faults.crash_rank):
+            print(f"[faults] freezing rank {self.rank} (SIGSTOP) at step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
         if self._fire_once("sigterm_at_step", self.faults.sigterm_at_step, step):
             # As a scheduler preempting the job would: SIGTERM to torchrun, which forwards it
             # to every worker (or to this process when it runs without torchrun).
@@ -289,6 +292,9 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
 
         checkpoint_s = 0.0
         if step % config.checkpoint.every_steps == 0 or step == tcfg.max_steps:
+            # The supervisor gives a save its own allowance before calling it a hang.
+            metrics.heartbeat(step=step, loss=loss, attempt=attempt, phase="checkpoint",
+                              max_steps=tcfg.max_steps)
             checkpoint_s, saved_step = save(step, loss), step
         if env.is_main and (step % tcfg.log_every == 0 or step == tcfg.max_steps):
             achieved = flops_per_token * tokens_per_s / env.world_size
@@ -298,8 +304,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
                          "flops_per_s_per_device": achieved,
                          "mfu": achieved / device_peak if device_peak else None,
                          "attempt": attempt})
-        metrics.heartbeat(step=step, loss=loss, tokens_per_s=tokens_per_s,
-                          max_steps=tcfg.max_steps, attempt=attempt)
+        metrics.heartbeat(step=step, loss=loss, tokens_per_s=tokens_per_s, step_time_s=step_time,
+                          max_steps=tcfg.max_steps, attempt=attempt, phase="step")
         faults.after_step(step)
         if preemption.agreed():
             if saved_step != step:
