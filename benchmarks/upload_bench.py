@@ -1,0 +1,133 @@
+"""Upload throughput to S3: the store's `upload_dir` against `aws s3 cp --recursive` of the
+same files, both to one local SeaweedFS (`weed mini` on loopback).
+
+    python benchmarks/upload_bench.py [--files 4] [--file-mb 125] [--rounds 3] [--aws PATH]
+
+The directory looks like a checkpoint: a few large shards of random bytes (incompressible),
+a small `.metadata` and `manifest.json`. The two tools take turns, round after round, so
+load from other processes hits both alike; the page cache is warmed first so both read
+from memory. `upload_dir` includes what it always does: sha256 and ETag computed locally,
+every object checked (HEAD) after upload, manifest last. A benchmark: it asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from infra.seaweedfs import REGION, SeaweedFS  # noqa: E402
+from storage.store import MiB, open_store  # noqa: E402
+
+BUCKET = "bench"
+ACCESS_KEY, SECRET_KEY = "bench-access", "bench-secret"  # a throwaway server's own keys
+
+
+def make_checkpoint_like(directory: Path, files: int, file_mb: int) -> int:
+    """Shards of random bytes plus small metadata files; returns the total size in bytes."""
+    directory.mkdir(parents=True)
+    for i in range(files):
+        with open(directory / f"__{i}_0.distcp", "wb") as f:
+            for _ in range(file_mb):
+                f.write(os.urandom(MiB))
+    (directory / ".metadata").write_bytes(os.urandom(100 * 1024))
+    (directory / "manifest.json").write_text('{"step": 1}\n')
+    return sum(p.stat().st_size for p in directory.iterdir())
+
+
+def find_aws(given: str | None) -> str:
+    """The AWS CLI: --aws, else the one beside this Python (a venv), else the one on PATH."""
+    beside = Path(sys.executable).with_name("aws")
+    aws = given or (str(beside) if beside.exists() else shutil.which("aws"))
+    if aws is None:
+        raise SystemExit("no `aws` found; install awscli (pip install awscli) or pass --aws PATH")
+    return aws
+
+
+def aws_upload(aws: str, local: Path, prefix: str, endpoint: str) -> None:
+    subprocess.run([aws, "s3", "cp", "--recursive", "--only-show-errors", "--endpoint-url", endpoint,
+                    str(local), f"s3://{BUCKET}/{prefix}"], check=True)
+
+
+def hash_like_upload_dir(local: Path) -> None:
+    """The local hashing `upload_dir` does before sending a byte: sha256 and md5 (for the
+    ETag check) of every file, 4 files at a time (its default max_workers)."""
+    def digest(path: Path) -> None:
+        sha256, md5 = hashlib.sha256(), hashlib.md5()
+        with open(path, "rb") as f:
+            while chunk := f.read(8 * MiB):
+                sha256.update(chunk)
+                md5.update(chunk)
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(digest, local.iterdir()))
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--files", type=int, default=4, help="large shards in the directory")
+    parser.add_argument("--file-mb", type=int, default=125, help="MiB per shard")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--aws", help="path of the aws CLI (default: venv's, else PATH's)")
+    args = parser.parse_args()
+    aws = find_aws(args.aws)
+    aws_version = subprocess.run([aws, "--version"], capture_output=True, text=True).stdout.strip()
+
+    # Both tools find the server's keys in the standard variables; nothing else may steer them.
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        os.environ.pop(name, None)
+    os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_DEFAULT_REGION=REGION)
+
+    with tempfile.TemporaryDirectory(prefix="goodput-upload-bench-") as tmp:
+        local = Path(tmp) / "step-00000001"
+        total = make_checkpoint_like(local, args.files, args.file_mb)
+        for p in local.iterdir():  # warm the page cache: both tools then read from memory
+            p.read_bytes()
+        with SeaweedFS(Path(tmp) / "weed", access_key=ACCESS_KEY, secret_key=SECRET_KEY, bucket=BUCKET) as server:
+            store = open_store(f"s3://{BUCKET}", endpoint_url=server.endpoint_url, region=REGION)
+            times: dict[str, list[float]] = {"store.upload_dir": [], "aws s3 cp --recursive": [],
+                                             "(hashing alone, as upload_dir does it)": []}
+            load_before = os.getloadavg()[0]
+            for r in range(args.rounds):
+                times["store.upload_dir"].append(timed(lambda: store.upload_dir(local, f"store/{r}")))
+                times["aws s3 cp --recursive"].append(
+                    timed(lambda: aws_upload(aws, local, f"aws/{r}", server.endpoint_url)))
+                times["(hashing alone, as upload_dir does it)"].append(timed(lambda: hash_like_upload_dir(local)))
+                for tool in ("store", "aws"):  # both uploaded every file; then free the space
+                    assert len(store.list(f"{tool}/{r}")) == args.files + 2, tool
+                    store.delete_prefix(f"{tool}/{r}")
+            load_after = os.getloadavg()[0]
+
+    mb = total / 1e6
+    print(f"{args.files} x {args.file_mb} MiB shards + .metadata + manifest.json = {mb:.0f} MB; "
+          f"SeaweedFS `weed mini` on loopback; {aws_version}; {args.rounds} rounds, tools alternating; "
+          f"1-min load average {load_before:.1f} before, {load_after:.1f} after ({os.cpu_count()} cores)\n")
+    print("| tool | per round (s) | median (s) | throughput (MB/s) |")
+    print("|---|---|---|---|")
+    medians = {}
+    for tool, ts in times.items():
+        medians[tool] = statistics.median(ts)
+        print(f"| {tool} | {', '.join(f'{t:.2f}' for t in ts)} | {medians[tool]:.2f} | {mb / medians[tool]:.0f} |")
+    ratio = medians["aws s3 cp --recursive"] / medians["store.upload_dir"]
+    print(f"\nThroughput ratio store.upload_dir / aws s3 cp: {ratio:.2f} (target >= 1.0)")
+
+
+if __name__ == "__main__":
+    main()
