@@ -1,12 +1,25 @@
 """Deployments of every stage, for runs from the Prefect UI and on schedules.
 
 `goodput serve` (this module) serves them from one long-lived process; `prefect.yaml`
-declares the same deployments for `prefect deploy` + a process work pool.
+declares the same deployments for `prefect deploy` + a work pool.
+
+Two example schedules:
+- nightly evaluation (`eval_cron`): the evaluate deployment with no checkpoint given
+  evaluates the newest validated checkpoint of the run (a report that exists is reused);
+- continuing a run until its token budget is spent (`train_cron`, deployment
+  `goodput-train-continue`): every run trains the *same* config for at most
+  `train_time_limit_s`, stopping right after a checkpoint, and the next run resumes from
+  the ledger. The budget is `training.max_steps` (tokens = max_steps x tokens per step);
+  it never changes between runs, so neither the config hash nor the LR schedule does.
+  Once the ledger holds max_steps, a run has nothing to do and ends in seconds.
 """
 
 from __future__ import annotations
 
 from prefect import serve
+from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+from prefect.deployments.runner import RunnerDeployment
+from prefect.schedules import Cron
 
 from flows.evaluate import evaluate
 from flows.pipeline import pipeline
@@ -15,18 +28,33 @@ from flows.train import train
 from goodput.config import RunConfig
 
 
-def build_deployments(config: RunConfig, eval_cron: str | None = None) -> list:
-    """One deployment per flow; `config` fills the UI form's defaults."""
+def build_deployments(config: RunConfig, eval_cron: str | None = None,
+                      train_cron: str | None = None,
+                      train_time_limit_s: float | None = None) -> list[RunnerDeployment]:
+    """One deployment per flow (plus the continuation schedule); `config` fills the forms."""
     defaults = {"config": config.model_dump(mode="json")}
     tags = ["goodput", config.run.run_id]
-    return [
+    deployments = [
         prepare.to_deployment(name="goodput-prepare", parameters=defaults, tags=tags),
         train.to_deployment(name="goodput-train", parameters=defaults, tags=tags),
         evaluate.to_deployment(name="goodput-evaluate", parameters=defaults, tags=tags,
-                               cron=eval_cron),
+                               schedules=[Cron(eval_cron)] if eval_cron else None),
         pipeline.to_deployment(name="goodput-pipeline", parameters=defaults, tags=tags),
     ]
+    if train_cron:
+        deployments.append(train.to_deployment(
+            name="goodput-train-continue", tags=[*tags, "continue"],
+            description=f"Continue run {config.run.run_id} until training.max_steps, at most "
+                        f"{train_time_limit_s or 'unlimited'} s per run; resumes from the ledger.",
+            parameters={**defaults, "time_limit_s": train_time_limit_s},
+            schedules=[Cron(train_cron)],
+            # A tick while the previous run still trains is dropped, not queued.
+            concurrency_limit=ConcurrencyLimitConfig(
+                limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW),
+        ))
+    return deployments
 
 
-def serve_all(config: RunConfig, eval_cron: str | None = None) -> None:
-    serve(*build_deployments(config, eval_cron))
+def serve_all(config: RunConfig, eval_cron: str | None = None, train_cron: str | None = None,
+              train_time_limit_s: float | None = None) -> None:
+    serve(*build_deployments(config, eval_cron, train_cron, train_time_limit_s))

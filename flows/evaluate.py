@@ -8,14 +8,27 @@ from prefect import flow
 
 from goodput.config import RunConfig
 from storage.manifests import EvalReport
+from tasks.control import resolve_config
 from tasks.evaluate import evaluate_checkpoint, locate_checkpoint, publish_eval_report, record_eval
 from tasks.train import locate_dataset
 
 
 @flow(name="evaluate")
-def evaluate(config: RunConfig = RunConfig(), checkpoint: str | None = None) -> EvalReport:
-    """Evaluate `checkpoint` (a step number or a directory; default: the newest validated)."""
+def evaluate(config: RunConfig = RunConfig(), checkpoint: str | None = None,
+             config_file: str | None = None, overrides: tuple[str, ...] = ()) -> EvalReport:
+    """Evaluate a checkpoint of the run: held-out loss, perplexity and samples.
+
+    Args:
+        config: The run's configuration (the form); used unless `config_file` is set.
+        checkpoint: A step number or a checkpoint directory. Empty: the newest validated
+            checkpoint, so a schedule evaluates whatever training has reached; a report that
+            exists for that checkpoint is reused.
+        config_file: A RunConfig YAML file, relative to the working directory of the flow
+            run; leave the form at its defaults when set.
+        overrides: Field overrides applied last, e.g. ["eval.num_samples=5"].
+    """
     started = time.time()
+    config = resolve_config(config, config_file, overrides)
     dataset_dir = locate_dataset(config)
     path = locate_checkpoint(config, checkpoint)
     report = evaluate_checkpoint(config, path, dataset_dir)

@@ -12,12 +12,26 @@ from flows.evaluate import evaluate
 from flows.prepare import prepare
 from flows.train import train
 from goodput.config import RunConfig
+from tasks.control import resolve_config
+from tasks.reporting import WorkerLogs
 
 
 @flow(name="pipeline")
-def pipeline(config: RunConfig = RunConfig()) -> dict:
+def pipeline(config: RunConfig = RunConfig(), config_file: str | None = None,
+             overrides: tuple[str, ...] = (), worker_logs: WorkerLogs = "rank0") -> dict:
+    """Prepare the dataset, train on it, evaluate the newest checkpoint.
+
+    Args:
+        config: The run's configuration (the form); used unless `config_file` is set.
+        config_file: A RunConfig YAML file (e.g. configs/tiny.yaml), relative to the
+            working directory of the flow run; leave the form at its defaults when set.
+        overrides: Field overrides applied last, e.g. ["training.max_steps=600"].
+        worker_logs: Training output in the log from global rank 0 ("rank0") or every
+            rank ("all").
+    """
+    config = resolve_config(config, config_file, overrides)
     dataset = prepare(config)
-    trained = train(config)
+    trained = train(config, worker_logs=worker_logs)
     report = evaluate(config)
     return {"dataset_id": dataset.dataset_id, "final_step": trained["final_step"],
             "eval_loss": report.loss, "perplexity": report.perplexity,

@@ -8,15 +8,25 @@ from prefect import flow, get_run_logger, unmapped
 
 from goodput.config import RunConfig
 from storage.manifests import DatasetManifest
+from tasks.control import resolve_config
 from tasks.prepare import (build_tokenizer, find_prepared, plan_dataset, publish, record_prepare,
                            shard_specs, stage_corpus, tokenize_shard, write_manifest)
 
 
 @flow(name="prepare")
-def prepare(config: RunConfig = RunConfig()) -> DatasetManifest:
-    """Prepare the dataset `config.data` and `config.tokenizer` describe, or find it prepared."""
+def prepare(config: RunConfig = RunConfig(), config_file: str | None = None,
+            overrides: tuple[str, ...] = ()) -> DatasetManifest:
+    """Prepare the dataset `config.data` and `config.tokenizer` describe, or find it prepared.
+
+    Args:
+        config: The run's configuration (the form); used unless `config_file` is set.
+        config_file: A RunConfig YAML file, relative to the working directory of the flow
+            run; leave the form at its defaults when set.
+        overrides: Field overrides applied last, e.g. ["data.max_docs=1000"].
+    """
     started = time.time()
     logger = get_run_logger()
+    config = resolve_config(config, config_file, overrides)
     plan = plan_dataset(config)
     logger.info("dataset %s from %s", plan.dataset_id, plan.source)
 

@@ -6,37 +6,60 @@ import time
 
 from prefect import flow
 from prefect.futures import wait
+from prefect.task_runners import ThreadPoolTaskRunner
 
 from goodput.checkpoints import new_checkpoints
 from goodput.config import RunConfig
+from tasks.control import no_orphan_workers, resolve_config, training_slot
+from tasks.reporting import WorkerLogs, announce_run_finished, publish_training_report
 from tasks.train import (launch_training, locate_dataset, prune_local_checkpoints,
                          record_training, upload_checkpoint, validate_checkpoint)
 
 
-@flow(name="train")
-def train(config: RunConfig = RunConfig()) -> dict:
+# The launch task holds one thread for the whole run; the others validate and upload. The
+# bound keeps checkpoints that come faster than they verify from piling up processes.
+@flow(name="train", task_runner=ThreadPoolTaskRunner(max_workers=4))
+def train(config: RunConfig = RunConfig(), config_file: str | None = None,
+          overrides: tuple[str, ...] = (), time_limit_s: float | None = None,
+          worker_logs: WorkerLogs = "rank0") -> dict:
     """Train to `training.max_steps`, resuming from the newest validated checkpoint.
 
     While torchrun runs, every checkpoint it commits is validated in a fresh process and
     uploaded to the store; a failed attempt is retried by Prefect and resumes from there.
+    One flow run at a time trains a given run id; others wait for it.
+
+    Args:
+        config: The run's configuration (the form); used unless `config_file` is set.
+        config_file: A RunConfig YAML file (e.g. configs/tiny.yaml), relative to the
+            working directory of the flow run; leave the form at its defaults when set.
+        overrides: Field overrides applied last, e.g. ["training.max_steps=600"].
+        time_limit_s: Wall-clock budget of this flow run: past it, training stops right
+            after the next checkpoint and a later run continues. Empty: train to the end.
+        worker_logs: Whose output goes to this log: global rank 0 ("rank0") or every rank
+            ("all"); each line is prefixed with its node and rank.
     """
     started = time.time()
+    config = resolve_config(config, config_file, overrides)
     dataset_dir = locate_dataset(config)
-    training = launch_training.with_options(
-        retries=config.run.max_attempts - 1, retry_delay_seconds=config.run.retry_delay_s,
-    ).submit(config, dataset_dir)
+    with training_slot(config), no_orphan_workers():
+        training = launch_training.with_options(
+            retries=config.run.max_attempts - 1, retry_delay_seconds=config.run.retry_delay_s,
+        ).submit(config, dataset_dir, time_limit_s, worker_logs)
 
-    def still_running() -> bool:
-        training.wait(timeout=1.0)
-        return not training.state.is_final()
+        def still_running() -> bool:
+            training.wait(timeout=1.0)
+            return not training.state.is_final()
 
-    secured = []
-    for step in new_checkpoints(config, still_running):
-        validated = validate_checkpoint.submit(config, step)
-        secured.append(upload_checkpoint.submit(config, step, wait_for=[validated]))
-    wait(secured)
+        secured = []
+        for step in new_checkpoints(config, still_running):
+            validated = validate_checkpoint.submit(config, step)
+            secured.append(upload_checkpoint.submit(config, step, wait_for=[validated]))
+        wait(secured)
     outcome = training.result()  # raises when the last attempt failed
     for future in secured:
         future.result()
     prune_local_checkpoints(config)
-    return record_training(config, outcome, started)
+    trained = record_training(config, outcome, started)
+    publish_training_report(config)
+    announce_run_finished(config, trained)
+    return trained

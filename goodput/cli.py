@@ -4,6 +4,8 @@
     goodput prepare|train|evaluate|pipeline --config configs/tiny.yaml training.max_steps=50
     goodput evaluate --checkpoint 100         # a given step (or a checkpoint directory)
     goodput serve                             # deployments for the Prefect UI and schedules
+    goodput export CHECKPOINT_DIR --format hf --out DIR   # a transformers Llama model
+    goodput plan --config FILE --nodes 4 --gpus-per-node 8 --gpu-memory 80GiB   # layouts
 """
 
 from __future__ import annotations
@@ -38,15 +40,88 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="serve the flows as deployments (Prefect UI, schedules)")
     _config_args(p)
     p.add_argument("--eval-cron", help="cron schedule for evaluating the newest checkpoint")
+    p.add_argument("--train-cron", help="cron schedule continuing the run until training.max_steps "
+                                        "(deployment goodput-train-continue)")
+    p.add_argument("--train-time-limit", type=float, metavar="SECONDS",
+                   help="wall-clock budget of each scheduled training run; it stops after the "
+                        "next checkpoint and the next run continues")
     p = sub.add_parser("show-config", help="print the resolved configuration")
     _config_args(p)
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama model")
+    p.add_argument("checkpoint", help="a committed checkpoint directory (step-XXXXXXXX)")
+    p.add_argument("--format", choices=["hf"], default="hf",
+                   help="hf: safetensors + config.json for transformers' LlamaForCausalLM")
+    p.add_argument("--out", required=True, help="output directory (must be empty or new)")
+    p.add_argument("--tokenizer", help="tokenizer.json, or the dataset directory holding it, to include")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="weight dtype (default: as saved)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out directory")
+    p = sub.add_parser("plan", help="validate the config's parallelism layout on a cluster, or "
+                                    "rank every layout when it leaves the degrees at defaults")
+    _config_args(p)
+    p.add_argument("--nodes", type=int, required=True)
+    p.add_argument("--gpus-per-node", type=int, required=True)
+    p.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GiB or 141GB")
+    p.add_argument("--gpu-tflops", type=float, default=989.0,
+                   help="peak dense bf16 TFLOP/s per GPU, for the step-time estimate (H100: 989)")
+    p.add_argument("--intra-node-gbps", type=float, default=450.0,
+                   help="GB/s per GPU within a node (NVLink, one direction)")
+    p.add_argument("--inter-node-gbps", type=float, default=50.0,
+                   help="GB/s per GPU between nodes (400 Gb/s InfiniBand)")
+    p.add_argument("--search", action="store_true", help="rank all layouts even when the "
+                                                         "config sets one")
+    p.add_argument("--top", type=int, default=10, help="layouts shown in the ranking")
     return parser
+
+
+def _export(args: argparse.Namespace) -> int:
+    from training.export import ExportError, export_hf
+
+    try:
+        summary = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer, dtype=args.dtype,
+                            force=args.force)
+    except ExportError as e:
+        print(f"goodput: export: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Exit 0 with a table (and the best or given layout explained), 2 when it cannot run."""
+    from goodput import plan as planner
+
+    try:
+        # The cluster defines the world size the config's degrees must fill.
+        config = load_config(args.config, [*args.overrides, f"parallelism.nnodes={args.nodes}",
+                                           f"parallelism.nproc_per_node={args.gpus_per_node}"])
+        cluster = planner.Cluster(args.nodes, args.gpus_per_node, planner.parse_bytes(args.gpu_memory),
+                                  gpu_flops=args.gpu_tflops * 1e12,
+                                  intra_node_bandwidth=args.intra_node_gbps * 1e9,
+                                  inter_node_bandwidth=args.inter_node_gbps * 1e9)
+    except ConfigError as e:
+        print(f"goodput: {e}", file=sys.stderr)
+        return 2
+    plans = planner.plan(config, cluster, force_search=args.search)
+    print(planner.format_table(plans, limit=args.top))
+    print()
+    print(planner.explain(plans[0], cluster))
+    if not plans[0].ok:
+        print("goodput: " + ("no layout fits" if len(plans) > 1 else f"layout {plans[0].name} "
+              "cannot run") + ":\n" + "\n".join(f"  - {p}" for p in plans[0].problems),
+              file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.command == "export":  # works on a checkpoint alone, no run configuration
+        return _export(args)
+    if args.command == "plan":
+        return _plan(args)
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:
@@ -60,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from flows.deployments import serve_all
 
-        serve_all(config, eval_cron=args.eval_cron)
+        serve_all(config, eval_cron=args.eval_cron, train_cron=args.train_cron,
+                  train_time_limit_s=args.train_time_limit)
         return 0
 
     from flows.evaluate import evaluate

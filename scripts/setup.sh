@@ -15,3 +15,9 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 pip install -q -e ".[test]"
+# Headless Chromium for the test that screenshots the Prefect UI (it skips without it).
+# Installed only where that is possible without asking: as root with apt (CI).
+if ! command -v chromedriver >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+fi

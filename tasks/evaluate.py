@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import time
 from pathlib import Path
 
@@ -13,13 +12,10 @@ from prefect.logging import get_run_logger
 
 from goodput import evaluation
 from goodput.config import RunConfig
+from goodput.goodput import summarize_goodput
 from goodput.runs import update_summary
 from storage.manifests import EvalReport
-
-
-def artifact_key(*parts: str) -> str:
-    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
-    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+from tasks.reporting import artifact_key
 
 
 @task(name="locate-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
@@ -56,4 +52,5 @@ def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
               "report": str(evaluation.report_path(config, report.step)),
               "wall_time_s": time.time() - started}
     update_summary(config.run_dir, "evaluate", values)
+    summarize_goodput(config)
     return values

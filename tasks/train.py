@@ -17,17 +17,22 @@ from prefect.runtime import flow_run, task_run
 from goodput import checkpoints
 from goodput.config import ConfigError, RunConfig
 from goodput.data.prepare import find_prepared, plan_dataset
-from goodput.runs import train_attempt, update_summary
+from goodput.goodput import summarize_goodput
+from goodput.runs import read_summary, train_attempt, update_summary
 from infra.torchrun import TrainingFailed
 from storage.ledger import LedgerEntry
+from tasks.control import StopAtCheckpointAfter, TimeLimitReached
+from tasks.reporting import (TrainingProgress, WorkerLogs, attempt_failed_event, checkpoint_event,
+                             worker_log)
 
 
-def retry_unless_config_error(task, task_run, state) -> bool:
-    """Prefect retry condition: retry crashes and hangs, never configuration or data errors."""
+def retry_per_policy(task, task_run, state) -> bool:
+    """Prefect retry condition: the library's verdict (per-class budgets, no-progress guard;
+    configuration or data errors never retry)."""
     try:
         state.result()
     except TrainingFailed as e:
-        return e.failure_class != "config"
+        return e.retry
     except ConfigError:
         return False
     except Exception:
@@ -35,13 +40,35 @@ def retry_unless_config_error(task, task_run, state) -> bool:
     return False
 
 
-@task(name="launch-training", cache_policy=NO_CACHE, retry_condition_fn=retry_unless_config_error,
+@task(name="launch-training", cache_policy=NO_CACHE, retry_condition_fn=retry_per_policy,
       tags=["training"])
-def launch_training(config: RunConfig, dataset_dir: Path) -> dict:
-    """Run torchrun to max_steps (one attempt per Prefect try), worker output in this log."""
+def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | None = None,
+                    worker_logs: WorkerLogs = "rank0") -> dict:
+    """Run torchrun to max_steps (one attempt per Prefect try), worker output in this log.
+
+    Each heartbeat updates the progress artifact; past `time_limit_s` the attempt stops at
+    the next checkpoint and returns normally (the next flow run continues from there).
+    """
     logger = get_run_logger()
     attempt = f"{str(flow_run.id or 'local')[:8]}-{task_run.run_count}"
-    result = train_attempt(config, dataset_dir, config.storage.open(), attempt, logger.info)
+    progress = TrainingProgress(config, attempt)
+    deadline = StopAtCheckpointAfter(config, time_limit_s)
+
+    def on_progress(beat: dict) -> None:
+        progress(beat)
+        deadline(beat)
+
+    started = time.monotonic()
+    try:
+        result = train_attempt(config, dataset_dir, config.storage.open(), attempt,
+                               worker_log(logger.info, worker_logs), on_progress=on_progress)
+    except TimeLimitReached as stop:
+        logger.info(str(stop))
+        return {"attempt": attempt, "step": stop.step, "wall_time_s": time.monotonic() - started,
+                "stopped": "time limit"}
+    except TrainingFailed as failure:
+        attempt_failed_event(config, attempt, failure.failure_class, str(failure), failure.step)
+        raise
     return {"attempt": attempt, "step": result.step, "wall_time_s": result.wall_time_s}
 
 
@@ -49,6 +76,8 @@ def launch_training(config: RunConfig, dataset_dir: Path) -> dict:
       tags=["checkpoint"], task_run_name="validate-step-{step}")
 def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
     entry = checkpoints.validate_checkpoint(config, step)
+    checkpoint_event(config, entry, "committed")
+    checkpoint_event(config, entry)
     logger = get_run_logger()
     if entry.state == "rejected":
         logger.warning(f"checkpoint step {step} rejected: {entry.reason}")
@@ -61,13 +90,15 @@ def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
       tags=["checkpoint", "upload"], task_run_name="upload-step-{step}")
 def upload_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
     entry = checkpoints.upload_checkpoint(config, step, config.storage.open())
+    checkpoint_event(config, entry)
     get_run_logger().info(f"checkpoint step {step} uploaded to {entry.store_url}")
     return entry
 
 
-@task(name="prune-local-checkpoints", cache_policy=NO_CACHE, tags=["checkpoint"])
-def prune_local_checkpoints(config: RunConfig) -> list[int]:
-    return checkpoints.prune_local(config)
+@task(name="apply-retention", cache_policy=NO_CACHE, tags=["checkpoint"])
+def prune_local_checkpoints(config: RunConfig) -> dict[str, list[int]]:
+    """Retention for both tiers (checkpoint.keep_local, checkpoint.store_keep_every)."""
+    return checkpoints.apply_retention(config, config.storage.open())
 
 
 @task(name="locate-dataset", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
@@ -86,9 +117,13 @@ def record_training(config: RunConfig, outcome: dict, started: float) -> dict:
     """Write the train stage's part of summary.json: final step, ledger, wall time."""
     ledger = checkpoints.ledger_of(config).read()
     newest = ledger.newest()
+    wall = time.time() - started
+    previous = read_summary(config.run_dir).get("train", {}).get("wall_time_total_s", 0.0)
     values = {"final_step": newest.step if newest else None,
               "final_train_loss": newest.loss if newest else None,
-              "last_attempt": outcome, "wall_time_s": time.time() - started,
+              "last_attempt": outcome, "wall_time_s": wall,
+              "wall_time_total_s": previous + wall,  # across every train flow run of this run
               "ledger": {str(s): e.state for s, e in sorted(ledger.entries.items())}}
     update_summary(config.run_dir, "train", values)
+    summarize_goodput(config)
     return values

@@ -1,15 +1,100 @@
-"""One real Prefect API for the whole test session (starting one costs about 8 s)."""
+"""One real Prefect server for the whole test session (`prefect server start`, about 10 s).
 
+Flows called inside the tests run against it (`prefect_api`); processes the tests start
+(`goodput serve`, workers) get its address from `prefect_server.env()`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
 import pytest
+
+from infra.torchrun import free_port
+
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+
+
+@dataclass
+class PrefectServer:
+    url: str  # the UI; the API is under /api
+    home: Path
+    log: Path
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.url}/api"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """Environment for a process that talks to this server."""
+        return {**os.environ, "PREFECT_API_URL": self.api_url, "PREFECT_HOME": str(self.home),
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **extra}
 
 
 @pytest.fixture(scope="session")
-def prefect_api(tmp_path_factory):
-    """A real, temporary Prefect server and database; flows called in tests run against it."""
-    import os
+def prefect_server(tmp_path_factory) -> PrefectServer:
+    home = tmp_path_factory.mktemp("prefect-home")
+    url = f"http://127.0.0.1:{free_port()}"
+    server = PrefectServer(url, home, home / "server.log")
+    env = server.env(
+        PREFECT_UI_API_URL=server.api_url,  # the UI otherwise calls 127.0.0.1:4200
+        # Tests wait on schedules: look for due deployments every 2 s, not every 60 s.
+        PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2",
+    )
+    host, port = url.removeprefix("http://").split(":")
+    with open(server.log, "w") as log:
+        proc = subprocess.Popen([PREFECT, "server", "start", "--host", host, "--port", port],
+                                env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_healthy(server, proc, timeout_s=120)
+        yield server
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
-    os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect-home"))
-    from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+def wait_healthy(server: PrefectServer, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited ({proc.returncode}):\n"
+                               f"{server.log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{server.api_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"prefect server not healthy after {timeout_s}s:\n"
+                       f"{server.log.read_text()[-3000:]}")
+
+
+@pytest.fixture(scope="session")
+def prefect_api(prefect_server):
+    """Flows called in this process run against the session's server."""
+    from prefect.context import _temporary_global_settings_context, get_settings_context
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_server.api_url,
+                             PREFECT_HOME: prefect_server.home / "client"}):
+        # Prefect's log and event workers run in threads of their own, which see the global
+        # settings rather than this context's; prefect_test_harness makes the same switch.
+        with _temporary_global_settings_context(get_settings_context()):
+            yield prefect_server
+            # Deliver queued logs and events while the server is still up.
+            APILogWorker.drain_all()
+            EventsWorker.drain_all()

@@ -41,6 +41,11 @@ def test_pipeline_completes_and_learns(finished):
     assert summary["evaluate"]["perplexity"] == pytest.approx(math.exp(summary["evaluate"]["loss"]))
     for stage in ("prepare", "train", "evaluate"):
         assert summary[stage]["wall_time_s"] > 0
+    goodput = summary["goodput"]
+    parts = ("productive_s", "lost_work_s", "checkpoint_s", "restart_s", "evaluation_s")
+    assert sum(goodput[p] for p in parts) == pytest.approx(goodput["total_s"])
+    assert 0 < goodput["goodput"] < 1 and goodput["lost_work_s"] == 0
+    assert goodput["attempts"] == {"done": 1}
 
     ledger = Ledger(config.run_dir, "clean").read()
     assert ledger.steps("uploaded") == [10, 20, 30]
@@ -63,6 +68,10 @@ def test_crash_resumes_to_the_same_losses(finished, workdir):
     crashed, clean = losses_by_step(config.run_dir), losses_by_step(clean_config.run_dir)
     assert sorted(crashed) == list(range(1, STEPS + 1))
     assert crashed == clean  # exact on CPU: same data order, weights, optimizer state
+    goodput = json.loads((config.run_dir / "summary.json").read_text())["goodput"]
+    assert goodput["attempts"] == {"retryable": 1, "done": 1}
+    assert goodput["lost_work_s"] > 0  # steps 11-15 ran twice
+    assert goodput["checkpoint_advice"]["mtbf_source"].startswith("observed (1 failures")
 
 
 def test_rerun_redoes_no_finished_stage(finished):

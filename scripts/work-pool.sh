@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# One machine, one process work pool: create the pool `goodput` (if missing), deploy every
+# deployment of prefect.yaml to it, and run a worker in the foreground. Idempotent.
+#
+#   PREFECT_API_URL=http://127.0.0.1:4200/api scripts/work-pool.sh
+#
+# Flow runs start in $GOODPUT_REPO (default: this repository), with its .venv. Ctrl-C stops
+# the worker; the pool and the deployments stay.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+export GOODPUT_REPO=${GOODPUT_REPO:-$PWD}
+export PREFECT_SERVER_ANALYTICS_ENABLED=${PREFECT_SERVER_ANALYTICS_ENABLED:-false}
+POOL=goodput  # the pool prefect.yaml's deployments name
+
+prefect work-pool inspect "$POOL" >/dev/null 2>&1 || prefect work-pool create "$POOL" --type process
+prefect --no-prompt deploy --all
+exec prefect worker start --pool "$POOL" --type process

@@ -1,0 +1,181 @@
+"""How a flow run takes charge of a training run: which config, one trainer at a time,
+when to stop, and that no worker outlives it.
+
+- `resolve_config`: a deployment is started with the RunConfig form, or with a config
+  file; `overrides` (`training.max_steps=600`) apply to either.
+- `training_slot`: a Prefect global concurrency limit of one slot per run id, so a
+  schedule, a manual trigger and a pipeline never train the same run at once. A second
+  flow run waits for the slot, then resumes from the ledger (or finds nothing to do).
+- `StopAtCheckpointAfter`: a per-flow-run wall-clock budget that ends training right after
+  the first checkpoint committed past it; the next run continues from that checkpoint.
+- `no_orphan_workers`: Prefect raises a cancellation in the flow's thread while the launch
+  task's thread keeps supervising torchrun (its own process session); this stops the job
+  there and then.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+from typing import Iterator
+from uuid import UUID
+
+import psutil
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.concurrency.sync import concurrency
+from prefect.logging import get_run_logger
+from prefect.runtime import deployment
+
+from goodput.config import ConfigError, RunConfig, apply_overrides, config_from_dict, load_config
+from training.checkpoint import checkpoint_path, is_committed
+
+
+@task(name="resolve-config", cache_policy=NO_CACHE, tags=["config"])
+def resolve_config(config: RunConfig, config_file: str | None = None,
+                   overrides: tuple[str, ...] = ()) -> RunConfig:
+    """The run's configuration: the form (`config`) or `config_file`, then `overrides`.
+
+    Both an edited form and a config file is ambiguous (which one wins?) and fails; a
+    relative `config_file` is read from the flow run's working directory.
+    """
+    if config_file:
+        if config != _form_default():
+            raise ConfigError(
+                "both the config form and config_file were given; use one: leave the form at "
+                "its defaults and put extra changes in `overrides`, or clear config_file")
+        resolved = load_config(config_file, list(overrides))
+    elif overrides:
+        tree = apply_overrides(config.model_dump(mode="json"), list(overrides))
+        resolved = config_from_dict(tree, "config form + overrides")
+    else:
+        return config
+    get_run_logger().info(f"run {resolved.run.run_id}: config from "
+                          f"{config_file or 'the form'} with overrides {list(overrides)}")
+    return resolved
+
+
+def _form_default() -> RunConfig:
+    """What the form shows before anyone edits it: the deployment's default, or RunConfig()."""
+    if deployment.id:
+        with get_client(sync_client=True) as client:
+            defaults = client.read_deployment(UUID(deployment.id)).parameters
+        if "config" in defaults:
+            return RunConfig.model_validate(defaults["config"])
+    return RunConfig()
+
+
+@task(name="ensure-run-limit", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
+      tags=["training"])
+def ensure_run_limit(run_id: str) -> str:
+    """Create the run's one-slot global concurrency limit if it does not exist yet."""
+    name = f"goodput-train-{run_id}"
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(name, limit=1)
+    return name
+
+
+@contextmanager
+def training_slot(config: RunConfig) -> Iterator[None]:
+    """Hold the run's training slot; wait (saying so in the log) while another flow run has it.
+
+    The slot is a lease the holder renews; if its process dies, the lease lapses after
+    `lease_duration` and the slot frees itself.
+    """
+    name = ensure_run_limit(config.run.run_id)
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(concurrency(name, timeout_seconds=2, strict=True))
+        except TimeoutError:
+            get_run_logger().info(f"run {config.run.run_id} is being trained by another flow run "
+                                  f"(concurrency limit {name!r}); waiting for it to finish")
+            stack.enter_context(concurrency(name, strict=True))
+        yield
+
+
+class TimeLimitReached(Exception):
+    """Training stopped at a checkpoint because the flow run's time budget is spent."""
+
+    def __init__(self, step: int, limit_s: float):
+        super().__init__(f"time limit of {limit_s:.0f}s reached: stopped after checkpoint "
+                         f"step {step}; the next run continues from it")
+        self.step = step
+
+
+class StopAtCheckpointAfter:
+    """Heartbeat callback: once `limit_s` has passed, stop after the next committed checkpoint.
+
+    Stopping right after a checkpoint loses at most the steps since it (about one), unlike
+    killing the job at the deadline. `limit_s=None` never stops.
+    """
+
+    def __init__(self, config: RunConfig, limit_s: float | None):
+        self.config, self.limit_s = config, limit_s
+        self.deadline = None if limit_s is None else time.monotonic() + limit_s
+        self.target: int | None = None
+
+    def __call__(self, beat: dict) -> None:
+        if self.deadline is None or time.monotonic() < self.deadline:
+            return
+        every = self.config.checkpoint.every_steps
+        if self.target is None:
+            self.target = -(-beat["step"] // every) * every  # the next checkpoint from here on
+        # Rank 0 writes step N+1's heartbeat after step N's checkpoint save returned; the
+        # manifest check also covers saves that complete asynchronously.
+        if beat["step"] > self.target and is_committed(checkpoint_path(self.config.run_dir,
+                                                                       self.target)):
+            raise TimeLimitReached(self.target, self.limit_s)
+
+
+@contextmanager
+def no_orphan_workers(grace_s: float = 20.0) -> Iterator[None]:
+    """Stop this process's torchrun jobs when the flow leaves the block with an exception.
+
+    A cancellation reaches the flow as a signal in its main thread; the engine then waits
+    for the task threads, and the one supervising torchrun would wait for training to end.
+    torchrun and its workers each run in their own session, so killing the flow run's
+    process group does not reach them either. Here torchrun gets SIGTERM at once (it stops
+    its workers, which may save a checkpoint first), and whatever of the job is still alive
+    after `grace_s` gets SIGKILL. The exception is re-raised immediately, so Prefect marks
+    the launch task cancelled before it could retry.
+    """
+    try:
+        yield
+    except BaseException:
+        jobs = [p for p in psutil.Process().children() if _is_torchrun(p)]
+        if jobs:
+            _terminate(jobs, grace_s)
+        raise
+
+
+def _is_torchrun(process: psutil.Process) -> bool:
+    try:
+        return "torch.distributed.run" in process.cmdline()
+    except psutil.Error:
+        return False
+
+
+def _terminate(jobs: list[psutil.Process], grace_s: float) -> None:
+    workers = []
+    for job in jobs:
+        try:
+            workers += job.children(recursive=True)
+            job.send_signal(signal.SIGTERM)  # torchrun passes it on; workers may save first
+        except psutil.Error:
+            pass
+
+    def reap() -> None:
+        _, alive = psutil.wait_procs(jobs + workers, timeout=grace_s)
+        for process in alive:
+            try:
+                process.kill()
+            except psutil.Error:
+                pass
+
+    # Not a daemon: the interpreter waits for it, so survivors are killed even when the
+    # flow run's process is on its way out.
+    threading.Thread(target=reap, name=f"reap-torchrun-{os.getpid()}").start()

@@ -1,0 +1,258 @@
+"""What a run shows in the Prefect UI: artifacts, events and the worker log.
+
+- live: a progress artifact per training attempt (step / total, tokens, ETA), updated from
+  the supervisor's heartbeat callback, and the workers' output in the flow run's log;
+- after training: the metrics table, the loss curve (a PNG kept in the run directory and
+  embedded in a markdown artifact), the checkpoint ledger and, when summary.json has one,
+  the goodput breakdown;
+- events for every checkpoint transition, failed attempt and finished run, named
+  `goodput.*` with the run as a resource, so automations can react to them.
+
+Artifact keys are per run id, so the Artifacts page keeps one history per run.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+import time
+from pathlib import Path
+from typing import Callable, Literal
+
+from prefect import task
+from prefect.artifacts import (create_markdown_artifact, create_progress_artifact,
+                               create_table_artifact, update_progress_artifact)
+from prefect.cache_policies import NO_CACHE
+from prefect.events import emit_event
+from prefect.logging import get_run_logger
+
+from goodput.config import RunConfig
+from goodput.runs import read_summary
+from storage.ledger import Ledger, LedgerEntry
+from training.metrics import read_metrics
+
+LOSS_CURVE_FILE = "loss_curve.png"
+WorkerLogs = Literal["rank0", "all"]
+
+
+def artifact_key(*parts: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
+
+
+# -- live progress -------------------------------------------------------------------------
+
+class TrainingProgress:
+    """The heartbeat callback of one attempt: keeps a progress artifact up to date.
+
+    Updates are throttled (the heartbeat changes every step; the API needs no more than a
+    refresh every few seconds), and the final heartbeat is always shown.
+    """
+
+    def __init__(self, config: RunConfig, attempt: str, every_s: float = 2.0):
+        self.max_steps = config.training.max_steps
+        self.tokens_per_step = (config.training.tokens_per_rank_step
+                                * config.parallelism.world_size)
+        self.key = artifact_key("training-progress", config.run.run_id)
+        self.attempt, self.every_s = attempt, every_s
+        self.artifact_id = None
+        self.first: dict | None = None
+        self.shown_at = 0.0
+
+    def __call__(self, beat: dict) -> None:
+        self.first = self.first or beat
+        last_step = beat["step"] >= self.max_steps
+        if not last_step and time.monotonic() - self.shown_at < self.every_s:
+            return
+        self.shown_at = time.monotonic()
+        try:
+            progress = 100.0 * min(beat["step"], self.max_steps) / self.max_steps
+            if self.artifact_id is None:
+                self.artifact_id = create_progress_artifact(progress, key=self.key,
+                                                            description=self.describe(beat))
+            else:
+                update_progress_artifact(self.artifact_id, progress,
+                                         description=self.describe(beat))
+        except Exception as e:  # a view of the run: it must never stop training
+            get_run_logger().warning(f"progress artifact not updated: {e!r}")
+
+    def describe(self, beat: dict) -> str:
+        """E.g. "step 120 / 300 · 61,440 tokens · loss 3.2101 · 2,900 tokens/s · ETA 1m02s"."""
+        step = beat["step"]
+        parts = [f"step {step:,} / {self.max_steps:,}", f"{step * self.tokens_per_step:,} tokens"]
+        if beat.get("loss") is not None:
+            parts.append(f"loss {beat['loss']:.4f}")
+        if beat.get("phase") == "checkpoint":
+            parts.append("saving a checkpoint")
+        elif beat.get("tokens_per_s"):
+            parts.append(f"{beat['tokens_per_s']:,.0f} tokens/s")
+        steps_done = step - self.first["step"]
+        elapsed = beat["time"] - self.first["time"]
+        if steps_done > 0 and elapsed > 0 and step < self.max_steps:
+            parts.append(f"ETA {format_duration((self.max_steps - step) * elapsed / steps_done)}")
+        return " · ".join([*parts, f"attempt {self.attempt}"])
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes}m{secs:02d}s"
+
+
+# -- worker output in the flow run's log ----------------------------------------------------
+
+# torchrun's prefix of a worker's line: the node, then the global rank. The launchers set it
+# (TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[node<n> rank${rank}] ", with torchrun --tee=3).
+_WORKER_PREFIX = re.compile(r"^\[(?P<node>[^\]\s]+) rank(?P<rank>\d+)\] ")
+
+
+def worker_log(log: Callable[[str], None], ranks: WorkerLogs = "rank0") -> Callable[[str], None]:
+    """A line sink for the supervisor: keeps global rank 0's lines, or every rank's.
+
+    Lines without a worker prefix (the launcher's and torchrun's own) always pass.
+    """
+    def sink(line: str) -> None:
+        match = _WORKER_PREFIX.match(line)
+        if ranks == "all" or match is None or match["rank"] == "0":
+            log(line)
+    return sink
+
+
+# -- the report after training ---------------------------------------------------------------
+
+@task(name="publish-training-report", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
+      tags=["report"])
+def publish_training_report(config: RunConfig) -> Path | None:
+    """Metrics table, loss curve, checkpoint ledger and goodput breakdown of the run.
+
+    Returns the loss-curve PNG (None before the first logged step).
+    """
+    run_id, run_dir = config.run.run_id, config.run_dir
+    metrics = latest_per_step(read_metrics(run_dir))
+    curve = None
+    if metrics:
+        create_table_artifact(metrics_rows(metrics), key=artifact_key("training-metrics", run_id),
+                              description=f"Training metrics of {run_id} (sampled steps)")
+        curve = plot_loss_curve(metrics, run_dir / LOSS_CURVE_FILE, run_id)
+        encoded = base64.b64encode(curve.read_bytes()).decode()
+        create_markdown_artifact(
+            f"### Training loss of `{run_id}`\n\n"
+            f"![training loss of {run_id}](data:image/png;base64,{encoded})\n\n"
+            f"Stored with the run: `{curve.resolve()}`",
+            key=artifact_key("loss-curve", run_id), description=f"Training loss of {run_id}")
+    ledger = Ledger(run_dir, run_id).read()
+    if ledger.entries:
+        create_table_artifact(ledger_rows(ledger.entries.values()),
+                              key=artifact_key("checkpoint-ledger", run_id),
+                              description=f"Checkpoints of {run_id}: "
+                                          "committed → validated → uploaded")
+    goodput = read_summary(run_dir).get("goodput")
+    if goodput:
+        create_table_artifact(flatten(goodput), key=artifact_key("goodput", run_id),
+                              description=f"Goodput breakdown of {run_id}")
+    return curve
+
+
+def latest_per_step(metrics: list[dict]) -> list[dict]:
+    """Steps in order; a step trained twice (resumed from before it) counts as its last run."""
+    return sorted({m["step"]: m for m in metrics}.values(), key=lambda m: m["step"])
+
+
+def metrics_rows(metrics: list[dict], max_rows: int = 25) -> list[dict]:
+    """About `max_rows` evenly spaced steps, always including the last one."""
+    stride = max(1, -(-len(metrics) // max_rows))
+    sampled = metrics[::stride]
+    if sampled[-1] is not metrics[-1]:
+        sampled.append(metrics[-1])
+    return [{"step": m["step"], "loss": f"{m['loss']:.4f}", "lr": f"{m['lr']:.2e}",
+             "grad norm": f"{m['grad_norm']:.3f}", "tokens seen": f"{m['tokens_seen']:,}",
+             "tokens/s": f"{m['tokens_per_s']:,.0f}", "step time (s)": f"{m['step_time_s']:.3f}",
+             "attempt": m.get("attempt", "")} for m in sampled]
+
+
+def ledger_rows(entries) -> list[dict]:
+    return [{"step": e.step, "state": e.state,
+             "loss": "" if e.loss is None else f"{e.loss:.4f}",
+             "tokens seen": "" if e.tokens_seen is None else f"{e.tokens_seen:,}",
+             "store": e.store_url or "", "reason": e.reason}
+            for e in sorted(entries, key=lambda e: e.step)]
+
+
+def plot_loss_curve(metrics: list[dict], path: Path, title: str) -> Path:
+    """Training loss per step as a PNG (matplotlib's Agg canvas: no display, thread-safe)."""
+    from matplotlib.figure import Figure  # a Figure made directly renders with Agg
+
+    steps = [m["step"] for m in metrics]
+    fig = Figure(figsize=(7, 3.5), dpi=100, layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot(steps, [m["loss"] for m in metrics], linewidth=1.2)
+    # Where the attempt changes, a resumed attempt picked up: mark it.
+    for prev, cur in zip(metrics, metrics[1:]):
+        if cur.get("attempt") != prev.get("attempt"):
+            ax.axvline(cur["step"], color="grey", linestyle=":", linewidth=1)
+    ax.set(xlabel="step", ylabel="training loss", title=title)
+    ax.grid(alpha=0.3)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buffer.getvalue())
+    return path
+
+
+def flatten(tree: dict, prefix: str = "") -> list[dict]:
+    """{"a": {"b": 1}} -> [{"metric": "a.b", "value": "1"}]: any breakdown as a table."""
+    rows = []
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            rows += flatten(value, f"{name}.")
+        else:
+            rows.append({"metric": name,
+                         "value": f"{value:.4g}" if isinstance(value, float) else str(value)})
+    return rows
+
+
+# -- events ---------------------------------------------------------------------------------
+
+def run_resource(run_id: str) -> dict[str, str]:
+    return {"prefect.resource.id": f"goodput.run.{run_id}", "prefect.resource.name": run_id,
+            "goodput.run-id": run_id}
+
+
+def checkpoint_event(config: RunConfig, entry: LedgerEntry, state: str | None = None) -> None:
+    """`goodput.checkpoint.<state>` for one checkpoint (state defaults to the entry's)."""
+    run_id = config.run.run_id
+    state = state or entry.state
+    emit_event(
+        f"goodput.checkpoint.{state}",
+        resource={"prefect.resource.id": f"goodput.checkpoint.{run_id}.{entry.step}",
+                  "prefect.resource.name": f"{run_id} step {entry.step}",
+                  "goodput.run-id": run_id, "goodput.step": str(entry.step)},
+        related=[{**run_resource(run_id), "prefect.resource.role": "run"}],
+        payload={"step": entry.step, "loss": entry.loss, "tokens_seen": entry.tokens_seen,
+                 "store_url": entry.store_url, "reason": entry.reason})
+
+
+def attempt_failed_event(config: RunConfig, attempt: str, failure_class: str, reason: str,
+                         step: int | None) -> None:
+    emit_event("goodput.attempt.failed", resource=run_resource(config.run.run_id),
+               payload={"attempt": attempt, "failure_class": failure_class, "reason": reason,
+                        "step": step})
+
+
+@task(name="announce-run-finished", cache_policy=NO_CACHE, tags=["report"])
+def announce_run_finished(config: RunConfig, trained: dict) -> bool:
+    """Emit `goodput.run.finished` once the run has reached training.max_steps."""
+    finished = (trained.get("final_step") or 0) >= config.training.max_steps
+    if finished:
+        emit_event("goodput.run.finished", resource=run_resource(config.run.run_id),
+                   payload={"final_step": trained["final_step"],
+                            "final_train_loss": trained.get("final_train_loss"),
+                            "max_steps": config.training.max_steps,
+                            "run_dir": str(config.run_dir.resolve())})
+    else:
+        get_run_logger().info(f"run {config.run.run_id} at step {trained.get('final_step')} of "
+                              f"{config.training.max_steps}: not finished yet")
+    return finished

@@ -1,0 +1,527 @@
+"""The Prefect product surface, end to end against a real server: deployments served by
+`goodput serve` in a subprocess, runs triggered through the REST API the way the UI does,
+artifacts, events and logs read back, cancellation, the per-run training slot, a cron
+schedule, and a screenshot of the flow run page in headless Chromium.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from uuid import UUID
+
+import httpx
+import psutil
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter,
+                                            FlowRunFilterParentFlowRunId, LogFilter,
+                                            LogFilterFlowRunId)
+from prefect.client.schemas.objects import FlowRun
+from prefect.exceptions import ObjectNotFound
+
+from flows.prepare import prepare
+from goodput.config import config_from_dict, dump_config
+from storage.ledger import Ledger
+from tasks.control import StopAtCheckpointAfter, TimeLimitReached
+from tasks.reporting import TrainingProgress, worker_log
+from tests.helpers import REPO, small_config
+from training.checkpoint import checkpoint_path
+from training.metrics import read_metrics
+
+SERVE_CRON = "* * * * *"  # the continuation schedule: a run every minute
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("surface")
+
+
+@pytest.fixture(scope="module")
+def base(workdir):
+    """The served deployments' default config: the defaults of the UI's forms."""
+    return small_config(workdir, "run.run_id=served", "training.max_steps=40")
+
+
+@pytest.fixture(scope="module")
+def dataset(prefect_api, base):
+    """The dataset of `base`, prepared once (every run id of this module shares it)."""
+    return prepare(base)
+
+
+@pytest.fixture(scope="class")
+def served(prefect_api, base, dataset, workdir):
+    """`goodput serve` in a subprocess, with the continuation schedule; yields the deployments."""
+    config_file = workdir / "served.yaml"
+    config_file.write_text(dump_config(base))
+    log = open(workdir / "serve.log", "w")
+    # Pick up triggered runs within a second (default: 10 s).
+    env = prefect_api.env(PREFECT_RUNNER_POLL_FREQUENCY="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "goodput.cli", "serve", "--config", str(config_file),
+         "--train-cron", SERVE_CRON, "--train-time-limit", "2"],
+        cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        names = ["prepare/goodput-prepare", "train/goodput-train", "evaluate/goodput-evaluate",
+                 "pipeline/goodput-pipeline", "train/goodput-train-continue"]
+        deployments = wait_for(lambda: read_deployments(names), timeout_s=120,
+                               what="served deployments")
+        yield deployments
+    finally:
+        stop_process_tree(proc)
+        log.close()
+
+
+def read_deployments(names: list[str]) -> dict | None:
+    with get_client(sync_client=True) as client:
+        try:
+            return {name.split("/")[1]: client.read_deployment_by_name(name) for name in names}
+        except ObjectNotFound:  # not all registered yet
+            return None
+
+
+def stop_process_tree(proc: subprocess.Popen) -> None:
+    """Kill a `serve` or worker process and everything it started (`serve` ignores SIGTERM)."""
+    descendants = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for child in descendants:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    proc.wait()
+
+
+def wait_for(probe, timeout_s: float, what: str, every_s: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise TimeoutError(f"no {what} after {timeout_s:.0f}s")
+
+
+def api_post(url: str, body: dict, expect: tuple[int, ...] = (200, 201)) -> httpx.Response:
+    """POST to the REST API as the UI does; like Prefect's own client, retry while the server
+    is busy (SQLite answers 503 when a busy moment outlasts its lock timeout)."""
+    for delay in (1, 2, 4, 8, 16, 0):
+        response = httpx.post(url, json=body, timeout=30)
+        if response.status_code not in (429, 503) or not delay:
+            break
+        time.sleep(delay)
+    assert response.status_code in expect, response.text
+    return response
+
+
+def trigger_like_the_ui(api_url: str, deployment_id, parameters: dict) -> UUID:
+    """What the UI's "Run > Custom run" form does: POST the form values to the deployment."""
+    response = api_post(f"{api_url}/deployments/{deployment_id}/create_flow_run",
+                        {"parameters": parameters}, expect=(201,))
+    return UUID(response.json()["id"])
+
+
+def read_run(flow_run_id: UUID) -> FlowRun:
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id)
+
+
+def wait_final(flow_run_id: UUID, timeout_s: float = 300) -> FlowRun:
+    def final():
+        run = read_run(flow_run_id)
+        return run if run.state and run.state.is_final() else None
+    return wait_for(final, timeout_s, f"final state of flow run {flow_run_id}")
+
+
+def logs_of(*flow_run_ids: UUID) -> list[str]:
+    runs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(flow_run_ids)))
+    lines: list[str] = []
+    with get_client(sync_client=True) as client:
+        while page := client.read_logs(runs, limit=200, offset=len(lines)):
+            lines += [log.message for log in page]
+    return lines
+
+
+def subflow_runs(parent: UUID) -> dict[str, FlowRun]:
+    """The child flow runs of `parent` by flow name (prepare, train, evaluate)."""
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent])))
+        return {client.read_flow(run.flow_id).name: run for run in runs}
+
+
+def artifacts(api_url: str, key: str) -> list[dict]:
+    """Every version of an artifact key, newest first (what the Artifacts page lists)."""
+    return api_post(f"{api_url}/artifacts/filter",
+                    {"artifacts": {"key": {"any_": [key]}}, "sort": "CREATED_DESC"}).json()
+
+
+def events(api_url: str, prefix: str, run_id: str) -> list[dict]:
+    return api_post(f"{api_url}/events/filter", {
+        "filter": {"event": {"prefix": [prefix]},
+                   "any_resource": {"labels": {"goodput.run-id": [run_id]}}},
+        "limit": 50}).json()["events"]
+
+
+def form(base, *overrides: str) -> dict:
+    """The RunConfig form as the UI submits it: every field, some edited."""
+    from goodput.config import apply_overrides
+
+    return config_from_dict(apply_overrides(base.model_dump(mode="json"), list(overrides))
+                            ).model_dump(mode="json")
+
+
+def worker_processes(attempt_prefix: str) -> list[psutil.Process]:
+    """torchrun and training processes of the attempts whose id starts with `attempt_prefix`."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("GOODPUT_ATTEMPT", "").startswith(attempt_prefix):
+                found.append(process)
+        except psutil.Error:
+            pass
+    return found
+
+
+# -- work pool files (no server needed) ---------------------------------------------------------
+
+def render_kubernetes(tmp_path) -> dict[str, dict]:
+    script = REPO / "scripts" / "render_deploy.py"
+    spec = importlib.util.spec_from_file_location("render_deploy", script)
+    render_deploy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(render_deploy)
+    render_deploy.main(["--out", str(tmp_path)])
+    return {p.name: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+
+
+def test_kubernetes_files_are_rendered_and_current(tmp_path):
+    rendered = render_kubernetes(tmp_path)
+    committed = REPO / "deploy" / "kubernetes"
+    assert set(rendered) == {"base-job-template.json", "job-variables.json",
+                             "job-variables-gpu.json"}
+    for name, content in rendered.items():
+        assert json.loads((committed / name).read_text()) == content, (
+            f"deploy/kubernetes/{name} is stale: run python scripts/render_deploy.py")
+
+
+@pytest.mark.parametrize("variables", ["job-variables.json", "job-variables-gpu.json"])
+def test_kubernetes_job_variables_render_a_job(variables, tmp_path):
+    """Validate the job variables against the template's schema, then render the Job the way
+    a Kubernetes worker does (the template's defaults, then the deployment's job variables)."""
+    import jsonschema
+    from prefect.utilities.templating import apply_values
+
+    files = render_kubernetes(tmp_path)
+    template, values = files["base-job-template.json"], files[variables]
+    schema = template["variables"]
+    jsonschema.validate(values, {**schema, "additionalProperties": False})
+    defaults = {k: v["default"] for k, v in schema["properties"].items() if "default" in v}
+    job = apply_values(template["job_configuration"], {**defaults, **values})["job_manifest"]
+    pod = job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert job["kind"] == "Job" and job["metadata"]["namespace"] == "goodput"
+    assert container["image"] == values["image"]
+    assert container["resources"]["requests"] == {"cpu": values["cpu_request"],
+                                                  "memory": values["memory_request"]}
+    if variables == "job-variables-gpu.json":
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == 8
+        assert pod["nodeSelector"] == {"goodput.dev/pool": "gpu"}
+        assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+        assert pod["volumes"][0]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
+        assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+    else:  # unset GPU variables leave nothing behind
+        assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+        assert "nodeSelector" not in pod and "tolerations" not in pod
+
+
+def test_worker_logs_keep_rank_0_by_default():
+    kept = []
+    sink = worker_log(kept.append)
+    for line in ["launch attempt x: torchrun ...", "[node0 rank0] [train] step 1",
+                 "[node0 rank1] [train] step 1", "[node1 rank2] boom", "[node1 rank0x] odd"]:
+        sink(line)
+    assert kept == ["launch attempt x: torchrun ...", "[node0 rank0] [train] step 1",
+                    "[node1 rank0x] odd"]
+
+
+def test_progress_text_from_step_and_checkpoint_heartbeats(tmp_path):
+    progress = TrainingProgress(small_config(tmp_path), "abc-1")  # 30 steps of 512 tokens
+    progress.first = {"step": 10, "time": 100.0}
+    assert progress.describe({"step": 20, "time": 110.0, "loss": 3.5, "tokens_per_s": 512.0,
+                              "phase": "step"}) == (
+        "step 20 / 30 · 10,240 tokens · loss 3.5000 · 512 tokens/s · ETA 0m10s · attempt abc-1")
+    assert progress.describe({"step": 30, "time": 120.0, "loss": 3.0, "phase": "checkpoint"}) == (
+        "step 30 / 30 · 15,360 tokens · loss 3.0000 · saving a checkpoint · attempt abc-1")
+
+
+def test_time_limit_stops_after_the_next_committed_checkpoint(tmp_path):
+    config = small_config(tmp_path)  # checkpoint.every_steps=10
+    stop = StopAtCheckpointAfter(config, limit_s=0)
+    for step in (7, 10, 11):  # past the deadline at step 7: the target is checkpoint 10
+        stop({"step": step})
+    manifest = checkpoint_path(config.run_dir, 10) / "manifest.json"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text("{}")
+    with pytest.raises(TimeLimitReached, match="stopped after checkpoint step 10"):
+        stop({"step": 12})
+    StopAtCheckpointAfter(config, limit_s=None)({"step": 12})  # no limit, no stop
+
+
+# -- served deployments (one `goodput serve` for the class) -----------------------------------
+
+@pytest.fixture(scope="class")
+def ui_run(served, base, prefect_api):
+    """The pipeline deployment run from the UI with an edited form: run id, steps, a crash of
+    rank 1 at step 15 (the retry resumes from step 10), and the logs of all ranks."""
+    parameters = {"config": form(base, "run.run_id=ui", "training.max_steps=20",
+                                 "eval.num_samples=1", "faults.crash_at_step=15",
+                                 "faults.crash_rank=1"),
+                  "worker_logs": "all"}
+    pipeline = served["goodput-pipeline"]
+    return wait_final(trigger_like_the_ui(prefect_api.api_url, pipeline.id, parameters),
+                      timeout_s=420)
+
+
+class TestServedDeployments:
+    """Deployments served by `goodput serve`; runs triggered the way the UI does."""
+
+    def test_deployments_offer_a_typed_form_with_defaults_and_descriptions(self, served, base):
+        for name, deployment in served.items():
+            schema = deployment.parameter_openapi_schema
+            props = schema["properties"]
+            assert props["config"]["$ref"] == "#/definitions/RunConfig", name
+            assert props["config_file"]["description"].startswith("A RunConfig YAML file"), name
+            assert props["overrides"]["type"] == "array", name
+            max_steps = schema["definitions"]["TrainingConfig"]["properties"]["max_steps"]
+            assert max_steps["description"] == "Optimizer steps to train."
+            assert max_steps["default"] == 300
+            assert deployment.parameters["config"]["run"]["run_id"] == "served"  # form defaults
+        train_props = served["goodput-train"].parameter_openapi_schema["properties"]
+        assert train_props["worker_logs"]["enum"] == ["rank0", "all"]
+        assert "Wall-clock budget" in train_props["time_limit_s"]["description"]
+
+        continuation = served["goodput-train-continue"]
+        assert [s.schedule.cron for s in continuation.schedules] == [SERVE_CRON]
+        assert continuation.parameters["time_limit_s"] == 2
+        assert continuation.global_concurrency_limit.limit == 1
+        assert continuation.concurrency_options.collision_strategy == "CANCEL_NEW"
+
+
+    # -- a run from the UI -----------------------------------------------------------
+
+
+
+    def test_ui_triggered_pipeline_completes_with_artifacts(self, ui_run, base, prefect_api):
+        assert ui_run.state.is_completed(), ui_run.state.message
+        run_dir = base.run_dir.parent / "ui"
+        assert Ledger(run_dir, "ui").read().steps("uploaded") == [10, 20]
+        api = prefect_api.api_url
+
+        progress = artifacts(api, "training-progress-ui")[0]
+        assert progress["type"] == "progress" and progress["data"] == 100.0
+        assert progress["description"].startswith("step 20 / 20 · 10,240 tokens")
+        metrics = artifacts(api, "training-metrics-ui")[0]
+        assert [row["step"] for row in json.loads(metrics["data"])][-1] == 20
+        curve = artifacts(api, "loss-curve-ui")[0]
+        assert "](data:image/png;base64," in curve["data"]
+        png = run_dir / "loss_curve.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        ledger = json.loads(artifacts(api, "checkpoint-ledger-ui")[0]["data"])
+        assert [(r["step"], r["state"]) for r in ledger] == [(10, "uploaded"), (20, "uploaded")]
+        report = {r["metric"]: r["value"] for r in json.loads(artifacts(api, "eval-ui")[0]["data"])}
+        assert report["checkpoint step"] == "20" and float(report["perplexity"]) > 1
+        if "goodput" in json.loads((run_dir / "summary.json").read_text()):
+            breakdown = json.loads(artifacts(api, "goodput-ui")[0]["data"])
+            assert "goodput" in {row["metric"] for row in breakdown}
+
+
+    def test_ui_triggered_pipeline_emits_events(self, ui_run, prefect_api):
+        seen = wait_for(lambda: (lambda e: e if len(e) >= 7 else None)(
+            events(prefect_api.api_url, "goodput.", "ui")), timeout_s=30, what="goodput events")
+        names = {(e["event"], e["payload"].get("step")) for e in seen}
+        for step in (10, 20):
+            for state in ("committed", "validated", "uploaded"):
+                assert (f"goodput.checkpoint.{state}", step) in names
+        failed = [e["payload"] for e in seen if e["event"] == "goodput.attempt.failed"]
+        assert [(p["failure_class"], p["step"]) for p in failed] == [("retryable", 15)]
+        finished = [e for e in seen if e["event"] == "goodput.run.finished"]
+        assert finished and finished[0]["payload"]["final_step"] == 20
+        assert finished[0]["resource"]["prefect.resource.id"] == "goodput.run.ui"
+        # Prefect links each event to the flow run it came from.
+        assert any(r["prefect.resource.role"] == "flow-run" for r in finished[0]["related"])
+
+
+    def test_worker_logs_of_all_ranks_on_request(self, ui_run):
+        train_run = subflow_runs(ui_run.id)["train"]
+        lines = logs_of(train_run.id)
+        assert any(line.startswith("[node0 rank0] [train]") for line in lines)
+        assert any(line.startswith("[node0 rank1] [faults] killing rank 1") for line in lines)
+
+
+    def test_config_file_with_overrides_and_ambiguous_input(self, served, base, workdir,
+                                                             prefect_api, ui_run):
+        api = prefect_api.api_url
+        config_file = workdir / "ui.yaml"
+        config_file.write_text(dump_config(config_from_dict(form(base, "run.run_id=ui",
+                                                                 "training.max_steps=20"))))
+        good = trigger_like_the_ui(api, served["goodput-evaluate"].id, {
+            "config_file": str(config_file), "overrides": ["eval.num_samples=2"],
+            "checkpoint": "10"})
+        both = trigger_like_the_ui(api, served["goodput-train"].id, {
+            "config": form(base, "training.max_steps=50"), "config_file": str(config_file)})
+        failed = wait_final(both, timeout_s=120)
+        assert failed.state.is_failed()
+        assert any("both the config form and config_file were given" in line
+                   for line in logs_of(both))
+        evaluated = wait_final(good, timeout_s=300)
+        assert evaluated.state.is_completed(), evaluated.state.message
+        report = json.loads((base.run_dir.parent / "ui" / "eval" / "step-00000010.json")
+                            .read_text())
+        assert report["step"] == 10 and len(report["samples"]) == 2
+
+
+    # -- a schedule ------------------------------------------------------------------
+
+    def test_cron_schedule_creates_and_completes_a_run(self, served, base):
+        deployment = served["goodput-train-continue"]
+
+        def completed_scheduled_run():
+            with get_client(sync_client=True) as client:
+                runs = client.read_flow_runs(deployment_filter=DeploymentFilter(
+                    id=DeploymentFilterId(any_=[deployment.id])))
+            return next((r for r in runs if r.auto_scheduled and r.state.is_completed()), None)
+
+        run = wait_for(completed_scheduled_run, timeout_s=300, every_s=3,
+                       what="completed run of the cron schedule")
+        assert run.parameters["time_limit_s"] == 2
+        assert Ledger(base.run_dir, "served").read().steps("uploaded")
+        with get_client(sync_client=True) as client:  # the other tests need no more ticks
+            client.pause_deployment(deployment.id)
+
+
+    # -- cancellation and the per-run training slot ----------------------------------
+
+    def test_cancel_stops_every_worker_and_one_trainer_per_run(self, served, base, prefect_api):
+        """A trains run `long`; B (same run, a 1 s budget) waits for A's slot. Cancelling A ends
+        it Cancelled with no worker left; B then resumes from A's checkpoints and stops at its
+        budget, right after a checkpoint."""
+        api = prefect_api.api_url
+        run_dir = base.run_dir.parent / "long"
+        long_form = form(base, "run.run_id=long", "training.max_steps=100000",
+                         "checkpoint.every_steps=200")
+        a = trigger_like_the_ui(api, served["goodput-train"].id, {"config": long_form})
+        wait_for(lambda: read_metrics(run_dir), timeout_s=300, what="run A training")
+        b = trigger_like_the_ui(api, served["goodput-train"].id, {"config": long_form,
+                                                                  "time_limit_s": 1})
+        wait_for(lambda: any("being trained by another flow run" in line for line in logs_of(b)),
+                 timeout_s=300, what="run B waiting for the slot")
+        wait_for(lambda: any(m["step"] > 200 for m in read_metrics(run_dir)), timeout_s=300,
+                 what="run A past its first checkpoint")
+        assert read_run(b).state.is_running()
+        assert not worker_processes(str(b)[:8]), "B launched while A holds the slot"
+        assert worker_processes(str(a)[:8]), "A's workers should be running"
+
+        api_post(f"{api}/flow_runs/{a}/set_state",  # the UI's "Cancel"
+                 {"state": {"type": "CANCELLING", "name": "Cancelling"}})
+        cancelled = wait_final(a, timeout_s=120)
+        assert cancelled.state.is_cancelled(), cancelled.state
+        wait_for(lambda: not worker_processes(str(a)[:8]), timeout_s=10,
+                 what="end of A's torchrun and training processes")
+        a_steps = [m for m in read_metrics(run_dir) if m["attempt"].startswith(str(a)[:8])]
+
+        finished = wait_final(b, timeout_s=300)
+        assert finished.state.is_completed(), finished.state.message
+        b_steps = [m for m in read_metrics(run_dir) if m["attempt"].startswith(str(b)[:8])]
+        assert b_steps[0]["step"] > 1, "B should resume from A's checkpoint, not start over"
+        assert b_steps[0]["time"] > a_steps[-1]["time"], "B trained while A still did"
+        summary = json.loads((run_dir / "summary.json").read_text())["train"]
+        assert summary["last_attempt"]["stopped"] == "time limit"
+        # At least the checkpoint after the deadline (the workers may add an emergency one).
+        assert summary["final_step"] >= -(-b_steps[0]["step"] // 200) * 200
+        with get_client(sync_client=True) as client:
+            assert client.read_global_concurrency_limit_by_name("goodput-train-long").limit == 1
+
+
+    # -- what a person sees ----------------------------------------------------------
+
+    def test_screenshot_of_the_flow_run_page(self, ui_run, prefect_api, tmp_path):
+        """The train run's page with its artifacts; GOODPUT_SCREENSHOT=path also keeps a copy."""
+        webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
+        chromium, chromedriver = shutil.which("chromium"), shutil.which("chromedriver")
+        if not (chromium and chromedriver):
+            pytest.skip("headless Chromium needs the Debian packages chromium and chromium-driver "
+                        "(scripts/setup.sh installs them when run as root)")
+        from selenium.webdriver.common.by import By
+        from selenium.webdriver.support import expected_conditions as seen
+        from selenium.webdriver.support.ui import WebDriverWait
+
+        train_run = subflow_runs(ui_run.id)["train"]
+        options = webdriver.ChromeOptions()
+        options.binary_location = chromium
+        for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+                     "--no-first-run", "--disable-background-networking",
+                     "--disable-component-update", "--disable-sync",
+                     f"--user-data-dir={tempfile.mkdtemp(dir=tmp_path)}",
+                     "--window-size=1400,1300"):
+            options.add_argument(flag)
+        browser = webdriver.Chrome(service=webdriver.ChromeService(chromedriver), options=options)
+        try:
+            browser.get(f"{prefect_api.url}/runs/flow-run/{train_run.id}")
+            page = (By.TAG_NAME, "body")
+            WebDriverWait(browser, 60).until(
+                seen.text_to_be_present_in_element(page, train_run.name))
+            WebDriverWait(browser, 30).until(
+                seen.element_to_be_clickable((By.CSS_SELECTOR, "li.p-tab#artifacts"))).click()
+            WebDriverWait(browser, 30).until(
+                seen.text_to_be_present_in_element(page, "loss-curve-ui"))
+            time.sleep(1)  # let the artifact cards finish their transition
+            shot = tmp_path / "flow-run.png"
+            browser.save_screenshot(str(shot))
+        finally:
+            browser.quit()
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        if os.environ.get("GOODPUT_SCREENSHOT"):
+            shutil.copyfile(shot, os.environ["GOODPUT_SCREENSHOT"])
+
+
+# -- prefect.yaml on a process work pool ---------------------------------------------------------
+
+def test_work_pool_script_deploys_prefect_yaml_and_runs_it(prefect_api, base, dataset, workdir):
+    """scripts/work-pool.sh: create the pool, `prefect deploy --all`, a worker; then a run
+    with a config file (the prefect.yaml deployments have the plain RunConfig() form)."""
+    config_file = workdir / "pool.yaml"
+    config_file.write_text(dump_config(base))
+    log = open(workdir / "work-pool.log", "w")
+    proc = subprocess.Popen(["bash", "scripts/work-pool.sh"], cwd=REPO, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True,
+                            env=prefect_api.env(PREFECT_WORKER_QUERY_SECONDS="1"))
+    try:
+        names = [f"{flow}/goodput-{flow}" for flow in ("prepare", "train", "evaluate", "pipeline")]
+        names.append("train/goodput-train-continue")
+
+        def deployed_to_the_pool():  # the served ones of the same names turn into these
+            found = read_deployments(names)
+            return found if found and all(d.work_pool_name == "goodput"
+                                          for d in found.values()) else None
+
+        deployments = wait_for(deployed_to_the_pool, timeout_s=180,
+                               what="deployments of prefect.yaml on pool goodput")
+        continuation = deployments["goodput-train-continue"]
+        schedules = [(s.schedule.cron, s.active) for s in continuation.schedules]
+        assert schedules == [("0 * * * *", False)]
+        run = trigger_like_the_ui(prefect_api.api_url, deployments["goodput-prepare"].id,
+                                  {"config_file": str(config_file)})
+        finished = wait_final(run, timeout_s=180)
+        assert finished.state.is_completed(), finished.state.message
+        assert any(f"dataset {dataset.dataset_id}" in line for line in logs_of(run))
+    finally:
+        stop_process_tree(proc)
+        log.close()
