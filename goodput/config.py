@@ -392,7 +392,13 @@ class RunConfig(_Section):
     def config_hash(self) -> str:
         """Hash of what determines the training trajectory (not paths, faults or eval)."""
         keys = ("data", "tokenizer", "model", "training")
-        tree = self.model_dump(include=set(keys), exclude={"data": {"data_dir"}})
+        # The global batch, not how it is split over ranks and micro-steps: a run may resume
+        # under another layout (checkpoints reshard) and keep its trajectory.
+        per_rank = {"micro_batch_size", "grad_accum_steps", "log_every", "peak_flops_per_device"}
+        tree = self.model_dump(include=set(keys), exclude={"data": {"data_dir"}, "training": per_rank})
+        deg = self.parallelism.degrees()
+        tree["training"]["global_batch"] = (self.training.micro_batch_size * self.training.grad_accum_steps
+                                            * deg["dp_replicate"] * deg["dp_shard"])
         return sha256_bytes(canonical_json(tree))[:16]
 
 
