@@ -517,11 +517,14 @@ def test_work_pool_script_deploys_prefect_yaml_and_runs_it(prefect_api, base, da
         continuation = deployments["goodput-train-continue"]
         schedules = [(s.schedule.cron, s.active) for s in continuation.schedules]
         assert schedules == [("0 * * * *", False)]
+        assert continuation.global_concurrency_limit.limit == 1
+        assert continuation.concurrency_options.collision_strategy == "CANCEL_NEW"
         run = trigger_like_the_ui(prefect_api.api_url, deployments["goodput-prepare"].id,
                                   {"config_file": str(config_file)})
         finished = wait_final(run, timeout_s=180)
         assert finished.state.is_completed(), finished.state.message
-        assert any(f"dataset {dataset.dataset_id}" in line for line in logs_of(run))
+        wait_for(lambda: any(f"dataset {dataset.dataset_id}" in line for line in logs_of(run)),
+                 timeout_s=30, what="the prepare run's log")  # logs arrive in batches
     finally:
         stop_process_tree(proc)
         log.close()
