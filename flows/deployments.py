@@ -11,7 +11,8 @@ Two example schedules:
   `train_time_limit_s`, stopping right after a checkpoint, and the next run resumes from
   the ledger. The budget is `training.max_steps` (tokens = max_steps x tokens per step);
   it never changes between runs, so neither the config hash nor the LR schedule does.
-  Once the ledger holds max_steps, a run has nothing to do and ends in seconds.
+  The scheduled run that reaches max_steps switches its schedule off
+  (`tasks.control.switch_off_own_schedule`), so the schedule stops creating runs.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ when to stop, and that no worker outlives it.
   flow run waits for the slot, then resumes from the ledger (or finds nothing to do).
 - `StopAtCheckpointAfter`: a per-flow-run wall-clock budget that ends training right after
   the first checkpoint committed past it; the next run continues from that checkpoint.
+- `switch_off_own_schedule`: a scheduled flow run that finds the run finished switches off
+  the schedule that created it, so a continuation schedule stops creating flow runs once
+  the token budget is spent.
 - `no_orphan_workers`: Prefect raises a cancellation in the flow's thread while the launch
   task's thread keeps supervising torchrun (its own process session); this stops the job
   there and then.
@@ -29,10 +32,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
 from prefect.logging import get_run_logger
-from prefect.runtime import deployment
+from prefect.runtime import deployment, flow_run
 
 from goodput.config import ConfigError, RunConfig, apply_overrides, config_from_dict, load_config
-from training.checkpoint import checkpoint_path, is_committed
+from storage.manifests import CHECKPOINT_MANIFEST
+from training.checkpoint import committed_checkpoints, step_of
 
 
 @task(name="resolve-config", cache_policy=NO_CACHE, tags=["config"])
@@ -110,25 +114,58 @@ class StopAtCheckpointAfter:
     """Heartbeat callback: once `limit_s` has passed, stop after the next committed checkpoint.
 
     Stopping right after a checkpoint loses at most the steps since it (about one), unlike
-    killing the job at the deadline. `limit_s=None` never stops.
+    killing the job at the deadline. "Next" is the first checkpoint committed after the
+    deadline (by its manifest's time), whatever its step: the trainer's cadence is not
+    predictable from here (it counts from the step it resumed at, which an emergency save
+    leaves anywhere, and `checkpoint.interval: auto` re-plans it), and a checkpoint that
+    commits between two heartbeat polls still counts. Checkpoints before this attempt's
+    first step (the resume point, perhaps just downloaded) never do. `limit_s=None` never stops.
     """
 
     def __init__(self, config: RunConfig, limit_s: float | None):
         self.config, self.limit_s = config, limit_s
-        self.deadline = None if limit_s is None else time.monotonic() + limit_s
-        self.target: int | None = None
+        self.deadline = None if limit_s is None else time.time() + limit_s
+        self.first_step: int | None = None
 
     def __call__(self, beat: dict) -> None:
-        if self.deadline is None or time.monotonic() < self.deadline:
+        if self.first_step is None:
+            self.first_step = beat["step"]
+        if self.deadline is None or time.time() < self.deadline:
             return
-        every = self.config.checkpoint.every_steps
-        if self.target is None:
-            self.target = -(-beat["step"] // every) * every  # the next checkpoint from here on
         # Rank 0 writes step N+1's heartbeat after step N's checkpoint save returned; the
-        # manifest check also covers saves that complete asynchronously.
-        if beat["step"] > self.target and is_committed(checkpoint_path(self.config.run_dir,
-                                                                       self.target)):
-            raise TimeLimitReached(self.target, self.limit_s)
+        # manifest also covers saves that complete asynchronously (it is written last).
+        since = [step_of(path) for path in committed_checkpoints(self.config.run_dir)
+                 if step_of(path) >= self.first_step and _committed_at(path) >= self.deadline]
+        if since:
+            raise TimeLimitReached(max(since), self.limit_s)
+
+
+def _committed_at(path) -> float:
+    """When the checkpoint's manifest was written; 0 when it is gone (rejected and moved
+    aside, or pruned, since it was listed)."""
+    try:
+        return (path / CHECKPOINT_MANIFEST).stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def switch_off_own_schedule() -> str | None:
+    """Deactivate the deployment schedule that created this flow run, if one did.
+
+    Returns the deployment's name, or None for a run triggered by hand, by a parent flow or
+    outside a deployment. The server deletes the schedule's pending runs with it. The
+    schedule's toggle in the UI switches it back on (for a new run id in its parameters).
+    """
+    if not flow_run.id:
+        return None
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(UUID(flow_run.id))
+        creator = run.created_by
+        if (run.deployment_id is None or creator is None or creator.type != "SCHEDULE"
+                or creator.id is None):
+            return None
+        client.update_deployment_schedule(run.deployment_id, creator.id, active=False)
+        return client.read_deployment(run.deployment_id).name
 
 
 @contextmanager

@@ -6,7 +6,8 @@
   embedded in a markdown artifact), the checkpoint ledger and, when summary.json has one,
   the goodput breakdown;
 - events for every checkpoint transition, failed attempt and finished run, named
-  `goodput.*` with the run as a resource, so automations can react to them.
+  `goodput.*` with the run as a resource, so automations can react to them;
+- a finished run switches off the schedule that started its flow run (continuations).
 
 Artifact keys are per run id, so the Artifacts page keeps one history per run.
 """
@@ -30,6 +31,7 @@ from prefect.logging import get_run_logger
 from goodput.config import RunConfig
 from goodput.runs import read_summary
 from storage.ledger import Ledger, LedgerEntry
+from tasks.control import switch_off_own_schedule
 from training.metrics import read_metrics
 
 LOSS_CURVE_FILE = "loss_curve.png"
@@ -237,22 +239,32 @@ def checkpoint_event(config: RunConfig, entry: LedgerEntry, state: str | None = 
 
 def attempt_failed_event(config: RunConfig, attempt: str, failure_class: str, reason: str,
                          step: int | None) -> None:
-    emit_event("goodput.attempt.failed", resource=run_resource(config.run.run_id),
+    """`goodput.attempt.failed`; the class is also a resource label, which automation
+    triggers can match (they match resources, not payloads): e.g. only `hang`."""
+    emit_event("goodput.attempt.failed",
+               resource={**run_resource(config.run.run_id), "goodput.failure-class": failure_class},
                payload={"attempt": attempt, "failure_class": failure_class, "reason": reason,
                         "step": step})
 
 
 @task(name="announce-run-finished", cache_policy=NO_CACHE, tags=["report"])
 def announce_run_finished(config: RunConfig, trained: dict) -> bool:
-    """Emit `goodput.run.finished` once the run has reached training.max_steps."""
+    """Once the run has reached training.max_steps: emit `goodput.run.finished`, and if a
+    schedule created this flow run (a continuation), switch that schedule off."""
+    logger = get_run_logger()
+    run_id = config.run.run_id
     finished = (trained.get("final_step") or 0) >= config.training.max_steps
-    if finished:
-        emit_event("goodput.run.finished", resource=run_resource(config.run.run_id),
-                   payload={"final_step": trained["final_step"],
-                            "final_train_loss": trained.get("final_train_loss"),
-                            "max_steps": config.training.max_steps,
-                            "run_dir": str(config.run_dir.resolve())})
-    else:
-        get_run_logger().info(f"run {config.run.run_id} at step {trained.get('final_step')} of "
-                              f"{config.training.max_steps}: not finished yet")
-    return finished
+    if not finished:
+        logger.info(f"run {run_id} at step {trained.get('final_step')} of "
+                    f"{config.training.max_steps}: not finished yet")
+        return False
+    emit_event("goodput.run.finished", resource=run_resource(run_id),
+               payload={"final_step": trained["final_step"],
+                        "final_train_loss": trained.get("final_train_loss"),
+                        "max_steps": config.training.max_steps,
+                        "run_dir": str(config.run_dir.resolve())})
+    deployment_name = switch_off_own_schedule()
+    if deployment_name:
+        logger.info(f"run {run_id} reached max_steps={config.training.max_steps}: switched off "
+                    f"the schedule of deployment {deployment_name!r} that started this flow run")
+    return True

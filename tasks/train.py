@@ -50,7 +50,8 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
     the next checkpoint and returns normally (the next flow run continues from there).
     """
     logger = get_run_logger()
-    attempt = f"{str(flow_run.id or 'local')[:8]}-{task_run.run_count}"
+    # The random tail of the run id: scheduled runs' ids (uuid7) share their time-ordered head.
+    attempt = f"{str(flow_run.id or 'local')[-8:]}-{task_run.run_count}"
     progress = TrainingProgress(config, attempt)
     deadline = StopAtCheckpointAfter(config, time_limit_s)
 

@@ -29,6 +29,7 @@ from prefect.client.schemas.objects import FlowRun
 from prefect.exceptions import ObjectNotFound
 
 from flows.prepare import prepare
+from flows.train import train
 from goodput.config import config_from_dict, dump_config
 from storage.ledger import Ledger
 from tasks.control import StopAtCheckpointAfter, TimeLimitReached
@@ -38,6 +39,8 @@ from training.checkpoint import checkpoint_path
 from training.metrics import read_metrics
 
 SERVE_CRON = "* * * * *"  # the continuation schedule: a run every minute
+SERVE_TIME_LIMIT_S = 600  # of each scheduled run: enough to finish `base`'s budget
+EVAL_CRON = "0 3 * * *"  # the nightly evaluation (never due while the tests run, but at 3 am)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +51,7 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def base(workdir):
     """The served deployments' default config: the defaults of the UI's forms."""
-    return small_config(workdir, "run.run_id=served", "training.max_steps=40")
+    return small_config(workdir, "run.run_id=served", "training.max_steps=60")
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,14 @@ def dataset(prefect_api, base):
 
 @pytest.fixture(scope="class")
 def served(prefect_api, base, dataset, workdir):
-    """`goodput serve` in a subprocess, with the continuation schedule; yields the deployments."""
+    """`goodput serve` in a subprocess, with both example schedules; yields the deployments.
+
+    The run the continuation schedule continues was started by hand first (in this process)
+    with a time limit of 0 s: it stopped right after its first checkpoint.
+    """
+    started = train(base, time_limit_s=0)
+    assert started["last_attempt"]["stopped"] == "time limit", started
+    assert 10 <= started["final_step"] < base.training.max_steps, started
     config_file = workdir / "served.yaml"
     config_file.write_text(dump_config(base))
     log = open(workdir / "serve.log", "w")
@@ -67,7 +77,8 @@ def served(prefect_api, base, dataset, workdir):
     env = prefect_api.env(PREFECT_RUNNER_POLL_FREQUENCY="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "goodput.cli", "serve", "--config", str(config_file),
-         "--train-cron", SERVE_CRON, "--train-time-limit", "2"],
+         "--eval-cron", EVAL_CRON, "--train-cron", SERVE_CRON,
+         "--train-time-limit", str(SERVE_TIME_LIMIT_S)],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         names = ["prepare/goodput-prepare", "train/goodput-train", "evaluate/goodput-evaluate",
@@ -263,16 +274,32 @@ def test_progress_text_from_step_and_checkpoint_heartbeats(tmp_path):
 
 
 def test_time_limit_stops_after_the_next_committed_checkpoint(tmp_path):
-    config = small_config(tmp_path)  # checkpoint.every_steps=10
-    stop = StopAtCheckpointAfter(config, limit_s=0)
-    for step in (7, 10, 11):  # past the deadline at step 7: the target is checkpoint 10
-        stop({"step": step})
-    manifest = checkpoint_path(config.run_dir, 10) / "manifest.json"
-    manifest.parent.mkdir(parents=True)
-    manifest.write_text("{}")
-    with pytest.raises(TimeLimitReached, match="stopped after checkpoint step 10"):
-        stop({"step": 12})
-    StopAtCheckpointAfter(config, limit_s=None)({"step": 12})  # no limit, no stop
+    """The first checkpoint committed after the deadline ends the attempt, whatever its step
+    (after resuming from an emergency save at 978, the trainer saves at 1178, 1378, ...)."""
+    config = small_config(tmp_path)
+
+    def commit(step: int) -> None:
+        manifest = checkpoint_path(config.run_dir, step) / "manifest.json"
+        manifest.parent.mkdir(parents=True)
+        manifest.write_text("{}")
+
+    commit(978)  # the resume point
+    stop = StopAtCheckpointAfter(config, limit_s=3600)
+    stop({"step": 979})
+    commit(1178)
+    stop({"step": 1179})  # the deadline is far
+    stop.deadline = time.time()  # now it has passed
+    time.sleep(0.05)  # (file times come from a coarser clock)
+    stop({"step": 1200})  # 1178 was committed before the deadline
+    commit(1378)
+    with pytest.raises(TimeLimitReached, match="stopped after checkpoint step 1378"):
+        stop({"step": 1379})
+
+    late = StopAtCheckpointAfter(config, limit_s=0)  # a resume point fetched after the deadline
+    time.sleep(0.05)
+    commit(1578)
+    late({"step": 1579})  # is no progress: go on
+    StopAtCheckpointAfter(config, limit_s=None)({"step": 1579})  # no limit, no stop
 
 
 # -- served deployments (one `goodput serve` for the class) -----------------------------------
@@ -305,12 +332,19 @@ class TestServedDeployments:
             assert max_steps["default"] == 300
             assert deployment.parameters["config"]["run"]["run_id"] == "served"  # form defaults
         train_props = served["goodput-train"].parameter_openapi_schema["properties"]
-        assert train_props["worker_logs"]["enum"] == ["rank0", "all"]
+        for name in ("goodput-train", "goodput-pipeline"):  # a select box in the form
+            worker_logs = served[name].parameter_openapi_schema["properties"]["worker_logs"]
+            assert worker_logs["enum"] == ["rank0", "all"] and worker_logs["default"] == "rank0"
+            assert '"all"' in worker_logs["description"]
         assert "Wall-clock budget" in train_props["time_limit_s"]["description"]
+
+        nightly = served["goodput-evaluate"]
+        assert [(s.schedule.cron, s.parameters) for s in nightly.schedules] == [(EVAL_CRON, {})]
+        assert "checkpoint" not in nightly.parameters  # so: the newest validated checkpoint
 
         continuation = served["goodput-train-continue"]
         assert [s.schedule.cron for s in continuation.schedules] == [SERVE_CRON]
-        assert continuation.parameters["time_limit_s"] == 2
+        assert continuation.parameters["time_limit_s"] == SERVE_TIME_LIMIT_S
         assert continuation.global_concurrency_limit.limit == 1
         assert continuation.concurrency_options.collision_strategy == "CANCEL_NEW"
 
@@ -338,9 +372,9 @@ class TestServedDeployments:
         assert [(r["step"], r["state"]) for r in ledger] == [(10, "uploaded"), (20, "uploaded")]
         report = {r["metric"]: r["value"] for r in json.loads(artifacts(api, "eval-ui")[0]["data"])}
         assert report["checkpoint step"] == "20" and float(report["perplexity"]) > 1
-        if "goodput" in json.loads((run_dir / "summary.json").read_text()):
-            breakdown = json.loads(artifacts(api, "goodput-ui")[0]["data"])
-            assert "goodput" in {row["metric"] for row in breakdown}
+        breakdown = {r["metric"]: r["value"] for r in
+                     json.loads(artifacts(api, "goodput-ui")[0]["data"])}
+        assert 0 < float(breakdown["goodput"]) <= 1 and breakdown["attempts.retryable"] == "1"
 
 
     def test_ui_triggered_pipeline_emits_events(self, ui_run, prefect_api):
@@ -350,8 +384,12 @@ class TestServedDeployments:
         for step in (10, 20):
             for state in ("committed", "validated", "uploaded"):
                 assert (f"goodput.checkpoint.{state}", step) in names
-        failed = [e["payload"] for e in seen if e["event"] == "goodput.attempt.failed"]
-        assert [(p["failure_class"], p["step"]) for p in failed] == [("retryable", 15)]
+        failed = [e for e in seen if e["event"] == "goodput.attempt.failed"]
+        assert [(e["payload"]["failure_class"], e["payload"]["step"]) for e in failed] == [
+            ("retryable", 15)]
+        assert "ended: retryable" in failed[0]["payload"]["reason"]
+        # The class is a resource label too: automation triggers match on labels.
+        assert failed[0]["resource"]["goodput.failure-class"] == "retryable"
         finished = [e for e in seen if e["event"] == "goodput.run.finished"]
         assert finished and finished[0]["payload"]["final_step"] == 20
         assert finished[0]["resource"]["prefect.resource.id"] == "goodput.run.ui"
@@ -388,23 +426,81 @@ class TestServedDeployments:
         assert report["step"] == 10 and len(report["samples"]) == 2
 
 
-    # -- a schedule ------------------------------------------------------------------
+    # -- the example schedules ------------------------------------------------------
 
-    def test_cron_schedule_creates_and_completes_a_run(self, served, base):
+    def test_nightly_evaluation_takes_the_newest_validated_checkpoint(self, served, base,
+                                                                       prefect_api, ui_run):
+        """The evaluate deployment run as its nightly schedule runs it (no checkpoint), on run
+        `ui` (20 validated) after a newer checkpoint was rejected (30: a copy of 20, judged by
+        the validate task as in training) and another is committed, not judged yet (40)."""
+        from prefect.settings import PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW, temporary_settings
+
+        from tasks.train import validate_checkpoint
+
+        api = prefect_api.api_url
+        nightly = served["goodput-evaluate"]
+        (schedule,) = nightly.schedules
+        config = config_from_dict(form(base, "run.run_id=ui", "training.max_steps=20"))
+        rejected = checkpoint_path(config.run_dir, 30)
+        shutil.copytree(checkpoint_path(config.run_dir, 20), rejected)
+        with temporary_settings({PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW: "ignore"}):
+            assert validate_checkpoint(config, 30).state == "rejected"  # a task, no flow
+        Ledger(config.run_dir, "ui").record(40, "committed")
+
+        run = trigger_like_the_ui(api, nightly.id, {**schedule.parameters,
+                                                    "config": config.model_dump(mode="json")})
+        finished = wait_final(run, timeout_s=180)
+        assert finished.state.is_completed(), finished.state.message
+        report = next(a for a in artifacts(api, "eval-ui") if a["flow_run_id"] == str(run))
+        assert {r["metric"]: r["value"] for r in json.loads(report["data"])}[
+            "checkpoint step"] == "20"
+        seen = wait_for(lambda: events(api, "goodput.checkpoint.rejected", "ui"), timeout_s=30,
+                        what="the rejected event")
+        assert [e["payload"]["step"] for e in seen] == [30]
+        assert "manifest step 20 != directory step-00000030" in seen[0]["payload"]["reason"]
+
+    def test_continuation_schedule_trains_to_the_budget_then_switches_itself_off(
+            self, served, base, prefect_api):
+        """Run `served` was started by hand and stopped by its time limit (fixture `served`);
+        the `* * * * *` schedule resumes it from the ledger and trains to max_steps. The run
+        that reaches it switches the schedule off, so no more runs are created."""
         deployment = served["goodput-train-continue"]
 
-        def completed_scheduled_run():
+        def switched_off():
             with get_client(sync_client=True) as client:
+                current = client.read_deployment(deployment.id)
                 runs = client.read_flow_runs(deployment_filter=DeploymentFilter(
                     id=DeploymentFilterId(any_=[deployment.id])))
-            return next((r for r in runs if r.auto_scheduled and r.state.is_completed()), None)
+            # Off, and done: every run it created has ended or is (was) still to come.
+            if any(s.active for s in current.schedules) or not all(
+                    r.state.is_final() or r.state.is_scheduled() for r in runs):
+                return None
+            return runs
 
-        run = wait_for(completed_scheduled_run, timeout_s=300, every_s=3,
-                       what="completed run of the cron schedule")
-        assert run.parameters["time_limit_s"] == 2
-        assert Ledger(base.run_dir, "served").read().steps("uploaded")
-        with get_client(sync_client=True) as client:  # the other tests need no more ticks
-            client.pause_deployment(deployment.id)
+        runs = wait_for(switched_off, timeout_s=300, every_s=3,
+                        what="the continuation schedule switched off")
+        scheduled = [r for r in runs if r.auto_scheduled]
+        completed = [r for r in scheduled if r.state.is_completed()]
+        assert completed and all(r.parameters["time_limit_s"] == SERVE_TIME_LIMIT_S
+                                 for r in completed)
+        uploaded = Ledger(base.run_dir, "served").read().steps("uploaded")
+        assert uploaded[0] == 10 and uploaded[-1] == 60, uploaded
+        # What the scheduled runs trained (by time: runs the scheduler creates together have
+        # uuid7 ids sharing their first 8 characters, which attempt ids are made of).
+        metrics = read_metrics(base.run_dir)
+        by_schedule = [m["step"] for m in metrics for r in completed
+                       if r.start_time.timestamp() <= m["time"] <= r.end_time.timestamp()]
+        assert by_schedule and min(by_schedule) > 10 and max(by_schedule) == 60, (
+            "a scheduled run resumes from the ledger and trains to the budget")
+        # No scheduled run is left waiting, and the run that finished the budget said why.
+        now = time.time()
+        assert not [r for r in scheduled if r.state.is_scheduled()
+                    and r.expected_start_time.timestamp() > now]
+        wait_for(lambda: any("switched off the schedule of deployment 'goodput-train-continue'"
+                             in line for line in logs_of(*[r.id for r in completed])),
+                 timeout_s=30, what="the log line of the switch")  # logs arrive in batches
+        finished = events(prefect_api.api_url, "goodput.run.finished", "served")
+        assert finished and {e["payload"]["final_step"] for e in finished} == {60}
 
 
     # -- cancellation and the per-run training slot ----------------------------------
@@ -426,26 +522,31 @@ class TestServedDeployments:
         wait_for(lambda: any(m["step"] > 200 for m in read_metrics(run_dir)), timeout_s=300,
                  what="run A past its first checkpoint")
         assert read_run(b).state.is_running()
-        assert not worker_processes(str(b)[:8]), "B launched while A holds the slot"
-        assert worker_processes(str(a)[:8]), "A's workers should be running"
+        assert not worker_processes(str(b)[-8:]), "B launched while A holds the slot"
+        assert worker_processes(str(a)[-8:]), "A's workers should be running"
+        # A left worker_logs at its default: rank 0's lines only, prefixed with node and rank.
+        wait_for(lambda: any(line.startswith("[node0 rank0] ") for line in logs_of(a)),
+                 timeout_s=30, what="rank 0's lines in A's log")
+        assert not any(line.startswith("[node0 rank1] ") for line in logs_of(a))
 
         api_post(f"{api}/flow_runs/{a}/set_state",  # the UI's "Cancel"
                  {"state": {"type": "CANCELLING", "name": "Cancelling"}})
         cancelled = wait_final(a, timeout_s=120)
         assert cancelled.state.is_cancelled(), cancelled.state
-        wait_for(lambda: not worker_processes(str(a)[:8]), timeout_s=10,
+        wait_for(lambda: not worker_processes(str(a)[-8:]), timeout_s=10,
                  what="end of A's torchrun and training processes")
-        a_steps = [m for m in read_metrics(run_dir) if m["attempt"].startswith(str(a)[:8])]
+        a_steps = [m for m in read_metrics(run_dir) if m["attempt"].startswith(str(a)[-8:])]
 
         finished = wait_final(b, timeout_s=300)
         assert finished.state.is_completed(), finished.state.message
-        b_steps = [m for m in read_metrics(run_dir) if m["attempt"].startswith(str(b)[:8])]
+        b_steps = [m for m in read_metrics(run_dir) if m["attempt"].startswith(str(b)[-8:])]
         assert b_steps[0]["step"] > 1, "B should resume from A's checkpoint, not start over"
         assert b_steps[0]["time"] > a_steps[-1]["time"], "B trained while A still did"
         summary = json.loads((run_dir / "summary.json").read_text())["train"]
         assert summary["last_attempt"]["stopped"] == "time limit"
-        # At least the checkpoint after the deadline (the workers may add an emergency one).
-        assert summary["final_step"] >= -(-b_steps[0]["step"] // 200) * 200
+        # B stopped at the first checkpoint it committed (the workers may add an emergency one
+        # as they stop), not a checkpoint interval later.
+        assert b_steps[0]["step"] < summary["final_step"] < b_steps[0]["step"] + 2 * 200
         with get_client(sync_client=True) as client:
             assert client.read_global_concurrency_limit_by_name("goodput-train-long").limit == 1
 
@@ -453,7 +554,9 @@ class TestServedDeployments:
     # -- what a person sees ----------------------------------------------------------
 
     def test_screenshot_of_the_flow_run_page(self, ui_run, prefect_api, tmp_path):
-        """The train run's page with its artifacts; GOODPUT_SCREENSHOT=path also keeps a copy."""
+        """The train run's page with its artifacts, kept at .goodput/screenshots/flow-run.png
+        (or GOODPUT_SCREENSHOT) for a person to look at; then the loss curve's artifact page,
+        where the PNG must render as an image."""
         webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed")
         chromium, chromedriver = shutil.which("chromium"), shutil.which("chromedriver")
         if not (chromium and chromedriver):
@@ -483,13 +586,21 @@ class TestServedDeployments:
             WebDriverWait(browser, 30).until(
                 seen.text_to_be_present_in_element(page, "loss-curve-ui"))
             time.sleep(1)  # let the artifact cards finish their transition
-            shot = tmp_path / "flow-run.png"
+            assert train_run.name in browser.find_element(*page).text
+            shot = Path(os.environ.get("GOODPUT_SCREENSHOT")
+                        or REPO / ".goodput" / "screenshots" / "flow-run.png")
+            shot.parent.mkdir(parents=True, exist_ok=True)
             browser.save_screenshot(str(shot))
+            print(f"screenshot of flow run {train_run.name}: {shot}")
+
+            browser.find_element(By.XPATH, "//*[normalize-space(text())='loss-curve-ui']").click()
+            width = WebDriverWait(browser, 30).until(lambda b: b.execute_script(
+                "const img = document.querySelector('img[src^=\"data:image/png\"]');"
+                "return img && img.complete && img.naturalWidth > 0 ? img.naturalWidth : null;"))
         finally:
             browser.quit()
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        if os.environ.get("GOODPUT_SCREENSHOT"):
-            shutil.copyfile(shot, os.environ["GOODPUT_SCREENSHOT"])
+        assert width == 700  # the loss curve's 7 in x 100 dpi, decoded by the browser
 
 
 # -- prefect.yaml on a process work pool ---------------------------------------------------------
@@ -514,6 +625,13 @@ def test_work_pool_script_deploys_prefect_yaml_and_runs_it(prefect_api, base, da
 
         deployments = wait_for(deployed_to_the_pool, timeout_s=180,
                                what="deployments of prefect.yaml on pool goodput")
+        for name, deployment in deployments.items():  # the same typed form as served ones
+            props = deployment.parameter_openapi_schema["properties"]
+            assert props["config"]["$ref"] == "#/definitions/RunConfig", name
+            assert {"config_file", "overrides"} <= set(props), name
+        nightly = deployments["goodput-evaluate"].schedules
+        assert [(s.schedule.cron, s.active, s.parameters) for s in nightly] == [
+            ("0 3 * * *", False, {"config_file": "configs/tiny.yaml"})]  # no checkpoint: newest
         continuation = deployments["goodput-train-continue"]
         schedules = [(s.schedule.cron, s.active) for s in continuation.schedules]
         assert schedules == [("0 * * * *", False)]
