@@ -11,6 +11,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from goodput.checkpoints import new_checkpoints
 from goodput.config import RunConfig
 from tasks.control import no_orphan_workers, resolve_config, training_slot
+from tasks.plan import check_layout
 from tasks.reporting import WorkerLogs, announce_run_finished, publish_training_report
 from tasks.train import (launch_training, locate_dataset, prune_local_checkpoints,
                          record_training, upload_checkpoint, validate_checkpoint)
@@ -23,6 +24,9 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
           overrides: tuple[str, ...] = (), time_limit_s: float | None = None,
           worker_logs: WorkerLogs = "rank0") -> dict:
     """Train to `training.max_steps`, resuming from the newest validated checkpoint.
+
+    The layout is checked against the hardware first (check-layout): one that cannot run,
+    out of memory say, fails the flow with the fix before any worker starts.
 
     While torchrun runs, every checkpoint it commits is validated in a fresh process and
     uploaded to the store; a failed attempt is retried by Prefect and resumes from there.
@@ -40,6 +44,7 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
     """
     started = time.time()
     config = resolve_config(config, config_file, overrides)
+    check_layout(config)  # a layout that cannot run fails here, before anything launches
     dataset_dir = locate_dataset(config)
     with training_slot(config), no_orphan_workers():
         training = launch_training.with_options(

@@ -7,6 +7,7 @@ validated before anything starts. Errors name the field and say what to do.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -84,6 +85,16 @@ class ModelConfig(_Section):
         return self
 
 
+def parse_bytes(text: str) -> int:
+    """'80GiB', '80GB', '512MiB', '1.5TiB' or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)B?\s*", str(text), re.IGNORECASE)
+    if not match:
+        raise ConfigError(f"{text!r} is not a memory size; write e.g. 80GiB or 40GB")
+    number, prefix, binary = match.groups()
+    base = 1024 if binary else 1000
+    return int(float(number) * base ** " KMGT".index(prefix.upper() or " "))
+
+
 class ParallelismConfig(_Section):
     """Where the workers run and how the model is laid out over them.
 
@@ -116,6 +127,10 @@ class ParallelismConfig(_Section):
     compile: bool = Field(False, description="torch.compile each transformer block.")
     mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="'auto': bf16 params with fp32 reduce on GPU, fp32 on CPU.")
+    device_memory: str | int | None = Field(
+        None, description="Memory of one device (a GPU; on CPU, the host memory one worker may "
+        "use), e.g. '80GiB': the train flow checks the layout's estimated peak against it before "
+        "launching. None: measured on this machine when launch.kind=local, else not checked.")
 
     @property
     def world_size(self) -> int:
@@ -152,6 +167,15 @@ class ParallelismConfig(_Section):
         self.degrees()
         return self
 
+    @model_validator(mode="after")
+    def _device_memory_parses(self) -> "ParallelismConfig":
+        if self.device_memory is not None:
+            try:
+                parse_bytes(self.device_memory)
+            except ConfigError as e:
+                raise ValueError(f"device_memory: {e}") from None
+        return self
+
 
 class TrainingConfig(_Section):
     seed: int = 1337
@@ -182,10 +206,21 @@ class CheckpointConfig(_Section):
     async_mode: Literal["sync", "thread", "process"] = Field(
         "thread", description="Save in the background: training blocks only while the state is "
         "staged. 'sync' waits for the write.")
-    every_steps: int = Field(50, ge=1, description="Save a checkpoint every N steps (and at the end).")
+    every_steps: int = Field(50, ge=1, description="Save a checkpoint every N steps (and at the "
+                             "end); with interval 'auto', the longest allowed gap.")
+    interval: Literal["fixed", "auto"] = Field(
+        "fixed", description="'auto': re-plan the gap after every save by the Young/Daly rule "
+        "sqrt(2 x save cost x MTBF), from the measured blocking time of saves, the step time and "
+        "faults.mtbf_hours (else the failures observed in this run), at most every_steps.")
     keep_local: int = Field(
         3, ge=1, description="Local checkpoints kept; older uploaded ones are deleted."
     )
+    validate_batches: int = Field(
+        0, ge=0, description="Validation also computes the held-out loss on this many "
+        "batches and rejects the checkpoint when it exceeds the training loss at that step by "
+        "more than validate_loss_tolerance. 0 turns the check off.")
+    validate_loss_tolerance: float = Field(
+        0.5, gt=0, description="Allowed relative excess of held-out over training loss.")
     store_keep_every: int | None = Field(
         None, ge=1, description="Store retention: keep checkpoints whose step is a multiple of "
         "this, the best by eval loss and the newest; delete the others. None keeps all.")
@@ -244,6 +279,13 @@ class FaultsConfig(_Section):
         None, ge=1, description="Inject: freeze a worker (SIGSTOP, rank faults.crash_rank) at this step.")
     sigterm_at_step: int | None = Field(
         None, ge=1, description="Inject: SIGTERM every worker (a preemption) at this step.")
+    save_crash_at_step: int | None = Field(
+        None, ge=1, description="Inject: kill a worker (SIGKILL) while the checkpoint of this "
+        "step is being saved, at faults.save_crash_point.")
+    save_crash_point: Literal["writing", "before_manifest", "after_manifest"] = Field(
+        "writing", description="Where in the save: 'writing' (rank faults.crash_rank, shards in "
+        "flight; background saves only), 'before_manifest' (rank 0, shards durable, no manifest), "
+        "'after_manifest' (rank 0, committed, not yet in the ledger).")
 
 
 class RunSection(_Section):
@@ -253,9 +295,11 @@ class RunSection(_Section):
     max_attempts: int = Field(6, ge=1, description="Training attempts in one flow run "
                                                    "(1 + Prefect retries), all classes together.")
     retry_budgets: dict[str, int] = Field(
-        default_factory=lambda: {"retryable": 4, "hang": 2, "rollback": 3, "oom": 0, "unknown": 1},
+        default_factory=lambda: {"retryable": 4, "hang": 2, "rollback": 3, "oom": 0, "disk_full": 0,
+                                 "unknown": 1},
         description="Retries per failure class (retryable: crash, comm timeout, preemption; "
-                    "hang; rollback: non-finite loss or spike; oom). Config errors never retry.")
+                    "hang; rollback: non-finite loss or spike; oom; disk_full: a checkpoint write hit "
+                    "ENOSPC). Config errors never retry.")
     no_progress_attempts: int = Field(
         3, ge=1, description="Stop when this many failed attempts in a row committed no newer "
                              "checkpoint than the one they resumed from.")
@@ -327,6 +371,17 @@ class LaunchConfig(_Section):
     python: str | None = Field(None, description="Python on the nodes; None: this interpreter.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra worker environment.")
     poll_s: float = Field(10.0, gt=0, description="How often slurm/kubernetes job state is queried.")
+    max_restarts: int = Field(
+        1, ge=0, description="In-job restarts (torchrun --max-restarts): when a worker dies (kill "
+        "-9, crash, lost peer), torchrun restarts the workers up to this many times within the "
+        "attempt, and they resume from the newest validated checkpoint on local disk. Faster than "
+        "a retry of the launch task, which stays the second line (run.retry_budgets). Failures a "
+        "restart cannot fix (config, rollback, oom, disk_full) go straight to the launch task. "
+        "0 turns in-job restarts off.")
+    restart_verdict_wait_s: float = Field(
+        300.0, gt=0, description="After an in-job restart, how long the workers wait for the "
+        "validate task's verdict on checkpoints committed before the failure, so they resume from "
+        "the newest good one rather than an older one (must stay below the collective timeout).")
     ssh: SshLaunch = Field(default_factory=SshLaunch)
     slurm: SlurmLaunch = Field(default_factory=SlurmLaunch)
     kubernetes: KubernetesLaunch = Field(default_factory=KubernetesLaunch)

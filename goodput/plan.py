@@ -4,9 +4,10 @@
 
 Given a RunConfig and a cluster, `plan_layout` explains one layout (dp_replicate x dp_shard
 x tp x pp = world size) and `search` enumerates every factorisation of the world size and
-ranks the valid ones by an estimated step time. The estimates mirror what the trainer
-(training/parallelize.py) actually does; the byte accounting below is checked against
-measured training steps in tests/test_plan.py.
+ranks the valid ones by an estimated step time. The train flow runs `check_run` before it
+launches (tasks/plan.py): the config's own layout on the hardware it names or runs on. The
+estimates mirror what the trainer (training/parallelize.py) actually does; the byte
+accounting below is checked against measured training steps in tests/test_plan.py.
 
 Byte accounting, per GPU (worst pipeline rank), AdamW:
 - weights     fp32 master copy, 4 bytes/param, sharded over dp_shard by FSDP.
@@ -41,13 +42,16 @@ from __future__ import annotations
 
 import itertools
 import math
-import re
+import os
+import subprocess
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from goodput.config import ConfigError, RunConfig
+from goodput.config import ConfigError, RunConfig, parse_bytes  # noqa: F401 (parse_bytes: API)
 from training.model import ModelArgs
 
 GiB = 1024**3
+H100_FLOPS = 989e12  # dense bf16
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 # Row-major mesh order of training/parallelize.py: TP innermost (consecutive ranks).
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -62,8 +66,8 @@ class Cluster:
 
     nodes: int
     gpus_per_node: int
-    gpu_memory: int  # bytes
-    gpu_flops: float = 989e12
+    gpu_memory: int | None  # bytes; None: unknown, memory is not checked
+    gpu_flops: float | None = H100_FLOPS  # None: unknown, no step-time estimate
     intra_node_bandwidth: float = 450e9  # bytes/s per GPU, one direction
     inter_node_bandwidth: float = 50e9
     device: str = "cuda"  # "cpu" plans the fp32 layouts the test-suite measures
@@ -71,16 +75,6 @@ class Cluster:
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
-
-
-def parse_bytes(text: str) -> int:
-    """'80GiB', '80GB', '512MiB', '1.5TiB' or a plain number of bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)B?\s*", text, re.IGNORECASE)
-    if not match:
-        raise ConfigError(f"{text!r} is not a memory size; write e.g. 80GiB or 40GB")
-    number, prefix, binary = match.groups()
-    base = 1024 if binary else 1000
-    return int(float(number) * base ** " KMGT".index(prefix.upper() or " "))
 
 
 # -- parameters ----------------------------------------------------------------------------
@@ -260,7 +254,7 @@ def plan_layout(config: RunConfig, cluster: Cluster, degrees: dict[str, int]) ->
     plan.memory = _memory(s, degrees, m, par.activation_checkpointing)
     plan.comm, plan.crosses_nodes = _communication(s, degrees, m)
     plan.step_time_s = _step_time(s, plan)
-    if plan.memory.peak > cluster.gpu_memory:
+    if cluster.gpu_memory is not None and plan.memory.peak > cluster.gpu_memory:
         plan.problems.append(_out_of_memory(s, degrees, m, plan.memory))
     plan.departures = _departures(plan, cluster)
     return plan
@@ -283,7 +277,7 @@ def search(config: RunConfig, cluster: Cluster) -> list[LayoutPlan]:
     default rules, fastest first, then the others -- and then the ones that cannot run."""
     plans = [plan_layout(config, cluster, d) for d in factorisations(cluster.world_size)]
     valid = sorted((p for p in plans if p.ok),
-                   key=lambda p: (bool(p.departures), p.step_time_s, p.memory.peak))
+                   key=lambda p: (bool(p.departures), p.step_time_s or 0.0, p.memory.peak))
     return valid + [p for p in plans if not p.ok]
 
 
@@ -301,6 +295,98 @@ def check(config: RunConfig, cluster: Cluster) -> LayoutPlan:
         raise ConfigError(f"layout {result.name} cannot run on {cluster.world_size} GPUs:\n"
                           + "\n".join(f"  - {p}" for p in result.problems))
     return result
+
+
+# -- the run's own hardware -----------------------------------------------------------------
+
+def run_cluster(config: RunConfig) -> tuple[Cluster, str]:
+    """The cluster a run launches on: parallelism.nnodes nodes of nproc_per_node workers, each
+    device with parallelism.device_memory or, for a local launch, this machine's (the GPU's
+    memory; on CPU, the host memory shared by the workers). Returns the cluster and where its
+    memory figure comes from (or why memory cannot be checked)."""
+    par = config.parallelism
+    device = _run_device(config)
+    if par.device_memory is not None:
+        memory, source = parse_bytes(par.device_memory), f"parallelism.device_memory={par.device_memory}"
+    elif config.launch.kind == "local":
+        memory, source = local_device_memory(device, par.world_size)
+    else:
+        memory, source = None, (f"not checked: launch.kind={config.launch.kind} runs on other "
+                                "machines; set parallelism.device_memory (e.g. 80GiB) to check it")
+    # On CPU there is no peak to assume, so no step-time estimate unless the config gives one.
+    flops = config.training.peak_flops_per_device or (H100_FLOPS if device == "cuda" else None)
+    return Cluster(par.nnodes, par.nproc_per_node, memory, gpu_flops=flops, device=device), source
+
+
+def _run_device(config: RunConfig) -> str:
+    """As the trainer decides it (training.train.init_distributed); remote nodes with 'auto'
+    are taken to have GPUs unless a Slurm or Kubernetes launch requests none."""
+    par, launch = config.parallelism, config.launch
+    if par.device != "auto":
+        return par.device
+    if launch.kind == "local":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    requested = {"slurm": launch.slurm.gpus_per_node, "kubernetes": launch.kubernetes.gpus_per_node}
+    return "cuda" if requested.get(launch.kind, 1) else "cpu"
+
+
+def local_device_memory(device: str, workers: int) -> tuple[int, str]:
+    """Memory of one device here: the first GPU's (nvidia-smi, which leaves this process
+    without a CUDA context, else torch); on CPU the host memory (or the cgroup limit, when
+    lower) over the `workers` that share it."""
+    if device == "cuda":
+        try:
+            first = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total",
+                                    "--format=csv,noheader,nounits"], capture_output=True,
+                                   text=True, timeout=30, check=True).stdout.splitlines()[0]
+            name, mib = (part.strip() for part in first.rsplit(",", 1))
+            return int(mib) * 2**20, f"this machine's {name} (nvidia-smi)"
+        except (OSError, subprocess.SubprocessError, IndexError, ValueError):
+            import torch
+
+            props = torch.cuda.get_device_properties(0)
+            return props.total_memory, f"this machine's {props.name}"
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        total = min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        pass
+    return total // workers, f"this machine's memory ({_gib(total)} GiB) shared by {workers} workers"
+
+
+def run_vocab_size(config: RunConfig) -> int:
+    """The vocabulary the run's model gets: an existing tokenizer.path's own size, else
+    tokenizer.vocab_size (the most a trained tokenizer has)."""
+    path = config.tokenizer.path
+    if path and Path(path).is_file():
+        try:
+            from tokenizers import Tokenizer
+
+            return Tokenizer.from_file(path).get_vocab_size()
+        except Exception:  # the prepare stage reports a broken tokenizer file in its own words
+            pass
+    return config.tokenizer.vocab_size
+
+
+def check_run(config: RunConfig) -> tuple[LayoutPlan, Cluster, str]:
+    """The config's layout planned on the hardware it launches on (run_cluster), with the
+    model's real vocabulary. Returns the plan (check `.ok`), the cluster and the memory source."""
+    cluster, source = run_cluster(config)
+    vocab = run_vocab_size(config)
+    if vocab != config.tokenizer.vocab_size:  # no re-validation: only the planner reads it
+        config = config.model_copy(update={"tokenizer": config.tokenizer.model_copy(
+            update={"vocab_size": vocab})})
+    return plan_layout(config, cluster, configured_degrees(config, cluster)), cluster, source
+
+
+def failure_message(p: LayoutPlan, cluster: Cluster, source: str) -> str:
+    """A ConfigError's text: what cannot work and the change that fixes each problem."""
+    return (f"layout {p.name} cannot run on {cluster.nodes} node(s) x {cluster.gpus_per_node} "
+            f"{_device_noun(cluster)}s (device memory: {source}):\n"
+            + "\n".join(f"  - {problem}" for problem in p.problems))
 
 
 def layout_is_default(config: RunConfig) -> bool:
@@ -499,8 +585,8 @@ def _pure_replication(degrees: dict[str, int]) -> bool:
 
 def _out_of_memory(s: _Setup, degrees: dict[str, int], m: int, mem: Memory) -> Problem:
     """Name the first single change that makes the layout fit, with its estimate."""
-    have = s.cluster.gpu_memory
-    reason = f"needs {mem.peak / GiB:.1f} GiB per GPU, more than the {have / GiB:.0f} GiB it has"
+    have, device = s.cluster.gpu_memory, _device_noun(s.cluster)
+    reason = f"needs {_amount(mem.peak)} per {device}, more than the {_amount(have)} it has"
     checkpointing = s.config.parallelism.activation_checkpointing
     options = []
     if checkpointing != "full":
@@ -513,9 +599,19 @@ def _out_of_memory(s: _Setup, degrees: dict[str, int], m: int, mem: Memory) -> P
                         _memory(s, {**degrees, "dp_shard": shard, "dp_replicate": 1}, m, checkpointing)))
     for text, alternative in options:
         if alternative.peak <= have:
-            return Problem(reason, f"{text} ({alternative.peak / GiB:.1f} GiB)")
+            return Problem(reason, f"{text} ({_amount(alternative.peak)})")
     return Problem(reason, "lower training.micro_batch_size, split the model over more tp or pp "
-                           "ranks, or use more GPUs")
+                           f"ranks, or use more {device}s")
+
+
+def _device_noun(cluster: Cluster) -> str:
+    return "GPU" if cluster.device == "cuda" else "CPU worker"
+
+
+def _amount(x: float) -> str:
+    """GiB, or MiB below one GiB (where a GiB figure would read 0); whole numbers stay whole."""
+    value, unit = (x / GiB, "GiB") if x >= GiB else (x / 2**20, "MiB")
+    return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
 
 
 # -- communication and time ------------------------------------------------------------------------
@@ -583,9 +679,11 @@ def _tp_bytes_per_microbatch(s: _Setup, rank: _Rank, mb: int, tp: int) -> float:
     return total
 
 
-def _step_time(s: _Setup, plan: LayoutPlan) -> float:
+def _step_time(s: _Setup, plan: LayoutPlan) -> float | None:
     """Compute at peak FLOP/s stretched by the pipeline bubble, plus communication at link
     bandwidth with no overlap: pessimistic, but it orders layouts by what they cost."""
+    if s.cluster.gpu_flops is None:
+        return None
     tcfg, args, degrees = s.config.training, s.args, plan.degrees
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
     tokens = tcfg.micro_batch_size * tcfg.grad_accum_steps * tcfg.seq_len * dp
@@ -640,13 +738,14 @@ def _verdict(p: LayoutPlan) -> str:
 def explain(p: LayoutPlan, cluster: Cluster) -> str:
     """Everything the planner knows about one layout, in words."""
     pc, mem = p.params, p.memory
-    lines = [f"layout {p.name} on {cluster.nodes} node(s) x {cluster.gpus_per_node} GPUs "
-             f"({_gib(cluster.gpu_memory)} GiB each)",
+    memory = "memory unknown" if cluster.gpu_memory is None else f"{_gib(cluster.gpu_memory)} GiB each"
+    lines = [f"layout {p.name} on {cluster.nodes} node(s) x {cluster.gpus_per_node} "
+             f"{_device_noun(cluster)}s ({memory})",
              f"  parameters: {pc.total:,} total, {pc.non_embedding:,} non-embedding"]
     if mem is not None:
         backward = ("gradients + activations + workspace" if mem.grads_live_in_backward
                     else "activations + workspace")
-        lines += [f"  memory per GPU (GiB): weights {_gib(mem.weights)}, gradients "
+        lines += [f"  memory per {_device_noun(cluster)} (GiB): weights {_gib(mem.weights)}, gradients "
                   f"{_gib(mem.gradients)}, optimizer {_gib(mem.optimizer)}, buffers "
                   f"{_gib(mem.buffers)}, activations {_gib(mem.activations)}, workspace "
                   f"{_gib(mem.workspace)} (backward) / {_gib(mem.step_workspace)} (update)",
@@ -662,3 +761,33 @@ def explain(p: LayoutPlan, cluster: Cluster) -> str:
     lines += [f"  note: {note}" for note in p.departures]
     lines += [f"  ruled out: {problem}" for problem in p.problems]
     return "\n".join(lines)
+
+
+def explain_markdown(p: LayoutPlan, cluster: Cluster, source: str) -> str:
+    """The explanation as a markdown report (the train flow's layout artifact)."""
+    noun, mem = _device_noun(cluster), p.memory
+    have = "unknown" if cluster.gpu_memory is None else _amount(cluster.gpu_memory)
+    lines = [f"# Layout {p.name}: {'fits' if p.ok else 'cannot run'}", "",
+             f"{cluster.nodes} node(s) x {cluster.gpus_per_node} {noun}s; memory per {noun}: "
+             f"{have} ({source}). Parameters: {p.params.total:,}.", ""]
+    if p.problems:
+        lines += ["## Why it cannot run", ""]
+        lines += [f"- {problem.reason}. **Fix:** {problem.fix}" for problem in p.problems]
+        lines.append("")
+    if mem is not None:
+        rows = [("weights", mem.weights), ("gradients", mem.gradients),
+                ("optimizer state", mem.optimizer), ("buffers", mem.buffers),
+                ("activations", mem.activations), ("backward workspace", mem.workspace),
+                ("update workspace", mem.step_workspace), ("**peak**", mem.peak)]
+        lines += [f"## Memory per {noun} (estimate)", "", "| part | GiB |", "|---|---|"]
+        lines += [f"| {name} | {_gib(value)} |" for name, value in rows]
+        lines.append("")
+    lines += ["## Step", "", f"- pipeline bubble: {p.bubble:.1%}"
+              + (f" ({p.microbatches} micro-batches)" if p.degrees["pp"] > 1 else "")]
+    for axis, volume in p.comm.items():
+        link = "inter-node" if p.crosses_nodes[axis] else "intra-node"
+        lines.append(f"- communication {axis}: {_size(volume)} per {noun} per step ({link})")
+    if p.step_time_s is not None:
+        lines.append(f"- estimated step time: {p.step_time_s:.3f} s (no overlap assumed)")
+    lines += [f"- note: {note}" for note in p.departures]
+    return "\n".join(lines) + "\n"

@@ -207,6 +207,118 @@ def test_cli_rejects_an_invalid_layout_with_exit_2():
     assert "choose tp in [1, 2, 4, 8]" in proc.stderr
 
 
+# -- the train flow checks the run's layout before it launches ----------------------------------
+
+def task_runs_of(flow_run_id) -> dict[str, object]:
+    """The flow run's task runs by task name (names are `<task>-<suffix>`)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name.rsplit("-", 1)[0]: run for run in runs}
+
+
+def layout_artifact(flow_run_id) -> str:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
+    [artifact] = [a for a in found if a.key]  # Prefect adds an unnamed one for a failed result
+    assert artifact.key.startswith("layout-plan-") and artifact.type == "markdown"
+    return artifact.data
+
+
+def test_train_flow_fails_an_out_of_memory_layout_before_launch(prefect_api, tmp_path):
+    from flows.train import train
+    from tests.helpers import small_config
+
+    replicated = ("run.run_id=oom", "parallelism.device=cpu", "parallelism.dp_replicate=2",
+                  "parallelism.activation_checkpointing=full")
+    # Device memory between the two estimates: replicated (DDP) does not fit, sharded would.
+    config = small_config(tmp_path, *replicated)
+    cpu = planner.Cluster(1, 2, None, device="cpu")
+    ddp = planner.plan_layout(config, cpu, layout(dp_replicate=2)).memory.peak
+    fsdp = planner.plan_layout(config, cpu, layout(dp_shard=2)).memory.peak
+    assert fsdp < ddp
+    config = small_config(tmp_path, *replicated,
+                          f"parallelism.device_memory={(ddp + fsdp) / 2 / 2**20:.3f}MiB")
+
+    state = train(config, return_state=True)  # no dataset needed: it stops before that
+    assert state.is_failed()
+    with pytest.raises(ConfigError) as failure:
+        state.result()
+    message = str(failure.value)
+    assert "layout dp_replicate=2 x dp_shard=1 x tp=1 x pp=1 cannot run" in message
+    assert "(device memory: parallelism.device_memory=" in message and "MiB per CPU worker" in message
+    assert "fix: shard instead of replicating: dp_shard=2, dp_replicate=1" in message
+
+    # Nothing launched: the check was the last task, tried once (never retried), and no
+    # worker left a trace in the run directory.
+    runs = task_runs_of(state.state_details.flow_run_id)
+    assert set(runs) == {"resolve-config", "check-layout"}
+    assert runs["check-layout"].state.is_failed() and runs["check-layout"].run_count == 1
+    assert not config.run_dir.exists()
+    report = layout_artifact(state.state_details.flow_run_id)
+    assert "cannot run" in report and "**Fix:** shard instead of replicating" in report
+
+
+def test_check_layout_passes_a_layout_that_fits_and_publishes_its_plan(prefect_api, tmp_path):
+    from prefect import flow
+
+    from tasks.plan import check_layout
+    from tests.helpers import small_config
+
+    @flow(name="check-layout-only")
+    def check(config):
+        return check_layout(config)
+
+    config = small_config(tmp_path, "run.run_id=fits", "parallelism.device=cpu",
+                          "parallelism.dp_replicate=1", "parallelism.dp_shard=2")
+    state = check(config, return_state=True)
+    assert state.is_completed()
+    result = state.result()
+    assert result["layout"] == layout(dp_shard=2) and result["device"] == "cpu"
+    # No device_memory in the config: this machine's memory over its 2 workers.
+    assert result["memory_source"].startswith("this machine's memory")
+    assert 0 < result["peak_bytes"] < result["device_memory_bytes"]
+    report = layout_artifact(state.state_details.flow_run_id)
+    assert "fits" in report and "| **peak** |" in report and "communication dp_shard" in report
+
+
+def test_check_run_plans_on_the_run_s_own_hardware(tmp_path):
+    # Structural problems the config's own validation cannot see: TP across nodes.
+    config = load_config(None, ["parallelism.nnodes=2", "parallelism.nproc_per_node=2",
+                                "parallelism.tp=4", "parallelism.dp_replicate=1",
+                                "parallelism.device=cuda", "parallelism.device_memory=80GiB"])
+    result, cluster, source = planner.check_run(config)
+    assert (cluster.nodes, cluster.gpus_per_node, cluster.gpu_memory) == (2, 2, 80 * 2**30)
+    assert source == "parallelism.device_memory=80GiB" and not result.ok
+    assert "choose tp in [1, 2]" in planner.failure_message(result, cluster, source)
+    # Nodes elsewhere and no device_memory: structure is checked, memory cannot be.
+    remote = load_config(None, ["launch.kind=slurm", "launch.slurm.gpus_per_node=2"])
+    result, cluster, source = planner.check_run(remote)
+    assert result.ok and cluster.gpu_memory is None and cluster.device == "cuda"
+    assert "set parallelism.device_memory" in source
+    # An existing tokenizer's vocabulary, not tokenizer.vocab_size, sizes the embeddings.
+    from goodput.data.tokenizer import train_tokenizer
+
+    path = tmp_path / "tokenizer.json"
+    tokenizer = train_tokenizer(["some text to learn from"] * 10, vocab_size=300, min_frequency=1)
+    tokenizer.save(str(path))
+    config = load_config(None, [f"tokenizer.path={path}"])
+    assert planner.run_vocab_size(config) == tokenizer.get_vocab_size() != config.tokenizer.vocab_size
+
+
+def test_device_memory_must_be_a_size():
+    with pytest.raises(ConfigError, match=r"parallelism: device_memory: 'lots' is not a memory size"):
+        load_config(None, ["parallelism.device_memory=lots"])
+    assert planner.parse_bytes(load_config(None, ["parallelism.device_memory=1.5GiB"]
+                                           ).parallelism.device_memory) == int(1.5 * 2**30)
+
+
 # -- estimate vs measurement -------------------------------------------------------------------
 
 # CPU runs in fp32 (the trainer's "auto" precision on CPU). Model and batch sizes are chosen
