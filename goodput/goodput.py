@@ -4,7 +4,7 @@
     lost work    steps computed and then thrown away (redone after a crash or rollback)
     checkpoint   time training was blocked saving checkpoints
     restart      everything else in the train stage: process start, rendezvous, loading a
-                 checkpoint, retry delays, teardown
+                 checkpoint, in-job (torchrun) restarts, retry delays, teardown
     evaluation   the evaluate stage
 
 goodput = productive / total. The parts add up to the total exactly.
@@ -69,9 +69,11 @@ def summarize_goodput(config) -> dict:
     attempts: dict[str, int] = {}
     for o in outcomes:
         attempts[o["class"]] = attempts.get(o["class"], 0) + 1
-    failures = sum(n for cls, n in attempts.items() if cls != "done")
+    in_job = sum(o.get("restarts", 0) for o in outcomes)  # each one recovered a failure
+    failures = sum(n for cls, n in attempts.items() if cls != "done") + in_job
     values = goodput_breakdown(config.run_dir, train_wall, eval_wall)
     values["attempts"] = attempts
+    values["in_job_restarts"] = in_job
     values["checkpoint_advice"] = checkpoint_interval_advice(
         config.run_dir, failures, train_wall, config.faults.mtbf_hours, config.checkpoint.every_steps)
     update_summary(config.run_dir, "goodput", values)

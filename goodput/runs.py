@@ -62,6 +62,8 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
     result = run_attempt(config, config_path, dataset_dir, resume, attempt, log,
                          on_progress=on_progress)
     outcome = record_outcome(config, attempt, result, resume)
+    if result.restarts:
+        log(f"attempt {attempt}: torchrun restarted the workers {result.restarts} time(s) in-job")
     if result.failure_class == "done":
         return result
     if result.failure_class == "rollback":
@@ -88,6 +90,7 @@ def record_outcome(config: RunConfig, attempt: str, result: AttemptResult,
                "step": result.step, "exit_code": result.exit_code,
                "resumed_from": step_of(resumed_from) if resumed_from else 0,
                "newest_checkpoint": step_of(committed[-1]) if committed else 0,
+               "restarts": result.restarts,  # in-job (torchrun) restarts within the attempt
                "wall_time_s": result.wall_time_s, "time": time.time()}
     directory = attempt_dir(config.run_dir, attempt)
     directory.mkdir(parents=True, exist_ok=True)
@@ -113,7 +116,10 @@ def retry_decision(config: RunConfig, outcomes: list[dict]) -> tuple[bool, str]:
     failures = sum(1 for o in outcomes if o["class"] == cls)
     if failures > budget:
         hint = (" — lower training.micro_batch_size, or shard more (parallelism.dp_shard, "
-                "activation_checkpointing); `goodput plan` estimates memory") if cls == "oom" else ""
+                "activation_checkpointing); `goodput plan` estimates memory") if cls == "oom" else (
+                " — the checkpoint disk is full: free space on it, lower checkpoint.keep_local, "
+                "or move run.runs_dir to a larger disk; committed checkpoints are intact"
+                if cls == "disk_full" else "")
         return False, f"{cls} failures ({failures}) exceed their budget of {budget} retries{hint}"
     stalled = 0
     for o in reversed(outcomes):

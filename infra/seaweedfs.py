@@ -142,20 +142,24 @@ class SeaweedFS:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self, timeout: float = 30.0) -> SeaweedFS:
+    def start(self, timeout: float = 30.0, *, same_ports: bool = False) -> SeaweedFS:
         """Start the server and return once S3 answers (and the bucket exists, if one was named).
 
         A free port can be taken by someone else between choosing it and weed binding it;
-        then weed exits and the start is tried again with fresh ports.
+        then weed exits and the start is tried again with fresh ports. `same_ports` starts a
+        stopped server again on the ports it had, so clients keep their endpoint (an outage
+        and recovery, as in the chaos tests); its objects are still there.
         """
         if self._proc is not None:
             raise RuntimeError(f"{self!r} is already started")
+        if same_ports and not self._ports:
+            raise RuntimeError(f"{self!r} was never started: there are no ports to start on again")
         weed = find_weed()
         self._prepare_data_dir()
         deadline = time.monotonic() + timeout
-        attempts = 1 if self._fixed_s3_port else 3
+        attempts = 1 if self._fixed_s3_port or same_ports else 3
         for attempt in range(1, attempts + 1):
-            self._launch(weed)
+            self._launch(weed, same_ports)
             try:
                 self._wait_ready(deadline)
                 return self
@@ -249,8 +253,9 @@ class SeaweedFS:
         # -logtostderr: glog would otherwise also write weed.* files into /tmp.
         return [weed, "-logtostderr", "mini", *(f"-{name}={value}" for name, value in flags.items())]
 
-    def _launch(self, weed: str) -> None:
-        self._ports = self._choose_ports()
+    def _launch(self, weed: str, same_ports: bool = False) -> None:
+        if not same_ports:
+            self._ports = self._choose_ports()
         env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
         command = self._command(weed)
         with open(self.log_path, "ab") as log_file:

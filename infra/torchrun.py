@@ -5,6 +5,11 @@ kubernetes), streams the workers' output line by line to a callback (the Prefect
 watches rank 0's heartbeat to catch a hung job, ends every node on hang, cancel, error or
 the failure of any one node, and turns the exit into a failure class the launch task maps
 to a retry decision (codes in training/exits.py).
+
+Two lines of defence against a crash: torchrun restarts the workers within the attempt
+(`--max-restarts`, launch.max_restarts; they resume from the newest validated checkpoint),
+and when that does not help the attempt fails and the launch task's retry starts a new one.
+A node that dies as a whole (its torchrun agent gone) ends the attempt at once.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class AttemptResult:
     step: int | None
     wall_time_s: float
     records: list[dict] = field(default_factory=list)
+    restarts: int = 0  # in-job restarts of the worker group (torchrun --max-restarts)
 
 
 def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path,
@@ -49,6 +55,10 @@ def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path,
     node's own settings reach torchrun through its environment (infra/launchers.py)."""
     par = config.parallelism
     log_dir = exits.attempt_dir(config.run_dir, attempt).resolve() / "torchrun"
+    restarts = config.launch.max_restarts
+    resume_arg = str(resume.resolve()) if resume is not None else "none"
+    if restarts:  # restarted workers get this same line: resume from what was validated since
+        resume_arg = "validated" + (f":{resume.resolve()}" if resume is not None else "")
     return [
         config.launch.python or sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={par.nnodes}",
@@ -56,14 +66,15 @@ def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path,
         "--rdzv-backend=c10d",
         # Per attempt: a node left over from an earlier attempt cannot join this one.
         f"--rdzv-id={config.run.run_id}-{attempt}",
-        "--max-restarts=0",  # the launch task's retries resume from a *validated* checkpoint
+        # In-job restarts first; the launch task's retries resume from a validated checkpoint.
+        f"--max-restarts={restarts}",
         # Worker output to the console with a [node rank] prefix, and per rank to files
         # next to the attempt's exit records.
         "--tee=3", f"--log-dir={log_dir}",
         "-m", "training",
         "--config", str(config_path.resolve()),
         "--dataset", str(dataset_dir.resolve()),
-        "--resume", str(resume.resolve()) if resume is not None else "none",
+        "--resume", resume_arg,
     ]
 
 
@@ -73,7 +84,13 @@ def worker_env(config: RunConfig, attempt: str) -> dict[str, str]:
            "PYTHONUNBUFFERED": "1", "GOODPUT_ATTEMPT": attempt,
            # A shared rendezvous TCP store made restarts flaky (STACK_NOTES): rank 0's node
            # opens a fresh store for the workers on every attempt.
-           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TOKENIZERS_PARALLELISM": "false"}
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TOKENIZERS_PARALLELISM": "false",
+           # After an in-job restart: how long to wait for the verdict on recent checkpoints.
+           "GOODPUT_RESTART_WAIT_S": str(config.launch.restart_verdict_wait_s),
+           # glibc would hand large activation buffers back to the OS after every step and
+           # fault them in again on the next (2x the page faults of a bare loop, 0.78x its
+           # speed on CPU; benchmarks/RESULTS.md): keep them. launch.env may override.
+           "MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
     if config.launch.network_interface:  # which NIC the collectives use between hosts
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = config.launch.network_interface
     return {**env, **config.launch.env}
@@ -103,7 +120,12 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume:
                 watch.restart()
                 continue
             beat = watch.observe(read_heartbeat(config.run_dir))
-            if beat is not None and on_progress is not None:
+            if beat is not None and beat.get("phase") == "startup":
+                if beat.get("start"):
+                    log(f"workers restarted in-job (restart {beat['start']} of this attempt; "
+                        f"launch.max_restarts={config.launch.max_restarts} per node): resuming "
+                        "from the newest validated checkpoint")
+            elif beat is not None and on_progress is not None:
                 on_progress(beat)
             stalled = watch.stalled()
             if stalled:
@@ -121,8 +143,10 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume:
 class HangWatch:
     """Tells a slow attempt from a hung one, from rank 0's heartbeat.
 
-    Until this attempt's first step: `run.startup_timeout_s` (imports, rendezvous, loading a
-    checkpoint, first-step compilation). While a checkpoint is being saved:
+    Until this attempt's first step, and again from an in-job restart of the workers to their
+    first step: `run.startup_timeout_s` (imports, rendezvous, loading a checkpoint,
+    first-step compilation). While a checkpoint is being saved, and after the last step (the
+    final checkpoint may still be written in the background, then the workers shut down):
     `run.checkpoint_timeout_s`. Otherwise `run.hang_timeout_s`, or when unset
     max(run.hang_min_s, 20 x the slowest step seen).
     """
@@ -140,17 +164,21 @@ class HangWatch:
         """Returns the heartbeat when it is new progress of this attempt."""
         if beat is None or beat.get("attempt") != self.attempt or beat == self.last_beat:
             return None
-        if self.last_beat is not None and beat.get("phase") != "checkpoint":
+        # The first step after a (re)start warms up (compilation, caches): not a measure.
+        if (self.last_beat is not None and self.last_beat.get("phase") != "startup"
+                and beat.get("phase") != "checkpoint"):
             self.slowest_step_s = max(self.slowest_step_s, beat.get("step_time_s", 0.0))
         self.last_beat = beat
         self.restart()
         return beat
 
     def timeout(self) -> tuple[float, str]:
-        if self.last_beat is None:
+        if self.last_beat is None or self.last_beat.get("phase") == "startup":
             return self.cfg.startup_timeout_s, "no first step"
         if self.last_beat.get("phase") == "checkpoint":
             return self.cfg.checkpoint_timeout_s, "checkpoint save stalled"
+        if self.last_beat.get("step", 0) >= self.last_beat.get("max_steps", float("inf")):
+            return self.cfg.checkpoint_timeout_s, "no exit after the last step"
         if self.cfg.hang_timeout_s is not None:
             return self.cfg.hang_timeout_s, "no training progress"
         return max(self.cfg.hang_min_s, 20 * self.slowest_step_s), "no training progress"
@@ -163,17 +191,18 @@ class HangWatch:
 
 def classify(run_dir: Path, attempt: str, returncode: int, hung: bool, wall: float) -> AttemptResult:
     records = exits.read_exit_records(run_dir, attempt)
+    restarts = exits.in_job_restarts(run_dir, attempt)
     beat = read_heartbeat(run_dir)
-    step = beat["step"] if beat else None
+    step = beat.get("step") if beat and beat.get("attempt") == attempt else None
     if hung:
-        return AttemptResult(returncode, "hang", "heartbeat stalled", step, wall, records)
+        return AttemptResult(returncode, "hang", "heartbeat stalled", step, wall, records, restarts)
     if returncode == 0:
-        return AttemptResult(0, "done", "done", step, wall, records)
+        return AttemptResult(0, "done", "done", step, wall, records, restarts)
     classes = {r["class"] for r in records}
-    for cls in ("config", "oom", "rollback"):  # the most specific verdict wins
+    for cls in ("config", "oom", "disk_full", "rollback"):  # the most specific verdict wins
         if cls in classes:
             reason = next(r["reason"] for r in records if r["class"] == cls)
-            return AttemptResult(returncode, cls, reason, step, wall, records)
+            return AttemptResult(returncode, cls, reason, step, wall, records, restarts)
     reason = next((r["reason"] for r in records if r["class"] == "retryable"),
                   f"a worker died (torchrun exit {returncode})")
-    return AttemptResult(returncode, "retryable", reason, step, wall, records)
+    return AttemptResult(returncode, "retryable", reason, step, wall, records, restarts)

@@ -53,6 +53,9 @@ def small_config(tmp_path: Path, *overrides: str) -> RunConfig:
         # Synchronous saves: tests that crash right after a checkpoint step assert which
         # checkpoint the retry resumes from (async saves are tested on their own).
         "checkpoint.async_mode=sync",
+        # Crashes go to the launch task's retry (what most fault tests assert); tests of
+        # torchrun's in-job restarts turn them on with launch.max_restarts=1.
+        "launch.max_restarts=0",
         "eval.num_samples=2", "eval.sample_tokens=8", *overrides])
 
 

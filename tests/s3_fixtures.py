@@ -64,6 +64,22 @@ def s3_server(tmp_path_factory) -> Iterator[S3TestServer]:
 
 
 @pytest.fixture
+def s3_outage_server(tmp_path, monkeypatch) -> Iterator[SeaweedFS]:
+    """A SeaweedFS of this test's own, which the test may stop and start again on the same
+    ports (`stop()`, `start(same_ports=True)`): an object store outage. Its endpoint and
+    credentials are applied to this process, so flows called in the test reach it."""
+    server = SeaweedFS(tmp_path / "seaweedfs", access_key=TEST_ACCESS_KEY,
+                       secret_key=TEST_SECRET_KEY, bucket=TEST_BUCKET)
+    with server:
+        for name in _CLEARED_ENV:
+            monkeypatch.delenv(name, raising=False)
+        env = S3TestServer(server.endpoint_url, TEST_BUCKET, TEST_ACCESS_KEY, TEST_SECRET_KEY).env
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        yield server
+
+
+@pytest.fixture
 def s3_env(s3_server, monkeypatch) -> dict[str, str]:
     """The server's environment applied to this process for one test."""
     for name in _CLEARED_ENV:

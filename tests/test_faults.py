@@ -5,10 +5,12 @@ import pytest
 from flows.prepare import prepare
 from flows.train import train
 from goodput.config import load_config
-from goodput.runs import read_outcomes, retry_decision
+from goodput.runs import read_outcomes, read_summary, retry_decision
 from storage.ledger import Ledger
 from tests.helpers import losses_by_step, small_config
 from training.data import DistributedSampleLoader, TokenStream
+from training.exits import read_exit_records, read_starts
+from training.metrics import read_metrics
 from training.train import LossGuard
 
 STEPS = 30
@@ -46,6 +48,85 @@ def test_retry_policy_budgets_per_class_and_no_progress():
     assert stalled[0] is False and "committed no checkpoint newer" in stalled[1]
 
 
+def _committed(run_dir, step):
+    from storage.manifests import CheckpointManifest
+    from training.checkpoint import checkpoint_path
+
+    path = checkpoint_path(run_dir, step)
+    path.mkdir(parents=True)
+    CheckpointManifest(step=step, tokens_seen=0, files=[], world_size=1, layout={},
+                       config_hash="", dataset_id="", model_args={}, created_at=0).save(path)
+    return path
+
+
+def test_restarted_workers_resume_from_the_newest_validated_checkpoint(tmp_path, monkeypatch):
+    """`--resume validated:DIR`, what the launch task passes when torchrun may restart the
+    workers in-job: the ledger's newest validated checkpoint on disk, else DIR."""
+    from training.train import resolve_resume
+
+    run_dir = tmp_path / "run"
+    ledger = Ledger(run_dir, "run")
+    start = _committed(run_dir, 10)
+    assert resolve_resume("validated", run_dir) is None  # nothing judged yet: from scratch
+    assert resolve_resume(f"validated:{start}", run_dir) == start
+    ledger.record(10, "validated")
+    for step, state in ((20, "uploaded"), (30, "rejected"), (40, None)):
+        _committed(run_dir, step)
+        if state:
+            ledger.record(step, state)
+    # 30 was rejected, 40 has no verdict (and no validator answers within the wait): 20.
+    monkeypatch.setenv("GOODPUT_RESTART_WAIT_S", "0.2")
+    assert resolve_resume(f"validated:{start}", run_dir).name == "step-00000020"
+    with pytest.raises(FileNotFoundError, match="no such committed checkpoint"):
+        resolve_resume(f"validated:{tmp_path / 'gone'}", tmp_path / "empty-run")
+
+
+def test_torchrun_command_restarts_in_job_and_resumes_from_what_was_validated(tmp_path):
+    from pathlib import Path
+
+    from infra.torchrun import torchrun_command, worker_env
+
+    config = small_config(tmp_path, "launch.max_restarts=2")
+    command = torchrun_command(config, Path("run.yaml"), Path("data"), Path("ckpt/step-00000010"), "a-1")
+    assert "--max-restarts=2" in command
+    assert command[-2:] == ["--resume", f"validated:{Path('ckpt/step-00000010').resolve()}"]
+    assert torchrun_command(config, Path("run.yaml"), Path("data"), None, "a-1")[-1] == "validated"
+    assert worker_env(config, "a-1")["GOODPUT_RESTART_WAIT_S"] == "300.0"
+
+
+def test_hang_watch_allowances_follow_the_phase_across_in_job_restarts():
+    from infra.torchrun import HangWatch
+
+    config = load_config(None, ["run.startup_timeout_s=900", "run.checkpoint_timeout_s=1800",
+                                "run.hang_min_s=60"])
+    watch = HangWatch(config.run, "a-1")
+    assert watch.timeout() == (900, "no first step")
+    beats = [({"phase": "startup", "start": 0}, (900, "no first step")),
+             ({"phase": "step", "step": 1, "step_time_s": 5.0}, (60, "no training progress")),
+             ({"phase": "step", "step": 2, "step_time_s": 5.0}, (100, "no training progress")),
+             ({"phase": "checkpoint", "step": 3}, (1800, "checkpoint save stalled")),
+             # A worker died and torchrun restarted the group: startup allowance again.
+             ({"phase": "startup", "start": 1}, (900, "no first step")),
+             ({"phase": "step", "step": 3, "step_time_s": 1.0}, (100, "no training progress")),
+             # The last step: the final save may still be in flight, then the shutdown.
+             ({"phase": "step", "step": 4, "max_steps": 4}, (1800, "no exit after the last step"))]
+    for i, (beat, allowance) in enumerate(beats):
+        assert watch.observe({**beat, "attempt": "a-1", "time": i}) is not None
+        assert watch.timeout() == allowance, beat
+    assert watch.observe({"phase": "step", "step": 9, "attempt": "a-0", "time": 99}) is None
+
+
+def test_failures_a_restart_cannot_fix_block_in_job_restarts(tmp_path):
+    from training import exits
+
+    exits.write_exit_record(tmp_path, "a-1", 1, exits.RETRYABLE, "peer closed", 14)
+    assert exits.restart_blocker(tmp_path, "a-1") is None  # a crash: restart
+    exits.write_exit_record(tmp_path, "a-1", 0, exits.ROLLBACK, "non-finite loss", 16, sample_end=128)
+    blocker = exits.restart_blocker(tmp_path, "a-1")
+    assert (blocker["class"], blocker["code"], blocker["sample_end"]) == ("rollback", 76, 128)
+    assert exits.restart_blocker(tmp_path, "a-2") is None  # per attempt
+
+
 def test_loader_skips_windows_deterministically(tmp_path):
     from tests.helpers import synthetic_dataset
     from storage.manifests import DatasetManifest
@@ -75,6 +156,28 @@ def clean(workdir):
     config = small_config(workdir, "run.run_id=clean")
     train(config)
     return losses_by_step(config.run_dir)
+
+
+@pytest.mark.chaos
+def test_a_killed_worker_is_restarted_in_job_from_the_newest_validated_checkpoint(workdir, clean):
+    config = small_config(workdir, "run.run_id=injob", "launch.max_restarts=1",
+                          "faults.crash_at_step=15", "faults.crash_rank=1")
+    assert train(config)["final_step"] == STEPS
+    # One Prefect attempt: torchrun restarted the workers once and they finished the job.
+    [outcome] = read_outcomes(config)
+    assert (outcome["class"], outcome["restarts"]) == ("done", 1)
+    attempt = outcome["attempt"]
+    assert [r["restart"] for r in read_exit_records(config.run_dir, attempt)] == [1, 1]
+    assert [s["restart"] for s in read_starts(config.run_dir, attempt)] == [0, 1]
+    # Rank 1 died (SIGKILL) right after step 15; the restart resumed from step 10, the newest
+    # checkpoint validated by then (the restarted workers wait for its verdict).
+    steps = [m["step"] for m in read_metrics(config.run_dir)]
+    assert steps == list(range(1, 16)) + list(range(11, STEPS + 1))
+    assert losses_by_step(config.run_dir) == clean
+    assert Ledger(config.run_dir, "injob").read().steps("uploaded") == [10, 20, 30]
+    goodput = read_summary(config.run_dir)["goodput"]
+    assert goodput["attempts"] == {"done": 1} and goodput["in_job_restarts"] == 1
+    assert goodput["lost_work_s"] > 0 and 0 < goodput["goodput"] < 1  # steps 11-15 ran twice
 
 
 @pytest.mark.chaos

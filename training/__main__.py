@@ -1,9 +1,14 @@
 """`python -m training`: the torchrun entrypoint. Works with or without the orchestrator.
 
     torchrun --nproc-per-node 2 -m training --config configs/tiny.yaml \
-        --dataset .goodput/data/<dataset_id> [--resume auto|none|DIR] [key=value ...]
+        --dataset .goodput/data/<dataset_id> [--resume auto|none|DIR|validated[:DIR]] [key=value ...]
 
 Exits with the codes in training/exits.py and leaves an exit record for the launch task.
+
+When torchrun restarts the workers within an attempt (`--max-restarts`, launch.max_restarts),
+they run this same command line again: `--resume validated:DIR` makes them resume from the
+newest checkpoint validated since (training.train.resolve_resume), and a failure that a
+restart cannot fix (exits.NOT_RESTARTABLE) makes them exit at once with its code.
 """
 
 from __future__ import annotations
@@ -23,12 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True, help="RunConfig YAML")
     parser.add_argument("--dataset", required=True, help="prepared dataset directory (has manifest.json)")
     parser.add_argument("--resume", default="auto",
-                        help="'auto' (newest committed checkpoint), 'none', or a checkpoint directory")
+                        help="'auto' (newest committed checkpoint), 'none', a checkpoint directory, "
+                             "or 'validated[:DIR]' (newest checkpoint the run's ledger marks "
+                             "validated, else DIR, else from scratch)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
 
     rank = int(os.environ.get("RANK", 0))
     attempt = os.environ.get("GOODPUT_ATTEMPT", "0")
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_agent()
     from goodput.config import ConfigError, load_config  # after argparse: --help stays fast
 
     try:
@@ -37,8 +46,19 @@ def main(argv: list[str] | None = None) -> int:
         print(e, file=sys.stderr, flush=True)
         return exits.CONFIG_ERROR
     run_dir = config.run_dir
+    if "GOODPUT_ATTEMPT" in os.environ:  # attempts of the launch task are unique; plain runs reuse "0"
+        blocker = exits.restart_blocker(run_dir, attempt)
+        if blocker is not None:
+            if rank == 0:
+                print(f"[train] not training on after an in-job restart: rank {blocker['rank']} "
+                      f"ended with {blocker['class']} ({blocker['reason']}); the launch task "
+                      "decides what comes next", file=sys.stderr, flush=True)
+            return blocker["code"]
+    if rank == 0:
+        announce_start(run_dir, attempt)
     import torch
 
+    from training.checkpoint import CheckpointFailed
     from training.train import Preempted, RollbackRequested, train
 
     try:
@@ -51,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"[train] {e}", flush=True)
         exits.write_exit_record(run_dir, attempt, rank, exits.RETRYABLE, str(e), e.step)
+        return exits.RETRYABLE
+    except CheckpointFailed as e:  # nothing was committed; a full disk stays full on retry
+        print(f"[train] checkpoint failed: {e}", file=sys.stderr, flush=True)
+        exits.write_exit_record(run_dir, attempt, rank, exits.RETRYABLE, f"checkpoint failed: {e}",
+                                None, failure_class="disk_full" if e.disk_full else None)
         return exits.RETRYABLE
     except torch.OutOfMemoryError as e:  # retrying the same layout would run out again
         traceback.print_exc()
@@ -71,6 +96,41 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(f"[train] done: step {summary['final_step']}, loss {summary['final_loss']:.4f}", flush=True)
     return exits.DONE
+
+
+def die_with_agent() -> None:
+    """Have the kernel kill this worker when its torchrun agent dies.
+
+    torchrun starts each worker in a session of its own and stops it itself; when the agent
+    is killed outright (SIGKILL, a node's supervisor gone) nobody would, and the orphan would
+    go on training with the other nodes. Linux only; elsewhere a no-op.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    agent = os.getppid()
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != agent:  # the agent died before the request took effect
+        os._exit(exits.RETRYABLE)
+
+
+def announce_start(run_dir: Path, attempt: str) -> None:
+    """Global rank 0, at every start of the worker group: note the start and tell the launch
+    task through the heartbeat, which gives a (re)start its startup allowance before the
+    first step rather than the allowance of a step."""
+    from training.metrics import MetricsWriter
+
+    start = exits.record_start(run_dir, attempt)
+    if start:
+        print(f"[train] in-job restart {start} of attempt {attempt} (torchrun restart count "
+              f"{exits.restart_count()} on this node)", flush=True)
+    writer = MetricsWriter(run_dir, enabled=True)
+    writer.heartbeat(attempt=attempt, phase="startup", step=None, start=start,
+                     restart=exits.restart_count())
+    writer.close()
 
 
 if __name__ == "__main__":
