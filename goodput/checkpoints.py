@@ -62,16 +62,28 @@ def unjudged_steps(config: RunConfig) -> list[int]:
             if step_of(p) not in entries or entries[step_of(p)].state == "committed"]
 
 
-def verify_in_fresh_process(path: Path, timeout_s: float = 600) -> dict:
-    """Reload the checkpoint in a new single process (no state shared with training)."""
-    proc = subprocess.run([sys.executable, "-m", "training.checkpoint", "verify", str(path)],
-                          capture_output=True, text=True, timeout=timeout_s)
+def verify_in_fresh_process(path: Path, timeout_s: float = 600, held_out: list[str] = ()) -> dict:
+    """Reload the checkpoint in a new single process (no state shared with training).
+    `held_out`: the verifier's --dataset/--eval-batches/--loss-tolerance arguments."""
+    proc = subprocess.run([sys.executable, "-m", "training.checkpoint", "verify", str(path),
+                           *held_out], capture_output=True, text=True, timeout=timeout_s)
     lines = proc.stdout.strip().splitlines()
     try:
         return json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
         return {"ok": False, "reason": f"verifier crashed (exit {proc.returncode}): "
                                        f"{proc.stderr.strip()[-500:]}"}
+
+
+def held_out_check(config: RunConfig) -> list[str]:
+    """The verifier's arguments for the optional held-out loss check (checkpoint.validate_batches)."""
+    if not config.checkpoint.validate_batches:
+        return []
+    from goodput.data.prepare import plan_dataset
+
+    return ["--dataset", str(plan_dataset(config).local_dir),
+            "--eval-batches", str(config.checkpoint.validate_batches),
+            "--loss-tolerance", str(config.checkpoint.validate_loss_tolerance)]
 
 
 def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
@@ -84,9 +96,12 @@ def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
         path = checkpoint_path(config.run_dir, step)
         manifest = CheckpointManifest.load(path)
         ledger.record(step, "committed", loss=manifest.loss, tokens_seen=manifest.tokens_seen)
-        result = verify_in_fresh_process(path)
+        result = verify_in_fresh_process(path, held_out=held_out_check(config))
         if result["ok"]:
-            return ledger.record(step, "validated", note=f"{result['tensors']} tensors finite")
+            note = f"{result['tensors']} tensors finite"
+            if "held_out_loss" in result:
+                note += f"; held-out loss {result['held_out_loss']:.4f} (training {result['loss']:.4f})"
+            return ledger.record(step, "validated", note=note)
         aside = checkpoint_root(config.run_dir) / "rejected" / f"{path.name}-{int(time.time())}"
         aside.parent.mkdir(parents=True, exist_ok=True)
         path.rename(aside)  # kept for inspection, out of reach of resume

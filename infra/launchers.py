@@ -173,7 +173,13 @@ def _pump(stream, log: Log) -> None:
 
 
 def kill_process_groups(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
-    """SIGTERM every process group (workers may save), then SIGKILL whatever is left."""
+    """SIGTERM every process group (workers may save), then SIGKILL whatever is left.
+
+    torchrun starts its workers in sessions of their own, and a frozen (SIGSTOPped) worker
+    never acts on SIGTERM: once torchrun is gone it would live on, orphaned. So every
+    descendant is noted before the first signal and SIGKILLed at the end wherever it went.
+    """
+    tree = {pid for proc in procs if proc.poll() is None for pid in descendants(proc.pid)}
     for proc in procs:
         if proc.poll() is None:
             _signal_group(proc, signal.SIGTERM)
@@ -183,9 +189,33 @@ def kill_process_groups(procs: list[subprocess.Popen], grace_s: float = 5.0) -> 
             proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             pass
+    tree |= {pid for proc in procs for pid in descendants(proc.pid)}
     for proc in procs:  # the node process may be gone while orphaned workers hold its group
         _signal_group(proc, signal.SIGKILL)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for proc in procs:
         proc.wait()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, their children, ...), from /proc; [] elsewhere."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # exited meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

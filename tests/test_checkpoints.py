@@ -1,6 +1,7 @@
 """Checkpoints from real torchrun training: commit, validate, reject, upload, resume."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -9,6 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 from goodput import checkpoints
 from storage import open_store
+from storage.ledger import checkpoint_key
 from storage.manifests import CheckpointManifest, list_files
 from tests.helpers import losses_by_step, small_config, synthetic_dataset, torchrun_training
 from training.checkpoint import (checkpoint_path, committed_checkpoints, load_all_tensors,
@@ -94,6 +96,28 @@ def test_missing_shard_and_non_finite_weights_are_rejected(run):
     assert entry.state == "rejected" and "non-finite" in entry.reason and "norm.weight" in entry.reason
 
 
+def test_held_out_loss_check_rejects_finite_but_wrong_weights(run):
+    config, dataset = run
+    path = checkpoint_path(config.run_dir, 20)
+    good = verify_checkpoint(path, dataset, eval_batches=2)
+    assert good["ok"] and good["held_out_loss"] < good["loss"] * 1.5
+
+    # Every value finite and every checksum right, but the embedding rows are shuffled:
+    # what a bad reshard or a write from the wrong buffer would leave.
+    manifest = CheckpointManifest.load(path)
+    state = load_all_tensors(path)
+    embedding = state["model.tok_embeddings.weight"]
+    state["model.tok_embeddings.weight"] = embedding[torch.randperm(embedding.shape[0],
+                                                     generator=torch.Generator().manual_seed(0))]
+    shutil.rmtree(path)
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    manifest.files = list_files(path, exclude=("manifest.json",))
+    manifest.save(path)
+    assert verify_checkpoint(path)["ok"]  # the structural checks cannot tell
+    bad = verify_checkpoint(path, dataset, eval_batches=2)
+    assert not bad["ok"] and "held-out loss" in bad["reason"] and "validate_loss_tolerance" in bad["reason"]
+
+
 def test_upload_then_resume_from_the_store_alone(run, tmp_path):
     config, dataset = run
     store = open_store(str(tmp_path / "store"))
@@ -175,3 +199,29 @@ def test_async_saves_commit_the_same_state(trained, tmp_path, mode):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = losses_by_step(config.run_dir)
     assert all(resumed[s] == full[s] for s in range(11, 21))
+
+
+def test_each_rank_reads_only_its_own_shards_from_the_store(tmp_path):
+    """FSDP on 2 ranks resumes from the store alone: each rank downloads the metadata and the
+    one file its shards are in, not the whole checkpoint, and the loss curve continues."""
+    dataset = synthetic_dataset(tmp_path / "dataset")
+    config = small_config(tmp_path, "training.max_steps=20", "parallelism.dp_replicate=1",
+                          "parallelism.dp_shard=2")
+    proc = torchrun_training(config, dataset)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    full = losses_by_step(config.run_dir)
+    store = config.storage.open()
+    store.upload_dir(checkpoint_path(config.run_dir, 10), checkpoint_key("test", 10))
+    shutil.rmtree(config.run_dir / "checkpoints")  # a node that never saw the local tier
+    (config.run_dir / "metrics.jsonl").unlink()
+
+    proc = torchrun_training(config, dataset, resume="store:10")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    fetched = {int(m[1]): set(m[2].split(", ")) for m in
+               re.finditer(r"rank (\d) fetched (.+) of \d+ files from ", proc.stdout)}
+    # .metadata: whichever rank came first (the node's cache is shared); shards: its own only.
+    assert fetched[0] - {".metadata"} == {"__0_0.distcp"}
+    assert fetched[1] - {".metadata"} == {"__1_0.distcp"}
+    resumed = losses_by_step(config.run_dir)
+    assert sorted(resumed) == list(range(11, 21))
+    assert all(resumed[s] == full[s] for s in resumed)

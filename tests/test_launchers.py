@@ -459,3 +459,37 @@ def test_kubernetes_job_is_deleted_when_the_attempt_stops(tmp_path, fakes):
     result = attempt(config)
     assert result.failure_class == "hang" and result.exit_code == STOPPED
     assert calls(fakes, "kubectl")[-1][:3] == ["delete", "jobset", "goodput-test-t1"]
+
+
+def test_stopping_kills_a_frozen_worker_in_its_own_session(tmp_path):
+    """As torchrun does, the 'node' starts its worker in a new session; the worker is frozen
+    (SIGSTOP) so SIGTERM never reaches it: it must still be gone after stop()."""
+    import signal
+    import time
+
+    from infra.launchers import descendants, kill_process_groups
+
+    pid_file = tmp_path / "worker.pid"
+    node_code = (
+        "import os, signal, subprocess, sys, time\n"
+        "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(w.pid))\n"
+        "os.kill(w.pid, signal.SIGSTOP)\n"
+        "time.sleep(600)\n")
+    node = subprocess.Popen([sys.executable, "-c", node_code], start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, "the node never started its worker"
+        time.sleep(0.1)
+    worker = int(pid_file.read_text())
+    assert worker in descendants(node.pid)
+    kill_process_groups([node], grace_s=0.5)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{worker}").exists() and (Path(f"/proc/{worker}/stat").read_text().split()[2]
+                                                  != "Z"):
+        assert time.monotonic() < deadline, "the frozen worker survived"
+        time.sleep(0.1)
+    try:
+        os.kill(worker, signal.SIGKILL)  # nothing left to kill: reaped or a zombie of init
+    except ProcessLookupError:
+        pass

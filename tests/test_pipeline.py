@@ -25,7 +25,7 @@ def workdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def finished(prefect_api, workdir):
     """One uninterrupted pipeline run of the small config (shared by the tests below)."""
-    config = small_config(workdir, "run.run_id=clean")
+    config = small_config(workdir, "run.run_id=clean", "checkpoint.validate_batches=2")
     result = pipeline(config)
     return config, result
 
@@ -49,6 +49,8 @@ def test_pipeline_completes_and_learns(finished):
 
     ledger = Ledger(config.run_dir, "clean").read()
     assert ledger.steps("uploaded") == [10, 20, 30]
+    validated = [h.note for e in ledger.entries.values() for h in e.history if h.state == "validated"]
+    assert len(validated) == 3 and all("held-out loss" in note for note in validated)
     store = open_store(config.storage.uri)
     for step in (10, 20, 30):
         assert store.exists(f"runs/clean/checkpoints/step-{step:08d}/manifest.json")

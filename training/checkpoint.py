@@ -12,24 +12,31 @@ checkpoint in one process with no model or layout given, to prove it is whole.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
+import os
 import re
 import shutil
 import sys
 import threading
 import time
 import warnings
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
+from storage.checksums import sha256_file
 from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, list_files, verify_files
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -82,24 +89,88 @@ def _train_state(parts: list[tuple[dict, dict]], extra: dict) -> dict:
     return {"model": model_state, "optim": optim_state, **extra}
 
 
+# DCP gathers every rank's error into a CheckpointException, which is a BaseException.
+SAVE_ERRORS = (Exception, CheckpointException)
+
+
+class CheckpointFailed(RuntimeError):
+    """A save did not complete (it is never committed). `disk_full` when the cause was ENOSPC:
+    retrying cannot help until someone frees space, so that class is not retried."""
+
+    def __init__(self, message: str, disk_full: bool = False):
+        super().__init__(message)
+        self.disk_full = disk_full
+
+
+def _causes(error: BaseException) -> list[BaseException]:
+    """The underlying errors: DCP gathers each rank's into one CheckpointException."""
+    if isinstance(error, CheckpointException):
+        return [exc for exc, _trace in error.failures.values()]
+    return [error]
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, CheckpointException):
+        return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}"
+                         for rank, (exc, _trace) in sorted(error.failures.items()))
+    return f"{type(error).__name__}: {error}"
+
+
+def _is_disk_full(error: BaseException, path: Path) -> bool:
+    """ENOSPC somewhere in the error, or (as torch.save's zip writer turns ENOSPC into a bare
+    RuntimeError) less than 1 MiB left on the checkpoint filesystem after the failure."""
+    try:
+        stats = os.statvfs(path.parent)
+        if stats.f_bavail * stats.f_frsize < 1 << 20:
+            return True
+    except OSError:
+        pass
+    for cause in _causes(error):
+        while cause is not None:
+            if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+                return True
+            cause = cause.__cause__ or cause.__context__
+    return False
+
+
+def _cpu_stager(shared_memory: bool):
+    """A DefaultStager kept across saves (it reuses its staging buffers) that copies the state
+    off the live tensors in a background thread: `async_save` returns at once and training
+    only has to wait for the copy before the optimizer next changes the weights. Pinned
+    memory speeds the device-to-host copy on GPU; non-blocking copies need an accelerator."""
+    on_gpu = torch.cuda.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=shared_memory,
+                                        use_async_staging=True, use_non_blocking_copy=on_gpu))
+
+
 class Checkpointer:
     """Saves checkpoints synchronously or in the background, and commits each when whole.
 
-    Training blocks only while the state is staged (copied off the live tensors); the write
+    In the background modes training blocks only to start the save: the state is copied off
+    the live tensors by a staging thread while the next step's forward and backward run, and
+    `before_update` waits for that copy before the optimizer changes the weights. The write
     runs on its own gloo process group (on the default group it deadlocks against FSDP's
-    collectives) and rank 0 hashes the files and writes the manifest in a background thread
-    once every rank's shards are durable. At most one save is in flight; one that fails is
-    reported and never committed. Never overwrites a committed checkpoint: one found at the
-    target path (from an abandoned attempt that went further) is moved aside first.
+    collectives), in a thread or in a separate process; rank 0 hashes the files and writes the
+    manifest in a background thread once every rank's shards are durable. At most one save is
+    in flight; one that fails is reported (`failed`) and never committed. Never overwrites a
+    committed checkpoint: one found at the target path (from an abandoned attempt that went
+    further) is moved aside first.
+
+    `fault_hook(point, step)` is called at "writing", "before_manifest" and "after_manifest"
+    so chaos tests can kill the process at each point of a save.
     """
 
-    def __init__(self, mode: str = "sync"):
+    def __init__(self, mode: str = "sync", fault_hook: Callable[[str, int], None] | None = None):
         self.mode = mode
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.group = (dist.new_group(backend="gloo")
                       if mode != "sync" and dist.is_initialized() else None)
+        self.stager = _cpu_stager(shared_memory=mode == "process") if mode != "sync" else None
+        self.fault_hook = fault_hook or (lambda point, step: None)
         self._pending: threading.Thread | None = None
+        self._staging: Future | None = None
         self.failures: list[str] = []
+        self.disk_full = False
 
     def save(self, path: Path, model_parts, optimizers, extra: dict, manifest_fields: dict) -> float:
         """Start (or do) a save; returns the seconds training was blocked."""
@@ -109,55 +180,150 @@ class Checkpointer:
             _clear_for_save(path)
         _barrier()
         state = _train_state(_part_states(model_parts, optimizers), extra)
+        step = manifest_fields["step"]
         if self.mode == "sync":
-            dcp.save(state, checkpoint_id=str(path))
+            try:
+                dcp.save(state, checkpoint_id=str(path))
+            except SAVE_ERRORS as e:  # DCP raised it on every rank: all stop together
+                self._failed(path, e)
+                raise CheckpointFailed(self.failures[-1], self.disk_full) from e
             _barrier()  # every rank's shards are durable (FileSystemWriter fsyncs) before the commit
-            self._commit(path, manifest_fields)
+            try:
+                self._commit(path, manifest_fields)
+            except Exception as e:  # rank 0 alone: reported, and the ranks agree on it next step
+                self._failed(path, e)
             _barrier()
             return time.perf_counter() - started
         kind = (AsyncCheckpointerType.PROCESS if self.mode == "process"
                 else AsyncCheckpointerType.THREAD)
-        future = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group,
-                                async_checkpointer_type=kind)
+        response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group,
+                                  async_checkpointer_type=kind, async_stager=self.stager)
+        if isinstance(response, AsyncSaveResponse):
+            self._staging, written = response.staging_completion, response.upload_completion
+        else:
+            written = response
         blocked = time.perf_counter() - started
+        self.fault_hook("writing", step)
         # The coordinator's future completes after it gathered every rank's write results
         # and wrote .metadata: then, and only then, the checkpoint may be committed.
-        self._pending = threading.Thread(target=self._finish, args=(future, path, manifest_fields),
+        self._pending = threading.Thread(target=self._finish, args=(written, path, manifest_fields),
                                          name=f"commit-{path.name}", daemon=True)
         self._pending.start()
         return blocked
 
-    def _finish(self, future, path: Path, manifest_fields: dict) -> None:
+    def before_update(self) -> float:
+        """Wait until the save in flight has copied the state (call before optimizer.step());
+        returns the seconds waited, which count as checkpoint stall."""
+        if self._staging is None:
+            return 0.0
+        started = time.perf_counter()
         try:
-            future.result()
+            self._staging.result()
+        except SAVE_ERRORS:  # the write fails with it and reports it
+            pass
+        self._staging = None
+        return time.perf_counter() - started
+
+    def _finish(self, written: Future, path: Path, manifest_fields: dict) -> None:
+        try:
+            written.result()
             self._commit(path, manifest_fields)
-        except Exception as e:  # reported, never committed: the directory stays debris
-            self.failures.append(f"{path.name}: {type(e).__name__}: {e}")
-            print(f"[checkpoint] save of {path.name} failed, not committed: {e}", flush=True)
+        except SAVE_ERRORS as e:  # reported, never committed: the directory stays debris
+            self._failed(path, e)
+
+    def _failed(self, path: Path, error: BaseException) -> None:
+        self.disk_full = self.disk_full or _is_disk_full(error, path)
+        self.failures.append(f"{path.name}: {_describe(error)[:400]}")
+        print(f"[checkpoint] save of {path.name} failed, not committed: {self.failures[-1]}",
+              flush=True)
 
     def _commit(self, path: Path, manifest_fields: dict) -> None:
         if self.rank != 0:
             return
+        step = manifest_fields["step"]
+        self.fault_hook("before_manifest", step)
         manifest = CheckpointManifest(files=list_files(path, exclude=(CHECKPOINT_MANIFEST,)),
                                       created_at=time.time(), **manifest_fields)
         manifest.save(path)
         print(f"[checkpoint] committed {path.name} (loss {manifest.loss:.4f})", flush=True)
+        self.fault_hook("after_manifest", step)
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is written and committed."""
+        self.before_update()
         if self._pending is not None:
             self._pending.join()
             self._pending = None
 
+    def close(self) -> None:
+        """Wait for the save in flight and release the staging buffers."""
+        self.wait()
+        if self.stager is not None:
+            self.stager.close()
+            self.stager = None
 
-def load_checkpoint(path: Path, model_parts, optimizers, extra_template: dict) -> dict:
-    """Load a committed checkpoint into this rank's model parts and optimizers, whatever
-    layout saved it (DCP reshards); returns the extras."""
-    if not is_committed(path):
-        raise FileNotFoundError(f"{path} has no {CHECKPOINT_MANIFEST}: not a committed checkpoint")
+
+class StoreReader(dcp.FileSystemReader):
+    """Loads an uploaded checkpoint straight from the object store, each rank fetching only
+    the files its own part of the state lives in.
+
+    DCP tells each rank which stored items it needs (its read plan) once the metadata is
+    known; this reader fetches `.metadata`, then exactly the `.distcp` files that plan
+    touches, each checked against the manifest's sha256, into `cache_dir` (shared by the
+    ranks of a node: a file another rank fetched is reused). Used where the nodes do not share
+    the disk the checkpoint was downloaded to, and where most of a large checkpoint belongs to
+    other ranks (FSDP, PP). `fetched` lists what this rank downloaded.
+    """
+
+    def __init__(self, store, prefix: str, cache_dir: str | Path):
+        super().__init__(str(cache_dir))
+        self.store, self.prefix, self.cache_dir = store, prefix.rstrip("/"), Path(cache_dir)
+        manifest_key = f"{self.prefix}/{CHECKPOINT_MANIFEST}"
+        if not store.exists(manifest_key):
+            raise FileNotFoundError(f"{store.url(manifest_key)} not found: the checkpoint was "
+                                    "never uploaded completely")
+        self.manifest = CheckpointManifest.model_validate_json(store.get_bytes(manifest_key))
+        self.sha256 = {f.path: f.sha256 for f in self.manifest.files}
+        self.fetched: list[str] = []
+
+    def __str__(self) -> str:
+        return self.store.url(self.prefix)
+
+    def _fetch(self, relative: str) -> None:
+        dest = self.cache_dir / relative
+        if relative not in self.sha256:
+            raise FileNotFoundError(f"{relative} is not in the manifest of {self.store.url(self.prefix)}")
+        if dest.is_file() and sha256_file(dest) == self.sha256[relative]:
+            return
+        self.store.get_file(f"{self.prefix}/{relative}", dest)
+        if sha256_file(dest) != self.sha256[relative]:
+            dest.unlink(missing_ok=True)
+            raise IOError(f"{self.store.url(self.prefix)}/{relative}: sha256 differs from the manifest")
+        self.fetched.append(relative)
+
+    def read_metadata(self, *args, **kwargs):
+        self._fetch(".metadata")
+        return super().read_metadata(*args, **kwargs)
+
+    def read_data(self, plan, planner):
+        for relative in sorted({self.storage_data[item.storage_index].relative_path
+                                for item in plan.items}):
+            self._fetch(relative)
+        return super().read_data(plan, planner)
+
+
+def load_checkpoint(source: Path | StoreReader, model_parts, optimizers, extra_template: dict) -> dict:
+    """Load a committed checkpoint (a local directory, or the store through a StoreReader)
+    into this rank's model parts and optimizers, whatever layout saved it (DCP reshards);
+    returns the extras."""
     parts = _part_states(model_parts, optimizers)
     state = _train_state(parts, extra_template)
-    dcp.load(state, checkpoint_id=str(path))
+    if isinstance(source, StoreReader):
+        dcp.load(state, storage_reader=source)
+    else:
+        if not is_committed(source):
+            raise FileNotFoundError(f"{source} has no {CHECKPOINT_MANIFEST}: not a committed checkpoint")
+        dcp.load(state, checkpoint_id=str(source))
     for (m, o), part, opt in zip(parts, model_parts, optimizers):
         set_state_dict(part, opt, options=_OPTIONS,
                        model_state_dict={k: state["model"][k] for k in m},
@@ -206,11 +372,15 @@ def model_state_from(flat: dict) -> dict:
     return {k[len(prefix):]: v for k, v in flat.items() if k.startswith(prefix)}
 
 
-def verify_checkpoint(path: str | Path) -> dict:
+def verify_checkpoint(path: str | Path, dataset_dir: str | Path | None = None,
+                      eval_batches: int = 0, loss_tolerance: float = 0.5) -> dict:
     """Checks a committed checkpoint; returns {"ok": bool, "reason": str, ...}.
 
     Checksums against the manifest, a full reload, every floating tensor finite, and the
-    model weights loading strictly into a freshly built model of the recorded shape.
+    model weights loading strictly into a freshly built model of the recorded shape. With
+    `eval_batches` and a dataset: the held-out loss on that many validation batches must not
+    exceed the training loss recorded at the step by more than `loss_tolerance` (relative) —
+    weights that are finite but wrong (a bad write, a bad reshard) fail here.
     """
     from training.model import ModelArgs, Transformer
 
@@ -240,8 +410,30 @@ def verify_checkpoint(path: str | Path) -> dict:
     except Exception as e:
         return {"ok": False, "reason": f"weights do not fit the model: {e}"}
     n_tensors = sum(isinstance(v, torch.Tensor) for v in state.values())
-    return {"ok": True, "reason": "", "step": manifest.step, "tensors": n_tensors,
-            "loss": manifest.loss if manifest.loss is None or math.isfinite(manifest.loss) else None}
+    result = {"ok": True, "reason": "", "step": manifest.step, "tensors": n_tensors,
+              "loss": manifest.loss if manifest.loss is None or math.isfinite(manifest.loss) else None}
+    if eval_batches and dataset_dir is not None and result["loss"] is not None:
+        held_out = _held_out_loss(model, Path(dataset_dir), eval_batches)
+        result["held_out_loss"] = held_out
+        limit = result["loss"] * (1 + loss_tolerance)
+        if not held_out <= limit:
+            return {**result, "ok": False, "reason":
+                    f"held-out loss {held_out:.4f} over {eval_batches} batches exceeds the training "
+                    f"loss {result['loss']:.4f} at step {manifest.step} by more than "
+                    f"{loss_tolerance:.0%} (checkpoint.validate_loss_tolerance)"}
+    return result
+
+
+def _held_out_loss(model, dataset_dir: Path, batches: int) -> float:
+    from storage.manifests import DatasetManifest
+    from training.data import TokenStream
+    from training.evaluate import held_out_loss
+
+    stream = TokenStream(dataset_dir, DatasetManifest.load(dataset_dir), "validation")
+    model.eval()
+    loss, _tokens = held_out_loss(model, stream, model.args.max_seq_len, 4, batches,
+                                  torch.device("cpu"))
+    return loss
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,8 +441,13 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Verify a checkpoint in this process; prints JSON.")
     parser.add_argument("command", choices=["verify"])
     parser.add_argument("path")
+    parser.add_argument("--dataset", help="prepared dataset: also check the held-out loss")
+    parser.add_argument("--eval-batches", type=int, default=0,
+                        help="validation batches for the held-out loss check (0: off)")
+    parser.add_argument("--loss-tolerance", type=float, default=0.5,
+                        help="held-out loss may exceed the training loss by this fraction")
     args = parser.parse_args(argv)
-    result = verify_checkpoint(args.path)
+    result = verify_checkpoint(args.path, args.dataset, args.eval_batches, args.loss_tolerance)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 

@@ -10,6 +10,7 @@ launch task adds supervision around it; nothing here knows about Prefect.
 from __future__ import annotations
 
 import gc
+import json
 from collections import deque
 from contextlib import nullcontext
 import math
@@ -27,7 +28,8 @@ from goodput.config import RunConfig
 from storage.checksums import fsync_dir
 from storage.ledger import Ledger
 from storage.manifests import DatasetManifest
-from training.checkpoint import Checkpointer, checkpoint_path, committed_checkpoints, load_checkpoint
+from training.checkpoint import (CheckpointFailed, Checkpointer, StoreReader, checkpoint_path,
+                                 committed_checkpoints, load_checkpoint)
 from training.data import DistributedSampleLoader, TokenStream
 from training.metrics import MetricsWriter, peak_flops
 from training.model import Transformer, model_args_from_config
@@ -58,6 +60,10 @@ def init_distributed(config: RunConfig) -> Dist:
         backend = config.parallelism.backend
         if backend == "auto":
             backend = "nccl" if want_cuda else "gloo"
+        if backend == "nccl":
+            # gloo beside nccl: the few CPU-tensor collectives (flags the ranks agree on, DCP's
+            # planning) need a CPU backend on GPU machines too.
+            backend = "cpu:gloo,cuda:nccl"
         dist.init_process_group(backend=backend, device_id=device if want_cuda else None)
         return Dist(dist.get_rank(), local_rank, dist.get_world_size(), device)
     return Dist(0, 0, 1, device)
@@ -86,16 +92,83 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.
 
 
 def resolve_resume(resume: str, run_dir: Path) -> Path | None:
-    """'none', 'auto' (newest committed checkpoint of this run) or an explicit directory."""
+    """Where training starts: 'none' (from scratch), 'auto' (the newest committed checkpoint
+    of this run), a checkpoint directory, or 'validated[:DIR]': the newest checkpoint on
+    local disk that the run's ledger marks validated (or uploaded), else DIR, else scratch.
+
+    The launch task passes 'validated:<the checkpoint it resumes from>' when torchrun may
+    restart the workers in-job (launch.max_restarts): the command line is fixed for the
+    attempt, but restarted workers must resume from the newest checkpoint validated since,
+    and never from one nobody has verified. They first wait (GOODPUT_RESTART_WAIT_S, set by
+    the launch task, whose validate task judges checkpoints while training runs) for the
+    verdict on checkpoints committed before the failure. Rank 0 decides and broadcasts, so
+    every rank loads the same checkpoint.
+    """
     if resume == "none":
         return None
     if resume == "auto":
         committed = committed_checkpoints(run_dir)
         return committed[-1] if committed else None
+    if resume == "validated" or resume.startswith("validated:"):
+        fallback = resume.partition(":")[2] or None
+        choice: list = [(None, None)]
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            wait_s = float(os.environ.get("GOODPUT_RESTART_WAIT_S", "0"))
+            choice = [_newest_validated(Path(run_dir), fallback, wait_s)]
+        if dist.is_initialized():
+            dist.broadcast_object_list(choice, src=0)
+        path, error = choice[0]
+        if error:
+            raise FileNotFoundError(error)
+        return None if path is None else Path(path)
     path = Path(resume)
     if not path.is_dir():
         raise FileNotFoundError(f"--resume {resume}: no such checkpoint directory")
     return path
+
+
+def _newest_validated(run_dir: Path, fallback: str | None, wait_s: float
+                      ) -> tuple[str | None, str | None]:
+    """resolve_resume('validated[:DIR]') on rank 0: (path or None for scratch, error)."""
+    from storage.ledger import RESUMABLE
+    from storage.manifests import CheckpointManifest
+    from training.checkpoint import is_committed, step_of
+
+    ledger = Ledger(run_dir, run_dir.name)
+    deadline, told = time.monotonic() + wait_s, False
+    while True:
+        entries = ledger.read().entries
+        committed = {step_of(p): p for p in committed_checkpoints(run_dir)}
+        good = [s for s in committed if s in entries and entries[s].state in RESUMABLE]
+        newest = max(good, default=0)
+        pending = sorted(s for s in committed if s > newest
+                         and (s not in entries or entries[s].state == "committed"))
+        if not pending or time.monotonic() >= deadline:
+            break
+        if not told:
+            print(f"[train] waiting up to {wait_s:.0f}s for the verdict on checkpoint(s) "
+                  f"{pending} before resuming", flush=True)
+            told = True
+        time.sleep(0.5)
+    if pending:
+        print(f"[train] no verdict yet on checkpoint(s) {pending}: not resuming from them",
+              flush=True)
+    candidates = {s: committed[s] for s in good}
+    if fallback is not None:
+        path = Path(fallback)
+        if is_committed(path):
+            candidates.setdefault(CheckpointManifest.load(path).step, path)
+        elif not candidates:
+            return None, f"--resume validated:{fallback}: no such committed checkpoint"
+    return (str(candidates[max(candidates)]) if candidates else None), None
+
+
+def from_store(config: RunConfig, step: int) -> StoreReader:
+    """A reader of the uploaded checkpoint of `step`, caching what it fetches on this node."""
+    from storage.ledger import checkpoint_key
+
+    cache = config.run_dir / "checkpoints" / ".from-store" / f"step-{step:08d}"
+    return StoreReader(config.storage.open(), checkpoint_key(config.run.run_id, step), cache)
 
 
 class RollbackRequested(Exception):
@@ -145,11 +218,77 @@ class PreemptionFlag:
     def _on_sigterm(self, signum, frame) -> None:
         self.received = True
 
-    def agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.received else 0.0])
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+
+
+def agree(*flags: bool) -> list[bool]:
+    """Each flag true on any rank is true on all (one small all-reduce per step), so every
+    rank takes the same branch at a step boundary."""
+    values = torch.tensor([1.0 if f else 0.0 for f in flags])
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return [bool(v) for v in values.tolist()]
+
+
+class CheckpointSchedule:
+    """When to save: every `checkpoint.every_steps`, or with `checkpoint.interval: auto` the
+    Young/Daly interval sqrt(2 x C x MTBF) converted to steps, re-planned after every save
+    from the measured blocking cost C and step time, and capped at every_steps.
+
+    MTBF is faults.mtbf_hours, else the attempts of this run that failed so far (their
+    outcome records), else there is nothing to plan for and every_steps holds. All ranks
+    agree on the interval (the slowest rank's numbers, rank 0's MTBF).
+    """
+
+    def __init__(self, config: RunConfig, rank: int):
+        self.cfg, self.rank = config.checkpoint, rank
+        self.every = self.cfg.every_steps
+        self.last_saved = 0
+        self.mtbf_s = _mtbf_s(config) if rank == 0 else 0.0
+        self.step_times: deque[float] = deque(maxlen=50)
+        self.save_costs: deque[float] = deque(maxlen=5)
+
+    def due(self, step: int, max_steps: int) -> bool:
+        return step - self.last_saved >= self.every or step == max_steps
+
+    def saved(self, step: int, blocked_s: float) -> str:
+        """Record a save; returns a note when the interval changed."""
+        self.last_saved = step
+        self.save_costs.append(blocked_s)
+        if self.cfg.interval != "auto" or not self.step_times:
+            return ""
+        step_time = sum(self.step_times) / len(self.step_times)
+        cost = sum(self.save_costs) / len(self.save_costs)
+        cost, step_time, mtbf = _agree_max([cost, step_time, self.mtbf_s])
+        if mtbf <= 0:
+            return ""
+        every = max(1, min(self.cfg.every_steps, round(math.sqrt(2 * cost * mtbf) / step_time)))
+        if every == self.every:
+            return ""
+        self.every = every
+        return (f"auto interval: every {every} steps (save cost {cost:.3f}s, step {step_time:.3f}s, "
+                f"MTBF {mtbf:.0f}s)")
+
+
+def _agree_max(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def _mtbf_s(config: RunConfig) -> float:
+    """Configured, or observed: wall time of this run's attempts over their failures."""
+    if config.faults.mtbf_hours:
+        return config.faults.mtbf_hours * 3600
+    failures, wall = 0, 0.0
+    for path in (config.run_dir / "attempts").glob("attempt-*/outcome.json"):
+        try:
+            outcome = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        wall += outcome.get("wall_time_s") or 0.0
+        failures += (outcome.get("class") != "done") + (outcome.get("restarts") or 0)
+    return wall / failures if failures else 0.0
 
 
 class FaultInjector:
@@ -182,6 +321,15 @@ class FaultInjector:
             self._fire_once("nan_at_step", self.faults.nan_at_step, step)
             return loss + float("nan")
         return loss
+
+    def in_save(self, point: str, step: int) -> None:
+        """Checkpointer fault hook: kill this worker at `point` of the save of `step`."""
+        rank = self.faults.crash_rank if point == "writing" else 0
+        if point == self.faults.save_crash_point and self._fire_once(
+                f"save_crash_{point}", self.faults.save_crash_at_step, step, rank):
+            print(f"[faults] killing rank {self.rank} during the save of step {step} ({point})",
+                  flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def after_step(self, step: int) -> None:
         if self._fire_once("crash_at_step", self.faults.crash_at_step, step, self.faults.crash_rank):
@@ -226,7 +374,10 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
     attempt = os.environ.get("GOODPUT_ATTEMPT", "0")
 
     step, tokens_seen = 0, 0
-    resume_from = resolve_resume(resume, run_dir)
+    # 'store:STEP': nodes that do not share a disk with the flow read the uploaded checkpoint
+    # from the store, each rank only the files holding its part of the state.
+    resume_from = (from_store(config, int(resume.removeprefix("store:"))) if resume.startswith("store:")
+                   else resolve_resume(resume, run_dir))
     if resume_from is not None:
         extras = load_checkpoint(resume_from, layout.model_parts, optimizers, {
             "progress": {"step": 0, "tokens_seen": 0}, "data": loader.state_dict(),
@@ -234,6 +385,10 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
         step, tokens_seen = extras["progress"]["step"], extras["progress"]["tokens_seen"]
         loader.load_state_dict(extras["data"])
         torch.set_rng_state(extras["rng"]["torch"])
+        if isinstance(resume_from, StoreReader):
+            print(f"[train] rank {env.rank} fetched {', '.join(resume_from.fetched) or 'nothing new'} "
+                  f"of {len(resume_from.sha256)} files from {resume_from.store.url(resume_from.prefix)}",
+                  flush=True)
         if env.is_main:
             print(f"[train] resumed from {resume_from} at step {step}", flush=True)
 
@@ -249,7 +404,9 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
               f"{' x '.join(f'{k}={v}' for k, v in degrees.items())}, {tokens_per_step:,} tokens/step, "
               f"steps {step + 1}..{tcfg.max_steps}", flush=True)
 
-    checkpointer = Checkpointer(config.checkpoint.async_mode)
+    checkpointer = Checkpointer(config.checkpoint.async_mode, fault_hook=faults.in_save)
+    schedule = CheckpointSchedule(config, env.rank)
+    schedule.last_saved = step
 
     def save(step: int, loss: float) -> float:
         return checkpointer.save(
@@ -264,6 +421,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
     last_loss, saved_step = float("nan"), step
     while step < tcfg.max_steps:
         step_start = time.perf_counter()
+        checkpoint_s = 0.0  # this step's checkpoint stall, kept out of its step time
         lr = lr_at(step + 1, tcfg)
         for opt in optimizers:
             for group in opt.param_groups:
@@ -281,21 +439,27 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
         if verdict:  # the update is not applied; the next attempt rolls back past this data
             checkpointer.wait()  # the checkpoint to roll back to may still be in flight
             raise RollbackRequested(step + 1, loader.sample_index, verdict)
+        # A background save may still be copying the weights: let it finish before they change.
+        checkpoint_s += checkpointer.before_update()
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
         step += 1
         tokens_seen += tokens_per_step
         last_loss = loss
-        step_time = time.perf_counter() - step_start
+        step_time = time.perf_counter() - step_start - checkpoint_s
         tokens_per_s = tokens_per_step / step_time
+        schedule.step_times.append(step_time)
 
-        checkpoint_s = 0.0
-        if step % config.checkpoint.every_steps == 0 or step == tcfg.max_steps:
+        if schedule.due(step, tcfg.max_steps):
             # The supervisor gives a save its own allowance before calling it a hang.
             metrics.heartbeat(step=step, loss=loss, attempt=attempt, phase="checkpoint",
                               max_steps=tcfg.max_steps)
-            checkpoint_s, saved_step = save(step, loss), step
+            blocked = save(step, loss)
+            checkpoint_s, saved_step = checkpoint_s + blocked, step
+            note = schedule.saved(step, blocked)
+            if note and env.is_main:
+                print(f"[checkpoint] {note}", flush=True)
         if env.is_main and (step % tcfg.log_every == 0 or step == tcfg.max_steps):
             achieved = flops_per_token * tokens_per_s / env.world_size
             metrics.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
@@ -307,13 +471,26 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
         metrics.heartbeat(step=step, loss=loss, tokens_per_s=tokens_per_s, step_time_s=step_time,
                           max_steps=tcfg.max_steps, attempt=attempt, phase="step")
         faults.after_step(step)
-        if preemption.agreed():
+        preempted, save_failed = agree(preemption.received, bool(checkpointer.failures))
+        if save_failed:  # a run that cannot checkpoint must not go on losing its progress
+            checkpointer.wait()
+            disk_full, = agree(checkpointer.disk_full)
+            raise CheckpointFailed("; ".join(checkpointer.failures) or "a save failed on another rank",
+                                   disk_full)
+        if preempted:
             if saved_step != step:
                 save(step, loss)
             checkpointer.wait()
+            if checkpointer.failures:
+                raise CheckpointFailed("emergency save failed: " + "; ".join(checkpointer.failures),
+                                       checkpointer.disk_full)
             raise Preempted(step)
 
-    checkpointer.wait()  # the last checkpoint is committed before the job reports success
+    checkpointer.close()  # the last checkpoint is committed before the job reports success
+    final_failed, disk_full = agree(bool(checkpointer.failures), checkpointer.disk_full)
+    if final_failed:
+        raise CheckpointFailed("; ".join(checkpointer.failures) or "the final save failed on "
+                               "another rank", disk_full)
 
     metrics.close()
     summary = {"final_step": step, "tokens_seen": tokens_seen, "final_loss": last_loss}

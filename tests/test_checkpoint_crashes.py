@@ -1,0 +1,116 @@
+"""Crashes inside a checkpoint save, and a checkpoint disk that fills up.
+
+Each case runs real torchrun attempts through `goodput.runs.train_attempt` (what the Prefect
+launch task calls, minus Prefect): the first attempt dies, the second resumes from the newest
+checkpoint that validates and finishes with the uninterrupted run's losses.
+"""
+
+import subprocess
+
+import pytest
+
+from goodput.runs import read_outcomes, train_attempt
+from infra.torchrun import TrainingFailed
+from storage.ledger import Ledger
+from tests.helpers import losses_by_step, small_config, synthetic_dataset, torchrun_training
+from training.checkpoint import checkpoint_path, committed_checkpoints, verify_checkpoint
+
+STEPS = 20
+
+
+def config_for(root, run_id, *overrides):
+    return small_config(root, f"run.run_id={run_id}", f"training.max_steps={STEPS}",
+                        "checkpoint.every_steps=5", *overrides)
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """The uninterrupted run (synchronous saves) whose losses every recovery must reproduce."""
+    root = tmp_path_factory.mktemp("crashes")
+    dataset = synthetic_dataset(root / "dataset")
+    config = config_for(root, "clean")
+    proc = torchrun_training(config, dataset)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return root, dataset, losses_by_step(config.run_dir)
+
+
+def attempt(config, dataset, name, lines):
+    return train_attempt(config, dataset, config.storage.open(), name, lines.append)
+
+
+@pytest.mark.chaos
+@pytest.mark.parametrize("point, resumed_from", [
+    ("writing", 5),           # rank 1 dies while shards are being written: debris, never loaded
+    ("before_manifest", 5),   # every shard durable, no manifest: still debris
+    ("after_manifest", 10),   # committed but not yet in the ledger: validated, then resumed from
+])
+def test_kill_during_a_background_save(baseline, tmp_path, point, resumed_from):
+    root, dataset, clean = baseline
+    config = config_for(tmp_path, f"kill-{point}", "checkpoint.async_mode=thread",
+                        "faults.save_crash_at_step=10", f"faults.save_crash_point={point}",
+                        "faults.crash_rank=1")
+    lines: list[str] = []
+    with pytest.raises(TrainingFailed) as failed:
+        attempt(config, dataset, "crash-1", lines)
+    assert failed.value.failure_class == "retryable" and failed.value.retry
+    step_10 = checkpoint_path(config.run_dir, 10)
+    assert (committed_checkpoints(config.run_dir)[-1] == step_10) == (point == "after_manifest")
+    if point == "before_manifest":  # the data was all there; only the commit was missing
+        assert (step_10 / ".metadata").is_file()
+
+    result = attempt(config, dataset, "crash-2", lines)
+    assert result.failure_class == "done"
+    assert f"resuming from step-{resumed_from:08d}" in "\n".join(lines)
+    assert [o["resumed_from"] for o in read_outcomes(config)] == [0, resumed_from]
+    ledger = Ledger(config.run_dir, config.run.run_id).read()
+    assert not ledger.steps("rejected")
+    assert [p.name for p in committed_checkpoints(config.run_dir)] == [
+        f"step-{s:08d}" for s in (5, 10, 15, 20)]  # the debris was replaced by a real save
+    assert all(verify_checkpoint(p)["ok"] for p in committed_checkpoints(config.run_dir))
+    assert losses_by_step(config.run_dir) == clean
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs mount point the test sizes itself (needs root, as in CI)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    probe = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {probe.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.chaos
+def test_a_full_checkpoint_disk_stops_the_run_without_losing_a_checkpoint(baseline, tmp_path,
+                                                                         small_disk):
+    root, dataset, clean = baseline
+    checkpoint_bytes = sum(f.stat().st_size for f in
+                           checkpoint_path(config_for(root, "clean").run_dir, 5).iterdir())
+    # Room for two checkpoints and a half: the save at step 15 runs out of space.
+    subprocess.run(["mount", "-o", f"remount,size={int(checkpoint_bytes * 2.5)}", str(small_disk)],
+                   check=True)
+    config = config_for(tmp_path, "full", "checkpoint.async_mode=thread")
+    config.run_dir.mkdir(parents=True)
+    (config.run_dir / "checkpoints").symlink_to(small_disk, target_is_directory=True)
+
+    lines: list[str] = []
+    with pytest.raises(TrainingFailed) as failed:
+        attempt(config, dataset, "full-1", lines)
+    assert failed.value.failure_class == "disk_full" and not failed.value.retry
+    assert "No space left on device" in str(failed.value) or "No space" in "\n".join(lines)
+    assert "free space on it" in str(failed.value)  # the error says what to do
+    assert [p.name for p in committed_checkpoints(config.run_dir)] == ["step-00000005",
+                                                                       "step-00000010"]
+
+    # Someone frees space (here: a larger disk); the run continues from the newest good one.
+    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    result = attempt(config, dataset, "full-2", lines)
+    assert result.failure_class == "done"
+    assert "resuming from step-00000010" in "\n".join(lines)
+    assert [p.name for p in committed_checkpoints(config.run_dir)] == [
+        f"step-{s:08d}" for s in (5, 10, 15, 20)]
+    assert all(verify_checkpoint(p)["ok"] for p in committed_checkpoints(config.run_dir))
+    assert losses_by_step(config.run_dir) == clean

@@ -1,0 +1,70 @@
+"""The checkpoint interval: fixed, or planned by the Young/Daly rule while training runs."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+from tests.helpers import REPO, small_config, synthetic_dataset
+from training.metrics import read_metrics
+from training.train import CheckpointSchedule
+
+
+def test_fixed_interval_saves_every_n_steps_and_at_the_end(tmp_path):
+    schedule = CheckpointSchedule(small_config(tmp_path, "checkpoint.every_steps=10"), rank=0)
+    due = [s for s in range(1, 26) if schedule.due(s, 25) and not schedule.saved(s, 0.1)]
+    assert due == [10, 20, 25]
+
+
+def test_auto_interval_follows_young_daly(tmp_path):
+    config = small_config(tmp_path, "checkpoint.interval=auto", "checkpoint.every_steps=500",
+                          "faults.mtbf_hours=0.5")
+    schedule = CheckpointSchedule(config, rank=0)
+    schedule.step_times.extend([0.2] * 10)
+    note = schedule.saved(500, blocked_s=0.4)
+    # sqrt(2 x 0.4 s x 1800 s) = 37.9 s between saves = 190 steps of 0.2 s
+    assert schedule.every == round(math.sqrt(2 * 0.4 * 1800) / 0.2) == 190
+    assert "every 190 steps" in note and "MTBF 1800s" in note
+    assert schedule.due(690, 10_000) and not schedule.due(689, 10_000)
+    # A cheaper save (say, async staging) makes frequent saves worth it; never above every_steps.
+    for _ in range(5):
+        schedule.saved(700, blocked_s=0.001)
+    assert schedule.every == round(math.sqrt(2 * 0.001 * 1800) / 0.2) == 9
+
+
+def test_auto_interval_uses_observed_failures_without_configured_mtbf(tmp_path):
+    config = small_config(tmp_path, "checkpoint.interval=auto", "checkpoint.every_steps=1000")
+    for i, (cls, wall) in enumerate([("retryable", 300.0), ("hang", 500.0), ("done", 400.0)]):
+        directory = config.run_dir / "attempts" / f"attempt-a-{i}"
+        directory.mkdir(parents=True)
+        (directory / "outcome.json").write_text(json.dumps({"class": cls, "wall_time_s": wall}))
+    schedule = CheckpointSchedule(config, rank=0)
+    assert schedule.mtbf_s == 1200.0 / 2  # 1200 s of attempts, 2 failures
+    schedule.step_times.append(1.0)
+    schedule.saved(10, blocked_s=3.0)
+    assert schedule.every == round(math.sqrt(2 * 3.0 * 600))  # 60 steps of 1 s
+
+
+def test_auto_interval_without_any_mtbf_keeps_every_steps(tmp_path):
+    schedule = CheckpointSchedule(small_config(tmp_path, "checkpoint.interval=auto",
+                                               "checkpoint.every_steps=7"), rank=0)
+    schedule.step_times.append(0.1)
+    assert schedule.saved(7, 0.5) == "" and schedule.every == 7
+
+
+def test_a_real_run_replans_its_interval(tmp_path):
+    """One process, no torchrun: the saves land where the plan of the measured costs says."""
+    dataset = synthetic_dataset(tmp_path / "dataset")
+    config = small_config(tmp_path, "checkpoint.interval=auto", "checkpoint.every_steps=8",
+                          "training.max_steps=24", "faults.mtbf_hours=0.000001")  # 3.6 ms
+    from goodput.runs import write_run_config
+
+    proc = subprocess.run([sys.executable, "-m", "training", "--config", str(write_run_config(config)),
+                           "--dataset", str(dataset)], capture_output=True, text=True, cwd=REPO,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[checkpoint] auto interval: every" in proc.stdout
+    saves = [r["step"] for r in read_metrics(config.run_dir) if r["checkpoint_s"] > 0]
+    assert saves[0] == 8 and saves[-1] == 24
+    assert len(saves) > 3  # an MTBF of 3.6 ms asks for far more saves than every 8 steps
