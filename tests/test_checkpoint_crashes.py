@@ -100,7 +100,7 @@ def test_a_full_checkpoint_disk_stops_the_run_without_losing_a_checkpoint(baseli
     with pytest.raises(TrainingFailed) as failed:
         attempt(config, dataset, "full-1", lines)
     assert failed.value.failure_class == "disk_full" and not failed.value.retry
-    assert "No space left on device" in str(failed.value) or "No space" in "\n".join(lines)
+    assert "no space left" in str(failed.value).lower()
     assert "free space on it" in str(failed.value)  # the error says what to do
     assert [p.name for p in committed_checkpoints(config.run_dir)] == ["step-00000005",
                                                                        "step-00000010"]

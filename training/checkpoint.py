@@ -232,8 +232,11 @@ class Checkpointer:
             self._failed(path, e)
 
     def _failed(self, path: Path, error: BaseException) -> None:
-        self.disk_full = self.disk_full or _is_disk_full(error, path)
-        self.failures.append(f"{path.name}: {_describe(error)[:400]}")
+        full = _is_disk_full(error, path)
+        self.disk_full = self.disk_full or full
+        # torch.save's zip writer reports ENOSPC as "unexpected pos": say what it means.
+        self.failures.append(f"{path.name}: {_describe(error)[:400]}"
+                             + (" (no space left on the checkpoint filesystem)" if full else ""))
         print(f"[checkpoint] save of {path.name} failed, not committed: {self.failures[-1]}",
               flush=True)
 
