@@ -33,12 +33,13 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from tests.helpers import Watcher, committed  # noqa: E402
 
 KINDS = ("crash", "hang", "nan", "sigterm", "corrupt", "s3")
 BUCKET = "goodput-soak"
@@ -77,35 +78,10 @@ def stop_process_group(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-class Fault(threading.Thread):
-    """Acts once `ready()` holds while the flow runs in the main thread."""
-
-    def __init__(self, ready, act):
-        super().__init__(daemon=True)
-        self.ready, self.act, self.result, self.error = ready, act, None, None
-
-    def run(self) -> None:
-        deadline = time.monotonic() + 900
-        try:
-            while not self.ready():
-                if time.monotonic() > deadline:
-                    raise TimeoutError("fault condition never held")
-                time.sleep(0.02)
-            self.result = self.act()
-        except BaseException as e:
-            self.error = e
-
-
 def ledger_entries(config) -> dict:
     from storage.ledger import Ledger
 
     return Ledger(config.run_dir, config.run.run_id).read().entries
-
-
-def committed(config, step: int) -> bool:
-    from training.checkpoint import checkpoint_path
-
-    return (checkpoint_path(config.run_dir, step) / "manifest.json").is_file()
 
 
 def corrupt_shard(config, step: int) -> str:
@@ -170,7 +146,8 @@ def run_case(i: int, kind: str, rng: random.Random, make_config, steps: int, eve
         overrides += [f"faults.crash_at_step={crash}", f"faults.crash_rank={rank}"]
     config = make_config(*overrides)
     if kind == "corrupt":
-        fault = Fault(lambda: committed(config, ckpt), lambda: corrupt_shard(config, ckpt))
+        fault = Watcher(lambda: committed(config, ckpt), lambda: corrupt_shard(config, ckpt),
+                        timeout_s=900)
         detail = f"checkpoint {ckpt}, crash at {crash}"
     elif kind == "s3":
         down_s = rng.uniform(3, 15)
@@ -184,8 +161,8 @@ def run_case(i: int, kind: str, rng: random.Random, make_config, steps: int, eve
             return time.monotonic() - started
 
         # The upload task starts right after validation: stop the store as it does.
-        fault = Fault(lambda: getattr(ledger_entries(config).get(ckpt), "state", None) == "validated",
-                      outage)
+        fault = Watcher(lambda: getattr(ledger_entries(config).get(ckpt), "state", None) == "validated",
+                        outage, timeout_s=900)
     shutil.rmtree(config.run_dir, ignore_errors=True)
 
     started = time.monotonic()

@@ -6,8 +6,10 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -76,3 +78,37 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
     """Per-step training loss; where a step ran twice (after a resume), the later one."""
     path = run_dir / "metrics.jsonl"
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
+
+
+def committed(config: RunConfig, step: int) -> bool:
+    """The checkpoint of `step` has its manifest: training committed it."""
+    from training.checkpoint import checkpoint_path
+
+    return (checkpoint_path(config.run_dir, step) / "manifest.json").is_file()
+
+
+class Watcher(threading.Thread):
+    """Runs `act` once `ready()` holds (polled every 20 ms) while the flow runs in the test's
+    thread; `act`'s result or error is kept for the test to check."""
+
+    def __init__(self, ready: Callable[[], bool], act: Callable[[], object], timeout_s: float = 600):
+        super().__init__(daemon=True)
+        self.ready, self.act, self.timeout_s = ready, act, timeout_s
+        self.result, self.error = None, None
+
+    def run(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while not self.ready():
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the watcher's condition never held")
+                time.sleep(0.02)
+            self.result = self.act()
+        except BaseException as e:  # reported by check()
+            self.error = e
+
+    def check(self):
+        self.join(timeout=120)
+        if self.error is not None:
+            raise self.error
+        return self.result

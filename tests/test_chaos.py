@@ -11,10 +11,8 @@ in the test stops the S3 server, kills a torchrun agent or flips bytes of a shar
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from pathlib import Path
-from typing import Callable
 
 import psutil
 import pytest
@@ -26,7 +24,7 @@ from goodput.runs import read_outcomes, read_summary
 from storage.ledger import Ledger
 from storage.manifests import CheckpointManifest
 from storage.store import open_store
-from tests.helpers import losses_by_step, small_config, torchrun_training
+from tests.helpers import Watcher, committed, losses_by_step, small_config, torchrun_training
 from training.checkpoint import checkpoint_path, checkpoint_root
 from training.metrics import read_heartbeat, read_metrics
 
@@ -49,40 +47,9 @@ def clean(workdir):
     return losses_by_step(config.run_dir)
 
 
-class Watcher(threading.Thread):
-    """Runs `act` once `ready()` holds (polled every 20 ms) while the flow runs in the test's
-    thread; `act`'s result or error is kept for the test to check."""
-
-    def __init__(self, ready: Callable[[], bool], act: Callable[[], object], timeout_s: float = 600):
-        super().__init__(daemon=True)
-        self.ready, self.act, self.timeout_s = ready, act, timeout_s
-        self.result, self.error = None, None
-
-    def run(self) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        try:
-            while not self.ready():
-                if time.monotonic() > deadline:
-                    raise TimeoutError("the watcher's condition never held")
-                time.sleep(0.02)
-            self.result = self.act()
-        except BaseException as e:  # reported by check()
-            self.error = e
-
-    def check(self):
-        self.join(timeout=120)
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
 def ledger_state(config, step: int) -> str | None:
     entry = Ledger(config.run_dir, config.run.run_id).read().entries.get(step)
     return entry.state if entry else None
-
-
-def committed(config, step: int) -> bool:
-    return (checkpoint_path(config.run_dir, step) / "manifest.json").is_file()
 
 
 def heartbeat_step(config) -> int:
