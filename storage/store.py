@@ -20,12 +20,12 @@ import shutil
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 from urllib.parse import unquote, urlparse
 
 import boto3
@@ -97,8 +97,13 @@ class Store(ABC):
         return f"{self.uri}/{check_key(key)}"
 
     @abstractmethod
-    def put_file(self, local_path: str | os.PathLike, key: str) -> None:
-        """Store a local file under `key` and verify the stored copy."""
+    def put_file(self, local_path: str | os.PathLike, key: str, *, sha256: str | None = None) -> None:
+        """Store a local file under `key` and verify the stored copy.
+
+        `sha256` is the file's digest when the caller knows it already (from a manifest): the
+        file is then not read once more before it goes out, and the copy is still checked
+        against it, so a wrong digest raises `IntegrityError` instead of being stored.
+        """
 
     @abstractmethod
     def get_file(self, key: str, local_path: str | os.PathLike) -> None:
@@ -135,19 +140,24 @@ class Store(ABC):
         *,
         last: tuple[str, ...] = MANIFEST_LAST,
         max_workers: int = 4,
+        known_sha256: Mapping[str, str] | None = None,
     ) -> list[str]:
         """Upload every file under `local_dir` to folder `prefix`; return the keys in upload order.
 
         Files named in `last` go up only after all others succeeded, so a manifest is never
         visible before its data; if any data file fails, the manifest is not uploaded.
+        `known_sha256` maps paths relative to `local_dir` to digests the caller already has
+        (a checkpoint manifest's); each is passed to `put_file`, which checks it.
         """
         root = Path(local_dir)
         if not root.is_dir():
             raise FileNotFoundError(f"no such directory: {root}")
         rels = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
         first, final = _split_last(rels, last)
+        known = known_sha256 or {}
         for batch in (first, final):
-            _run_parallel([lambda r=r: self.put_file(root / r, _join(prefix, r)) for r in batch], max_workers)
+            _run_parallel([lambda r=r: self.put_file(root / r, _join(prefix, r), sha256=known.get(r))
+                           for r in batch], max_workers)
         return [_join(prefix, r) for r in first + final]
 
     def download_dir(
@@ -256,9 +266,9 @@ class LocalStore(Store):
             raise FileNotFoundError(f"no such object: {self.url(key)}")
         return path
 
-    def put_file(self, local_path, key):
+    def put_file(self, local_path, key, *, sha256=None):
         src = Path(local_path)
-        expected = _local_digest(src)
+        expected = _local_digest(src) if sha256 is None else {"size": src.stat().st_size, "sha256": sha256}
         with _atomic_path(self.path(key)) as tmp:
             shutil.copyfile(src, tmp)
             # Checked before the rename, so a bad copy is never visible under `key`.
@@ -357,9 +367,11 @@ class S3Store(Store):
     """Objects in `s3://bucket/prefix` on AWS or any S3-compatible endpoint (SeaweedFS, MinIO).
 
     Files move with boto3's managed transfer: multipart from `part_size` up, `max_concurrency`
-    parts in flight. Each object carries its sha256 in metadata; after an upload the size,
-    ETag and sha256 metadata are checked against the local file, after a download the size
-    and sha256.
+    parts in flight. Each object carries its sha256 in metadata. An upload hashes the bytes
+    as the transfer reads them (sha256, and md5 per part for the ETag), so hashing overlaps the
+    network; afterwards what was sent must match the file's size and sha256, and the stored
+    object's size, ETag and sha256 metadata must match what was sent. A download checks the
+    size and sha256.
     """
 
     def __init__(
@@ -406,14 +418,21 @@ class S3Store(Store):
 
     # -- Store API ------------------------------------------------------------------------
 
-    def put_file(self, local_path, key):
+    def put_file(self, local_path, key, *, sha256=None):
         path = Path(local_path)
-        expected = self._file_digest(path)
+        if sha256 is None:  # it goes up with the object's first request, so it is needed first
+            sha256 = sha256_file(path)
 
         def upload() -> None:
-            self._client.upload_file(os.fspath(path), self.bucket, self._key(key), Config=self.transfer,
-                                     ExtraArgs={"Metadata": {"sha256": expected["sha256"]}})
-            _compare("stored object", self.url(key), self._head_digest(key), expected)
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                reader = self._digesting(f)
+                self._client.upload_fileobj(reader, self.bucket, self._key(key), Config=self.transfer,
+                                            ExtraArgs={"Metadata": {"sha256": sha256}})
+            sent = reader.digest()
+            _compare(f"{path} as sent to", self.url(key), sent, {"size": size, "sha256": sha256})
+            # The managed transfer does not return S3's responses; one HEAD reads what was stored.
+            _compare("stored object", self.url(key), self._head_digest(key), sent)
 
         self._call("upload to", key, upload)
 
@@ -490,30 +509,28 @@ class S3Store(Store):
     # -- checksums ------------------------------------------------------------------------
 
     def _file_digest(self, path: Path) -> dict[str, object]:
-        """Size, sha256 and the ETag S3 computes for `path` uploaded with `self.transfer`.
+        """Size, sha256 and the ETag S3 computes for `path` uploaded with `self.transfer`."""
+        with open(path, "rb") as f:
+            reader = self._digesting(f)
+            while reader.read(8 * MiB):
+                pass
+        return reader.digest()
+
+    def _digesting(self, f: BinaryIO) -> _DigestingReader:
+        """File `f`, open at its start, wrapped to compute what S3 reports for it once uploaded
+        with `self.transfer`.
 
         SeaweedFS (checked with 4.48) returns standard ETags, like AWS: md5 hex for a single
         PUT, md5 of the concatenated binary part md5s plus "-<parts>" for multipart. (AWS
         objects encrypted with SSE-KMS or SSE-C have other ETags and would fail this check.)
         """
-        size = path.stat().st_size
-        multipart = size >= self.transfer.multipart_threshold  # the test s3transfer applies
+        size = os.fstat(f.fileno()).st_size
+        if size < self.transfer.multipart_threshold:  # the test s3transfer applies
+            return _DigestingReader(f, part_size=None)
         # s3transfer fits the configured part size to S3's limits (>= 5 MiB, <= 10,000 parts);
         # the ETag depends on the part size the upload really uses.
-        read_size = ChunksizeAdjuster().adjust_chunksize(self.transfer.multipart_chunksize, size)
-        sha256, whole_md5, part_md5s = hashlib.sha256(), hashlib.md5(), []
-        with open(path, "rb") as f:
-            while chunk := f.read(read_size):
-                sha256.update(chunk)
-                if multipart:
-                    part_md5s.append(hashlib.md5(chunk).digest())
-                else:
-                    whole_md5.update(chunk)
-        if multipart:
-            etag = f"{hashlib.md5(b''.join(part_md5s)).hexdigest()}-{len(part_md5s)}"
-        else:
-            etag = whole_md5.hexdigest()
-        return {"size": size, "sha256": sha256.hexdigest(), "etag": etag}
+        part_size = ChunksizeAdjuster().adjust_chunksize(self.transfer.multipart_chunksize, size)
+        return _DigestingReader(f, part_size)
 
     def _head_digest(self, key: str) -> dict[str, object]:
         return _response_digest(self._client.head_object(Bucket=self.bucket, Key=self._key(key)))
@@ -575,6 +592,68 @@ class S3Store(Store):
                 return FileNotFoundError(f"bucket {self.bucket!r} does not exist: {url}")
             return FileNotFoundError(f"no such object: {url}")
         return exc
+
+
+class _DigestingReader:
+    """A file being uploaded that computes, as the transfer reads it, the size, sha256 and
+    ETag S3 will report for the object: md5 of the whole file for a single PUT, per part of
+    `part_size` bytes for multipart.
+
+    s3transfer reads the parts of a file object in order, in one thread; a single PUT's body
+    may be read more than once (botocore's checksum pass, a retried request). Only bytes read
+    where the hashed prefix ends extend it, so re-read bytes count once, and a read that
+    skipped bytes leaves the digest short, which the size check catches.
+    """
+
+    def __init__(self, f: BinaryIO, part_size: int | None):
+        self._f = f
+        self._part_size = part_size
+        self._hashed = 0  # bytes from the start of the file hashed so far
+        self._sha256 = hashlib.sha256()
+        self._md5 = hashlib.md5()  # of the current part (of everything for a single PUT)
+        self._part_md5s: list[bytes] = []
+
+    def read(self, size: int = -1) -> bytes:
+        start = self._f.tell()
+        data = self._f.read(size)
+        if start <= self._hashed < start + len(data):
+            self._hash(memoryview(data)[self._hashed - start :])
+        return data
+
+    def _hash(self, new: memoryview) -> None:
+        while new:
+            room = self._part_size - self._hashed % self._part_size if self._part_size else len(new)
+            chunk, new = new[:room], new[room:]
+            self._sha256.update(chunk)
+            self._md5.update(chunk)
+            self._hashed += len(chunk)
+            if self._part_size and self._hashed % self._part_size == 0:
+                self._part_md5s.append(self._md5.digest())
+                self._md5 = hashlib.md5()
+
+    def digest(self) -> dict[str, object]:
+        if self._part_size is None:
+            etag = self._md5.hexdigest()
+        else:
+            parts = self._part_md5s + ([self._md5.digest()] if self._hashed % self._part_size else [])
+            etag = f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
+        return {"size": self._hashed, "sha256": self._sha256.hexdigest(), "etag": etag}
+
+    # The rest of the file interface that s3transfer and botocore use.
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        self._f.close()
 
 
 def _response_digest(response: dict) -> dict[str, object]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import socket
@@ -10,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+import storage.store
 from storage import LocalStore, S3Store, Store, open_store, sha256_file
+from storage.checksums import sha256_bytes
 from storage.store import MiB, IntegrityError, RetryPolicy
 
 FAST_RETRY = RetryPolicy(attempts=3, initial_delay=0.05, max_delay=0.2, max_total=5.0)
@@ -111,10 +114,10 @@ def test_upload_dir_publishes_the_manifest_after_all_data(store, tmp_path):
     order, seen_at_manifest = [], []
     put_file = store.put_file
 
-    def recording_put(local_path, key):
+    def recording_put(local_path, key, **kwargs):
         if key.endswith("manifest.json"):
             seen_at_manifest.extend(store.list("step-5"))
-        put_file(local_path, key)
+        put_file(local_path, key, **kwargs)
         order.append(key)
 
     store.put_file = recording_put
@@ -130,15 +133,48 @@ def test_upload_dir_withholds_the_manifest_when_data_fails(store, tmp_path):
     make_tree(tmp_path / "ckpt")
     put_file = store.put_file
 
-    def failing_put(local_path, key):
+    def failing_put(local_path, key, **kwargs):
         if key.endswith("shard-2.bin"):
             raise OSError("disk on fire")
-        put_file(local_path, key)
+        put_file(local_path, key, **kwargs)
 
     store.put_file = failing_put
     with pytest.raises(OSError, match="disk on fire"):
         store.upload_dir(tmp_path / "ckpt", "step-5")
     assert not store.exists("step-5/manifest.json")
+
+
+def test_upload_dir_uses_known_digests_and_checks_them(store, tmp_path, monkeypatch):
+    files = make_tree(tmp_path / "ckpt")
+    known = {rel: sha256_bytes(data) for rel, data in files.items() if rel != "manifest.json"}
+    read_before_upload = []
+    real_sha256_file = storage.store.sha256_file
+
+    def recording_sha256_file(path):
+        if Path(path).is_relative_to(tmp_path / "ckpt"):  # not LocalStore's check of its copies
+            read_before_upload.append(Path(path).relative_to(tmp_path / "ckpt").as_posix())
+        return real_sha256_file(path)
+
+    monkeypatch.setattr(storage.store, "sha256_file", recording_sha256_file)
+    if isinstance(store, S3Store):
+        store.retry = FAST_RETRY
+    store.upload_dir(tmp_path / "ckpt", "step-5", known_sha256=known)
+    assert read_before_upload == ["manifest.json"]  # the one file without a known digest
+    for rel, data in files.items():
+        assert store.get_bytes(f"step-5/{rel}") == data
+
+    # A digest that does not match the file is an error naming the key, not a stored claim.
+    known["shard-2.bin"] = sha256_bytes(b"other bytes")
+    with pytest.raises(IntegrityError, match=r"step-6/shard-2\.bin: sha256 [0-9a-f]{64} != expected"):
+        store.upload_dir(tmp_path / "ckpt", "step-6", known_sha256=known)
+    assert not store.exists("step-6/manifest.json")
+    if isinstance(store, S3Store):
+        # S3 received the bytes before their sha256 could be checked; the object is left, but
+        # its wrong sha256 metadata keeps any download of it from passing as good.
+        with pytest.raises(IntegrityError, match="sha256"):
+            store.get_bytes("step-6/shard-2.bin")
+    else:
+        assert not store.exists("step-6/shard-2.bin")
 
 
 def test_download_dir_round_trip_fetches_the_manifest_last(store, tmp_path):
@@ -198,6 +234,34 @@ def test_multipart_upload_is_verified(s3_server, s3_uri, tmp_path):
 
 
 @pytest.mark.s3
+@pytest.mark.parametrize("times", [1, 3])
+def test_multipart_etag_check_catches_a_part_changed_on_the_way(s3_uri, tmp_path, caplog, times):
+    store = S3Store(s3_uri, part_size=5 * MiB, retry=FAST_RETRY)
+    src = write_random(tmp_path / "big.bin", 12 * MiB + 123)
+    corrupted = []
+
+    def flip_a_byte_of_part_2(params, **_):
+        # Before botocore computes the request's own checksum: S3 accepts the part as sent.
+        if params["PartNumber"] == 2 and len(corrupted) < times:
+            data = bytearray(params["Body"].read())
+            data[1000] ^= 0xFF
+            params["Body"] = io.BytesIO(bytes(data))
+            corrupted.append(params["UploadId"])
+
+    store._client.meta.events.register("before-parameter-build.s3.UploadPart", flip_a_byte_of_part_2)
+    if times < FAST_RETRY.attempts:  # a whole-file retry recovers
+        store.put_file(src, "big.bin")
+        assert len(corrupted) == times
+        assert "etag" in caplog.text and "retrying" in caplog.text
+        store.get_file("big.bin", tmp_path / "back.bin")
+        assert (tmp_path / "back.bin").read_bytes() == src.read_bytes()
+    else:
+        with pytest.raises(IntegrityError, match=r"big\.bin: etag \S+-3 != expected \S+-3"):
+            store.put_file(src, "big.bin")
+        assert len(set(corrupted)) == FAST_RETRY.attempts  # each attempt a new multipart upload
+
+
+@pytest.mark.s3
 @pytest.mark.parametrize("access_key", ["server", "unknown-key-id"])
 def test_wrong_credentials_are_refused_without_retrying(s3_server, s3_uri, monkeypatch, tmp_path, access_key):
     secret = "not-the-secret-0123"
@@ -208,7 +272,7 @@ def test_wrong_credentials_are_refused_without_retrying(s3_server, s3_uri, monke
     start = time.monotonic()
     operations = [
         lambda: store.put_bytes("x", b"1"),
-        lambda: store.put_file(src, "x"),  # boto3 wraps this one in S3UploadFailedError
+        lambda: store.put_file(src, "x"),  # a managed transfer (s3transfer) in between
         lambda: store.get_bytes("x"),
         lambda: store.get_file("x", tmp_path / "out"),
         lambda: store.exists("x"),  # a HEAD: a bare 403 without an error code

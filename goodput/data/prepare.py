@@ -314,7 +314,11 @@ def publish(plan: DatasetPlan, manifest: DatasetManifest, store: Store) -> None:
     local_manifest = (plan.dir / DATASET_MANIFEST).read_bytes()
     if store.exists(key) and store.get_bytes(key) == local_manifest:
         return
-    store.upload_dir(plan.dir, plan.store_prefix, last=(DATASET_MANIFEST,))
+    # The manifest's digests spare a hashing pass over every shard; the upload checks them.
+    known = {shard.path: shard.sha256 for shards in manifest.splits.values() for shard in shards}
+    if manifest.tokenizer_sha256:
+        known[manifest.tokenizer] = manifest.tokenizer_sha256
+    store.upload_dir(plan.dir, plan.store_prefix, last=(DATASET_MANIFEST,), known_sha256=known)
     log.info("published dataset %s to %s (%d train tokens)", manifest.dataset_id,
              store.url(plan.store_prefix), manifest.n_tokens("train"))
 
