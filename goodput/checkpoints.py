@@ -14,11 +14,12 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 from goodput.config import RunConfig
-from storage.ledger import Ledger, LedgerEntry, checkpoint_key, ledger_key
+from storage.ledger import RESUMABLE, Ledger, LedgerEntry, checkpoint_key, ledger_key
 from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, verify_files
 from training.checkpoint import checkpoint_path, checkpoint_root, committed_checkpoints, step_of
 
@@ -39,10 +40,10 @@ def _step_lock(config: RunConfig, step: int):
 def new_checkpoints(config: RunConfig, still_running: Callable[[], bool]) -> Iterator[int]:
     """Yield each checkpoint step as training commits it, until training has ended.
 
-    `still_running` should block for a poll interval. Checkpoints whose fate is already
-    settled in the ledger (uploaded or rejected) are not yielded again.
+    `still_running` should block for a poll interval. Uploaded checkpoints are settled and
+    not yielded again. (A rejected one was moved aside: a directory of its step is a new save.)
     """
-    settled = set(ledger_of(config).read().steps("uploaded", "rejected"))
+    settled = set(ledger_of(config).read().steps("uploaded"))
     seen: set[int] = set()
     while True:
         running = still_running()
@@ -56,10 +57,11 @@ def new_checkpoints(config: RunConfig, still_running: Callable[[], bool]) -> Ite
 
 
 def unjudged_steps(config: RunConfig) -> list[int]:
-    """Committed checkpoints on local disk that the ledger has no verdict on yet."""
+    """Committed checkpoints on local disk that the ledger has no verdict on yet (including
+    new saves of a step whose earlier copy was rejected and moved aside)."""
     entries = ledger_of(config).read().entries
     return [step_of(p) for p in committed_checkpoints(config.run_dir)
-            if step_of(p) not in entries or entries[step_of(p)].state == "committed"]
+            if step_of(p) not in entries or entries[step_of(p)].state in ("committed", "rejected")]
 
 
 def verify_in_fresh_process(path: Path, timeout_s: float = 600, held_out: list[str] = ()) -> dict:
@@ -87,24 +89,28 @@ def held_out_check(config: RunConfig) -> list[str]:
 
 
 def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
-    """committed -> validated, or -> rejected with the reason (the directory is moved aside)."""
+    """committed -> validated, or -> rejected with the reason (the directory is moved aside).
+
+    A rejected step whose directory is back was saved again by a later attempt (rejection
+    moves the bad copy aside): the new copy is judged on its own.
+    """
     ledger = ledger_of(config)
     with _step_lock(config, step):
         entry = ledger.read().entries.get(step)
-        if entry is not None and entry.state != "committed":
-            return entry  # judged already
         path = checkpoint_path(config.run_dir, step)
+        saved_again = entry is not None and entry.state == "rejected" and (path / CHECKPOINT_MANIFEST).is_file()
+        if entry is not None and entry.state != "committed" and not saved_again:
+            return entry  # judged already
         manifest = CheckpointManifest.load(path)
-        ledger.record(step, "committed", loss=manifest.loss, tokens_seen=manifest.tokens_seen)
+        ledger.record(step, "committed", note="saved again after the rejected copy" if saved_again else "",
+                      loss=manifest.loss, tokens_seen=manifest.tokens_seen)
         result = verify_in_fresh_process(path, held_out=held_out_check(config))
         if result["ok"]:
             note = f"{result['tensors']} tensors finite"
             if "held_out_loss" in result:
                 note += f"; held-out loss {result['held_out_loss']:.4f} (training {result['loss']:.4f})"
             return ledger.record(step, "validated", note=note)
-        aside = checkpoint_root(config.run_dir) / "rejected" / f"{path.name}-{int(time.time())}"
-        aside.parent.mkdir(parents=True, exist_ok=True)
-        path.rename(aside)  # kept for inspection, out of reach of resume
+        aside = _set_aside(config, path, "rejected")
         return ledger.record(step, "rejected", note=f"{result['reason']} (kept at {aside})")
 
 
@@ -134,8 +140,27 @@ def restore_ledger(config: RunConfig, store) -> None:
         ledger.replace(store.get_bytes(ledger_key(config.run.run_id)))
 
 
-def resume_point(config: RunConfig, store) -> Path | None:
-    """The newest validated checkpoint, on local disk; downloaded from the store if missing.
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where an attempt starts: a validated checkpoint on local disk (`local`), or an
+    uploaded one only the store holds (local None: the workers read it from the store, each
+    rank only the files its part of the state is in; nothing is downloaded up front)."""
+
+    step: int
+    data_position: int  # global sample index the data loader continues from
+    local: Path | None = None
+
+    @property
+    def location(self) -> str:
+        """The workers' --resume value (training.train.resolve_resume)."""
+        return str(self.local.resolve()) if self.local is not None else f"store:{self.step}"
+
+    def __str__(self) -> str:
+        return self.local.name if self.local is not None else f"step-{self.step:08d} in the store"
+
+
+def resume_point(config: RunConfig, store) -> ResumePoint | None:
+    """The newest validated checkpoint: on local disk if there, else its uploaded copy.
 
     Judges every committed checkpoint first, so progress saved just before a crash counts.
     """
@@ -144,14 +169,45 @@ def resume_point(config: RunConfig, store) -> Path | None:
         validate_checkpoint(config, step)
     ledger = ledger_of(config).read()
     for entry in sorted(ledger.entries.values(), key=lambda e: e.step, reverse=True):
-        if entry.state not in ("validated", "uploaded"):
+        if entry.state not in RESUMABLE:
             continue
         path = checkpoint_path(config.run_dir, entry.step)
         if (path / CHECKPOINT_MANIFEST).is_file():
-            return path
+            return ResumePoint(entry.step, CheckpointManifest.load(path).data_position, path)
         if entry.state == "uploaded":
-            return download_checkpoint(config, entry.step, store)
+            key = f"{checkpoint_key(config.run.run_id, entry.step)}/{CHECKPOINT_MANIFEST}"
+            manifest = CheckpointManifest.model_validate_json(store.get_bytes(key))
+            return ResumePoint(entry.step, manifest.data_position)
     return None
+
+
+def set_aside_damaged(config: RunConfig, step: int, from_store: bool, reason: str) -> LedgerEntry:
+    """A worker found checkpoint `step` damaged when loading it (a file no longer matches
+    the manifest it was validated with). The damaged local copy is moved aside; when the
+    store holds a good copy the checkpoint stays resumable from there, else it is rejected.
+    Either way the next attempt never loads the damaged copy."""
+    ledger = ledger_of(config)
+    with _step_lock(config, step):
+        entry = ledger.read().entries.get(step)
+        path = checkpoint_path(config.run_dir, step)
+        if from_store:
+            shutil.rmtree(checkpoint_root(config.run_dir) / ".from-store" / path.name, ignore_errors=True)
+            return ledger.record(step, "rejected", note=f"store copy damaged: {reason}")
+        aside = _set_aside(config, path, "rejected")
+        if entry is not None and entry.state == "uploaded":
+            return ledger.record(step, "uploaded", note=f"local copy damaged ({reason}), moved to "
+                                                        f"{aside}; resuming from the store copy")
+        return ledger.record(step, "rejected", note=f"damaged since validation: {reason} (kept at {aside})")
+
+
+def _set_aside(config: RunConfig, path: Path, why: str) -> Path | None:
+    """Move a checkpoint directory out of reach of resume, kept for inspection."""
+    if not path.exists():
+        return None
+    aside = checkpoint_root(config.run_dir) / why / f"{path.name}-{time.time_ns()}"
+    aside.parent.mkdir(parents=True, exist_ok=True)
+    path.rename(aside)
+    return aside
 
 
 def download_checkpoint(config: RunConfig, step: int, store) -> Path:
@@ -188,6 +244,12 @@ def prune_local(config: RunConfig) -> list[int]:
             shutil.rmtree(checkpoint_path(config.run_dir, step))
         ledger.record(step, "uploaded", note="local copy pruned; store copy kept")
         deleted.append(step)
+    # Files the workers fetched from the store to resume from: once a newer checkpoint is
+    # on local disk, nothing resumes from them.
+    fetched = checkpoint_root(config.run_dir) / ".from-store"
+    for cache in sorted(fetched.glob("step-*")) if local else []:
+        if step_of(cache) < local[-1]:
+            shutil.rmtree(cache, ignore_errors=True)
     return deleted
 
 

@@ -296,10 +296,12 @@ class RunSection(_Section):
                                                    "(1 + Prefect retries), all classes together.")
     retry_budgets: dict[str, int] = Field(
         default_factory=lambda: {"retryable": 4, "hang": 2, "rollback": 3, "oom": 0, "disk_full": 0,
-                                 "unknown": 1},
+                                 "corrupt_checkpoint": 2, "unknown": 1},
         description="Retries per failure class (retryable: crash, comm timeout, preemption; "
                     "hang; rollback: non-finite loss or spike; oom; disk_full: a checkpoint write hit "
-                    "ENOSPC). Config errors never retry.")
+                    "ENOSPC; corrupt_checkpoint: the checkpoint to resume from no longer matches its "
+                    "manifest, so the retry resumes from the store copy or an older one). Config "
+                    "errors never retry.")
     no_progress_attempts: int = Field(
         3, ge=1, description="Stop when this many failed attempts in a row committed no newer "
                              "checkpoint than the one they resumed from.")

@@ -19,12 +19,11 @@ from typing import Callable
 
 import yaml
 
-from goodput.checkpoints import resume_point
+from goodput.checkpoints import ResumePoint, resume_point, set_aside_damaged
 from goodput.config import ConfigError, RunConfig, dump_config
 from infra.torchrun import AttemptResult, TrainingFailed, run_attempt
 from storage.checksums import write_atomic
 from storage.ledger import DataSkip, Ledger
-from storage.manifests import CheckpointManifest
 from training.checkpoint import committed_checkpoints, step_of
 from training.exits import attempt_dir
 
@@ -54,13 +53,13 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
     """
     config_path = write_run_config(config)
     resume = resume_point(config, store)
-    if resume is not None and step_of(resume) >= config.training.max_steps:
-        log(f"checkpoint {resume.name} already reached max_steps={config.training.max_steps}")
-        return AttemptResult(0, "done", "already complete", step_of(resume), 0.0)
-    log(f"attempt {attempt}: resuming from {resume.name}" if resume else
+    if resume is not None and resume.step >= config.training.max_steps:
+        log(f"checkpoint {resume} already reached max_steps={config.training.max_steps}")
+        return AttemptResult(0, "done", "already complete", resume.step, 0.0)
+    log(f"attempt {attempt}: resuming from {resume}" if resume else
         f"attempt {attempt}: starting from scratch")
-    result = run_attempt(config, config_path, dataset_dir, resume, attempt, log,
-                         on_progress=on_progress)
+    result = run_attempt(config, config_path, dataset_dir, resume.location if resume else None,
+                         attempt, log, on_progress=on_progress)
     outcome = record_outcome(config, attempt, result, resume)
     if result.restarts:
         log(f"attempt {attempt}: torchrun restarted the workers {result.restarts} time(s) in-job")
@@ -69,6 +68,12 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
     if result.failure_class == "rollback":
         skip = skip_data_before(config, store, result)
         log(f"rollback: samples [{skip.start}, {skip.end}) will be skipped ({skip.reason})")
+    if result.failure_class == "corrupt_checkpoint":
+        damaged = next(r for r in result.records if r["class"] == "corrupt_checkpoint")
+        entry = set_aside_damaged(config, damaged["checkpoint_step"], damaged["from_store"],
+                                  damaged["reason"])
+        log(f"checkpoint step {entry.step} failed its checksums at load: now {entry.state} "
+            f"({entry.history[-1].note})")
     retry, why = retry_decision(config, read_outcomes(config, attempt_prefix(attempt)))
     log(f"attempt {attempt} ended: {outcome['class']} at step {outcome['step']} ({outcome['reason']}); "
         + ("retrying" if retry else f"not retrying: {why}"))
@@ -83,12 +88,12 @@ def attempt_prefix(attempt: str) -> str:
 
 
 def record_outcome(config: RunConfig, attempt: str, result: AttemptResult,
-                   resumed_from: Path | None) -> dict:
+                   resumed_from: ResumePoint | None) -> dict:
     """Why the attempt ended, where it started and what it left: the retry policy's input."""
     committed = committed_checkpoints(config.run_dir)
     outcome = {"attempt": attempt, "class": result.failure_class, "reason": result.reason,
                "step": result.step, "exit_code": result.exit_code,
-               "resumed_from": step_of(resumed_from) if resumed_from else 0,
+               "resumed_from": resumed_from.step if resumed_from else 0,
                "newest_checkpoint": step_of(committed[-1]) if committed else 0,
                "restarts": result.restarts,  # in-job (torchrun) restarts within the attempt
                "wall_time_s": result.wall_time_s, "time": time.time()}
@@ -136,7 +141,7 @@ def skip_data_before(config: RunConfig, store, result: AttemptResult) -> DataSki
     """Record the data window from the checkpoint the next attempt resumes at to the bad step."""
     bad = next(r for r in result.records if r["class"] == "rollback")
     resume = resume_point(config, store)
-    start = CheckpointManifest.load(resume).data_position if resume is not None else 0
+    start = resume.data_position if resume is not None else 0
     return Ledger(config.run_dir, config.run.run_id).add_data_skip(
         start, bad["sample_end"], f"rollback at step {bad['step']}: {bad['reason']}")
 

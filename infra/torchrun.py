@@ -50,15 +50,18 @@ class AttemptResult:
 
 
 def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path,
-                     resume: Path | None, attempt: str) -> list[str]:
+                     resume: str | None, attempt: str) -> list[str]:
     """The torchrun command line, the same on every node. The rendezvous endpoint and each
-    node's own settings reach torchrun through its environment (infra/launchers.py)."""
+    node's own settings reach torchrun through its environment (infra/launchers.py).
+
+    `resume`: the checkpoint to start from, a directory or 'store:STEP' (the workers' --resume).
+    """
     par = config.parallelism
     log_dir = exits.attempt_dir(config.run_dir, attempt).resolve() / "torchrun"
     restarts = config.launch.max_restarts
-    resume_arg = str(resume.resolve()) if resume is not None else "none"
+    resume_arg = resume or "none"
     if restarts:  # restarted workers get this same line: resume from what was validated since
-        resume_arg = "validated" + (f":{resume.resolve()}" if resume is not None else "")
+        resume_arg = "validated" + (f":{resume}" if resume is not None else "")
     return [
         config.launch.python or sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={par.nnodes}",
@@ -82,6 +85,8 @@ def worker_env(config: RunConfig, attempt: str) -> dict[str, str]:
     """What every worker needs on top of its node's own environment."""
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # workers share the cores
            "PYTHONUNBUFFERED": "1", "GOODPUT_ATTEMPT": attempt,
+           # Where to leave the exit record even when the config file fails to load there.
+           "GOODPUT_RUN_DIR": str(config.run_dir.resolve()),
            # A shared rendezvous TCP store made restarts flaky (STACK_NOTES): rank 0's node
            # opens a fresh store for the workers on every attempt.
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -96,7 +101,7 @@ def worker_env(config: RunConfig, attempt: str) -> dict[str, str]:
     return {**env, **config.launch.env}
 
 
-def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume: Path | None,
+def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume: str | None,
                 attempt: str, log: Callable[[str], None], poll_s: float = 0.5,
                 on_progress: Callable[[dict], None] | None = None) -> AttemptResult:
     """Run one training attempt on every node to its end; never leaves a worker behind.
@@ -199,7 +204,8 @@ def classify(run_dir: Path, attempt: str, returncode: int, hung: bool, wall: flo
     if returncode == 0:
         return AttemptResult(0, "done", "done", step, wall, records, restarts)
     classes = {r["class"] for r in records}
-    for cls in ("config", "oom", "disk_full", "rollback"):  # the most specific verdict wins
+    # The most specific verdict wins.
+    for cls in ("config", "oom", "disk_full", "corrupt_checkpoint", "rollback"):
         if cls in classes:
             reason = next(r["reason"] for r in records if r["class"] == cls)
             return AttemptResult(returncode, cls, reason, step, wall, records, restarts)

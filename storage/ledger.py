@@ -1,6 +1,7 @@
 """The checkpoint ledger: per run, the state of every checkpoint.
 
     committed -> validated -> uploaded (-> pruned by retention)   or  rejected (with the reason)
+    rejected -> committed: the same step saved again by a later attempt (a new copy)
 
 One JSON file, `<run_dir>/ledger.json`, mirrored to `runs/<run_id>/ledger.json` in the
 store so a new machine can resume from the store alone. Writers (validation and upload
@@ -83,15 +84,16 @@ class Ledger:
             write_atomic(self.path, data.model_dump_json(indent=2).encode())
 
     def record(self, step: int, state: State, note: str = "", **fields) -> LedgerEntry:
-        """Move checkpoint `step` to `state`. A rejected checkpoint never becomes resumable again."""
+        """Move checkpoint `step` to `state`. A rejected checkpoint never becomes resumable
+        again; only a new save of the same step (the rejected copy was moved aside) starts
+        over as committed."""
         with self.edit() as data:
             entry = data.entries.get(step) or LedgerEntry(step=step, state=state)
-            if entry.state == "rejected" and state != "rejected":
+            if entry.state == "rejected" and state not in ("rejected", "committed"):
                 raise ValueError(f"checkpoint step {step} was rejected ({entry.reason}); "
                                  f"it cannot become {state}")
             entry.state = state
-            if state == "rejected":
-                entry.reason = note
+            entry.reason = note if state == "rejected" else ""
             for key, value in fields.items():
                 setattr(entry, key, value)
             entry.history.append(Transition(state=state, at=time.time(), note=note))

@@ -13,8 +13,10 @@ from storage import open_store
 from storage.ledger import checkpoint_key
 from storage.manifests import CheckpointManifest, list_files
 from tests.helpers import losses_by_step, small_config, synthetic_dataset, torchrun_training
-from training.checkpoint import (checkpoint_path, committed_checkpoints, load_all_tensors,
-                                 verify_checkpoint)
+from goodput.runs import train_attempt
+from infra.torchrun import TrainingFailed
+from training.checkpoint import (CheckpointCorrupt, StoreReader, VerifiedReader, checkpoint_path,
+                                 committed_checkpoints, load_all_tensors, verify_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def test_checkpoint_without_manifest_is_never_resumed(run, tmp_path):
     (checkpoint_path(config.run_dir, 20) / "manifest.json").unlink()  # killed mid-commit
     assert [p.name for p in committed_checkpoints(config.run_dir)] == ["step-00000010"]
     store = open_store(str(tmp_path / "store"))
-    assert checkpoints.resume_point(config, store) == checkpoint_path(config.run_dir, 10)
+    assert checkpoints.resume_point(config, store).local == checkpoint_path(config.run_dir, 10)
     # Plain torchrun's --resume auto agrees, and saving step 20 again clears the debris.
     proc = torchrun_training(config, dataset, resume="auto")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -73,7 +75,7 @@ def test_flipped_byte_is_rejected_and_kept_aside(run, tmp_path):
     assert not checkpoint_path(config.run_dir, 20).exists()
     assert list((config.run_dir / "checkpoints" / "rejected").glob("step-00000020-*"))
     store = open_store(str(tmp_path / "store"))
-    assert checkpoints.resume_point(config, store) == checkpoint_path(config.run_dir, 10)
+    assert checkpoints.resume_point(config, store).local == checkpoint_path(config.run_dir, 10)
     with pytest.raises(ValueError, match="rejected"):
         checkpoints.ledger_of(config).record(20, "validated")
 
@@ -130,9 +132,82 @@ def test_upload_then_resume_from_the_store_alone(run, tmp_path):
     assert {e["state"] for e in ledger_in_store["entries"].values()} == {"uploaded"}
 
     shutil.rmtree(config.run_dir)  # a new machine: no local tier, no local ledger
-    path = checkpoints.resume_point(config, store)
-    assert path == checkpoint_path(config.run_dir, 20)
-    assert verify_checkpoint(path)["ok"]
+    point = checkpoints.resume_point(config, store)
+    # Nothing is downloaded up front: the workers read it from the store, each rank its files.
+    assert (point.step, point.local, point.location) == (20, None, "store:20")
+    assert point.data_position == CheckpointManifest.model_validate_json(
+        store.get_bytes("runs/test/checkpoints/step-00000020/manifest.json")).data_position > 0
+    assert not checkpoint_path(config.run_dir, 20).exists()
+
+
+def flip_byte(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_checkpoint_damaged_after_validation_is_never_loaded(run, tmp_path):
+    """A validated checkpoint whose file rots on disk fails its checksums at load: the
+    attempt stops, the damaged copy goes aside, the retry resumes from the store copy (read
+    per rank), and the step the run saves again after a rejection is judged afresh."""
+    config, dataset = run
+    store = config.storage.open()
+    full = losses_by_step(config.run_dir)
+    checkpoints.validate_checkpoint(config, 10)
+    checkpoints.upload_checkpoint(config, 10, store)
+    flip_byte(next(checkpoint_path(config.run_dir, 20).glob("*.distcp")))
+    assert checkpoints.validate_checkpoint(config, 20).state == "rejected"
+    shard = sorted(checkpoint_path(config.run_dir, 10).glob("*.distcp"))[0]
+    flip_byte(shard)  # after validation and upload: only the local copy is damaged
+
+    lines = []
+    with pytest.raises(TrainingFailed) as failed:
+        train_attempt(config, dataset, store, "damaged-1", lines.append)
+    assert failed.value.failure_class == "corrupt_checkpoint" and failed.value.retry
+    entry = checkpoints.ledger_of(config).read().entries[10]
+    assert entry.state == "uploaded" and "local copy damaged" in entry.history[-1].note
+    assert shard.name in entry.history[-1].note and not checkpoint_path(config.run_dir, 10).exists()
+    assert list((config.run_dir / "checkpoints" / "rejected").glob("step-00000010-*"))
+
+    (config.run_dir / "metrics.jsonl").unlink()
+    result = train_attempt(config, dataset, store, "damaged-2", lines.append)
+    assert result.failure_class == "done" and result.step == 20, "\n".join(lines[-30:])
+    assert "resuming from step-00000010 in the store" in "\n".join(lines)
+    resumed = losses_by_step(config.run_dir)
+    assert sorted(resumed) == list(range(11, 21)) and all(resumed[s] == full[s] for s in resumed)
+    # Step 20 was rejected; the run saved it again: that copy is judged on its own.
+    assert checkpoints.validate_checkpoint(config, 20).state == "validated"
+    assert [t.state for t in checkpoints.ledger_of(config).read().entries[20].history][-3:] == [
+        "rejected", "committed", "validated"]
+    fetched = config.run_dir / "checkpoints" / ".from-store" / "step-00000010"
+    assert fetched.is_dir()  # what the ranks fetched to resume; gone once a newer one is local
+    checkpoints.prune_local(config)
+    assert not fetched.exists()
+
+
+def test_readers_refuse_files_that_differ_from_the_manifest(run, tmp_path):
+    """What a rank checks before DCP reads a file: the local copy, and the store's (fetched
+    twice before it is called damaged)."""
+    config, _ = run
+    store = config.storage.open()
+    path = checkpoint_path(config.run_dir, 10)
+    store.upload_dir(path, checkpoint_key("test", 10), last=("manifest.json",))
+    shard = sorted(path.glob("*.distcp"))[0]
+    VerifiedReader(path)._obtain(shard.name)  # whole: no complaint
+    flip_byte(shard)
+    with pytest.raises(CheckpointCorrupt, match=f"{shard.name}: sha256 differs") as local:
+        VerifiedReader(path)._obtain(shard.name)
+    assert local.value.step == 10 and not local.value.from_store
+    shard.unlink()
+    with pytest.raises(CheckpointCorrupt, match="missing"):
+        VerifiedReader(path)._obtain(shard.name)
+
+    flip_byte(store.path(f"{checkpoint_key('test', 10)}/{shard.name}"))
+    reader = StoreReader(store, checkpoint_key("test", 10), tmp_path / "cache")
+    with pytest.raises(CheckpointCorrupt, match="fetched twice") as remote:
+        reader._obtain(shard.name)
+    assert remote.value.from_store and not (tmp_path / "cache" / shard.name).exists()
+    assert checkpoints.set_aside_damaged(config, 10, True, remote.value.reason).state == "rejected"
 
 
 def test_resume_continues_the_exact_loss_curve(trained, tmp_path):
@@ -177,7 +252,7 @@ def test_store_retention_keeps_every_mth_best_and_newest(run, tmp_path):
     ledger = checkpoints.ledger_of(config).read()
     assert ledger.entries[10].state == "pruned" and "retention" in ledger.entries[10].history[-1].note
     assert json.loads(store.get_bytes("runs/test/ledger.json"))["entries"]["10"]["state"] == "pruned"
-    assert checkpoints.resume_point(config, store) == checkpoint_path(config.run_dir, 20)
+    assert checkpoints.resume_point(config, store).local == checkpoint_path(config.run_dir, 20)
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])

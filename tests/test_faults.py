@@ -1,5 +1,7 @@
 """Failure classes and what the pipeline does about each: real flows, real torchrun."""
 
+from pathlib import Path
+
 import pytest
 
 from flows.prepare import prepare
@@ -68,7 +70,8 @@ def test_restarted_workers_resume_from_the_newest_validated_checkpoint(tmp_path,
     ledger = Ledger(run_dir, "run")
     start = _committed(run_dir, 10)
     assert resolve_resume("validated", run_dir) is None  # nothing judged yet: from scratch
-    assert resolve_resume(f"validated:{start}", run_dir) == start
+    assert resolve_resume(f"validated:{start}", run_dir) == str(start)
+    assert resolve_resume("validated:store:5", run_dir) == "store:5"  # only the store has it
     ledger.record(10, "validated")
     for step, state in ((20, "uploaded"), (30, "rejected"), (40, None)):
         _committed(run_dir, step)
@@ -76,20 +79,21 @@ def test_restarted_workers_resume_from_the_newest_validated_checkpoint(tmp_path,
             ledger.record(step, state)
     # 30 was rejected, 40 has no verdict (and no validator answers within the wait): 20.
     monkeypatch.setenv("GOODPUT_RESTART_WAIT_S", "0.2")
-    assert resolve_resume(f"validated:{start}", run_dir).name == "step-00000020"
+    assert Path(resolve_resume(f"validated:{start}", run_dir)).name == "step-00000020"
+    assert Path(resolve_resume("validated:store:15", run_dir)).name == "step-00000020"  # older
+    assert resolve_resume("validated:store:50", run_dir) == "store:50"  # newer than any on disk
     with pytest.raises(FileNotFoundError, match="no such committed checkpoint"):
         resolve_resume(f"validated:{tmp_path / 'gone'}", tmp_path / "empty-run")
 
 
 def test_torchrun_command_restarts_in_job_and_resumes_from_what_was_validated(tmp_path):
-    from pathlib import Path
-
     from infra.torchrun import torchrun_command, worker_env
 
     config = small_config(tmp_path, "launch.max_restarts=2")
-    command = torchrun_command(config, Path("run.yaml"), Path("data"), Path("ckpt/step-00000010"), "a-1")
+    command = torchrun_command(config, Path("run.yaml"), Path("data"), "/ckpt/step-00000010", "a-1")
     assert "--max-restarts=2" in command
-    assert command[-2:] == ["--resume", f"validated:{Path('ckpt/step-00000010').resolve()}"]
+    assert command[-2:] == ["--resume", "validated:/ckpt/step-00000010"]
+    assert torchrun_command(config, Path("run.yaml"), Path("data"), "store:10", "a-1")[-1] == "validated:store:10"
     assert torchrun_command(config, Path("run.yaml"), Path("data"), None, "a-1")[-1] == "validated"
     assert worker_env(config, "a-1")["GOODPUT_RESTART_WAIT_S"] == "300.0"
 
@@ -241,3 +245,19 @@ def test_configuration_errors_are_not_retried(workdir):
     outcomes = read_outcomes(config)
     assert [o["class"] for o in outcomes] == ["config"]  # one attempt, no retries
     assert "no-such-dataset" in outcomes[0]["reason"]
+
+
+def test_a_config_file_the_workers_cannot_load_ends_the_attempt_as_a_config_error(tmp_path):
+    """The flow loaded the config; a node's copy of the file does not load (edited, another
+    version): the workers still leave the record that makes it a config error, not a crash
+    to retry, and restarted workers do not try again."""
+    from infra.torchrun import run_attempt
+
+    config = small_config(tmp_path, "launch.max_restarts=1")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  dim: lots\n")
+    lines = []
+    result = run_attempt(config, bad, tmp_path / "dataset", None, "badcfg-1", lines.append)
+    assert result.failure_class == "config", "\n".join(lines[-20:])
+    assert "bad.yaml" in result.reason and "model.dim" in result.reason
+    assert result.restarts <= 1

@@ -31,7 +31,7 @@ def dataset(tmp_path_factory):
     return synthetic_dataset(tmp_path_factory.mktemp("multinode") / "dataset")
 
 
-def train(config, dataset, attempt: str = "a1", resume: Path | None = None, on_progress=None):
+def train(config, dataset, attempt: str = "a1", resume: str | None = None, on_progress=None):
     lines: list[str] = []
     result = run_attempt(config, write_run_config(config), dataset, resume, attempt, lines.append,
                          poll_s=0.2, on_progress=on_progress)
@@ -78,7 +78,7 @@ def test_a_failing_node_stops_the_others_and_every_node_restarts(tmp_path, datas
     assert time.monotonic() - started < 60  # the other node was stopped, not waited for
     assert processes_mentioning(str(config.run_dir)) == []
     # The retry starts every node again, on a fresh rendezvous, from the checkpoint.
-    resumed, lines = train(config, dataset, "a2", resume=checkpoint_path(config.run_dir, 2))
+    resumed, lines = train(config, dataset, "a2", resume=str(checkpoint_path(config.run_dir, 2)))
     assert resumed.failure_class == "done" and resumed.step == STEPS, "\n".join(lines[-40:])
     assert any(WORKER_LINE.match(line) and "resumed from" in line for line in lines)
     assert sorted(losses_by_step(config.run_dir)) == list(range(1, STEPS + 1))

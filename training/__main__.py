@@ -1,7 +1,7 @@
 """`python -m training`: the torchrun entrypoint. Works with or without the orchestrator.
 
     torchrun --nproc-per-node 2 -m training --config configs/tiny.yaml \
-        --dataset .goodput/data/<dataset_id> [--resume auto|none|DIR|validated[:DIR]] [key=value ...]
+        --dataset .goodput/data/<dataset_id> [--resume auto|none|DIR|store:STEP|validated[:DIR]] [key=value ...]
 
 Exits with the codes in training/exits.py and leaves an exit record for the launch task.
 
@@ -29,8 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", required=True, help="prepared dataset directory (has manifest.json)")
     parser.add_argument("--resume", default="auto",
                         help="'auto' (newest committed checkpoint), 'none', a checkpoint directory, "
-                             "or 'validated[:DIR]' (newest checkpoint the run's ledger marks "
-                             "validated, else DIR, else from scratch)")
+                             "'store:STEP' (the uploaded checkpoint of STEP, each rank fetching "
+                             "the files it reads), or 'validated[:LOCATION]' (newest checkpoint "
+                             "the run's ledger marks validated, else LOCATION, else from scratch)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
 
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(e, file=sys.stderr, flush=True)
+        if "GOODPUT_RUN_DIR" in os.environ:  # the launch task's: it reads why the attempt ended
+            exits.write_exit_record(os.environ["GOODPUT_RUN_DIR"], attempt, rank, exits.CONFIG_ERROR,
+                                    f"--config {args.config}: {e}", None)
         return exits.CONFIG_ERROR
     run_dir = config.run_dir
     if "GOODPUT_ATTEMPT" in os.environ:  # attempts of the launch task are unique; plain runs reuse "0"
@@ -58,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         announce_start(run_dir, attempt)
     import torch
 
-    from training.checkpoint import CheckpointFailed
+    from training.checkpoint import CheckpointCorrupt, CheckpointFailed
     from training.train import Preempted, RollbackRequested, train
 
     try:
@@ -71,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as e:
         print(f"[train] {e}", flush=True)
         exits.write_exit_record(run_dir, attempt, rank, exits.RETRYABLE, str(e), e.step)
+        return exits.RETRYABLE
+    except CheckpointCorrupt as e:  # the launch task sets that copy aside; the retry resumes elsewhere
+        print(f"[train] not resuming: {e}", file=sys.stderr, flush=True)
+        exits.write_exit_record(run_dir, attempt, rank, exits.RETRYABLE, str(e), None,
+                                failure_class="corrupt_checkpoint", checkpoint_step=e.step,
+                                from_store=e.from_store)
         return exits.RETRYABLE
     except CheckpointFailed as e:  # nothing was committed; a full disk stays full on retry
         print(f"[train] checkpoint failed: {e}", file=sys.stderr, flush=True)

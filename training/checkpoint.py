@@ -266,7 +266,68 @@ class Checkpointer:
             self.stager = None
 
 
-class StoreReader(dcp.FileSystemReader):
+class CheckpointCorrupt(Exception):
+    """A file of a committed checkpoint no longer matches its manifest when a rank loads it:
+    damaged after validation (disk, a stray write) or in the store. Never loaded; the launch
+    task sets that copy aside and the next attempt resumes from another."""
+
+    def __init__(self, step: int, source: str, reason: str, from_store: bool):
+        super().__init__(f"checkpoint step {step} at {source}: {reason}")
+        self.step, self.source, self.reason, self.from_store = step, source, reason, from_store
+
+    def __reduce__(self):  # DCP pickles each rank's error to every rank
+        return type(self), (self.step, self.source, self.reason, self.from_store)
+
+
+class VerifiedReader(dcp.FileSystemReader):
+    """Reads a committed checkpoint directory, first checking each file this rank's DCP read
+    plan touches against the manifest's sha256.
+
+    Validation proved the checkpoint whole once; the hash at load proves it still is, for
+    the files this rank reads (the read warms the page cache DCP then reads from).
+    """
+
+    from_store = False
+
+    def __init__(self, path: str | Path, manifest: CheckpointManifest | None = None):
+        super().__init__(str(path))
+        self.source = str(path)
+        if manifest is None:
+            if not is_committed(Path(path)):
+                raise FileNotFoundError(f"{path} has no {CHECKPOINT_MANIFEST}: not a committed checkpoint")
+            manifest = CheckpointManifest.load(Path(path))
+        self.manifest = manifest
+        self.sha256 = {f.path: f.sha256 for f in manifest.files}
+        self.local_dir = Path(path)
+
+    def __str__(self) -> str:
+        return self.source
+
+    def corrupt(self, reason: str) -> CheckpointCorrupt:
+        return CheckpointCorrupt(self.manifest.step, self.source, reason, self.from_store)
+
+    def _obtain(self, relative: str) -> None:
+        """Make `relative` available under local_dir, matching the manifest."""
+        if relative not in self.sha256:
+            raise self.corrupt(f"{relative} is not in its manifest")
+        path = self.local_dir / relative
+        if not path.is_file():
+            raise self.corrupt(f"{relative} is missing")
+        if sha256_file(path) != self.sha256[relative]:
+            raise self.corrupt(f"{relative}: sha256 differs from the manifest")
+
+    def read_metadata(self, *args, **kwargs):
+        self._obtain(".metadata")
+        return super().read_metadata(*args, **kwargs)
+
+    def read_data(self, plan, planner):
+        for relative in sorted({self.storage_data[item.storage_index].relative_path
+                                for item in plan.items}):
+            self._obtain(relative)
+        return super().read_data(plan, planner)
+
+
+class StoreReader(VerifiedReader):
     """Loads an uploaded checkpoint straight from the object store, each rank fetching only
     the files its own part of the state lives in.
 
@@ -278,55 +339,47 @@ class StoreReader(dcp.FileSystemReader):
     other ranks (FSDP, PP). `fetched` lists what this rank downloaded.
     """
 
+    from_store = True
+
     def __init__(self, store, prefix: str, cache_dir: str | Path):
-        super().__init__(str(cache_dir))
-        self.store, self.prefix, self.cache_dir = store, prefix.rstrip("/"), Path(cache_dir)
-        manifest_key = f"{self.prefix}/{CHECKPOINT_MANIFEST}"
+        prefix = prefix.rstrip("/")
+        manifest_key = f"{prefix}/{CHECKPOINT_MANIFEST}"
         if not store.exists(manifest_key):
             raise FileNotFoundError(f"{store.url(manifest_key)} not found: the checkpoint was "
                                     "never uploaded completely")
-        self.manifest = CheckpointManifest.model_validate_json(store.get_bytes(manifest_key))
-        self.sha256 = {f.path: f.sha256 for f in self.manifest.files}
+        super().__init__(cache_dir, CheckpointManifest.model_validate_json(store.get_bytes(manifest_key)))
+        self.store, self.prefix, self.source = store, prefix, store.url(prefix)
         self.fetched: list[str] = []
 
-    def __str__(self) -> str:
-        return self.store.url(self.prefix)
-
-    def _fetch(self, relative: str) -> None:
-        dest = self.cache_dir / relative
+    def _obtain(self, relative: str) -> None:
         if relative not in self.sha256:
-            raise FileNotFoundError(f"{relative} is not in the manifest of {self.store.url(self.prefix)}")
+            raise self.corrupt(f"{relative} is not in its manifest")
+        dest = self.local_dir / relative
         if dest.is_file() and sha256_file(dest) == self.sha256[relative]:
-            return
-        self.store.get_file(f"{self.prefix}/{relative}", dest)
-        if sha256_file(dest) != self.sha256[relative]:
+            return  # another rank of this node fetched it
+        for _ in range(2):  # a second fetch tells a bad transfer from a bad stored copy
+            self.store.get_file(f"{self.prefix}/{relative}", dest)
+            if sha256_file(dest) == self.sha256[relative]:
+                self.fetched.append(relative)
+                return
             dest.unlink(missing_ok=True)
-            raise IOError(f"{self.store.url(self.prefix)}/{relative}: sha256 differs from the manifest")
-        self.fetched.append(relative)
-
-    def read_metadata(self, *args, **kwargs):
-        self._fetch(".metadata")
-        return super().read_metadata(*args, **kwargs)
-
-    def read_data(self, plan, planner):
-        for relative in sorted({self.storage_data[item.storage_index].relative_path
-                                for item in plan.items}):
-            self._fetch(relative)
-        return super().read_data(plan, planner)
+        raise self.corrupt(f"{relative}: sha256 differs from the manifest (fetched twice)")
 
 
-def load_checkpoint(source: Path | StoreReader, model_parts, optimizers, extra_template: dict) -> dict:
-    """Load a committed checkpoint (a local directory, or the store through a StoreReader)
-    into this rank's model parts and optimizers, whatever layout saved it (DCP reshards);
-    returns the extras."""
+def load_checkpoint(reader: VerifiedReader, model_parts, optimizers, extra_template: dict) -> dict:
+    """Load a committed checkpoint (a local directory, or the store: see `VerifiedReader` and
+    `StoreReader`) into this rank's model parts and optimizers, whatever layout saved it
+    (DCP reshards); returns the extras. Raises CheckpointCorrupt on every rank when any
+    rank found a file that no longer matches the manifest."""
     parts = _part_states(model_parts, optimizers)
     state = _train_state(parts, extra_template)
-    if isinstance(source, StoreReader):
-        dcp.load(state, storage_reader=source)
-    else:
-        if not is_committed(source):
-            raise FileNotFoundError(f"{source} has no {CHECKPOINT_MANIFEST}: not a committed checkpoint")
-        dcp.load(state, checkpoint_id=str(source))
+    try:
+        dcp.load(state, storage_reader=reader)
+    except CheckpointException as e:  # every rank's errors, gathered by DCP (a BaseException)
+        corrupt = [c for c in _causes(e) if isinstance(c, CheckpointCorrupt)]
+        if corrupt:
+            raise corrupt[0] from None
+        raise RuntimeError(f"loading {reader} failed: {_describe(e)}") from None
     for (m, o), part, opt in zip(parts, model_parts, optimizers):
         set_state_dict(part, opt, options=_OPTIONS,
                        model_state_dict={k: state["model"][k] for k in m},

@@ -27,8 +27,9 @@ ROLLBACK = 76  # non-finite loss or loss spike: resume from an earlier checkpoin
 
 CLASS_OF_CODE = {DONE: "done", CONFIG_ERROR: "config", RETRYABLE: "retryable", ROLLBACK: "rollback"}
 # Restarting in-job cannot help these: the same inputs, the same data window (a rollback
-# must first record the window to skip), the same memory, the same full disk.
-NOT_RESTARTABLE = ("config", "rollback", "oom", "disk_full")
+# must first record the window to skip), the same memory, the same full disk, the same
+# damaged checkpoint (the launch task must first set it aside).
+NOT_RESTARTABLE = ("config", "rollback", "oom", "disk_full", "corrupt_checkpoint")
 STARTS_FILE = "starts.jsonl"
 
 

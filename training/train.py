@@ -28,8 +28,8 @@ from goodput.config import RunConfig
 from storage.checksums import fsync_dir
 from storage.ledger import Ledger
 from storage.manifests import DatasetManifest
-from training.checkpoint import (CheckpointFailed, Checkpointer, StoreReader, checkpoint_path,
-                                 committed_checkpoints, load_checkpoint)
+from training.checkpoint import (CheckpointFailed, Checkpointer, StoreReader, VerifiedReader,
+                                 checkpoint_path, committed_checkpoints, load_checkpoint)
 from training.data import DistributedSampleLoader, TokenStream
 from training.metrics import MetricsWriter, peak_flops
 from training.model import Transformer, model_args_from_config
@@ -91,10 +91,14 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.
                              fused=device.type == "cuda")
 
 
-def resolve_resume(resume: str, run_dir: Path) -> Path | None:
-    """Where training starts: 'none' (from scratch), 'auto' (the newest committed checkpoint
-    of this run), a checkpoint directory, or 'validated[:DIR]': the newest checkpoint on
-    local disk that the run's ledger marks validated (or uploaded), else DIR, else scratch.
+def resolve_resume(resume: str, run_dir: Path) -> str | None:
+    """Where training starts, as a checkpoint location (a directory, or 'store:STEP'; None:
+    from scratch). `resume` is 'none', 'auto' (the newest committed checkpoint of this run),
+    a location, or 'validated[:LOCATION]': the newest checkpoint on local disk that the
+    run's ledger marks validated (or uploaded), else LOCATION, else scratch.
+
+    'store:STEP' is the uploaded checkpoint of STEP, read straight from the store (the
+    launch task passes it when the local tier lacks the checkpoint to resume from).
 
     The launch task passes 'validated:<the checkpoint it resumes from>' when torchrun may
     restart the workers in-job (launch.max_restarts): the command line is fixed for the
@@ -108,7 +112,7 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
         return None
     if resume == "auto":
         committed = committed_checkpoints(run_dir)
-        return committed[-1] if committed else None
+        return str(committed[-1]) if committed else None
     if resume == "validated" or resume.startswith("validated:"):
         fallback = resume.partition(":")[2] or None
         choice: list = [(None, None)]
@@ -117,19 +121,28 @@ def resolve_resume(resume: str, run_dir: Path) -> Path | None:
             choice = [_newest_validated(Path(run_dir), fallback, wait_s)]
         if dist.is_initialized():
             dist.broadcast_object_list(choice, src=0)
-        path, error = choice[0]
+        location, error = choice[0]
         if error:
             raise FileNotFoundError(error)
-        return None if path is None else Path(path)
-    path = Path(resume)
-    if not path.is_dir():
+        return location
+    if not resume.startswith("store:") and not Path(resume).is_dir():
         raise FileNotFoundError(f"--resume {resume}: no such checkpoint directory")
-    return path
+    return resume
+
+
+def store_step(location: str) -> int | None:
+    """STEP of a 'store:STEP' location; None for a directory."""
+    if not location.startswith("store:"):
+        return None
+    try:
+        return int(location.removeprefix("store:"))
+    except ValueError:
+        raise FileNotFoundError(f"--resume {location}: expected store:STEP with an integer step") from None
 
 
 def _newest_validated(run_dir: Path, fallback: str | None, wait_s: float
                       ) -> tuple[str | None, str | None]:
-    """resolve_resume('validated[:DIR]') on rank 0: (path or None for scratch, error)."""
+    """resolve_resume('validated[:LOCATION]') on rank 0: (location or None for scratch, error)."""
     from storage.ledger import RESUMABLE
     from storage.manifests import CheckpointManifest
     from training.checkpoint import is_committed, step_of
@@ -153,20 +166,26 @@ def _newest_validated(run_dir: Path, fallback: str | None, wait_s: float
     if pending:
         print(f"[train] no verdict yet on checkpoint(s) {pending}: not resuming from them",
               flush=True)
-    candidates = {s: committed[s] for s in good}
+    candidates = {s: str(committed[s]) for s in good}
     if fallback is not None:
-        path = Path(fallback)
-        if is_committed(path):
-            candidates.setdefault(CheckpointManifest.load(path).step, path)
+        in_store = store_step(fallback)
+        if in_store is not None:
+            candidates.setdefault(in_store, fallback)
+        elif is_committed(Path(fallback)):
+            candidates.setdefault(CheckpointManifest.load(Path(fallback)).step, fallback)
         elif not candidates:
             return None, f"--resume validated:{fallback}: no such committed checkpoint"
-    return (str(candidates[max(candidates)]) if candidates else None), None
+    return (candidates[max(candidates)] if candidates else None), None
 
 
-def from_store(config: RunConfig, step: int) -> StoreReader:
-    """A reader of the uploaded checkpoint of `step`, caching what it fetches on this node."""
+def open_checkpoint(config: RunConfig, location: str) -> VerifiedReader:
+    """A reader of the checkpoint at `location` (see resolve_resume). From the store it
+    caches what this node fetches, for the node's other ranks and for in-job restarts."""
     from storage.ledger import checkpoint_key
 
+    step = store_step(location)
+    if step is None:
+        return VerifiedReader(location)
     cache = config.run_dir / "checkpoints" / ".from-store" / f"step-{step:08d}"
     return StoreReader(config.storage.open(), checkpoint_key(config.run.run_id, step), cache)
 
@@ -374,11 +393,9 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
     attempt = os.environ.get("GOODPUT_ATTEMPT", "0")
 
     step, tokens_seen = 0, 0
-    # 'store:STEP': nodes that do not share a disk with the flow read the uploaded checkpoint
-    # from the store, each rank only the files holding its part of the state.
-    resume_from = (from_store(config, int(resume.removeprefix("store:"))) if resume.startswith("store:")
-                   else resolve_resume(resume, run_dir))
-    if resume_from is not None:
+    location = resolve_resume(resume, run_dir)
+    if location is not None:
+        resume_from = open_checkpoint(config, location)
         extras = load_checkpoint(resume_from, layout.model_parts, optimizers, {
             "progress": {"step": 0, "tokens_seen": 0}, "data": loader.state_dict(),
             "rng": {"torch": torch.get_rng_state()}})
@@ -387,8 +404,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
         torch.set_rng_state(extras["rng"]["torch"])
         if isinstance(resume_from, StoreReader):
             print(f"[train] rank {env.rank} fetched {', '.join(resume_from.fetched) or 'nothing new'} "
-                  f"of {len(resume_from.sha256)} files from {resume_from.store.url(resume_from.prefix)}",
-                  flush=True)
+                  f"of {len(resume_from.sha256)} files from {resume_from}", flush=True)
         if env.is_main:
             print(f"[train] resumed from {resume_from} at step {step}", flush=True)
 
@@ -419,6 +435,9 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
              "model_args": model_args, "loss": loss})
 
     last_loss, saved_step = float("nan"), step
+    # Steps since the last metrics record (training.log_every): each record accounts for them
+    # all, so goodput counts every step's time, not only the logged ones.
+    window_steps, window_time_s, window_checkpoint_s = 0, 0.0, 0.0
     while step < tcfg.max_steps:
         step_start = time.perf_counter()
         checkpoint_s = 0.0  # this step's checkpoint stall, kept out of its step time
@@ -460,14 +479,19 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
             note = schedule.saved(step, blocked)
             if note and env.is_main:
                 print(f"[checkpoint] {note}", flush=True)
+        window_steps, window_time_s = window_steps + 1, window_time_s + step_time
+        window_checkpoint_s += checkpoint_s
         if env.is_main and (step % tcfg.log_every == 0 or step == tcfg.max_steps):
             achieved = flops_per_token * tokens_per_s / env.world_size
             metrics.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                          "tokens_seen": tokens_seen, "tokens_per_s": tokens_per_s,
-                         "step_time_s": step_time, "checkpoint_s": checkpoint_s,
+                         "step_time_s": step_time, "checkpoint_s": window_checkpoint_s,
+                         # this record stands for steps (step - window_steps, step]
+                         "window_steps": window_steps, "window_time_s": window_time_s,
                          "flops_per_s_per_device": achieved,
                          "mfu": achieved / device_peak if device_peak else None,
                          "attempt": attempt})
+            window_steps, window_time_s, window_checkpoint_s = 0, 0.0, 0.0
         metrics.heartbeat(step=step, loss=loss, tokens_per_s=tokens_per_s, step_time_s=step_time,
                           max_steps=tcfg.max_steps, attempt=attempt, phase="step")
         faults.after_step(step)
