@@ -17,15 +17,24 @@ import math
 from training.metrics import read_metrics
 
 
+def step_times(record: dict) -> dict[int, float]:
+    """The time of each step a metrics record stands for. With training.log_every = N a
+    record covers the N steps since the previous one (window_steps, window_time_s); their
+    times are not recorded one by one, so each gets the window's mean."""
+    steps = record.get("window_steps", 1)
+    per_step = record.get("window_time_s", record["step_time_s"]) / steps
+    return {record["step"] - i: per_step for i in range(steps)}
+
+
 def goodput_breakdown(run_dir, train_wall_s: float, eval_wall_s: float = 0.0) -> dict:
     records = read_metrics(run_dir)
-    last_run: dict[int, dict] = {}
+    last_run: dict[int, float] = {}
     lost = 0.0
     for record in records:  # metrics.jsonl is in time order
-        if record["step"] in last_run:
-            lost += last_run[record["step"]]["step_time_s"]
-        last_run[record["step"]] = record
-    productive = sum(r["step_time_s"] for r in last_run.values())
+        for step, seconds in step_times(record).items():
+            lost += last_run.get(step, 0.0)  # that step ran before: its earlier run was lost
+            last_run[step] = seconds
+    productive = sum(last_run.values())
     checkpoint = sum(r.get("checkpoint_s", 0.0) for r in records)
     restart = max(0.0, train_wall_s - productive - lost - checkpoint)
     total = productive + lost + checkpoint + restart + eval_wall_s
@@ -43,7 +52,8 @@ def checkpoint_interval_advice(run_dir, failures: int, wall_s: float,
     if not saves or not records:
         return None
     cost = sum(saves) / len(saves)
-    step_time = sum(r["step_time_s"] for r in records) / len(records)
+    times = [t for r in records for t in step_times(r).values()]
+    step_time = sum(times) / len(times)
     if mtbf_hours:
         mtbf, source = mtbf_hours * 3600, "configured (faults.mtbf_hours)"
     elif failures:

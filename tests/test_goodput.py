@@ -1,0 +1,37 @@
+"""Goodput accounting on metrics as the trainer writes them (pure: no training)."""
+
+import json
+
+import pytest
+
+from goodput.goodput import goodput_breakdown
+
+
+def write_metrics(run_dir, records):
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_every_step_counts_when_only_every_nth_is_logged(tmp_path):
+    """training.log_every=5: each record stands for the 5 steps since the previous one. A
+    crash at step 13 and a resume from the checkpoint of step 5 redo steps 6-13: the first
+    run of 6-10 (logged) is lost work; 11-13 were never logged, their time falls to restart.
+    The accounting sees all 15 steps of the final model, not 3 of them."""
+    first = [{"step": 5, "step_time_s": 1.2, "window_steps": 5, "window_time_s": 5.0, "checkpoint_s": 0.5},
+             {"step": 10, "step_time_s": 1.0, "window_steps": 5, "window_time_s": 5.0, "checkpoint_s": 0.0}]
+    resumed = [{"step": 10, "step_time_s": 1.0, "window_steps": 5, "window_time_s": 5.0, "checkpoint_s": 0.0},
+               {"step": 15, "step_time_s": 1.0, "window_steps": 5, "window_time_s": 5.0, "checkpoint_s": 0.5}]
+    write_metrics(tmp_path, first + resumed)
+    result = goodput_breakdown(tmp_path, train_wall_s=30.0)
+    assert result["productive_s"] == pytest.approx(15.0)  # steps 1..15 at 1 s each
+    assert result["lost_work_s"] == pytest.approx(5.0)    # the first run of steps 6..10
+    assert result["checkpoint_s"] == pytest.approx(1.0)
+    assert result["restart_s"] == pytest.approx(30.0 - 15.0 - 5.0 - 1.0)
+    assert result["goodput"] == pytest.approx(15.0 / 30.0)
+
+
+def test_records_without_windows_count_one_step_each(tmp_path):
+    """Metrics written with log_every=1 (or before windows were recorded)."""
+    write_metrics(tmp_path, [{"step": s, "step_time_s": 0.5} for s in (1, 2, 3, 2, 3)])
+    result = goodput_breakdown(tmp_path, train_wall_s=4.0)
+    assert result["productive_s"] == pytest.approx(1.5) and result["lost_work_s"] == pytest.approx(1.0)
