@@ -12,7 +12,8 @@ Two example schedules:
   the ledger. The budget is `training.max_steps` (tokens = max_steps x tokens per step);
   it never changes between runs, so neither the config hash nor the LR schedule does.
   The scheduled run that reaches max_steps switches its schedule off
-  (`tasks.control.switch_off_own_schedule`), so the schedule stops creating runs.
+  (`tasks.control.switch_off_own_schedule`), so the schedule stops creating runs; serving
+  a finished run again registers its schedule switched off.
 """
 
 from __future__ import annotations
@@ -43,17 +44,33 @@ def build_deployments(config: RunConfig, eval_cron: str | None = None,
         pipeline.to_deployment(name="goodput-pipeline", parameters=defaults, tags=tags),
     ]
     if train_cron:
+        # Serving again after the run reached its budget must not switch the schedule back on.
+        finished = run_finished(config)
         deployments.append(train.to_deployment(
             name="goodput-train-continue", tags=[*tags, "continue"],
             description=f"Continue run {config.run.run_id} until training.max_steps, at most "
                         f"{train_time_limit_s or 'unlimited'} s per run; resumes from the ledger.",
             parameters={**defaults, "time_limit_s": train_time_limit_s},
-            schedules=[Cron(train_cron)],
+            schedules=[Cron(train_cron, active=not finished)],
             # A tick while the previous run still trains is dropped, not queued.
             concurrency_limit=ConcurrencyLimitConfig(
                 limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW),
         ))
     return deployments
+
+
+def run_finished(config: RunConfig) -> bool:
+    """The run's newest validated checkpoint (ledger on local disk, else the store's copy)
+    reached training.max_steps."""
+    from goodput.checkpoints import ledger_of, restore_ledger
+
+    try:
+        restore_ledger(config, config.storage.open())
+    except Exception as e:  # serving must not depend on the store being up right now
+        print(f"goodput serve: could not read the run's ledger from the store ({e}); judging "
+              "from the local ledger only", flush=True)
+    newest = ledger_of(config).read().newest()
+    return newest is not None and newest.step >= config.training.max_steps
 
 
 def serve_all(config: RunConfig, eval_cron: str | None = None, train_cron: str | None = None,

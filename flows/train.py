@@ -49,7 +49,7 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
     with training_slot(config), no_orphan_workers():
         training = launch_training.with_options(
             retries=config.run.max_attempts - 1, retry_delay_seconds=config.run.retry_delay_s,
-        ).submit(config, dataset_dir, time_limit_s, worker_logs)
+        ).submit(config, dataset_dir, time_limit_s, worker_logs, started)
 
         def still_running() -> bool:
             training.wait(timeout=1.0)

@@ -120,12 +120,19 @@ class StopAtCheckpointAfter:
     leaves anywhere, and `checkpoint.interval: auto` re-plans it), and a checkpoint that
     commits between two heartbeat polls still counts. Checkpoints before this attempt's
     first step (the resume point, perhaps just downloaded) never do. `limit_s=None` never stops.
+
+    `started`: when the budget began (the flow run's start), so a Prefect retry of the
+    launch task spends what is left of it rather than a fresh one; default now.
     """
 
-    def __init__(self, config: RunConfig, limit_s: float | None):
+    def __init__(self, config: RunConfig, limit_s: float | None, started: float | None = None):
         self.config, self.limit_s = config, limit_s
-        self.deadline = None if limit_s is None else time.time() + limit_s
+        began = time.time() if started is None else started
+        self.deadline = None if limit_s is None else began + limit_s
         self.first_step: int | None = None
+
+    def passed(self) -> bool:
+        return self.deadline is not None and time.time() >= self.deadline
 
     def __call__(self, beat: dict) -> None:
         if self.first_step is None:

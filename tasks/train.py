@@ -43,17 +43,24 @@ def retry_per_policy(task, task_run, state) -> bool:
 @task(name="launch-training", cache_policy=NO_CACHE, retry_condition_fn=retry_per_policy,
       tags=["training"])
 def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | None = None,
-                    worker_logs: WorkerLogs = "rank0") -> dict:
+                    worker_logs: WorkerLogs = "rank0", started: float | None = None) -> dict:
     """Run torchrun to max_steps (one attempt per Prefect try), worker output in this log.
 
-    Each heartbeat updates the progress artifact; past `time_limit_s` the attempt stops at
-    the next checkpoint and returns normally (the next flow run continues from there).
+    Each heartbeat updates the progress artifact; `time_limit_s` after `started` (the flow
+    run's start; retries share the budget) the attempt stops at the next checkpoint and
+    returns normally (the next flow run continues from there). The first try always
+    launches (it stops at its first checkpoint past the deadline); a retry that begins
+    after the deadline does not.
     """
     logger = get_run_logger()
     # The random tail of the run id: scheduled runs' ids (uuid7) share their time-ordered head.
     attempt = f"{str(flow_run.id or 'local')[-8:]}-{task_run.run_count}"
     progress = TrainingProgress(config, attempt)
-    deadline = StopAtCheckpointAfter(config, time_limit_s)
+    deadline = StopAtCheckpointAfter(config, time_limit_s, started)
+    if task_run.run_count > 1 and deadline.passed():
+        logger.info(f"the flow run's time limit ({time_limit_s} s) passed before this retry: not "
+                    "launching; the next run resumes from the newest validated checkpoint")
+        return {"attempt": attempt, "step": None, "wall_time_s": 0.0, "stopped": "time limit"}
 
     def on_progress(beat: dict) -> None:
         progress(beat)

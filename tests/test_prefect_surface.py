@@ -300,6 +300,10 @@ def test_time_limit_stops_after_the_next_committed_checkpoint(tmp_path):
     commit(1578)
     late({"step": 1579})  # is no progress: go on
     StopAtCheckpointAfter(config, limit_s=None)({"step": 1579})  # no limit, no stop
+    # A Prefect retry of the launch task spends what is left of the flow run's budget.
+    assert StopAtCheckpointAfter(config, limit_s=60, started=time.time() - 61).passed()
+    assert not StopAtCheckpointAfter(config, limit_s=60, started=time.time() - 30).passed()
+    assert not StopAtCheckpointAfter(config, limit_s=None, started=0).passed()
 
 
 # -- served deployments (one `goodput serve` for the class) -----------------------------------
@@ -646,3 +650,21 @@ def test_work_pool_script_deploys_prefect_yaml_and_runs_it(prefect_api, base, da
     finally:
         stop_process_tree(proc)
         log.close()
+
+
+def test_serving_a_finished_run_again_keeps_its_continuation_schedule_off(tmp_path):
+    from flows.deployments import build_deployments
+    from goodput.checkpoints import ledger_of
+
+    config = small_config(tmp_path, "training.max_steps=20")
+
+    def continuation_active() -> bool:
+        deployments = build_deployments(config, train_cron="*/5 * * * *", train_time_limit_s=60)
+        continue_, = [d for d in deployments if d.name == "goodput-train-continue"]
+        return continue_.schedules[0].active
+
+    assert continuation_active()  # nothing trained yet
+    ledger_of(config).record(10, "validated")
+    assert continuation_active()  # half way
+    ledger_of(config).record(20, "uploaded")
+    assert not continuation_active()  # the budget is spent: serving again must not revive it
