@@ -12,9 +12,8 @@ goodput = productive / total. The parts add up to the total exactly.
 
 from __future__ import annotations
 
-import math
 
-from training.metrics import read_metrics
+from training.metrics import read_metrics, young_daly_interval_s
 
 
 def step_times(record: dict) -> dict[int, float]:
@@ -61,7 +60,7 @@ def checkpoint_interval_advice(run_dir, failures: int, wall_s: float,
     else:
         return {"checkpoint_cost_s": cost, "mtbf_s": None, "note":
                 "no failure observed and faults.mtbf_hours unset: no MTBF to plan for"}
-    interval = math.sqrt(2 * cost * mtbf)
+    interval = young_daly_interval_s(cost, mtbf)
     steps = max(1, round(interval / step_time))
     return {"checkpoint_cost_s": cost, "mtbf_s": mtbf, "mtbf_source": source,
             "optimal_interval_s": interval, "optimal_every_steps": steps,

@@ -7,9 +7,16 @@ slow step from a hung job and to show live progress.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
+
+
+def young_daly_interval_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
+    """The checkpoint interval that minimises expected lost time (Young/Daly, first order):
+    sqrt(2 x C x MTBF), for checkpoint cost C (training time blocked per save)."""
+    return math.sqrt(2 * checkpoint_cost_s * mtbf_s)
 
 
 class MetricsWriter:

@@ -31,7 +31,7 @@ from storage.manifests import DatasetManifest
 from training.checkpoint import (CheckpointFailed, Checkpointer, StoreReader, VerifiedReader,
                                  checkpoint_path, committed_checkpoints, load_checkpoint)
 from training.data import DistributedSampleLoader, TokenStream
-from training.metrics import MetricsWriter, peak_flops
+from training.metrics import MetricsWriter, peak_flops, young_daly_interval_s
 from training.model import Transformer, model_args_from_config
 from training.parallelize import Layout, clip_grad_norm_, parallelize
 
@@ -280,7 +280,7 @@ class CheckpointSchedule:
         cost, step_time, mtbf = _agree_max([cost, step_time, self.mtbf_s])
         if mtbf <= 0:
             return ""
-        every = max(1, min(self.cfg.every_steps, round(math.sqrt(2 * cost * mtbf) / step_time)))
+        every = max(1, min(self.cfg.every_steps, round(young_daly_interval_s(cost, mtbf) / step_time)))
         if every == self.every:
             return ""
         self.every = every
