@@ -60,6 +60,7 @@ def test_checkpoint_without_manifest_is_never_resumed(run, tmp_path):
     proc = torchrun_training(config, dataset, resume="auto")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resumed from" in proc.stdout and "step-00000010" in proc.stdout
+    assert "in-job restart" not in proc.stdout  # a second plain run is no restart of the first
     assert verify_checkpoint(checkpoint_path(config.run_dir, 20))["ok"]
 
 

@@ -133,7 +133,9 @@ def announce_start(run_dir: Path, attempt: str) -> None:
     first step rather than the allowance of a step."""
     from training.metrics import MetricsWriter
 
-    start = exits.record_start(run_dir, attempt)
+    # Attempts of the launch task are unique; plain runs share "0" and each starts anew.
+    plain_run = "GOODPUT_ATTEMPT" not in os.environ and exits.restart_count() == 0
+    start = exits.record_start(run_dir, attempt, fresh=plain_run)
     if start:
         print(f"[train] in-job restart {start} of attempt {attempt} (torchrun restart count "
               f"{exits.restart_count()} on this node)", flush=True)

@@ -72,10 +72,13 @@ def restart_blocker(run_dir: str | Path, attempt: int | str) -> dict | None:
                 None)
 
 
-def record_start(run_dir: str | Path, attempt: int | str) -> int:
-    """Note a start of the worker group (call on global rank 0); returns how many came before."""
+def record_start(run_dir: str | Path, attempt: int | str, fresh: bool = False) -> int:
+    """Note a start of the worker group (call on global rank 0); returns how many came before.
+    `fresh`: a new job reusing the attempt id (plain runs all use "0"): forget earlier starts."""
     directory = attempt_dir(run_dir, attempt)
     directory.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        (directory / STARTS_FILE).unlink(missing_ok=True)
     before = len(read_starts(run_dir, attempt))
     line = {"start": before, "restart": restart_count(), "time": time.time(), "pid": os.getpid(),
             "node": int(os.environ.get("GROUP_RANK", "0"))}
