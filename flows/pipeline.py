@@ -13,6 +13,7 @@ from flows.prepare import prepare
 from flows.train import train
 from goodput.config import RunConfig
 from tasks.control import resolve_config
+from tasks.plan import check_layout
 from tasks.reporting import WorkerLogs
 
 
@@ -20,6 +21,11 @@ from tasks.reporting import WorkerLogs
 def pipeline(config: RunConfig = RunConfig(), config_file: str | None = None,
              overrides: tuple[str, ...] = (), worker_logs: WorkerLogs = "rank0") -> dict:
     """Prepare the dataset, train on it, evaluate the newest checkpoint.
+
+    The layout is checked first: one that cannot run fails the pipeline in seconds, not
+    after the dataset is prepared. The train stage checks it again before it launches, as
+    it does when run on its own: the check is arithmetic (milliseconds), so a second task
+    run costs less than a parameter that could switch the guard off.
 
     Args:
         config: The run's configuration (the form); used unless `config_file` is set.
@@ -30,6 +36,7 @@ def pipeline(config: RunConfig = RunConfig(), config_file: str | None = None,
             rank ("all").
     """
     config = resolve_config(config, config_file, overrides)
+    check_layout(config)
     dataset = prepare(config)
     trained = train(config, worker_logs=worker_logs)
     report = evaluate(config)

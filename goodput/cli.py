@@ -6,6 +6,7 @@
     goodput serve                             # deployments for the Prefect UI and schedules
     goodput export CHECKPOINT_DIR --format hf --out DIR   # a transformers Llama model
     goodput plan --config FILE --nodes 4 --gpus-per-node 8 --gpu-memory 80GiB   # layouts
+    goodput plan --config FILE                # the cluster the config names (parallelism.*)
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="validate the config's parallelism layout on a cluster, or "
                                     "rank every layout when it leaves the degrees at defaults")
     _config_args(p)
-    p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, required=True)
-    p.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GiB or 141GB")
+    p.add_argument("--nodes", type=int, help="default: the config's parallelism.nnodes")
+    p.add_argument("--gpus-per-node", type=int,
+                   help="default: the config's parallelism.nproc_per_node (one worker per GPU)")
+    p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB or 141GB; default: the "
+                                        "config's parallelism.device_memory")
     p.add_argument("--gpu-tflops", type=float, default=989.0,
                    help="peak dense bf16 TFLOP/s per GPU, for the step-time estimate (H100: 989)")
     p.add_argument("--intra-node-gbps", type=float, default=450.0,
@@ -88,14 +91,26 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    """Exit 0 with a table (and the best or given layout explained), 2 when it cannot run."""
+    """Exit 0 with a table (and the best or given layout explained), 2 when it cannot run.
+
+    The cluster is what the flags say, else what the config says (parallelism.nnodes,
+    nproc_per_node, device_memory): a config written for its cluster plans with no flags.
+    """
     from goodput import plan as planner
 
     try:
-        # The cluster defines the world size the config's degrees must fill.
-        config = load_config(args.config, [*args.overrides, f"parallelism.nnodes={args.nodes}",
-                                           f"parallelism.nproc_per_node={args.gpus_per_node}"])
-        cluster = planner.Cluster(args.nodes, args.gpus_per_node, planner.parse_bytes(args.gpu_memory),
+        # The cluster defines the world size the config's degrees must fill: flags given
+        # become overrides, applied after the user's.
+        cluster_overrides = [f"parallelism.{field}={value}" for field, value in
+                             (("nnodes", args.nodes), ("nproc_per_node", args.gpus_per_node))
+                             if value is not None]
+        config = load_config(args.config, [*args.overrides, *cluster_overrides])
+        memory = args.gpu_memory or config.parallelism.device_memory
+        if memory is None:
+            raise ConfigError("memory per GPU unknown: pass --gpu-memory (e.g. 80GiB) or set "
+                              "parallelism.device_memory in the config")
+        par = config.parallelism
+        cluster = planner.Cluster(par.nnodes, par.nproc_per_node, planner.parse_bytes(memory),
                                   gpu_flops=args.gpu_tflops * 1e12,
                                   intra_node_bandwidth=args.intra_node_gbps * 1e9,
                                   inter_node_bandwidth=args.inter_node_gbps * 1e9)

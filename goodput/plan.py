@@ -1,13 +1,14 @@
 """The layout planner: will this model and batch fit this cluster, and how should it be cut?
 
-    goodput plan --config configs/llama-7b.yaml --nodes 4 --gpus-per-node 8 --gpu-memory 80GiB
+    goodput plan --config configs/llama2-7b.yaml --nodes 4 --gpus-per-node 8 --gpu-memory 80GiB
 
 Given a RunConfig and a cluster, `plan_layout` explains one layout (dp_replicate x dp_shard
 x tp x pp = world size) and `search` enumerates every factorisation of the world size and
 ranks the valid ones by an estimated step time. The train flow runs `check_run` before it
-launches (tasks/plan.py): the config's own layout on the hardware it names or runs on. The
-estimates mirror what the trainer (training/parallelize.py) actually does; the byte
-accounting below is checked against measured training steps in tests/test_plan.py.
+launches, and the pipeline before it prepares the dataset (tasks/plan.py): the config's own
+layout on the hardware it names or runs on. The estimates mirror what the trainer
+(training/parallelize.py) actually does; the byte accounting below is checked against
+measured training steps in tests/test_plan.py.
 
 Byte accounting, per GPU (worst pipeline rank), AdamW:
 - weights     fp32 master copy, 4 bytes/param, sharded over dp_shard by FSDP.

@@ -207,6 +207,29 @@ def test_cli_rejects_an_invalid_layout_with_exit_2():
     assert "choose tp in [1, 2, 4, 8]" in proc.stderr
 
 
+def test_cli_takes_the_cluster_from_the_config_and_flags_override_it(capsys):
+    from goodput.cli import main
+
+    def plan(*args: str) -> tuple[int, str, str]:
+        code = main(["plan", "--config", str(REPO / "configs/llama2-7b.yaml"), "--top", "3", *args])
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    # configs/llama2-7b.yaml names its cluster: 4 nodes x 8 GPUs of 80GiB. No flags needed.
+    code, from_config, _ = plan()
+    assert code == 0 and "on 4 node(s) x 8 GPUs (80.00 GiB each)" in from_config
+    code, from_flags, _ = plan("--nodes", "4", "--gpus-per-node", "8", "--gpu-memory", "80GiB")
+    assert code == 0 and from_flags == from_config
+    # Flags win over the config (and over overrides of the same fields).
+    code, out, _ = plan("--nodes", "2", "--gpu-memory", "40GiB", "parallelism.nnodes=3",
+                        "parallelism.device_memory=80GiB")
+    assert code == 0 and "on 2 node(s) x 8 GPUs (40.00 GiB each)" in out
+    # Neither says how much memory a GPU has: the error names both places to say it.
+    code, out, err = plan("parallelism.device_memory=null")
+    assert code == 2 and out == ""
+    assert "--gpu-memory" in err and "parallelism.device_memory" in err
+
+
 # -- the train flow checks the run's layout before it launches ----------------------------------
 
 def task_runs_of(flow_run_id) -> dict[str, object]:
@@ -263,6 +286,23 @@ def test_train_flow_fails_an_out_of_memory_layout_before_launch(prefect_api, tmp
     assert not config.run_dir.exists()
     report = layout_artifact(state.state_details.flow_run_id)
     assert "cannot run" in report and "**Fix:** shard instead of replicating" in report
+
+
+def test_pipeline_fails_an_invalid_layout_before_preparing_the_dataset(prefect_api, tmp_path):
+    from flows.pipeline import pipeline
+    from tests.helpers import small_config
+
+    config = small_config(tmp_path, "run.run_id=oom-pipeline", "parallelism.device=cpu",
+                          "parallelism.device_memory=1MiB")
+    state = pipeline(config, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ConfigError, match=r"(?s)cannot run.*more than the 1 MiB it has"):
+        state.result()
+    # The check ran first, and nothing after it: no prepare (or train) subflow, no dataset.
+    runs = task_runs_of(state.state_details.flow_run_id)
+    assert set(runs) == {"resolve-config", "check-layout"}
+    assert runs["check-layout"].state.is_failed() and runs["check-layout"].run_count == 1
+    assert not (tmp_path / "data").exists() and not config.run_dir.exists()
 
 
 def test_check_layout_passes_a_layout_that_fits_and_publishes_its_plan(prefect_api, tmp_path):
