@@ -233,8 +233,12 @@ def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, par_cfg, device: torch.de
 # -- gradient clipping across every layout ----------------------------------------------------
 
 def clip_grad_norm_(layout: Layout, max_norm: float) -> torch.Tensor:
-    """Global gradient norm over all stages and shards; clips in place when max_norm > 0."""
+    """Global gradient norm over all stages and shards; clips in place when max_norm > 0.
+
+    The trainer calls this once per step, after backward: it first sums the gradients TP left
+    partial, so that neither the norm nor the optimizer reduces them again."""
     params = [p for part in layout.model_parts for p in part.parameters() if p.grad is not None]
+    _reduce_partial_grads(params)
     grads = [p.grad for p in params]
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if hasattr(norm, "full_tensor"):  # DTensor: reduce over its mesh
@@ -246,3 +250,30 @@ def clip_grad_norm_(layout: Layout, max_norm: float) -> torch.Tensor:
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
     return norm
+
+
+def _reduce_partial_grads(params: list[nn.Parameter]) -> None:
+    """Make `Partial(sum)` gradients (sequence-parallel norm weights under TP without FSDP,
+    which reduces them itself) `Replicate`, with one all-reduce per mesh for all of them.
+    Left partial, every foreach op of the clip and of AdamW would all-reduce each again."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    buckets: dict[tuple, list[nn.Parameter]] = {}
+    for p in params:
+        if isinstance(p.grad, DTensor) and any(isinstance(pl, Partial) for pl in p.grad.placements):
+            buckets.setdefault((p.grad.device_mesh, p.grad.placements, p.grad.dtype), []).append(p)
+    for (mesh, placements, _), bucket in buckets.items():
+        summed = [Replicate() if isinstance(pl, Partial) else pl for pl in placements]
+        if any(isinstance(pl, Partial) and pl.reduce_op != "sum" for pl in placements):
+            for p in bucket:
+                p.grad = p.grad.redistribute(placements=summed)
+            continue
+        with torch.no_grad():
+            locals_ = [p.grad.to_local() for p in bucket]
+            flat = torch.cat([t.reshape(-1) for t in locals_])
+            for dim, pl in enumerate(placements):
+                if isinstance(pl, Partial):
+                    dist.all_reduce(flat, group=mesh.get_group(dim))
+            for p, t, out in zip(bucket, locals_, flat.split([t.numel() for t in locals_])):
+                p.grad = DTensor.from_local(out.view_as(t), mesh, summed, run_check=False,
+                                            shape=p.grad.shape, stride=p.grad.stride())
