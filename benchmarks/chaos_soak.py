@@ -39,7 +39,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.helpers import Watcher, committed  # noqa: E402
+from tests.helpers import Watcher, committed, corrupt_largest_shard  # noqa: E402
 
 KINDS = ("crash", "hang", "nan", "sigterm", "corrupt", "s3")
 BUCKET = "goodput-soak"
@@ -84,18 +84,6 @@ def ledger_entries(config) -> dict:
     return Ledger(config.run_dir, config.run.run_id).read().entries
 
 
-def corrupt_shard(config, step: int) -> str:
-    from training.checkpoint import checkpoint_path
-
-    shard = max(checkpoint_path(config.run_dir, step).glob("*.distcp"), key=lambda p: p.stat().st_size)
-    with open(shard, "r+b") as f:
-        f.seek(shard.stat().st_size // 2)
-        data = f.read(64)
-        f.seek(shard.stat().st_size // 2)
-        f.write(bytes(b ^ 0xFF for b in data))
-    return shard.name
-
-
 def resume_points(run_dir: Path) -> list[int]:
     """The checkpoints training resumed from: where a new attempt starts, or where the steps
     go back (an in-job restart)."""
@@ -123,6 +111,7 @@ def run_case(i: int, kind: str, rng: random.Random, make_config, steps: int, eve
     from flows.train import train
     from goodput.runs import read_outcomes, read_summary
     from tests.helpers import losses_by_step
+    from training.checkpoint import checkpoint_path
 
     at = rng.randint(every + 1, steps - 2)  # a checkpoint exists before the fault
     rank = rng.randint(0, 1)
@@ -146,8 +135,8 @@ def run_case(i: int, kind: str, rng: random.Random, make_config, steps: int, eve
         overrides += [f"faults.crash_at_step={crash}", f"faults.crash_rank={rank}"]
     config = make_config(*overrides)
     if kind == "corrupt":
-        fault = Watcher(lambda: committed(config, ckpt), lambda: corrupt_shard(config, ckpt),
-                        timeout_s=900)
+        fault = Watcher(lambda: committed(config, ckpt),
+                        lambda: corrupt_largest_shard(checkpoint_path(config.run_dir, ckpt)), timeout_s=900)
         detail = f"checkpoint {ckpt}, crash at {crash}"
     elif kind == "s3":
         down_s = rng.uniform(3, 15)

@@ -80,6 +80,23 @@ def losses_by_step(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, path.read_text().splitlines())}
 
 
+def flip_bytes(path: Path, count: int = 1) -> None:
+    """Invert `count` bytes in the middle of a file, in place: damage a checksum catches."""
+    middle = path.stat().st_size // 2
+    with open(path, "r+b") as f:
+        f.seek(middle)
+        data = f.read(count)
+        f.seek(middle)
+        f.write(bytes(b ^ 0xFF for b in data))
+
+
+def corrupt_largest_shard(checkpoint_dir: Path) -> str:
+    """Damage 64 bytes of a checkpoint's largest shard file (the model weights); its name."""
+    shard = max(checkpoint_dir.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    flip_bytes(shard, 64)
+    return shard.name
+
+
 def committed(config: RunConfig, step: int) -> bool:
     """The checkpoint of `step` has its manifest: training committed it."""
     from training.checkpoint import checkpoint_path

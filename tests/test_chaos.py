@@ -24,7 +24,8 @@ from goodput.runs import read_outcomes, read_summary
 from storage.ledger import Ledger
 from storage.manifests import CheckpointManifest
 from storage.store import open_store
-from tests.helpers import Watcher, committed, losses_by_step, small_config, torchrun_training
+from tests.helpers import (Watcher, committed, corrupt_largest_shard, losses_by_step, small_config,
+                           torchrun_training)
 from training.checkpoint import checkpoint_path, checkpoint_root
 from training.metrics import read_heartbeat, read_metrics
 
@@ -172,16 +173,7 @@ def test_a_shard_corrupted_after_commit_is_rejected_and_never_resumed_from(workd
                           "faults.crash_at_step=25", "faults.crash_rank=1")
     path = checkpoint_path(config.run_dir, 20)
 
-    def corrupt() -> str:
-        shard = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
-        with open(shard, "r+b") as f:
-            f.seek(shard.stat().st_size // 2)
-            data = f.read(64)
-            f.seek(shard.stat().st_size // 2)
-            f.write(bytes(b ^ 0xFF for b in data))
-        return shard.name
-
-    watcher = Watcher(lambda: committed(config, 20), corrupt)
+    watcher = Watcher(lambda: committed(config, 20), lambda: corrupt_largest_shard(path))
     watcher.start()
     try:
         assert train(config)["final_step"] == STEPS

@@ -12,7 +12,8 @@ from goodput import checkpoints
 from storage import open_store
 from storage.ledger import checkpoint_key
 from storage.manifests import CheckpointManifest, list_files
-from tests.helpers import losses_by_step, small_config, synthetic_dataset, torchrun_training
+from tests.helpers import (flip_bytes, losses_by_step, small_config, synthetic_dataset,
+                           torchrun_training)
 from goodput.runs import train_attempt
 from infra.torchrun import TrainingFailed
 from training.checkpoint import (CheckpointCorrupt, StoreReader, VerifiedReader, checkpoint_path,
@@ -67,9 +68,7 @@ def test_checkpoint_without_manifest_is_never_resumed(run, tmp_path):
 def test_flipped_byte_is_rejected_and_kept_aside(run, tmp_path):
     config, _ = run
     shard = next(checkpoint_path(config.run_dir, 20).glob("*.distcp"))
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    flip_bytes(shard)
     entry = checkpoints.validate_checkpoint(config, 20)
     assert entry.state == "rejected"
     assert "sha256" in entry.reason and shard.name in entry.reason
@@ -141,12 +140,6 @@ def test_upload_then_resume_from_the_store_alone(run, tmp_path):
     assert not checkpoint_path(config.run_dir, 20).exists()
 
 
-def flip_byte(path):
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-
-
 def test_checkpoint_damaged_after_validation_is_never_loaded(run, tmp_path):
     """A validated checkpoint whose file rots on disk fails its checksums at load: the
     attempt stops, the damaged copy goes aside, the retry resumes from the store copy (read
@@ -156,10 +149,10 @@ def test_checkpoint_damaged_after_validation_is_never_loaded(run, tmp_path):
     full = losses_by_step(config.run_dir)
     checkpoints.validate_checkpoint(config, 10)
     checkpoints.upload_checkpoint(config, 10, store)
-    flip_byte(next(checkpoint_path(config.run_dir, 20).glob("*.distcp")))
+    flip_bytes(next(checkpoint_path(config.run_dir, 20).glob("*.distcp")))
     assert checkpoints.validate_checkpoint(config, 20).state == "rejected"
     shard = sorted(checkpoint_path(config.run_dir, 10).glob("*.distcp"))[0]
-    flip_byte(shard)  # after validation and upload: only the local copy is damaged
+    flip_bytes(shard)  # after validation and upload: only the local copy is damaged
 
     lines = []
     with pytest.raises(TrainingFailed) as failed:
@@ -195,7 +188,7 @@ def test_readers_refuse_files_that_differ_from_the_manifest(run, tmp_path):
     store.upload_dir(path, checkpoint_key("test", 10), last=("manifest.json",))
     shard = sorted(path.glob("*.distcp"))[0]
     VerifiedReader(path)._obtain(shard.name)  # whole: no complaint
-    flip_byte(shard)
+    flip_bytes(shard)
     with pytest.raises(CheckpointCorrupt, match=f"{shard.name}: sha256 differs") as local:
         VerifiedReader(path)._obtain(shard.name)
     assert local.value.step == 10 and not local.value.from_store
@@ -203,7 +196,7 @@ def test_readers_refuse_files_that_differ_from_the_manifest(run, tmp_path):
     with pytest.raises(CheckpointCorrupt, match="missing"):
         VerifiedReader(path)._obtain(shard.name)
 
-    flip_byte(store.path(f"{checkpoint_key('test', 10)}/{shard.name}"))
+    flip_bytes(store.path(f"{checkpoint_key('test', 10)}/{shard.name}"))
     reader = StoreReader(store, checkpoint_key("test", 10), tmp_path / "cache")
     with pytest.raises(CheckpointCorrupt, match="fetched twice") as remote:
         reader._obtain(shard.name)

@@ -18,7 +18,7 @@ import torch
 from goodput.cli import main as cli_main
 from goodput.data.tokenizer import EOS_TOKEN, train_tokenizer
 from storage.manifests import CheckpointManifest
-from tests.helpers import small_config, synthetic_dataset, torchrun_training
+from tests.helpers import flip_bytes, small_config, synthetic_dataset, torchrun_training
 from training.checkpoint import checkpoint_path, load_all_tensors, model_state_from
 from training.export import ExportError, export_hf, hf_config, hf_state_dict
 from training.model import ModelArgs, Transformer
@@ -151,9 +151,7 @@ def test_rejects_what_is_not_a_committed_intact_checkpoint(trained, tmp_path):
     corrupt = tmp_path / "step-00000004"
     shutil.copytree(checkpoint, corrupt)
     shard = next(corrupt.glob("*.distcp"))
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    flip_bytes(shard)
     with pytest.raises(ExportError, match="does not match its manifest"):
         export_hf(corrupt, tmp_path / "c")
     assert not any(tmp_path.glob("[abc]")) and not any(tmp_path.glob(".[abc].*"))

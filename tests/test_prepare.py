@@ -20,6 +20,7 @@ from goodput.data.tokenizer import load_tokenizer, train_tokenizer
 from storage.checksums import sha256_file
 from storage.manifests import DatasetManifest
 from storage.shards import read_documents, read_tokens, shard_size, token_dtype, write_shard
+from tests.helpers import flip_bytes
 
 
 def make_config(root: Path, *overrides: str) -> RunConfig:
@@ -130,9 +131,7 @@ def test_lost_local_copy_is_restored_from_the_store(builtin):
 def test_damaged_local_shard_is_replaced(builtin):
     config, manifest = builtin
     shard = prep.plan_dataset(config).dir / manifest.splits["train"][1].path
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    shard.write_bytes(bytes(data))
+    flip_bytes(shard)
     assert prep.prepare_dataset(config) == manifest
     assert sha256_file(shard) == manifest.splits["train"][1].sha256
 
