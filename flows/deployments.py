@@ -27,6 +27,7 @@ from flows.evaluate import evaluate
 from flows.pipeline import pipeline
 from flows.prepare import prepare
 from flows.train import train
+from goodput.checkpoints import run_finished
 from goodput.config import RunConfig
 
 
@@ -45,7 +46,7 @@ def build_deployments(config: RunConfig, eval_cron: str | None = None,
     ]
     if train_cron:
         # Serving again after the run reached its budget must not switch the schedule back on.
-        finished = run_finished(config)
+        finished = run_finished(config, config.storage.open())
         deployments.append(train.to_deployment(
             name="goodput-train-continue", tags=[*tags, "continue"],
             description=f"Continue run {config.run.run_id} until training.max_steps, at most "
@@ -57,20 +58,6 @@ def build_deployments(config: RunConfig, eval_cron: str | None = None,
                 limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW),
         ))
     return deployments
-
-
-def run_finished(config: RunConfig) -> bool:
-    """The run's newest validated checkpoint (ledger on local disk, else the store's copy)
-    reached training.max_steps."""
-    from goodput.checkpoints import ledger_of, restore_ledger
-
-    try:
-        restore_ledger(config, config.storage.open())
-    except Exception as e:  # serving must not depend on the store being up right now
-        print(f"goodput serve: could not read the run's ledger from the store ({e}); judging "
-              "from the local ledger only", flush=True)
-    newest = ledger_of(config).read().newest()
-    return newest is not None and newest.step >= config.training.max_steps
 
 
 def serve_all(config: RunConfig, eval_cron: str | None = None, train_cron: str | None = None,

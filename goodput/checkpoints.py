@@ -12,7 +12,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,8 @@ from typing import Callable, Iterator
 from goodput.config import RunConfig
 from storage.ledger import RESUMABLE, Ledger, LedgerEntry, checkpoint_key, ledger_key
 from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, verify_files
-from training.checkpoint import checkpoint_path, checkpoint_root, committed_checkpoints, step_of
+from training.checkpoint import (checkpoint_path, checkpoint_root, committed_checkpoints, set_aside,
+                                 step_of)
 
 
 def ledger_of(config: RunConfig) -> Ledger:
@@ -110,7 +110,7 @@ def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
             if "held_out_loss" in result:
                 note += f"; held-out loss {result['held_out_loss']:.4f} (training {result['loss']:.4f})"
             return ledger.record(step, "validated", note=note)
-        aside = _set_aside(config, path, "rejected")
+        aside = set_aside(path, "rejected")
         return ledger.record(step, "rejected", note=f"{result['reason']} (kept at {aside})")
 
 
@@ -138,6 +138,18 @@ def restore_ledger(config: RunConfig, store) -> None:
     ledger = ledger_of(config)
     if not ledger.path.is_file() and store.exists(ledger_key(config.run.run_id)):
         ledger.replace(store.get_bytes(ledger_key(config.run.run_id)))
+
+
+def run_finished(config: RunConfig, store) -> bool:
+    """The run's newest validated checkpoint (ledger on local disk, else the store's copy)
+    reached training.max_steps."""
+    try:
+        restore_ledger(config, store)
+    except Exception as e:  # e.g. serving must not depend on the store being up right now
+        print(f"could not read the ledger of run {config.run.run_id} from the store ({e}); "
+              "judging from the local ledger only", flush=True)
+    newest = ledger_of(config).read().newest()
+    return newest is not None and newest.step >= config.training.max_steps
 
 
 @dataclass(frozen=True)
@@ -193,21 +205,11 @@ def set_aside_damaged(config: RunConfig, step: int, from_store: bool, reason: st
         if from_store:
             shutil.rmtree(checkpoint_root(config.run_dir) / ".from-store" / path.name, ignore_errors=True)
             return ledger.record(step, "rejected", note=f"store copy damaged: {reason}")
-        aside = _set_aside(config, path, "rejected")
+        aside = set_aside(path, "rejected")
         if entry is not None and entry.state == "uploaded":
             return ledger.record(step, "uploaded", note=f"local copy damaged ({reason}), moved to "
                                                         f"{aside}; resuming from the store copy")
         return ledger.record(step, "rejected", note=f"damaged since validation: {reason} (kept at {aside})")
-
-
-def _set_aside(config: RunConfig, path: Path, why: str) -> Path | None:
-    """Move a checkpoint directory out of reach of resume, kept for inspection."""
-    if not path.exists():
-        return None
-    aside = checkpoint_root(config.run_dir) / why / f"{path.name}-{time.time_ns()}"
-    aside.parent.mkdir(parents=True, exist_ok=True)
-    path.rename(aside)
-    return aside
 
 
 def download_checkpoint(config: RunConfig, step: int, store) -> Path:

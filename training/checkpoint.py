@@ -387,11 +387,20 @@ def load_checkpoint(reader: VerifiedReader, model_parts, optimizers, extra_templ
     return {k: v for k, v in state.items() if k not in ("model", "optim")}
 
 
+def set_aside(path: Path, why: str) -> Path | None:
+    """Move a checkpoint directory out of reach of resume into `checkpoints/<why>/`, kept
+    for inspection; returns where it went (None when there was nothing to move)."""
+    if not path.exists():
+        return None
+    aside = path.parent / why / f"{path.name}-{time.time_ns()}"
+    aside.parent.mkdir(parents=True, exist_ok=True)
+    path.rename(aside)
+    return aside
+
+
 def _clear_for_save(path: Path) -> None:
     if is_committed(path):
-        aside = path.parent / "superseded" / f"{path.name}-{int(time.time())}"
-        aside.parent.mkdir(parents=True, exist_ok=True)
-        path.rename(aside)
+        aside = set_aside(path, "superseded")
         print(f"[checkpoint] moved committed {path.name} aside to {aside}", flush=True)
     elif path.exists():
         shutil.rmtree(path)  # debris of a save that never committed
