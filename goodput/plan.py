@@ -754,12 +754,7 @@ def explain(p: LayoutPlan, cluster: Cluster) -> str:
                   f"max({backward}, gradients + update workspace)"]
     if p.degrees["pp"] > 1:
         lines.append(f"  pipeline: {p.microbatches} micro-batches, bubble {p.bubble:.1%}")
-    for axis, volume in p.comm.items():
-        link = "inter-node" if p.crosses_nodes[axis] else "intra-node"
-        lines.append(f"  communication {axis}: {_size(volume)} per GPU per step ({link})")
-    if p.step_time_s is not None:
-        lines.append(f"  estimated step time: {p.step_time_s:.3f} s (no overlap assumed)")
-    lines += [f"  note: {note}" for note in p.departures]
+    lines += [f"  {fact}" for fact in _step_facts(p, "GPU")]
     lines += [f"  ruled out: {problem}" for problem in p.problems]
     return "\n".join(lines)
 
@@ -785,10 +780,15 @@ def explain_markdown(p: LayoutPlan, cluster: Cluster, source: str) -> str:
         lines.append("")
     lines += ["## Step", "", f"- pipeline bubble: {p.bubble:.1%}"
               + (f" ({p.microbatches} micro-batches)" if p.degrees["pp"] > 1 else "")]
-    for axis, volume in p.comm.items():
-        link = "inter-node" if p.crosses_nodes[axis] else "intra-node"
-        lines.append(f"- communication {axis}: {_size(volume)} per {noun} per step ({link})")
-    if p.step_time_s is not None:
-        lines.append(f"- estimated step time: {p.step_time_s:.3f} s (no overlap assumed)")
-    lines += [f"- note: {note}" for note in p.departures]
+    lines += [f"- {fact}" for fact in _step_facts(p, noun)]
     return "\n".join(lines) + "\n"
+
+
+def _step_facts(p: LayoutPlan, noun: str) -> list[str]:
+    """Communication per axis, the step-time estimate and the notes: both explanations."""
+    facts = [f"communication {axis}: {_size(volume)} per {noun} per step "
+             f"({'inter-node' if p.crosses_nodes[axis] else 'intra-node'})"
+             for axis, volume in p.comm.items()]
+    if p.step_time_s is not None:
+        facts.append(f"estimated step time: {p.step_time_s:.3f} s (no overlap assumed)")
+    return facts + [f"note: {note}" for note in p.departures]

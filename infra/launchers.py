@@ -210,11 +210,11 @@ def descendants(pid: int) -> list[int]:
         except OSError:  # exited meanwhile
             continue
         children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
+    found, unvisited = [], [pid]
+    while unvisited:
+        for child in children.get(unvisited.pop(), []):
             found.append(child)
-            todo.append(child)
+            unvisited.append(child)
     return found
 
 
