@@ -306,15 +306,18 @@ class VerifiedReader(dcp.FileSystemReader):
     def corrupt(self, reason: str) -> CheckpointCorrupt:
         return CheckpointCorrupt(self.manifest.step, self.source, reason, self.from_store)
 
-    def _obtain(self, relative: str) -> None:
-        """Make `relative` available under local_dir, matching the manifest."""
+    def _whole(self, relative: str) -> bool:
+        """`relative` is under local_dir and matches the manifest."""
         if relative not in self.sha256:
             raise self.corrupt(f"{relative} is not in its manifest")
         path = self.local_dir / relative
-        if not path.is_file():
-            raise self.corrupt(f"{relative} is missing")
-        if sha256_file(path) != self.sha256[relative]:
-            raise self.corrupt(f"{relative}: sha256 differs from the manifest")
+        return path.is_file() and sha256_file(path) == self.sha256[relative]
+
+    def _obtain(self, relative: str) -> None:
+        """Make `relative` available under local_dir, matching the manifest."""
+        if not self._whole(relative):
+            raise self.corrupt(f"{relative} is missing" if not (self.local_dir / relative).is_file()
+                               else f"{relative}: sha256 differs from the manifest")
 
     def read_metadata(self, *args, **kwargs):
         self._obtain(".metadata")
@@ -352,14 +355,12 @@ class StoreReader(VerifiedReader):
         self.fetched: list[str] = []
 
     def _obtain(self, relative: str) -> None:
-        if relative not in self.sha256:
-            raise self.corrupt(f"{relative} is not in its manifest")
-        dest = self.local_dir / relative
-        if dest.is_file() and sha256_file(dest) == self.sha256[relative]:
+        if self._whole(relative):
             return  # another rank of this node fetched it
+        dest = self.local_dir / relative
         for _ in range(2):  # a second fetch tells a bad transfer from a bad stored copy
             self.store.get_file(f"{self.prefix}/{relative}", dest)
-            if sha256_file(dest) == self.sha256[relative]:
+            if self._whole(relative):
                 self.fetched.append(relative)
                 return
             dest.unlink(missing_ok=True)
