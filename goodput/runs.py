@@ -109,6 +109,15 @@ def read_outcomes(config: RunConfig, prefix: str = "") -> list[dict]:
     return sorted((json.loads(p.read_text()) for p in paths), key=lambda o: o["time"])
 
 
+# What a user can do about a failure class once its retries are spent.
+_WHAT_TO_DO = {
+    "oom": " — lower training.micro_batch_size, or shard more (parallelism.dp_shard, "
+           "activation_checkpointing); `goodput plan` estimates memory",
+    "disk_full": " — the checkpoint disk is full: free space on it, lower checkpoint.keep_local, "
+                 "or move run.runs_dir to a larger disk; committed checkpoints are intact",
+}
+
+
 def retry_decision(config: RunConfig, outcomes: list[dict]) -> tuple[bool, str]:
     """Retry the last failed attempt? Each failure class has its own budget, configuration
     errors never retry, and attempts that keep failing without progress stop the run."""
@@ -120,12 +129,8 @@ def retry_decision(config: RunConfig, outcomes: list[dict]) -> tuple[bool, str]:
     budget = budgets.get(cls, budgets.get("unknown", 0))
     failures = sum(1 for o in outcomes if o["class"] == cls)
     if failures > budget:
-        hint = (" — lower training.micro_batch_size, or shard more (parallelism.dp_shard, "
-                "activation_checkpointing); `goodput plan` estimates memory") if cls == "oom" else (
-                " — the checkpoint disk is full: free space on it, lower checkpoint.keep_local, "
-                "or move run.runs_dir to a larger disk; committed checkpoints are intact"
-                if cls == "disk_full" else "")
-        return False, f"{cls} failures ({failures}) exceed their budget of {budget} retries{hint}"
+        return False, (f"{cls} failures ({failures}) exceed their budget of {budget} retries"
+                       + _WHAT_TO_DO.get(cls, ""))
     stalled = 0
     for o in reversed(outcomes):
         if o["class"] == "done" or o["newest_checkpoint"] > o["resumed_from"]:

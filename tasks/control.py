@@ -119,7 +119,7 @@ class StopAtCheckpointAfter:
     predictable from here (it counts from the step it resumed at, which an emergency save
     leaves anywhere, and `checkpoint.interval: auto` re-plans it), and a checkpoint that
     commits between two heartbeat polls still counts. Checkpoints before this attempt's
-    first step (the resume point, perhaps just downloaded) never do. `limit_s=None` never stops.
+    first step (the resume point) never do. `limit_s=None` never stops.
 
     `started`: when the budget began (the flow run's start), so a Prefect retry of the
     launch task spends what is left of it rather than a fresh one; default now.
