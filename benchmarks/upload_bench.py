@@ -8,8 +8,11 @@ a small `.metadata` and a `manifest.json` listing every file's size and sha256. 
 tools take turns, round after round, so load from other processes hits both alike; the page
 cache is warmed first so both read from memory. `upload_dir` is called as the checkpoint
 upload calls it (goodput.checkpoints.upload_checkpoint), with the manifest's sha256s, and
-includes what it always does: sha256 and ETag computed locally while the bytes go out, every
-object checked (HEAD) after upload, manifest last. A benchmark: it asserts nothing.
+includes what it always does: sha256 and CRC32 computed locally while the bytes go out, every
+object checked (HEAD) after upload, manifest last. Besides wall time it reports the client's
+CPU-seconds per upload (on 2 cores shared with the server, they decide who wins under load)
+and the peak memory of a fresh process uploading the directory once. A benchmark: it asserts
+nothing.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -73,23 +78,41 @@ def aws_upload(aws: str, local: Path, prefix: str, endpoint: str) -> None:
 
 
 def hash_like_upload_dir(local: Path) -> None:
-    """The local hashing `upload_dir` does, now while the bytes go out: sha256 and md5 (for
-    the ETag check) of every file, 4 files at a time (its default max_workers)."""
+    """The local hashing `upload_dir` does, now while the bytes go out: sha256 and CRC32 (for
+    the stored-object check) of every file, 4 files at a time (its default max_workers)."""
     def digest(path: Path) -> None:
-        sha256, md5 = hashlib.sha256(), hashlib.md5()
+        sha256, crc = hashlib.sha256(), 0
         with open(path, "rb") as f:
             while chunk := f.read(8 * MiB):
                 sha256.update(chunk)
-                md5.update(chunk)
+                crc = zlib.crc32(chunk, crc)
 
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(digest, local.iterdir()))
 
 
-def timed(fn) -> float:
-    start = time.perf_counter()
+def timed(fn, cpu: list[float] | None = None) -> float:
+    """Wall seconds of `fn()`; appends to `cpu` the CPU-seconds this process and its children
+    spent in it."""
+    def cpu_s() -> float:
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                     resource.getrusage(resource.RUSAGE_CHILDREN)))
+    start, start_cpu = time.perf_counter(), cpu_s()
     fn()
+    if cpu is not None:
+        cpu.append(cpu_s() - start_cpu)
     return time.perf_counter() - start
+
+
+def peak_rss_mb_of_one_upload(local: Path, endpoint: str) -> float:
+    """Peak RSS of a fresh Python process that opens the store and uploads `local` once."""
+    script = (f"import resource, sys; sys.path.insert(0, {str(REPO)!r}); "
+              "from benchmarks.upload_bench import store_upload; from storage.store import open_store; "
+              f"store_upload(open_store('s3://{BUCKET}', endpoint_url={endpoint!r}, region={REGION!r}), "
+              f"__import__('pathlib').Path({str(local)!r}), 'rss'); "
+              "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
+    return int(out.split()[-1]) / 1024
 
 
 def main() -> None:
@@ -114,29 +137,34 @@ def main() -> None:
             p.read_bytes()
         with SeaweedFS(Path(tmp) / "weed", access_key=ACCESS_KEY, secret_key=SECRET_KEY, bucket=BUCKET) as server:
             store = open_store(f"s3://{BUCKET}", endpoint_url=server.endpoint_url, region=REGION)
-            times: dict[str, list[float]] = {"store.upload_dir": [], "aws s3 cp --recursive": [],
-                                             "(hashing alone, overlapped in upload_dir)": []}
+            store_tool, aws_tool, hashing = ("store.upload_dir", "aws s3 cp --recursive",
+                                             "(hashing alone, overlapped in upload_dir)")
+            times: dict[str, list[float]] = {store_tool: [], aws_tool: [], hashing: []}
+            cpu: dict[str, list[float]] = {tool: [] for tool in times}
             load_before = os.getloadavg()[0]
             for r in range(args.rounds):
-                times["store.upload_dir"].append(timed(lambda: store_upload(store, local, f"store/{r}")))
-                times["aws s3 cp --recursive"].append(
-                    timed(lambda: aws_upload(aws, local, f"aws/{r}", server.endpoint_url)))
-                times["(hashing alone, overlapped in upload_dir)"].append(timed(lambda: hash_like_upload_dir(local)))
+                times[store_tool].append(timed(lambda: store_upload(store, local, f"store/{r}"), cpu[store_tool]))
+                times[aws_tool].append(
+                    timed(lambda: aws_upload(aws, local, f"aws/{r}", server.endpoint_url), cpu[aws_tool]))
+                times[hashing].append(timed(lambda: hash_like_upload_dir(local), cpu[hashing]))
                 for tool in ("store", "aws"):  # both uploaded every file; then free the space
                     assert len(store.list(f"{tool}/{r}")) == args.files + 2, tool
                     store.delete_prefix(f"{tool}/{r}")
             load_after = os.getloadavg()[0]
+            peak_rss_mb = peak_rss_mb_of_one_upload(local, server.endpoint_url)
 
     mb = total / 1e6
     print(f"{args.files} x {args.file_mb} MiB shards + .metadata + manifest.json = {mb:.0f} MB; "
           f"SeaweedFS `weed mini` on loopback; {aws_version}; {args.rounds} rounds, tools alternating; "
           f"1-min load average {load_before:.1f} before, {load_after:.1f} after ({os.cpu_count()} cores)\n")
-    print("| tool | per round (s) | median (s) | throughput (MB/s) |")
-    print("|---|---|---|---|")
+    print("| tool | per round (s) | median (s) | throughput (MB/s) | client CPU-s, median |")
+    print("|---|---|---|---|---|")
     medians = {}
     for tool, ts in times.items():
         medians[tool] = statistics.median(ts)
-        print(f"| {tool} | {', '.join(f'{t:.2f}' for t in ts)} | {medians[tool]:.2f} | {mb / medians[tool]:.0f} |")
+        print(f"| {tool} | {', '.join(f'{t:.2f}' for t in ts)} | {medians[tool]:.2f} | {mb / medians[tool]:.0f} "
+              f"| {statistics.median(cpu[tool]):.2f} |")
+    print(f"\nPeak RSS of a process uploading the directory once with the store: {peak_rss_mb:.0f} MB")
     ratio = medians["aws s3 cp --recursive"] / medians["store.upload_dir"]
     print(f"\nThroughput ratio store.upload_dir / aws s3 cp: {ratio:.2f} (target >= 1.0)")
 

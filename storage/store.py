@@ -12,6 +12,7 @@ this module never takes, stores or prints them.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import logging
 import os
@@ -19,6 +20,7 @@ import random
 import shutil
 import time
 import uuid
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -30,8 +32,8 @@ from urllib.parse import unquote, urlparse
 
 import boto3
 import botocore.exceptions
-from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
+from s3transfer.manager import TransferConfig, TransferManager
 from s3transfer.utils import ChunksizeAdjuster
 
 from storage.checksums import fsync_dir, sha256_bytes, sha256_file
@@ -230,7 +232,7 @@ def _atomic_path(dest: Path) -> Iterator[Path]:
 
 
 def _compare(what: str, url: str, found: dict[str, object], expected: dict[str, object]) -> None:
-    """Raise IntegrityError naming each property (size, sha256, etag) where `found` differs."""
+    """Raise IntegrityError naming each property (size, sha256, crc32, etag) where `found` differs."""
     diffs = [f"{name} {found.get(name)} != expected {want}"
              for name, want in expected.items() if found.get(name) != want]
     if diffs:
@@ -343,6 +345,8 @@ _AUTH_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "4
 _MISSING_CODES = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
 _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
                     "ServiceUnavailable"}
+# A request whose body does not match its checksum (CRC32, Content-MD5 or the signed sha256).
+_DAMAGED_CODES = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
 _CONNECTION_ERRORS = (botocore.exceptions.HTTPClientError, botocore.exceptions.ConnectionError)
 _CREDENTIALS_HINT = (
     "credentials come from the standard AWS chain: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
@@ -366,12 +370,20 @@ def _root_cause(exc: BaseException) -> BaseException:
 class S3Store(Store):
     """Objects in `s3://bucket/prefix` on AWS or any S3-compatible endpoint (SeaweedFS, MinIO).
 
-    Files move with boto3's managed transfer: multipart from `part_size` up, `max_concurrency`
-    parts in flight. Each object carries its sha256 in metadata. An upload hashes the bytes
-    as the transfer reads them (sha256, and md5 per part for the ETag), so hashing overlaps the
-    network; afterwards what was sent must match the file's size and sha256, and the stored
-    object's size, ETag and sha256 metadata must match what was sent. A download checks the
-    size and sha256.
+    Files move through one managed transfer (s3transfer) shared by all of the store's uploads
+    and downloads: multipart from `part_size` up, at most `max_concurrency` requests in flight
+    in all (as the AWS CLI does; one pool per file would multiply connections, threads and
+    buffered parts by the number of files moving at once). Each object carries its sha256 in
+    metadata.
+
+    Upload checks, all computed while the transfer reads the file, so hashing overlaps the
+    network: botocore sends a CRC32 with every request, which S3 checks on arrival (a part
+    damaged on the wire is refused with BadDigest and sent again); what was sent must match the
+    file's size and sha256; and the stored object's size, sha256 metadata and CRC32 (composite
+    over the parts for a multipart upload) must match what was sent. CRC32 costs a quarter of
+    what md5 does here; for a server that keeps no comparable checksum the ETag (md5 per part)
+    is checked instead, at the cost of reading the file once more. A download checks the size
+    and sha256.
     """
 
     def __init__(
@@ -381,7 +393,7 @@ class S3Store(Store):
         endpoint_url: str | None = None,
         region: str | None = None,
         part_size: int = 8 * MiB,
-        max_concurrency: int = 8,
+        max_concurrency: int = 10,
         request_attempts: int = 10,
         retry: RetryPolicy = RetryPolicy(),
     ):
@@ -395,17 +407,22 @@ class S3Store(Store):
         self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self.retry = retry
         self.transfer = TransferConfig(
-            multipart_threshold=part_size, multipart_chunksize=part_size, max_concurrency=max_concurrency
+            multipart_threshold=part_size, multipart_chunksize=part_size, max_request_concurrency=max_concurrency,
+            # parts read but not yet sent, across all uploads: bounds the memory uploads take
+            max_in_memory_upload_chunks=max_concurrency,
         )
         config = Config(
             s3={"addressing_style": "path"},
             retries={"mode": "standard", "max_attempts": request_attempts},
-            # upload_dir/download_dir run several transfers at once, each with its own parts.
-            max_pool_connections=4 * max_concurrency,
+            # the shared transfer's requests plus the HEADs and small PUTs beside them
+            max_pool_connections=2 * max_concurrency,
+            # the default, spelled out: the upload checks above rely on per-request CRC32s
+            request_checksum_calculation="when_supported",
         )
         self._client = boto3.session.Session().client(
             "s3", endpoint_url=endpoint_url, region_name=region, config=config
         )
+        self._transfers = TransferManager(self._client, self.transfer)
 
     def __repr__(self) -> str:
         return f"S3Store({self.uri!r}, endpoint_url={self._client.meta.endpoint_url!r})"
@@ -426,13 +443,13 @@ class S3Store(Store):
         def upload() -> None:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                reader = self._digesting(f)
-                self._client.upload_fileobj(reader, self.bucket, self._key(key), Config=self.transfer,
-                                            ExtraArgs={"Metadata": {"sha256": sha256}})
+                reader = _DigestingReader(f, self._part_size(size))
+                self._transfers.upload(reader, self.bucket, self._key(key),
+                                       extra_args={"Metadata": {"sha256": sha256}}).result()
             sent = reader.digest()
             _compare(f"{path} as sent to", self.url(key), sent, {"size": size, "sha256": sha256})
             # The managed transfer does not return S3's responses; one HEAD reads what was stored.
-            _compare("stored object", self.url(key), self._head_digest(key), sent)
+            self._compare_stored(key, path, self._head_digest(key), sent)
 
         self._call("upload to", key, upload)
 
@@ -440,7 +457,7 @@ class S3Store(Store):
         def download() -> None:
             stored = self._head_digest(key)
             with _atomic_path(Path(local_path)) as tmp:
-                self._client.download_file(self.bucket, self._key(key), os.fspath(tmp), Config=self.transfer)
+                self._transfers.download(self.bucket, self._key(key), os.fspath(tmp)).result()
                 _compare("download of", self.url(key), _local_digest(tmp), _known(stored, "size", "sha256"))
 
         self._call("download of", key, download)
@@ -502,38 +519,47 @@ class S3Store(Store):
                           f"e.g. {e.get('Key')}: {e.get('Code')} {e.get('Message')}")
 
     def verify(self, local_path, key):
-        expected = self._file_digest(Path(local_path))
+        path = Path(local_path)
+        with open(path, "rb") as f:
+            reader = _DigestingReader(f, self._part_size(os.fstat(f.fileno()).st_size))
+            while reader.read(8 * MiB):
+                pass
         stored = self._call("lookup of", key, lambda: self._head_digest(key))
-        _compare("stored object", self.url(key), stored, expected)
+        self._compare_stored(key, path, stored, reader.digest())
 
     # -- checksums ------------------------------------------------------------------------
 
-    def _file_digest(self, path: Path) -> dict[str, object]:
-        """Size, sha256 and the ETag S3 computes for `path` uploaded with `self.transfer`."""
-        with open(path, "rb") as f:
-            reader = self._digesting(f)
-            while reader.read(8 * MiB):
-                pass
-        return reader.digest()
+    def _part_size(self, size: int) -> int | None:
+        """The part size an upload of `size` bytes uses with `self.transfer` (None: one PUT).
 
-    def _digesting(self, f: BinaryIO) -> _DigestingReader:
-        """File `f`, open at its start, wrapped to compute what S3 reports for it once uploaded
-        with `self.transfer`.
-
-        SeaweedFS (checked with 4.48) returns standard ETags, like AWS: md5 hex for a single
-        PUT, md5 of the concatenated binary part md5s plus "-<parts>" for multipart. (AWS
-        objects encrypted with SSE-KMS or SSE-C have other ETags and would fail this check.)
+        s3transfer fits the configured part size to S3's limits (>= 5 MiB, <= 10,000 parts);
+        the composite CRC32 and the ETag depend on the part size the upload really uses.
         """
-        size = os.fstat(f.fileno()).st_size
         if size < self.transfer.multipart_threshold:  # the test s3transfer applies
-            return _DigestingReader(f, part_size=None)
-        # s3transfer fits the configured part size to S3's limits (>= 5 MiB, <= 10,000 parts);
-        # the ETag depends on the part size the upload really uses.
-        part_size = ChunksizeAdjuster().adjust_chunksize(self.transfer.multipart_chunksize, size)
-        return _DigestingReader(f, part_size)
+            return None
+        return ChunksizeAdjuster().adjust_chunksize(self.transfer.multipart_chunksize, size)
+
+    def _compare_stored(self, key: str, path: Path, stored: dict[str, object], sent: dict[str, object]) -> None:
+        """Raise IntegrityError unless the object under `key` holds the bytes `sent` describes.
+
+        The CRC32 the server reports is compared when it is of the kind computed locally (the
+        whole object for one PUT, composite over the parts for multipart). A server that keeps
+        none, or one over the whole multipart object, gets its ETag compared instead: md5 of
+        `path` read once more. SeaweedFS (4.48) and AWS keep composite CRC32s and standard
+        ETags (AWS objects encrypted with SSE-KMS or SSE-C have other ETags and fail the
+        fallback).
+        """
+        crc32 = stored.get("crc32")
+        if crc32 is not None and ("-" in crc32) == ("-" in sent["crc32"]):
+            expected = sent
+        else:
+            expected = {**_known(sent, "size", "sha256"), "etag": _s3_etag(path, self._part_size(sent["size"]))}
+            stored = {k: v for k, v in stored.items() if k != "crc32"}
+        _compare("stored object", self.url(key), stored, expected)
 
     def _head_digest(self, key: str) -> dict[str, object]:
-        return _response_digest(self._client.head_object(Bucket=self.bucket, Key=self._key(key)))
+        response = self._client.head_object(Bucket=self.bucket, Key=self._key(key), ChecksumMode="ENABLED")
+        return _response_digest(response)
 
     # -- errors and retries ---------------------------------------------------------------
 
@@ -555,7 +581,7 @@ class S3Store(Store):
                 error = self._translate(exc, what, url)
                 if error is exc:
                     raise
-                if not isinstance(error, ConnectionError):
+                if not isinstance(error, (ConnectionError, IntegrityError)):
                     raise error from None  # the botocore chain adds nothing and may name the key id
             delay = self.retry.delay(attempt)
             if attempt == self.retry.attempts or time.monotonic() - start + delay > self.retry.max_total:
@@ -583,6 +609,8 @@ class S3Store(Store):
         status = cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
         if status >= 500 or code in _TRANSIENT_CODES:
             return ConnectionError(f"{code or status}: {cause}")
+        if code in _DAMAGED_CODES:  # the bytes that arrived are not those sent: send them again
+            return IntegrityError(f"{what} {url}: the server received other bytes than were sent ({code})")
         if status == 403 or code in _AUTH_CODES:
             return PermissionError(
                 f"{what} {url}: the S3 endpoint refused the credentials ({code}); {_CREDENTIALS_HINT}"
@@ -595,9 +623,10 @@ class S3Store(Store):
 
 
 class _DigestingReader:
-    """A file being uploaded that computes, as the transfer reads it, the size, sha256 and
-    ETag S3 will report for the object: md5 of the whole file for a single PUT, per part of
-    `part_size` bytes for multipart.
+    """A file being uploaded that computes, as the transfer reads it, its size, sha256 and the
+    CRC32 S3 will report for the object: of the whole file for a single PUT, composite for
+    multipart (CRC32 of the parts' big-endian CRC32s, plus "-<parts>"), with parts of
+    `part_size` bytes.
 
     s3transfer reads the parts of a file object in order, in one thread; a single PUT's body
     may be read more than once (botocore's checksum pass, a retried request). Only bytes read
@@ -610,8 +639,8 @@ class _DigestingReader:
         self._part_size = part_size
         self._hashed = 0  # bytes from the start of the file hashed so far
         self._sha256 = hashlib.sha256()
-        self._md5 = hashlib.md5()  # of the current part (of everything for a single PUT)
-        self._part_md5s: list[bytes] = []
+        self._crc = 0  # of the current part (of everything for a single PUT)
+        self._part_crcs: list[bytes] = []
 
     def read(self, size: int = -1) -> bytes:
         start = self._f.tell()
@@ -625,19 +654,19 @@ class _DigestingReader:
             room = self._part_size - self._hashed % self._part_size if self._part_size else len(new)
             chunk, new = new[:room], new[room:]
             self._sha256.update(chunk)
-            self._md5.update(chunk)
+            self._crc = zlib.crc32(chunk, self._crc)
             self._hashed += len(chunk)
             if self._part_size and self._hashed % self._part_size == 0:
-                self._part_md5s.append(self._md5.digest())
-                self._md5 = hashlib.md5()
+                self._part_crcs.append(self._crc.to_bytes(4, "big"))
+                self._crc = 0
 
     def digest(self) -> dict[str, object]:
         if self._part_size is None:
-            etag = self._md5.hexdigest()
+            crc32 = _b64(self._crc.to_bytes(4, "big"))
         else:
-            parts = self._part_md5s + ([self._md5.digest()] if self._hashed % self._part_size else [])
-            etag = f"{hashlib.md5(b''.join(parts)).hexdigest()}-{len(parts)}"
-        return {"size": self._hashed, "sha256": self._sha256.hexdigest(), "etag": etag}
+            parts = self._part_crcs + ([self._crc.to_bytes(4, "big")] if self._hashed % self._part_size else [])
+            crc32 = f"{_b64(zlib.crc32(b''.join(parts)).to_bytes(4, 'big'))}-{len(parts)}"
+        return {"size": self._hashed, "sha256": self._sha256.hexdigest(), "crc32": crc32}
 
     # The rest of the file interface that s3transfer and botocore use.
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
@@ -657,12 +686,32 @@ class _DigestingReader:
 
 
 def _response_digest(response: dict) -> dict[str, object]:
-    """Size, ETag and (when the object has one) sha256 metadata of a HEAD or GET response."""
+    """Size, ETag and, when the object has them, sha256 metadata and CRC32 of a HEAD or GET
+    response (the CRC32 only when asked for with ChecksumMode=ENABLED)."""
     return {
         "size": response["ContentLength"],
         "etag": response["ETag"].strip('"'),
         "sha256": response.get("Metadata", {}).get("sha256"),
+        "crc32": response.get("ChecksumCRC32"),
     }
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def _s3_etag(path: Path, part_size: int | None) -> str:
+    """The ETag S3 gives `path` uploaded in parts of `part_size` (None: one PUT): md5 hex of
+    the bytes, or of the concatenated binary part md5s plus "-<parts>"."""
+    part_md5s = []
+    with open(path, "rb") as f:
+        while part := f.read(part_size or -1):
+            part_md5s.append(hashlib.md5(part).digest())
+            if part_size is None:
+                break
+    if part_size is None:
+        return part_md5s[0].hex() if part_md5s else hashlib.md5(b"").hexdigest()
+    return f"{hashlib.md5(b''.join(part_md5s)).hexdigest()}-{len(part_md5s)}"
 
 
 def _known(stored: dict[str, object], *names: str) -> dict[str, object]:

@@ -226,17 +226,31 @@ def test_multipart_upload_is_verified(s3_server, s3_uri, tmp_path):
     src = write_random(tmp_path / "big.bin", 12 * MiB + 123)  # three parts: 5 + 5 + 2 MiB
     store.put_file(src, "big.bin")
 
-    head = s3_server.client().head_object(Bucket=store.bucket, Key=f"{store.prefix}/big.bin")
-    assert head["ETag"].strip('"').endswith("-3")  # checked against the local multipart ETag
+    head = s3_server.client().head_object(Bucket=store.bucket, Key=f"{store.prefix}/big.bin",
+                                          ChecksumMode="ENABLED")
+    # checked against the composite CRC32 computed while the parts were read for sending
+    assert head["ChecksumCRC32"].endswith("-3") and head["ChecksumType"] == "COMPOSITE"
     assert head["Metadata"]["sha256"] == sha256_file(src)
+    store.verify(src, "big.bin")
     store.get_file("big.bin", tmp_path / "back.bin")
     assert sha256_file(tmp_path / "back.bin") == sha256_file(src)
 
 
+def _without_checksums(store):
+    """`store` talking to a server that keeps no CRC32 for its objects (older S3-compatible ones)."""
+    head_digest = store._head_digest
+    store._head_digest = lambda key: {**head_digest(key), "crc32": None}
+    return store
+
+
 @pytest.mark.s3
 @pytest.mark.parametrize("times", [1, 3])
-def test_multipart_etag_check_catches_a_part_changed_on_the_way(s3_uri, tmp_path, caplog, times):
+@pytest.mark.parametrize("server_keeps", ["crc32", "etag"])
+def test_a_part_changed_before_it_was_checksummed_is_caught_after_upload(s3_uri, tmp_path, caplog,
+                                                                       times, server_keeps):
     store = S3Store(s3_uri, part_size=5 * MiB, retry=FAST_RETRY)
+    if server_keeps == "etag":
+        _without_checksums(store)
     src = write_random(tmp_path / "big.bin", 12 * MiB + 123)
     corrupted = []
 
@@ -252,13 +266,52 @@ def test_multipart_etag_check_catches_a_part_changed_on_the_way(s3_uri, tmp_path
     if times < FAST_RETRY.attempts:  # a whole-file retry recovers
         store.put_file(src, "big.bin")
         assert len(corrupted) == times
-        assert "etag" in caplog.text and "retrying" in caplog.text
+        assert f"{server_keeps} " in caplog.text and "retrying" in caplog.text
         store.get_file("big.bin", tmp_path / "back.bin")
         assert (tmp_path / "back.bin").read_bytes() == src.read_bytes()
     else:
-        with pytest.raises(IntegrityError, match=r"big\.bin: etag \S+-3 != expected \S+-3"):
+        with pytest.raises(IntegrityError, match=rf"big\.bin: {server_keeps} \S+-3 != expected \S+-3"):
             store.put_file(src, "big.bin")
         assert len(set(corrupted)) == FAST_RETRY.attempts  # each attempt a new multipart upload
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("times", [1, 3])
+def test_a_part_damaged_on_the_wire_is_refused_by_the_server_and_sent_again(s3_uri, tmp_path, caplog, times):
+    store = S3Store(s3_uri, part_size=5 * MiB, retry=FAST_RETRY)
+    src = write_random(tmp_path / "big.bin", 12 * MiB + 123)
+    damaged = []
+
+    def flip_a_byte_on_the_wire(request, **_):
+        # After botocore computed the part's CRC32 (and signed it): what a bad NIC or proxy does.
+        if "partNumber=2" in request.url and len(damaged) < times:
+            body = request.body.read() if hasattr(request.body, "read") else bytes(request.body)
+            data = bytearray(body)
+            data[1000] ^= 0xFF
+            request.body = bytes(data)
+            damaged.append(request.url)
+
+    store._client.meta.events.register("before-send.s3.UploadPart", flip_a_byte_on_the_wire)
+    if times < FAST_RETRY.attempts:
+        store.put_file(src, "big.bin")
+        assert len(damaged) == times and "retrying" in caplog.text
+        store.get_file("big.bin", tmp_path / "back.bin")
+        assert (tmp_path / "back.bin").read_bytes() == src.read_bytes()
+    else:
+        with pytest.raises(IntegrityError, match=r"big\.bin: the server received other bytes than were sent"):
+            store.put_file(src, "big.bin")
+        assert not store.exists("big.bin")
+
+
+@pytest.mark.s3
+def test_verify_falls_back_to_the_etag_where_the_server_keeps_no_checksum(s3_uri, tmp_path, request):
+    store = _without_checksums(S3Store(s3_uri, part_size=5 * MiB))
+    src = write_random(tmp_path / "big.bin", 12 * MiB + 123)
+    store.put_file(src, "big.bin")
+    store.verify(src, "big.bin")
+    other = write_random(tmp_path / "other.bin", 12 * MiB + 123)
+    with pytest.raises(IntegrityError, match=r"etag \S+-3 != expected \S+-3"):
+        store.verify(other, "big.bin")
 
 
 @pytest.mark.s3
