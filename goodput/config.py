@@ -124,7 +124,7 @@ class ParallelismConfig(_Section):
         True, description="FSDP2: free gathered weights after forward (ZeRO-3); False keeps "
                           "them until backward (ZeRO-2-like, more memory, less communication).")
     activation_checkpointing: Literal["none", "selective", "full"] = Field("none")
-    compile: bool = Field(False, description="torch.compile each transformer block.")
+    compile: bool = Field(False, description="torch.compile each transformer block, and the loss.")
     mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="'auto': bf16 params with fp32 reduce on GPU, fp32 on CPU.")
     device_memory: str | int | None = Field(
@@ -215,6 +215,9 @@ class CheckpointConfig(_Section):
     keep_local: int = Field(
         3, ge=1, description="Local checkpoints kept; older uploaded ones are deleted."
     )
+    save_at_end: bool = Field(
+        True, description="Save after the last step. False only for throughput measurements "
+        "(benchmarks/mfu_bench.py): the steps after the last periodic save are then not kept.")
     validate_batches: int = Field(
         0, ge=0, description="Validation also computes the held-out loss on this many "
         "batches and rejects the checkpoint when it exceeds the training loss at that step by "

@@ -159,14 +159,17 @@ class Transformer(nn.Module):
         logits = self.output(self.norm(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return cross_entropy(logits, targets)
 
     def num_params(self, non_embedding: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())
         return n - self.args.vocab_size * self.args.dim if non_embedding else n
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N for the matmuls plus attention scores (PaLM appendix B)."""
+        """Training FLOPs per token: 6N for the matmuls plus attention scores (PaLM appendix B):
+        6 x num_params() + 12 x layers x heads x head_dim x seq_len. N leaves out only the input
+        embedding table (a lookup); the output projection is a matmul and counts. Causal masking
+        is not discounted, as in PaLM's MFU."""
         a = self.args
         return 6 * self.num_params() + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
 
@@ -188,6 +191,11 @@ class Transformer(nn.Module):
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)
             tokens = torch.cat([tokens, next_id], dim=1)
         return tokens
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position, computed in fp32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
 def model_args_from_config(model_cfg, vocab_size: int) -> ModelArgs:

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from training.model import cross_entropy
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
@@ -35,6 +38,10 @@ class Layout:
     ddp: bool = False  # model_parts[0] is DistributedDataParallel
     fsdp: bool = False
     stage_ids: list[int] = field(default_factory=lambda: [0])
+    # The loss of a micro-batch, logits -> mean cross-entropy (compiled with the blocks), and
+    # whether forward runs under bf16 autocast (without pipeline stages; FSDP casts itself).
+    loss_fn: Callable = cross_entropy
+    autocast: bool = False
 
     @property
     def dp_size(self) -> int:
@@ -68,7 +75,7 @@ def parallelize(model: nn.Module, par_cfg, degrees: dict[str, int], device: torc
     """Lay `model` (built whole, on `device`) out on this rank according to `degrees`."""
     mesh = build_mesh(degrees, device.type)
     if mesh is None:
-        return Layout(None, degrees, [_finish(model, par_cfg)])
+        return _precision_and_loss(Layout(None, degrees, [_finish(model, par_cfg)]), par_cfg, device)
 
     stage_ids, parts = [0], [model]
     if degrees["pp"] > 1:
@@ -91,6 +98,19 @@ def parallelize(model: nn.Module, par_cfg, degrees: dict[str, int], device: torc
 
     if degrees["pp"] > 1:
         _build_schedule(layout, mesh, par_cfg, device, loss_fn)
+    return _precision_and_loss(layout, par_cfg, device)
+
+
+def _precision_and_loss(layout: Layout, par_cfg, device: torch.device) -> Layout:
+    """bf16 autocast on GPUs unless parallelism.mixed_precision=fp32 (FSDP casts the
+    parameters itself, _apply_fsdp); the loss compiled when parallelism.compile is set."""
+    layout.autocast = device.type == "cuda" and not layout.fsdp and par_cfg.mixed_precision != "fp32"
+    if par_cfg.compile:
+        # The loss over the vocabulary is memory-bound: eagerly, the fp32 copy of the logits,
+        # log-softmax and its gradient each go through memory (for GPT-2's 50k vocabulary,
+        # several GB per step, a sizeable share of a small model's step). Compiled, they fuse
+        # into a few passes over the bf16 logits. Pipeline schedules keep their own loss.
+        layout.loss_fn = torch.compile(cross_entropy)
     return layout
 
 
@@ -199,7 +219,15 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
 # -- activation checkpointing, compile ---------------------------------------------------------
 
 def _finish(model: nn.Module, par_cfg) -> nn.Module:
-    """Activation checkpointing and compile, per block (both keep parameter names)."""
+    """Activation checkpointing and compile, per block (both keep parameter names).
+
+    Compiling per block rather than the whole model: the blocks share their code, so Dynamo
+    compiles one block once and every other block reuses it (compile time does not grow with
+    depth), and the same compiled unit works under every layout (TP's DTensors, FSDP2 per
+    block, pipeline stages). What a whole-model compile would add is fusion around the
+    embedding lookup and the final norm, which are small; the part outside the blocks that
+    matters, the loss over the vocabulary, is compiled on its own (_precision_and_loss).
+    """
     if par_cfg.activation_checkpointing != "none":
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 

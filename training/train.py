@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from goodput.config import RunConfig
 from storage.checksums import fsync_dir
@@ -32,7 +31,7 @@ from training.checkpoint import (CheckpointFailed, Checkpointer, StoreReader, Ve
                                  checkpoint_path, committed_checkpoints, load_checkpoint)
 from training.data import DistributedSampleLoader, TokenStream
 from training.metrics import MetricsWriter, peak_flops, young_daly_interval_s
-from training.model import Transformer, model_args_from_config
+from training.model import Transformer, cross_entropy, model_args_from_config
 from training.parallelize import Layout, clip_grad_norm_, parallelize
 
 
@@ -56,6 +55,10 @@ def init_distributed(config: RunConfig) -> Dist:
     device = torch.device("cuda", local_rank) if want_cuda else torch.device("cpu")
     if want_cuda:
         torch.cuda.set_device(device)
+        if config.parallelism.mixed_precision != "fp32":
+            # Matmuls left in fp32 (outside autocast) may use TF32 tensor cores.
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
     if "RANK" in os.environ:
         backend = config.parallelism.backend
         if backend == "auto":
@@ -267,7 +270,7 @@ class CheckpointSchedule:
         self.save_costs: deque[float] = deque(maxlen=5)
 
     def due(self, step: int, max_steps: int) -> bool:
-        return step - self.last_saved >= self.every or step == max_steps
+        return step - self.last_saved >= self.every or (step == max_steps and self.cfg.save_at_end)
 
     def saved(self, step: int, blocked_s: float) -> str:
         """Record a save; returns a note when the interval changed."""
@@ -377,12 +380,11 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
     model = Transformer(model_args_from_config(config.model, manifest.vocab_size)).to(env.device)
     model_args, n_params = vars(model.args), model.num_params(non_embedding=False)
     flops_per_token = model.flops_per_token(tcfg.seq_len)
-    vocab = manifest.vocab_size
 
     share = tcfg.grad_accum_steps * config.parallelism.pipeline_microbatches
 
     def pipeline_loss(logits, targets):  # one pipeline micro-batch's share of the step's mean
-        return F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1)) / share
+        return cross_entropy(logits, targets) / share
 
     layout = parallelize(model, config.parallelism, degrees, env.device, pipeline_loss)
     del model  # from here on the layout's parts are the model
@@ -447,13 +449,18 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
                 group["lr"] = lr
         loss_sum = torch.zeros((), device=env.device)
         for micro in range(tcfg.grad_accum_steps):
-            inputs, targets = (t.to(env.device, non_blocking=True) for t in loader.next_batch())
+            batch = loader.next_batch()
+            if env.device.type == "cuda":  # from pageable memory the copy would wait for the GPU
+                batch = tuple(t.pin_memory() for t in batch)
+            inputs, targets = (t.to(env.device, non_blocking=True) for t in batch)
             loss_sum += forward_backward(layout, inputs, targets, env.device,
                                          last_micro=micro == tcfg.grad_accum_steps - 1,
                                          accum=tcfg.grad_accum_steps)
         loss_sum = faults.poison_loss(step + 1, loss_sum)
-        loss = global_loss(layout, loss_sum)
-        grad_norm = float(clip_grad_norm_(layout, tcfg.grad_clip))
+        mean_loss = global_loss(layout, loss_sum)
+        norm = clip_grad_norm_(layout, tcfg.grad_clip)
+        # The step's one host read: loss and norm together (each read waits for the device).
+        loss, grad_norm = torch.stack([mean_loss, norm.to(mean_loss)]).tolist()
         verdict = guard.check(loss, grad_norm)
         if verdict:  # the update is not applied; the next attempt rolls back past this data
             checkpointer.wait()  # the checkpoint to roll back to may still be in flight
@@ -490,7 +497,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
                          "window_steps": window_steps, "window_time_s": window_time_s,
                          "flops_per_s_per_device": achieved,
                          "mfu": achieved / device_peak if device_peak else None,
-                         "attempt": attempt})
+                         "attempt": attempt, **device_memory(env.device)})
             window_steps, window_time_s, window_checkpoint_s = 0, 0.0, 0.0
         metrics.heartbeat(step=step, loss=loss, tokens_per_s=tokens_per_s, step_time_s=step_time,
                           max_steps=tcfg.max_steps, attempt=attempt, phase="step")
@@ -556,22 +563,28 @@ def forward_backward(layout: Layout, inputs, targets, device, last_micro: bool, 
     if layout.fsdp:
         model.set_requires_gradient_sync(last_micro)
     sync = model.no_sync() if (layout.ddp and not last_micro) else nullcontext()
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16,
-                              enabled=device.type == "cuda" and not layout.fsdp)
     with sync:
-        with autocast:
-            loss = model(inputs, targets) / accum
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=layout.autocast):
+            loss = layout.loss_fn(model(inputs), targets) / accum
         loss.backward()
     return loss.detach()
 
 
-def global_loss(layout: Layout, local: torch.Tensor) -> float:
-    """The step's mean loss over the global batch, identical on every rank.
+def global_loss(layout: Layout, local: torch.Tensor) -> torch.Tensor:
+    """The step's mean loss over the global batch, identical on every rank (a 0-d tensor on
+    the device: the caller reads it together with the gradient norm).
 
     Exactly one rank per data-parallel replica reports (last pipeline stage, TP rank 0).
     """
     if not dist.is_initialized():
-        return local.item()
+        return local
     reported = local if layout.reports_loss else torch.zeros_like(local)
     dist.all_reduce(reported)
-    return (reported / layout.dp_size).item()
+    return reported / layout.dp_size
+
+
+def device_memory(device: torch.device) -> dict:
+    """Peak GPU memory held by tensors so far (the allocator's own count: no device sync)."""
+    if device.type != "cuda":
+        return {}
+    return {"max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30}

@@ -1,0 +1,104 @@
+"""benchmarks/mfu_bench.py end to end on CPU: the real trainer under torchrun, the MFU
+arithmetic against a hand count of the tiny model, and failures reported per size.
+
+The CUDA figures themselves (issue 3) need a GPU; what is checked here is everything else."""
+
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import REPO
+from training.checkpoint import committed_checkpoints
+from training.metrics import read_metrics
+
+BENCH = REPO / "benchmarks" / "mfu_bench.py"
+PEAK = 989e12
+WARMUP, STEPS = 2, 3
+
+
+def run_bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "mfu.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "--out", str(out), "--workdir",
+                           str(tmp_path / "work"), "--steps", str(STEPS), "--warmup-steps",
+                           str(WARMUP), *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
+def test_tiny_on_cpu_measures_and_an_unknown_size_is_reported(tmp_path):
+    proc, report = run_bench(tmp_path, "--sizes", "tiny", "no-such-size", "--device", "cpu",
+                             "--no-compile")
+    assert proc.returncode == 1, proc.stdout[-3000:]  # one size failed; the bench went on
+    tiny, unknown = report["sizes"]
+    assert tiny["status"] == "ok", tiny
+    assert report["peak_flops"] == PEAK
+
+    # The tiny model by hand: dim 64, 2 layers, 4 heads of 16, vocabulary 512, seq 64; SwiGLU
+    # width 2/3 x 4 x 64 = 170, rounded up to a multiple of 32: 192.
+    dim, layers, heads, head_dim, vocab, seq, ffn = 64, 2, 4, 16, 512, 64, 192
+    block = 4 * dim * dim + 3 * dim * ffn + 2 * dim  # wq wk wv wo, w1 w2 w3, two norms
+    non_embedding = layers * block + dim + vocab * dim  # final norm, output projection
+    flops_per_token = 6 * non_embedding + 12 * layers * heads * head_dim * seq
+    model = tiny["model"]
+    assert model["params_non_embedding"] == non_embedding == 139_584
+    assert model["params_total"] == non_embedding + vocab * dim
+    assert model["flops_per_token"] == model["model_flops_per_token"] == flops_per_token
+    assert model["formula_matches_model"] is True
+
+    # tokens/s from the trainer's own records: median interval between consecutive steps
+    # after the warm-up; MFU by issue 3's formula.
+    records = {r["step"]: r for r in read_metrics(tiny["run_dir"])}
+    assert sorted(records) == list(range(1, WARMUP + STEPS + 1))
+    step_s = statistics.median(records[s]["time"] - records[s - 1]["time"]
+                               for s in range(WARMUP + 1, WARMUP + STEPS + 1))
+    assert tiny["steps_measured"] == STEPS
+    assert tiny["tokens_per_step"] == 4 * seq
+    assert tiny["step_time_s"] == pytest.approx(step_s)
+    assert tiny["tokens_per_s"] > 0
+    assert tiny["tokens_per_s"] == pytest.approx(tiny["tokens_per_step"] / step_s)
+    assert tiny["mfu"] == pytest.approx(flops_per_token * tiny["tokens_per_s"] / PEAK)
+    assert tiny["trainer_tokens_per_s"] > 0
+    assert tiny["max_memory_allocated_gb"] is None  # logged on CUDA only
+    assert "max_memory_allocated_gb" not in records[1]
+    assert not committed_checkpoints(tiny["run_dir"])  # checkpoint.save_at_end=false
+
+    # The model's attention runs with the flash backend alone (on CPU, its CPU kernel).
+    assert tiny["attention"]["flash"] == "ok", tiny["attention"]
+    assert tiny["attention"]["default_backend"] == "flash"
+
+    assert unknown["status"] == "failed" and unknown["failure_class"] == "config"
+    assert "unknown size 'no-such-size'" in unknown["error"]
+    assert "| tiny |" in proc.stdout and "| no-such-size |" in proc.stdout
+
+
+def test_a_size_the_trainer_cannot_run_is_reported(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA, where --device cuda must fail")
+    proc, report = run_bench(tmp_path, "--sizes", "tiny", "--device", "cuda", "--no-compile")
+    assert proc.returncode == 1
+    [tiny] = report["sizes"]
+    assert tiny["status"] == "failed"
+    assert tiny["failure_class"] == "retryable"  # the worker's exit record, read by the launcher
+    assert tiny["error"] and tiny["steps_logged"] == 0
+    assert "error" in tiny["attention"]
+    assert report["environment"]["device_name"].startswith("unavailable")
+
+
+def test_summary_leaves_out_the_warm_up():
+    from benchmarks.mfu_bench import summarize
+
+    # Step 1 (compilation) is slow; steps 3..5 take 0.5, 0.25 and 0.5 s.
+    times = {1: 10.0, 2: 10.1, 3: 10.6, 4: 10.85, 5: 11.35}
+    records = [{"step": s, "time": t, "loss": 5.0, "tokens_per_s": 1000.0, "step_time_s": 0.4}
+               for s, t in times.items()]
+    summary = summarize(records, warmup=2, tokens_per_step=100, flops_per_token=1e9, peak=1e12)
+    assert summary["steps_measured"] == 3
+    assert summary["step_time_s"] == pytest.approx(0.5)
+    assert summary["tokens_per_s"] == pytest.approx(200)
+    assert summary["mfu"] == pytest.approx(1e9 * 200 / 1e12)
+    assert summary["trainer_mfu"] == pytest.approx(1e9 * 1000 / 1e12)
