@@ -238,12 +238,30 @@ class StorageConfig(_Section):
         None, description="S3-compatible endpoint (SeaweedFS, MinIO); None uses AWS."
     )
     region: str | None = None
+    part_size: str | int = Field(
+        "8MiB", description="S3 multipart part size, e.g. '64MiB' (S3 allows 5MiB to 5GiB; a "
+        "file needing more than 10,000 parts gets larger ones). Larger parts: fewer requests.")
+    max_concurrency: int = Field(
+        10, ge=1, le=256, description="S3 requests in flight per process, across all files "
+        "moving at once. Raise it on nodes with fast networks (the default is the AWS CLI's).")
+
+    @model_validator(mode="after")
+    def _part_size_parses(self) -> "StorageConfig":
+        try:
+            size = parse_bytes(self.part_size)
+        except ConfigError as e:
+            raise ValueError(f"part_size: {e}") from None
+        if not 5 * 2**20 <= size <= 5 * 2**30:
+            raise ValueError(f"part_size={self.part_size!r} is outside what S3 accepts; "
+                             "choose 5MiB to 5GiB, e.g. 64MiB")
+        return self
 
     def open(self):
         """The store this section describes (storage.open_store)."""
         from storage import open_store  # boto3 only where a store is actually used
 
-        return open_store(self.uri, endpoint_url=self.endpoint_url, region=self.region)
+        return open_store(self.uri, endpoint_url=self.endpoint_url, region=self.region,
+                          part_size=parse_bytes(self.part_size), max_concurrency=self.max_concurrency)
 
 
 class EvalConfig(_Section):

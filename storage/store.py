@@ -51,17 +51,20 @@ class IntegrityError(OSError):
     """What was stored or fetched differs from what was sent (size or checksum)."""
 
 
-def open_store(uri: str, *, endpoint_url: str | None = None, region: str | None = None) -> Store:
+def open_store(uri: str, *, endpoint_url: str | None = None, region: str | None = None,
+               part_size: int = 8 * MiB, max_concurrency: int = 10) -> Store:
     """The store for `uri`: a plain path or `file://` URI, or `s3://bucket[/prefix]`.
 
-    `endpoint_url` and `region` only matter for S3; without them boto3 reads
-    AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL and AWS_DEFAULT_REGION like any AWS tool.
+    The other arguments only matter for S3 (see S3Store); without `endpoint_url` and
+    `region` boto3 reads AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL and AWS_DEFAULT_REGION like
+    any AWS tool.
     """
     scheme = urlparse(uri).scheme
     if scheme in ("", "file"):
         return LocalStore(uri)
     if scheme == "s3":
-        return S3Store(uri, endpoint_url=endpoint_url, region=region)
+        return S3Store(uri, endpoint_url=endpoint_url, region=region, part_size=part_size,
+                       max_concurrency=max_concurrency)
     raise ValueError(
         f"unsupported store URI {uri!r}: expected a local path, file:///abs/path or s3://bucket[/prefix]"
     )

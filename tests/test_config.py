@@ -27,12 +27,23 @@ def test_overrides_parse_as_yaml_values():
     ("run.run_id=bad/id", "run.run_id", "should match pattern"),
     ("training.lr=fast", "training.lr", "valid number"),
     ("faults.crash_rank=5", "(top level)", "faults.crash_rank=5 is not a rank"),
+    ("storage.part_size=1MiB", "storage", "outside what S3 accepts; choose 5MiB to 5GiB"),
+    ("storage.part_size=lots", "storage", "part_size: 'lots' is not a memory size"),
+    ("storage.max_concurrency=0", "storage.max_concurrency", "greater than or equal to 1"),
 ])
 def test_invalid_values_name_the_field(override, field, hint):
     with pytest.raises(ConfigError) as err:
         load_config("configs/tiny.yaml", [override])
     assert f"{field}:" in str(err.value)
     assert hint in str(err.value)
+
+
+def test_storage_transfer_settings_reach_the_s3_store():
+    config = load_config("configs/tiny.yaml", ["storage.uri=s3://bucket/runs", "storage.region=us-east-1",
+                                               "storage.part_size=64MiB", "storage.max_concurrency=32"])
+    store = config.storage.open()
+    assert store.transfer.multipart_chunksize == store.transfer.multipart_threshold == 64 * 2**20
+    assert store.transfer.max_request_concurrency == store.transfer.max_in_memory_upload_chunks == 32
 
 
 def test_malformed_override_and_missing_file():
