@@ -57,7 +57,9 @@ class TokenizerConfig(_Section):
     path: str | None = Field(
         None, description="An existing tokenizer.json to use instead of training one."
     )
-    vocab_size: int = Field(4096, ge=260, le=1_000_000, description="BPE vocabulary size to train.")
+    vocab_size: int = Field(
+        4096, ge=260, le=1_000_000, description="BPE vocabulary size to train, exactly: ids the "
+        "corpus has no merges for are reserved tokens.")
     min_frequency: int = Field(2, ge=1, description="Minimum pair frequency when training BPE.")
 
 

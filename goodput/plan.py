@@ -360,7 +360,7 @@ def local_device_memory(device: str, workers: int) -> tuple[int, str]:
 
 def run_vocab_size(config: RunConfig) -> int:
     """The vocabulary the run's model gets: an existing tokenizer.path's own size, else
-    tokenizer.vocab_size (the most a trained tokenizer has)."""
+    tokenizer.vocab_size (what a trained tokenizer has, exactly: goodput.data.tokenizer)."""
     path = config.tokenizer.path
     if path and Path(path).is_file():
         try:

@@ -282,6 +282,24 @@ def test_tokenizer_without_eos_is_refused(tmp_path):
         load_tokenizer(path)
 
 
+def test_a_small_corpus_still_gives_the_configured_vocabulary(tmp_path):
+    # Too little text to learn 1,000 merges: the rest of the ids are reserved tokens, so the
+    # model (and the layout checked before preparation) gets tokenizer.vocab_size exactly.
+    tokenizer = train_tokenizer(DOCS, 1000, 2)
+    assert tokenizer.get_vocab_size() == 1000
+    reserved = [tokenizer.token_to_id(f"<|reserved_{i}|>") for i in range(3)]
+    assert None not in reserved and max(reserved) < 1000
+    path = tmp_path / "tok.json"
+    tokenizer.save(str(path))
+    reloaded = load_tokenizer(path)
+    assert reloaded.get_vocab_size() == 1000
+    # No document encodes to a reserved id, not even one that spells one out.
+    text = DOCS[0] + " <|reserved_0|>"
+    ids = reloaded.encode(text).ids
+    assert not set(ids) & set(reserved)
+    assert reloaded.decode(ids) == text
+
+
 # -- the Prefect flow -----------------------------------------------------------------------
 
 def test_prefect_flow_matches_the_library_and_reruns_for_free(prefect_api, builtin, tmp_path):

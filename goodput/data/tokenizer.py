@@ -19,9 +19,13 @@ EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int) -> Tokenizer:
-    """A byte-level BPE with `vocab_size` ids (fewer if the texts have fewer merges to learn).
+    """A byte-level BPE with exactly `vocab_size` ids.
 
-    Id 0 is the EOS token `<|endoftext|>`, ids 1-256 the bytes, the rest learned merges.
+    Id 0 is the EOS token `<|endoftext|>`, ids 1-256 the bytes, then learned merges. When the
+    texts have fewer merges to learn, the remaining ids are reserved special tokens
+    (`<|reserved_N|>`) that no document encodes to: the model's vocabulary is then the
+    configured size whatever the corpus, so the layout checked before preparation (tensor
+    parallelism splits the vocabulary) is the one that trains.
     """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -34,6 +38,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int) -
         show_progress=False,
     )
     tokenizer.train_from_iterator(texts, trainer=trainer)
+    missing = vocab_size - tokenizer.get_vocab_size()
+    tokenizer.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
     return _as_text_encoder(tokenizer)
 
 
