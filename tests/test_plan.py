@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -386,9 +387,11 @@ def case_overrides(case: tuple[str, ...], nproc: int) -> list[str]:
     return [*COMMON, *case, f"parallelism.nproc_per_node={nproc}"]
 
 
-def measure(nproc: int, cases: dict[str, tuple[str, ...]]) -> dict[str, list[dict]]:
-    """Run the probe below over `cases` in one process (or one torchrun of `nproc`)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+def measure(nproc: int, cases: dict[str, tuple[str, ...]], out: Path) -> dict[str, list[dict]]:
+    """Run the probe below over `cases` in one process (or one torchrun of `nproc`); each
+    rank writes its records to a file of its own in `out` (ranks sharing one stdout pipe
+    could interleave their lines)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PROBE_OUT": str(out),
            # Every allocation above 64 KiB gets its own mapping and is returned on free, so
            # the resident-set peak follows the tensors alive at once.
            "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -404,21 +407,21 @@ def measure(nproc: int, cases: dict[str, tuple[str, ...]]) -> dict[str, list[dic
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results: dict[str, list[dict]] = {name: [] for name in cases}
-    for line in proc.stdout.splitlines():
-        if line.startswith("MEASURED "):
-            record = json.loads(line.removeprefix("MEASURED "))
+    for path in sorted(out.glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
             results[record["case"]].append(record)
     return results
 
 
 @pytest.fixture(scope="module")
-def measured_single():
-    return measure(1, SINGLE)
+def measured_single(tmp_path_factory):
+    return measure(1, SINGLE, tmp_path_factory.mktemp("measured-single"))
 
 
 @pytest.fixture(scope="module")
-def measured_two():
-    return measure(2, TWO_PROCESSES)
+def measured_two(tmp_path_factory):
+    return measure(2, TWO_PROCESSES, tmp_path_factory.mktemp("measured-two"))
 
 
 def assert_estimate_matches(case: tuple[str, ...], nproc: int, records: list[dict]) -> None:
@@ -466,8 +469,8 @@ def _local_bytes(tensors) -> int:
 
 def probe(cases: dict[str, list[str]], steps: int = 2) -> None:
     """For each case, train `steps` optimizer steps with the trainer's own layout, step and
-    optimizer code, and print what this rank held in the last one and its peak growth of
-    the resident set."""
+    optimizer code, and record what this rank held in the last one and its peak growth of
+    the resident set (in $PROBE_OUT/rank-N.jsonl)."""
     import gc
 
     import torch
@@ -527,7 +530,8 @@ def probe(cases: dict[str, list[str]], steps: int = 2) -> None:
                   "optimizer": _local_bytes(t for state in optimizer.state.values()
                                             for t in state.values() if t.dim() > 0),
                   "activations": sum(activations.values()), "peak": _rss("VmHWM") - baseline}
-        print("MEASURED " + json.dumps(record), flush=True)
+        with open(Path(os.environ["PROBE_OUT"]) / f"rank-{env.rank}.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
         del layout, model, optimizer
         gc.collect()
     if dist.is_initialized():
