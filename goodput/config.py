@@ -69,6 +69,11 @@ class ModelConfig(_Section):
     n_heads: int = Field(4, ge=1, description="Attention heads.")
     n_kv_heads: int | None = Field(None, ge=1, description="Key/value heads (GQA); None = n_heads.")
     ffn_multiple_of: int = Field(32, ge=1, description="SwiGLU hidden size is rounded up to this.")
+    vocab_multiple_of: int = Field(
+        128, ge=1, description="The embedding and output layers get the tokenizer's vocabulary "
+        "rounded up to a multiple of this (GPT-2's 50,257 -> 50,304): tensor parallelism splits "
+        "them, and GPU matmuls run fastest on such sizes. The extra ids never occur in data and "
+        "are never sampled. 1 turns padding off.")
     norm_eps: float = Field(1e-5, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
     max_seq_len: int = Field(256, ge=8, description="Longest sequence the RoPE cache covers.")

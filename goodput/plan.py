@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from goodput.config import ConfigError, RunConfig, parse_bytes  # noqa: F401 (parse_bytes: API)
-from training.model import ModelArgs
+from training.model import ModelArgs, model_args_from_config
 
 GiB = 1024**3
 H100_FLOPS = 989e12  # dense bf16
@@ -116,8 +116,8 @@ def count_params(args: ModelArgs) -> ParamCount:
 
 
 def model_args(config: RunConfig) -> ModelArgs:
-    """The model the config trains, with the tokenizer's vocabulary size."""
-    return ModelArgs(vocab_size=config.tokenizer.vocab_size, **config.model.model_dump())
+    """The model the config trains, with the tokenizer's vocabulary size (padded)."""
+    return model_args_from_config(config.model, config.tokenizer.vocab_size)
 
 
 # -- activations -----------------------------------------------------------------------------
@@ -445,7 +445,7 @@ def _structural_problems(s: _Setup, degrees: dict[str, int], m: int) -> list[Pro
         problems.append(Problem(
             f"tp={tp} does not divide the vocabulary ({args.vocab_size}) that TP splits",
             f"choose tp in {_divisors(math.gcd(args.vocab_size, head_tp), gpn)}, or a "
-            f"tokenizer.vocab_size divisible by {tp}"))
+            f"model.vocab_multiple_of divisible by {tp}"))
     if pp > 1:
         problems += _pipeline_problems(s, pp, m)
     return problems

@@ -131,8 +131,8 @@ def test_parse_bytes():
      "choose tp in [1, 2, 4, 8]"),
     (("model.n_heads=12", "model.dim=4080"), layout(dp_shard=2, tp=8),
      "tp=8 does not divide n_heads=12", "choose tp in [1, 2, 3, 4, 6]"),
-    (("tokenizer.vocab_size=32001",), layout(dp_shard=8, tp=2), "does not divide the vocabulary (32001)",
-     "choose tp in [1]"),
+    (("tokenizer.vocab_size=32001", "model.vocab_multiple_of=1"), layout(dp_shard=8, tp=2),
+     "does not divide the vocabulary (32001)", "choose tp in [1], or a model.vocab_multiple_of divisible by 2"),
     (("model.n_layers=30",), layout(dp_shard=4, pp=4), "4 pipeline stages (pp=4, 1f1b) do not divide n_layers=30",
      "choose pp in [2, 3, 5, 6, 10, 15, 30]"),
     (("parallelism.microbatches=4", "training.micro_batch_size=4"), layout(dp_shard=4, pp=4),
@@ -153,6 +153,40 @@ def test_invalid_layouts_say_why_and_how_to_fix(overrides, degrees, reason, fix)
     assert not result.ok
     text = "\n".join(str(p) for p in result.problems)
     assert reason in text and fix in text, text
+
+
+def test_the_vocabulary_is_padded_so_tensor_parallelism_can_split_it():
+    # GPT-2's tokenizer (50,257 ids, 29 x 1,733) rules out any TP unless padded, to 50,304.
+    gpt2 = list(LLAMA2_7B) + ["tokenizer.vocab_size=50257"]
+    assert planner.model_args(load_config(None, gpt2)).vocab_size == 50304
+    assert planner.plan_layout(load_config(None, gpt2), cluster(nodes=2), layout(dp_shard=2, tp=8)).ok
+    unpadded = load_config(None, gpt2 + ["model.vocab_multiple_of=1"])
+    assert planner.model_args(unpadded).vocab_size == 50257
+    assert not planner.plan_layout(unpadded, cluster(nodes=2), layout(dp_shard=2, tp=8)).ok
+
+    # The padded ids are never sampled: with their logits made the largest, generation
+    # given the tokenizer's size still skips them.
+    import torch
+
+    class PreferPadding(torch.nn.Module):
+        def __init__(self, output):
+            super().__init__()
+            self.output = output
+
+        def forward(self, hidden):
+            logits = self.output(hidden)
+            logits[..., 50:] = 1e4
+            return logits
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16)).eval()
+    model.output = PreferPadding(model.output)
+    prompt = torch.ones(1, 4, dtype=torch.long)
+    assert (model.generate(prompt, 8, temperature=0)[0, 4:] >= 50).all()  # what it would pick
+    for temperature in (0, 1.0):
+        out = model.generate(prompt, 8, temperature=temperature, n_tokens=50,
+                             generator=torch.Generator().manual_seed(1))
+        assert (out[0, 4:] < 50).all(), out
 
 
 def test_check_raises_a_config_error_naming_the_fixes():

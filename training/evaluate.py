@@ -53,7 +53,7 @@ def generate_samples(model: Transformer, tokenizer: Tokenizer, prompts: list[str
         prompt = prompts[i % len(prompts)]
         ids = tokenizer.encode(prompt).ids or [0]
         out = model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature,
-                             top_k, generator)
+                             top_k, generator, n_tokens=tokenizer.get_vocab_size())
         samples.append(EvalSample(prompt=prompt, completion=tokenizer.decode(out[0, len(ids):].tolist())))
     return samples
 

@@ -176,10 +176,12 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
-                 ) -> torch.Tensor:
+                 n_tokens: int | None = None) -> torch.Tensor:
+        """Continue `tokens`; only ids below `n_tokens` (the tokenizer's size, when the
+        vocabulary is padded) are ever chosen."""
         for _ in range(max_new_tokens):
             context = tokens[:, -self.args.max_seq_len:]
-            logits = self(context)[:, -1, :].float()
+            logits = self(context)[:, -1, :n_tokens].float()
             if temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
@@ -199,5 +201,8 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def model_args_from_config(model_cfg, vocab_size: int) -> ModelArgs:
-    """ModelConfig (goodput.config) + the dataset's vocabulary -> ModelArgs."""
-    return ModelArgs(vocab_size=vocab_size, **model_cfg.model_dump())
+    """ModelConfig (goodput.config) + the tokenizer's vocabulary -> ModelArgs, the vocabulary
+    rounded up to a multiple of model.vocab_multiple_of."""
+    multiple = model_cfg.vocab_multiple_of
+    return ModelArgs(vocab_size=-(-vocab_size // multiple) * multiple,
+                     **model_cfg.model_dump(exclude={"vocab_multiple_of"}))
