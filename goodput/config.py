@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from storage.manifests import canonical_json
 from storage.checksums import sha256_bytes
@@ -249,19 +249,20 @@ class StorageConfig(_Section):
         "8MiB", description="S3 multipart part size, e.g. '64MiB' (S3 allows 5MiB to 5GiB; a "
         "file needing more than 10,000 parts gets larger ones). Larger parts: fewer requests.")
     max_concurrency: int = Field(
-        10, ge=1, le=256, description="S3 requests in flight per process, across all files "
-        "moving at once. Raise it on nodes with fast networks (the default is the AWS CLI's).")
+        10, ge=1, le=256, description="S3 requests in flight per open store (each upload or "
+        "fetch task opens one), across all files it moves at once; also the parts it buffers. "
+        "Raise it on nodes with fast networks (the default is the AWS CLI's).")
 
-    @model_validator(mode="after")
-    def _part_size_parses(self) -> "StorageConfig":
+    @field_validator("part_size")
+    @classmethod
+    def _part_size_fits_s3(cls, value: str | int) -> str | int:
         try:
-            size = parse_bytes(self.part_size)
+            size = parse_bytes(value)
         except ConfigError as e:
-            raise ValueError(f"part_size: {e}") from None
+            raise ValueError(str(e)) from None
         if not 5 * 2**20 <= size <= 5 * 2**30:
-            raise ValueError(f"part_size={self.part_size!r} is outside what S3 accepts; "
-                             "choose 5MiB to 5GiB, e.g. 64MiB")
-        return self
+            raise ValueError(f"{value!r} is outside what S3 accepts; choose 5MiB to 5GiB, e.g. 64MiB")
+        return value
 
     def open(self):
         """The store this section describes (storage.open_store)."""

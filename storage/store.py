@@ -349,7 +349,7 @@ _MISSING_CODES = {"404", "NoSuchKey", "NotFound", "NoSuchBucket"}
 _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError",
                     "ServiceUnavailable"}
 # A request whose body does not match its checksum (CRC32, Content-MD5 or the signed sha256).
-_DAMAGED_CODES = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch"}
+_DAMAGED_CODES = {"BadDigest", "XAmzContentSHA256Mismatch"}
 _CONNECTION_ERRORS = (botocore.exceptions.HTTPClientError, botocore.exceptions.ConnectionError)
 _CREDENTIALS_HINT = (
     "credentials come from the standard AWS chain: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
@@ -417,8 +417,8 @@ class S3Store(Store):
         config = Config(
             s3={"addressing_style": "path"},
             retries={"mode": "standard", "max_attempts": request_attempts},
-            # the shared transfer's requests plus the HEADs and small PUTs beside them
-            max_pool_connections=2 * max_concurrency,
+            # the shared transfer's requests plus the HEADs and small PUTs of upload_dir's workers
+            max_pool_connections=max_concurrency + 8,
             # the default, spelled out: the upload checks above rely on per-request CRC32s
             request_checksum_calculation="when_supported",
         )
@@ -447,8 +447,9 @@ class S3Store(Store):
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
                 reader = _DigestingReader(f, self._part_size(size))
-                self._transfers.upload(reader, self.bucket, self._key(key),
-                                       extra_args={"Metadata": {"sha256": sha256}}).result()
+                # CRC32 named, not left to botocore's default: the check below computes it
+                _wait(self._transfers.upload(reader, self.bucket, self._key(key), extra_args={
+                    "Metadata": {"sha256": sha256}, "ChecksumAlgorithm": "CRC32"}))
             sent = reader.digest()
             _compare(f"{path} as sent to", self.url(key), sent, {"size": size, "sha256": sha256})
             # The managed transfer does not return S3's responses; one HEAD reads what was stored.
@@ -460,7 +461,7 @@ class S3Store(Store):
         def download() -> None:
             stored = self._head_digest(key)
             with _atomic_path(Path(local_path)) as tmp:
-                self._transfers.download(self.bucket, self._key(key), os.fspath(tmp)).result()
+                _wait(self._transfers.download(self.bucket, self._key(key), os.fspath(tmp)))
                 _compare("download of", self.url(key), _local_digest(tmp), _known(stored, "size", "sha256"))
 
         self._call("download of", key, download)
@@ -708,13 +709,29 @@ def _s3_etag(path: Path, part_size: int | None) -> str:
     the bytes, or of the concatenated binary part md5s plus "-<parts>"."""
     part_md5s = []
     with open(path, "rb") as f:
-        while part := f.read(part_size or -1):
-            part_md5s.append(hashlib.md5(part).digest())
+        while True:  # one part per pass (the whole file for one PUT), read 8 MiB at a time
+            md5, read = hashlib.md5(), 0
+            while part_size is None or read < part_size:
+                chunk = f.read(8 * MiB if part_size is None else min(8 * MiB, part_size - read))
+                if not chunk:
+                    break
+                md5.update(chunk)
+                read += len(chunk)
             if part_size is None:
+                return md5.hexdigest()
+            if not read:
                 break
-    if part_size is None:
-        return part_md5s[0].hex() if part_md5s else hashlib.md5(b"").hexdigest()
+            part_md5s.append(md5.digest())
     return f"{hashlib.md5(b''.join(part_md5s)).hexdigest()}-{len(part_md5s)}"
+
+
+def _wait(transfer) -> None:
+    """The result of an s3transfer future; an interrupted wait cancels the transfer."""
+    try:
+        transfer.result()
+    except BaseException:
+        transfer.cancel()
+        raise
 
 
 def _known(stored: dict[str, object], *names: str) -> dict[str, object]:

@@ -27,8 +27,8 @@ def test_overrides_parse_as_yaml_values():
     ("run.run_id=bad/id", "run.run_id", "should match pattern"),
     ("training.lr=fast", "training.lr", "valid number"),
     ("faults.crash_rank=5", "(top level)", "faults.crash_rank=5 is not a rank"),
-    ("storage.part_size=1MiB", "storage", "outside what S3 accepts; choose 5MiB to 5GiB"),
-    ("storage.part_size=lots", "storage", "part_size: 'lots' is not a memory size"),
+    ("storage.part_size=1MiB", "storage.part_size", "outside what S3 accepts; choose 5MiB to 5GiB"),
+    ("storage.part_size=lots", "storage.part_size", "'lots' is not a memory size"),
     ("storage.max_concurrency=0", "storage.max_concurrency", "greater than or equal to 1"),
 ])
 def test_invalid_values_name_the_field(override, field, hint):
