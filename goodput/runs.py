@@ -51,6 +51,11 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
     Raises TrainingFailed with the failure class and the retry policy's verdict when the
     attempt does not finish. A rollback first records the data window to skip.
     """
+    if not config.checkpoint.save_at_end:
+        raise ConfigError(
+            "checkpoint.save_at_end=false is for throughput measurements (benchmarks/mfu_bench.py), "
+            "which launch the trainer themselves: a run whose last step is not saved never counts as "
+            "finished, so every rerun would train its tail again. Leave it true.")
     config_path = write_run_config(config)
     resume = resume_point(config, store)
     if resume is not None and resume.step >= config.training.max_steps:

@@ -11,6 +11,18 @@ from training.metrics import read_metrics
 from training.train import CheckpointSchedule
 
 
+def test_runs_the_pipeline_launches_must_save_their_last_step(tmp_path):
+    import pytest
+
+    from goodput.config import ConfigError
+    from goodput.runs import train_attempt
+
+    config = small_config(tmp_path, "checkpoint.save_at_end=false")
+    with pytest.raises(ConfigError, match="checkpoint.save_at_end=false is for throughput measurements"):
+        train_attempt(config, tmp_path / "dataset", config.storage.open(), "0", print)
+    assert not config.run_dir.exists()  # refused before anything was written
+
+
 def test_fixed_interval_saves_every_n_steps_and_at_the_end(tmp_path):
     schedule = CheckpointSchedule(small_config(tmp_path, "checkpoint.every_steps=10"), rank=0)
     due = [s for s in range(1, 26) if schedule.due(s, 25) and not schedule.saved(s, 0.1)]

@@ -304,3 +304,23 @@ def test_ranks_resume_from_the_store_fetching_only_what_their_plan_reads(tmp_pat
     resumed = losses_by_step(config.run_dir)
     assert sorted(resumed) == list(range(11, 21))
     assert all(resumed[s] == full[s] for s in resumed)
+
+
+def test_a_checkpoint_of_another_model_is_a_config_error_not_a_crash_to_retry(tmp_path):
+    # A run saved with an unpadded vocabulary (300 ids), then resumed by code that pads it to
+    # 384: its old config.yaml, which predates model.vocab_multiple_of, reloads with the
+    # default. Loading would fail on a shape mismatch in every attempt.
+    from training.exits import CONFIG_ERROR, read_exit_records
+
+    dataset = synthetic_dataset(tmp_path / "dataset", vocab_size=300)
+    saved = small_config(tmp_path, "training.max_steps=10", "model.vocab_multiple_of=1")
+    assert torchrun_training(saved, dataset).returncode == 0
+    (saved.run_dir / "config.yaml").unlink()  # as if written before the field existed
+
+    proc = torchrun_training(small_config(tmp_path, "training.max_steps=20"), dataset)
+    assert proc.returncode != 0
+    records = read_exit_records(saved.run_dir, "0")
+    assert records and {r["code"] for r in records} == {CONFIG_ERROR}, records
+    reason = records[0]["reason"]
+    assert "vocab_size (padded) 300 in the checkpoint, 384 now" in reason
+    assert "model.vocab_multiple_of=1" in reason

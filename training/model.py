@@ -200,6 +200,19 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
+def shape_differences(saved: dict, args: ModelArgs) -> list[str]:
+    """How the model a checkpoint holds (its manifest's model_args) differs from `args` in
+    what gives the weights their shapes and meaning; [] when it can be loaded. (norm_eps,
+    rope_theta and max_seq_len may change on resume: e.g. a longer context.)"""
+    def facts(a: ModelArgs) -> dict:
+        return {"vocab_size (padded)": a.vocab_size, "dim": a.dim, "n_layers": a.n_layers,
+                "n_heads": a.n_heads, "n_kv_heads": a.kv_heads, "SwiGLU width": a.ffn_hidden}
+
+    before, now = facts(ModelArgs(**saved)), facts(args)
+    return [f"{name} {before[name]} in the checkpoint, {now[name]} now"
+            for name in now if before[name] != now[name]]
+
+
 def model_args_from_config(model_cfg, vocab_size: int) -> ModelArgs:
     """ModelConfig (goodput.config) + the tokenizer's vocabulary -> ModelArgs, the vocabulary
     rounded up to a multiple of model.vocab_multiple_of."""

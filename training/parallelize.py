@@ -103,8 +103,11 @@ def parallelize(model: nn.Module, par_cfg, degrees: dict[str, int], device: torc
 
 def _precision_and_loss(layout: Layout, par_cfg, device: torch.device) -> Layout:
     """bf16 autocast on GPUs unless parallelism.mixed_precision=fp32 (FSDP casts the
-    parameters itself, _apply_fsdp); the loss compiled when parallelism.compile is set."""
-    layout.autocast = device.type == "cuda" and not layout.fsdp and par_cfg.mixed_precision != "fp32"
+    parameters itself, _apply_fsdp; pipeline stages exchange activations in the dtype their
+    buffers were shaped with, so without FSDP they run fp32); the loss compiled when
+    parallelism.compile is set."""
+    layout.autocast = (device.type == "cuda" and not layout.fsdp and layout.schedule is None
+                       and par_cfg.mixed_precision != "fp32")
     if par_cfg.compile:
         # The loss over the vocabulary is memory-bound: eagerly, the fp32 copy of the logits,
         # log-softmax and its gradient each go through memory (for GPT-2's 50k vocabulary,

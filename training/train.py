@@ -31,7 +31,8 @@ from training.checkpoint import (CheckpointFailed, Checkpointer, StoreReader, Ve
                                  checkpoint_path, committed_checkpoints, load_checkpoint)
 from training.data import DistributedSampleLoader, TokenStream
 from training.metrics import MetricsWriter, peak_flops, young_daly_interval_s
-from training.model import Transformer, cross_entropy, model_args_from_config
+from training.model import (ModelArgs, Transformer, cross_entropy, model_args_from_config,
+                            shape_differences)
 from training.parallelize import Layout, clip_grad_norm_, parallelize
 
 
@@ -398,6 +399,12 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
     location = resolve_resume(resume, run_dir)
     if location is not None:
         resume_from = open_checkpoint(config, location)
+        if differences := shape_differences(resume_from.manifest.model_args, ModelArgs(**model_args)):
+            # Loading would fail on every attempt with a shape error: a config error, not a crash.
+            raise ValueError(
+                f"{resume_from} holds another model than this config builds ({'; '.join(differences)}); "
+                "resume with the model settings it was saved with (a vocabulary saved unpadded: "
+                "model.vocab_multiple_of=1), or train from scratch under a new run.run_id")
         extras = load_checkpoint(resume_from, layout.model_parts, optimizers, {
             "progress": {"step": 0, "tokens_seen": 0}, "data": loader.state_dict(),
             "rng": {"torch": torch.get_rng_state()}})
