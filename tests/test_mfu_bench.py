@@ -4,6 +4,7 @@ arithmetic against a hand count of the tiny model, and failures reported per siz
 The CUDA figures themselves (issue 3) need a GPU; what is checked here is everything else."""
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -19,11 +20,12 @@ PEAK = 989e12
 WARMUP, STEPS = 2, 3
 
 
-def run_bench(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+def run_bench(tmp_path, *args: str, env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "mfu.json"
     proc = subprocess.run([sys.executable, str(BENCH), "--out", str(out), "--workdir",
                            str(tmp_path / "work"), "--steps", str(STEPS), "--warmup-steps",
-                           str(WARMUP), *args], capture_output=True, text=True, cwd=REPO, timeout=300)
+                           str(WARMUP), *args], capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env=None if env is None else {**os.environ, **env})
     assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
 
@@ -102,3 +104,14 @@ def test_summary_leaves_out_the_warm_up():
     assert summary["tokens_per_s"] == pytest.approx(200)
     assert summary["mfu"] == pytest.approx(1e9 * 200 / 1e12)
     assert summary["trainer_mfu"] == pytest.approx(1e9 * 1000 / 1e12)
+
+
+def test_a_size_that_fails_to_compile_is_measured_eagerly_and_says_so(tmp_path):
+    # No C++ compiler for inductor (on the GPUs: none for Triton's launcher) fails compilation.
+    proc, report = run_bench(tmp_path, "--sizes", "tiny", "--device", "cpu", "--no-attention-check",
+                             env={"CXX": "/nonexistent/c++", "CC": "/nonexistent/cc"})
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    [tiny] = report["sizes"]
+    assert tiny["status"] == "ok" and tiny["compile"] is False and tiny["mfu"] > 0
+    assert "compiler" in tiny["failed_with_compile"].lower(), tiny["failed_with_compile"]
+    assert "(eager: failed with compile)" in proc.stdout
