@@ -3,8 +3,8 @@
     python benchmarks/mfu_bench.py --sizes gpt2-124m 1b --out $OUT/mfu.json      # one H100
     python benchmarks/mfu_bench.py --sizes tiny --device cpu --no-compile --steps 4   # CPU smoke
 
-For each size: a dataset of random token ids in the trainer's on-disk format (written with
-storage.shards.write_shard and a DatasetManifest, so no tokenizer is trained or downloaded),
+For each size: a synthetic dataset in the trainer's on-disk format (tests.helpers'
+counting sequences, so no tokenizer is trained or downloaded),
 a RunConfig, and one training attempt started exactly as the train task starts one
 (infra.torchrun.run_attempt: `torchrun --nproc-per-node 1 -m training`, supervised, its exit
 classified), then the run's metrics.jsonl is read back. Reported per size:
@@ -148,33 +148,17 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak: float) -> float:
 
 # -- data -------------------------------------------------------------------------------------
 
-def random_token_dataset(directory: Path, vocab_size: int, n_tokens: int, doc_len: int = 4096
-                         ) -> Path:
-    """Random token ids as a prepared dataset: one train and one validation shard written by
-    storage.shards.write_shard (documents ending in EOS), then the manifest."""
-    import numpy as np
-
-    from storage.checksums import sha256_file
-    from storage.manifests import DATASET_MANIFEST, DatasetManifest, ShardInfo
-    from storage.shards import token_dtype, write_shard
+def token_dataset(directory: Path, vocab_size: int, n_tokens: int) -> Path:
+    """A prepared dataset with at least `n_tokens` training tokens, no tokenizer needed: the
+    tests' synthetic one (counting sequences of 40-120 ids over the vocabulary, two train
+    shards, uint16 ids: vocabularies up to 65,536), sized for the run. The ids' values cost the model nothing: throughput is what
+    is measured."""
+    from storage.manifests import DATASET_MANIFEST
+    from tests.helpers import synthetic_dataset
 
     if (directory / DATASET_MANIFEST).is_file():
         return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    dtype, eos = token_dtype(vocab_size), vocab_size - 1
-    splits = {}
-    for split, tokens in (("train", n_tokens), ("validation", 2 * doc_len)):
-        rows = rng.integers(0, eos, size=(math.ceil(tokens / doc_len), doc_len), dtype=dtype)
-        rows[:, -1] = eos
-        path = directory / f"{split}-00000.arrow"
-        n, docs = write_shard(path, list(rows), dtype)
-        splits[split] = [ShardInfo(path=path.name, n_tokens=n, n_docs=docs,
-                                   size=path.stat().st_size, sha256=sha256_file(path))]
-    DatasetManifest(dataset_id=directory.name, source="random token ids (benchmarks/mfu_bench.py)",
-                    tokenizer="none", tokenizer_sha256="", vocab_size=vocab_size, eos_id=eos,
-                    dtype=dtype, splits=splits, created_at=time.time()).save(directory)
-    return directory
+    return synthetic_dataset(directory, vocab_size, docs_per_shard=math.ceil(n_tokens / 2 / 40))
 
 
 # -- attention kernel -------------------------------------------------------------------------
@@ -266,7 +250,7 @@ def config_overrides(run_id: str, size: Size, seq_len: int, micro_batch: int, ar
         f"training.max_steps={max_steps}", f"training.warmup_steps={min(10, max_steps - 1)}",
         "training.lr=3e-4", "training.log_every=1",  # a record per step: its time is the clock
         f"training.peak_flops_per_device={args.peak_flops}",
-        "faults.spike_factor=null",  # random tokens: no loss-spike rollbacks in a benchmark
+        "faults.spike_factor=null",  # no loss-spike rollbacks in a benchmark
         "faults.emergency_save_s=5",  # stopped by the time budget: no emergency checkpoint
         f"parallelism.device={args.device}", "parallelism.nnodes=1", "parallelism.nproc_per_node=1",
         f"parallelism.compile={str(args.compile).lower()}",
@@ -351,8 +335,8 @@ def run_size(name: str, args, workdir: Path, deadline: float, index: int = 0,
         say(f"{name}: attention {json.dumps(row['attention'])}")
 
     max_steps = args.warmup_steps + args.steps
-    dataset = random_token_dataset(workdir / "data" / run_id, size.vocab_size,
-                                   (max_steps + 1) * tcfg.tokens_per_rank_step + 1)
+    dataset = token_dataset(workdir / "data" / run_id, size.vocab_size,
+                            (max_steps + 1) * tcfg.tokens_per_rank_step + 1)
     config_path = write_run_config(config)
     if args.workdir is not None:  # otherwise removed at the end
         row["run_dir"] = str(config.run_dir)
