@@ -31,8 +31,7 @@ from training.checkpoint import (CheckpointFailed, Checkpointer, StoreReader, Ve
                                  checkpoint_path, committed_checkpoints, load_checkpoint)
 from training.data import DistributedSampleLoader, TokenStream
 from training.metrics import MetricsWriter, peak_flops, young_daly_interval_s
-from training.model import (ModelArgs, Transformer, cross_entropy, model_args_from_config,
-                            shape_differences)
+from training.model import Transformer, cross_entropy, model_args_from_config, shape_differences
 from training.parallelize import Layout, clip_grad_norm_, parallelize
 
 
@@ -379,7 +378,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
 
     manifest = DatasetManifest.load(dataset_dir)
     model = Transformer(model_args_from_config(config.model, manifest.vocab_size)).to(env.device)
-    model_args, n_params = vars(model.args), model.num_params(non_embedding=False)
+    args = model.args
+    model_args, n_params = vars(args), model.num_params(non_embedding=False)
     flops_per_token = model.flops_per_token(tcfg.seq_len)
 
     share = tcfg.grad_accum_steps * config.parallelism.pipeline_microbatches
@@ -399,7 +399,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
     location = resolve_resume(resume, run_dir)
     if location is not None:
         resume_from = open_checkpoint(config, location)
-        if differences := shape_differences(resume_from.manifest.model_args, ModelArgs(**model_args)):
+        if differences := shape_differences(resume_from.manifest.model_args, args):
             # Loading would fail on every attempt with a shape error: a config error, not a crash.
             raise ValueError(
                 f"{resume_from} holds another model than this config builds ({'; '.join(differences)}); "
