@@ -47,6 +47,9 @@ def prefect_server(tmp_path_factory) -> PrefectServer:
         PREFECT_UI_API_URL=server.api_url,  # the UI otherwise calls 127.0.0.1:4200
         # Tests wait on schedules: look for due deployments every 2 s, not every 60 s.
         PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2",
+        # A `* * * * *` schedule gets 5 runs ahead, not an hour's worth (60 rows to write, and
+        # to delete when it is switched off, on a SQLite file that every test shares).
+        PREFECT_SERVER_SERVICES_SCHEDULER_MAX_RUNS="5",
     )
     host, port = url.removeprefix("http://").split(":")
     with open(server.log, "w") as log:

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from uuid import UUID
+from uuid import UUID, uuid4
 
 import httpx
 import psutil
@@ -122,10 +122,19 @@ def wait_for(probe, timeout_s: float, what: str, every_s: float = 1.0):
 
 
 def api_post(url: str, body: dict, expect: tuple[int, ...] = (200, 201)) -> httpx.Response:
-    """POST to the REST API as the UI does; like Prefect's own client, retry while the server
-    is busy (SQLite answers 503 when a busy moment outlasts its lock timeout)."""
+    """POST to the REST API as the UI does; like Prefect's own client (60 s per request),
+    retry while the server is busy: SQLite answers 503 when a busy moment outlasts its lock
+    timeout, and on two loaded cores a request can outlast the client's timeout. Every POST
+    here is safe to repeat: reads, a state the run may already be in, and run creation with
+    an idempotency key."""
     for delay in (1, 2, 4, 8, 16, 0):
-        response = httpx.post(url, json=body, timeout=30)
+        try:
+            response = httpx.post(url, json=body, timeout=60)
+        except httpx.TimeoutException:
+            if not delay:
+                raise
+            time.sleep(delay)
+            continue
         if response.status_code not in (429, 503) or not delay:
             break
         time.sleep(delay)
@@ -134,9 +143,11 @@ def api_post(url: str, body: dict, expect: tuple[int, ...] = (200, 201)) -> http
 
 
 def trigger_like_the_ui(api_url: str, deployment_id, parameters: dict) -> UUID:
-    """What the UI's "Run > Custom run" form does: POST the form values to the deployment."""
+    """What the UI's "Run > Custom run" form does: POST the form values to the deployment
+    (with an idempotency key, so that a retried POST cannot create a second run)."""
     response = api_post(f"{api_url}/deployments/{deployment_id}/create_flow_run",
-                        {"parameters": parameters}, expect=(201,))
+                        {"parameters": parameters, "idempotency_key": str(uuid4())},
+                        expect=(200, 201))
     return UUID(response.json()["id"])
 
 
