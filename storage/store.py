@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import random
+import re
 import shutil
 import time
 import uuid
@@ -446,14 +447,15 @@ class S3Store(Store):
         def upload() -> None:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
-                reader = _DigestingReader(f, self._part_size(size))
+                part_size = self._part_size(size)
+                reader = _DigestingReader(f, part_size)
                 # CRC32 named, not left to botocore's default: the check below computes it
                 _wait(self._transfers.upload(reader, self.bucket, self._key(key), extra_args={
                     "Metadata": {"sha256": sha256}, "ChecksumAlgorithm": "CRC32"}))
             sent = reader.digest()
             _compare(f"{path} as sent to", self.url(key), sent, {"size": size, "sha256": sha256})
             # The managed transfer does not return S3's responses; one HEAD reads what was stored.
-            self._compare_stored(key, path, self._head_digest(key), sent)
+            self._compare_stored(key, path, self._head_digest(key), sent, part_size)
 
         self._call("upload to", key, upload)
 
@@ -524,12 +526,19 @@ class S3Store(Store):
 
     def verify(self, local_path, key):
         path = Path(local_path)
+
+        def lookup() -> tuple[dict[str, object], int | None]:
+            stored = self._head_digest(key)
+            return stored, self._stored_part_size(key, stored)
+
+        # The object may have been uploaded with another part size than this store's (another
+        # storage.part_size, another tool): its checksums are those of the parts it has.
+        stored, part_size = self._call("lookup of", key, lookup)
         with open(path, "rb") as f:
-            reader = _DigestingReader(f, self._part_size(os.fstat(f.fileno()).st_size))
+            reader = _DigestingReader(f, part_size)
             while reader.read(8 * MiB):
                 pass
-        stored = self._call("lookup of", key, lambda: self._head_digest(key))
-        self._compare_stored(key, path, stored, reader.digest())
+        self._compare_stored(key, path, stored, reader.digest(), part_size)
 
     # -- checksums ------------------------------------------------------------------------
 
@@ -543,8 +552,25 @@ class S3Store(Store):
             return None
         return ChunksizeAdjuster().adjust_chunksize(self.transfer.multipart_chunksize, size)
 
-    def _compare_stored(self, key: str, path: Path, stored: dict[str, object], sent: dict[str, object]) -> None:
-        """Raise IntegrityError unless the object under `key` holds the bytes `sent` describes.
+    def _stored_part_size(self, key: str, stored: dict[str, object]) -> int | None:
+        """The part size the object under `key` was uploaded with (None: one PUT), from its
+        part count ("-N" on its CRC32 or ETag) and the length of its first part (a HEAD of
+        part 1). A server that cannot say gets this store's own part size assumed."""
+        counts = [m.group(1) for v in (stored.get("crc32"), stored.get("etag"))
+                  if v and (m := re.search(r"-(\d+)$", str(v)))]
+        if not counts:
+            return None
+        parts, size = int(counts[0]), int(stored["size"])
+        first = self._client.head_object(Bucket=self.bucket, Key=self._key(key), PartNumber=1)
+        part_size = int(first["ContentLength"])
+        if 0 < part_size and -(-size // part_size) == parts:
+            return part_size
+        return self._part_size(size)
+
+    def _compare_stored(self, key: str, path: Path, stored: dict[str, object], sent: dict[str, object],
+                        part_size: int | None) -> None:
+        """Raise IntegrityError unless the object under `key` holds the bytes `sent` describes
+        (`path` read in parts of `part_size`, None for one PUT).
 
         The CRC32 the server reports is compared when it is of the kind computed locally (the
         whole object for one PUT, composite over the parts for multipart). A server that keeps
@@ -558,7 +584,7 @@ class S3Store(Store):
             expected = sent
         else:
             expected = {"size": sent["size"], "sha256": sent["sha256"],
-                        "etag": _s3_etag(path, self._part_size(sent["size"]))}
+                        "etag": _s3_etag(path, part_size)}
         _compare("stored object", self.url(key), stored, expected)
 
     def _head_digest(self, key: str) -> dict[str, object]:

@@ -236,6 +236,22 @@ def test_multipart_upload_is_verified(s3_server, s3_uri, tmp_path):
     assert sha256_file(tmp_path / "back.bin") == sha256_file(src)
 
 
+@pytest.mark.s3
+@pytest.mark.parametrize("checksums", ["crc32", "etag"])
+def test_verify_reads_the_part_size_the_object_was_uploaded_with(s3_uri, tmp_path, checksums):
+    """An object uploaded in 5 MiB parts verifies with a store of 8 MiB parts (storage.part_size
+    changed since, or another tool uploaded it): its composite CRC32 / ETag are of 3 parts."""
+    src = write_random(tmp_path / "big.bin", 12 * MiB + 123)
+    S3Store(s3_uri, part_size=5 * MiB).put_file(src, "big.bin")
+    checker = S3Store(s3_uri, part_size=8 * MiB, retry=FAST_RETRY)
+    if checksums == "etag":
+        checker = _without_checksums(checker)
+    checker.verify(src, "big.bin")
+    other = write_random(tmp_path / "other.bin", 12 * MiB + 123)
+    with pytest.raises(IntegrityError, match=r"-3 != expected \S+-3"):
+        checker.verify(other, "big.bin")
+
+
 def _without_checksums(store):
     """`store` talking to a server that keeps no CRC32 for its objects (older S3-compatible ones)."""
     head_digest = store._head_digest
