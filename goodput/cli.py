@@ -22,7 +22,7 @@ from goodput.config import ConfigError, load_config
 def _config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="RunConfig YAML (default: the built-in tiny config)")
     parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="field overrides, e.g. training.max_steps=50 storage.uri=s3://b/p")
+                        help="field overrides, e.g. training.max_steps=50 storage.uri=s3://bucket/p")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -253,6 +253,15 @@ class StorageConfig(_Section):
         "fetch task opens one), across all files it moves at once; also the parts it buffers. "
         "Raise it on nodes with fast networks (the default is the AWS CLI's).")
 
+    @field_validator("uri")
+    @classmethod
+    def _uri_names_a_valid_bucket(cls, value: str) -> str:
+        if value.startswith("s3://"):
+            from storage.store import parse_s3_uri  # boto3 only where an S3 store is configured
+
+            parse_s3_uri(value)
+        return value
+
     @field_validator("part_size")
     @classmethod
     def _part_size_fits_s3(cls, value: str | int) -> str | int:

@@ -5,9 +5,9 @@ server, filer and S3 gateway in one process and answers S3 in under a second. It
 port per component plus their gRPC ports; all are chosen free and bound to 127.0.0.1, so
 several servers (parallel test sessions) coexist and nothing is reachable from outside.
 
-    with SeaweedFS(tmp_dir, access_key="k", secret_key="s", bucket="b") as s3:
+    with SeaweedFS(tmp_dir, access_key="k", secret_key="s", bucket="goodput") as s3:
         # the store finds the keys in the AWS chain: here AWS_ACCESS_KEY_ID=k, AWS_SECRET_ACCESS_KEY=s
-        store = open_store("s3://b/x", endpoint_url=s3.endpoint_url)
+        store = open_store("s3://goodput/x", endpoint_url=s3.endpoint_url)
 
 From a shell: `python -m infra.seaweedfs --dir ./s3data --bucket goodput`.
 """
@@ -31,6 +31,8 @@ from pathlib import Path
 import boto3
 import botocore.exceptions
 from botocore.config import Config
+
+from storage.store import check_bucket
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +115,7 @@ class SeaweedFS:
         self.data_dir = Path(data_dir).absolute()
         self.access_key = access_key
         self._secret_key = secret_key
-        self.bucket = bucket
+        self.bucket = None if bucket is None else check_bucket(bucket)
         self._fixed_s3_port = s3_port
         self._ports: dict[str, int] = {}
         self._proc: subprocess.Popen | None = None

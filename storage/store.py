@@ -79,6 +79,29 @@ def check_key(key: str) -> str:
     return key
 
 
+# S3's rules for new buckets: 3-63 lowercase letters, digits, '.' and '-', alphanumeric ends.
+_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """The bucket and prefix of `s3://bucket[/prefix]`, checked (no request is sent)."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ValueError(f"not an S3 URI: {uri!r}; expected s3://bucket[/prefix]")
+    prefix = parsed.path.strip("/")
+    if prefix:
+        check_key(prefix)
+    return check_bucket(parsed.netloc), prefix
+
+
+def check_bucket(name: str) -> str:
+    """Reject a bucket name S3 refuses, before any request (servers answer it differently)."""
+    if not _BUCKET_NAME.fullmatch(name) or ".." in name:
+        raise ValueError(f"invalid S3 bucket name {name!r}: use 3 to 63 lowercase letters, digits, "
+                         "'.' and '-', starting and ending with a letter or digit")
+    return name
+
+
 def _folder(prefix: str) -> str:
     """`prefix` as a folder ("a/b" -> "a/b/"), so "step-1" never matches "step-10/..."."""
     prefix = prefix.strip("/")
@@ -401,13 +424,7 @@ class S3Store(Store):
         request_attempts: int = 10,
         retry: RetryPolicy = RetryPolicy(),
     ):
-        parsed = urlparse(uri)
-        if parsed.scheme != "s3" or not parsed.netloc:
-            raise ValueError(f"not an S3 URI: {uri!r}; expected s3://bucket[/prefix]")
-        self.bucket = parsed.netloc
-        self.prefix = parsed.path.strip("/")
-        if self.prefix:
-            check_key(self.prefix)
+        self.bucket, self.prefix = parse_s3_uri(uri)
         self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self.retry = retry
         self.transfer = TransferConfig(

@@ -30,6 +30,9 @@ def test_overrides_parse_as_yaml_values():
     ("storage.part_size=1MiB", "storage.part_size", "outside what S3 accepts; choose 5MiB to 5GiB"),
     ("storage.part_size=lots", "storage.part_size", "'lots' is not a memory size"),
     ("storage.max_concurrency=0", "storage.max_concurrency", "greater than or equal to 1"),
+    ("storage.uri=s3://ab/runs", "storage.uri", "invalid S3 bucket name 'ab'"),
+    ("storage.uri=s3://My_Bucket", "storage.uri", "use 3 to 63 lowercase letters"),
+    ("storage.uri=s3://bucket/runs/../x", "storage.uri", "invalid key 'runs/../x'"),
 ])
 def test_invalid_values_name_the_field(override, field, hint):
     with pytest.raises(ConfigError) as err:
@@ -63,7 +66,7 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
 def test_config_hash_ignores_paths_and_faults():
     base = load_config(None)
     moved = load_config(None, ["run.runs_dir=/elsewhere", "faults.crash_at_step=3", "data.data_dir=/d",
-                               "storage.uri=s3://b/p"])
+                               "storage.uri=s3://bucket/p"])
     changed = load_config(None, ["training.lr=1e-4"])
     assert base.config_hash() == moved.config_hash()
     assert base.config_hash() != changed.config_hash()
