@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 
 from goodput.config import RunConfig, StorageConfig
 from goodput.data import prepare as lib
-from goodput.data.corpus import DataError
+from goodput.data import DataError
 from goodput.runs import update_summary
 from storage.manifests import DatasetManifest, ShardInfo
 

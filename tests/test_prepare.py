@@ -15,7 +15,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from goodput.config import RunConfig, load_config
 from goodput.data import prepare as prep
-from goodput.data.corpus import DataError, load_documents, resolve_files, split_documents
+from goodput.data import DataError
+from goodput.data.corpus import load_documents, resolve_files, split_documents
 from goodput.data.tokenizer import load_tokenizer, train_tokenizer
 from storage.checksums import sha256_file
 from storage.manifests import DatasetManifest

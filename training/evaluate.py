@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from goodput.data.tokenizer import load_tokenizer
 from storage.checksums import write_atomic
 from storage.manifests import CheckpointManifest, DatasetManifest, EvalReport, EvalSample
 from training.checkpoint import load_all_tensors, model_state_from
@@ -66,7 +67,7 @@ def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_c
     dataset = DatasetManifest.load(dataset_dir)
     stream = TokenStream(dataset_dir, dataset, "validation")
     loss, tokens = held_out_loss(model, stream, seq_len, eval_cfg.batch_size, eval_cfg.max_batches, device)
-    tokenizer = Tokenizer.from_file(str(dataset_dir / dataset.tokenizer))
+    tokenizer = load_tokenizer(dataset_dir / dataset.tokenizer)  # prompts encode as text, as documents did
     samples = generate_samples(model, tokenizer, eval_cfg.prompts, eval_cfg.num_samples,
                                eval_cfg.sample_tokens, eval_cfg.temperature, eval_cfg.top_k, seed, device)
     return EvalReport(run_id=run_id, step=ckpt.step, checkpoint=str(checkpoint),

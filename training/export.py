@@ -198,7 +198,7 @@ class TokenizerFiles(NamedTuple):
 
 def _tokenizer_files(tokenizer: str | Path, vocab_size: int) -> TokenizerFiles:
     """A tokenizer.json, given itself or the dataset directory holding it, checked against the model."""
-    from goodput.data.corpus import DataError
+    from goodput.data import DataError
     from goodput.data.tokenizer import eos_id, load_tokenizer
 
     path = Path(tokenizer)

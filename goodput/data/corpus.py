@@ -28,6 +28,7 @@ import datasets
 import numpy as np
 
 from goodput.config import DataConfig
+from goodput.data import DataError
 from storage.checksums import sha256_bytes, sha256_file, write_atomic
 from storage.manifests import canonical_json
 
@@ -38,10 +39,6 @@ BUILTIN_VERSION = 1  # bump when the builtin corpus builder would write differen
 _SKIPPED_STDLIB_DIRS = {"test", "tests", "idle_test", "__pycache__"}
 
 datasets.disable_progress_bars()  # one bar per load and filter would flood the run logs
-
-
-class DataError(ValueError):
-    """The input data cannot be used as given; the message says what to change."""
 
 
 # -- finding the source ---------------------------------------------------------------------

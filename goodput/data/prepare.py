@@ -28,7 +28,8 @@ import pyarrow as pa
 from pydantic import BaseModel
 
 from goodput.config import RunConfig
-from goodput.data.corpus import (DataError, describe_source, load_documents,
+from goodput.data import DataError
+from goodput.data.corpus import (describe_source, load_documents,
                                  source_fingerprint, split_documents)
 from goodput.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
 from storage.checksums import sha256_bytes, sha256_file, write_atomic
