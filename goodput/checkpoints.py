@@ -24,6 +24,10 @@ from training.checkpoint import (checkpoint_path, checkpoint_root, committed_che
                                  step_of)
 
 
+class VerifierCrashed(RuntimeError):
+    """The verifier process ended without judging the checkpoint (not a verdict on it)."""
+
+
 def ledger_of(config: RunConfig) -> Ledger:
     return Ledger(config.run_dir, config.run.run_id)
 
@@ -66,15 +70,22 @@ def unjudged_steps(config: RunConfig) -> list[int]:
 
 def verify_in_fresh_process(path: Path, timeout_s: float = 600, held_out: list[str] = ()) -> dict:
     """Reload the checkpoint in a new single process (no state shared with training).
-    `held_out`: the verifier's --dataset/--eval-batches/--loss-tolerance arguments."""
+    `held_out`: the verifier's --dataset/--eval-batches/--loss-tolerance arguments.
+
+    A verifier that ends without a verdict (killed for memory, a crash in its own setup) says
+    nothing about the checkpoint: VerifierCrashed, and the checkpoint stays unjudged for a retry.
+    """
     proc = subprocess.run([sys.executable, "-m", "training.checkpoint", "verify", str(path),
                            *held_out], capture_output=True, text=True, timeout=timeout_s)
     lines = proc.stdout.strip().splitlines()
     try:
-        return json.loads(lines[-1])
+        verdict = json.loads(lines[-1])
     except (IndexError, json.JSONDecodeError):
-        return {"ok": False, "reason": f"verifier crashed (exit {proc.returncode}): "
-                                       f"{proc.stderr.strip()[-500:]}"}
+        verdict = None
+    if not isinstance(verdict, dict) or "ok" not in verdict:
+        raise VerifierCrashed(f"the verifier of {path} ended without a verdict (exit "
+                              f"{proc.returncode}): {proc.stderr.strip()[-500:]}")
+    return verdict
 
 
 def held_out_check(config: RunConfig) -> list[str]:
@@ -121,14 +132,16 @@ def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
         entry = ledger.read().entries.get(step)
         if entry is None or entry.state == "committed":
             raise ValueError(f"checkpoint step {step} is not validated yet; validate it first")
-        if entry.state in ("uploaded", "rejected"):
-            return entry  # done already, or never to be uploaded
-        key = checkpoint_key(config.run.run_id, step)
-        path = checkpoint_path(config.run_dir, step)
-        # The manifest's digests spare hashing every shard before it goes out; the store checks them.
-        known = {f.path: f.sha256 for f in CheckpointManifest.load(path).files}
-        store.upload_dir(path, key, last=(CHECKPOINT_MANIFEST,), known_sha256=known)
-        entry = ledger.record(step, "uploaded", store_url=store.url(key))
+        if entry.state == "rejected":
+            return entry  # never to be uploaded
+        if entry.state != "uploaded":  # (uploaded: a retry after the push below failed)
+            key = checkpoint_key(config.run.run_id, step)
+            path = checkpoint_path(config.run_dir, step)
+            # The manifest's digests spare hashing every shard before it goes out; the store checks them.
+            known = {f.path: f.sha256 for f in CheckpointManifest.load(path).files}
+            store.upload_dir(path, key, last=(CHECKPOINT_MANIFEST,), known_sha256=known)
+            entry = ledger.record(step, "uploaded", store_url=store.url(key))
+    # Every time, so that the store's ledger (what a new machine resumes from) names this step.
     ledger.push(store)
     return entry
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import time
 from pathlib import Path
@@ -161,12 +162,17 @@ def read_summary(run_dir: Path) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def update_summary(run_dir: Path, section: str, values: dict) -> dict:
-    """Merge one stage's results into summary.json (stages run separately or chained)."""
+def update_summary(run_dir: Path, section: str, values: dict | Callable[[dict], dict]) -> dict:
+    """Merge one stage's results into summary.json (stages run separately or chained, and
+    flows of one run at the same time: a scheduled evaluation while training runs). Under a
+    lock, so no flow's section is lost; `values` may be a function of the section's previous
+    values (e.g. to add up wall time across flow runs)."""
     path = Path(run_dir) / "summary.json"
-    summary = read_summary(run_dir)
-    summary[section] = values
-    summary["updated_at"] = time.time()
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, json.dumps(summary, indent=2, default=str).encode())
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        summary = read_summary(run_dir)
+        summary[section] = values(summary.get(section, {})) if callable(values) else values
+        summary["updated_at"] = time.time()
+        write_atomic(path, json.dumps(summary, indent=2, default=str).encode())
     return summary

@@ -18,7 +18,7 @@ from goodput import checkpoints
 from goodput.config import ConfigError, RunConfig
 from goodput.data.prepare import find_prepared, plan_dataset
 from goodput.goodput import summarize_goodput
-from goodput.runs import read_summary, train_attempt, update_summary
+from goodput.runs import train_attempt, update_summary
 from infra.torchrun import TrainingFailed
 from storage.ledger import LedgerEntry
 from tasks.control import StopAtCheckpointAfter, TimeLimitReached
@@ -126,12 +126,14 @@ def record_training(config: RunConfig, outcome: dict, started: float) -> dict:
     ledger = checkpoints.ledger_of(config).read()
     newest = ledger.newest()
     wall = time.time() - started
-    previous = read_summary(config.run_dir).get("train", {}).get("wall_time_total_s", 0.0)
     values = {"final_step": newest.step if newest else None,
               "final_train_loss": newest.loss if newest else None,
               "last_attempt": outcome, "wall_time_s": wall,
-              "wall_time_total_s": previous + wall,  # across every train flow run of this run
               "ledger": {str(s): e.state for s, e in sorted(ledger.entries.items())}}
-    update_summary(config.run_dir, "train", values)
+
+    def with_total(previous: dict) -> dict:  # across every train flow run of this run
+        return {**values, "wall_time_total_s": previous.get("wall_time_total_s", 0.0) + wall}
+
+    values = update_summary(config.run_dir, "train", with_total)["train"]
     summarize_goodput(config)
     return values

@@ -120,6 +120,40 @@ def test_held_out_loss_check_rejects_finite_but_wrong_weights(run):
     assert not bad["ok"] and "held-out loss" in bad["reason"] and "validate_loss_tolerance" in bad["reason"]
 
 
+def test_a_verifier_that_ends_without_a_verdict_leaves_the_checkpoint_unjudged(run, monkeypatch):
+    """The held-out check's dataset is gone: the verifier crashes in its own setup. That is no
+    verdict on the checkpoint (nor is being killed for memory): it stays committed, in place,
+    for the task's retry, and is judged once the verifier can run."""
+    config, dataset = run
+    missing = ["--dataset", str(dataset.parent / "gone"), "--eval-batches", "2"]
+    monkeypatch.setattr(checkpoints, "held_out_check", lambda config: missing)
+    with pytest.raises(checkpoints.VerifierCrashed, match=r"step-00000020 ended without a verdict"):
+        checkpoints.validate_checkpoint(config, 20)
+    assert checkpoints.ledger_of(config).read().entries[20].state == "committed"
+    assert checkpoints.unjudged_steps(config) == [10, 20]
+    assert checkpoint_path(config.run_dir, 20).is_dir()
+    verdict = checkpoints.verify_in_fresh_process(checkpoint_path(config.run_dir, 20), held_out=[
+        "--dataset", str(dataset), "--eval-batches", "2"])
+    assert verdict["ok"], verdict
+
+
+def test_a_retried_upload_pushes_the_ledger_the_failed_try_could_not(run, tmp_path, monkeypatch):
+    config, _ = run
+    store = open_store(str(tmp_path / "store"))
+    checkpoints.validate_checkpoint(config, 20)
+
+    def store_gone(self, store):
+        raise ConnectionError("the store went away after the upload")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(checkpoints.Ledger, "push", store_gone)
+        with pytest.raises(ConnectionError):
+            checkpoints.upload_checkpoint(config, 20, store)
+    assert not store.exists("runs/test/ledger.json")
+    assert checkpoints.upload_checkpoint(config, 20, store).state == "uploaded"  # the retry
+    assert json.loads(store.get_bytes("runs/test/ledger.json"))["entries"]["20"]["state"] == "uploaded"
+
+
 def test_upload_then_resume_from_the_store_alone(run, tmp_path):
     config, dataset = run
     store = open_store(str(tmp_path / "store"))

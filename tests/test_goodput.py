@@ -1,10 +1,12 @@
 """Goodput accounting on metrics as the trainer writes them (pure: no training)."""
 
 import json
+import threading
 
 import pytest
 
 from goodput.goodput import goodput_breakdown
+from goodput.runs import read_summary, update_summary
 
 
 def write_metrics(run_dir, records):
@@ -35,3 +37,26 @@ def test_records_without_windows_count_one_step_each(tmp_path):
     write_metrics(tmp_path, [{"step": s, "step_time_s": 0.5} for s in (1, 2, 3, 2, 3)])
     result = goodput_breakdown(tmp_path, train_wall_s=4.0)
     assert result["productive_s"] == pytest.approx(1.5) and result["lost_work_s"] == pytest.approx(1.0)
+
+
+def test_flows_updating_summary_at_once_lose_no_section(tmp_path):
+    """A scheduled evaluation writes its section while the train flow writes its own (and adds
+    up its wall time): every write lands."""
+    def train():
+        for _ in range(100):
+            update_summary(tmp_path, "train", lambda previous: {
+                "wall_time_total_s": previous.get("wall_time_total_s", 0.0) + 1.0})
+
+    def evaluate():
+        for step in range(100):
+            update_summary(tmp_path, f"evaluate-{step}", {"step": step})
+
+    threads = [threading.Thread(target=train), threading.Thread(target=train),
+               threading.Thread(target=evaluate)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    summary = read_summary(tmp_path)
+    assert summary["train"]["wall_time_total_s"] == 200.0
+    assert all(summary[f"evaluate-{step}"] == {"step": step} for step in range(100))

@@ -464,6 +464,8 @@ def verify_checkpoint(path: str | Path, dataset_dir: str | Path | None = None,
         return {"ok": False, "reason": "checksum: " + "; ".join(problems[:5])}
     try:
         state = load_all_tensors(path)
+    except MemoryError:
+        raise  # this machine's limit, not the checkpoint's fault: no verdict
     except Exception as e:
         return {"ok": False, "reason": f"reload failed: {type(e).__name__}: {e}"}
     non_finite = [k for k, v in state.items()
