@@ -20,8 +20,8 @@ from typing import Callable, Iterator
 from goodput.config import RunConfig
 from storage.ledger import RESUMABLE, Ledger, LedgerEntry, checkpoint_key, ledger_key
 from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, verify_files
-from training.checkpoint import (checkpoint_path, checkpoint_root, committed_checkpoints, set_aside,
-                                 step_of)
+from training.checkpoint import (checkpoint_path, checkpoint_root, committed_checkpoints, is_committed,
+                                 set_aside, step_of)
 
 
 class VerifierCrashed(RuntimeError):
@@ -226,17 +226,26 @@ def set_aside_damaged(config: RunConfig, step: int, from_store: bool, reason: st
 
 
 def download_checkpoint(config: RunConfig, step: int, store) -> Path:
-    """Fetch an uploaded checkpoint into the local tier; verify it before it becomes visible."""
+    """Fetch an uploaded checkpoint into the local tier; verify it before it becomes visible.
+
+    Under the checkpoint's lock: two flows that need it (overlapping evaluations) download it
+    once, and neither deletes what the other is reading."""
     path = checkpoint_path(config.run_dir, step)
-    staging = path.with_name(f".download-{path.name}")
-    shutil.rmtree(staging, ignore_errors=True)
-    store.download_dir(checkpoint_key(config.run.run_id, step), staging, last=(CHECKPOINT_MANIFEST,))
-    problems = verify_files(staging, CheckpointManifest.load(staging).files)
-    if problems:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise IOError(f"checkpoint step {step} from the store fails verification: {problems[:3]}")
-    shutil.rmtree(path, ignore_errors=True)  # debris without a manifest, if any
-    staging.rename(path)
+    with _step_lock(config, step):
+        if is_committed(path):
+            return path  # fetched by another flow meanwhile
+        staging = path.with_name(f".download-{path.name}")
+        shutil.rmtree(staging, ignore_errors=True)  # an interrupted download's (the lock is held)
+        try:
+            store.download_dir(checkpoint_key(config.run.run_id, step), staging, last=(CHECKPOINT_MANIFEST,))
+            problems = verify_files(staging, CheckpointManifest.load(staging).files)
+            if problems:
+                raise IOError(f"checkpoint step {step} from the store fails verification: {problems[:3]}")
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        shutil.rmtree(path, ignore_errors=True)  # debris without a manifest, if any
+        staging.rename(path)
     return path
 
 

@@ -17,7 +17,8 @@ from tests.helpers import (flip_bytes, losses_by_step, small_config, synthetic_d
 from goodput.runs import train_attempt
 from infra.torchrun import TrainingFailed
 from training.checkpoint import (CheckpointCorrupt, StoreReader, VerifiedReader, checkpoint_path,
-                                 committed_checkpoints, load_all_tensors, verify_checkpoint)
+                                 checkpoint_root, committed_checkpoints, load_all_tensors,
+                                 verify_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +173,34 @@ def test_upload_then_resume_from_the_store_alone(run, tmp_path):
     assert point.data_position == CheckpointManifest.model_validate_json(
         store.get_bytes("runs/test/checkpoints/step-00000020/manifest.json")).data_position > 0
     assert not checkpoint_path(config.run_dir, 20).exists()
+
+
+def test_download_into_the_local_tier_is_verified_and_done_once(run, tmp_path):
+    """What an evaluation on a machine without the local copy does; two at once fetch it once
+    and neither deletes what the other reads. A damaged store copy never becomes visible."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    config, _ = run
+    store = open_store(str(tmp_path / "store"))
+    for step in (10, 20):
+        checkpoints.validate_checkpoint(config, step)
+        checkpoints.upload_checkpoint(config, step, store)
+    original = {f.path: f.sha256 for f in CheckpointManifest.load(checkpoint_path(config.run_dir, 20)).files}
+    shutil.rmtree(checkpoint_path(config.run_dir, 20))
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: checkpoints.download_checkpoint(config, 20, store), range(2)))
+    assert paths == [checkpoint_path(config.run_dir, 20)] * 2
+    assert {f.path: f.sha256 for f in CheckpointManifest.load(paths[0]).files} == original
+    assert verify_checkpoint(paths[0])["ok"]
+    assert not list(checkpoint_root(config.run_dir).glob(".download-*"))
+
+    shutil.rmtree(checkpoint_path(config.run_dir, 10))
+    shard = next((tmp_path / "store" / checkpoint_key("test", 10)).glob("*.distcp"))
+    flip_bytes(shard)
+    with pytest.raises(IOError):
+        checkpoints.download_checkpoint(config, 10, store)
+    assert not checkpoint_path(config.run_dir, 10).exists()
+    assert not list(checkpoint_root(config.run_dir).glob(".download-*"))
 
 
 def test_checkpoint_damaged_after_validation_is_never_loaded(run, tmp_path):
