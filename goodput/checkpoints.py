@@ -277,6 +277,20 @@ def prune_local(config: RunConfig) -> list[int]:
     return deleted
 
 
+def prune_aside(config: RunConfig) -> list[str]:
+    """Copies moved aside beyond the newest `checkpoint.keep_aside` of each kind (rejected,
+    superseded): deleted, so that a run with many rollbacks does not fill its disk."""
+    deleted = []
+    for kind in ("rejected", "superseded"):
+        folder = checkpoint_root(config.run_dir) / kind
+        # Named step-<step>-<time_ns moved>: oldest first by the time they were moved.
+        copies = sorted(folder.glob("step-*-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))
+        for old in copies[:max(0, len(copies) - config.checkpoint.keep_aside)]:
+            shutil.rmtree(old, ignore_errors=True)
+            deleted.append(f"{kind}/{old.name}")
+    return deleted
+
+
 def prune_store(config: RunConfig, store) -> list[int]:
     """Store retention (checkpoint.store_keep_every): keep every M-th step, the best by eval
     loss and the newest validated; delete the rest from the store (manifest first, so a
@@ -315,5 +329,6 @@ def best_by_eval(config: RunConfig) -> int | None:
     return min(losses, key=losses.get) if losses else None
 
 
-def apply_retention(config: RunConfig, store) -> dict[str, list[int]]:
-    return {"local": prune_local(config), "store": prune_store(config, store)}
+def apply_retention(config: RunConfig, store) -> dict[str, list]:
+    return {"local": prune_local(config), "store": prune_store(config, store),
+            "aside": prune_aside(config)}

@@ -222,6 +222,10 @@ class CheckpointConfig(_Section):
     keep_local: int = Field(
         3, ge=1, description="Local checkpoints kept; older uploaded ones are deleted."
     )
+    keep_aside: int = Field(
+        2, ge=0, description="Copies moved aside (checkpoints/rejected, and checkpoints/"
+        "superseded: a step saved again) kept for inspection, newest of each kind; older ones are "
+        "deleted by local retention (the ledger keeps their reasons).")
     save_at_end: bool = Field(
         True, description="Save after the last step. False only for throughput measurements "
         "(benchmarks/mfu_bench.py): the steps after the last periodic save are then not kept.")

@@ -119,7 +119,8 @@ def read_outcomes(config: RunConfig, prefix: str = "") -> list[dict]:
 _WHAT_TO_DO = {
     "oom": " — lower training.micro_batch_size, or shard more (parallelism.dp_shard, "
            "activation_checkpointing); `goodput plan` estimates memory",
-    "disk_full": " — the checkpoint disk is full: free space on it, lower checkpoint.keep_local, "
+    "disk_full": " — the checkpoint disk is full: free space on it, lower checkpoint.keep_local or "
+                 "checkpoint.keep_aside, "
                  "or move run.runs_dir to a larger disk; committed checkpoints are intact",
 }
 

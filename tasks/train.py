@@ -104,9 +104,13 @@ def upload_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
 
 
 @task(name="apply-retention", cache_policy=NO_CACHE, tags=["checkpoint"])
-def prune_local_checkpoints(config: RunConfig) -> dict[str, list[int]]:
-    """Retention for both tiers (checkpoint.keep_local, checkpoint.store_keep_every)."""
-    return checkpoints.apply_retention(config, config.storage.open())
+def prune_local_checkpoints(config: RunConfig) -> dict[str, list]:
+    """Retention for both tiers (checkpoint.keep_local, checkpoint.store_keep_every) and for
+    copies moved aside (checkpoint.keep_aside)."""
+    deleted = checkpoints.apply_retention(config, config.storage.open())
+    if any(deleted.values()):
+        get_run_logger().info(f"retention deleted: {deleted}")
+    return deleted
 
 
 @task(name="locate-dataset", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,

@@ -18,7 +18,7 @@ from goodput.runs import train_attempt
 from infra.torchrun import TrainingFailed
 from training.checkpoint import (CheckpointCorrupt, StoreReader, VerifiedReader, checkpoint_path,
                                  checkpoint_root, committed_checkpoints, load_all_tensors,
-                                 verify_checkpoint)
+                                 set_aside, verify_checkpoint)
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +293,27 @@ def test_prune_keeps_newest_and_anything_not_uploaded(run, tmp_path):
     assert [p.name for p in committed_checkpoints(config.run_dir)] == ["step-00000020"]
     assert torch.isfinite(load_all_tensors(checkpoint_path(config.run_dir, 20), "model.")
                           ["model.output.weight"]).all()
+
+
+def test_retention_keeps_the_newest_copies_set_aside(run):
+    """Rejected copies and superseded ones (a step saved again) are kept for inspection, the
+    newest checkpoint.keep_aside of each kind; a run of many rollbacks does not fill its disk."""
+    config, _ = run
+    config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"keep_aside": 1})})
+    for _ in range(3):  # a step saved again and again
+        shutil.copytree(checkpoint_path(config.run_dir, 20), checkpoint_path(config.run_dir, 30))
+        set_aside(checkpoint_path(config.run_dir, 30), "superseded")
+    for step in (10, 20):
+        set_aside(checkpoint_path(config.run_dir, step), "rejected")
+    rejected = sorted((checkpoint_root(config.run_dir) / "rejected").iterdir(),
+                      key=lambda p: int(p.name.rsplit("-", 1)[1]))
+    superseded = sorted((checkpoint_root(config.run_dir) / "superseded").iterdir(),
+                        key=lambda p: int(p.name.rsplit("-", 1)[1]))
+    assert checkpoints.prune_aside(config) == [f"rejected/{rejected[0].name}"] + [
+        f"superseded/{p.name}" for p in superseded[:2]]
+    assert list((checkpoint_root(config.run_dir) / "rejected").iterdir()) == [rejected[1]]
+    assert list((checkpoint_root(config.run_dir) / "superseded").iterdir()) == [superseded[2]]
+    assert checkpoints.prune_aside(config) == []
 
 
 def test_store_retention_keeps_every_mth_best_and_newest(run, tmp_path):
