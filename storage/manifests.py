@@ -74,6 +74,8 @@ class CheckpointManifest(BaseModel):
     dataset_id: str
     model_args: dict = Field(description="Arguments that rebuild the model (training.model.ModelArgs).")
     loss: float | None = None
+    seq_len: int | None = Field(None, description="Tokens per sample the loss was measured at "
+                                "(training.seq_len); the held-out check uses the same.")
     created_at: float
 
     def save(self, directory: str | os.PathLike) -> Path:

@@ -46,6 +46,7 @@ def test_training_commits_checkpoints_that_verify(run):
     assert [p.name for p in committed] == ["step-00000010", "step-00000020"]
     manifest = CheckpointManifest.load(committed[-1])
     assert manifest.step == 20 and manifest.world_size == 2
+    assert manifest.seq_len == config.training.seq_len  # what the held-out check evaluates at
     assert ".metadata" in {f.path for f in manifest.files}
     result = verify_checkpoint(committed[-1])
     assert result["ok"], result

@@ -196,6 +196,11 @@ class Checkpointer:
             return time.perf_counter() - started
         kind = (AsyncCheckpointerType.PROCESS if self.mode == "process"
                 else AsyncCheckpointerType.THREAD)
+        if torch.cuda.is_initialized():
+            # The stager copies on a CUDA stream of its own, which does not wait for this one:
+            # the optimizer step's kernels must be done before it reads the weights. (Under
+            # torchrun with nccl the barrier above waits too; alone or with gloo nothing would.)
+            torch.cuda.current_stream().synchronize()
         response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group,
                                   async_checkpointer_type=kind, async_stager=self.stager)
         if isinstance(response, AsyncSaveResponse):
@@ -481,7 +486,9 @@ def verify_checkpoint(path: str | Path, dataset_dir: str | Path | None = None,
     result = {"ok": True, "reason": "", "step": manifest.step, "tensors": n_tensors,
               "loss": manifest.loss if manifest.loss is None or math.isfinite(manifest.loss) else None}
     if eval_batches and dataset_dir is not None and result["loss"] is not None:
-        held_out = _held_out_loss(model, Path(dataset_dir), eval_batches)
+        # At the length training measured its loss at: positions past it were never trained.
+        seq_len = manifest.seq_len or model.args.max_seq_len
+        held_out = _held_out_loss(model, Path(dataset_dir), eval_batches, seq_len)
         result["held_out_loss"] = held_out
         limit = result["loss"] * (1 + loss_tolerance)
         if not held_out <= limit:
@@ -492,14 +499,14 @@ def verify_checkpoint(path: str | Path, dataset_dir: str | Path | None = None,
     return result
 
 
-def _held_out_loss(model, dataset_dir: Path, batches: int) -> float:
+def _held_out_loss(model, dataset_dir: Path, batches: int, seq_len: int) -> float:
     from storage.manifests import DatasetManifest
     from training.data import TokenStream
     from training.evaluate import held_out_loss
 
     stream = TokenStream(dataset_dir, DatasetManifest.load(dataset_dir), "validation")
     model.eval()
-    loss, _tokens = held_out_loss(model, stream, model.args.max_seq_len, 4, batches,
+    loss, _tokens = held_out_loss(model, stream, seq_len, 4, batches,
                                   torch.device("cpu"))
     return loss
 

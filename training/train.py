@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import gc
 import json
-from collections import deque
-from contextlib import nullcontext
 import math
 import os
 import signal
 import time
+from collections import deque
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,17 +115,15 @@ def resolve_resume(resume: str, run_dir: Path) -> str | None:
     if resume == "none":
         return None
     if resume == "auto":
-        committed = committed_checkpoints(run_dir)
-        return str(committed[-1]) if committed else None
+        def newest_committed() -> tuple[str | None, None]:
+            committed = committed_checkpoints(run_dir)
+            return (str(committed[-1]) if committed else None), None
+        location, _ = _decided_by_rank_0(newest_committed)
+        return location
     if resume == "validated" or resume.startswith("validated:"):
         fallback = resume.partition(":")[2] or None
-        choice: list = [(None, None)]
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            wait_s = float(os.environ.get("GOODPUT_RESTART_WAIT_S", "0"))
-            choice = [_newest_validated(Path(run_dir), fallback, wait_s)]
-        if dist.is_initialized():
-            dist.broadcast_object_list(choice, src=0)
-        location, error = choice[0]
+        wait_s = float(os.environ.get("GOODPUT_RESTART_WAIT_S", "0"))
+        location, error = _decided_by_rank_0(lambda: _newest_validated(Path(run_dir), fallback, wait_s))
         if error:
             raise FileNotFoundError(error)
         return location
@@ -141,6 +140,17 @@ def store_step(location: str) -> int | None:
         return int(location.removeprefix("store:"))
     except ValueError:
         raise FileNotFoundError(f"--resume {location}: expected store:STEP with an integer step") from None
+
+
+def _decided_by_rank_0(decide: Callable[[], tuple]) -> tuple:
+    """`decide()` on rank 0, broadcast: every rank resumes from the same checkpoint even where
+    the ranks' views of a shared filesystem differ for a moment (NFS attribute caches)."""
+    choice: list = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        choice = [decide()]
+    if dist.is_initialized():
+        dist.broadcast_object_list(choice, src=0)
+    return choice[0]
 
 
 def _newest_validated(run_dir: Path, fallback: str | None, wait_s: float
@@ -441,7 +451,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
             {"step": step, "tokens_seen": tokens_seen, "data_position": loader.sample_index,
              "world_size": env.world_size, "layout": degrees,
              "config_hash": config.config_hash(), "dataset_id": manifest.dataset_id,
-             "model_args": model_args, "loss": loss})
+             "model_args": model_args, "loss": loss, "seq_len": tcfg.seq_len})
 
     last_loss, saved_step = float("nan"), step
     # Steps since the last metrics record (training.log_every): each record accounts for them
