@@ -324,10 +324,11 @@ class FaultsConfig(_Section):
     save_crash_at_step: int | None = Field(
         None, ge=1, description="Inject: kill a worker (SIGKILL) while the checkpoint of this "
         "step is being saved, at faults.save_crash_point.")
-    save_crash_point: Literal["writing", "before_manifest", "after_manifest"] = Field(
-        "writing", description="Where in the save: 'writing' (rank faults.crash_rank, shards in "
-        "flight; background saves only), 'before_manifest' (rank 0, shards durable, no manifest), "
-        "'after_manifest' (rank 0, committed, not yet in the ledger).")
+    save_crash_point: Literal["staging", "writing", "before_manifest", "after_manifest"] = Field(
+        "writing", description="Where in the save: 'staging' (rank faults.crash_rank's copy of "
+        "the state fails, no kill; background saves only), 'writing' (rank faults.crash_rank, "
+        "shards in flight; background saves only), 'before_manifest' (rank 0, shards durable, "
+        "no manifest), 'after_manifest' (rank 0, committed, not yet in the ledger).")
 
 
 class RunSection(_Section):

@@ -40,6 +40,7 @@ def attempt(config, dataset, name, lines):
 
 @pytest.mark.chaos
 @pytest.mark.parametrize("point, resumed_from", [
+    ("staging", 5),           # rank 1's copy of the state fails; rank 0's write waits for it
     ("writing", 5),           # rank 1 dies while shards are being written: debris, never loaded
     ("before_manifest", 5),   # every shard durable, no manifest: still debris
     ("after_manifest", 10),   # committed but not yet in the ledger: validated, then resumed from
@@ -53,6 +54,9 @@ def test_kill_during_a_background_save(baseline, tmp_path, point, resumed_from):
     with pytest.raises(TrainingFailed) as failed:
         attempt(config, dataset, "crash-1", lines)
     assert failed.value.failure_class == "retryable" and failed.value.retry
+    if point == "staging":  # every rank stopped (rank 0 without waiting out its stuck write)
+        assert "checkpoint failed: rank 1: step-00000010: OSError: injected: rank 1 could not stage" in str(
+            failed.value)
     step_10 = checkpoint_path(config.run_dir, 10)
     assert (committed_checkpoints(config.run_dir)[-1] == step_10) == (point == "after_manifest")
     if point == "before_manifest":  # the data was all there; only the commit was missing

@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[train] checkpoint failed: {e}", file=sys.stderr, flush=True)
         exits.write_exit_record(run_dir, attempt, rank, exits.RETRYABLE, f"checkpoint failed: {e}",
                                 None, failure_class="disk_full" if e.disk_full else None)
+        if e.writes_stuck:  # an interpreter exit would join the blocked write thread first
+            sys.stdout.flush()
+            os._exit(exits.RETRYABLE)
         return exits.RETRYABLE
     except torch.OutOfMemoryError as e:  # retrying the same layout would run out again
         traceback.print_exc()

@@ -97,9 +97,12 @@ class CheckpointFailed(RuntimeError):
     """A save did not complete (it is never committed). `disk_full` when the cause was ENOSPC:
     retrying cannot help until someone frees space, so that class is not retried."""
 
-    def __init__(self, message: str, disk_full: bool = False):
+    def __init__(self, message: str, disk_full: bool = False, writes_stuck: bool = False):
         super().__init__(message)
         self.disk_full = disk_full
+        # A write of this rank is blocked in a collective with a rank whose save failed
+        # earlier: its (non-daemon) thread would keep the process from exiting.
+        self.writes_stuck = writes_stuck
 
 
 def _causes(error: BaseException) -> list[BaseException]:
@@ -133,14 +136,29 @@ def _is_disk_full(error: BaseException, path: Path) -> bool:
     return False
 
 
-def _cpu_stager(shared_memory: bool):
+class _CpuStager(DefaultStager):
     """A DefaultStager kept across saves (it reuses its staging buffers) that copies the state
     off the live tensors in a background thread: `async_save` returns at once and training
     only has to wait for the copy before the optimizer next changes the weights. Pinned
-    memory speeds the device-to-host copy on GPU; non-blocking copies need an accelerator."""
-    on_gpu = torch.cuda.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=shared_memory,
+    memory speeds the device-to-host copy on GPU; non-blocking copies need an accelerator.
+
+    `before_copy()` may raise OSError (fault injection): the staging then fails as a full
+    /dev/shm or pinned-memory limit would make it fail, on this rank only."""
+
+    def __init__(self, shared_memory: bool, before_copy: Callable[[], None]):
+        on_gpu = torch.cuda.is_available()
+        super().__init__(StagingOptions(use_pinned_memory=on_gpu, use_shared_memory=shared_memory,
                                         use_async_staging=True, use_non_blocking_copy=on_gpu))
+        self.before_copy = before_copy
+
+    def stage(self, state_dict, **kwargs):
+        try:
+            self.before_copy()
+        except OSError as e:
+            failed: Future = Future()
+            failed.set_exception(e)
+            return failed
+        return super().stage(state_dict, **kwargs)
 
 
 class Checkpointer:
@@ -156,8 +174,9 @@ class Checkpointer:
     committed checkpoint: one found at the target path (from an abandoned attempt that went
     further) is moved aside first.
 
-    `fault_hook(point, step)` is called at "writing", "before_manifest" and "after_manifest"
-    so chaos tests can kill the process at each point of a save.
+    `fault_hook(point, step)` is called at "staging" (it may raise OSError to fail the copy),
+    "writing", "before_manifest" and "after_manifest" so chaos tests can fail or kill the
+    process at each point of a save.
     """
 
     def __init__(self, mode: str = "sync", fault_hook: Callable[[str, int], None] | None = None):
@@ -165,8 +184,11 @@ class Checkpointer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.group = (dist.new_group(backend="gloo")
                       if mode != "sync" and dist.is_initialized() else None)
-        self.stager = _cpu_stager(shared_memory=mode == "process") if mode != "sync" else None
         self.fault_hook = fault_hook or (lambda point, step: None)
+        self._saving_step = 0
+        self.stager = (_CpuStager(shared_memory=mode == "process",
+                                  before_copy=lambda: self.fault_hook("staging", self._saving_step))
+                       if mode != "sync" else None)
         self._pending: threading.Thread | None = None
         self._staging: Future | None = None
         self.failures: list[str] = []
@@ -180,7 +202,7 @@ class Checkpointer:
             _clear_for_save(path)
         _barrier()
         state = _train_state(_part_states(model_parts, optimizers), extra)
-        step = manifest_fields["step"]
+        step = self._saving_step = manifest_fields["step"]
         if self.mode == "sync":
             try:
                 dcp.save(state, checkpoint_id=str(path))
@@ -256,12 +278,16 @@ class Checkpointer:
         print(f"[checkpoint] committed {path.name} (loss {manifest.loss:.4f})", flush=True)
         self.fault_hook("after_manifest", step)
 
-    def wait(self) -> None:
-        """Block until the save in flight (if any) is written and committed."""
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the save in flight (if any) is written and committed, or at most
+        `timeout_s`; returns whether nothing is left in flight."""
         self.before_update()
         if self._pending is not None:
-            self._pending.join()
+            self._pending.join(timeout_s)
+            if self._pending.is_alive():
+                return False
             self._pending = None
+        return True
 
     def close(self) -> None:
         """Wait for the save in flight and release the staging buffers."""

@@ -142,6 +142,10 @@ def store_step(location: str) -> int | None:
         raise FileNotFoundError(f"--resume {location}: expected store:STEP with an integer step") from None
 
 
+# How long a rank waits for its own write of a save that failed elsewhere to end.
+SAVE_FAILED_WAIT_S = 30.0
+
+
 def _decided_by_rank_0(decide: Callable[[], tuple]) -> tuple:
     """`decide()` on rank 0, broadcast: every rank resumes from the same checkpoint even where
     the ranks' views of a shared filesystem differ for a moment (NFS attribute caches)."""
@@ -261,6 +265,15 @@ def agree(*flags: bool) -> list[bool]:
     return [bool(v) for v in values.tolist()]
 
 
+def gather_from_all(value) -> list:
+    """`value` of every rank, by rank (a small object; all ranks call it at the same point)."""
+    if not dist.is_initialized():
+        return [value]
+    values: list = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 class CheckpointSchedule:
     """When to save: every `checkpoint.every_steps`, or with `checkpoint.interval: auto` the
     Young/Daly interval sqrt(2 x C x MTBF) converted to steps, re-planned after every save
@@ -355,10 +368,16 @@ class FaultInjector:
         return loss
 
     def in_save(self, point: str, step: int) -> None:
-        """Checkpointer fault hook: kill this worker at `point` of the save of `step`."""
-        rank = self.faults.crash_rank if point == "writing" else 0
+        """Checkpointer fault hook: kill this worker at `point` of the save of `step` (or,
+        at "staging", fail its copy of the state)."""
+        rank = self.faults.crash_rank if point in ("staging", "writing") else 0
         if point == self.faults.save_crash_point and self._fire_once(
                 f"save_crash_{point}", self.faults.save_crash_at_step, step, rank):
+            if point == "staging":
+                print(f"[faults] failing the staging copy of rank {self.rank} for step {step}",
+                      flush=True)
+                raise OSError(f"injected: rank {self.rank} could not stage step {step} "
+                              "(as with /dev/shm or pinned memory exhausted)")
             print(f"[faults] killing rank {self.rank} during the save of step {step} ({point})",
                   flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -521,10 +540,14 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
         faults.after_step(step)
         preempted, save_failed = agree(preemption.received, bool(checkpointer.failures))
         if save_failed:  # a run that cannot checkpoint must not go on losing its progress
-            checkpointer.wait()
-            disk_full, = agree(checkpointer.disk_full)
-            raise CheckpointFailed("; ".join(checkpointer.failures) or "a save failed on another rank",
-                                   disk_full)
+            # Bounded: where the save failed on some ranks only (their staging copy), the
+            # others' writes wait in a collective those ranks never join.
+            settled = checkpointer.wait(timeout_s=SAVE_FAILED_WAIT_S)
+            reports = gather_from_all((checkpointer.failures, checkpointer.disk_full))
+            failures = [f"rank {rank}: {failure}" for rank, (failed, _) in enumerate(reports)
+                        for failure in failed]
+            raise CheckpointFailed("; ".join(failures[:4]), any(full for _, full in reports),
+                                   writes_stuck=not settled)
         if preempted:
             if saved_step != step:
                 save(step, loss)
