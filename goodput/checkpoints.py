@@ -7,12 +7,10 @@ step N" happen once, whoever asks first, and the ledger records every verdict.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import shutil
 import subprocess
 import sys
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -20,8 +18,8 @@ from typing import Callable, Iterator
 from goodput.config import RunConfig
 from storage.ledger import RESUMABLE, Ledger, LedgerEntry, checkpoint_key, ledger_key
 from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, verify_files
-from training.checkpoint import (checkpoint_path, checkpoint_root, committed_checkpoints, is_committed,
-                                 set_aside, step_of)
+from training.checkpoint import (checkpoint_path, checkpoint_root, committed_checkpoints, copy_id,
+                                 is_committed, set_aside, step_lock, step_of)
 
 
 class VerifierCrashed(RuntimeError):
@@ -32,29 +30,27 @@ def ledger_of(config: RunConfig) -> Ledger:
     return Ledger(config.run_dir, config.run.run_id)
 
 
-@contextmanager
 def _step_lock(config: RunConfig, step: int):
-    root = checkpoint_root(config.run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".step-{step:08d}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+    return step_lock(checkpoint_path(config.run_dir, step))
 
 
 def new_checkpoints(config: RunConfig, still_running: Callable[[], bool]) -> Iterator[int]:
     """Yield each checkpoint step as training commits it, until training has ended.
 
-    `still_running` should block for a poll interval. Uploaded checkpoints are settled and
-    not yielded again. (A rejected one was moved aside: a directory of its step is a new save.)
+    `still_running` should block for a poll interval. A step saved again (after a rejected
+    copy, or by workers restarted from an older checkpoint) is yielded again: it is another
+    copy. Copies uploaded before this call are settled and not yielded.
     """
-    settled = set(ledger_of(config).read().steps("uploaded"))
-    seen: set[int] = set()
+    entries = ledger_of(config).read().entries
+    seen = {(step, entry.copy_id) for step, entry in entries.items() if entry.state == "uploaded"}
     while True:
         running = still_running()
         for path in committed_checkpoints(config.run_dir):
-            step = step_of(path)
-            if step not in seen and step not in settled:
-                seen.add(step)
+            step, copy = step_of(path), copy_id(path)
+            settled = (step, copy) in seen or (  # uploaded before copies were told apart
+                (step, None) in seen and entries[step].copy_id is None)
+            if copy is not None and not settled:
+                seen.add((step, copy))
                 yield step
         if not running:
             return
@@ -62,10 +58,19 @@ def new_checkpoints(config: RunConfig, still_running: Callable[[], bool]) -> Ite
 
 def unjudged_steps(config: RunConfig) -> list[int]:
     """Committed checkpoints on local disk that the ledger has no verdict on yet (including
-    new saves of a step whose earlier copy was rejected and moved aside)."""
+    new saves of a step whose earlier copy was judged)."""
     entries = ledger_of(config).read().entries
     return [step_of(p) for p in committed_checkpoints(config.run_dir)
-            if step_of(p) not in entries or entries[step_of(p)].state in ("committed", "rejected")]
+            if step_of(p) not in entries or _needs_verdict(entries[step_of(p)], p)]
+
+
+def _needs_verdict(entry: LedgerEntry, path: Path) -> bool:
+    """Whether the committed copy at `path` is still to be judged: nobody has, or the verdict
+    in `entry` is on another copy (the rejected copy was moved aside; or the step was saved
+    again after a judged copy)."""
+    if entry.state in ("committed", "rejected"):
+        return True
+    return entry.copy_id is not None and entry.copy_id != copy_id(path)
 
 
 def verify_in_fresh_process(path: Path, timeout_s: float = 600, held_out: list[str] = ()) -> dict:
@@ -109,12 +114,14 @@ def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
     with _step_lock(config, step):
         entry = ledger.read().entries.get(step)
         path = checkpoint_path(config.run_dir, step)
-        saved_again = entry is not None and entry.state == "rejected" and (path / CHECKPOINT_MANIFEST).is_file()
+        copy = copy_id(path)
+        saved_again = entry is not None and entry.state != "committed" and copy is not None \
+            and _needs_verdict(entry, path)
         if entry is not None and entry.state != "committed" and not saved_again:
             return entry  # judged already
         manifest = CheckpointManifest.load(path)
-        ledger.record(step, "committed", note="saved again after the rejected copy" if saved_again else "",
-                      loss=manifest.loss, tokens_seen=manifest.tokens_seen)
+        ledger.record(step, "committed", note=f"saved again after a {entry.state} copy" if saved_again else "",
+                      loss=manifest.loss, tokens_seen=manifest.tokens_seen, copy_id=copy)
         result = verify_in_fresh_process(path, held_out=held_out_check(config))
         if result["ok"]:
             note = f"{result['tensors']} tensors finite"
@@ -137,6 +144,11 @@ def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
         if entry.state != "uploaded":  # (uploaded: a retry after the push below failed)
             key = checkpoint_key(config.run.run_id, step)
             path = checkpoint_path(config.run_dir, step)
+            if entry.copy_id is not None and copy_id(path) != entry.copy_id:
+                raise ValueError(f"checkpoint step {step} on disk is not the copy that was "
+                                 "validated (it was saved again); validate it first")
+            if entry.store_url:  # an earlier copy is in the store: its manifest goes first,
+                store.delete(f"{key}/{CHECKPOINT_MANIFEST}")  # so no reader mixes the copies
             # The manifest's digests spare hashing every shard before it goes out; the store checks them.
             known = {f.path: f.sha256 for f in CheckpointManifest.load(path).files}
             store.upload_dir(path, key, last=(CHECKPOINT_MANIFEST,), known_sha256=known)

@@ -1,7 +1,8 @@
 """The checkpoint ledger: per run, the state of every checkpoint.
 
     committed -> validated -> uploaded (-> pruned by retention)   or  rejected (with the reason)
-    rejected -> committed: the same step saved again by a later attempt (a new copy)
+    any state -> committed: the same step saved again by a later attempt (a new copy, told
+    apart by `copy_id`; each copy is judged and uploaded on its own)
 
 One JSON file, `<run_dir>/ledger.json`, mirrored to `runs/<run_id>/ledger.json` in the
 store so a new machine can resume from the store alone. Writers (validation and upload
@@ -38,6 +39,8 @@ class LedgerEntry(BaseModel):
     loss: float | None = None
     tokens_seen: int | None = None
     store_url: str | None = None
+    copy_id: str | None = Field(None, description="Identity of the copy judged (training.checkpoint."
+                             "copy_id): a later save of the same step is another copy.")
     history: list[Transition] = Field(default_factory=list)
 
 

@@ -204,6 +204,63 @@ def test_download_into_the_local_tier_is_verified_and_done_once(run, tmp_path):
     assert not list(checkpoint_root(config.run_dir).glob(".download-*"))
 
 
+def test_a_step_saved_again_is_another_copy_judged_and_uploaded_on_its_own(run, tmp_path):
+    """Workers restarted from an older checkpoint save a step again whose first copy was
+    validated and uploaded: the new copy is not taken on the first one's verdict. It is
+    yielded again, judged, and replaces the store copy manifest-first."""
+    import threading
+
+    from training.checkpoint import _clear_for_save, copy_id, step_lock
+
+    config, _ = run
+    store = open_store(str(tmp_path / "store"))
+    path = checkpoint_path(config.run_dir, 20)
+    for step in (10, 20):
+        checkpoints.validate_checkpoint(config, step)
+        checkpoints.upload_checkpoint(config, step, store)
+    first = copy_id(path)
+    assert checkpoints.ledger_of(config).read().entries[20].copy_id == first
+    assert list(checkpoints.new_checkpoints(config, lambda: False)) == []  # all settled
+
+    # The trainer clears the step for its new save only while the flow holds no lock on it.
+    with step_lock(path):
+        clearing = threading.Thread(target=_clear_for_save, args=(path,))
+        clearing.start()
+        clearing.join(timeout=0.5)
+        assert clearing.is_alive() and copy_id(path) == first
+    clearing.join()
+    assert not path.exists() and list((checkpoint_root(config.run_dir) / "superseded").iterdir())
+    superseded = next((checkpoint_root(config.run_dir) / "superseded").iterdir())
+    shutil.copytree(superseded, path)  # the new save (same tensors, a manifest of its own)
+    manifest = CheckpointManifest.load(path)
+    manifest.created_at += 1
+    manifest.save(path)
+    second = copy_id(path)
+    assert second != first
+
+    assert checkpoints.unjudged_steps(config) == [20]
+    assert list(checkpoints.new_checkpoints(config, lambda: False)) == [20]
+    entry = checkpoints.validate_checkpoint(config, 20)
+    assert (entry.state, entry.copy_id) == ("validated", second)
+    assert "saved again after a uploaded copy" in [t.note for t in entry.history][-2]
+    checkpoints.upload_checkpoint(config, 20, store)
+    stored = CheckpointManifest.model_validate_json(
+        store.get_bytes(f"{checkpoint_key('test', 20)}/manifest.json"))
+    assert stored.created_at == manifest.created_at
+    assert checkpoints.resume_point(config, store).local == path
+
+
+def test_upload_refuses_a_copy_other_than_the_validated_one(run, tmp_path):
+    config, _ = run
+    path = checkpoint_path(config.run_dir, 20)
+    checkpoints.validate_checkpoint(config, 20)
+    manifest = CheckpointManifest.load(path)
+    manifest.created_at += 1  # saved again after validation, not yet judged
+    manifest.save(path)
+    with pytest.raises(ValueError, match="not the copy that was validated"):
+        checkpoints.upload_checkpoint(config, 20, open_store(str(tmp_path / "store")))
+
+
 def test_checkpoint_damaged_after_validation_is_never_loaded(run, tmp_path):
     """A validated checkpoint whose file rots on disk fails its checksums at load: the
     attempt stops, the damaged copy goes aside, the retry resumes from the store copy (read

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import fcntl
 import json
 import math
 import os
@@ -23,8 +24,9 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,24 @@ def step_of(path: str | Path) -> int:
 
 def is_committed(path: Path) -> bool:
     return (path / CHECKPOINT_MANIFEST).is_file()
+
+
+@contextmanager
+def step_lock(path: Path) -> Iterator[None]:
+    """Exclusive lock on checkpoint directory `path` (a file beside it): the flow's
+    validation, upload and download of a step, and the trainer moving a committed copy of
+    it aside to save the step again, never overlap."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def copy_id(path: Path) -> str | None:
+    """Identity of the committed copy at `path` (None: not committed): a save of the same
+    step again is another copy, judged and uploaded on its own."""
+    manifest = path / CHECKPOINT_MANIFEST
+    return sha256_file(manifest)[:16] if manifest.is_file() else None
 
 
 def committed_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -431,12 +451,12 @@ def set_aside(path: Path, why: str) -> Path | None:
 
 
 def _clear_for_save(path: Path) -> None:
-    if is_committed(path):
-        aside = set_aside(path, "superseded")
-        print(f"[checkpoint] moved committed {path.name} aside to {aside}", flush=True)
-    elif path.exists():
-        shutil.rmtree(path)  # debris of a save that never committed
-    path.parent.mkdir(parents=True, exist_ok=True)
+    with step_lock(path):  # waits while the flow validates or uploads the copy there
+        if is_committed(path):
+            aside = set_aside(path, "superseded")
+            print(f"[checkpoint] moved committed {path.name} aside to {aside}", flush=True)
+        elif path.exists():
+            shutil.rmtree(path)  # debris of a save that never committed
 
 
 def _barrier() -> None:
