@@ -26,7 +26,7 @@ from storage.manifests import CheckpointManifest
 from storage.store import open_store
 from tests.helpers import (Watcher, committed, corrupt_largest_shard, losses_by_step, small_config,
                            torchrun_training)
-from training.checkpoint import checkpoint_path, checkpoint_root
+from training.checkpoint import checkpoint_path, checkpoint_root, copy_id
 from training.metrics import read_heartbeat, read_metrics
 
 STEPS = 30
@@ -168,7 +168,8 @@ def test_a_killed_node_fails_the_attempt_and_the_retry_resumes(workdir, clean):
 def test_a_shard_corrupted_after_commit_is_rejected_and_never_resumed_from(workdir, clean):
     """Bytes of a shard of checkpoint 20 flip right after its commit, before validation;
     a worker is killed at step 25. Validation rejects 20, and the in-job restart resumes
-    from 10, the newest validated checkpoint, and trains to the end."""
+    from 10, the newest validated checkpoint, and trains to the end. Its new save of step 20
+    is another copy: judged on its own, validated and uploaded."""
     config = small_config(workdir, "run.run_id=corrupt", "launch.max_restarts=1",
                           "faults.crash_at_step=25", "faults.crash_rank=1")
     path = checkpoint_path(config.run_dir, 20)
@@ -182,16 +183,22 @@ def test_a_shard_corrupted_after_commit_is_rejected_and_never_resumed_from(workd
     [outcome] = read_outcomes(config)
     assert (outcome["class"], outcome["restarts"]) == ("done", 1)
     entry = Ledger(config.run_dir, "corrupt").read().entries[20]
-    assert entry.state == "rejected" and "checksum" in entry.reason and shard in entry.reason
+    [rejected] = [t for t in entry.history if t.state == "rejected"]
+    assert "checksum" in rejected.note and shard in rejected.note
     [aside] = (checkpoint_root(config.run_dir) / "rejected").iterdir()
-    assert aside.name.startswith("step-00000020")
+    assert aside.name.startswith("step-00000020") and aside.name in rejected.note
+    assert [t.state for t in entry.history] == ["committed", "rejected", "committed", "validated",
+                                                "uploaded"]
+    assert entry.history[2].note == "saved again after a rejected copy"
+    assert entry.copy_id == copy_id(path) != copy_id(aside)
     # Never resumed from: after the crash at step 25 training went on from step 11.
     steps = [m["step"] for m in read_metrics(config.run_dir)]
     assert steps == list(range(1, 26)) + list(range(11, STEPS + 1))
     ledger = Ledger(config.run_dir, "corrupt").read()
-    assert ledger.steps("uploaded") == [10, 30]
+    assert ledger.steps("uploaded") == [10, 20, 30]
     store = open_store(config.storage.uri)
-    assert not store.list("runs/corrupt/checkpoints/step-00000020")
+    assert store.get_bytes("runs/corrupt/checkpoints/step-00000020/manifest.json") == (
+        path / "manifest.json").read_bytes()  # the new copy, not the corrupted one
     assert losses_by_step(config.run_dir) == clean
     goodput = read_summary(config.run_dir)["goodput"]
     assert goodput["in_job_restarts"] == 1 and goodput["lost_work_s"] > 0
