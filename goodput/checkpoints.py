@@ -276,6 +276,8 @@ def prune_local(config: RunConfig) -> list[int]:
         entry = entries.get(step)
         if entry is None or entry.state != "uploaded" or (newest and newest.step == step):
             continue
+        if _needs_verdict(entry, checkpoint_path(config.run_dir, step)):
+            continue  # a newer copy than the one in the store, not judged yet
         with _step_lock(config, step):
             shutil.rmtree(checkpoint_path(config.run_dir, step))
         ledger.record(step, "uploaded", note="local copy pruned; store copy kept")

@@ -250,6 +250,23 @@ def test_a_step_saved_again_is_another_copy_judged_and_uploaded_on_its_own(run, 
     assert checkpoints.resume_point(config, store).local == path
 
 
+def test_retention_keeps_a_new_copy_of_an_uploaded_step_until_it_is_uploaded(run, tmp_path):
+    config, _ = run
+    config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"keep_local": 1})})
+    store = open_store(str(tmp_path / "store"))
+    for step in (10, 20):
+        checkpoints.validate_checkpoint(config, step)
+        checkpoints.upload_checkpoint(config, step, store)
+    manifest = CheckpointManifest.load(checkpoint_path(config.run_dir, 10))
+    manifest.created_at += 1  # step 10 saved again: the store holds the other copy
+    manifest.save(checkpoint_path(config.run_dir, 10))
+    assert checkpoints.prune_local(config) == []
+    checkpoints.validate_checkpoint(config, 10)
+    assert checkpoints.prune_local(config) == []
+    checkpoints.upload_checkpoint(config, 10, store)
+    assert checkpoints.prune_local(config) == [10]
+
+
 def test_upload_refuses_a_copy_other_than_the_validated_one(run, tmp_path):
     config, _ = run
     path = checkpoint_path(config.run_dir, 20)
