@@ -47,9 +47,8 @@ def new_checkpoints(config: RunConfig, still_running: Callable[[], bool]) -> Ite
         running = still_running()
         for path in committed_checkpoints(config.run_dir):
             step, copy = step_of(path), copy_id(path)
-            settled = (step, copy) in seen or (  # uploaded before copies were told apart
-                (step, None) in seen and entries[step].copy_id is None)
-            if copy is not None and not settled:
+            # (step, None): uploaded before the ledger told copies apart
+            if copy is not None and (step, copy) not in seen and (step, None) not in seen:
                 seen.add((step, copy))
                 yield step
         if not running:

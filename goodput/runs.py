@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import json
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ import yaml
 from goodput.checkpoints import ResumePoint, resume_point, set_aside_damaged
 from goodput.config import ConfigError, RunConfig, dump_config
 from infra.torchrun import AttemptResult, TrainingFailed, run_attempt
-from storage.checksums import write_atomic
+from storage.checksums import exclusive_lock, write_atomic
 from storage.ledger import DataSkip, Ledger
 from training.checkpoint import committed_checkpoints, step_of
 from training.exits import attempt_dir
@@ -169,9 +168,7 @@ def update_summary(run_dir: Path, section: str, values: dict | Callable[[dict], 
     lock, so no flow's section is lost; `values` may be a function of the section's previous
     values (e.g. to add up wall time across flow runs)."""
     path = Path(run_dir) / "summary.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with exclusive_lock(path.with_suffix(".lock")):
         summary = read_summary(run_dir)
         summary[section] = values(summary.get(section, {})) if callable(values) else values
         summary["updated_at"] = time.time()

@@ -1,9 +1,13 @@
-"""Content checksums: one definition of "the same bytes" for shards, checkpoints and uploads."""
+"""Content checksums: one definition of "the same bytes" for shards, checkpoints and uploads;
+and the file primitives that keep them true (atomic writes, fsync, an exclusive lock)."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 _CHUNK = 4 * 1024 * 1024
@@ -44,3 +48,14 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def exclusive_lock(path: str | os.PathLike) -> Iterator[None]:
+    """Hold an exclusive flock on the file `path` (created with its folder). Per open file, so
+    threads of one process exclude each other as processes do."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

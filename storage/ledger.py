@@ -11,7 +11,6 @@ tasks run concurrently) take an exclusive file lock and replace the file atomica
 
 from __future__ import annotations
 
-import fcntl
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import Iterator, Literal
 
 from pydantic import BaseModel, Field
 
-from storage.checksums import write_atomic
+from storage.checksums import exclusive_lock, write_atomic
 
 State = Literal["committed", "validated", "uploaded", "rejected", "pruned"]
 RESUMABLE: tuple[State, ...] = ("validated", "uploaded")
@@ -79,9 +78,7 @@ class Ledger:
     @contextmanager
     def edit(self) -> Iterator[LedgerData]:
         """Read-modify-write under an exclusive lock; the change lands atomically or not at all."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        with exclusive_lock(self.path.with_suffix(".lock")):
             data = self.read()
             yield data
             write_atomic(self.path, data.model_dump_json(indent=2).encode())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import fcntl
 import json
 import math
 import os
@@ -24,9 +23,8 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -38,7 +36,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from storage.checksums import sha256_file
+from storage.checksums import exclusive_lock, sha256_file
 from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, list_files, verify_files
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -63,15 +61,11 @@ def is_committed(path: Path) -> bool:
     return (path / CHECKPOINT_MANIFEST).is_file()
 
 
-@contextmanager
-def step_lock(path: Path) -> Iterator[None]:
+def step_lock(path: Path):
     """Exclusive lock on checkpoint directory `path` (a file beside it): the flow's
     validation, upload and download of a step, and the trainer moving a committed copy of
     it aside to save the step again, never overlap."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.parent / f".{path.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+    return exclusive_lock(path.parent / f".{path.name}.lock")
 
 
 def copy_id(path: Path) -> str | None:

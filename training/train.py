@@ -20,6 +20,7 @@ from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,8 @@ from training.data import DistributedSampleLoader, TokenStream
 from training.metrics import MetricsWriter, peak_flops, young_daly_interval_s
 from training.model import Transformer, cross_entropy, model_args_from_config, shape_differences
 from training.parallelize import Layout, clip_grad_norm_, parallelize
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -115,11 +118,10 @@ def resolve_resume(resume: str, run_dir: Path) -> str | None:
     if resume == "none":
         return None
     if resume == "auto":
-        def newest_committed() -> tuple[str | None, None]:
+        def newest_committed() -> str | None:
             committed = committed_checkpoints(run_dir)
-            return (str(committed[-1]) if committed else None), None
-        location, _ = _decided_by_rank_0(newest_committed)
-        return location
+            return str(committed[-1]) if committed else None
+        return _decided_by_rank_0(newest_committed)
     if resume == "validated" or resume.startswith("validated:"):
         fallback = resume.partition(":")[2] or None
         wait_s = float(os.environ.get("GOODPUT_RESTART_WAIT_S", "0"))
@@ -142,11 +144,7 @@ def store_step(location: str) -> int | None:
         raise FileNotFoundError(f"--resume {location}: expected store:STEP with an integer step") from None
 
 
-# How long a rank waits for its own write of a save that failed elsewhere to end.
-SAVE_FAILED_WAIT_S = 30.0
-
-
-def _decided_by_rank_0(decide: Callable[[], tuple]) -> tuple:
+def _decided_by_rank_0(decide: Callable[[], T]) -> T:
     """`decide()` on rank 0, broadcast: every rank resumes from the same checkpoint even where
     the ranks' views of a shared filesystem differ for a moment (NFS attribute caches)."""
     choice: list = [None]
@@ -263,6 +261,10 @@ def agree(*flags: bool) -> list[bool]:
     if dist.is_initialized():
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
     return [bool(v) for v in values.tolist()]
+
+
+# How long a rank waits for its own write of a save that failed elsewhere to end.
+SAVE_FAILED_WAIT_S = 30.0
 
 
 def gather_from_all(value) -> list:
