@@ -146,7 +146,8 @@ def bare_worker(config_path: str, dataset_dir: str, out: str) -> None:
         config.parallelism.device == "auto" and torch.cuda.is_available()) else "cpu")
     manifest = DatasetManifest.load(dataset)
     torch.manual_seed(tcfg.seed)
-    model = Transformer(model_args_from_config(config.model, manifest.vocab_size)).to(device)
+    with torch.device(device):  # the trainer's initial weights, drawn where they live
+        model = Transformer(model_args_from_config(config.model, manifest.vocab_size), tcfg.seed)
     optimizer = build_optimizer(model, tcfg, device)
     loader = DistributedSampleLoader(TokenStream(dataset, manifest, "train"), tcfg.seq_len,
                                      tcfg.micro_batch_size, 0, 1, tcfg.seed)

@@ -48,8 +48,8 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def trainer_model(checkpoint: Path) -> Transformer:
-    model = Transformer(ModelArgs(**CheckpointManifest.load(checkpoint).model_args))
-    model.load_state_dict(model_state_from(load_all_tensors(checkpoint, prefix="model.")), strict=True)
+    model = Transformer.with_weights(ModelArgs(**CheckpointManifest.load(checkpoint).model_args),
+                                     model_state_from(load_all_tensors(checkpoint, prefix="model.")))
     return model.eval()
 
 

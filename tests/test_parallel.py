@@ -136,3 +136,55 @@ def test_checkpoints_reshard_across_layouts(tmp_path, dataset, reference):
         assert sorted(losses) == list(steps)
         for step in steps:
             assert losses[step] == pytest.approx(expected[step], rel=RTOL), (step, losses[step])
+
+
+# -- building on the meta device -----------------------------------------------------------------
+
+def test_a_model_built_on_meta_and_laid_out_starts_from_the_whole_models_weights():
+    """The trainer builds on the meta device and parallelize materializes what the rank holds:
+    in one process (activation checkpointing wraps the blocks) the weights are those of the
+    model built whole with the same seed, and another seed gives other weights."""
+    import torch
+
+    from goodput.config import ParallelismConfig
+    from training.model import ModelArgs, Transformer
+    from training.parallelize import parallelize
+
+    args = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2)
+    with torch.device("meta"):
+        model = Transformer(args)
+    par_cfg = ParallelismConfig(activation_checkpointing="full", device="cpu")
+    layout = parallelize(model, par_cfg, {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1},
+                         torch.device("cpu"), None, seed=7)
+    laid_out = layout.model_parts[0].state_dict()
+    whole = Transformer(args, seed=7).state_dict()
+    assert laid_out.keys() == whole.keys()
+    assert all(torch.equal(laid_out[k], whole[k]) for k in whole)
+    other = Transformer(args, seed=8).state_dict()
+    assert not torch.equal(other["layers.1.attention.wo.weight"], whole["layers.1.attention.wo.weight"])
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(layout.model_parts[0](tokens), Transformer(args, seed=7)(tokens))
+
+
+def test_a_model_given_its_weights_draws_no_initial_values_and_computes_the_same():
+    import torch
+
+    from training.model import ModelArgs, Transformer
+
+    args = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4)
+    trained = Transformer(args, seed=1)
+    loaded = Transformer.with_weights(args, trained.state_dict())
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(loaded(tokens), trained(tokens))
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        Transformer.with_weights(ModelArgs(vocab_size=128, dim=32, n_layers=2, n_heads=4),
+                                 trained.state_dict())
+
+
+def test_whole_model_names_drop_the_segments_wrappers_add():
+    from training.parallelize import whole_model_name
+
+    assert whole_model_name("module.layers.3._checkpoint_wrapped_module._orig_mod.attention.wq.weight") \
+        == "layers.3.attention.wq.weight"
+    assert whole_model_name("output.weight") == "output.weight"
+

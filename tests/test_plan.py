@@ -523,8 +523,9 @@ def probe(cases: dict[str, list[str]], steps: int = 2) -> None:
                               (tcfg.micro_batch_size, tcfg.seq_len + 1), generator=generator)
 
         def build(args: ModelArgs):
-            torch.manual_seed(tcfg.seed)
-            layout = parallelize(Transformer(args), config.parallelism, degrees, env.device, None)
+            with torch.device("meta"):
+                model = Transformer(args)
+            layout = parallelize(model, config.parallelism, degrees, env.device, None, tcfg.seed)
             return layout, build_optimizer(layout.model_parts[0], tcfg, env.device)
 
         def step(layout, optimizer, tokens, activations: dict | None = None) -> int:
@@ -553,7 +554,7 @@ def probe(cases: dict[str, list[str]], steps: int = 2) -> None:
         baseline = _rss("VmRSS")
         layout, optimizer = build(planner.model_args(config))
         gc.collect()
-        _reset_peak_rss()  # building the whole model before sharding it is not part of a step
+        _reset_peak_rss()  # initialising the weights (one full parameter at a time) is not part of a step
         for _ in range(steps - 1):
             step(layout, optimizer, batch)
         activations: dict[int, int] = {}

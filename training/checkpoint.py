@@ -518,8 +518,7 @@ def verify_checkpoint(path: str | Path, dataset_dir: str | Path | None = None,
     if non_finite:
         return {"ok": False, "reason": f"non-finite values in {', '.join(non_finite[:5])}"}
     try:
-        model = Transformer(ModelArgs(**manifest.model_args))
-        model.load_state_dict(model_state_from(state), strict=True)
+        model = Transformer.with_weights(ModelArgs(**manifest.model_args), model_state_from(state))
     except Exception as e:
         return {"ok": False, "reason": f"weights do not fit the model: {e}"}
     n_tensors = sum(isinstance(v, torch.Tensor) for v in state.values())

@@ -25,8 +25,8 @@ from training.model import ModelArgs, Transformer
 def load_model(checkpoint: Path, device: torch.device) -> tuple[Transformer, CheckpointManifest]:
     """The model of a committed checkpoint, whatever layout trained it."""
     manifest = CheckpointManifest.load(checkpoint)
-    model = Transformer(ModelArgs(**manifest.model_args))
-    model.load_state_dict(model_state_from(load_all_tensors(checkpoint, prefix="model.")))
+    model = Transformer.with_weights(ModelArgs(**manifest.model_args),
+                                    model_state_from(load_all_tensors(checkpoint, prefix="model.")))
     return model.to(device).eval(), manifest
 
 

@@ -8,6 +8,7 @@ Llama, so exported weights need no permutation.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -117,7 +118,7 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, seed: int = 0):
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
@@ -126,22 +127,55 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        cos, sin = rope_cache(args.head_dim, args.max_seq_len, args.rope_theta)
         # Derived from args, so not part of the checkpoint.
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+        self.register_buffer("rope_cos", torch.empty(args.max_seq_len, args.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.head_dim), persistent=False)
+        # Built under torch.device("meta") (as the trainer builds it, to lay it out before
+        # any memory is spent on it) there is nothing to fill yet: the layout fills what
+        # each rank holds (training.parallelize.materialize).
+        if not self.rope_cos.is_meta:
+            self.init_weights(seed)
 
-    def reset_parameters(self) -> None:
-        std = 0.02
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """The rotary tables, on `device` (default: where the buffers are)."""
+        a = self.args
+        cos, sin = rope_cache(a.head_dim, a.max_seq_len, a.rope_theta)
+        device = device if device is not None else self.rope_cos.device
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        self.init_buffers()
         for name, p in self.named_parameters():
-            if p.dim() == 1:
-                nn.init.ones_(p)  # norm weights
-            elif name.endswith(("wo.weight", "w2.weight")):
-                # GPT-2's scaled init for projections that add into the residual stream.
-                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.args.n_layers))
-            else:
-                nn.init.normal_(p, mean=0.0, std=std)
+            p.copy_(self.initial_value(name, p.shape, seed, p.device))
+
+    def initial_value(self, name: str, shape: torch.Size, seed: int,
+                      device: torch.device) -> torch.Tensor:
+        """The initial value of parameter `name` (as the whole model names it), full size.
+
+        Drawn from a generator of its own, seeded by (seed, name): a parameter's value does
+        not depend on which other parameters a module holds, so a pipeline stage and a
+        tensor- or data-parallel shard start from exactly the whole model's weights.
+        """
+        if len(shape) == 1:
+            return torch.ones(shape, device=device)  # norm weights
+        std = 0.02
+        if name.endswith(("wo.weight", "w2.weight")):
+            # GPT-2's scaled init for projections that add into the residual stream.
+            std /= math.sqrt(2 * self.args.n_layers)
+        generator = torch.Generator(device).manual_seed(
+            (seed * 0x9E3779B1 + zlib.crc32(name.encode())) % 2**63)
+        return torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+
+    @classmethod
+    def with_weights(cls, args: ModelArgs, state: dict[str, torch.Tensor]) -> "Transformer":
+        """The model holding `state` (every weight, as a checkpoint or export has them),
+        without first drawing initial values it would overwrite."""
+        with torch.device("meta"):
+            model = cls(args)
+        model.load_state_dict(state, strict=True, assign=True)
+        model.init_buffers(model.output.weight.device)
+        return model
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
         """tokens: (batch, seq) ids. Returns logits, or the mean cross-entropy with targets.

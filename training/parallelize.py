@@ -3,6 +3,8 @@
     mesh   = (pp, dp_replicate, dp_shard, tp), TP innermost (fastest links)
     order  = pipeline split -> tensor parallel -> activation checkpointing -> compile
              -> data parallel (FSDP2 / HSDP, or DDP when the layout is pure replication)
+             -> materialize (the model is built on the meta device; each rank allocates
+                and initialises only what it holds)
 
 The model (training/model.py) is plain PyTorch; pipeline stages are copies of the same
 model with the other stages' parts removed, so parameter names (and checkpoints) are the
@@ -71,11 +73,13 @@ def build_mesh(degrees: dict[str, int], device_type: str) -> DeviceMesh | None:
 
 
 def parallelize(model: nn.Module, par_cfg, degrees: dict[str, int], device: torch.device,
-                loss_fn) -> Layout:
-    """Lay `model` (built whole, on `device`) out on this rank according to `degrees`."""
+                loss_fn, seed: int) -> Layout:
+    """Lay `model` (built whole on the meta device: no memory yet) out on this rank according
+    to `degrees`, then allocate and initialise only what this rank holds (materialize)."""
     mesh = build_mesh(degrees, device.type)
     if mesh is None:
-        return _precision_and_loss(Layout(None, degrees, [_finish(model, par_cfg)]), par_cfg, device)
+        parts = materialize([_finish(model, par_cfg)], seed, device)
+        return _precision_and_loss(Layout(None, degrees, parts), par_cfg, device)
 
     stage_ids, parts = [0], [model]
     if degrees["pp"] > 1:
@@ -89,16 +93,52 @@ def parallelize(model: nn.Module, par_cfg, degrees: dict[str, int], device: torc
     if dp_size > 1 and pure_replication:
         from torch.nn.parallel import DistributedDataParallel
 
-        layout.model_parts = [DistributedDataParallel(parts[0], process_group=mesh.get_group("dp_replicate"))]
+        # DDP broadcasts rank 0's weights when it wraps them: they must exist by then.
+        model = materialize(parts, seed, device)[0]
+        layout.model_parts = [DistributedDataParallel(model, process_group=mesh.get_group("dp_replicate"))]
         layout.ddp = True
     elif dp_size > 1:
-        layout.model_parts = [_apply_fsdp(p, mesh["dp_replicate", "dp_shard"], par_cfg, device)
-                              for p in parts]
+        # Sharded while still on the meta device: each rank then allocates only its shards.
+        layout.model_parts = materialize([_apply_fsdp(p, mesh["dp_replicate", "dp_shard"], par_cfg, device)
+                                          for p in parts], seed, device)
         layout.fsdp = True
+    else:
+        layout.model_parts = materialize(parts, seed, device)
 
     if degrees["pp"] > 1:
         _build_schedule(layout, mesh, par_cfg, device, loss_fn)
     return _precision_and_loss(layout, par_cfg, device)
+
+
+def materialize(parts: list[nn.Module], seed: int, device: torch.device) -> list[nn.Module]:
+    """Allocate the parts (built on the meta device, laid out) on `device` and give them the
+    whole model's initial weights: each parameter is drawn full size from its own seeded
+    generator (Transformer.initial_value), one at a time, and this rank keeps its shard.
+    Peak memory: this rank's shards plus the largest single parameter, however large the
+    model; every layout starts from the single-process model's weights."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for part in parts:
+        part.to_empty(device=device)
+        part.init_buffers()
+        with torch.no_grad():
+            for name, param in part.named_parameters():
+                full = part.initial_value(whole_model_name(name), param.shape, seed, device)
+                if isinstance(param, DTensor):
+                    # Each rank cuts its own shard from the same full value: no communication.
+                    shard = distribute_tensor(full, param.device_mesh, param.placements,
+                                              src_data_rank=None)
+                    param.to_local().copy_(shard.to_local())
+                else:
+                    param.copy_(full)
+                del full
+    return parts
+
+
+def whole_model_name(name: str) -> str:
+    """A parameter's name in the plain model: without the segments that wrappers add."""
+    wrappers = ("_checkpoint_wrapped_module", "_orig_mod", "module")
+    return ".".join(part for part in name.split(".") if part not in wrappers)
 
 
 def _precision_and_loss(layout: Layout, par_cfg, device: torch.device) -> Layout:

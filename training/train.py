@@ -405,10 +405,13 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
     run_dir = config.run_dir
     env = init_distributed(config)
     degrees = layout_degrees(config, env)
-    torch.manual_seed(tcfg.seed)  # the same initial weights on every rank, in every layout
+    torch.manual_seed(tcfg.seed)
 
     manifest = DatasetManifest.load(dataset_dir)
-    model = Transformer(model_args_from_config(config.model, manifest.vocab_size)).to(env.device)
+    # On the meta device: parallelize allocates and initialises only this rank's part of it
+    # (the single-process model's weights in every layout, from training.seed).
+    with torch.device("meta"):
+        model = Transformer(model_args_from_config(config.model, manifest.vocab_size))
     args = model.args
     model_args, n_params = vars(args), model.num_params(non_embedding=False)
     flops_per_token = model.flops_per_token(tcfg.seq_len)
@@ -418,7 +421,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
     def pipeline_loss(logits, targets):  # one pipeline micro-batch's share of the step's mean
         return cross_entropy(logits, targets) / share
 
-    layout = parallelize(model, config.parallelism, degrees, env.device, pipeline_loss)
+    layout = parallelize(model, config.parallelism, degrees, env.device, pipeline_loss, tcfg.seed)
     del model  # from here on the layout's parts are the model
     optimizers = [build_optimizer(part, tcfg, env.device) for part in layout.model_parts]
     loader = DistributedSampleLoader(TokenStream(dataset_dir, manifest, "train"), tcfg.seq_len,
