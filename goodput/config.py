@@ -133,7 +133,9 @@ class ParallelismConfig(_Section):
     activation_checkpointing: Literal["none", "selective", "full"] = Field("none")
     compile: bool = Field(False, description="torch.compile each transformer block, and the loss.")
     mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
-        "auto", description="'auto': bf16 params with fp32 reduce on GPU, fp32 on CPU.")
+        "auto", description="bf16 compute: FSDP2 casts the parameters to bf16 and reduces "
+        "gradients in fp32; other layouts run forward under bf16 autocast. 'auto': bf16 on GPU, "
+        "fp32 on CPU; 'bf16' on CPU too.")
     device_memory: str | int | None = Field(
         None, description="Memory of one device (a GPU; on CPU, the host memory one worker may "
         "use), e.g. '80GiB': the train flow checks the layout's estimated peak against it before "

@@ -21,6 +21,7 @@ from training.checkpoint import checkpoint_path
 STEPS = 20  # two processes
 STEPS_4 = 12  # four or more processes on 2 cores
 RTOL = 1e-5
+BF16_RTOL = 2e-3  # measured 1.2e-4 (pp-1f1b vs one process, both bf16; either vs fp32: 3.4e-4)
 # Global batch: 8 samples of 64 tokens = micro_batch_size x grad_accum x dp_size.
 BASE = ("model.n_layers=4", "training.warmup_steps=2", "training.grad_accum_steps=2")
 
@@ -188,3 +189,18 @@ def test_whole_model_names_drop_the_segments_wrappers_add():
         == "layers.3.attention.wq.weight"
     assert whole_model_name("output.weight") == "output.weight"
 
+
+def test_pipeline_stages_train_under_bf16_autocast(tmp_path, dataset, reference):
+    """mixed_precision=bf16 (here on CPU; 'auto' gives it on GPUs): pipeline stages run
+    forward under autocast like the single process does, and their curves agree to bf16
+    rounding; both differ from the fp32 curve, so autocast was on."""
+    bf16 = "parallelism.mixed_precision=bf16"
+    single = run_training(tmp_path / "single", dataset, 1, "training.micro_batch_size=4", bf16,
+                          steps=STEPS)
+    pipelined = run_training(tmp_path / "pp", dataset, 2, *LAYOUTS_2["pp-1f1b"], bf16, steps=STEPS)
+    fp32 = reference(STEPS)
+    assert sorted(pipelined) == sorted(single) == sorted(fp32)
+    for step in single:
+        assert pipelined[step] == pytest.approx(single[step], rel=BF16_RTOL), (step, pipelined[step])
+    assert any(single[s] != pytest.approx(fp32[s], rel=RTOL) for s in single)
+    assert any(pipelined[s] != pytest.approx(fp32[s], rel=RTOL) for s in pipelined)

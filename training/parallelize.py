@@ -41,7 +41,7 @@ class Layout:
     fsdp: bool = False
     stage_ids: list[int] = field(default_factory=lambda: [0])
     # The loss of a micro-batch, logits -> mean cross-entropy (compiled with the blocks), and
-    # whether forward runs under bf16 autocast (without pipeline stages; FSDP casts itself).
+    # whether forward runs under bf16 autocast (FSDP casts the parameters itself instead).
     loss_fn: Callable = cross_entropy
     autocast: bool = False
 
@@ -142,12 +142,11 @@ def whole_model_name(name: str) -> str:
 
 
 def _precision_and_loss(layout: Layout, par_cfg, device: torch.device) -> Layout:
-    """bf16 autocast on GPUs unless parallelism.mixed_precision=fp32 (FSDP casts the
-    parameters itself, _apply_fsdp; pipeline stages exchange activations in the dtype their
-    buffers were shaped with, so without FSDP they run fp32); the loss compiled when
-    parallelism.compile is set."""
-    layout.autocast = (device.type == "cuda" and not layout.fsdp and layout.schedule is None
-                       and par_cfg.mixed_precision != "fp32")
+    """bf16 autocast where bf16 is asked for (uses_bf16) and FSDP does not cast the
+    parameters itself (_apply_fsdp); pipeline stages included: their residual stream stays
+    fp32 (an fp32 embedding plus bf16 matmul outputs), so what they exchange is shaped the
+    same either way. The loss compiled when parallelism.compile is set."""
+    layout.autocast = uses_bf16(par_cfg, device) and not layout.fsdp
     if par_cfg.compile:
         # The loss over the vocabulary is memory-bound: eagerly, the fp32 copy of the logits,
         # log-softmax and its gradient each go through memory (for GPT-2's 50k vocabulary,
@@ -155,6 +154,12 @@ def _precision_and_loss(layout: Layout, par_cfg, device: torch.device) -> Layout
         # into a few passes over the bf16 logits. Pipeline schedules keep their own loss.
         layout.loss_fn = torch.compile(cross_entropy)
     return layout
+
+
+def uses_bf16(par_cfg, device: torch.device) -> bool:
+    """parallelism.mixed_precision: 'bf16' anywhere, 'auto' on GPUs."""
+    return par_cfg.mixed_precision == "bf16" or (par_cfg.mixed_precision == "auto"
+                                                 and device.type == "cuda")
 
 
 # -- pipeline parallelism ---------------------------------------------------------------------
@@ -290,8 +295,8 @@ def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, par_cfg, device: torch.de
     """FSDP2 per block then the root; a 2-D (replicate, shard) mesh makes it HSDP."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    bf16 = par_cfg.mixed_precision == "bf16" or (par_cfg.mixed_precision == "auto" and device.type == "cuda")
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if uses_bf16(par_cfg, device) \
         else MixedPrecisionPolicy()
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=par_cfg.reshard_after_forward)

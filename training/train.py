@@ -596,11 +596,13 @@ def forward_backward(layout: Layout, inputs, targets, device, last_micro: bool, 
     Gradients are synchronised across data-parallel ranks once per step, on the last
     micro-batch.
     """
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=layout.autocast)
     if layout.schedule is not None:
         losses: list[torch.Tensor] = []
         args = (inputs,) if layout.first_stage else ()
         kwargs = {"target": targets, "losses": losses} if layout.last_stage else {}
-        layout.schedule.step(*args, **kwargs)
+        with autocast:  # forward and backward of every micro-batch run inside step()
+            layout.schedule.step(*args, **kwargs)
         if not layout.last_stage:
             return torch.zeros((), device=device)
         return torch.stack(losses).sum().detach()  # shares of the mean: they add up
@@ -609,7 +611,7 @@ def forward_backward(layout: Layout, inputs, targets, device, last_micro: bool, 
         model.set_requires_gradient_sync(last_micro)
     sync = model.no_sync() if (layout.ddp and not last_micro) else nullcontext()
     with sync:
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=layout.autocast):
+        with autocast:
             loss = layout.loss_fn(model(inputs), targets) / accum
         loss.backward()
     return loss.detach()
