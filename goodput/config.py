@@ -333,6 +333,11 @@ class FaultsConfig(_Section):
         "no manifest), 'after_manifest' (rank 0, committed, not yet in the ledger).")
 
 
+# Retries per failure class (training/exits.py); run.retry_budgets overrides them one by one.
+DEFAULT_RETRY_BUDGETS = {"retryable": 4, "hang": 2, "rollback": 3, "oom": 0, "disk_full": 0,
+                         "corrupt_checkpoint": 2, "unknown": 1}
+
+
 class RunSection(_Section):
     run_id: str = Field("tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
                         description="Names the run; checkpoints and ledger live under it.")
@@ -340,13 +345,25 @@ class RunSection(_Section):
     max_attempts: int = Field(6, ge=1, description="Training attempts in one flow run "
                                                    "(1 + Prefect retries), all classes together.")
     retry_budgets: dict[str, int] = Field(
-        default_factory=lambda: {"retryable": 4, "hang": 2, "rollback": 3, "oom": 0, "disk_full": 0,
-                                 "corrupt_checkpoint": 2, "unknown": 1},
+        default_factory=lambda: dict(DEFAULT_RETRY_BUDGETS),
         description="Retries per failure class (retryable: crash, comm timeout, preemption; "
                     "hang; rollback: non-finite loss or spike; oom; disk_full: a checkpoint write hit "
                     "ENOSPC; corrupt_checkpoint: the checkpoint to resume from no longer matches its "
                     "manifest, so the retry resumes from the store copy or an older one). Config "
                     "errors never retry.")
+    @field_validator("retry_budgets")
+    @classmethod
+    def _budgets_over_defaults(cls, budgets: dict[str, int]) -> dict[str, int]:
+        """A budget given overrides that class only; the others keep their defaults."""
+        unknown = sorted(budgets.keys() - DEFAULT_RETRY_BUDGETS.keys())
+        if unknown:
+            raise ValueError(f"unknown failure class(es) {unknown}; the classes "
+                             f"are {sorted(DEFAULT_RETRY_BUDGETS)}")
+        negative = sorted(k for k, v in budgets.items() if v < 0)
+        if negative:
+            raise ValueError(f"{negative} below 0; 0 means no retry")
+        return {**DEFAULT_RETRY_BUDGETS, **budgets}
+
     no_progress_attempts: int = Field(
         3, ge=1, description="Stop when this many failed attempts in a row committed no newer "
                              "checkpoint than the one they resumed from.")
@@ -478,6 +495,20 @@ class RunConfig(_Section):
             raise ValueError(f"training.micro_batch_size={self.training.micro_batch_size} does not "
                              f"split into parallelism.microbatches={self.parallelism.pipeline_microbatches}; "
                              "make it a multiple")
+        if deg["tp"] > 1 and self.training.seq_len % deg["tp"]:
+            # Sequence parallelism splits every sequence over the TP ranks: uneven parts give
+            # the ranks different shapes and the collectives fail or hang.
+            fits = deg["tp"] * -(-self.training.seq_len // deg["tp"])
+            raise ValueError(f"training.seq_len={self.training.seq_len} does not split over "
+                             f"parallelism.tp={deg['tp']} (sequence parallelism); choose a multiple "
+                             f"of {deg['tp']}, e.g. {fits}")
+        if deg["pp"] > 1 and self.parallelism.pp_schedule == "interleaved-1f1b":
+            m = self.parallelism.pipeline_microbatches
+            rounds = max(1, m // deg["pp"])  # the schedule runs m in rounds of equal size
+            if m % rounds:
+                raise ValueError(f"parallelism.microbatches={m} does not split into {rounds} equal "
+                                 f"rounds of interleaved-1f1b over pp={deg['pp']}; choose a multiple "
+                                 f"of {deg['pp']}, or at most {deg['pp']}")
         if self.launch.kind == "ssh" and len(self.launch.hosts) != self.parallelism.nnodes:
             raise ValueError(f"launch.kind=ssh needs one host per node: {len(self.launch.hosts)} "
                              f"launch.hosts for parallelism.nnodes={self.parallelism.nnodes}")

@@ -446,6 +446,13 @@ def _structural_problems(s: _Setup, degrees: dict[str, int], m: int) -> list[Pro
             f"tp={tp} does not divide the vocabulary ({args.vocab_size}) that TP splits",
             f"choose tp in {_divisors(math.gcd(args.vocab_size, head_tp), gpn)}, or a "
             f"model.vocab_multiple_of divisible by {tp}"))
+    seq_len = s.config.training.seq_len
+    if seq_len % tp:
+        problems.append(Problem(
+            f"tp={tp} does not divide training.seq_len={seq_len}, which sequence parallelism "
+            "splits over the TP ranks",
+            f"choose tp in {_divisors(math.gcd(seq_len, head_tp), gpn)}, or a seq_len "
+            f"divisible by {tp}"))
     if pp > 1:
         problems += _pipeline_problems(s, pp, m)
     return problems
@@ -471,6 +478,10 @@ def _pipeline_problems(s: _Setup, pp: int, m: int) -> list[Problem]:
         problems.append(Problem(
             f"training.micro_batch_size={mbs} does not split into {m} pipeline micro-batches",
             f"set training.micro_batch_size to a multiple of {m}"))
+    if v > 1 and m % max(1, m // pp):
+        problems.append(Problem(
+            f"microbatches={m} do not split into equal rounds of interleaved-1f1b over pp={pp}",
+            f"set parallelism.microbatches to a multiple of {pp}"))
     return problems
 
 

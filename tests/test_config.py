@@ -33,12 +33,26 @@ def test_overrides_parse_as_yaml_values():
     ("storage.uri=s3://ab/runs", "storage.uri", "invalid S3 bucket name 'ab'"),
     ("storage.uri=s3://My_Bucket", "storage.uri", "use 3 to 63 lowercase letters"),
     ("storage.uri=s3://bucket/runs/../x", "storage.uri", "invalid key 'runs/../x'"),
+    ("run.retry_budgets.retriable=3", "run.retry_budgets", "unknown failure class(es) ['retriable']"),
+    ("run.retry_budgets.hang=-1", "run.retry_budgets", "['hang'] below 0"),
+    ("parallelism.tp=2 training.seq_len=127", "(top level)",
+     "training.seq_len=127 does not split over parallelism.tp=2 (sequence parallelism); choose a "
+     "multiple of 2, e.g. 128"),
+    ("parallelism.pp=2 parallelism.pp_schedule=interleaved-1f1b parallelism.microbatches=5 "
+     "training.micro_batch_size=5", "(top level)",
+     "parallelism.microbatches=5 does not split into 2 equal rounds of interleaved-1f1b over pp=2"),
 ])
 def test_invalid_values_name_the_field(override, field, hint):
     with pytest.raises(ConfigError) as err:
-        load_config("configs/tiny.yaml", [override])
+        load_config("configs/tiny.yaml", override.split())
     assert f"{field}:" in str(err.value)
     assert hint in str(err.value)
+
+
+def test_a_retry_budget_given_overrides_only_its_class():
+    budgets = load_config(None, ["run.retry_budgets.retryable=10"]).run.retry_budgets
+    assert budgets == {**RunConfig().run.retry_budgets, "retryable": 10}
+    assert budgets["hang"] == 2
 
 
 def test_storage_transfer_settings_reach_the_s3_store():

@@ -35,7 +35,7 @@ def _outcome(cls, resumed_from=0, newest=10):
 
 
 def test_retry_policy_budgets_per_class_and_no_progress():
-    config = load_config(None, ["run.retry_budgets={retryable: 2, rollback: 1, oom: 0, unknown: 0}",
+    config = load_config(None, ["run.retry_budgets={retryable: 2, rollback: 1, hang: 0, unknown: 0}",
                                 "run.no_progress_attempts=2"])
     assert retry_decision(config, [_outcome("config")]) == (False, "configuration or data error: "
                                                                    "fix the input and rerun")
@@ -45,7 +45,9 @@ def test_retry_policy_budgets_per_class_and_no_progress():
     assert spent[0] is False and "exceed their budget of 2" in spent[1]
     oom = retry_decision(config, [_outcome("oom")])
     assert oom[0] is False and "goodput plan" in oom[1]
-    assert retry_decision(config, [_outcome("hang")])[0] is False  # unknown budget: 0
+    assert retry_decision(config, [_outcome("hang")])[0] is False  # its budget: 0
+    assert retry_decision(config, [_outcome("corrupt_checkpoint")])[0]  # not given: the default, 2
+    assert retry_decision(config, [_outcome("no_such_class")])[0] is False  # unknown: 0
     stalled = retry_decision(config, [_outcome("retryable", 10, 10), _outcome("rollback", 10, 10)])
     assert stalled[0] is False and "committed no checkpoint newer" in stalled[1]
 

@@ -146,6 +146,12 @@ def test_parse_bytes():
     (("training.micro_batch_size=64",), layout(dp_shard=16), "more than the 80 GiB it has",
      "lower training.micro_batch_size"),
     ((), layout(dp_shard=3), "does not match the cluster's 16 GPUs", "set one degree to -1"),
+    (("training.seq_len=4090",), layout(dp_shard=2, tp=8), "tp=8 does not divide training.seq_len=4090",
+     "choose tp in [1, 2], or a seq_len divisible by 8"),
+    (("parallelism.pp_schedule=interleaved-1f1b", "parallelism.microbatches=9",
+      "training.micro_batch_size=9"), layout(dp_shard=4, pp=4),
+     "microbatches=9 do not split into equal rounds of interleaved-1f1b over pp=4",
+     "a multiple of 4"),
 ])
 def test_invalid_layouts_say_why_and_how_to_fix(overrides, degrees, reason, fix):
     config = load_config(None, list(LLAMA2_7B) + list(overrides))
