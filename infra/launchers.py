@@ -29,6 +29,7 @@ Any node failing ends the attempt: poll() reports it and run_attempt stops the o
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -235,6 +236,13 @@ def _run(argv: list[str]) -> str:
     return proc.stdout
 
 
+# A scheduler query that fails (slurmctld or the API server busy) is retried at the next poll;
+# only this many failures in a row end the attempt.
+QUERY_FAILURES_TOLERATED = 5
+# After a forced cancel: how long the scheduler may take to end the job's processes.
+SCHEDULER_KILL_WAIT_S = 60.0
+
+
 class SchedulerJob:
     """A job the scheduler runs: submitted once, queried every launch.poll_s."""
 
@@ -242,13 +250,23 @@ class SchedulerJob:
         self.spec = spec
         self.started = False
         self.code: int | None = None
+        self._log: Log = print
         self._next_query = 0.0
+        self._query_failures = 0
 
     def poll(self) -> int | None:
         self.follow_logs()
         if self.code is None and time.monotonic() >= self._next_query:
             self._next_query = time.monotonic() + self.spec.config.launch.poll_s
-            self.code = self.query()
+            try:
+                self.code = self.query()
+                self._query_failures = 0
+            except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
+                self._query_failures += 1
+                if self._query_failures > QUERY_FAILURES_TOLERATED:
+                    raise
+                self._log(f"scheduler query failed ({self._query_failures} in a row; the attempt "
+                          f"ends after {QUERY_FAILURES_TOLERATED + 1}): {e}")
             if self.code is not None:
                 self.follow_logs()
         return self.code
@@ -260,6 +278,16 @@ class SchedulerJob:
         """Ask the scheduler; set `started`; the exit code once the job is over."""
         raise NotImplementedError
 
+    def _try(self, argv: list[str]) -> bool:
+        """A command of stop(): its failure is logged, never raised (stop() runs in `finally`,
+        where it would replace the error that ended the attempt)."""
+        try:
+            _run(argv)
+            return True
+        except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
+            self._log(f"{shlex.join(argv)}: {e}")
+            return False
+
 
 class SlurmLauncher(SchedulerJob):
     """An sbatch script with one `srun` task (one torchrun) per node; srun ends every node
@@ -269,14 +297,16 @@ class SlurmLauncher(SchedulerJob):
         super().__init__(spec)
         self.job_id: str | None = None
         self.output: Path | None = None
-        self._log: Log = print
         self._offset = 0
         self._partial = ""
 
     def script(self) -> str:
         spec, slurm = self.spec, self.spec.config.launch.slurm
+        # --no-requeue: a node failure fails the attempt (the launch task's retry resumes from
+        # the last validated checkpoint) instead of queueing the job again unseen.
         options = [f"--job-name={spec.name}", f"--nodes={spec.nnodes}", "--ntasks-per-node=1",
-                   f"--output={spec.attempt_dir.resolve()}/slurm-%j.out", f"--time={slurm.time}"]
+                   f"--output={spec.attempt_dir.resolve()}/slurm-%j.out", f"--time={slurm.time}",
+                   "--no-requeue"]
         options += [f"--partition={slurm.partition}"] if slurm.partition else []
         options += [f"--account={slurm.account}"] if slurm.account else []
         options += [f"--gpus-per-node={slurm.gpus_per_node}"] if slurm.gpus_per_node else []
@@ -286,16 +316,20 @@ class SlurmLauncher(SchedulerJob):
             endpoint = shlex.quote(spec.config.parallelism.rdzv_endpoint)
         else:
             endpoint = f'"$head_node:{spec.config.launch.rdzv_port}"'
+        # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): without it each
+        # node's torchrun and all its workers would share one CPU.
+        cpus = [f"--cpus-per-task={slurm.cpus_per_node}"] if slurm.cpus_per_node else []
         srun = ["srun", "--kill-on-bad-exit=1", f"--nodes={spec.nnodes}", "--ntasks-per-node=1",
-                *node_wrapper("$SLURM_NODEID", '"$SLURMD_NODENAME"'), *spec.command]
+                *cpus, *node_wrapper("$SLURM_NODEID", '"$SLURMD_NODENAME"'), *spec.command]
         return "\n".join([
             "#!/bin/bash",
             f"# Training attempt of run {spec.config.run.run_id}: {spec.nnodes} node(s), one "
             "torchrun each. Rendered by infra/launchers.py.",
             *(f"#SBATCH {option}" for option in options),
-            "set -euo pipefail",
+            "set -eo pipefail",
             f"cd {shlex.quote(spec.workdir)}",
             *spec.config.launch.slurm.setup,
+            "set -u  # after the setup lines: conda activate and module load fail under -u",
             *(f"export {k}={shlex.quote(v)}" for k, v in spec.env.items()),
             "# The allocation's first node hosts the c10d rendezvous. (No `| head`: under",
             "# pipefail its closing the pipe early would fail the job.)",
@@ -345,14 +379,49 @@ class SlurmLauncher(SchedulerJob):
         for line in lines:
             self._log(line.rstrip())
 
-    def stop(self, grace_s: float = 5.0) -> int:  # the scheduler applies its own grace
+    def stop(self, grace_s: float = 5.0) -> int:
+        """SIGTERM to the job's steps (srun passes it to each node's torchrun, whose workers
+        save an emergency checkpoint), `grace_s` for the job to end by itself, then scancel;
+        returns once the job has left the queue (or the wait for it ran out), so the next
+        attempt never overlaps this one."""
         if self.job_id is not None and self.code is None:
-            _run(["scancel", self.job_id])
-            self._log(f"cancelled Slurm job {self.job_id}")
+            self._try(["scancel", "--signal=TERM", self.job_id])
+            self._log(f"sent SIGTERM to Slurm job {self.job_id}; cancelling it if it still runs "
+                      f"after {grace_s:.0f}s")
+            if not self._left_queue_within(grace_s):
+                self._try(["scancel", self.job_id])
+                self._log(f"cancelled Slurm job {self.job_id}")
+                if not self._left_queue_within(SCHEDULER_KILL_WAIT_S):
+                    self._log(f"Slurm job {self.job_id} is still in the queue after "
+                              f"{SCHEDULER_KILL_WAIT_S:.0f}s; going on")
         self.follow_logs()
         if self._partial:
             self._log(self._partial.rstrip())
         return self.code if self.code is not None else STOPPED
+
+    def _left_queue_within(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                if not _run(["squeue", "-h", "-j", self.job_id, "-o", "%T"]).strip():
+                    return True
+            except (RuntimeError, subprocess.TimeoutExpired) as e:
+                self._log(f"squeue: {e}")
+            if time.monotonic() >= deadline:
+                return False
+            self.follow_logs()
+            time.sleep(min(self.spec.config.launch.poll_s, max(0.0, deadline - time.monotonic())))
+
+
+def kubernetes_name(name: str, limit: int = 40) -> str:
+    """A DNS-1123 label for the job: lowercase, at most `limit` characters (JobSet derives pod
+    and service names from it). A longer name is cut and ends in a digest of the whole, so
+    two attempts of a run (which differ only at the end) never get the same name."""
+    clean = re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-")
+    if len(clean) <= limit:
+        return clean
+    digest = hashlib.sha1(name.encode()).hexdigest()[:8]
+    return f"{clean[:limit - 9].rstrip('-')}-{digest}"
 
 
 class KubernetesLauncher(SchedulerJob):
@@ -365,10 +434,9 @@ class KubernetesLauncher(SchedulerJob):
 
     def __init__(self, spec: NodeLaunch):
         super().__init__(spec)
-        self._log: Log = print
         self._logs: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
-        self.name = re.sub(r"[^a-z0-9-]+", "-", spec.name.lower())[:40].strip("-")
+        self.name = kubernetes_name(spec.name)
 
     @property
     def kind(self) -> str:
@@ -421,7 +489,11 @@ class KubernetesLauncher(SchedulerJob):
                      "env": env, "ports": [{"containerPort": launch.rdzv_port}]}
         if k8s.gpus_per_node:
             container["resources"] = {"limits": {"nvidia.com/gpu": k8s.gpus_per_node}}
-        spec = {"restartPolicy": "Never", "containers": [container]}
+        # Deleting the job gives each pod this long between SIGTERM and SIGKILL: the time
+        # the workers have for an emergency checkpoint (faults.emergency_save_s), and more.
+        grace = int(self.spec.config.faults.emergency_save_s) + 30
+        spec = {"restartPolicy": "Never", "terminationGracePeriodSeconds": grace,
+                "containers": [container]}
         if k8s.volume_claim:
             container["volumeMounts"] = [{"name": "shared", "mountPath": k8s.mount_path}]
             spec["volumes"] = [{"name": "shared",
@@ -482,7 +554,10 @@ class KubernetesLauncher(SchedulerJob):
                     pass
             kill_process_groups([self._logs])
             self._reader.join(timeout=5)
-        _run(["kubectl", "delete", self.kind, self.name, "-n", self.namespace,
-              "--ignore-not-found", "--wait=false"])
-        self._log(f"deleted {self.kind} {self.namespace}/{self.name}")
+        # --wait: returns once the pods are gone (after their emergency checkpoint), so the
+        # next attempt never overlaps this one.
+        wait_s = int(self.spec.config.faults.emergency_save_s + 30 + SCHEDULER_KILL_WAIT_S)
+        if self._try(["kubectl", "delete", self.kind, self.name, "-n", self.namespace,
+                      "--ignore-not-found", "--wait=true", f"--timeout={wait_s}s"]):
+            self._log(f"deleted {self.kind} {self.namespace}/{self.name}")
         return self.code if self.code is not None else STOPPED

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,9 @@ def worker_env(config: RunConfig, attempt: str) -> dict[str, str]:
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TOKENIZERS_PARALLELISM": "false",
            # After an in-job restart: how long to wait for the verdict on recent checkpoints.
            "GOODPUT_RESTART_WAIT_S": str(config.launch.restart_verdict_wait_s),
+           # How long torchrun, stopped, gives its workers between SIGTERM and SIGKILL (its
+           # default, 30 s, would cut an emergency checkpoint short).
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(config.faults.emergency_save_s)),
            # glibc would hand large activation buffers back to the OS after every step and
            # fault them in again on the next (2x the page faults of a bare loop, 0.78x its
            # speed on CPU; benchmarks/RESULTS.md): keep them. launch.env may override.
@@ -107,6 +111,7 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume:
     """Run one training attempt on every node to its end; never leaves a worker behind.
 
     `on_progress` receives every new heartbeat (step, loss, tokens/s, ...) as it appears.
+    While it runs, `stop_live_attempts` (another thread: a cancelled flow) can end it.
     """
     launcher = make_launcher(NodeLaunch(
         config, torchrun_command(config, config_path, dataset_dir, resume, attempt),
@@ -117,9 +122,10 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume:
     start = time.monotonic()
     hung = False
     watch = HangWatch(config.run, attempt)
+    live = _LiveAttempt(launcher, grace_s=config.faults.emergency_save_s)
     try:
         launcher.start(log)
-        while launcher.poll() is None:
+        while launcher.poll() is None and not live.stopping:
             time.sleep(poll_s)
             if not launcher.started:  # queued by a scheduler: waiting is not hanging
                 watch.restart()
@@ -138,11 +144,58 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume:
                 hung = True
                 break
     finally:
-        # Hang, cancellation (an exception raised into this thread), a failed node or the
-        # normal end: make sure no node and no worker survives. Workers that can still run
-        # get time for an emergency checkpoint; hung ones do not deserve the wait.
-        returncode = launcher.stop(grace_s=5.0 if hung else config.faults.emergency_save_s)
+        # Hang, cancellation, a failed node or the normal end: make sure no node and no worker
+        # survives. Workers that can still run get time for an emergency checkpoint; hung
+        # ones do not deserve the wait.
+        returncode = live.stop(grace_s=5.0 if hung else None)
     return classify(config.run_dir, attempt, returncode, hung, time.monotonic() - start)
+
+
+class _LiveAttempt:
+    """An attempt's launcher while it runs, registered so that another thread can stop it:
+    a cancellation reaches the flow's main thread while the thread in run_attempt goes on
+    supervising. Stopping happens once, whichever thread asks first; the other waits for
+    the same exit code."""
+
+    _registry: set["_LiveAttempt"] = set()
+    _registry_lock = threading.Lock()
+
+    def __init__(self, launcher, grace_s: float):
+        self.launcher, self.grace_s = launcher, grace_s
+        self.stopping = False
+        self._lock = threading.Lock()
+        self._code: int | None = None
+        with self._registry_lock:
+            self._registry.add(self)
+
+    def stop(self, grace_s: float | None = None) -> int:
+        self.stopping = True
+        with self._lock:
+            if self._code is None:
+                try:
+                    self._code = self.launcher.stop(grace_s=self.grace_s if grace_s is None else grace_s)
+                finally:
+                    with self._registry_lock:
+                        self._registry.discard(self)
+            return self._code
+
+    @classmethod
+    def live(cls) -> list["_LiveAttempt"]:
+        with cls._registry_lock:
+            return list(cls._registry)
+
+
+def stop_live_attempts() -> list[threading.Thread]:
+    """Stop every attempt this process runs, each on every node and with its own allowance
+    for an emergency checkpoint (faults.emergency_save_s): local and ssh nodes get SIGTERM
+    then SIGKILL, Slurm jobs scancel, Kubernetes jobs are deleted. Returns at once; the
+    stopping goes on in non-daemon threads, so a process on its way out still waits for it."""
+    threads = []
+    for attempt in _LiveAttempt.live():
+        thread = threading.Thread(target=attempt.stop, name="stop-training-attempt")
+        thread.start()
+        threads.append(thread)
+    return threads
 
 
 class HangWatch:

@@ -12,21 +12,17 @@ when to stop, and that no worker outlives it.
   the schedule that created it, so a continuation schedule stops creating flow runs once
   the token budget is spent.
 - `no_orphan_workers`: Prefect raises a cancellation in the flow's thread while the launch
-  task's thread keeps supervising torchrun (its own process session); this stops the job
-  there and then.
+  task's thread keeps supervising the attempt (local or ssh nodes in sessions of their own,
+  or a Slurm or Kubernetes job); this stops it there and then.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 import time
 from contextlib import ExitStack, contextmanager
 from typing import Iterator
 from uuid import UUID
 
-import psutil
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
@@ -35,6 +31,7 @@ from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run
 
 from goodput.config import ConfigError, RunConfig, apply_overrides, config_from_dict, load_config
+from infra.torchrun import stop_live_attempts
 from storage.manifests import CHECKPOINT_MANIFEST
 from training.checkpoint import committed_checkpoints, step_of
 
@@ -176,50 +173,19 @@ def switch_off_own_schedule() -> str | None:
 
 
 @contextmanager
-def no_orphan_workers(grace_s: float = 20.0) -> Iterator[None]:
-    """Stop this process's torchrun jobs when the flow leaves the block with an exception.
+def no_orphan_workers() -> Iterator[None]:
+    """Stop this process's training attempts when the flow leaves the block with an exception.
 
     A cancellation reaches the flow as a signal in its main thread; the engine then waits
-    for the task threads, and the one supervising torchrun would wait for training to end.
-    torchrun and its workers each run in their own session, so killing the flow run's
-    process group does not reach them either. Here torchrun gets SIGTERM at once (it stops
-    its workers, which may save a checkpoint first), and whatever of the job is still alive
-    after `grace_s` gets SIGKILL. The exception is re-raised immediately, so Prefect marks
-    the launch task cancelled before it could retry.
+    for the task threads, and the one supervising the attempt would wait for training to
+    end. The nodes run in sessions of their own (or on other hosts, or as scheduler jobs),
+    so killing the flow run's process group does not reach them either. Here every live
+    attempt is stopped at once, on every node, workers first getting their time for an
+    emergency checkpoint (infra.torchrun.stop_live_attempts). The exception is re-raised
+    immediately, so Prefect marks the launch task cancelled before it could retry.
     """
     try:
         yield
     except BaseException:
-        jobs = [p for p in psutil.Process().children() if _is_torchrun(p)]
-        if jobs:
-            _terminate(jobs, grace_s)
+        stop_live_attempts()
         raise
-
-
-def _is_torchrun(process: psutil.Process) -> bool:
-    try:
-        return "torch.distributed.run" in process.cmdline()
-    except psutil.Error:
-        return False
-
-
-def _terminate(jobs: list[psutil.Process], grace_s: float) -> None:
-    workers = []
-    for job in jobs:
-        try:
-            workers += job.children(recursive=True)
-            job.send_signal(signal.SIGTERM)  # torchrun passes it on; workers may save first
-        except psutil.Error:
-            pass
-
-    def reap() -> None:
-        _, alive = psutil.wait_procs(jobs + workers, timeout=grace_s)
-        for process in alive:
-            try:
-                process.kill()
-            except psutil.Error:
-                pass
-
-    # Not a daemon: the interpreter waits for it, so survivors are killed even when the
-    # flow run's process is on its way out.
-    threading.Thread(target=reap, name=f"reap-torchrun-{os.getpid()}").start()

@@ -1,5 +1,7 @@
 """Failure classes and what the pipeline does about each: real flows, real torchrun."""
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -263,3 +265,21 @@ def test_a_config_file_the_workers_cannot_load_ends_the_attempt_as_a_config_erro
     assert result.failure_class == "config", "\n".join(lines[-20:])
     assert "bad.yaml" in result.reason and "model.dim" in result.reason
     assert result.restarts <= 1
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_and_sighup_ask_for_an_emergency_checkpoint(signum):
+    """SIGTERM (a scheduler preempting or cancelling) and SIGHUP (an ssh node's connection
+    closed; its torchrun passes the hangup on to the workers) both set the preemption flag
+    the training loop checks at every step boundary."""
+    from training.train import PreemptionFlag
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        flag = PreemptionFlag()
+        assert not flag.received
+        os.kill(os.getpid(), signum)
+        assert flag.received
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

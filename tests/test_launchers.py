@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.launchers import STOPPED, KubernetesLauncher, NodeLaunch, make_launcher, node_wrapper
-from infra.torchrun import run_attempt, torchrun_command, worker_env
+from infra.launchers import (STOPPED, KubernetesLauncher, NodeLaunch, kubernetes_name, make_launcher,
+                             node_wrapper)
+from infra.torchrun import run_attempt, stop_live_attempts, torchrun_command, worker_env
 from tests.helpers import small_config
 from training import exits
 
@@ -75,7 +76,9 @@ def sbatch():
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):  # let the caller's pipes close
             os.dup2(devnull, fd)
-        if os.environ.get("FAKE_SLURM") == "hold":
+        if os.environ.get("FAKE_SLURM", "").startswith("hold"):
+            if os.environ["FAKE_SLURM"] == "hold-ignoring-sigterm":  # ends only when cancelled
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
             job_file(job, "pid").write_text(str(os.getpid()))
             time.sleep(300)
             os._exit(0)
@@ -91,10 +94,24 @@ def sbatch():
     print(f"{job};fakecluster")
 
 
+def alive(job):
+    try:
+        os.kill(int(job_file(job, "pid").read_text()), 0)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
 def squeue():
     job = args[args.index("-j") + 1]
+    if os.environ.get("FAKE_SQUEUE_FLAKY"):
+        count = job_file(job, "squeue-calls")
+        n = int(count.read_text()) if count.exists() else 0
+        count.write_text(str(n + 1))
+        if n % 2:
+            sys.exit("slurm_load_jobs error: Socket timed out on send/recv operation")
     queried = job_file(job, "queried")
-    if job_file(job, "exit").exists() or job_file(job, "cancelled").exists():
+    if job_file(job, "exit").exists() or job_file(job, "cancelled").exists() or not alive(job):
         return
     print("RUNNING" if queried.exists() else "PENDING")  # queued at the first look
     queried.touch()
@@ -107,12 +124,16 @@ def sacct():
     elif job_file(job, "exit").exists():
         code = int(job_file(job, "exit").read_text())
         print("COMPLETED|0:0" if code == 0 else f"FAILED|{code}:0")
+    elif not alive(job):
+        print("FAILED|0:15")
 
 
 def scancel():
-    job = args[0]
-    job_file(job, "cancelled").touch()
-    os.killpg(int(job_file(job, "pid").read_text()), signal.SIGTERM)
+    job = args[-1]
+    if args[0] != "--signal=TERM":  # a cancel; with --signal the job only gets the signal
+        job_file(job, "cancelled").touch()
+    os.killpg(int(job_file(job, "pid").read_text()), signal.SIGKILL if args[0] != "--signal=TERM"
+              else signal.SIGTERM)
 
 
 def srun():
@@ -253,6 +274,8 @@ def test_worker_environment(tmp_path):
     assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "ib0"
     assert env["NCCL_DEBUG"] == "WARN" and env["GOODPUT_ATTEMPT"] == "a-1"
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    # torchrun, stopped, gives its workers the emergency checkpoint's time before SIGKILL.
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "60"
     assert "PATH" not in env  # each node keeps its own environment
 
 
@@ -299,15 +322,20 @@ def test_slurm_script(tmp_path, fakes):
     assert [line for line in lines if line.startswith("#SBATCH")] == [
         "#SBATCH --job-name=goodput-test-t1", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --output={spec.attempt_dir.resolve()}/slurm-%j.out", "#SBATCH --time=02:00:00",
-        "#SBATCH --partition=gpu", "#SBATCH --account=proj7", "#SBATCH --gpus-per-node=8",
-        "#SBATCH --cpus-per-task=96", "#SBATCH --exclusive", "#SBATCH --qos=high"]
+        "#SBATCH --no-requeue", "#SBATCH --partition=gpu", "#SBATCH --account=proj7",
+        "#SBATCH --gpus-per-node=8", "#SBATCH --cpus-per-task=96", "#SBATCH --exclusive",
+        "#SBATCH --qos=high"]
     assert f"cd {tmp_path}" in lines and "export FAKE_SETUP_RAN=1" in lines
     assert "export GOODPUT_ATTEMPT=t1" in lines
     assert 'export PET_RDZV_ENDPOINT="$head_node:29400"' in lines
+    # Setup lines run before `set -u` (conda activate and module load fail under it).
+    assert lines.index("set -eo pipefail") < lines.index("export FAKE_SETUP_RAN=1") \
+        < lines.index("set -u  # after the setup lines: conda activate and module load fail under -u")
     srun = shlex.split(lines[-1])
-    assert srun[:4] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1"]
-    assert srun[4:8] == node_wrapper("$SLURM_NODEID", '"$SLURMD_NODENAME"')
-    assert srun[8:] == spec.command
+    assert srun[:5] == ["srun", "--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1",
+                        "--cpus-per-task=96"]
+    assert srun[5:9] == node_wrapper("$SLURM_NODEID", '"$SLURMD_NODENAME"')
+    assert srun[9:] == spec.command
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)  # valid shell
 
 
@@ -335,14 +363,62 @@ def test_slurm_job_failure_is_classified(tmp_path, fakes, monkeypatch):
     assert result.exit_code == 75 and result.failure_class == "retryable"
 
 
-def test_slurm_job_is_cancelled_when_the_attempt_stops(tmp_path, fakes, monkeypatch):
-    monkeypatch.setenv("FAKE_SLURM", "hold")  # the job runs until cancelled
+def test_slurm_job_gets_sigterm_when_the_attempt_stops(tmp_path, fakes, monkeypatch):
+    """Stopping sends SIGTERM to the job's steps (the workers' cue for an emergency
+    checkpoint) and waits for the job to leave the queue; it ends by itself here."""
+    monkeypatch.setenv("FAKE_SLURM", "hold")  # the job runs until signalled
     config = launch_config(tmp_path, fakes, *SLURM, "run.startup_timeout_s=0.5")
     lines: list[str] = []
     result = attempt(config, lines=lines)
     assert result.failure_class == "hang" and result.exit_code == STOPPED  # never beat: hung
-    assert calls(fakes, "scancel") == [["1"]]
+    assert calls(fakes, "scancel") == [["--signal=TERM", "1"]]
+    assert calls(fakes, "squeue")[-1] == ["-h", "-j", "1", "-o", "%T"]  # seen gone before returning
+    assert not [line for line in lines if line.startswith("cancelled Slurm job")]
+
+
+def test_slurm_job_ignoring_sigterm_is_cancelled_after_the_grace(tmp_path, fakes, monkeypatch):
+    monkeypatch.setenv("FAKE_SLURM", "hold-ignoring-sigterm")
+    config = launch_config(tmp_path, fakes, *SLURM, "run.startup_timeout_s=0.5")
+    lines: list[str] = []
+    result = attempt(config, lines=lines)
+    assert result.failure_class == "hang" and result.exit_code == STOPPED
+    assert calls(fakes, "scancel") == [["--signal=TERM", "1"], ["1"]]
     assert "cancelled Slurm job 1" in lines
+
+
+def test_another_thread_stops_a_live_attempt(tmp_path, fakes, monkeypatch):
+    """What a cancelled flow run does (tasks.control.no_orphan_workers): its main thread stops
+    the attempt that the launch task's thread supervises, whatever the launcher."""
+    import threading
+    import time
+
+    monkeypatch.setenv("FAKE_SLURM", "hold")
+    config = launch_config(tmp_path, fakes, *SLURM)
+    results = []
+    supervisor = threading.Thread(target=lambda: results.append(attempt(config)))
+    supervisor.start()
+    deadline = time.monotonic() + 30
+    while not (fakes / "job-1.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for thread in stop_live_attempts():
+        thread.join(timeout=30)
+    supervisor.join(timeout=30)
+    assert not supervisor.is_alive()
+    [result] = results
+    assert result.exit_code == STOPPED and result.failure_class == "retryable"
+    assert calls(fakes, "scancel") == [["--signal=TERM", "1"]]  # stopped once, not twice
+    assert stop_live_attempts() == []  # nothing left to stop
+
+
+def test_a_failing_scheduler_query_is_retried_at_the_next_poll(tmp_path, fakes, monkeypatch):
+    """squeue failing now and then (slurmctld busy) does not end a healthy attempt."""
+    monkeypatch.setenv("FAKE_SQUEUE_FLAKY", "1")  # every other squeue fails
+    config = launch_config(tmp_path, fakes, *SLURM)
+    lines: list[str] = []
+    result = attempt(config, lines=lines)
+    assert result.failure_class == "done" and result.exit_code == 0
+    assert any("scheduler query failed (1 in a row" in line and "Socket timed out" in line
+               for line in lines)
 
 
 # -- kubernetes --------------------------------------------------------------------------------------
@@ -378,6 +454,7 @@ def test_jobset_manifest(tmp_path, fakes):
     assert container["volumeMounts"] == [{"name": "shared", "mountPath": "/goodput"}]
     assert pod["volumes"] == [{"name": "shared", "persistentVolumeClaim": {"claimName": "shared-runs"}}]
     assert pod["restartPolicy"] == "Never"
+    assert pod["terminationGracePeriodSeconds"] == 90  # faults.emergency_save_s (60) and more
     env = {e["name"]: e for e in container["env"]}
     assert env["NODE_INDEX"]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.annotations['jobset.sigs.k8s.io/job-index']"
@@ -389,6 +466,14 @@ def test_jobset_manifest(tmp_path, fakes):
         run_container(container, fakes, {"NODE_INDEX": str(i), "POD_IP": f"10.9.0.{i + 1}"})
     assert_node_settings(node_records(fakes), "goodput-test-t1-node-0-0.goodput-test-t1:29400",
                          ["10.9.0.1", "10.9.0.2"])
+
+
+def test_kubernetes_names_of_two_attempts_differ_when_cut():
+    long = [kubernetes_name(f"goodput-llama3-8b-fineweb-edu-v2-0f3c2a1-{n}") for n in (1, 2)]
+    assert long[0] != long[1]
+    import re
+    assert all(len(n) <= 40 and re.fullmatch(r"[a-z0-9]([a-z0-9-]*[a-z0-9])?", n) for n in long)
+    assert kubernetes_name("goodput-Run_1-t1") == "goodput-run-1-t1"  # short: only cleaned
 
 
 def test_pytorchjob_manifest(tmp_path, fakes):
@@ -433,7 +518,8 @@ def test_kubernetes_job_is_applied_watched_streamed_and_deleted(tmp_path, fakes)
     get = ["get", "jobset", "goodput-test-t1", "-n", "ml", "-o", "json"]
     assert [c for c in kubectl if c[0] != "logs"] == [
         ["apply", "-f", str(manifest)], get, get, get, get,
-        ["delete", "jobset", "goodput-test-t1", "-n", "ml", "--ignore-not-found", "--wait=false"]]
+        ["delete", "jobset", "goodput-test-t1", "-n", "ml", "--ignore-not-found", "--wait=true",
+         "--timeout=150s"]]
     # Logs are followed once every pod is ready.
     assert [c for c in kubectl if c[0] == "logs"] == [
         ["logs", "-n", "ml", "-l", "goodput.dev/job=goodput-test-t1", "-f", "--tail=-1",

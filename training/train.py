@@ -214,10 +214,10 @@ class RollbackRequested(Exception):
 
 
 class Preempted(Exception):
-    """SIGTERM arrived; an emergency checkpoint at `step` is committed."""
+    """SIGTERM or SIGHUP arrived; an emergency checkpoint at `step` is committed."""
 
     def __init__(self, step: int):
-        super().__init__(f"preempted (SIGTERM): emergency checkpoint at step {step}")
+        super().__init__(f"preempted (SIGTERM or SIGHUP): emergency checkpoint at step {step}")
         self.step = step
 
 
@@ -243,13 +243,16 @@ class LossGuard:
 
 
 class PreemptionFlag:
-    """SIGTERM sets a flag; ranks agree on it at a step boundary so they save together."""
+    """SIGTERM (a scheduler preempting or cancelling the job; torchrun passes it on) or
+    SIGHUP (an ssh node's connection closed: its torchrun passes the hangup on) sets a flag;
+    ranks agree on it at a step boundary so they save together."""
 
     def __init__(self):
         self.received = False
-        signal.signal(signal.SIGTERM, self._on_sigterm)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGHUP, self._on_signal)
 
-    def _on_sigterm(self, signum, frame) -> None:
+    def _on_signal(self, signum, frame) -> None:
         self.received = True
 
 
