@@ -4,7 +4,7 @@
 
 Given a RunConfig and a cluster, `plan_layout` explains one layout (dp_replicate x dp_shard
 x tp x pp = world size) and `search` enumerates every factorisation of the world size and
-ranks the valid ones by an estimated step time. The train flow runs `check_run` before it
+ranks the valid ones by estimated throughput (tokens/s). The train flow runs `check_run` before it
 launches, and the pipeline before it prepares the dataset (tasks/plan.py): the config's own
 layout on the hardware it names or runs on. The estimates mirror what the trainer
 (training/parallelize.py) actually does; the byte accounting below is checked against
@@ -202,6 +202,8 @@ class LayoutPlan:
     comm: dict[str, float] = field(default_factory=dict)  # bytes sent per GPU per step, by axis
     crosses_nodes: dict[str, bool] = field(default_factory=dict)
     step_time_s: float | None = None
+    # training.micro_batch_size is per data-parallel rank: layouts differ in work per step.
+    tokens_per_step: int = 0
     problems: list[Problem] = field(default_factory=list)  # why it cannot run
     departures: list[str] = field(default_factory=list)  # where it leaves DESIGN's defaults
 
@@ -212,6 +214,10 @@ class LayoutPlan:
     @property
     def name(self) -> str:
         return " x ".join(f"{k}={v}" for k, v in self.degrees.items())
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens_per_step / self.step_time_s if self.step_time_s else None
 
 
 @dataclass(frozen=True)
@@ -254,6 +260,9 @@ def plan_layout(config: RunConfig, cluster: Cluster, degrees: dict[str, int]) ->
     plan.bubble = pipeline_bubble(pp, m, _stages_per_rank(par.pp_schedule))
     plan.memory = _memory(s, degrees, m, par.activation_checkpointing)
     plan.comm, plan.crosses_nodes = _communication(s, degrees, m)
+    tcfg = config.training
+    plan.tokens_per_step = (tcfg.micro_batch_size * tcfg.grad_accum_steps * tcfg.seq_len
+                            * degrees["dp_replicate"] * degrees["dp_shard"])
     plan.step_time_s = _step_time(s, plan)
     if cluster.gpu_memory is not None and plan.memory.peak > cluster.gpu_memory:
         plan.problems.append(_out_of_memory(s, degrees, m, plan.memory))
@@ -275,10 +284,12 @@ def _departures(plan: LayoutPlan, cluster: Cluster) -> list[str]:
 
 def search(config: RunConfig, cluster: Cluster) -> list[LayoutPlan]:
     """Every factorisation of the world size: valid ones first -- those that follow DESIGN's
-    default rules, fastest first, then the others -- and then the ones that cannot run."""
+    default rules, highest estimated throughput (tokens/s) first, then the others -- and then
+    the ones that cannot run. Throughput, not step time: the batch is per data-parallel rank,
+    so a layout with less data parallelism has shorter steps only because it does less."""
     plans = [plan_layout(config, cluster, d) for d in factorisations(cluster.world_size)]
     valid = sorted((p for p in plans if p.ok),
-                   key=lambda p: (bool(p.departures), p.step_time_s or 0.0, p.memory.peak))
+                   key=lambda p: (bool(p.departures), -(p.tokens_per_s or 0.0), p.memory.peak))
     return valid + [p for p in plans if not p.ok]
 
 
@@ -698,7 +709,7 @@ def _step_time(s: _Setup, plan: LayoutPlan) -> float | None:
         return None
     tcfg, args, degrees = s.config.training, s.args, plan.degrees
     dp = degrees["dp_replicate"] * degrees["dp_shard"]
-    tokens = tcfg.micro_batch_size * tcfg.grad_accum_steps * tcfg.seq_len * dp
+    tokens = plan.tokens_per_step
     flops_per_token = 6 * s.params.non_embedding + 12 * args.n_layers * args.dim * tcfg.seq_len
     recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[s.config.parallelism.activation_checkpointing]
     flops = flops_per_token * tokens * (1 + recompute / 3) / s.cluster.world_size
@@ -723,7 +734,7 @@ def _size(x: float) -> str:
 def format_table(plans: list[LayoutPlan], limit: int | None = None) -> str:
     """One line per layout: memory split in GiB, bubble, communication, estimated step time."""
     header = ("rank", "dp_rep", "dp_shard", "tp", "pp", "weights", "grads", "optim", "buffers",
-              "acts", "peak GiB", "bubble", "comm/step", "step s", "verdict")
+              "acts", "peak GiB", "bubble", "comm/step", "step s", "tokens/s", "verdict")
     rows = []
     shown = plans if limit is None else plans[:limit]
     for i, p in enumerate(shown, 1):
@@ -733,6 +744,7 @@ def format_table(plans: list[LayoutPlan], limit: int | None = None) -> str:
         rows.append((str(i) if p.ok else "-", *(str(d[k]) for k in DEGREES), *mem_cols,
                      f"{p.bubble:.1%}", _size(sum(p.comm.values())),
                      f"{p.step_time_s:.3f}" if p.step_time_s is not None else "-",
+                     f"{p.tokens_per_s:,.0f}" if p.tokens_per_s is not None else "-",
                      _verdict(p)))
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header) - 1)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in [header, *rows]]
@@ -801,5 +813,6 @@ def _step_facts(p: LayoutPlan, noun: str) -> list[str]:
              f"({'inter-node' if p.crosses_nodes[axis] else 'intra-node'})"
              for axis, volume in p.comm.items()]
     if p.step_time_s is not None:
-        facts.append(f"estimated step time: {p.step_time_s:.3f} s (no overlap assumed)")
+        facts.append(f"estimated step time: {p.step_time_s:.3f} s for {p.tokens_per_step:,} "
+                     f"tokens, {p.tokens_per_s:,.0f} tokens/s (no overlap assumed)")
     return facts + [f"note: {note}" for note in p.departures]

@@ -210,8 +210,9 @@ def test_search_ranks_valid_layouts_first_and_explains_the_rest():
     assert len(plans) == len(planner.factorisations(32)) == 56
     valid = [p for p in plans if p.ok]
     assert valid and plans[:len(valid)] == valid
-    # DESIGN's defaults first (shard when data-parallel, PP across nodes), fastest first.
-    order = [(bool(p.departures), p.step_time_s) for p in valid]
+    # DESIGN's defaults first (shard when data-parallel, PP across nodes), highest throughput
+    # first (not shortest step: the batch is per data-parallel rank).
+    order = [(bool(p.departures), -p.tokens_per_s) for p in valid]
     assert order == sorted(order) and not valid[0].departures
     replicated = next(p for p in valid if p.degrees == layout(dp_replicate=4, tp=8))
     assert replicated.departures == ["optimizer state replicated, not sharded (default: dp_shard > 1)"]
