@@ -20,8 +20,8 @@ Byte accounting, per GPU (worst pipeline rank), AdamW:
 - buffers     what data parallelism adds: DDP's gradient buckets (one more fp32 gradient
   copy); FSDP's all-gathered weights in compute precision (the root module, kept after
   forward, plus two blocks in flight, or every block without reshard_after_forward) and its
-  unsharded gradients (one block in flight, or all of them while micro-batches accumulate
-  without syncing); bf16 weight copies that autocast saves for backward outside FSDP.
+  unsharded gradients (one block in flight, or all of them, in fp32, while micro-batches
+  accumulate without syncing); bf16 weight copies that autocast saves for backward outside FSDP.
 - activations what autograd saves for backward, counted tensor by tensor for
   training/model.py (per block: norms, q/k/v/attention output and log-sum-exp, SwiGLU's
   four hidden-size tensors; the head's fp32 log-probabilities), times the micro-batches a
@@ -556,8 +556,9 @@ def _rank_memory(s: _Setup, degrees: dict[str, int], m: int, checkpointing: str,
     if fsdp:
         gathered_blocks = 2 if par.reshard_after_forward else sum(rank.layers)
         buffers += compute_bytes * (root + gathered_blocks * block)
-        # Without gradient sync (accumulating micro-batches) FSDP2 keeps unsharded gradients.
-        buffers += compute_bytes * local if n_micro > 1 else 4 * block
+        # Without gradient sync (accumulating micro-batches) FSDP2 keeps unsharded gradients,
+        # accumulated in the reduce dtype (fp32) even when it computes in bf16.
+        buffers += MASTER_BYTES * local if n_micro > 1 else 4 * block
     else:
         if ddp:
             buffers += MASTER_BYTES * local  # reducer buckets: a second gradient copy
