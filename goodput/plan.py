@@ -25,7 +25,10 @@ Byte accounting, per GPU (worst pipeline rank), AdamW:
 - activations what autograd saves for backward, counted tensor by tensor for
   training/model.py (per block: norms, q/k/v/attention output and log-sum-exp, SwiGLU's
   four hidden-size tensors; the head's fp32 log-probabilities), times the micro-batches a
-  pipeline schedule keeps in flight. Checkpointed blocks keep only their input. Tensor
+  pipeline schedule keeps in flight. Checkpointed blocks keep only their input. In bf16
+  the residual stream (norms, block inputs, what pipeline stages and sequence parallelism
+  exchange) is bf16 only under FSDP2, which casts the parameters; under autocast it stays
+  fp32, and autocast saves a bf16 copy of a matmul's input for each matmul. Tensor
   parallelism (with sequence parallelism for norms) divides everything but the all-gathered
   inputs of the column-parallel matmuls and the replicated logits.
 - workspace   in backward, the larger of the loss gradient (fp32 gradients of the
@@ -122,16 +125,21 @@ def model_args(config: RunConfig) -> ModelArgs:
 
 # -- activations -----------------------------------------------------------------------------
 
-def _norm_bytes(args: ModelArgs, tokens: int, tp: int, act_bytes: int) -> float:
+def _norm_bytes(args: ModelArgs, tokens: int, tp: int, residual_bytes: int) -> float:
     """RMSNorm computes in fp32: it saves its input as fp32 (the input itself when it already
     is fp32; two copies otherwise, since it calls x.float() twice), the fp32 inverse RMS and
-    the normalised tensor. Sequence parallelism gives each TP rank a sequence shard."""
-    fp32_inputs = 1 if act_bytes == 4 else 2
-    return (4 * fp32_inputs * tokens * args.dim + act_bytes * tokens * args.dim + 4 * tokens) / tp
+    the normalised tensor, in the residual stream's dtype. Sequence parallelism gives each TP
+    rank a sequence shard."""
+    fp32_inputs = 1 if residual_bytes == 4 else 2
+    return (4 * fp32_inputs * tokens * args.dim + residual_bytes * tokens * args.dim
+            + 4 * tokens) / tp
 
 
-def block_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_bytes: int) -> float:
-    """Bytes one block saves for backward for one micro-batch (training/model.py's Block).
+def block_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_bytes: int,
+                           residual_bytes: int | None = None) -> float:
+    """Bytes one block saves for backward for one micro-batch (training/model.py's Block):
+    matmul inputs and outputs in `act_bytes`, the residual stream the norms read and write in
+    `residual_bytes` (default the same; fp32 under autocast, see residual_bytes()).
 
     Two norms, whose outputs the following matmuls save (whole under TP: all-gathered from
     the sequence shards). SDPA saves q, k, v (k and v repeated to all heads under GQA), its
@@ -140,18 +148,23 @@ def block_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_b
     hidden units.
     """
     tokens = batch * seq
-    matmul_input = act_bytes * tokens * args.dim
+    residual_bytes = residual_bytes or act_bytes
+    # The norms' outputs as the matmuls save them: one tensor each, whole under TP. Autocast
+    # casts an fp32 input once per matmul: wq, wk and wv save three bf16 copies, w1 and w3 two.
+    autocast = act_bytes < residual_bytes
+    matmul_inputs = (5 if autocast else 2) * act_bytes * tokens * args.dim
     attention = (4 * act_bytes * tokens * args.dim + 4 * tokens * args.n_heads) / tp
     swiglu = 4 * act_bytes * tokens * args.ffn_hidden / tp
-    return 2 * (_norm_bytes(args, tokens, tp, act_bytes) + matmul_input) + attention + swiglu
+    return 2 * _norm_bytes(args, tokens, tp, residual_bytes) + matmul_inputs + attention + swiglu
 
 
-def head_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_bytes: int) -> float:
+def head_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_bytes: int,
+                          residual_bytes: int | None = None) -> float:
     """Final norm, the output projection's input, and the fp32 log-probabilities of the loss
     (the logits are all-gathered under TP, so the loss works on the whole vocabulary)."""
     tokens = batch * seq
-    return (_norm_bytes(args, tokens, tp, act_bytes) + act_bytes * tokens * args.dim
-            + 4 * tokens * args.vocab_size)
+    return (_norm_bytes(args, tokens, tp, residual_bytes or act_bytes)
+            + act_bytes * tokens * args.dim + 4 * tokens * args.vocab_size)
 
 
 def loss_workspace_bytes(args: ModelArgs, batch: int, seq: int) -> float:
@@ -233,6 +246,13 @@ class _Setup:
     @property
     def act_bytes(self) -> int:
         return 2 if self.bf16 else 4
+
+    def residual_bytes(self, degrees: dict[str, int]) -> int:
+        """The residual stream (embedding output, norms, block outputs, what pipeline stages
+        exchange): bf16 only where FSDP casts the parameters to bf16. Under autocast it stays
+        fp32: the embedding is fp32 and adding bf16 matmul outputs to it keeps fp32."""
+        fsdp = degrees["dp_replicate"] * degrees["dp_shard"] > 1 and not _pure_replication(degrees)
+        return 2 if self.bf16 and fsdp else 4
 
 
 def _setup(config: RunConfig, cluster: Cluster) -> _Setup:
@@ -567,13 +587,14 @@ def _rank_memory(s: _Setup, degrees: dict[str, int], m: int, checkpointing: str,
             buffers += 2 * matrices / tp
 
     mb = tcfg.micro_batch_size // m
-    activations = rank.inflight * max(_stage_activations(s, mb, tp, n, checkpointing)
+    residual = s.residual_bytes(degrees)
+    activations = rank.inflight * max(_stage_activations(s, mb, tp, n, checkpointing, residual)
                                       for n in rank.layers)
     if rank.last:
         activations += rank.inflight * head_activation_bytes(args, mb, tcfg.seq_len, tp,
-                                                             s.act_bytes)
+                                                             s.act_bytes, residual)
     loss = loss_workspace_bytes(args, mb, tcfg.seq_len) if rank.last else 0.0
-    recompute = (block_activation_bytes(args, mb, tcfg.seq_len, tp, s.act_bytes)
+    recompute = (block_activation_bytes(args, mb, tcfg.seq_len, tp, s.act_bytes, residual)
                  if checkpointing != "none" else 0.0)
     largest = max(pc.embedding / tp if rank.first else 0, pc.head_matrix / tp if rank.last else 0,
                   args.dim * args.ffn_hidden / tp)  # w1/w2/w3 are the largest block matrices
@@ -592,13 +613,14 @@ def _local_params(pc: ParamCount, rank: _Rank, tp: int) -> tuple[float, float]:
     return root, pc.block_matrix / tp + pc.block_vector
 
 
-def _stage_activations(s: _Setup, mb: int, tp: int, layers: int, checkpointing: str) -> float:
+def _stage_activations(s: _Setup, mb: int, tp: int, layers: int, checkpointing: str,
+                       residual_bytes: int) -> float:
     """One micro-batch through `layers` blocks; checkpointed blocks keep only their input
     (sequence-sharded under TP). "selective" checkpoints every other block, as the trainer."""
     seq = s.config.training.seq_len
     checkpointed = {"none": 0, "selective": math.ceil(layers / 2), "full": layers}[checkpointing]
-    full = block_activation_bytes(s.args, mb, seq, tp, s.act_bytes)
-    block_input = s.act_bytes * mb * seq * s.args.dim / tp
+    full = block_activation_bytes(s.args, mb, seq, tp, s.act_bytes, residual_bytes)
+    block_input = residual_bytes * mb * seq * s.args.dim / tp
     return checkpointed * block_input + (layers - checkpointed) * full
 
 
@@ -670,9 +692,10 @@ def _communication(s: _Setup, degrees: dict[str, int], m: int) -> tuple[dict[str
         comm["dp_shard"] = _ring(shard) * (compute_bytes * gathers + 4 * local)
         comm["dp_replicate"] = 2 * _ring(rep) * 4 * local / shard
     if tp > 1:
-        comm["tp"] = n_micro * _tp_bytes_per_microbatch(s, busiest, mb, tp)
+        comm["tp"] = n_micro * _tp_bytes_per_microbatch(s, busiest, mb, tp,
+                                                        s.residual_bytes(degrees))
     if pp > 1:
-        boundary = s.act_bytes * mb * tcfg.seq_len * args.dim / tp
+        boundary = s.residual_bytes(degrees) * mb * tcfg.seq_len * args.dim / tp
         sends = 2 * len(busiest.layers)  # activations forward, their gradients backward
         comm["pp"] = n_micro * sends * boundary
     comm = {k: v for k, v in comm.items() if v > 0}
@@ -685,21 +708,24 @@ def _ring(d: int) -> float:
     return (d - 1) / d
 
 
-def _tp_bytes_per_microbatch(s: _Setup, rank: _Rank, mb: int, tp: int) -> float:
-    """Sequence parallelism: per block, two all-gathers into and two reduce-scatters out of
-    the parallel matmuls in forward, the same in backward, and again when a checkpointed
-    block recomputes; the embedding's reduce-scatter and the head's all-gathers (the
-    logits whole) at the ends."""
+def _tp_bytes_per_microbatch(s: _Setup, rank: _Rank, mb: int, tp: int,
+                             residual_bytes: int) -> float:
+    """Sequence parallelism: per block, two all-gathers into (of norm outputs, in the
+    residual dtype) and two reduce-scatters out of (matmul outputs) the parallel matmuls in
+    forward, their mirror images in backward, and again when a checkpointed block
+    recomputes; the embedding's reduce-scatter and the head's all-gathers (the logits whole)
+    at the ends."""
     seq, args, par = s.config.training.seq_len, s.args, s.config.parallelism
-    hidden = s.act_bytes * mb * seq * args.dim * _ring(tp)
+    hidden = mb * seq * args.dim * _ring(tp)  # elements
+    per_block = 4 * hidden * (residual_bytes + s.act_bytes)  # forward and backward
     layers = sum(rank.layers)
     recomputed = {"none": 0, "selective": sum(math.ceil(n / 2) for n in rank.layers),
                   "full": layers}[par.activation_checkpointing]
-    total = (8 * layers + 4 * recomputed) * hidden
+    total = layers * per_block + recomputed * per_block / 2
     if rank.first:
-        total += 2 * hidden
+        total += 2 * hidden * residual_bytes
     if rank.last:
-        total += 2 * hidden + s.act_bytes * mb * seq * args.vocab_size * _ring(tp)
+        total += 2 * hidden * residual_bytes + s.act_bytes * mb * seq * args.vocab_size * _ring(tp)
     return total
 
 

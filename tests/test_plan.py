@@ -91,16 +91,22 @@ def test_communication_volumes_by_hand():
     fsdp = planner.plan_layout(config, cluster(), layout(dp_shard=8))
     root = 2 * 32000 * 4096 + 4096
     assert fsdp.comm == {"dp_shard": pytest.approx(7 / 8 * (2 * (2 * (P - root) + root) + 4 * P))}
-    # TP with sequence parallelism: 8 collectives of (b*s*h) per block per micro-batch, 2 at
-    # the embedding, 2 at the head plus the logits all-gather; bf16.
+    # TP with sequence parallelism: 8 collectives of (b*s*h) per block per micro-batch, half
+    # of norm outputs and their gradients (the residual stream: fp32 under autocast), half of
+    # bf16 matmul outputs and theirs; 2 at the embedding and 2 at the head (fp32), plus the
+    # bf16 logits all-gather.
     tp = planner.plan_layout(config, cluster(), layout(tp=8))
-    bsh = 4096 * 4096 * 2 * 7 / 8
-    assert tp.comm == {"tp": pytest.approx((8 * 32 + 4) * bsh + 4096 * 32000 * 2 * 7 / 8)}
+    bsh = 4096 * 4096 * 7 / 8
+    assert tp.comm == {"tp": pytest.approx(32 * (4 * 4 + 4 * 2) * bsh + 4 * 4 * bsh
+                                           + 4096 * 32000 * 2 * 7 / 8)}
     assert tp.crosses_nodes == {"tp": False}
-    # PP: each micro-batch's activations forward and their gradients backward, per stage.
+    # PP: each micro-batch's activations forward and their gradients backward, per stage; in
+    # bf16 where FSDP casts the parameters, in fp32 under autocast (no FSDP).
     pp_cfg = load_config(None, list(LLAMA2_7B) + ["training.micro_batch_size=8"])
     pp = planner.plan_layout(pp_cfg, cluster(nodes=4, gpus=2), layout(pp=4, dp_shard=2))
     assert pp.comm["pp"] == pytest.approx(8 * 2 * 1 * 4096 * 4096 * 2)
+    pp_only = planner.plan_layout(pp_cfg, cluster(nodes=4, gpus=1, memory="1TiB"), layout(pp=4))
+    assert pp_only.comm["pp"] == pytest.approx(8 * 2 * 1 * 4096 * 4096 * 4)
     assert pp.crosses_nodes == {"pp": True, "dp_shard": False}
 
 
@@ -403,8 +409,10 @@ def test_device_memory_must_be_a_size():
 
 # -- estimate vs measurement -------------------------------------------------------------------
 
-# CPU runs in fp32 (the trainer's "auto" precision on CPU). Model and batch sizes are chosen
-# so that each case is dominated by something different.
+# CPU runs in fp32 (the trainer's "auto" precision on CPU); mixed_precision=bf16 gives the
+# GPUs' bf16 paths on CPU too: autocast (its fp32 residual stream, a bf16 copy of a matmul's
+# input per matmul) and FSDP2's bf16 parameters. Model and batch sizes are chosen so that
+# each case is dominated by something different.
 COMMON = ("tokenizer.vocab_size=4096", "model.n_heads=4", "model.n_layers=4",
           "model.max_seq_len=256", "training.seq_len=256", "parallelism.device=cpu")
 ACTIVATIONS = ("model.dim=128", "training.micro_batch_size=8")
@@ -413,15 +421,21 @@ SINGLE = {
     "weights": ("model.dim=512", "training.micro_batch_size=1"),
     "checkpointed": ACTIVATIONS + ("parallelism.activation_checkpointing=full",),
     "accumulating": ("model.dim=256", "training.micro_batch_size=4", "training.grad_accum_steps=2"),
+    "autocast": ACTIVATIONS + ("parallelism.mixed_precision=bf16",),
 }
 TWO_PROCESSES = {
     "ddp": ACTIVATIONS + ("parallelism.dp_replicate=2",),
     "fsdp": ACTIVATIONS + ("parallelism.dp_replicate=1", "parallelism.dp_shard=2"),
+    "fsdp-bf16": ACTIVATIONS + ("parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                                "parallelism.mixed_precision=bf16"),
 }
 # Tensor accounting is exact (to AdamW's scalar step counters); the resident-set peak also
 # holds kernels' scratch space and the allocator's slack: measured within 2% (0.986-1.020x).
 TENSOR_RTOL = 0.01
 PEAK_RTOL = 0.05
+# In bf16 the CPU's kernels also hold fp32 scratch copies of their bf16 operands, which a
+# GPU does not: measured 1.052x (autocast) and 1.054x (FSDP2 bf16) the estimate.
+PEAK_RTOL_BF16 = 0.08
 
 
 def case_overrides(case: tuple[str, ...], nproc: int) -> list[str]:
@@ -473,7 +487,8 @@ def assert_estimate_matches(case: tuple[str, ...], nproc: int, records: list[dic
     for measured in records:
         for key in ("weights", "gradients", "optimizer", "activations"):
             assert measured[key] == pytest.approx(getattr(estimate, key), rel=TENSOR_RTOL), key
-        assert measured["peak"] == pytest.approx(estimate.peak, rel=PEAK_RTOL), \
+        rtol = PEAK_RTOL_BF16 if config.parallelism.mixed_precision == "bf16" else PEAK_RTOL
+        assert measured["peak"] == pytest.approx(estimate.peak, rel=rtol), \
             (measured["peak"] / 2**20, estimate.peak / 2**20)
 
 
@@ -583,17 +598,25 @@ def probe(cases: dict[str, list[str]], steps: int = 2) -> None:
 
 def _counting_pack(sizes: dict[int, int], layout):
     """A saved-tensors hook that records each distinct activation storage once. Parameters
-    (FSDP's unsharded ones included), views of them and the RoPE buffers are not
-    activations; integer token ids are the batch itself."""
+    (FSDP's unsharded ones included), views of them, autocast's bf16 copies of them (the
+    planner counts those as buffers) and the RoPE buffers are not activations; integer token
+    ids are the batch itself."""
     import torch
 
     model = layout.model_parts[0]
     buffers = {b.untyped_storage().data_ptr() for b in model.buffers()}
 
+    def copy_of_a_parameter(t) -> bool:
+        base = t._base if t._base is not None else t  # matmuls save the copy transposed
+        fn = base.grad_fn
+        return (fn is not None and fn.name() == "ToCopyBackward0"
+                and any(isinstance(getattr(next_fn, "variable", None), torch.nn.Parameter)
+                        for next_fn, _ in fn.next_functions if next_fn is not None))
+
     def pack(t):
         local = t.to_local() if hasattr(t, "to_local") else t
         if (isinstance(t, torch.nn.Parameter) or isinstance(local._base, torch.nn.Parameter)
-                or not t.is_floating_point()):
+                or not t.is_floating_point() or copy_of_a_parameter(t)):
             return t
         storage = local.untyped_storage()
         if storage.data_ptr() not in buffers:
