@@ -105,8 +105,9 @@ def parse_bytes(text: str) -> int:
 class ParallelismConfig(_Section):
     """Where the workers run and how the model is laid out over them.
 
-    dp_replicate x dp_shard x tp x pp = world size (nnodes x nproc_per_node); one degree may
-    be -1, meaning "whatever the others leave". The mesh is named (dp_replicate, dp_shard,
+    dp_replicate x dp_shard x tp x pp = world size (nnodes x nproc_per_node); dp_replicate or
+    dp_shard may be -1, meaning "whatever the others leave" (dp_replicate's default, -1,
+    gives way to a dp_shard=-1: then it is 1). The mesh is named (dp_replicate, dp_shard,
     tp) per pipeline stage with TP innermost, so TP groups sit on the fastest links.
     """
 
@@ -152,7 +153,7 @@ class ParallelismConfig(_Section):
         free = [k for k, v in named.items() if v == -1]
         if len(free) > 1 or any(v == 0 or v < -1 for v in named.values()):
             raise ValueError("parallelism degrees must be positive, with at most one -1 "
-                             f"(got {named})")
+                             f"(got {named}); give the others as numbers")
         fixed = 1
         for k, v in named.items():
             if v != -1:
@@ -160,7 +161,8 @@ class ParallelismConfig(_Section):
         if free:
             if self.world_size % fixed:
                 raise ValueError(f"parallelism: {fixed} (product of the fixed degrees) does not "
-                                 f"divide world size {self.world_size}")
+                                 f"divide world size {self.world_size}; choose degrees whose "
+                                 f"product divides it")
             named[free[0]] = self.world_size // fixed
         elif fixed != self.world_size:
             raise ValueError(f"parallelism: dp_replicate*dp_shard*tp*pp = {fixed} but world size "
@@ -173,6 +175,8 @@ class ParallelismConfig(_Section):
 
     @model_validator(mode="after")
     def _degrees_fit(self) -> "ParallelismConfig":
+        if self.dp_shard == -1 and self.dp_replicate == -1 and "dp_replicate" not in self.model_fields_set:
+            self.dp_replicate = 1  # the default "the rest" gives way to the one asked for
         self.degrees()
         return self
 

@@ -49,6 +49,14 @@ def test_invalid_values_name_the_field(override, field, hint):
     assert hint in str(err.value)
 
 
+def test_dp_shard_minus_one_takes_the_rest_from_the_default_dp_replicate():
+    """configs/llama2-7b.yaml's own example: dp_replicate's default (-1) gives way."""
+    config = load_config("configs/llama2-7b.yaml", ["parallelism.dp_shard=-1", "parallelism.tp=8"])
+    assert config.parallelism.degrees() == {"dp_replicate": 1, "dp_shard": 4, "tp": 8, "pp": 1}
+    with pytest.raises(ConfigError, match="at most one -1 .* give the others as numbers"):
+        load_config(None, ["parallelism.dp_shard=-1", "parallelism.dp_replicate=-1"])
+
+
 def test_a_retry_budget_given_overrides_only_its_class():
     budgets = load_config(None, ["run.retry_budgets.retryable=10"]).run.retry_budgets
     assert budgets == {**RunConfig().run.retry_budgets, "retryable": 10}
