@@ -65,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the config's parallelism.nproc_per_node (one worker per GPU)")
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB or 141GB; default: the "
                                         "config's parallelism.device_memory")
-    p.add_argument("--gpu-tflops", type=float, default=989.0,
-                   help="peak dense bf16 TFLOP/s per GPU, for the step-time estimate (H100: 989)")
+    p.add_argument("--gpu-tflops", type=float,
+                   help="peak dense bf16 TFLOP/s per GPU, for the step-time estimate; default: "
+                        "the config's training.peak_flops_per_device, else an H100's 989 (on "
+                        "parallelism.device=cpu: no estimate)")
     p.add_argument("--intra-node-gbps", type=float, default=450.0,
                    help="GB/s per GPU within a node (NVLink, one direction)")
     p.add_argument("--inter-node-gbps", type=float, default=50.0,
@@ -104,14 +106,19 @@ def _plan(args: argparse.Namespace) -> int:
         cluster_overrides = [f"parallelism.{field}={value}" for field, value in
                              (("nnodes", args.nodes), ("nproc_per_node", args.gpus_per_node))
                              if value is not None]
-        config = load_config(args.config, [*args.overrides, *cluster_overrides])
+        config = planner.with_run_vocab(load_config(args.config, [*args.overrides, *cluster_overrides]))
         memory = args.gpu_memory or config.parallelism.device_memory
         if memory is None:
             raise ConfigError("memory per GPU unknown: pass --gpu-memory (e.g. 80GiB) or set "
                               "parallelism.device_memory in the config")
         par = config.parallelism
+        # GPUs unless the config says CPU: a laptop plans the GPU cluster it will launch on.
+        device = "cpu" if par.device == "cpu" else "cuda"
+        flops = (args.gpu_tflops * 1e12 if args.gpu_tflops is not None
+                 else config.training.peak_flops_per_device
+                 or (planner.H100_FLOPS if device == "cuda" else None))
         cluster = planner.Cluster(par.nnodes, par.nproc_per_node, planner.parse_bytes(memory),
-                                  gpu_flops=args.gpu_tflops * 1e12,
+                                  gpu_flops=flops, device=device,
                                   intra_node_bandwidth=args.intra_node_gbps * 1e9,
                                   inter_node_bandwidth=args.inter_node_gbps * 1e9)
     except ConfigError as e:

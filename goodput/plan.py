@@ -407,11 +407,18 @@ def check_run(config: RunConfig) -> tuple[LayoutPlan, Cluster, str]:
     """The config's layout planned on the hardware it launches on (run_cluster), with the
     model's real vocabulary. Returns the plan (check `.ok`), the cluster and the memory source."""
     cluster, source = run_cluster(config)
-    vocab = run_vocab_size(config)
-    if vocab != config.tokenizer.vocab_size:  # no re-validation: only the planner reads it
-        config = config.model_copy(update={"tokenizer": config.tokenizer.model_copy(
-            update={"vocab_size": vocab})})
+    config = with_run_vocab(config)
     return plan_layout(config, cluster, configured_degrees(config, cluster)), cluster, source
+
+
+def with_run_vocab(config: RunConfig) -> RunConfig:
+    """The config with the vocabulary its model will really have (run_vocab_size)."""
+    vocab = run_vocab_size(config)
+    if vocab == config.tokenizer.vocab_size:
+        return config
+    # No re-validation: only the planner reads it.
+    return config.model_copy(update={"tokenizer": config.tokenizer.model_copy(
+        update={"vocab_size": vocab})})
 
 
 def failure_message(p: LayoutPlan, cluster: Cluster, source: str) -> str:

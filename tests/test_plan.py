@@ -278,6 +278,21 @@ def test_cli_takes_the_cluster_from_the_config_and_flags_override_it(capsys):
     assert "--gpu-memory" in err and "parallelism.device_memory" in err
 
 
+def test_cli_plans_what_the_train_flow_checks(tmp_path, capsys):
+    """parallelism.device=cpu plans CPU workers, with the same estimate as check_run (the
+    train flow's check), and no step time without a FLOP/s figure."""
+    from goodput.cli import main
+
+    overrides = ["parallelism.device=cpu", "parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                 "parallelism.device_memory=100MiB", f"run.runs_dir={tmp_path}"]
+    code = main(["plan", "--config", str(REPO / "configs/tiny.yaml"), *overrides])
+    out, err = capsys.readouterr()
+    flow_plan, _, _ = planner.check_run(load_config(str(REPO / "configs/tiny.yaml"), overrides))
+    need = f"needs {flow_plan.memory.peak / 2**20:.1f} MiB per CPU worker"
+    assert code == 2 and need in out and need in err and not flow_plan.ok
+    assert "estimated step time" not in out
+
+
 # -- the train flow checks the run's layout before it launches ----------------------------------
 
 def task_runs_of(flow_run_id) -> dict[str, object]:
