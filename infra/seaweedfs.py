@@ -184,16 +184,22 @@ class SeaweedFS:
         """
         proc, self._proc = self._proc, None
         atexit.unregister(self.stop)
-        if proc is None or proc.poll() is not None:
-            return  # never started, or exited by itself (maybe because its ports were taken)
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            log.warning("SeaweedFS did not stop within %.0fs of SIGTERM; killing it", grace)
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        for path in self._unix_sockets():
+        if proc is None:
+            return  # never started
+        if proc.poll() is None:  # not exited by itself (e.g. because its ports were taken)
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(grace)
+            except ProcessLookupError:  # exited between poll() and the signal
+                pass
+            except subprocess.TimeoutExpired:
+                log.warning("SeaweedFS did not stop within %.0fs of SIGTERM; killing it", grace)
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        for path in self._unix_sockets():  # also after weed exited by itself
             path.unlink(missing_ok=True)
 
     def _unix_sockets(self) -> list[Path]:
