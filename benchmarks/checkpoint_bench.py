@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from training.checkpoint import load_all_tensors  # noqa: E402
-from training.model import Block, ModelArgs, Transformer  # noqa: E402
+from training.model import ModelArgs, Transformer  # noqa: E402
 
 IMPORTED = time.time()
 
@@ -47,23 +47,25 @@ PROBE = "model.tok_embeddings.weight"  # the tensor whose saved value is checked
 # == inside the torchrun workers =================================================================
 
 class Trainer:
-    """The model, AdamW and a fixed batch; `step()` is one training step (forward, backward,
-    gradient all-reduce or reduce-scatter, optimizer update)."""
+    """The model, AdamW and a fixed batch, built as the trainer builds them (on the meta device,
+    laid out by training.parallelize, AdamW from training.train); `step()` is one training step
+    (forward, backward, gradient all-reduce or reduce-scatter, optimizer update). `fresh`:
+    draw initial weights; else allocate only, for a checkpoint to fill (as a resume does)."""
 
-    def __init__(self, layout: str, micro_batch: int, seq_len: int):
-        torch.manual_seed(0)
-        self.model = Transformer(MODEL)
-        if layout == "fsdp":
-            from torch.distributed.fsdp import fully_shard
+    def __init__(self, layout: str, micro_batch: int, seq_len: int, fresh: bool = True):
+        from goodput.config import ParallelismConfig, TrainingConfig
+        from training.parallelize import parallelize
+        from training.train import build_optimizer
 
-            for block in [m for m in self.model.modules() if isinstance(m, Block)]:
-                fully_shard(block)
-            self.wrapped = fully_shard(self.model)
-        else:
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.wrapped = DistributedDataParallel(self.model)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        degrees = {"pp": 1, "dp_replicate": 2, "dp_shard": 1, "tp": 1} if layout == "ddp" \
+            else {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "tp": 1}
+        par_cfg = ParallelismConfig(device="cpu", **{k: v for k, v in degrees.items() if k != "pp"})
+        with torch.device("meta"):
+            model = Transformer(MODEL)
+        self.wrapped = parallelize(model, par_cfg, degrees, torch.device("cpu"), None,
+                                   seed=0 if fresh else None).model_parts[0]
+        self.model = getattr(self.wrapped, "module", self.wrapped)  # DDP's inner module
+        self.optimizer = build_optimizer(self.wrapped, TrainingConfig(lr=1e-4), torch.device("cpu"))
         g = torch.Generator().manual_seed(dist.get_rank())
         self.tokens = torch.randint(0, MODEL.vocab_size, (micro_batch, seq_len + 1), generator=g)
 
@@ -252,7 +254,7 @@ def start_worker(args) -> dict:
     marks = {"worker interpreter up (torchrun agent, spawn)": STARTED, "torch + training imported": IMPORTED}
     dist.init_process_group("gloo")
     marks["process group joined"] = time.time()
-    trainer = Trainer(args.layout, args.micro_batch, args.seq_len)
+    trainer = Trainer(args.layout, args.micro_batch, args.seq_len, fresh=not args.resume_from)
     marks["model + optimizer built"] = time.time()
     if args.resume_from:
         state = trainer.state()  # initialises AdamW's state so there is something to load into

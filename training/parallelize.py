@@ -73,9 +73,10 @@ def build_mesh(degrees: dict[str, int], device_type: str) -> DeviceMesh | None:
 
 
 def parallelize(model: nn.Module, par_cfg, degrees: dict[str, int], device: torch.device,
-                loss_fn, seed: int) -> Layout:
+                loss_fn, seed: int | None) -> Layout:
     """Lay `model` (built whole on the meta device: no memory yet) out on this rank according
-    to `degrees`, then allocate and initialise only what this rank holds (materialize)."""
+    to `degrees`, then allocate and initialise only what this rank holds (materialize; seed
+    None: allocate only, for a caller that loads every weight from a checkpoint)."""
     mesh = build_mesh(degrees, device.type)
     if mesh is None:
         parts = materialize([_finish(model, par_cfg)], seed, device)
@@ -110,17 +111,20 @@ def parallelize(model: nn.Module, par_cfg, degrees: dict[str, int], device: torc
     return _precision_and_loss(layout, par_cfg, device)
 
 
-def materialize(parts: list[nn.Module], seed: int, device: torch.device) -> list[nn.Module]:
+def materialize(parts: list[nn.Module], seed: int | None, device: torch.device) -> list[nn.Module]:
     """Allocate the parts (built on the meta device, laid out) on `device` and give them the
     whole model's initial weights: each parameter is drawn full size from its own seeded
     generator (Transformer.initial_value), one at a time, and this rank keeps its shard.
     Peak memory: this rank's shards plus the largest single parameter, however large the
-    model; every layout starts from the single-process model's weights."""
+    model; every layout starts from the single-process model's weights. With seed None the
+    weights are only allocated (their values undefined until a checkpoint is loaded)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     for part in parts:
         part.to_empty(device=device)
         part.init_buffers()
+        if seed is None:
+            continue
         with torch.no_grad():
             for name, param in part.named_parameters():
                 full = part.initial_value(whole_model_name(name), param.shape, seed, device)

@@ -424,7 +424,11 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
     def pipeline_loss(logits, targets):  # one pipeline micro-batch's share of the step's mean
         return cross_entropy(logits, targets) / share
 
-    layout = parallelize(model, config.parallelism, degrees, env.device, pipeline_loss, tcfg.seed)
+    location = resolve_resume(resume, run_dir)
+    # Resuming, every weight comes from the checkpoint: drawing initial values first would
+    # only lengthen the restart.
+    layout = parallelize(model, config.parallelism, degrees, env.device, pipeline_loss,
+                         seed=tcfg.seed if location is None else None)
     del model  # from here on the layout's parts are the model
     optimizers = [build_optimizer(part, tcfg, env.device) for part in layout.model_parts]
     loader = DistributedSampleLoader(TokenStream(dataset_dir, manifest, "train"), tcfg.seq_len,
@@ -433,7 +437,6 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
     attempt = os.environ.get("GOODPUT_ATTEMPT", "0")
 
     step, tokens_seen = 0, 0
-    location = resolve_resume(resume, run_dir)
     if location is not None:
         resume_from = open_checkpoint(config, location)
         if differences := shape_differences(resume_from.manifest.model_args, args):
