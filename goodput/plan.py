@@ -19,7 +19,8 @@ Byte accounting, per GPU (worst pipeline rank), AdamW:
   plain fp32 on CPU is 4 + 4 + 8 as well. 7B parameters: 112 GB unsharded, 14 GB over 8 shards.
 - buffers     what data parallelism adds: DDP's gradient buckets (one more fp32 gradient
   copy); FSDP's all-gathered weights in compute precision (the root module, kept after
-  forward, plus two blocks in flight, or every block without reshard_after_forward) and its
+  forward, plus two blocks in flight, or every block without reshard_after_forward or under
+  a pipeline schedule, which keeps them gathered after backward until its step ends) and its
   unsharded gradients (one block in flight, or all of them, in fp32, while micro-batches
   accumulate without syncing); bf16 weight copies that autocast saves for backward outside FSDP.
 - activations what autograd saves for backward, counted tensor by tensor for
@@ -581,7 +582,11 @@ def _rank_memory(s: _Setup, degrees: dict[str, int], m: int, checkpointing: str,
     compute_bytes = 2 if s.bf16 else 4
     buffers = 0.0
     if fsdp:
-        gathered_blocks = 2 if par.reshard_after_forward else sum(rank.layers)
+        # A pipeline schedule keeps its stage's blocks gathered after backward until the
+        # end of its step (PipelineStage turns reshard_after_backward off), so all of them
+        # are gathered at once by the last backward.
+        gathered_blocks = (2 if par.reshard_after_forward and degrees["pp"] == 1
+                           else sum(rank.layers))
         buffers += compute_bytes * (root + gathered_blocks * block)
         # Without gradient sync (accumulating micro-batches) FSDP2 keeps unsharded gradients,
         # accumulated in the reduce dtype (fp32) even when it computes in bf16.
@@ -696,8 +701,11 @@ def _communication(s: _Setup, degrees: dict[str, int], m: int) -> tuple[dict[str
     elif rep * shard > 1:  # FSDP2 / HSDP
         compute_bytes = 2 if s.bf16 else 4
         gathers = n_micro * ((2 if par.reshard_after_forward else 1) * blocks + root)
-        comm["dp_shard"] = _ring(shard) * (compute_bytes * gathers + 4 * local)
-        comm["dp_replicate"] = 2 * _ring(rep) * 4 * local / shard
+        # Gradients are reduced once per step, or with pipeline stages at the end of every
+        # schedule step, i.e. every accumulation micro-step.
+        reductions = tcfg.grad_accum_steps if pp > 1 else 1
+        comm["dp_shard"] = _ring(shard) * (compute_bytes * gathers + reductions * 4 * local)
+        comm["dp_replicate"] = reductions * 2 * _ring(rep) * 4 * local / shard
     if tp > 1:
         comm["tp"] = n_micro * _tp_bytes_per_microbatch(s, busiest, mb, tp,
                                                         s.residual_bytes(degrees))

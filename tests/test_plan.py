@@ -107,6 +107,14 @@ def test_communication_volumes_by_hand():
     assert pp.comm["pp"] == pytest.approx(8 * 2 * 1 * 4096 * 4096 * 2)
     pp_only = planner.plan_layout(pp_cfg, cluster(nodes=4, gpus=1, memory="1TiB"), layout(pp=4))
     assert pp_only.comm["pp"] == pytest.approx(8 * 2 * 1 * 4096 * 4096 * 4)
+    # Accumulating 2 micro-steps doubles the all-gathers; FSDP reduce-scatters once per step,
+    # but under a pipeline schedule at the end of each micro-step (schedule step).
+    accum = load_config(None, list(LLAMA2_7B) + ["training.micro_batch_size=8",
+                                                 "training.grad_accum_steps=2"])
+    for degrees, ratio in ((layout(pp=4, dp_shard=2), 2.0), (layout(dp_shard=8), None)):
+        one = planner.plan_layout(pp_cfg, cluster(nodes=4, gpus=2), degrees).comm["dp_shard"]
+        two = planner.plan_layout(accum, cluster(nodes=4, gpus=2), degrees).comm["dp_shard"]
+        assert (two / one == pytest.approx(2.0)) == (ratio == 2.0), degrees
     assert pp.crosses_nodes == {"pp": True, "dp_shard": False}
 
 
