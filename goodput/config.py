@@ -106,8 +106,8 @@ class ParallelismConfig(_Section):
     """Where the workers run and how the model is laid out over them.
 
     dp_replicate x dp_shard x tp x pp = world size (nnodes x nproc_per_node); dp_replicate or
-    dp_shard may be -1, meaning "whatever the others leave" (dp_replicate's default, -1,
-    gives way to a dp_shard=-1: then it is 1). The mesh is named (dp_replicate, dp_shard,
+    dp_shard may be -1, meaning "whatever the others leave"; both -1 (dp_replicate's
+    default with dp_shard=-1) shard over the rest: dp_replicate is then 1. The mesh is named (dp_replicate, dp_shard,
     tp) per pipeline stage with TP innermost, so TP groups sit on the fastest links.
     """
 
@@ -175,8 +175,10 @@ class ParallelismConfig(_Section):
 
     @model_validator(mode="after")
     def _degrees_fit(self) -> "ParallelismConfig":
-        if self.dp_shard == -1 and self.dp_replicate == -1 and "dp_replicate" not in self.model_fields_set:
-            self.dp_replicate = 1  # the default "the rest" gives way to the one asked for
+        if self.dp_shard == -1 and self.dp_replicate == -1:
+            # dp_replicate's default "the rest" gives way to the sharding asked for (a form
+            # or a saved config carries the default along, so it is not told apart).
+            self.dp_replicate = 1
         self.degrees()
         return self
 

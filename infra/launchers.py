@@ -228,9 +228,9 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 # -- scheduler jobs: slurm, kubernetes ----------------------------------------------------------
 
-def _run(argv: list[str]) -> str:
+def _run(argv: list[str], timeout: float = 120.0) -> str:
     """A scheduler command; its stdout. Fails with the command's own error message."""
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{shlex.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc.stdout
@@ -278,11 +278,11 @@ class SchedulerJob:
         """Ask the scheduler; set `started`; the exit code once the job is over."""
         raise NotImplementedError
 
-    def _try(self, argv: list[str]) -> bool:
+    def _try(self, argv: list[str], timeout: float = 120.0) -> bool:
         """A command of stop(): its failure is logged, never raised (stop() runs in `finally`,
         where it would replace the error that ended the attempt)."""
         try:
-            _run(argv)
+            _run(argv, timeout)
             return True
         except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
             self._log(f"{shlex.join(argv)}: {e}")
@@ -385,10 +385,12 @@ class SlurmLauncher(SchedulerJob):
         returns once the job has left the queue (or the wait for it ran out), so the next
         attempt never overlaps this one."""
         if self.job_id is not None and self.code is None:
-            self._try(["scancel", "--signal=TERM", self.job_id])
-            self._log(f"sent SIGTERM to Slurm job {self.job_id}; cancelling it if it still runs "
-                      f"after {grace_s:.0f}s")
-            if not self._left_queue_within(grace_s):
+            # A job still queued cannot be signalled (and has nothing to save): cancel it.
+            if self.started:
+                self._try(["scancel", "--signal=TERM", self.job_id])
+                self._log(f"sent SIGTERM to Slurm job {self.job_id}; cancelling it if it still "
+                          f"runs after {grace_s:.0f}s")
+            if not self.started or not self._left_queue_within(grace_s):
                 self._try(["scancel", self.job_id])
                 self._log(f"cancelled Slurm job {self.job_id}")
                 if not self._left_queue_within(SCHEDULER_KILL_WAIT_S):
@@ -405,7 +407,7 @@ class SlurmLauncher(SchedulerJob):
             try:
                 if not _run(["squeue", "-h", "-j", self.job_id, "-o", "%T"]).strip():
                     return True
-            except (RuntimeError, subprocess.TimeoutExpired) as e:
+            except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
                 self._log(f"squeue: {e}")
             if time.monotonic() >= deadline:
                 return False
@@ -554,10 +556,11 @@ class KubernetesLauncher(SchedulerJob):
                     pass
             kill_process_groups([self._logs])
             self._reader.join(timeout=5)
-        # --wait: returns once the pods are gone (after their emergency checkpoint), so the
-        # next attempt never overlaps this one.
+        # Foreground cascade with --wait: returns once the pods are gone (after their
+        # emergency checkpoint), so the next attempt never overlaps this one.
         wait_s = int(self.spec.config.faults.emergency_save_s + 30 + SCHEDULER_KILL_WAIT_S)
         if self._try(["kubectl", "delete", self.kind, self.name, "-n", self.namespace,
-                      "--ignore-not-found", "--wait=true", f"--timeout={wait_s}s"]):
+                      "--ignore-not-found", "--cascade=foreground", "--wait=true",
+                      f"--timeout={wait_s}s"], timeout=wait_s + 30):
             self._log(f"deleted {self.kind} {self.namespace}/{self.name}")
         return self.code if self.code is not None else STOPPED

@@ -14,6 +14,7 @@ A node that dies as a whole (its torchrun agent gone) ends the attempt at once.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -94,8 +95,9 @@ def worker_env(config: RunConfig, attempt: str) -> dict[str, str]:
            # After an in-job restart: how long to wait for the verdict on recent checkpoints.
            "GOODPUT_RESTART_WAIT_S": str(config.launch.restart_verdict_wait_s),
            # How long torchrun, stopped, gives its workers between SIGTERM and SIGKILL (its
-           # default, 30 s, would cut an emergency checkpoint short).
-           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(config.faults.emergency_save_s)),
+           # default, 30 s, would cut an emergency checkpoint short). torchrun reads it from
+           # torch 2.12; older ones keep 30 s.
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, math.ceil(config.faults.emergency_save_s))),
            # glibc would hand large activation buffers back to the OS after every step and
            # fault them in again on the next (2x the page faults of a bare loop, 0.78x its
            # speed on CPU; benchmarks/RESULTS.md): keep them. launch.env may override.
@@ -122,9 +124,11 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume:
     start = time.monotonic()
     hung = False
     watch = HangWatch(config.run, attempt)
-    live = _LiveAttempt(launcher, grace_s=config.faults.emergency_save_s)
+    # torchrun gets emergency_save_s to stop its workers (worker_env); the launcher waits a
+    # little longer before it kills whatever is left.
+    live = _LiveAttempt(launcher, grace_s=config.faults.emergency_save_s + 5.0)
     try:
-        launcher.start(log)
+        live.start(log)
         while launcher.poll() is None and not live.stopping:
             time.sleep(poll_s)
             if not launcher.started:  # queued by a scheduler: waiting is not hanging
@@ -168,6 +172,14 @@ class _LiveAttempt:
         with self._registry_lock:
             self._registry.add(self)
 
+    def start(self, log) -> None:
+        """Start the launcher, unless a stop came first; a stop that comes during the start
+        waits for it, so it finds the job to stop."""
+        with self._lock:
+            if self._code is not None:
+                raise RuntimeError("the attempt was stopped before it started")
+            self.launcher.start(log)
+
     def stop(self, grace_s: float | None = None) -> int:
         self.stopping = True
         with self._lock:
@@ -185,14 +197,15 @@ class _LiveAttempt:
             return list(cls._registry)
 
 
-def stop_live_attempts() -> list[threading.Thread]:
-    """Stop every attempt this process runs, each on every node and with its own allowance
-    for an emergency checkpoint (faults.emergency_save_s): local and ssh nodes get SIGTERM
-    then SIGKILL, Slurm jobs scancel, Kubernetes jobs are deleted. Returns at once; the
-    stopping goes on in non-daemon threads, so a process on its way out still waits for it."""
+def stop_live_attempts(grace_s: float | None = None) -> list[threading.Thread]:
+    """Stop every attempt this process runs, on every node: local and ssh nodes get SIGTERM
+    then SIGKILL, Slurm jobs SIGTERM then scancel, Kubernetes jobs are deleted. Workers get
+    `grace_s` for an emergency checkpoint (default: each attempt's own allowance, from
+    faults.emergency_save_s). Returns at once with the threads doing it (not daemons: a
+    process on its way out still waits for them)."""
     threads = []
     for attempt in _LiveAttempt.live():
-        thread = threading.Thread(target=attempt.stop, name="stop-training-attempt")
+        thread = threading.Thread(target=attempt.stop, args=(grace_s,), name="stop-training-attempt")
         thread.start()
         threads.append(thread)
     return threads

@@ -9,7 +9,7 @@ PYTHON=${PYTHON:-python3}
 . .venv/bin/activate
 if ! python -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then
-    pip install -q "torch>=2.6,<2.15"
+    pip install -q "torch>=2.11,<2.15"
   else
     pip install -q torch==2.13.0
   fi

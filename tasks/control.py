@@ -180,12 +180,21 @@ def no_orphan_workers() -> Iterator[None]:
     for the task threads, and the one supervising the attempt would wait for training to
     end. The nodes run in sessions of their own (or on other hosts, or as scheduler jobs),
     so killing the flow run's process group does not reach them either. Here every live
-    attempt is stopped at once, on every node, workers first getting their time for an
-    emergency checkpoint (infra.torchrun.stop_live_attempts). The exception is re-raised
-    immediately, so Prefect marks the launch task cancelled before it could retry.
+    attempt is stopped on every node, workers first getting CANCEL_GRACE_S for an emergency
+    checkpoint (infra.torchrun.stop_live_attempts, in threads the process waits for before
+    it exits). The exception is re-raised immediately, so Prefect marks the launch task
+    cancelled before it could retry (waiting for the workers here let the retry launch a
+    new attempt).
     """
     try:
         yield
     except BaseException:
-        stop_live_attempts()
+        # Not waiting here: re-raised at once, the cancellation reaches the launch task
+        # before the attempt's end could start a retry. Prefect's runner kills a cancelled
+        # flow run's process 30 s after SIGTERM, hence the shorter allowance.
+        stop_live_attempts(grace_s=CANCEL_GRACE_S)
         raise
+
+
+# Workers' allowance for an emergency checkpoint when the flow run is cancelled.
+CANCEL_GRACE_S = 20.0

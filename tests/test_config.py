@@ -2,7 +2,7 @@
 
 import pytest
 
-from goodput.config import ConfigError, RunConfig, load_config
+from goodput.config import ConfigError, RunConfig, config_from_dict, load_config
 
 
 def test_tiny_yaml_is_the_builtin_default():
@@ -53,8 +53,10 @@ def test_dp_shard_minus_one_takes_the_rest_from_the_default_dp_replicate():
     """configs/llama2-7b.yaml's own example: dp_replicate's default (-1) gives way."""
     config = load_config("configs/llama2-7b.yaml", ["parallelism.dp_shard=-1", "parallelism.tp=8"])
     assert config.parallelism.degrees() == {"dp_replicate": 1, "dp_shard": 4, "tp": 8, "pp": 1}
-    with pytest.raises(ConfigError, match="at most one -1 .* give the others as numbers"):
-        load_config(None, ["parallelism.dp_shard=-1", "parallelism.dp_replicate=-1"])
+    # The same through a full dump, as a Prefect form or a saved run config carries it.
+    dumped = config_from_dict({**RunConfig().model_dump(), "parallelism": {
+        **RunConfig().parallelism.model_dump(), "dp_shard": -1}})
+    assert dumped.parallelism.degrees() == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1}
 
 
 def test_a_retry_budget_given_overrides_only_its_class():

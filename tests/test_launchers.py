@@ -376,6 +376,16 @@ def test_slurm_job_gets_sigterm_when_the_attempt_stops(tmp_path, fakes, monkeypa
     assert not [line for line in lines if line.startswith("cancelled Slurm job")]
 
 
+def test_a_slurm_job_still_queued_is_cancelled_at_once(tmp_path, fakes, monkeypatch):
+    monkeypatch.setenv("FAKE_SLURM", "hold")
+    config = launch_config(tmp_path, fakes, *SLURM)
+    launcher = make_launcher(spec_of(config))
+    launcher.start(lambda line: None)
+    assert not launcher.started  # never polled: as far as we know, still pending
+    assert launcher.stop(grace_s=60) == STOPPED
+    assert calls(fakes, "scancel") == [["1"]]  # no SIGTERM first, no 60 s wait
+
+
 def test_slurm_job_ignoring_sigterm_is_cancelled_after_the_grace(tmp_path, fakes, monkeypatch):
     monkeypatch.setenv("FAKE_SLURM", "hold-ignoring-sigterm")
     config = launch_config(tmp_path, fakes, *SLURM, "run.startup_timeout_s=0.5")
@@ -398,8 +408,9 @@ def test_another_thread_stops_a_live_attempt(tmp_path, fakes, monkeypatch):
     supervisor = threading.Thread(target=lambda: results.append(attempt(config)))
     supervisor.start()
     deadline = time.monotonic() + 30
-    while not (fakes / "job-1.pid").exists() and time.monotonic() < deadline:
+    while not (fakes / "job-1.queried").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+    time.sleep(0.5)  # polls every 0.05 s: squeue has said RUNNING by now
     for thread in stop_live_attempts():
         thread.join(timeout=30)
     supervisor.join(timeout=30)
@@ -518,8 +529,8 @@ def test_kubernetes_job_is_applied_watched_streamed_and_deleted(tmp_path, fakes)
     get = ["get", "jobset", "goodput-test-t1", "-n", "ml", "-o", "json"]
     assert [c for c in kubectl if c[0] != "logs"] == [
         ["apply", "-f", str(manifest)], get, get, get, get,
-        ["delete", "jobset", "goodput-test-t1", "-n", "ml", "--ignore-not-found", "--wait=true",
-         "--timeout=150s"]]
+        ["delete", "jobset", "goodput-test-t1", "-n", "ml", "--ignore-not-found",
+         "--cascade=foreground", "--wait=true", "--timeout=150s"]]
     # Logs are followed once every pod is ready.
     assert [c for c in kubectl if c[0] == "logs"] == [
         ["logs", "-n", "ml", "-l", "goodput.dev/job=goodput-test-t1", "-f", "--tail=-1",
