@@ -14,7 +14,6 @@ A node that dies as a whole (its torchrun agent gone) ends the attempt at once.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import threading
@@ -94,10 +93,6 @@ def worker_env(config: RunConfig, attempt: str) -> dict[str, str]:
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TOKENIZERS_PARALLELISM": "false",
            # After an in-job restart: how long to wait for the verdict on recent checkpoints.
            "GOODPUT_RESTART_WAIT_S": str(config.launch.restart_verdict_wait_s),
-           # How long torchrun, stopped, gives its workers between SIGTERM and SIGKILL (its
-           # default, 30 s, would cut an emergency checkpoint short). torchrun reads it from
-           # torch 2.12; older ones keep 30 s.
-           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(max(1, math.ceil(config.faults.emergency_save_s))),
            # glibc would hand large activation buffers back to the OS after every step and
            # fault them in again on the next (2x the page faults of a bare loop, 0.78x its
            # speed on CPU; benchmarks/RESULTS.md): keep them. launch.env may override.
@@ -124,9 +119,10 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume:
     start = time.monotonic()
     hung = False
     watch = HangWatch(config.run, attempt)
-    # torchrun gets emergency_save_s to stop its workers (worker_env); the launcher waits a
-    # little longer before it kills whatever is left.
-    live = _LiveAttempt(launcher, grace_s=config.faults.emergency_save_s + 5.0)
+    # Not torchrun's own shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s): it also
+    # applies when a worker crashed, to survivors stuck in a collective that no signal
+    # reaches, so raising it delays every recovery. The launcher's grace is the limit.
+    live = _LiveAttempt(launcher, grace_s=config.faults.emergency_save_s)
     try:
         live.start(log)
         while launcher.poll() is None and not live.stopping:

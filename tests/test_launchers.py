@@ -274,8 +274,6 @@ def test_worker_environment(tmp_path):
     assert env["GLOO_SOCKET_IFNAME"] == env["NCCL_SOCKET_IFNAME"] == "ib0"
     assert env["NCCL_DEBUG"] == "WARN" and env["GOODPUT_ATTEMPT"] == "a-1"
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
-    # torchrun, stopped, gives its workers the emergency checkpoint's time before SIGKILL.
-    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "60"
     assert "PATH" not in env  # each node keeps its own environment
 
 
