@@ -328,10 +328,17 @@ def test_prefect_flow_fails_bad_input_without_retries(prefect_api, tmp_path):
     assert state.is_failed()
     with pytest.raises(DataError, match="no column 'text'"):
         state.result()
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
-            id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
-    stage = [run for run in runs if run.name.startswith("stage-corpus")]
+    import time
+
+    deadline = time.monotonic() + 30  # task states reach the server in the background
+    while True:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
+                id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+        stage = [run for run in runs if run.name.startswith("stage-corpus")]
+        if (stage and stage[0].state.is_final()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     assert len(stage) == 1 and stage[0].run_count == 1 and stage[0].state.is_failed()
 
 
