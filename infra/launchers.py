@@ -351,8 +351,12 @@ class SlurmLauncher(SchedulerJob):
         self.output = self.spec.attempt_dir.resolve() / f"slurm-{self.job_id}.out"
         log(f"submitted Slurm job {self.job_id}: {path}")
 
+    def _queue_state(self) -> str:
+        """The job's state in the queue; "" once it has left it."""
+        return _run(["squeue", "-h", "-j", self.job_id, "-o", "%T"]).strip()
+
     def query(self) -> int | None:
-        state = _run(["squeue", "-h", "-j", self.job_id, "-o", "%T"]).strip()
+        state = self._queue_state()
         if state:  # still queued or running
             self.started = self.started or state in ("RUNNING", "COMPLETING")
             return None
@@ -405,7 +409,7 @@ class SlurmLauncher(SchedulerJob):
         deadline = time.monotonic() + seconds
         while True:
             try:
-                if not _run(["squeue", "-h", "-j", self.job_id, "-o", "%T"]).strip():
+                if not self._queue_state():
                     return True
             except (RuntimeError, subprocess.TimeoutExpired, OSError) as e:
                 self._log(f"squeue: {e}")

@@ -172,6 +172,10 @@ def switch_off_own_schedule() -> str | None:
         return client.read_deployment(run.deployment_id).name
 
 
+# Workers' allowance for an emergency checkpoint when the flow run is cancelled.
+CANCEL_GRACE_S = 20.0
+
+
 @contextmanager
 def no_orphan_workers() -> Iterator[None]:
     """Stop this process's training attempts when the flow leaves the block with an exception.
@@ -194,7 +198,3 @@ def no_orphan_workers() -> Iterator[None]:
         # flow run's process 30 s after SIGTERM, hence the shorter allowance.
         stop_live_attempts(grace_s=CANCEL_GRACE_S)
         raise
-
-
-# Workers' allowance for an emergency checkpoint when the flow run is cancelled.
-CANCEL_GRACE_S = 20.0

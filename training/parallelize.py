@@ -91,20 +91,17 @@ def parallelize(model: nn.Module, par_cfg, degrees: dict[str, int], device: torc
     dp_size = degrees["dp_replicate"] * degrees["dp_shard"]
     pure_replication = degrees["dp_shard"] == 1 and degrees["tp"] == 1 and degrees["pp"] == 1
     layout = Layout(mesh, degrees, parts, stage_ids=stage_ids)
-    if dp_size > 1 and pure_replication:
+    layout.fsdp = dp_size > 1 and not pure_replication
+    layout.ddp = dp_size > 1 and pure_replication
+    if layout.fsdp:  # sharded while still on the meta device: each rank allocates its shards
+        parts = [_apply_fsdp(p, mesh["dp_replicate", "dp_shard"], par_cfg, device) for p in parts]
+    # Before DDP, which broadcasts rank 0's weights when it wraps them.
+    layout.model_parts = materialize(parts, seed, device)
+    if layout.ddp:
         from torch.nn.parallel import DistributedDataParallel
 
-        # DDP broadcasts rank 0's weights when it wraps them: they must exist by then.
-        model = materialize(parts, seed, device)[0]
-        layout.model_parts = [DistributedDataParallel(model, process_group=mesh.get_group("dp_replicate"))]
-        layout.ddp = True
-    elif dp_size > 1:
-        # Sharded while still on the meta device: each rank then allocates only its shards.
-        layout.model_parts = materialize([_apply_fsdp(p, mesh["dp_replicate", "dp_shard"], par_cfg, device)
-                                          for p in parts], seed, device)
-        layout.fsdp = True
-    else:
-        layout.model_parts = materialize(parts, seed, device)
+        layout.model_parts = [DistributedDataParallel(layout.model_parts[0],
+                                                      process_group=mesh.get_group("dp_replicate"))]
 
     if degrees["pp"] > 1:
         _build_schedule(layout, mesh, par_cfg, device, loss_fn)
