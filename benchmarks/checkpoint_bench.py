@@ -1,9 +1,10 @@
 """What a checkpoint costs the training loop: synchronous `dcp.save` against `dcp.async_save`
-(thread and process executors, with and without a reused stager), the step-time slowdown
-while a save is written in the background, and the time from process start to the first
-training step when resuming.
+(thread and process executors, with and without a reused stager) and against the trainer's
+own Checkpointer (background staging, manifest hashing, the writer and the hashing at nice 19
+or, as a control, at normal priority), the step-time slowdown while a save is written in the
+background, and the time from process start to the first training step when resuming.
 
-    python benchmarks/checkpoint_bench.py [--layout ddp|fsdp] [--saves 3] [--dir DIR]
+    python benchmarks/checkpoint_bench.py [--layout ddp|fsdp] [--saves 3] [--dir DIR] [--modes M ...]
 
 The driver launches `torchrun --nproc-per-node 2` (gloo, CPU, OMP_NUM_THREADS=1 per worker)
 on a ~100M-parameter `training.model.Transformer` with AdamW state, then fresh torchrun jobs
@@ -22,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 STARTED = time.time()  # before torch is imported: the resume timeline counts imports too
@@ -118,9 +120,13 @@ def _children_cpu() -> float:
 def all_done(future) -> bool:
     """True once every rank's save finished; all ranks must agree, or DDP's next all-reduce
     would pair different steps."""
-    flag = torch.tensor([int(future.done())])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+    return all_ranks(future.done())
+
+
+def all_ranks(flag: bool) -> bool:
+    agreed = torch.tensor([int(flag)])
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return bool(agreed.item())
 
 
 def cpu_stager(shared: bool = False, background: bool = False):
@@ -134,19 +140,25 @@ def cpu_stager(shared: bool = False, background: bool = False):
 
 
 def save_modes() -> dict:
-    """name -> None for a synchronous dcp.save, else (dcp.async_save options, a factory for
-    the stager kept across that mode's saves, or None for async_save's own per-save stager)."""
+    """name -> None for a synchronous dcp.save; ("dcp", dcp.async_save options, a factory for
+    the stager kept across that mode's saves, or None for async_save's own per-save stager);
+    or ("trainer", checkpoint.async_mode, background priority): the trainer's own Checkpointer,
+    which also hashes the files for the manifest (rank 0) before the save counts as done. The
+    Checkpointer at normal priority is the control arm for its background priority."""
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     process = {"async_checkpointer_type": AsyncCheckpointerType.PROCESS}
     return {
         "sync": None,
-        "async thread": ({}, None),
-        "async thread, kept stager": ({}, cpu_stager),
-        "async thread, background staging": ({}, lambda: cpu_stager(background=True)),
-        "async process": (process, None),
+        "async thread": ("dcp", {}, None),
+        "async thread, kept stager": ("dcp", {}, cpu_stager),
+        "async thread, background staging": ("dcp", {}, lambda: cpu_stager(background=True)),
+        "async process": ("dcp", process, None),
         # Shared memory: the staged tensors reach the writer process as handles, not bytes.
-        "async process, kept shm stager": (process, lambda: cpu_stager(shared=True)),
+        "async process, kept shm stager": ("dcp", process, lambda: cpu_stager(shared=True)),
+        "trainer thread, normal priority": ("trainer", "thread", False),
+        "trainer thread, nice 19": ("trainer", "thread", True),
+        "trainer process, nice 19": ("trainer", "process", True),
     }
 
 
@@ -189,6 +201,32 @@ def time_async_save(trainer: Trainer, path: Path, ckpt_group, options: dict) -> 
             "other_cpu_s": cpu[1], "snapshot_ok": snapshot_ok}
 
 
+def time_trainer_save(trainer: Trainer, path: Path, checkpointer) -> dict:
+    """As time_async_save, through the trainer's Checkpointer: blocking = starting the save
+    plus waiting for its staging before the next update; done = written, hashed, committed."""
+    snapshot = trainer.probe()
+    dist.barrier()
+    cpu_before = cpu_clock()
+    start = time.perf_counter()
+    fields = dict(step=1, tokens_seen=0, world_size=dist.get_world_size(), layout={},
+                  config_hash="", dataset_id="", model_args={}, loss=0.0)
+    blocked = [checkpointer.save(path, [trainer.wrapped], [trainer.optimizer], {}, fields)]
+    steps = [trainer.step(before_update=lambda: blocked.append(checkpointer.before_update()))]
+    while not all_ranks(not checkpointer.in_flight):
+        steps.append(trainer.step())
+    checkpointer.wait()
+    total = time.perf_counter() - start
+    cpu = [b - a for a, b in zip(cpu_before, cpu_clock())]
+    changed = trainer.probe()
+    snapshot_ok = None
+    if dist.get_rank() == 0:
+        saved = load_all_tensors(path, prefix=PROBE)[PROBE]
+        snapshot_ok = (torch.equal(saved, snapshot) and not torch.equal(saved, changed)
+                       and not checkpointer.failures)
+    return {"blocking_s": sum(blocked), "total_s": total, "steps_during": steps,
+            "other_cpu_s": cpu[1], "snapshot_ok": snapshot_ok}
+
+
 def time_sync_save(trainer: Trainer, path: Path) -> dict:
     dist.barrier()
     cpu_before = cpu_clock()
@@ -198,6 +236,33 @@ def time_sync_save(trainer: Trainer, path: Path) -> dict:
     cpu = [b - a for a, b in zip(cpu_before, cpu_clock())]
     return {"blocking_s": blocking, "total_s": blocking, "steps_during": [], "main_cpu_s": cpu[0],
             "other_cpu_s": cpu[1], "snapshot_ok": None}
+
+
+@contextmanager
+def saver(mode, trainer: Trainer, ckpt_group):
+    """The function that times one save of `mode` (see save_modes), with what the mode keeps
+    across its saves (a stager; the trainer's Checkpointer) released at the end."""
+    if mode is None:
+        yield lambda path: time_sync_save(trainer, path)
+    elif mode[0] == "dcp":
+        stager = mode[2]() if mode[2] is not None else None
+        options = {**mode[1], **({"async_stager": stager} if stager else {})}
+        yield lambda path: time_async_save(trainer, path, ckpt_group, options)
+        if stager is not None:
+            stager.close()  # caller-owned stagers must be closed (dcp.async_save docs)
+    else:
+        from training import checkpoint
+
+        _, async_mode, background = mode
+        lower = checkpoint.lower_thread_priority
+        if not background:  # the control arm: the same saves, the writer and hashing at nice 0
+            checkpoint.lower_thread_priority = lambda: False
+        checkpointer = checkpoint.Checkpointer(async_mode)
+        try:
+            yield lambda path: time_trainer_save(trainer, path, checkpointer)
+        finally:
+            checkpointer.close()
+            checkpoint.lower_thread_priority = lower
 
 
 def remove(path: Path) -> None:
@@ -222,23 +287,19 @@ def save_worker(args) -> dict:
     # other processes on a shared machine drifts. A kept stager holds a copy of the whole
     # state, so only one exists at a time.
     for name, mode in save_modes().items():
+        if args.modes and name not in (*args.modes, "sync"):
+            continue
         cpu_before = cpu_clock()
         baseline = [trainer.step() for _ in range(args.baseline_steps)]
         run = {"baseline_steps": baseline, "saves": [],
                # gloo's own threads work in every step (all-reduce); only more is the save's.
                "baseline_other_cpu_per_step": (cpu_clock()[1] - cpu_before[1]) / len(baseline)}
-        stager = mode[1]() if mode is not None and mode[1] is not None else None
-        for i in range(args.saves):
-            path = root / f"{name.replace(' ', '_').replace(',', '')}-{i}"
-            if mode is None:
-                run["saves"].append(time_sync_save(trainer, path))
-            else:
-                options = {**mode[0], **({"async_stager": stager} if stager else {})}
-                run["saves"].append(time_async_save(trainer, path, ckpt_group, options))
-            checkpoint_bytes = checkpoint_bytes or sum(f.stat().st_size for f in path.iterdir())
-            remove(path)
-        if stager is not None:
-            stager.close()  # caller-owned stagers must be closed (dcp.async_save docs)
+        with saver(mode, trainer, ckpt_group) as save:
+            for i in range(args.saves):
+                path = root / f"{name.replace(' ', '_').replace(',', '')}-{i}"
+                run["saves"].append(save(path))
+                checkpoint_bytes = checkpoint_bytes or sum(f.stat().st_size for f in path.iterdir())
+                remove(path)
         runs[name] = run
     dcp.save(trainer.state(), checkpoint_id=str(root / "resume"))  # for the resume timings
 
@@ -354,7 +415,8 @@ def drive(args) -> None:
     root.mkdir(parents=True)
     load_before = os.getloadavg()[0]
     result = torchrun(args, "--worker", "save", "--saves", str(args.saves),
-                      "--baseline-steps", str(args.baseline_steps))
+                      "--baseline-steps", str(args.baseline_steps),
+                      *(["--modes", *args.modes] if args.modes else []))
     # The manifest a committed checkpoint has (sizes and sha256), for the verified resume.
     from storage.manifests import CheckpointManifest, list_files
 
@@ -387,6 +449,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--dir", default="/tmp/goodput-checkpoint-bench")
+    parser.add_argument("--modes", nargs="+", metavar="MODE",
+                        help="only these save modes (names as in the table; sync always runs)")
     parser.add_argument("--worker", choices=["save", "start"], help=argparse.SUPPRESS)
     parser.add_argument("--resume-from", help=argparse.SUPPRESS)
     parser.add_argument("--verify", action="store_true", help=argparse.SUPPRESS)

@@ -2,12 +2,18 @@
 ~100M-parameter model, data and steps, with `checkpoint.async_mode` sync, thread and process.
 
     python benchmarks/trainer_checkpoint_bench.py [--steps 16] [--every 4] [--layout ddp|fsdp]
+    python benchmarks/trainer_checkpoint_bench.py --uploads [--steps 40] [--every 5]
 
 Per mode: the training time blocked per save (what `metrics.jsonl` records as checkpoint_s:
 starting the save, plus waiting for background staging before the next optimizer step),
-the median step time without a save in flight, and the ratio of blocking to the synchronous
-save. Runs the modes one after another in one invocation; prints a markdown table for
-benchmarks/RESULTS.md. A benchmark, not a test: nothing here asserts a target.
+the ratio of blocking to the synchronous save, and the median step time of steps begun
+without and with a background save in flight (`save_in_flight`: writing, or rank 0 hashing
+the files for the manifest), whose ratio is the slowdown a background save causes. Runs the
+modes one after another in one invocation; prints a markdown table for benchmarks/RESULTS.md.
+
+`--uploads`: the step-time slowdown while checkpoints upload to S3 (SeaweedFS), the upload
+at background priority against normal priority in the same run (see run_with_uploads).
+A benchmark, not a test: nothing here asserts a target.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,20 +42,30 @@ LAYOUTS = {"ddp": ["parallelism.dp_replicate=-1"],
            "fsdp": ["parallelism.dp_replicate=1", "parallelism.dp_shard=-1"]}
 
 
-def run_mode(root: Path, dataset: Path, mode: str, args) -> dict:
-    config = load_config(None, [
-        f"run.runs_dir={root / 'runs'}", f"run.run_id=bench-{mode}", f"storage.uri={root / 'store'}",
+def bench_config(root: Path, name: str, mode: str, args):
+    return load_config(None, [
+        f"run.runs_dir={root / 'runs'}", f"run.run_id=bench-{name}", f"storage.uri={root / 'store'}",
         # ~100M parameters, as in checkpoint_bench.py: 12 layers of width 640, 32k vocabulary.
         "model.dim=640", "model.n_layers=12", "model.n_heads=10", "model.max_seq_len=128",
         "training.seq_len=128", f"training.max_steps={args.steps}",
         "training.warmup_steps=2", f"checkpoint.every_steps={args.every}",
         f"checkpoint.async_mode={mode}", f"parallelism.nproc_per_node={args.nproc}",
         f"training.micro_batch_size={args.micro_batch}", *LAYOUTS[args.layout]])
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "training",
-           "--config", str(write_run_config(config)), "--dataset", str(dataset), "--resume", "none"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def training_command(config, dataset: Path, args) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "training",
+            "--config", str(write_run_config(config)), "--dataset", str(dataset), "--resume", "none"]
+
+
+TRAINING_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run_mode(root: Path, dataset: Path, mode: str, args) -> dict:
+    config = bench_config(root, mode, mode, args)
+    proc = subprocess.run(training_command(config, dataset, args), capture_output=True, text=True,
+                          cwd=REPO, env=TRAINING_ENV)
     if proc.returncode != 0:
         raise SystemExit(f"{mode} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     records = read_metrics(config.run_dir)
@@ -57,11 +74,95 @@ def run_mode(root: Path, dataset: Path, mode: str, args) -> dict:
     by_step = {r["step"]: r for r in records}
     stalls = [by_step[s]["checkpoint_s"] + by_step.get(s + 1, {}).get("checkpoint_s", 0.0)
               for s in saves]
-    quiet = [r["step_time_s"] for r in records
-             if r["step"] > 2 and (r["step"] - 1) % args.every not in (0, 1)]
+    # A step that began with a background save in flight (writing, or rank 0 hashing for the
+    # manifest) shared the CPU with it; the others did not.
+    began_saving = {r["step"] + 1 for r in records if r.get("save_in_flight")}
+    quiet = [r["step_time_s"] for r in records if r["step"] > 2 and r["step"] not in began_saving]
+    during = [r["step_time_s"] for r in records if r["step"] in began_saving]
     size = sum(f.stat().st_size for f in (config.run_dir / "checkpoints" / f"step-{args.every:08d}").iterdir())
     shutil.rmtree(config.run_dir / "checkpoints")
-    return {"stalls": stalls, "step_s": statistics.median(quiet) if quiet else None, "bytes": size}
+    return {"stalls": stalls, "step_s": statistics.median(quiet) if quiet else None,
+            "during_s": statistics.median(during) if during else None, "steps_during": len(during),
+            "bytes": size}
+
+
+def run_with_uploads(root: Path, dataset: Path, args) -> dict:
+    """Training with synchronous saves (nothing of the save runs beside training) while this
+    process uploads each committed checkpoint to SeaweedFS as the train flow does
+    (`upload_dir` with the manifest's digests, manifest last), alternately at background
+    priority (what goodput.checkpoints.upload_checkpoint does) and at normal priority.
+
+    SeaweedFS stands for a remote store, whose CPU is not the training node's: its threads
+    run at nice 19 in both arms. Returns the step times of steps that ran during no upload,
+    during a background-priority and during a normal-priority upload (a step counts as during
+    an upload when the middle of its compute falls inside it), and the uploads' durations."""
+    from infra.seaweedfs import REGION, SeaweedFS
+    from storage.background import BACKGROUND_NICE, at_background_priority
+    from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest
+    from storage.store import open_store
+    from training.checkpoint import committed_checkpoints
+
+    config = bench_config(root, "uploads", "sync", args)
+    uploads: list[dict] = []
+    with SeaweedFS(root / "weed", bucket="bench") as server:
+        for task in Path(f"/proc/{server.pid}/task").iterdir():
+            os.setpriority(os.PRIO_PROCESS, int(task.name), BACKGROUND_NICE)
+        store = open_store("s3://bench", endpoint_url=server.endpoint_url, region=REGION)
+        with open(root / "uploads-training.log", "w") as log:
+            proc = subprocess.Popen(training_command(config, dataset, args), stdout=log,
+                                    stderr=subprocess.STDOUT, cwd=REPO, env=TRAINING_ENV)
+            uploaded: set[str] = set()
+            while True:
+                running = proc.poll() is None
+                for path in committed_checkpoints(config.run_dir):
+                    if path.name in uploaded:
+                        continue
+                    uploaded.add(path.name)
+                    known = {f.path: f.sha256 for f in CheckpointManifest.load(path).files}
+                    background = len(uploads) % 2 == 0
+                    run = at_background_priority if background else (lambda fn, *a, **k: fn(*a, **k))
+                    start = time.time()
+                    run(store.upload_dir, path, f"up/{path.name}", last=(CHECKPOINT_MANIFEST,),
+                        known_sha256=known)
+                    uploads.append({"background": background, "start": start, "end": time.time(),
+                                    "bytes": sum(f.size for f in CheckpointManifest.load(path).files)})
+                    store.delete_prefix(f"up/{path.name}")
+                if not running:
+                    break
+                time.sleep(0.2)
+    if proc.returncode != 0:
+        raise SystemExit(f"training with uploads failed; see {root / 'uploads-training.log'}")
+    steps: dict[str, list[float]] = {"none": [], "background": [], "normal": []}
+    for r in read_metrics(config.run_dir):
+        if r["step"] <= 2:
+            continue
+        compute_end = r["time"] - r["checkpoint_s"]  # a synchronous save ends its step
+        middle = compute_end - r["step_time_s"] / 2
+        during = [u for u in uploads if u["start"] <= middle <= u["end"]]
+        steps["none" if not during else "background" if during[0]["background"] else "normal"].append(
+            r["step_time_s"])
+    shutil.rmtree(config.run_dir / "checkpoints")
+    return {"steps": steps, "uploads": uploads}
+
+
+def upload_table(result: dict) -> str:
+    steps, uploads = result["steps"], result["uploads"]
+    quiet = statistics.median(steps["none"])
+    lines = ["| upload priority | uploads | upload time (s) | MB/s | steps during uploads | "
+             "their step time (s) | slowdown |", "|---|---|---|---|---|---|---|",
+             f"| (no upload) | – | – | – | {len(steps['none'])} | {quiet:.3f} | 1.00x |"]
+    for arm, background in (("background (nice 19)", True), ("normal (nice 0)", False)):
+        mine = [u for u in uploads if u["background"] == background]
+        times = [u["end"] - u["start"] for u in mine]
+        during = steps["background" if background else "normal"]
+        step_s = statistics.median(during) if during else None
+        lines.append(
+            f"| {arm} | {len(mine)} | {', '.join(f'{t:.1f}' for t in times)} | "
+            + (f"{statistics.median([u['bytes'] / 1e6 / (u['end'] - u['start']) for u in mine]):.0f}"
+               if mine else "–")
+            + f" | {len(during)} | " + ("– | –" if step_s is None else f"{step_s:.3f} | {step_s / quiet:.2f}x")
+            + " |")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -72,9 +173,19 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2, help="workers (1 per GPU on a GPU machine)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
     parser.add_argument("--dir", help="work directory (default: a temporary one)")
+    parser.add_argument("--uploads", action="store_true",
+                        help="only the upload run: synchronous saves, each checkpoint uploaded to "
+                             "SeaweedFS during training, alternately at background and normal priority")
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="trainer-ckpt-bench-"))
     dataset = synthetic_dataset(root / "dataset", vocab_size=32000, docs_per_shard=400)
+    if args.uploads:
+        result = run_with_uploads(root, dataset, args)
+        print(f"\nCPU (gloo), {args.nproc} worker(s), layout {args.layout}, {args.steps} steps, a "
+              f"save every {args.every}; load {os.getloadavg()[0]:.1f}\n")
+        print(upload_table(result))
+        print(json.dumps(result), file=sys.stderr)
+        return
     results = {mode: run_mode(root, dataset, mode, args) for mode in ("sync", "thread", "process")}
     base = statistics.median(results["sync"]["stalls"])
     import torch
@@ -82,13 +193,16 @@ def main() -> None:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
     print(f"\n{device}, {args.nproc} worker(s), layout {args.layout}, {args.steps} steps, a save every {args.every}; checkpoint "
           f"{results['sync']['bytes'] / 1e9:.2f} GB; load {os.getloadavg()[0]:.1f}\n")
-    print("| checkpoint.async_mode | stall per save (s) | median stall (s) | vs sync | step time without save (s) |")
-    print("|---|---|---|---|---|")
+    print("| checkpoint.async_mode | stall per save (s) | median stall (s) | vs sync | "
+          "step time without save (s) | steps begun during a save | their step time (s) | slowdown |")
+    print("|---|---|---|---|---|---|---|---|")
     for mode, r in results.items():
         median = statistics.median(r["stalls"])
         step_s = "–" if r["step_s"] is None else f"{r['step_s']:.3f}"
+        during = ("– | –" if r["during_s"] is None or r["step_s"] is None else
+                  f"{r['during_s']:.3f} | {r['during_s'] / r['step_s']:.2f}x")
         print(f"| {mode} | {', '.join(f'{s:.3f}' for s in r['stalls'])} | {median:.3f} | "
-              f"{median / base:.3f} | {step_s} |")
+              f"{median / base:.3f} | {step_s} | {r['steps_during']} | {during} |")
     print(json.dumps(results), file=sys.stderr)
 
 

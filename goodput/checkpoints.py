@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from goodput.config import RunConfig
+from storage.background import at_background_priority
 from storage.ledger import RESUMABLE, Ledger, LedgerEntry, checkpoint_key, ledger_key
 from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, verify_files
 from training.checkpoint import (checkpoint_path, checkpoint_root, committed_checkpoints, copy_id,
@@ -150,7 +151,10 @@ def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
                 store.delete(f"{key}/{CHECKPOINT_MANIFEST}")  # so no reader mixes the copies
             # The manifest's digests spare hashing every shard before it goes out; the store checks them.
             known = {f.path: f.sha256 for f in CheckpointManifest.load(path).files}
-            store.upload_dir(path, key, last=(CHECKPOINT_MANIFEST,), known_sha256=known)
+            # Training runs meanwhile: the upload (its transfer threads included) takes the
+            # cycles training leaves idle (storage.background).
+            at_background_priority(store.upload_dir, path, key, last=(CHECKPOINT_MANIFEST,),
+                                   known_sha256=known)
             entry = ledger.record(step, "uploaded", store_url=store.url(key))
     # Every time, so that the store's ledger (what a new machine resumes from) names this step.
     ledger.push(store)

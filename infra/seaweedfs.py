@@ -135,6 +135,12 @@ class SeaweedFS:
         return f"http://{HOST}:{self.s3_port}"
 
     @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError("SeaweedFS is not started")
+        return self._proc.pid
+
+    @property
     def log_path(self) -> Path:
         return self.data_dir / LOG_NAME
 

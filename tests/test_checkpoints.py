@@ -2,7 +2,9 @@
 
 import json
 import re
+import os
 import shutil
+import sys
 
 import pytest
 import torch
@@ -11,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from goodput import checkpoints
 from storage import open_store
 from storage.ledger import checkpoint_key
-from storage.manifests import CheckpointManifest, list_files
+from storage.manifests import CheckpointManifest, list_files, verify_files
 from tests.helpers import (flip_bytes, losses_by_step, small_config, synthetic_dataset,
                            torchrun_training)
 from goodput.runs import train_attempt
@@ -174,6 +176,44 @@ def test_upload_then_resume_from_the_store_alone(run, tmp_path):
     assert point.data_position == CheckpointManifest.model_validate_json(
         store.get_bytes("runs/test/checkpoints/step-00000020/manifest.json")).data_position > 0
     assert not checkpoint_path(config.run_dir, 20).exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_validation_and_upload_run_at_the_lowest_cpu_priority(run, tmp_path, monkeypatch):
+    """Both run beside training: they take the cycles it leaves idle (storage.background)."""
+    import threading
+
+    from storage import background
+    from training import checkpoint as ckpt
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    config, _ = run
+    store = open_store(str(tmp_path / "store"))
+    seen = {}
+    verify, upload_dir = ckpt.verify_checkpoint, type(store).upload_dir
+
+    def spy_verify(*args, **kwargs):
+        seen["verifier"] = nice()
+        return verify(*args, **kwargs)
+
+    def spy_upload(*args, **kwargs):
+        seen["upload"] = nice()
+        return upload_dir(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "verify_checkpoint", spy_verify)
+    monkeypatch.setattr(type(store), "upload_dir", spy_upload)
+    # The verifier's entry point (what the validate task starts in a fresh process), here in a
+    # thread of its own, since it lowers the thread that runs it.
+    verifier = threading.Thread(target=ckpt.main, args=(["verify", str(checkpoint_path(config.run_dir, 10))],))
+    verifier.start()
+    verifier.join()
+    checkpoints.validate_checkpoint(config, 10)
+    caller = nice()
+    assert checkpoints.upload_checkpoint(config, 10, store).state == "uploaded"
+    assert seen == {"verifier": background.BACKGROUND_NICE, "upload": background.BACKGROUND_NICE}
+    assert nice() == caller
 
 
 def test_download_into_the_local_tier_is_verified_and_done_once(run, tmp_path):
@@ -483,3 +523,45 @@ def test_a_checkpoint_of_another_model_is_a_config_error_not_a_crash_to_retry(tm
     reason = records[0]["reason"]
     assert "vocab_size (padded) 300 in the checkpoint, 384 now" in reason
     assert "model.vocab_multiple_of=1" in reason
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_a_background_save_writes_and_hashes_at_the_lowest_cpu_priority(tmp_path, monkeypatch):
+    """The shard writer and the manifest's hashing take only the cycles training leaves idle;
+    the training thread keeps its priority (storage.background)."""
+    import threading
+
+    from storage import background
+    from training import checkpoint as ckpt
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    seen = {}
+    write_data, list_files_ = ckpt.BackgroundWriter.write_data, ckpt.list_files
+
+    def spy_write(self, plan, planner):
+        seen["writer"] = nice()
+        return write_data(self, plan, planner)
+
+    def spy_hash(*args, **kwargs):
+        seen["hashing"] = nice()
+        return list_files_(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt.BackgroundWriter, "write_data", spy_write)
+    monkeypatch.setattr(ckpt, "list_files", spy_hash)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    training_thread = nice()
+    checkpointer = ckpt.Checkpointer("thread")
+    path = tmp_path / "step-00000001"
+    fields = dict(step=1, tokens_seen=0, world_size=1, layout={}, config_hash="c", dataset_id="d",
+                  model_args={}, loss=1.0)
+    checkpointer.save(path, [model], [optimizer], {}, fields)
+    checkpointer.close()
+    assert not checkpointer.failures
+    assert ckpt.is_committed(path) and verify_files(path, CheckpointManifest.load(path).files) == []
+    assert seen == {"writer": background.BACKGROUND_NICE, "hashing": background.BACKGROUND_NICE}
+    assert nice() == training_thread

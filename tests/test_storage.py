@@ -6,6 +6,7 @@ import io
 import os
 import re
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -404,3 +405,46 @@ def test_open_store_rejects_other_uris(uri):
     with pytest.raises(ValueError, match=re.escape(repr(uri))) as error:
         open_store(uri)
     assert "s3://bucket" in str(error.value) or "file:///" in str(error.value)
+
+
+# -- background priority (storage.background) ----------------------------------------------------
+
+def _priority_of_this_thread() -> tuple[int, int]:
+    """(scheduling policy, nice value) of the calling thread."""
+    import threading
+
+    thread = threading.get_native_id()
+    return os.sched_getscheduler(thread), os.getpriority(os.PRIO_PROCESS, thread)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_background_work_runs_at_the_lowest_priority_and_leaves_the_caller_alone():
+    import threading
+
+    from storage.background import BACKGROUND_NICE, at_background_priority
+
+    caller = _priority_of_this_thread()
+    seen = {}
+
+    def work(x):
+        seen["work"] = _priority_of_this_thread()
+        # A thread the background work starts (DCP's and boto3's pool threads) inherits it.
+        child = threading.Thread(target=lambda: seen.update(child=_priority_of_this_thread()))
+        child.start()
+        child.join()
+        return x * 2
+
+    assert at_background_priority(work, 21) == 42
+    background = (os.SCHED_IDLE, BACKGROUND_NICE)
+    assert seen == {"work": background, "child": background}
+    assert _priority_of_this_thread() == caller  # the caller (a Prefect worker thread) is unchanged
+
+
+def test_background_work_hands_its_exception_to_the_caller():
+    from storage.background import at_background_priority
+
+    def fails():
+        raise ConnectionError("store down")
+
+    with pytest.raises(ConnectionError, match="store down"):
+        at_background_priority(fails)

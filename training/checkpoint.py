@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
+from storage.background import lower_thread_priority
 from storage.checksums import exclusive_lock, sha256_file
 from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, list_files, verify_files
 
@@ -175,6 +176,17 @@ class _CpuStager(DefaultStager):
         return super().stage(state_dict, **kwargs)
 
 
+class BackgroundWriter(dcp.FileSystemWriter):
+    """DCP's file writer for background saves: the thread that runs the save (DCP's executor
+    thread, or the writer process's) drops to background priority as DCP sets the writer up,
+    before planning, so that on busy cores the whole save takes the cycles training leaves
+    idle (storage.background). The threads it starts for more files inherit that priority."""
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        lower_thread_priority()
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+
+
 class Checkpointer:
     """Saves checkpoints synchronously or in the background, and commits each when whole.
 
@@ -183,7 +195,8 @@ class Checkpointer:
     `before_update` waits for that copy before the optimizer changes the weights. The write
     runs on its own gloo process group (on the default group it deadlocks against FSDP's
     collectives), in a thread or in a separate process; rank 0 hashes the files and writes the
-    manifest in a background thread once every rank's shards are durable. At most one save is
+    manifest in a background thread once every rank's shards are durable. The write and the
+    hashing run at the lowest CPU priority (storage.background). At most one save is
     in flight; one that fails is reported (`failed`) and never committed. Never overwrites a
     committed checkpoint: one found at the target path (from an abandoned attempt that went
     further) is moved aside first.
@@ -237,7 +250,7 @@ class Checkpointer:
             # the optimizer step's kernels must be done before it reads the weights. (Under
             # torchrun with nccl the barrier above waits too; alone or with gloo nothing would.)
             torch.cuda.current_stream().synchronize()
-        response = dcp.async_save(state, checkpoint_id=str(path), process_group=self.group,
+        response = dcp.async_save(state, storage_writer=BackgroundWriter(path), process_group=self.group,
                                   async_checkpointer_type=kind, async_stager=self.stager)
         if isinstance(response, AsyncSaveResponse):
             self._staging, written = response.staging_completion, response.upload_completion
@@ -251,6 +264,11 @@ class Checkpointer:
                                          name=f"commit-{path.name}", daemon=True)
         self._pending.start()
         return blocked
+
+    @property
+    def in_flight(self) -> bool:
+        """A background save is still being written, hashed or committed."""
+        return self._pending is not None and self._pending.is_alive()
 
     def before_update(self) -> float:
         """Wait until the save in flight has copied the state (call before optimizer.step());
@@ -266,6 +284,7 @@ class Checkpointer:
         return time.perf_counter() - started
 
     def _finish(self, written: Future, path: Path, manifest_fields: dict) -> None:
+        lower_thread_priority()  # hashing the shards for the manifest is background work too
         try:
             written.result()
             self._commit(path, manifest_fields)
@@ -561,6 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss-tolerance", type=float, default=0.5,
                         help="held-out loss may exceed the training loss by this fraction")
     args = parser.parse_args(argv)
+    # Validation runs beside training (the train flow judges each checkpoint as it lands):
+    # at background priority, before torch starts its intra-op threads, which inherit it.
+    lower_thread_priority()
     result = verify_checkpoint(args.path, args.dataset, args.eval_batches, args.loss_tolerance)
     print(json.dumps(result))
     return 0 if result["ok"] else 1

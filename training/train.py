@@ -540,6 +540,9 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
             metrics.log({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                          "tokens_seen": tokens_seen, "tokens_per_s": tokens_per_s,
                          "step_time_s": step_time, "checkpoint_s": window_checkpoint_s,
+                         # rank 0's background save was still writing or hashing when this
+                         # step ended: the step shared the CPU with it (benchmarks/ measures it)
+                         "save_in_flight": checkpointer.in_flight,
                          # this record stands for steps (step - window_steps, step]
                          "window_steps": window_steps, "window_time_s": window_time_s,
                          "flops_per_s_per_device": achieved,
