@@ -283,8 +283,8 @@ def save_worker(args) -> dict:
     trainer.step()  # warm-up, and AdamW's state exists from here on
 
     root, runs, checkpoint_bytes = Path(args.dir), {}, 0
-    # Mode by mode, each with its own baseline steps just before its saves, since load from
-    # other processes on a shared machine drifts. A kept stager holds a copy of the whole
+    # Mode by mode, each with its own baseline steps (before its saves, and between them once
+    # the save is done), since load from other processes on a shared machine drifts. A kept stager holds a copy of the whole
     # state, so only one exists at a time.
     for name, mode in save_modes().items():
         if args.modes and name not in (*args.modes, "sync"):
@@ -300,6 +300,7 @@ def save_worker(args) -> dict:
                 run["saves"].append(save(path))
                 checkpoint_bytes = checkpoint_bytes or sum(f.stat().st_size for f in path.iterdir())
                 remove(path)
+                baseline += [trainer.step() for _ in range(args.quiet_steps)]
         runs[name] = run
     dcp.save(trainer.state(), checkpoint_id=str(root / "resume"))  # for the resume timings
 
@@ -379,7 +380,7 @@ def save_table(result: dict) -> str:
     for name, run in runs.items():
         saves, base = run["saves"], median(run["baseline_steps"])
         steady = median([r["blocking_s"] for r in saves[1:]])
-        during = [s for r in saves for s in r["steps_during"]]
+        during = [s for r in saves[1:] for s in r["steps_during"]]
         # Blocking, plus whatever the steps during the write took beyond a normal step.
         lost = median([r["blocking_s"] + sum(r["steps_during"]) - len(r["steps_during"]) * base
                        for r in saves[1:]])
@@ -389,13 +390,14 @@ def save_table(result: dict) -> str:
         lines.append(
             f"| {name} | {saves[0]['blocking_s']:.3f} | {steady:.3f} | {steady / sync_blocking:.3f} | "
             f"{median([r['total_s'] for r in saves[1:]]):.2f} | {base:.2f} | {len(during)} | "
-            + (f"{median(during):.2f} | {median(during) / base:.2f}x" if during else "– | –")
+            + (f"{median(during):.2f} | {statistics.mean(during) / base:.2f}x" if during else "– | –")
             + f" | {lost:.2f} | {extra_cpu:.2f} | {'–' if ok == {None} else ('yes' if ok == {True} else 'NO')} |")
     sync_cpu = median([r["main_cpu_s"] for r in runs["sync"]["saves"][1:]])
     return "\n".join(lines) + (
-        f"\n\nStep time without save: median of the {len(runs['sync']['baseline_steps'])} steps taken just "
-        f"before each mode's saves. The synchronous save itself used {sync_cpu:.2f} s CPU on the "
-        "training thread.")
+        f"\n\nStep time without save: median of the {len(runs['sync']['baseline_steps'])} steps of each mode "
+        "taken before its saves and between them (none in flight). Steps during write, their median and "
+        "the slowdown (their mean over the step time without save) count the saves after the first. "
+        f"The synchronous save itself used {sync_cpu:.2f} s CPU on the training thread.")
 
 
 def resume_table(fresh: dict, resumed: dict, verified: dict) -> str:
@@ -415,7 +417,7 @@ def drive(args) -> None:
     root.mkdir(parents=True)
     load_before = os.getloadavg()[0]
     result = torchrun(args, "--worker", "save", "--saves", str(args.saves),
-                      "--baseline-steps", str(args.baseline_steps),
+                      "--baseline-steps", str(args.baseline_steps), "--quiet-steps", str(args.quiet_steps),
                       *(["--modes", *args.modes] if args.modes else []))
     # The manifest a committed checkpoint has (sizes and sha256), for the verified resume.
     from storage.manifests import CheckpointManifest, list_files
@@ -445,7 +447,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layout", choices=["ddp", "fsdp"], default="ddp")
     parser.add_argument("--saves", type=int, default=3, help="saves per mode")
-    parser.add_argument("--baseline-steps", type=int, default=3)
+    parser.add_argument("--baseline-steps", type=int, default=3, help="steps before each mode's saves")
+    parser.add_argument("--quiet-steps", type=int, default=2,
+                        help="steps after each save is done, before the next (also baseline)")
     parser.add_argument("--micro-batch", type=int, default=1)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--dir", default="/tmp/goodput-checkpoint-bench")

@@ -92,8 +92,9 @@ def run_with_uploads(root: Path, dataset: Path, args) -> dict:
     (`upload_dir` with the manifest's digests, manifest last), alternately at background
     priority (what goodput.checkpoints.upload_checkpoint does) and at normal priority.
 
-    SeaweedFS stands for a remote store, whose CPU is not the training node's: its threads
-    run at nice 19 in both arms. Returns the step times of steps that ran during no upload,
+    SeaweedFS stands for a remote store, whose CPU is not the training node's: it runs at
+    nice 19 (its threads and its autogroup) in both arms. Training is started in this
+    process's session, as the local launcher does not: see storage.background on autogroups. Returns the step times of steps that ran during no upload,
     during a background-priority and during a normal-priority upload (a step counts as during
     an upload when the middle of its compute falls inside it), and the uploads' durations."""
     from infra.seaweedfs import REGION, SeaweedFS
@@ -104,7 +105,15 @@ def run_with_uploads(root: Path, dataset: Path, args) -> dict:
 
     config = bench_config(root, "uploads", "sync", args)
     uploads: list[dict] = []
-    with SeaweedFS(root / "weed", bucket="bench") as server:
+    keys = {"AWS_ACCESS_KEY_ID": "bench-access", "AWS_SECRET_ACCESS_KEY": "bench-secret"}
+    os.environ.update(keys, AWS_DEFAULT_REGION=REGION)  # a throwaway server's own keys
+    with SeaweedFS(root / "weed", bucket="bench", access_key=keys["AWS_ACCESS_KEY_ID"],
+                   secret_key=keys["AWS_SECRET_ACCESS_KEY"]) as server:
+        # The server runs in a session of its own, so on a kernel with autogroups (this one)
+        # its threads' nice values would not count against training's: the autogroup's does.
+        autogroup = Path(f"/proc/{server.pid}/autogroup")
+        if autogroup.exists():
+            autogroup.write_text(str(BACKGROUND_NICE))
         for task in Path(f"/proc/{server.pid}/task").iterdir():
             os.setpriority(os.PRIO_PROCESS, int(task.name), BACKGROUND_NICE)
         store = open_store("s3://bench", endpoint_url=server.endpoint_url, region=REGION)
@@ -112,24 +121,29 @@ def run_with_uploads(root: Path, dataset: Path, args) -> dict:
             proc = subprocess.Popen(training_command(config, dataset, args), stdout=log,
                                     stderr=subprocess.STDOUT, cwd=REPO, env=TRAINING_ENV)
             uploaded: set[str] = set()
-            while True:
-                running = proc.poll() is None
-                for path in committed_checkpoints(config.run_dir):
-                    if path.name in uploaded:
-                        continue
-                    uploaded.add(path.name)
-                    known = {f.path: f.sha256 for f in CheckpointManifest.load(path).files}
-                    background = len(uploads) % 2 == 0
-                    run = at_background_priority if background else (lambda fn, *a, **k: fn(*a, **k))
-                    start = time.time()
-                    run(store.upload_dir, path, f"up/{path.name}", last=(CHECKPOINT_MANIFEST,),
-                        known_sha256=known)
-                    uploads.append({"background": background, "start": start, "end": time.time(),
-                                    "bytes": sum(f.size for f in CheckpointManifest.load(path).files)})
-                    store.delete_prefix(f"up/{path.name}")
-                if not running:
-                    break
-                time.sleep(0.2)
+            try:
+                while True:
+                    running = proc.poll() is None
+                    for path in committed_checkpoints(config.run_dir):
+                        if path.name in uploaded:
+                            continue
+                        uploaded.add(path.name)
+                        known = {f.path: f.sha256 for f in CheckpointManifest.load(path).files}
+                        background = len(uploads) % 2 == 0
+                        run = at_background_priority if background else (lambda fn, *a, **k: fn(*a, **k))
+                        start = time.time()
+                        run(store.upload_dir, path, f"up/{path.name}", last=(CHECKPOINT_MANIFEST,),
+                            known_sha256=known)
+                        uploads.append({"background": background, "start": start, "end": time.time(),
+                                        "bytes": sum(f.size for f in CheckpointManifest.load(path).files)})
+                        store.delete_prefix(f"up/{path.name}")
+                    if not running:
+                        break
+                    time.sleep(0.2)
+            except BaseException:  # an upload that failed ends the benchmark, and training with it
+                proc.terminate()  # torchrun passes SIGTERM on to its workers
+                proc.wait()
+                raise
     if proc.returncode != 0:
         raise SystemExit(f"training with uploads failed; see {root / 'uploads-training.log'}")
     steps: dict[str, list[float]] = {"none": [], "background": [], "normal": []}

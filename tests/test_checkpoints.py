@@ -204,15 +204,19 @@ def test_validation_and_upload_run_at_the_lowest_cpu_priority(run, tmp_path, mon
 
     monkeypatch.setattr(ckpt, "verify_checkpoint", spy_verify)
     monkeypatch.setattr(type(store), "upload_dir", spy_upload)
+    # (this process's session is the test runner's: never lowered; test_storage checks it)
+    monkeypatch.setattr(ckpt, "lower_session_priority", lambda: seen.setdefault("session", True))
     # The verifier's entry point (what the validate task starts in a fresh process), here in a
     # thread of its own, since it lowers the thread that runs it.
-    verifier = threading.Thread(target=ckpt.main, args=(["verify", str(checkpoint_path(config.run_dir, 10))],))
+    verifier = threading.Thread(target=ckpt.main, args=(
+        ["verify", str(checkpoint_path(config.run_dir, 10)), "--background"],))
     verifier.start()
     verifier.join()
     checkpoints.validate_checkpoint(config, 10)
     caller = nice()
     assert checkpoints.upload_checkpoint(config, 10, store).state == "uploaded"
-    assert seen == {"verifier": background.BACKGROUND_NICE, "upload": background.BACKGROUND_NICE}
+    assert seen == {"verifier": background.BACKGROUND_NICE, "upload": background.BACKGROUND_NICE,
+                    "session": True}
     assert nice() == caller
 
 

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from storage.background import lower_thread_priority
+from storage.background import lower_session_priority, lower_thread_priority
 from storage.checksums import exclusive_lock, sha256_file
 from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, list_files, verify_files
 
@@ -579,10 +579,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="validation batches for the held-out loss check (0: off)")
     parser.add_argument("--loss-tolerance", type=float, default=0.5,
                         help="held-out loss may exceed the training loss by this fraction")
+    parser.add_argument("--background", action="store_true",
+                        help="run at the lowest CPU priority (beside training); with a session of "
+                             "its own, lower the session's scheduling group too")
     args = parser.parse_args(argv)
-    # Validation runs beside training (the train flow judges each checkpoint as it lands):
-    # at background priority, before torch starts its intra-op threads, which inherit it.
-    lower_thread_priority()
+    if args.background:  # before torch starts its intra-op threads, which inherit it
+        lower_thread_priority()
+        lower_session_priority()
     result = verify_checkpoint(args.path, args.dataset, args.eval_batches, args.loss_tolerance)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
