@@ -116,7 +116,6 @@ def run_with_uploads(root: Path, dataset: Path, args) -> dict:
             autogroup.write_text(str(BACKGROUND_NICE))
         for task in Path(f"/proc/{server.pid}/task").iterdir():
             os.setpriority(os.PRIO_PROCESS, int(task.name), BACKGROUND_NICE)
-        store = open_store("s3://bench", endpoint_url=server.endpoint_url, region=REGION)
         with open(root / "uploads-training.log", "w") as log:
             proc = subprocess.Popen(training_command(config, dataset, args), stdout=log,
                                     stderr=subprocess.STDOUT, cwd=REPO, env=TRAINING_ENV)
@@ -131,6 +130,9 @@ def run_with_uploads(root: Path, dataset: Path, args) -> dict:
                         known = {f.path: f.sha256 for f in CheckpointManifest.load(path).files}
                         background = len(uploads) % 2 == 0
                         run = at_background_priority if background else (lambda fn, *a, **k: fn(*a, **k))
+                        # A store of its own per upload: its transfer threads start at the
+                        # priority of the upload that first uses them.
+                        store = open_store("s3://bench", endpoint_url=server.endpoint_url, region=REGION)
                         start = time.time()
                         run(store.upload_dir, path, f"up/{path.name}", last=(CHECKPOINT_MANIFEST,),
                             known_sha256=known)

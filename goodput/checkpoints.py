@@ -80,11 +80,13 @@ def verify_in_fresh_process(path: Path, timeout_s: float = 600, held_out: list[s
     A verifier that ends without a verdict (killed for memory, a crash in its own setup) says
     nothing about the checkpoint: VerifierCrashed, and the checkpoint stays unjudged for a retry.
     """
-    # Validation runs beside training: at background priority, in a session (scheduling
-    # group) of its own that it lowers too (storage.background).
-    proc = subprocess.run([sys.executable, "-m", "training.checkpoint", "verify", str(path),
-                           "--background", *held_out], capture_output=True, text=True,
-                          timeout=timeout_s, start_new_session=True)
+    # Validation runs beside training: at background priority (storage.background).
+    try:
+        proc = subprocess.run([sys.executable, "-m", "training.checkpoint", "verify", str(path),
+                               "--background", *held_out], capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:  # starved or stuck: no verdict on the checkpoint
+        raise VerifierCrashed(f"the verifier of {path} gave no verdict within {timeout_s:.0f} s") from e
     lines = proc.stdout.strip().splitlines()
     try:
         verdict = json.loads(lines[-1])

@@ -12,13 +12,12 @@ its interpreter lock: `checkpoint.async_mode: process` keeps the shard writing o
 
 Priorities count within a scheduling group. On kernels with autogroups (most desktop and
 many server distributions) each session is a group, and groups share the CPU evenly
-whatever their threads' priorities: a process in a session of its own (the validation
-process; the training workers, which the local launcher starts in a new session) competes
-as a group. So the validation process, started in a session of its own, also lowers its
-group (`lower_session_priority`). The upload threads of the flow process cannot: against
-workers in another session they get an even share, and idle priority helps them yield only
-within the flow process. Where cgroups, not sessions, divide the CPU (Slurm, Kubernetes),
-the same holds per cgroup.
+whatever their threads' priorities. The local launcher starts the training workers in a
+session of their own, so there the flow process's validation and upload get an even share
+against them, and idle priority only makes them yield to the flow's own threads. (The
+validation process stays in the flow's session: in a session of its own, a cancelled flow,
+which Prefect stops by signalling its process group, would leave it running.) Where cgroups
+divide the CPU (Slurm, Kubernetes), the same holds per cgroup.
 
 Linux keeps the priority per thread, and a thread starts with its creator's, so lowering
 one thread lowers the pool threads it later starts (DCP's writer threads, boto3's transfer
@@ -32,7 +31,6 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from pathlib import Path
 from typing import Callable, TypeVar
 
 BACKGROUND_NICE = 19  # the lowest priority: CFS weight 15 against 1024 at nice 0
@@ -56,20 +54,6 @@ def lower_thread_priority(nice: int = BACKGROUND_NICE) -> bool:
         os.sched_setscheduler(thread, os.SCHED_IDLE, os.sched_param(0))
         return True
     except OSError:  # a sandbox that forbids it: the work still runs, at normal priority
-        return False
-
-
-def lower_session_priority(nice: int = BACKGROUND_NICE) -> bool:
-    """Where the calling process leads a session of its own, lower that session's scheduling
-    group (its autogroup) to `nice`; returns whether it did. Only a session leader does it,
-    so that a process started from a shell never lowers the shell's session."""
-    autogroup = Path("/proc/self/autogroup")
-    if sys.platform != "linux" or os.getsid(0) != os.getpid() or not autogroup.exists():
-        return False
-    try:
-        autogroup.write_text(str(nice))
-        return True
-    except OSError:
         return False
 
 

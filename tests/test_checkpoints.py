@@ -204,8 +204,6 @@ def test_validation_and_upload_run_at_the_lowest_cpu_priority(run, tmp_path, mon
 
     monkeypatch.setattr(ckpt, "verify_checkpoint", spy_verify)
     monkeypatch.setattr(type(store), "upload_dir", spy_upload)
-    # (this process's session is the test runner's: never lowered; test_storage checks it)
-    monkeypatch.setattr(ckpt, "lower_session_priority", lambda: seen.setdefault("session", True))
     # The verifier's entry point (what the validate task starts in a fresh process), here in a
     # thread of its own, since it lowers the thread that runs it.
     verifier = threading.Thread(target=ckpt.main, args=(
@@ -215,8 +213,7 @@ def test_validation_and_upload_run_at_the_lowest_cpu_priority(run, tmp_path, mon
     checkpoints.validate_checkpoint(config, 10)
     caller = nice()
     assert checkpoints.upload_checkpoint(config, 10, store).state == "uploaded"
-    assert seen == {"verifier": background.BACKGROUND_NICE, "upload": background.BACKGROUND_NICE,
-                    "session": True}
+    assert seen == {"verifier": background.BACKGROUND_NICE, "upload": background.BACKGROUND_NICE}
     assert nice() == caller
 
 
@@ -532,7 +529,7 @@ def test_a_checkpoint_of_another_model_is_a_config_error_not_a_crash_to_retry(tm
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 def test_a_background_save_writes_and_hashes_at_the_lowest_cpu_priority(tmp_path, monkeypatch):
     """The shard writer and the manifest's hashing take only the cycles training leaves idle;
-    the training thread keeps its priority (storage.background)."""
+    the training thread keeps its priority (storage.background). An urgent save does not."""
     import threading
 
     from storage import background
@@ -569,3 +566,12 @@ def test_a_background_save_writes_and_hashes_at_the_lowest_cpu_priority(tmp_path
     assert ckpt.is_committed(path) and verify_files(path, CheckpointManifest.load(path).files) == []
     assert seen == {"writer": background.BACKGROUND_NICE, "hashing": background.BACKGROUND_NICE}
     assert nice() == training_thread
+
+    # The emergency save (within the launcher's grace period) does not wait for idle cycles.
+    seen.clear()
+    urgent = tmp_path / "step-00000002"
+    checkpointer = ckpt.Checkpointer("thread")
+    checkpointer.save(urgent, [model], [optimizer], {}, {**fields, "step": 2}, urgent=True)
+    checkpointer.close()
+    assert ckpt.is_committed(urgent) and not checkpointer.failures
+    assert seen == {"hashing": training_thread}

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
 
-from storage.background import lower_session_priority, lower_thread_priority
+from storage.background import lower_thread_priority
 from storage.checksums import exclusive_lock, sha256_file
 from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, list_files, verify_files
 
@@ -221,8 +221,11 @@ class Checkpointer:
         self.failures: list[str] = []
         self.disk_full = False
 
-    def save(self, path: Path, model_parts, optimizers, extra: dict, manifest_fields: dict) -> float:
-        """Start (or do) a save; returns the seconds training was blocked."""
+    def save(self, path: Path, model_parts, optimizers, extra: dict, manifest_fields: dict,
+             urgent: bool = False) -> float:
+        """Start (or do) a save; returns the seconds training was blocked. `urgent` (the
+        emergency save, within the launcher's grace period): written and hashed at normal
+        priority, not in idle cycles."""
         started = time.perf_counter()
         self.wait()
         if self.rank == 0:
@@ -250,7 +253,8 @@ class Checkpointer:
             # the optimizer step's kernels must be done before it reads the weights. (Under
             # torchrun with nccl the barrier above waits too; alone or with gloo nothing would.)
             torch.cuda.current_stream().synchronize()
-        response = dcp.async_save(state, storage_writer=BackgroundWriter(path), process_group=self.group,
+        writer = dcp.FileSystemWriter(path) if urgent else BackgroundWriter(path)
+        response = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                   async_checkpointer_type=kind, async_stager=self.stager)
         if isinstance(response, AsyncSaveResponse):
             self._staging, written = response.staging_completion, response.upload_completion
@@ -260,7 +264,8 @@ class Checkpointer:
         self.fault_hook("writing", step)
         # The coordinator's future completes after it gathered every rank's write results
         # and wrote .metadata: then, and only then, the checkpoint may be committed.
-        self._pending = threading.Thread(target=self._finish, args=(written, path, manifest_fields),
+        self._pending = threading.Thread(target=self._finish,
+                                         args=(written, path, manifest_fields, not urgent),
                                          name=f"commit-{path.name}", daemon=True)
         self._pending.start()
         return blocked
@@ -283,8 +288,9 @@ class Checkpointer:
         self._staging = None
         return time.perf_counter() - started
 
-    def _finish(self, written: Future, path: Path, manifest_fields: dict) -> None:
-        lower_thread_priority()  # hashing the shards for the manifest is background work too
+    def _finish(self, written: Future, path: Path, manifest_fields: dict, background: bool) -> None:
+        if background:  # hashing the shards for the manifest is background work too
+            lower_thread_priority()
         try:
             written.result()
             self._commit(path, manifest_fields)
@@ -580,12 +586,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loss-tolerance", type=float, default=0.5,
                         help="held-out loss may exceed the training loss by this fraction")
     parser.add_argument("--background", action="store_true",
-                        help="run at the lowest CPU priority (beside training); with a session of "
-                             "its own, lower the session's scheduling group too")
+                        help="run at the lowest CPU priority (beside training)")
     args = parser.parse_args(argv)
     if args.background:  # before torch starts its intra-op threads, which inherit it
         lower_thread_priority()
-        lower_session_priority()
     result = verify_checkpoint(args.path, args.dataset, args.eval_batches, args.loss_tolerance)
     print(json.dumps(result))
     return 0 if result["ok"] else 1

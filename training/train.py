@@ -473,7 +473,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
     schedule = CheckpointSchedule(config, env.rank)
     schedule.last_saved = step
 
-    def save(step: int, loss: float) -> float:
+    def save(step: int, loss: float, urgent: bool = False) -> float:
         return checkpointer.save(
             checkpoint_path(run_dir, step), layout.model_parts, optimizers,
             {"progress": {"step": step, "tokens_seen": tokens_seen},
@@ -481,7 +481,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
             {"step": step, "tokens_seen": tokens_seen, "data_position": loader.sample_index,
              "world_size": env.world_size, "layout": degrees,
              "config_hash": config.config_hash(), "dataset_id": manifest.dataset_id,
-             "model_args": model_args, "loss": loss, "seq_len": tcfg.seq_len})
+             "model_args": model_args, "loss": loss, "seq_len": tcfg.seq_len}, urgent=urgent)
 
     last_loss, saved_step = float("nan"), step
     # Steps since the last metrics record (training.log_every): each record accounts for them
@@ -563,8 +563,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
             raise CheckpointFailed("; ".join(failures[:4]), any(full for _, full in reports),
                                    writes_stuck=not settled)
         if preempted:
-            if saved_step != step:
-                save(step, loss)
+            if saved_step != step:  # within the launcher's grace: not in idle cycles
+                save(step, loss, urgent=True)
             checkpointer.wait()
             if checkpointer.failures:
                 raise CheckpointFailed("emergency save failed: " + "; ".join(checkpointer.failures),
