@@ -94,21 +94,22 @@ def run_with_uploads(root: Path, dataset: Path, args) -> dict:
 
     SeaweedFS stands for a remote store, whose CPU is not the training node's: it runs at
     nice 19 (its threads and its autogroup) in both arms. Training is started in this
-    process's session, as the local launcher does not: see storage.background on autogroups. Returns the step times of steps that ran during no upload,
-    during a background-priority and during a normal-priority upload (a step counts as during
-    an upload when the middle of its compute falls inside it), and the uploads' durations."""
+    process's session (the local launcher does not: see storage.background on autogroups).
+    Returns the step times of steps that ran during no upload, during a background-priority
+    and during a normal-priority upload (a step counts as during an upload when the middle of
+    its compute falls inside it), and the uploads' durations."""
+    from benchmarks.upload_bench import ACCESS_KEY, BUCKET, SECRET_KEY, store_upload
     from infra.seaweedfs import REGION, SeaweedFS
     from storage.background import BACKGROUND_NICE, at_background_priority
-    from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest
+    from storage.manifests import CheckpointManifest
     from storage.store import open_store
     from training.checkpoint import committed_checkpoints
 
     config = bench_config(root, "uploads", "sync", args)
     uploads: list[dict] = []
-    keys = {"AWS_ACCESS_KEY_ID": "bench-access", "AWS_SECRET_ACCESS_KEY": "bench-secret"}
-    os.environ.update(keys, AWS_DEFAULT_REGION=REGION)  # a throwaway server's own keys
-    with SeaweedFS(root / "weed", bucket="bench", access_key=keys["AWS_ACCESS_KEY_ID"],
-                   secret_key=keys["AWS_SECRET_ACCESS_KEY"]) as server:
+    os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+                      AWS_DEFAULT_REGION=REGION)  # a throwaway server's own keys
+    with SeaweedFS(root / "weed", bucket=BUCKET, access_key=ACCESS_KEY, secret_key=SECRET_KEY) as server:
         # The server runs in a session of its own, so on a kernel with autogroups (this one)
         # its threads' nice values would not count against training's: the autogroup's does.
         autogroup = Path(f"/proc/{server.pid}/autogroup")
@@ -127,15 +128,13 @@ def run_with_uploads(root: Path, dataset: Path, args) -> dict:
                         if path.name in uploaded:
                             continue
                         uploaded.add(path.name)
-                        known = {f.path: f.sha256 for f in CheckpointManifest.load(path).files}
                         background = len(uploads) % 2 == 0
                         run = at_background_priority if background else (lambda fn, *a, **k: fn(*a, **k))
                         # A store of its own per upload: its transfer threads start at the
                         # priority of the upload that first uses them.
-                        store = open_store("s3://bench", endpoint_url=server.endpoint_url, region=REGION)
+                        store = open_store(f"s3://{BUCKET}", endpoint_url=server.endpoint_url, region=REGION)
                         start = time.time()
-                        run(store.upload_dir, path, f"up/{path.name}", last=(CHECKPOINT_MANIFEST,),
-                            known_sha256=known)
+                        run(store_upload, store, path, f"up/{path.name}")
                         uploads.append({"background": background, "start": start, "end": time.time(),
                                         "bytes": sum(f.size for f in CheckpointManifest.load(path).files)})
                         store.delete_prefix(f"up/{path.name}")

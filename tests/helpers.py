@@ -129,3 +129,8 @@ class Watcher(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.result
+
+
+def thread_nice() -> int:
+    """The calling thread's nice value (Linux keeps one per thread; storage.background)."""
+    return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

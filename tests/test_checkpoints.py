@@ -2,7 +2,6 @@
 
 import json
 import re
-import os
 import shutil
 import sys
 
@@ -15,7 +14,7 @@ from storage import open_store
 from storage.ledger import checkpoint_key
 from storage.manifests import CheckpointManifest, list_files, verify_files
 from tests.helpers import (flip_bytes, losses_by_step, small_config, synthetic_dataset,
-                           torchrun_training)
+                           thread_nice, torchrun_training)
 from goodput.runs import train_attempt
 from infra.torchrun import TrainingFailed
 from training.checkpoint import (CheckpointCorrupt, StoreReader, VerifiedReader, checkpoint_path,
@@ -186,20 +185,17 @@ def test_validation_and_upload_run_at_the_lowest_cpu_priority(run, tmp_path, mon
     from storage import background
     from training import checkpoint as ckpt
 
-    def nice() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
     config, _ = run
     store = open_store(str(tmp_path / "store"))
     seen = {}
     verify, upload_dir = ckpt.verify_checkpoint, type(store).upload_dir
 
     def spy_verify(*args, **kwargs):
-        seen["verifier"] = nice()
+        seen["verifier"] = thread_nice()
         return verify(*args, **kwargs)
 
     def spy_upload(*args, **kwargs):
-        seen["upload"] = nice()
+        seen["upload"] = thread_nice()
         return upload_dir(*args, **kwargs)
 
     monkeypatch.setattr(ckpt, "verify_checkpoint", spy_verify)
@@ -211,10 +207,10 @@ def test_validation_and_upload_run_at_the_lowest_cpu_priority(run, tmp_path, mon
     verifier.start()
     verifier.join()
     checkpoints.validate_checkpoint(config, 10)
-    caller = nice()
+    caller = thread_nice()
     assert checkpoints.upload_checkpoint(config, 10, store).state == "uploaded"
     assert seen == {"verifier": background.BACKGROUND_NICE, "upload": background.BACKGROUND_NICE}
-    assert nice() == caller
+    assert thread_nice() == caller
 
 
 def test_download_into_the_local_tier_is_verified_and_done_once(run, tmp_path):
@@ -530,23 +526,18 @@ def test_a_checkpoint_of_another_model_is_a_config_error_not_a_crash_to_retry(tm
 def test_a_background_save_writes_and_hashes_at_the_lowest_cpu_priority(tmp_path, monkeypatch):
     """The shard writer and the manifest's hashing take only the cycles training leaves idle;
     the training thread keeps its priority (storage.background). An urgent save does not."""
-    import threading
-
     from storage import background
     from training import checkpoint as ckpt
-
-    def nice() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
     seen = {}
     write_data, list_files_ = ckpt.BackgroundWriter.write_data, ckpt.list_files
 
     def spy_write(self, plan, planner):
-        seen["writer"] = nice()
+        seen["writer"] = thread_nice()
         return write_data(self, plan, planner)
 
     def spy_hash(*args, **kwargs):
-        seen["hashing"] = nice()
+        seen["hashing"] = thread_nice()
         return list_files_(*args, **kwargs)
 
     monkeypatch.setattr(ckpt.BackgroundWriter, "write_data", spy_write)
@@ -555,7 +546,7 @@ def test_a_background_save_writes_and_hashes_at_the_lowest_cpu_priority(tmp_path
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 64)).sum().backward()
     optimizer.step()
-    training_thread = nice()
+    training_thread = thread_nice()
     checkpointer = ckpt.Checkpointer("thread")
     path = tmp_path / "step-00000001"
     fields = dict(step=1, tokens_seen=0, world_size=1, layout={}, config_hash="c", dataset_id="d",
@@ -565,7 +556,7 @@ def test_a_background_save_writes_and_hashes_at_the_lowest_cpu_priority(tmp_path
     assert not checkpointer.failures
     assert ckpt.is_committed(path) and verify_files(path, CheckpointManifest.load(path).files) == []
     assert seen == {"writer": background.BACKGROUND_NICE, "hashing": background.BACKGROUND_NICE}
-    assert nice() == training_thread
+    assert thread_nice() == training_thread
 
     # The emergency save (within the launcher's grace period) does not wait for idle cycles.
     seen.clear()
