@@ -146,9 +146,11 @@ def cpu_stager(shared: bool = False, background: bool = False):
 def save_modes() -> dict:
     """name -> None for a synchronous dcp.save; ("dcp", dcp.async_save options, a factory for
     the stager kept across that mode's saves, or None for async_save's own per-save stager);
-    or ("trainer", checkpoint.async_mode, background priority): the trainer's own Checkpointer,
-    which also hashes the files for the manifest (rank 0) before the save counts as done. The
-    Checkpointer at normal priority is the control arm for its background priority."""
+    or ("trainer", checkpoint.async_mode, background priority, DCP's writer): the trainer's own
+    Checkpointer; the save counts as done once committed (its manifest written). The
+    Checkpointer at normal priority is the control arm for its background priority; the one
+    with DCP's own write (torch.save computes its zip CRCs, and rank 0 hashes every file for
+    the manifest after the write), for ShardWriter (no CRCs, each rank hashes as it writes)."""
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     process = {"async_checkpointer_type": AsyncCheckpointerType.PROCESS}
@@ -160,9 +162,12 @@ def save_modes() -> dict:
         "async process": ("dcp", process, None),
         # Shared memory: the staged tensors reach the writer process as handles, not bytes.
         "async process, kept shm stager": ("dcp", process, lambda: cpu_stager(shared=True)),
-        "trainer thread, normal priority": ("trainer", "thread", False),
-        "trainer thread, nice 19": ("trainer", "thread", True),
-        "trainer process, nice 19": ("trainer", "process", True),
+        "trainer sync, DCP's writer": ("trainer", "sync", False, True),
+        "trainer sync": ("trainer", "sync", False, False),
+        "trainer thread, normal priority, DCP's writer": ("trainer", "thread", False, True),
+        "trainer thread, nice 19, DCP's writer": ("trainer", "thread", True, True),
+        "trainer thread, nice 19": ("trainer", "thread", True, False),
+        "trainer process, nice 19": ("trainer", "process", True, False),
     }
 
 
@@ -257,16 +262,27 @@ def saver(mode, trainer: Trainer, ckpt_group):
     else:
         from training import checkpoint
 
-        _, async_mode, background = mode
+        _, async_mode, background, dcp_writer = mode
+        from torch.distributed.checkpoint.filesystem import FileSystem
+
         lower = checkpoint.lower_thread_priority
+        writer = [(checkpoint.ShardWriter, "write_data", dcp.FileSystemWriter.write_data),
+                  (checkpoint._HashingFileSystem, "create_stream", FileSystem.create_stream),
+                  (checkpoint._HashingFileSystem, "rename", FileSystem.rename)]
+        kept = [(cls, name, getattr(cls, name)) for cls, name, _ in writer]
         if not background:  # the control arm: the same saves, the writer and hashing at nice 0
             checkpoint.lower_thread_priority = lambda: False
+        if dcp_writer:  # the control arm: DCP's own write, nothing hashed as written: the
+            for cls, name, dcps in writer:  # commit hashes every file it finds, on rank 0
+                setattr(cls, name, dcps)
         checkpointer = checkpoint.Checkpointer(async_mode)
         try:
             yield lambda path: time_trainer_save(trainer, path, checkpointer)
         finally:
             checkpointer.close()
             checkpoint.lower_thread_priority = lower
+            for cls, name, ours in kept:
+                setattr(cls, name, ours)
 
 
 def remove(path: Path) -> None:

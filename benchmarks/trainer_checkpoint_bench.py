@@ -11,8 +11,9 @@ without and with a background save in flight (`save_in_flight`: writing, or rank
 the files for the manifest), whose ratio is the slowdown a background save causes. Runs the
 modes one after another in one invocation; prints a markdown table for benchmarks/RESULTS.md.
 
-`--uploads`: the step-time slowdown while checkpoints upload to S3 (SeaweedFS), the upload
-at background priority against normal priority in the same run (see run_with_uploads).
+`--uploads`: the step-time slowdown while checkpoints upload to S3 (SeaweedFS): a training
+run without uploads, one uploading at background priority and one at normal priority, in
+one invocation (see run_with_uploads).
 A benchmark, not a test: nothing here asserts a target.
 """
 
@@ -86,27 +87,27 @@ def run_mode(root: Path, dataset: Path, mode: str, args) -> dict:
             "bytes": size}
 
 
+UPLOAD_ARMS = {"none": None, "background (idle class, nice 19)": True, "normal (nice 0)": False}
+
+
 def run_with_uploads(root: Path, dataset: Path, args) -> dict:
-    """Training with synchronous saves (nothing of the save runs beside training) while this
-    process uploads each committed checkpoint to SeaweedFS as the train flow does
-    (`upload_dir` with the manifest's digests, manifest last), alternately at background
-    priority (what goodput.checkpoints.upload_checkpoint does) and at normal priority.
+    """One training run per arm, with synchronous saves (nothing of the save runs beside
+    training): without uploads, then with this process uploading each committed checkpoint
+    to SeaweedFS as the train flow does (`upload_dir` with the manifest's digests, manifest
+    last), at background priority (what goodput.checkpoints.upload_checkpoint does), then
+    at normal priority. A run per arm, because an upload at background priority takes the
+    idle cycles of many steps: within one run it leaves too few steps without an upload.
 
     SeaweedFS stands for a remote store, whose CPU is not the training node's: it runs at
-    nice 19 (its threads and its autogroup) in both arms. Training is started in this
+    nice 19 (its threads and its autogroup) in every arm. Training is started in this
     process's session (the local launcher does not: see storage.background on autogroups).
-    Returns the step times of steps that ran during no upload, during a background-priority
-    and during a normal-priority upload (a step counts as during an upload when the middle of
-    its compute falls inside it), and the uploads' durations."""
-    from benchmarks.upload_bench import ACCESS_KEY, BUCKET, SECRET_KEY, store_upload
+    Returns, per arm, the step times of the steps that ran during an upload (a step counts
+    as during an upload when the middle of its compute falls inside it; all steps for the
+    arm without uploads) and the uploads' durations."""
+    from benchmarks.upload_bench import ACCESS_KEY, BUCKET, SECRET_KEY
     from infra.seaweedfs import REGION, SeaweedFS
-    from storage.background import BACKGROUND_NICE, at_background_priority
-    from storage.manifests import CheckpointManifest
-    from storage.store import open_store
-    from training.checkpoint import committed_checkpoints
+    from storage.background import BACKGROUND_NICE
 
-    config = bench_config(root, "uploads", "sync", args)
-    uploads: list[dict] = []
     os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
                       AWS_DEFAULT_REGION=REGION)  # a throwaway server's own keys
     with SeaweedFS(root / "weed", bucket=BUCKET, access_key=ACCESS_KEY, secret_key=SECRET_KEY) as server:
@@ -117,67 +118,85 @@ def run_with_uploads(root: Path, dataset: Path, args) -> dict:
             autogroup.write_text(str(BACKGROUND_NICE))
         for task in Path(f"/proc/{server.pid}/task").iterdir():
             os.setpriority(os.PRIO_PROCESS, int(task.name), BACKGROUND_NICE)
-        with open(root / "uploads-training.log", "w") as log:
-            proc = subprocess.Popen(training_command(config, dataset, args), stdout=log,
-                                    stderr=subprocess.STDOUT, cwd=REPO, env=TRAINING_ENV)
-            uploaded: set[str] = set()
-            try:
-                while True:
-                    running = proc.poll() is None
-                    for path in committed_checkpoints(config.run_dir):
-                        if path.name in uploaded:
-                            continue
-                        uploaded.add(path.name)
-                        background = len(uploads) % 2 == 0
-                        run = at_background_priority if background else (lambda fn, *a, **k: fn(*a, **k))
-                        # A store of its own per upload: its transfer threads start at the
-                        # priority of the upload that first uses them.
-                        store = open_store(f"s3://{BUCKET}", endpoint_url=server.endpoint_url, region=REGION)
-                        start = time.time()
-                        run(store_upload, store, path, f"up/{path.name}")
-                        uploads.append({"background": background, "start": start, "end": time.time(),
-                                        "bytes": sum(f.size for f in CheckpointManifest.load(path).files)})
-                        store.delete_prefix(f"up/{path.name}")
-                    if not running:
-                        break
-                    time.sleep(0.2)
-            except BaseException:  # an upload that failed ends the benchmark, and training with it
-                proc.terminate()  # torchrun passes SIGTERM on to its workers
-                proc.wait()
-                raise
+        return {arm: train_while_uploading(root, dataset, args, server, background)
+                for arm, background in UPLOAD_ARMS.items()}
+
+
+def train_while_uploading(root: Path, dataset: Path, args, server, background: bool | None) -> dict:
+    """One training run; each checkpoint it commits is uploaded at once (`background`: at
+    background priority; None: not uploaded)."""
+    from benchmarks.upload_bench import BUCKET, store_upload
+    from infra.seaweedfs import REGION
+    from storage.background import at_background_priority
+    from storage.manifests import CheckpointManifest
+    from storage.store import open_store
+    from training.checkpoint import committed_checkpoints
+
+    name = {None: "none", True: "background", False: "normal"}[background]
+    config = bench_config(root, f"uploads-{name}", "sync", args)
+    uploads: list[dict] = []
+    with open(root / f"uploads-{name}-training.log", "w") as log:
+        proc = subprocess.Popen(training_command(config, dataset, args), stdout=log,
+                                stderr=subprocess.STDOUT, cwd=REPO, env=TRAINING_ENV)
+        uploaded: set[str] = set()
+        try:
+            while background is not None:
+                running = proc.poll() is None
+                for path in committed_checkpoints(config.run_dir):
+                    if path.name in uploaded:
+                        continue
+                    uploaded.add(path.name)
+                    run = at_background_priority if background else (lambda fn, *a, **k: fn(*a, **k))
+                    # A store of its own per upload: its transfer threads start at the
+                    # priority of the upload that first uses them.
+                    store = open_store(f"s3://{BUCKET}", endpoint_url=server.endpoint_url, region=REGION)
+                    start = time.time()
+                    run(store_upload, store, path, f"up/{path.name}")
+                    uploads.append({"start": start, "end": time.time(), "during_training": running,
+                                    "bytes": sum(f.size for f in CheckpointManifest.load(path).files)})
+                    store.delete_prefix(f"up/{path.name}")
+                if not running:
+                    break
+                time.sleep(0.2)
+            proc.wait()
+        except BaseException:  # an upload that failed ends the benchmark, and training with it
+            proc.terminate()  # torchrun passes SIGTERM on to its workers
+            proc.wait()
+            raise
     if proc.returncode != 0:
-        raise SystemExit(f"training with uploads failed; see {root / 'uploads-training.log'}")
-    steps: dict[str, list[float]] = {"none": [], "background": [], "normal": []}
+        raise SystemExit(f"training ({name}) failed; see {log.name}")
+    steps = []
     for r in read_metrics(config.run_dir):
         if r["step"] <= 2:
             continue
         compute_end = r["time"] - r["checkpoint_s"]  # a synchronous save ends its step
         middle = compute_end - r["step_time_s"] / 2
-        during = [u for u in uploads if u["start"] <= middle <= u["end"]]
-        steps["none" if not during else "background" if during[0]["background"] else "normal"].append(
-            r["step_time_s"])
+        if background is None or any(u["start"] <= middle <= u["end"] for u in uploads):
+            steps.append(r["step_time_s"])
     shutil.rmtree(config.run_dir / "checkpoints")
     return {"steps": steps, "uploads": uploads}
 
 
 def upload_table(result: dict) -> str:
-    steps, uploads = result["steps"], result["uploads"]
-    quiet = statistics.median(steps["none"])
-    lines = ["| upload priority | uploads | upload time (s) | MB/s | steps during uploads | "
-             "their step time (s) | slowdown |", "|---|---|---|---|---|---|---|",
-             f"| (no upload) | – | – | – | {len(steps['none'])} | {quiet:.3f} | 1.00x |"]
-    for arm, background in (("background (nice 19)", True), ("normal (nice 0)", False)):
-        mine = [u for u in uploads if u["background"] == background]
-        times = [u["end"] - u["start"] for u in mine]
-        during = steps["background" if background else "normal"]
-        step_s = statistics.median(during) if during else None
-        lines.append(
-            f"| {arm} | {len(mine)} | {', '.join(f'{t:.1f}' for t in times)} | "
-            + (f"{statistics.median([u['bytes'] / 1e6 / (u['end'] - u['start']) for u in mine]):.0f}"
-               if mine else "–")
-            + f" | {len(during)} | " + ("– | –" if step_s is None else f"{step_s:.3f} | {step_s / quiet:.2f}x")
-            + " |")
-    return "\n".join(lines)
+    quiet = result["none"]["steps"]
+    lines = ["| upload priority (a training run each) | uploads (during training) | upload time (s) | "
+             "MB/s | steps during uploads | their step time, median (s) | mean (s) | slowdown (mean) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for arm, r in result.items():
+        uploads, steps = r["uploads"], r["steps"]
+        cells = [arm, "–", "–", "–"]
+        if uploads:
+            cells[1:] = [f"{len(uploads)} ({sum(u['during_training'] for u in uploads)})",
+                         ", ".join(f"{u['end'] - u['start']:.1f}" for u in uploads),
+                         f"{statistics.median([u['bytes'] / 1e6 / (u['end'] - u['start']) for u in uploads]):.0f}"]
+        cells.append(str(len(steps)))
+        cells += (["–", "–", "–"] if not steps else
+                  [f"{statistics.median(steps):.3f}", f"{statistics.mean(steps):.3f}",
+                   f"{statistics.mean(steps) / statistics.mean(quiet):.2f}x"])
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + (
+        "\n\nA step counts as during an upload when the middle of its compute falls inside it; "
+        "in the run without uploads, every step counts. Steps 1-2 (warm-up) are left out.")
 
 
 def main() -> None:
@@ -189,8 +208,8 @@ def main() -> None:
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
     parser.add_argument("--dir", help="work directory (default: a temporary one)")
     parser.add_argument("--uploads", action="store_true",
-                        help="only the upload run: synchronous saves, each checkpoint uploaded to "
-                             "SeaweedFS during training, alternately at background and normal priority")
+                        help="only the upload runs: synchronous saves, each checkpoint uploaded to "
+                             "SeaweedFS during training; no uploads, background and normal priority")
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="trainer-ckpt-bench-"))
     dataset = synthetic_dataset(root / "dataset", vocab_size=32000, docs_per_shard=400)

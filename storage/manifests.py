@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Mapping
 
 from pydantic import BaseModel, Field
 
@@ -88,15 +88,22 @@ class CheckpointManifest(BaseModel):
         return cls.model_validate_json((Path(directory) / CHECKPOINT_MANIFEST).read_text())
 
 
-def list_files(directory: str | os.PathLike, exclude: tuple[str, ...] = ()) -> list[FileEntry]:
-    """Every regular file under `directory` (recursively) with size and sha256, sorted."""
-    root = Path(directory)
+def list_files(directory: str | os.PathLike, exclude: tuple[str, ...] = (),
+               known: Mapping[str, FileEntry] | None = None) -> list[FileEntry]:
+    """Every regular file under `directory` (recursively) with size and sha256, sorted.
+
+    `known`: entries (by relative path) of files hashed as they were written; those are not
+    read again, the others are hashed here. A known file whose size on disk differs from
+    what its writer wrote changed after the write: ValueError naming it."""
+    root, known = Path(directory), known or {}
     entries = []
     for p in sorted(root.rglob("*")):
         # DCP's own `.metadata` counts; our in-flight temporary files do not.
         if p.is_file() and p.name not in exclude and ".tmp-" not in p.name:
-            rel = p.relative_to(root).as_posix()
-            entries.append(FileEntry(path=rel, size=p.stat().st_size, sha256=sha256_file(p)))
+            rel, size = p.relative_to(root).as_posix(), p.stat().st_size
+            if rel in known and known[rel].size != size:
+                raise ValueError(f"{p}: {size} bytes on disk, but its writer wrote {known[rel].size}")
+            entries.append(known[rel] if rel in known else FileEntry(path=rel, size=size, sha256=sha256_file(p)))
     return entries
 
 

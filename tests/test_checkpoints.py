@@ -566,3 +566,74 @@ def test_a_background_save_writes_and_hashes_at_the_lowest_cpu_priority(tmp_path
     checkpointer.close()
     assert ckpt.is_committed(urgent) and not checkpointer.failures
     assert seen == {"hashing": training_thread}
+
+
+@pytest.mark.parametrize("mode", ["sync", "thread"])
+def test_a_save_hashes_its_files_as_written_and_skips_the_zip_crc(tmp_path, monkeypatch, mode):
+    """The manifest's digests come from the writers, which hash their bytes on the way out:
+    the commit reads no file back, and the digests match the files on disk. torch.save's zip
+    CRC-32 of every tensor record, which nothing reads, is not computed (each record's CRC
+    field is 0), and the process's setting is what it was. The save reloads exactly."""
+    import io
+    import zipfile
+
+    from storage import manifests
+    from torch.utils.serialization import config as serialization_config
+    from training import checkpoint as ckpt
+
+    read_back = []
+    sha256_file = manifests.sha256_file
+    monkeypatch.setattr(manifests, "sha256_file", lambda p: read_back.append(p) or sha256_file(p))
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    path = tmp_path / "step-00000001"
+    fields = dict(step=1, tokens_seen=0, world_size=1, layout={}, config_hash="c", dataset_id="d",
+                  model_args={}, loss=1.0)
+    checkpointer = ckpt.Checkpointer(mode)
+    checkpointer.save(path, [model], [optimizer], {}, fields)
+    checkpointer.close()
+    assert not checkpointer.failures
+    assert read_back == []
+    monkeypatch.undo()
+    manifest = CheckpointManifest.load(path)
+    assert manifest.files == list_files(path, exclude=("manifest.json",))  # hashed from disk now
+    assert {f.path for f in manifest.files} == {".metadata", "__0_0.distcp"}  # digests file gone
+    assert serialization_config.save.compute_crc32  # torch's default, back in place
+
+    storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    tensor_records = 0
+    for info in storage.values():
+        data = (path / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+        if data[:2] != b"PK":
+            continue  # a pickled object (BYTE_IO), not a torch.save archive
+        crcs = [entry.CRC for entry in zipfile.ZipFile(io.BytesIO(data)).infolist()]
+        assert crcs and set(crcs) == {0}, (info, crcs)
+        tensor_records += 1
+    assert tensor_records >= 4  # weight, bias and their AdamW moments at least
+    saved = ckpt.load_all_tensors(path, prefix="model.")
+    assert torch.equal(saved["model.weight"], model.weight.detach())
+
+
+def test_a_file_that_changed_after_its_write_is_never_committed(tmp_path):
+    """The manifest records what the writers wrote; a shard whose size on disk differs by
+    commit time (truncated, appended to) fails the commit instead of being blessed."""
+    from training import checkpoint as ckpt
+
+    def truncate_a_shard(point, step):
+        if point == "before_manifest":
+            with open(path / "__0_0.distcp", "r+b") as f:
+                f.truncate(100)
+
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    path = tmp_path / "step-00000001"
+    fields = dict(step=1, tokens_seen=0, world_size=1, layout={}, config_hash="c", dataset_id="d",
+                  model_args={}, loss=1.0)
+    checkpointer = ckpt.Checkpointer("thread", fault_hook=truncate_a_shard)
+    checkpointer.save(path, [model], [optimizer], {}, fields)
+    checkpointer.close()
+    assert not ckpt.is_committed(path)
+    assert len(checkpointer.failures) == 1
+    assert "__0_0.distcp: 100 bytes on disk, but its writer wrote" in checkpointer.failures[0]

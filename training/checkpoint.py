@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import errno
+import hashlib
+import io
 import json
 import math
 import os
@@ -23,6 +25,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
@@ -30,15 +33,19 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
+from torch.utils.serialization import config as serialization_config
 
 from storage.background import lower_thread_priority
-from storage.checksums import exclusive_lock, sha256_file
-from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, list_files, verify_files
+from storage.checksums import exclusive_lock, sha256_file, write_atomic
+from storage.manifests import (CHECKPOINT_MANIFEST, CheckpointManifest, FileEntry, list_files,
+                               verify_files)
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 
@@ -176,8 +183,118 @@ class _CpuStager(DefaultStager):
         return super().stage(state_dict, **kwargs)
 
 
-class BackgroundWriter(dcp.FileSystemWriter):
-    """DCP's file writer for background saves: the thread that runs the save (DCP's executor
+# Sizes and sha256 of a save's files as their writers wrote them: the coordinator writes it
+# after `.metadata`, and the commit builds the manifest from it instead of reading every
+# rank's files back (removed once the manifest is written).
+WRITTEN_DIGESTS = "written.json"
+_DIGEST_FQN = "__goodput_sha256__/"  # marks the write results that carry a file's digest
+
+
+class _HashedFile(io.RawIOBase):
+    """A file being written whose bytes are hashed on their way in. No seeking: the digest
+    holds only for bytes written in order (DCP and torch.save write that way)."""
+
+    def __init__(self, file):
+        super().__init__()
+        self._file, self._sha256, self.size = file, hashlib.sha256(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        written = self._file.write(data)
+        view = memoryview(data).cast("B")
+        self._sha256.update(view[:written])
+        self.size += written
+        return written
+
+    def tell(self) -> int:
+        return self._file.tell()
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def flush(self) -> None:
+        if not self._file.closed:
+            self._file.flush()
+
+    def close(self) -> None:
+        super().close()  # flushes first
+        self._file.close()
+
+    def hexdigest(self) -> str:
+        return self._sha256.hexdigest()
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's local filesystem, recording size and sha256 of each file written through it."""
+
+    def __init__(self):
+        self.written: dict[str, FileEntry] = {}
+
+    @contextmanager
+    def create_stream(self, path, mode):
+        with super().create_stream(path, mode) as stream:
+            if "w" not in mode:
+                yield stream
+                return
+            hashed = _HashedFile(stream)
+            yield hashed
+        name = Path(path).name  # a save's files lie side by side in its directory
+        self.written[name] = FileEntry(path=name, size=hashed.size, sha256=hashed.hexdigest())
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        entry = self.written.pop(Path(path).name, None)
+        if entry is not None:
+            self.written[Path(new_path).name] = entry.model_copy(update={"path": Path(new_path).name})
+
+
+class ShardWriter(dcp.FileSystemWriter):
+    """DCP's file writer, changed in two ways that take work off the save:
+
+    - Each rank hashes its files as it writes them, and the digests travel to the
+      coordinator with DCP's write results; the coordinator writes them to WRITTEN_DIGESTS
+      after `.metadata`. The commit then builds the manifest without reading any shard back:
+      hashing a whole checkpoint on rank 0 cost as much CPU as writing it (one rank's share
+      of the bytes, on a shared filesystem every rank's), and the ranks now share that work.
+      The manifest holds the bytes as written; validation rereads the files against it.
+    - No zip CRC-32 for each tensor record (torch.save computes one unless told not to).
+      Nothing reads it (torch.load does not check it) and the sha256 covers every byte; it
+      was about a third of the writer's CPU. The setting is the process's: it is off only
+      while this writer writes, in the thread that writes.
+    """
+
+    def __init__(self, path):
+        super().__init__(path)
+        self.fs = _HashingFileSystem()
+
+    def reset(self, checkpoint_id=None) -> None:
+        super().reset(checkpoint_id)
+        self.fs.written.clear()
+
+    def write_data(self, plan, planner):
+        with serialization_config.patch({"save.compute_crc32": False}):
+            results = super().write_data(plan, planner).wait()  # one thread: written here
+        digests = [WriteResult(index=MetadataIndex(_DIGEST_FQN + name), size_in_bytes=entry.size,
+                               storage_data=entry)
+                   for name, entry in self.fs.written.items()]
+        done = torch.futures.Future()
+        done.set_result(results + digests)
+        return done
+
+    def finish(self, metadata, results) -> None:
+        written = {r.storage_data.path: r.storage_data for rank in results for r in rank
+                   if r.index.fqn.startswith(_DIGEST_FQN)}
+        super().finish(metadata, [[r for r in rank if not r.index.fqn.startswith(_DIGEST_FQN)]
+                                  for rank in results])
+        written.update(self.fs.written)  # and `.metadata`, written just now
+        write_atomic(Path(self.path) / WRITTEN_DIGESTS, json.dumps(
+            {name: entry.model_dump() for name, entry in sorted(written.items())}).encode())
+
+
+class BackgroundWriter(ShardWriter):
+    """The writer for background saves: the thread that runs the save (DCP's executor
     thread, or the writer process's) drops to background priority as DCP sets the writer up,
     before planning, so that on busy cores the whole save takes the cycles training leaves
     idle (storage.background). The threads it starts for more files inherit that priority."""
@@ -235,7 +352,7 @@ class Checkpointer:
         step = self._saving_step = manifest_fields["step"]
         if self.mode == "sync":
             try:
-                dcp.save(state, checkpoint_id=str(path))
+                dcp.save(state, storage_writer=ShardWriter(path))
             except SAVE_ERRORS as e:  # DCP raised it on every rank: all stop together
                 self._failed(path, e)
                 raise CheckpointFailed(self.failures[-1], self.disk_full) from e
@@ -253,7 +370,7 @@ class Checkpointer:
             # the optimizer step's kernels must be done before it reads the weights. (Under
             # torchrun with nccl the barrier above waits too; alone or with gloo nothing would.)
             torch.cuda.current_stream().synchronize()
-        writer = dcp.FileSystemWriter(path) if urgent else BackgroundWriter(path)
+        writer = ShardWriter(path) if urgent else BackgroundWriter(path)
         response = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                   async_checkpointer_type=kind, async_stager=self.stager)
         if isinstance(response, AsyncSaveResponse):
@@ -311,9 +428,13 @@ class Checkpointer:
             return
         step = manifest_fields["step"]
         self.fault_hook("before_manifest", step)
-        manifest = CheckpointManifest(files=list_files(path, exclude=(CHECKPOINT_MANIFEST,)),
-                                      created_at=time.time(), **manifest_fields)
+        digests = path / WRITTEN_DIGESTS
+        written = {name: FileEntry.model_validate(entry)
+                   for name, entry in json.loads(digests.read_text()).items()}
+        files = list_files(path, exclude=(CHECKPOINT_MANIFEST, WRITTEN_DIGESTS), known=written)
+        manifest = CheckpointManifest(files=files, created_at=time.time(), **manifest_fields)
         manifest.save(path)
+        digests.unlink()  # the manifest holds it now
         print(f"[checkpoint] committed {path.name} (loss {manifest.loss:.4f})", flush=True)
         self.fault_hook("after_manifest", step)
 
