@@ -93,8 +93,8 @@ def list_files(directory: str | os.PathLike, exclude: tuple[str, ...] = (),
     """Every regular file under `directory` (recursively) with size and sha256, sorted.
 
     `known`: entries (by relative path) of files hashed as they were written; those are not
-    read again, the others are hashed here. A known file whose size on disk differs from
-    what its writer wrote changed after the write: ValueError naming it."""
+    read again, the others are hashed here. ValueError naming the file when a known file is
+    missing, or its size on disk differs from what its writer wrote (it changed since)."""
     root, known = Path(directory), known or {}
     entries = []
     for p in sorted(root.rglob("*")):
@@ -104,6 +104,9 @@ def list_files(directory: str | os.PathLike, exclude: tuple[str, ...] = (),
             if rel in known and known[rel].size != size:
                 raise ValueError(f"{p}: {size} bytes on disk, but its writer wrote {known[rel].size}")
             entries.append(known[rel] if rel in known else FileEntry(path=rel, size=size, sha256=sha256_file(p)))
+    missing = sorted(set(known) - {e.path for e in entries})
+    if missing:  # written, yet not here (another node's disk, a stale listing, deleted)
+        raise ValueError(f"{root}: {', '.join(missing)} written but not found")
     return entries
 
 

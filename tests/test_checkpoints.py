@@ -568,7 +568,7 @@ def test_a_background_save_writes_and_hashes_at_the_lowest_cpu_priority(tmp_path
     assert seen == {"hashing": training_thread}
 
 
-@pytest.mark.parametrize("mode", ["sync", "thread"])
+@pytest.mark.parametrize("mode", ["sync", "thread"])  # process mode: test_async_saves_commit...
 def test_a_save_hashes_its_files_as_written_and_skips_the_zip_crc(tmp_path, monkeypatch, mode):
     """The manifest's digests come from the writers, which hash their bytes on the way out:
     the commit reads no file back, and the digests match the files on disk. torch.save's zip
@@ -616,24 +616,46 @@ def test_a_save_hashes_its_files_as_written_and_skips_the_zip_crc(tmp_path, monk
     assert torch.equal(saved["model.weight"], model.weight.detach())
 
 
-def test_a_file_that_changed_after_its_write_is_never_committed(tmp_path):
-    """The manifest records what the writers wrote; a shard whose size on disk differs by
-    commit time (truncated, appended to) fails the commit instead of being blessed."""
+@pytest.mark.parametrize("change", ["truncated", "deleted"])
+def test_a_file_that_changed_after_its_write_is_never_committed(tmp_path, change):
+    """The manifest records what the writers wrote; a shard that is shorter or gone by commit
+    time fails the commit instead of being blessed or left out."""
     from training import checkpoint as ckpt
 
-    def truncate_a_shard(point, step):
+    def change_a_shard(point, step):
         if point == "before_manifest":
-            with open(path / "__0_0.distcp", "r+b") as f:
-                f.truncate(100)
+            if change == "deleted":
+                (path / "__0_0.distcp").unlink()
+            else:
+                with open(path / "__0_0.distcp", "r+b") as f:
+                    f.truncate(100)
 
     model = torch.nn.Linear(64, 64)
     optimizer = torch.optim.AdamW(model.parameters())
     path = tmp_path / "step-00000001"
     fields = dict(step=1, tokens_seen=0, world_size=1, layout={}, config_hash="c", dataset_id="d",
                   model_args={}, loss=1.0)
-    checkpointer = ckpt.Checkpointer("thread", fault_hook=truncate_a_shard)
+    checkpointer = ckpt.Checkpointer("thread", fault_hook=change_a_shard)
     checkpointer.save(path, [model], [optimizer], {}, fields)
     checkpointer.close()
     assert not ckpt.is_committed(path)
     assert len(checkpointer.failures) == 1
-    assert "__0_0.distcp: 100 bytes on disk, but its writer wrote" in checkpointer.failures[0]
+    assert ("__0_0.distcp: 100 bytes on disk, but its writer wrote" if change == "truncated"
+            else "__0_0.distcp written but not found") in checkpointer.failures[0]
+
+
+def test_a_hashed_file_is_on_disk_before_dcp_fsyncs_it(tmp_path):
+    """DCP fsyncs `.metadata` by descriptor without flushing Python's buffer first: taking the
+    descriptor flushes, so the fsync covers every byte (and the digest is of those bytes)."""
+    import hashlib
+    import os
+
+    from training.checkpoint import _HashingFileSystem
+
+    fs = _HashingFileSystem()
+    with fs.create_stream(tmp_path / ".metadata.tmp", "wb") as stream:
+        stream.write(b"x" * 1200)
+        assert os.fstat(stream.fileno()).st_size == 1200
+    fs.rename(tmp_path / ".metadata.tmp", tmp_path / ".metadata")
+    entry = fs.written[".metadata"]
+    assert (entry.path, entry.size, entry.sha256) == (".metadata", 1200, hashlib.sha256(b"x" * 1200).hexdigest())

@@ -1,8 +1,9 @@
 """Checkpoints: a torch.distributed.checkpoint (DCP) directory plus a manifest written last.
 
 Layout: `<run_dir>/checkpoints/step-00000050/` holds the DCP files (`*.distcp`,
-`.metadata`) and `manifest.json`. Every rank writes its shards; after a barrier rank 0
-hashes the files and writes the manifest atomically. A directory without a manifest is
+`.metadata`) and `manifest.json`. Every rank writes its shards, hashing them on their way
+to disk; once all are durable, rank 0 writes the manifest (sizes and sha256 of every file)
+atomically from those digests. A directory without a manifest is
 what a crash mid-save leaves behind: it is never loaded and is cleared before reuse.
 
 The same save loads at any world size (DCP reshards), and `verify_checkpoint` reloads a
@@ -212,6 +213,9 @@ class _HashedFile(io.RawIOBase):
         return self._file.tell()
 
     def fileno(self) -> int:
+        # DCP fsyncs the descriptor without flushing first (`.metadata`): flush, so the
+        # fsync covers every byte written.
+        self._file.flush()
         return self._file.fileno()
 
     def flush(self) -> None:
@@ -261,8 +265,9 @@ class ShardWriter(dcp.FileSystemWriter):
       The manifest holds the bytes as written; validation rereads the files against it.
     - No zip CRC-32 for each tensor record (torch.save computes one unless told not to).
       Nothing reads it (torch.load does not check it) and the sha256 covers every byte; it
-      was about a third of the writer's CPU. The setting is the process's: it is off only
-      while this writer writes, in the thread that writes.
+      was about a third of the writer's CPU. It is off only while this writer writes; torch
+      keeps the setting per thread (2.13), and where it is the process's, a torch.save
+      elsewhere meanwhile would only lose that unread CRC too.
     """
 
     def __init__(self, path):
@@ -311,8 +316,9 @@ class Checkpointer:
     the live tensors by a staging thread while the next step's forward and backward run, and
     `before_update` waits for that copy before the optimizer changes the weights. The write
     runs on its own gloo process group (on the default group it deadlocks against FSDP's
-    collectives), in a thread or in a separate process; rank 0 hashes the files and writes the
-    manifest in a background thread once every rank's shards are durable. The write and the
+    collectives), in a thread or in a separate process; each rank hashes its files as it writes
+    them (ShardWriter), and rank 0 writes the manifest from those digests in a background
+    thread once every rank's shards are durable. The write and the
     hashing run at the lowest CPU priority (storage.background). At most one save is
     in flight; one that fails is reported (`failed`) and never committed. Never overwrites a
     committed checkpoint: one found at the target path (from an abandoned attempt that went
@@ -406,7 +412,7 @@ class Checkpointer:
         return time.perf_counter() - started
 
     def _finish(self, written: Future, path: Path, manifest_fields: dict, background: bool) -> None:
-        if background:  # hashing the shards for the manifest is background work too
+        if background:  # the manifest (and any file without a digest to hash) too
             lower_thread_priority()
         try:
             written.result()
@@ -433,8 +439,8 @@ class Checkpointer:
                    for name, entry in json.loads(digests.read_text()).items()}
         files = list_files(path, exclude=(CHECKPOINT_MANIFEST, WRITTEN_DIGESTS), known=written)
         manifest = CheckpointManifest(files=files, created_at=time.time(), **manifest_fields)
-        manifest.save(path)
-        digests.unlink()  # the manifest holds it now
+        digests.unlink()  # before the commit: a committed directory holds its listed files only
+        manifest.save(path)  # (its directory fsync makes the unlink durable too)
         print(f"[checkpoint] committed {path.name} (loss {manifest.loss:.4f})", flush=True)
         self.fault_hook("after_manifest", step)
 
