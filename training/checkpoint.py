@@ -186,7 +186,7 @@ class _CpuStager(DefaultStager):
 
 # Sizes and sha256 of a save's files as their writers wrote them: the coordinator writes it
 # after `.metadata`, and the commit builds the manifest from it instead of reading every
-# rank's files back (removed once the manifest is written).
+# rank's files back (and removes it just before the manifest commits the directory).
 WRITTEN_DIGESTS = "written.json"
 _DIGEST_FQN = "__goodput_sha256__/"  # marks the write results that carry a file's digest
 
@@ -265,7 +265,7 @@ class ShardWriter(dcp.FileSystemWriter):
       The manifest holds the bytes as written; validation rereads the files against it.
     - No zip CRC-32 for each tensor record (torch.save computes one unless told not to).
       Nothing reads it (torch.load does not check it) and the sha256 covers every byte; it
-      was about a third of the writer's CPU. It is off only while this writer writes; torch
+      was a third to over half of the writer's CPU (benchmarks/save_cpu_bench.py). It is off only while this writer writes; torch
       keeps the setting per thread (2.13), and where it is the process's, a torch.save
       elsewhere meanwhile would only lose that unread CRC too.
     """
