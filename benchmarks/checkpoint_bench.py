@@ -1,8 +1,9 @@
 """What a checkpoint costs the training loop: synchronous `dcp.save` against `dcp.async_save`
 (thread and process executors, with and without a reused stager) and against the trainer's
-own Checkpointer (background staging, manifest hashing, the writer and the hashing at nice 19
-or, as a control, at normal priority), the step-time slowdown while a save is written in the
-background, and the time from process start to the first training step when resuming.
+own Checkpointer (background staging, files hashed as written, the writer at nice 19; as
+controls, at normal priority and with DCP's own writer), the step-time slowdown while a save
+is written in the background, and the time from process start to the first training step
+when resuming.
 
     python benchmarks/checkpoint_bench.py [--layout ddp|fsdp] [--saves 3] [--dir DIR] [--modes M ...]
 
