@@ -432,8 +432,10 @@ class TestServedDeployments:
             "config": form(base, "training.max_steps=50"), "config_file": str(config_file)})
         failed = wait_final(both, timeout_s=120)
         assert failed.state.is_failed()
-        assert any("both the config form and config_file were given" in line
-                   for line in logs_of(both))
+        # The run's last log lines reach the server in the engine's next log batch, which
+        # can land after its Failed state.
+        wait_for(lambda: any("both the config form and config_file were given" in line
+                             for line in logs_of(both)), timeout_s=30, what="refusal in the run's logs")
         evaluated = wait_final(good, timeout_s=300)
         assert evaluated.state.is_completed(), evaluated.state.message
         report = json.loads((base.run_dir.parent / "ui" / "eval" / "step-00000010.json")
