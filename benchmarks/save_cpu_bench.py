@@ -11,7 +11,6 @@ The state is `--params` float32 parameters plus AdamW's two moments (1.2 GB for 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import sys
 import time
@@ -24,8 +23,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
-from storage.manifests import FileEntry, list_files  # noqa: E402
-from training.checkpoint import WRITTEN_DIGESTS, ShardWriter  # noqa: E402
+from storage.manifests import list_files  # noqa: E402
+from training.checkpoint import WRITTEN_DIGESTS, ShardWriter, written_digests  # noqa: E402
 
 
 def cpu_seconds(fn) -> float:
@@ -56,9 +55,7 @@ def main() -> None:
 
         def shard_writer_save():
             dcp.save(state, storage_writer=ShardWriter(path), no_dist=True)
-            written = {name: FileEntry.model_validate(entry)
-                       for name, entry in json.loads((path / WRITTEN_DIGESTS).read_text()).items()}
-            list_files(path, exclude=(WRITTEN_DIGESTS,), known=written)
+            list_files(path, exclude=(WRITTEN_DIGESTS,), known=written_digests(path))
 
         ours = cpu_seconds(shard_writer_save)
         print(f"| {run} | {write:.2f} | {hashing:.2f} | {write + hashing:.2f} | {ours:.2f} |", flush=True)

@@ -191,6 +191,12 @@ WRITTEN_DIGESTS = "written.json"
 _DIGEST_FQN = "__goodput_sha256__/"  # marks the write results that carry a file's digest
 
 
+def written_digests(path: Path) -> dict[str, FileEntry]:
+    """The WRITTEN_DIGESTS of the save at `path`, by file name (list_files' `known`)."""
+    return {name: FileEntry.model_validate(entry)
+            for name, entry in json.loads((Path(path) / WRITTEN_DIGESTS).read_text()).items()}
+
+
 class _HashedFile(io.RawIOBase):
     """A file being written whose bytes are hashed on their way in. No seeking: the digest
     holds only for bytes written in order (DCP and torch.save write that way)."""
@@ -434,12 +440,10 @@ class Checkpointer:
             return
         step = manifest_fields["step"]
         self.fault_hook("before_manifest", step)
-        digests = path / WRITTEN_DIGESTS
-        written = {name: FileEntry.model_validate(entry)
-                   for name, entry in json.loads(digests.read_text()).items()}
-        files = list_files(path, exclude=(CHECKPOINT_MANIFEST, WRITTEN_DIGESTS), known=written)
+        files = list_files(path, exclude=(CHECKPOINT_MANIFEST, WRITTEN_DIGESTS),
+                           known=written_digests(path))
         manifest = CheckpointManifest(files=files, created_at=time.time(), **manifest_fields)
-        digests.unlink()  # before the commit: a committed directory holds its listed files only
+        (path / WRITTEN_DIGESTS).unlink()  # before the commit: a committed directory holds its listed files only
         manifest.save(path)  # (its directory fsync makes the unlink durable too)
         print(f"[checkpoint] committed {path.name} (loss {manifest.loss:.4f})", flush=True)
         self.fault_hook("after_manifest", step)
