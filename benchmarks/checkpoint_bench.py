@@ -147,11 +147,13 @@ def cpu_stager(shared: bool = False, background: bool = False):
 def save_modes() -> dict:
     """name -> None for a synchronous dcp.save; ("dcp", dcp.async_save options, a factory for
     the stager kept across that mode's saves, or None for async_save's own per-save stager);
-    or ("trainer", checkpoint.async_mode, background priority, DCP's writer): the trainer's own
-    Checkpointer; the save counts as done once committed (its manifest written). The
-    Checkpointer at normal priority is the control arm for its background priority; the one
+    or ("trainer", checkpoint.async_mode, background priority, DCP's writer, whole state): the
+    trainer's own Checkpointer; the save counts as done once committed (its manifest written).
+    The Checkpointer at normal priority is the control arm for its background priority; the one
     with DCP's own write (torch.save computes its zip CRCs, and rank 0 hashes every file for
-    the manifest after the write), for ShardWriter (no CRCs, each rank hashes as it writes)."""
+    the manifest after the write), for ShardWriter (no CRCs, each rank hashes as it writes);
+    the one where every rank stages the whole state it holds (and DCP's dedup then picks the
+    writer of each replicated tensor), for each rank staging only its share."""
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     process = {"async_checkpointer_type": AsyncCheckpointerType.PROCESS}
@@ -163,12 +165,14 @@ def save_modes() -> dict:
         "async process": ("dcp", process, None),
         # Shared memory: the staged tensors reach the writer process as handles, not bytes.
         "async process, kept shm stager": ("dcp", process, lambda: cpu_stager(shared=True)),
-        "trainer sync, DCP's writer": ("trainer", "sync", False, True),
-        "trainer sync": ("trainer", "sync", False, False),
-        "trainer thread, normal priority, DCP's writer": ("trainer", "thread", False, True),
-        "trainer thread, nice 19, DCP's writer": ("trainer", "thread", True, True),
-        "trainer thread, nice 19": ("trainer", "thread", True, False),
-        "trainer process, nice 19": ("trainer", "process", True, False),
+        "trainer sync, DCP's writer": ("trainer", "sync", False, True, False),
+        "trainer sync": ("trainer", "sync", False, False, False),
+        "trainer thread, normal priority, DCP's writer": ("trainer", "thread", False, True, False),
+        "trainer thread, nice 19, DCP's writer": ("trainer", "thread", True, True, False),
+        "trainer thread, nice 19, whole state staged": ("trainer", "thread", True, False, True),
+        "trainer thread, nice 19": ("trainer", "thread", True, False, False),
+        "trainer process, nice 19, whole state staged": ("trainer", "process", True, False, True),
+        "trainer process, nice 19": ("trainer", "process", True, False, False),
     }
 
 
@@ -263,19 +267,23 @@ def saver(mode, trainer: Trainer, ckpt_group):
     else:
         from training import checkpoint
 
-        _, async_mode, background, dcp_writer = mode
+        _, async_mode, background, dcp_writer, whole_state = mode
         from torch.distributed.checkpoint.filesystem import FileSystem
 
         lower = checkpoint.lower_thread_priority
-        writer = [(checkpoint.ShardWriter, "write_data", dcp.FileSystemWriter.write_data),
-                  (checkpoint._HashingFileSystem, "create_stream", FileSystem.create_stream),
-                  (checkpoint._HashingFileSystem, "rename", FileSystem.rename)]
-        kept = [(cls, name, getattr(cls, name)) for cls, name, _ in writer]
         if not background:  # the control arm: the same saves, the writer and hashing at nice 0
             checkpoint.lower_thread_priority = lambda: False
-        if dcp_writer:  # the control arm: DCP's own write, nothing hashed as written: the
-            for cls, name, dcps in writer:  # commit hashes every file it finds, on rank 0
-                setattr(cls, name, dcps)
+        controls = []  # (class, attribute, what the control arm puts there)
+        if dcp_writer:  # DCP's own write, nothing hashed as written: the commit hashes every
+            controls += [  # file it finds, on rank 0
+                (checkpoint.ShardWriter, "write_data", dcp.FileSystemWriter.write_data),
+                (checkpoint._HashingFileSystem, "create_stream", FileSystem.create_stream),
+                (checkpoint._HashingFileSystem, "rename", FileSystem.rename)]
+        if whole_state:  # every rank stages all it holds (DCP's dedup then picks the writers)
+            controls.append((checkpoint._WriterAssignment, "share", lambda self, state: state))
+        kept = [(cls, name, getattr(cls, name)) for cls, name, _ in controls]
+        for cls, name, control in controls:
+            setattr(cls, name, control)
         checkpointer = checkpoint.Checkpointer(async_mode)
         try:
             yield lambda path: time_trainer_save(trainer, path, checkpointer)

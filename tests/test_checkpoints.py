@@ -458,12 +458,51 @@ def test_async_saves_commit_the_same_state(trained, tmp_path, mode):
     assert [p.name for p in committed_checkpoints(config.run_dir)] == ["step-00000010", "step-00000020"]
     assert all(verify_checkpoint(p)["ok"] for p in committed_checkpoints(config.run_dir))
 
+    # DDP: each rank staged and wrote half of the replicated state, not all of it.
+    share = re.search(r"rank 0 stages and writes ([\d.]+) MB of the ([\d.]+) MB of tensors it "
+                      r"holds; 2 ranks hold the same", proc.stdout)
+    assert share, proc.stdout
+    mine, held = map(float, share.groups())
+    assert 0.4 * held < mine < 0.6 * held
+
     shutil.rmtree(checkpoint_path(config.run_dir, 20))
     (config.run_dir / "metrics.jsonl").unlink()
     proc = torchrun_training(config, dataset, resume=str(checkpoint_path(config.run_dir, 10)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = losses_by_step(config.run_dir)
     assert all(resumed[s] == full[s] for s in range(11, 21))
+
+
+def test_ranks_that_hold_the_same_tensors_split_them_balanced():
+    """Which tensors a rank stages and writes: the ranks holding exactly what it holds (same
+    digest) split them, balanced by bytes; a rank no other matches keeps all it holds."""
+    from training.checkpoint import holdings_digest, my_share
+
+    def unit(key, offsets=()):
+        return ("model", key, offsets)
+
+    replicated = {unit(f"w{i}"): n for i, n in enumerate([400, 300, 200, 100, 100, 50])}
+    digests = [holdings_digest(replicated)] * 2  # DDP on 2 ranks
+    shares = [my_share(replicated, digests, rank) for rank in (0, 1)]
+    assert shares[0] | shares[1] == set(replicated) and not shares[0] & shares[1]
+    loads = [sum(replicated[u] for u in share) for share in shares]
+    assert max(loads) - min(loads) <= 50
+    reordered = dict(reversed(replicated.items()))  # what a peer computes does not depend on order
+    assert my_share(reordered, [holdings_digest(reordered)] * 2, 0) == shares[0]
+
+    # Pipeline stages x DDP: each stage's replicas split that stage's tensors.
+    stage0, stage1 = {unit("a"): 10, unit("b"): 10}, {unit("c"): 10, unit("d"): 10}
+    digests = [holdings_digest(stage0)] * 2 + [holdings_digest(stage1)] * 2
+    assert my_share(stage0, digests, 0) | my_share(stage0, digests, 1) == set(stage0)
+    assert my_share(stage1, digests, 2) | my_share(stage1, digests, 3) == set(stage1)
+    assert all(len(my_share(held, digests, rank)) == 1
+               for rank, held in enumerate([stage0, stage0, stage1, stage1]))
+
+    # FSDP: every rank holds other chunks (and the same small plain tensors): each keeps all.
+    chunks = [{unit("w", (0, 0)): 500, unit("step"): 8}, {unit("w", (4, 0)): 500, unit("step"): 8}]
+    digests = [holdings_digest(held) for held in chunks]
+    assert [my_share(held, digests, rank) for rank, held in enumerate(chunks)] == \
+        [set(held) for held in chunks]
 
 
 def test_ranks_resume_from_the_store_fetching_only_what_their_plan_reads(tmp_path):

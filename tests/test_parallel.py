@@ -95,8 +95,8 @@ def test_two_process_layouts_match_single_process(layout, tmp_path, dataset, ref
                       reference(STEPS))
 
 
-LAYOUTS_4 = {
-    "hsdp": ("parallelism.dp_replicate=2", "parallelism.dp_shard=2", "training.micro_batch_size=1"),
+HSDP = ("parallelism.dp_replicate=2", "parallelism.dp_shard=2", "training.micro_batch_size=1")
+LAYOUTS_4 = {  # HSDP: test_hsdp_matches_single_process_and_its_background_saves_resume_whole
     "fsdp-tp": ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=2",
                 "training.micro_batch_size=2"),
     "pp-fsdp": ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.pp=2",
@@ -108,6 +108,22 @@ LAYOUTS_4 = {
 def test_four_process_layouts_match_single_process(layout, tmp_path, dataset, reference):
     assert_same_curve(run_training(tmp_path, dataset, 4, *LAYOUTS_4[layout], steps=STEPS_4),
                       reference(STEPS_4))
+
+
+def test_hsdp_matches_single_process_and_its_background_saves_resume_whole(tmp_path, dataset,
+                                                                         reference):
+    """HSDP with background saves: each replicate pair holds the same chunks and stages and
+    writes half of them (training.checkpoint.my_share); the checkpoint is still whole: one
+    process resumes from it on the same curve."""
+    first = run_training(tmp_path, dataset, 4, *HSDP, "checkpoint.async_mode=thread", steps=STEPS_4)
+    assert_same_curve(first, reference(STEPS_4))
+    run_dir = small_config(tmp_path, "run.run_id=layout").run_dir
+    (run_dir / "metrics.jsonl").unlink()
+    resumed = run_training(tmp_path, dataset, 1, "training.micro_batch_size=4", steps=STEPS_4,
+                           resume=str(checkpoint_path(run_dir, STEPS_4 // 2)))
+    assert sorted(resumed) == list(range(STEPS_4 // 2 + 1, STEPS_4 + 1))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(reference(STEPS_4)[step], rel=RTOL), (step, loss)
 
 
 @pytest.mark.slow

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
                                                      set_state_dict)
+from torch.distributed.tensor import DTensor
 from torch.utils.serialization import config as serialization_config
 
 from storage.background import lower_thread_priority
@@ -110,6 +111,83 @@ def _train_state(parts: list[tuple[dict, dict]], extra: dict) -> dict:
         model_state.update(m)
         optim_state.update(o)
     return {"model": model_state, "optim": optim_state, **extra}
+
+
+# -- each rank stages and writes only its share of replicated tensors ----------------------------
+#
+# DCP writes one copy of a tensor several ranks hold (DDP's replicas, HSDP's replicate axis),
+# but only after every rank has staged (copied off the live tensors) everything it holds:
+# under DDP each of a node's 8 ranks would keep a whole copy of the model and optimizer in
+# host memory and spend the CPU to fill it. Ranks that hold identical tensors (the same
+# names, chunks and sizes: DDP's replicas, HSDP's replicate axis, within a pipeline stage)
+# split them before staging instead; each leaves out what a peer writes. Finding the peers
+# takes one all-gather of a digest per rank, not of what every rank holds.
+
+_Unit = tuple[str, str, tuple[int, ...]]  # (section, key, global offset of the chunk)
+
+
+def _tensor_units(state: dict) -> dict[_Unit, int]:
+    """The tensors of the model and optimizer sections as DCP writes them (a DTensor by its
+    local chunk's global offset), with their bytes. Other values are small and stay on every
+    rank (DCP writes them once)."""
+    units = {}
+    for section in ("model", "optim"):
+        for key, value in state[section].items():
+            if isinstance(value, DTensor):
+                if value.device_mesh.get_coordinate() is None:
+                    continue  # not on this rank's mesh: DCP writes nothing of it here either
+                offsets = tuple(value.__create_chunk_list__()[0].offsets)
+                units[(section, key, offsets)] = value.to_local().nbytes
+            elif isinstance(value, torch.Tensor):
+                units[(section, key, ())] = value.nbytes
+    return units
+
+
+def holdings_digest(units: dict[_Unit, int]) -> str:
+    return hashlib.sha256(repr(sorted(units.items())).encode()).hexdigest()
+
+
+def my_share(units: dict[_Unit, int], digests: list[str], me: int) -> set[_Unit]:
+    """The units rank `me` stages and writes, given every rank's holdings_digest: the ranks
+    that hold exactly what it holds split them, each unit (largest first) to the peer with
+    the fewest bytes so far (ties: the lowest rank). Every peer computes the same split from
+    its own identical units, so each unit is kept by exactly one of them."""
+    peers = [rank for rank, digest in enumerate(digests) if digest == digests[me]]
+    load = dict.fromkeys(peers, 0)
+    mine = set()
+    for unit in sorted(units, key=lambda u: (-units[u], u)):
+        rank = min(peers, key=lambda r: (load[r], r))
+        load[rank] += units[unit]
+        if rank == me:
+            mine.add(unit)
+    return mine
+
+
+class _WriterAssignment:
+    """`share(state)`: `state` less the tensors a peer writes (collective on `group`)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.reported: str | None = None
+
+    def share(self, state: dict) -> dict:
+        if not dist.is_initialized() or dist.get_world_size(self.group) == 1:
+            return state
+        units = _tensor_units(state)
+        digests = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(digests, holdings_digest(units), group=self.group)
+        me = dist.get_rank(self.group)
+        mine = my_share(units, digests, me)
+        if me == 0 and self.reported != digests[0]:  # once, unless the holdings change
+            self.reported = digests[0]
+            print(f"[checkpoint] rank 0 stages and writes {sum(units[u] for u in mine) / 1e6:.3f} "
+                  f"MB of the {sum(units.values()) / 1e6:.3f} MB of tensors it holds; "
+                  f"{digests.count(digests[0])} ranks hold the same and split them", flush=True)
+        others = {(section, key) for (section, key, offsets) in units
+                  if (section, key, offsets) not in mine}
+        return {name: ({k: v for k, v in value.items() if (name, k) not in others}
+                       if name in ("model", "optim") else value)
+                for name, value in state.items()}
 
 
 # DCP gathers every rank's error into a CheckpointException, which is a BaseException.
@@ -320,8 +398,9 @@ class Checkpointer:
 
     In the background modes training blocks only to start the save: the state is copied off
     the live tensors by a staging thread while the next step's forward and backward run, and
-    `before_update` waits for that copy before the optimizer changes the weights. The write
-    runs on its own gloo process group (on the default group it deadlocks against FSDP's
+    `before_update` waits for that copy before the optimizer changes the weights. Each rank
+    copies (and writes) only its share of the tensors several ranks hold (_WriterAssignment).
+    The write runs on its own gloo process group (on the default group it deadlocks against FSDP's
     collectives), in a thread or in a separate process; each rank hashes its files as it writes
     them (ShardWriter), and rank 0 writes the manifest from those digests in a background
     thread once every rank's shards are durable. The write and the
@@ -345,6 +424,7 @@ class Checkpointer:
         self.stager = (_CpuStager(shared_memory=mode == "process",
                                   before_copy=lambda: self.fault_hook("staging", self._saving_step))
                        if mode != "sync" else None)
+        self.writers = _WriterAssignment(self.group)
         self._pending: threading.Thread | None = None
         self._staging: Future | None = None
         self.failures: list[str] = []
@@ -375,6 +455,9 @@ class Checkpointer:
                 self._failed(path, e)
             _barrier()
             return time.perf_counter() - started
+        # Only what this rank writes is staged (a synchronous save stages nothing: DCP's own
+        # dedup picks the writers there).
+        state = self.writers.share(state)
         kind = (AsyncCheckpointerType.PROCESS if self.mode == "process"
                 else AsyncCheckpointerType.THREAD)
         if torch.cuda.is_initialized():
