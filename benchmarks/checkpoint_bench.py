@@ -157,6 +157,10 @@ def save_modes() -> dict:
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     process = {"async_checkpointer_type": AsyncCheckpointerType.PROCESS}
+
+    def trainer(async_mode, background=True, dcp_writer=False, whole_state=False):
+        return ("trainer", async_mode, background, dcp_writer, whole_state)
+
     return {
         "sync": None,
         "async thread": ("dcp", {}, None),
@@ -165,14 +169,15 @@ def save_modes() -> dict:
         "async process": ("dcp", process, None),
         # Shared memory: the staged tensors reach the writer process as handles, not bytes.
         "async process, kept shm stager": ("dcp", process, lambda: cpu_stager(shared=True)),
-        "trainer sync, DCP's writer": ("trainer", "sync", False, True, False),
-        "trainer sync": ("trainer", "sync", False, False, False),
-        "trainer thread, normal priority, DCP's writer": ("trainer", "thread", False, True, False),
-        "trainer thread, nice 19, DCP's writer": ("trainer", "thread", True, True, False),
-        "trainer thread, nice 19, whole state staged": ("trainer", "thread", True, False, True),
-        "trainer thread, nice 19": ("trainer", "thread", True, False, False),
-        "trainer process, nice 19, whole state staged": ("trainer", "process", True, False, True),
-        "trainer process, nice 19": ("trainer", "process", True, False, False),
+        "trainer sync, DCP's writer": trainer("sync", background=False, dcp_writer=True),
+        "trainer sync": trainer("sync", background=False),
+        "trainer thread, normal priority, DCP's writer": trainer("thread", background=False,
+                                                                 dcp_writer=True),
+        "trainer thread, nice 19, DCP's writer": trainer("thread", dcp_writer=True),
+        "trainer thread, nice 19, whole state staged": trainer("thread", whole_state=True),
+        "trainer thread, nice 19": trainer("thread"),
+        "trainer process, nice 19, whole state staged": trainer("process", whole_state=True),
+        "trainer process, nice 19": trainer("process"),
     }
 
 
@@ -280,7 +285,7 @@ def saver(mode, trainer: Trainer, ckpt_group):
                 (checkpoint._HashingFileSystem, "create_stream", FileSystem.create_stream),
                 (checkpoint._HashingFileSystem, "rename", FileSystem.rename)]
         if whole_state:  # every rank stages all it holds (DCP's dedup then picks the writers)
-            controls.append((checkpoint._WriterAssignment, "share", lambda self, state: state))
+            controls.append((checkpoint._ReplicaSplit, "share", lambda self, state: state))
         kept = [(cls, name, getattr(cls, name)) for cls, name, _ in controls]
         for cls, name, control in controls:
             setattr(cls, name, control)

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.serialization import config as serialization_config
 
 from storage.background import lower_thread_priority
-from storage.checksums import exclusive_lock, sha256_file, write_atomic
+from storage.checksums import exclusive_lock, sha256_bytes, sha256_file, write_atomic
 from storage.manifests import (CHECKPOINT_MANIFEST, CheckpointManifest, FileEntry, list_files,
                                verify_files)
 
@@ -144,7 +144,8 @@ def _tensor_units(state: dict) -> dict[_Unit, int]:
 
 
 def holdings_digest(units: dict[_Unit, int]) -> str:
-    return hashlib.sha256(repr(sorted(units.items())).encode()).hexdigest()
+    """Equal on two ranks exactly when they hold the same tensors (names, chunks, sizes)."""
+    return sha256_bytes(repr(sorted(units.items())).encode())
 
 
 def my_share(units: dict[_Unit, int], digests: list[str], me: int) -> set[_Unit]:
@@ -163,7 +164,7 @@ def my_share(units: dict[_Unit, int], digests: list[str], me: int) -> set[_Unit]
     return mine
 
 
-class _WriterAssignment:
+class _ReplicaSplit:
     """`share(state)`: `state` less the tensors a peer writes (collective on `group`)."""
 
     def __init__(self, group):
@@ -183,8 +184,7 @@ class _WriterAssignment:
             print(f"[checkpoint] rank 0 stages and writes {sum(units[u] for u in mine) / 1e6:.3f} "
                   f"MB of the {sum(units.values()) / 1e6:.3f} MB of tensors it holds; "
                   f"{digests.count(digests[0])} ranks hold the same and split them", flush=True)
-        others = {(section, key) for (section, key, offsets) in units
-                  if (section, key, offsets) not in mine}
+        others = {(section, key) for section, key, _ in units.keys() - mine}
         return {name: ({k: v for k, v in value.items() if (name, k) not in others}
                        if name in ("model", "optim") else value)
                 for name, value in state.items()}
@@ -349,9 +349,9 @@ class ShardWriter(dcp.FileSystemWriter):
       The manifest holds the bytes as written; validation rereads the files against it.
     - No zip CRC-32 for each tensor record (torch.save computes one unless told not to).
       Nothing reads it (torch.load does not check it) and the sha256 covers every byte; it
-      was a third to over half of the writer's CPU (benchmarks/save_cpu_bench.py). It is off only while this writer writes; torch
-      keeps the setting per thread (2.13), and where it is the process's, a torch.save
-      elsewhere meanwhile would only lose that unread CRC too.
+      was a third to over half of the writer's CPU (benchmarks/save_cpu_bench.py). It is off
+      only while this writer writes; torch keeps the setting per thread (2.13), and where it
+      is the process's, a torch.save elsewhere meanwhile would only lose that unread CRC too.
     """
 
     def __init__(self, path):
@@ -399,11 +399,11 @@ class Checkpointer:
     In the background modes training blocks only to start the save: the state is copied off
     the live tensors by a staging thread while the next step's forward and backward run, and
     `before_update` waits for that copy before the optimizer changes the weights. Each rank
-    copies (and writes) only its share of the tensors several ranks hold (_WriterAssignment).
-    The write runs on its own gloo process group (on the default group it deadlocks against FSDP's
-    collectives), in a thread or in a separate process; each rank hashes its files as it writes
-    them (ShardWriter), and rank 0 writes the manifest from those digests in a background
-    thread once every rank's shards are durable. The write and the
+    copies (and writes) only its share of the tensors several ranks hold (_ReplicaSplit).
+    The write runs on its own gloo process group (on the default group it deadlocks against
+    FSDP's collectives), in a thread or in a separate process; each rank hashes its files as
+    it writes them (ShardWriter), and rank 0 writes the manifest from those digests in a
+    background thread once every rank's shards are durable. The write and the
     hashing run at the lowest CPU priority (storage.background). At most one save is
     in flight; one that fails is reported (`failed`) and never committed. Never overwrites a
     committed checkpoint: one found at the target path (from an abandoned attempt that went
@@ -424,7 +424,7 @@ class Checkpointer:
         self.stager = (_CpuStager(shared_memory=mode == "process",
                                   before_copy=lambda: self.fault_hook("staging", self._saving_step))
                        if mode != "sync" else None)
-        self.writers = _WriterAssignment(self.group)
+        self.replicas = _ReplicaSplit(self.group)
         self._pending: threading.Thread | None = None
         self._staging: Future | None = None
         self.failures: list[str] = []
@@ -457,7 +457,7 @@ class Checkpointer:
             return time.perf_counter() - started
         # Only what this rank writes is staged (a synchronous save stages nothing: DCP's own
         # dedup picks the writers there).
-        state = self.writers.share(state)
+        state = self.replicas.share(state)
         kind = (AsyncCheckpointerType.PROCESS if self.mode == "process"
                 else AsyncCheckpointerType.THREAD)
         if torch.cuda.is_initialized():
@@ -526,7 +526,8 @@ class Checkpointer:
         files = list_files(path, exclude=(CHECKPOINT_MANIFEST, WRITTEN_DIGESTS),
                            known=written_digests(path))
         manifest = CheckpointManifest(files=files, created_at=time.time(), **manifest_fields)
-        (path / WRITTEN_DIGESTS).unlink()  # before the commit: a committed directory holds its listed files only
+        # Before the commit: a committed directory holds its listed files only.
+        (path / WRITTEN_DIGESTS).unlink()
         manifest.save(path)  # (its directory fsync makes the unlink durable too)
         print(f"[checkpoint] committed {path.name} (loss {manifest.loss:.4f})", flush=True)
         self.fault_hook("after_manifest", step)
