@@ -2,14 +2,17 @@
 ~100M-parameter model, data and steps, with `checkpoint.async_mode` sync, thread and process.
 
     python benchmarks/trainer_checkpoint_bench.py [--steps 16] [--every 4] [--layout ddp|fsdp]
+        [--modes sync thread process] [--repeats 1]
     python benchmarks/trainer_checkpoint_bench.py --uploads [--steps 40] [--every 5]
 
 Per mode: the training time blocked per save (what `metrics.jsonl` records as checkpoint_s:
 starting the save, plus waiting for background staging before the next optimizer step),
 the ratio of blocking to the synchronous save, and the median step time of steps begun
 without and with a background save in flight (`save_in_flight`: writing, or rank 0 hashing
-the files for the manifest), whose ratio is the slowdown a background save causes. Runs the
-modes one after another in one invocation; prints a markdown table for benchmarks/RESULTS.md.
+the files for the manifest), whose ratio is the slowdown a background save causes; also the mean's ratio, the training
+time the overlapped steps lost per save, and the slowdown by the step's place after the
+save. Runs the modes one after another in one invocation (`--repeats`: in rounds, taking
+turns); prints a markdown table for benchmarks/RESULTS.md.
 
 `--uploads`: the step-time slowdown while checkpoints upload to S3 (SeaweedFS): a training
 run without uploads, one uploading at background priority and one at normal priority, in
@@ -63,8 +66,8 @@ def training_command(config, dataset: Path, args) -> list[str]:
 TRAINING_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def run_mode(root: Path, dataset: Path, mode: str, args) -> dict:
-    config = bench_config(root, mode, mode, args)
+def run_mode(root: Path, dataset: Path, mode: str, args, name: str | None = None) -> dict:
+    config = bench_config(root, name or mode, mode, args)
     proc = subprocess.run(training_command(config, dataset, args), capture_output=True, text=True,
                           cwd=REPO, env=TRAINING_ENV)
     if proc.returncode != 0:
@@ -76,15 +79,67 @@ def run_mode(root: Path, dataset: Path, mode: str, args) -> dict:
     stalls = [by_step[s]["checkpoint_s"] + by_step.get(s + 1, {}).get("checkpoint_s", 0.0)
               for s in saves]
     # A step that began with a background save in flight (writing, or rank 0 hashing for the
-    # manifest) shared the CPU with it; the others did not.
+    # manifest) shared the CPU with it; the others did not. Steps 1-2 warm up.
     began_saving = {r["step"] + 1 for r in records if r.get("save_in_flight")}
     quiet = [r["step_time_s"] for r in records if r["step"] > 2 and r["step"] not in began_saving]
-    during = [r["step_time_s"] for r in records if r["step"] in began_saving]
+    during = [r for r in records if r["step"] in began_saving]
     size = sum(f.stat().st_size for f in (config.run_dir / "checkpoints" / f"step-{args.every:08d}").iterdir())
     shutil.rmtree(config.run_dir / "checkpoints")
-    return {"stalls": stalls, "step_s": statistics.median(quiet) if quiet else None,
-            "during_s": statistics.median(during) if during else None, "steps_during": len(during),
-            "bytes": size}
+    quiet_s = statistics.median(quiet) if quiet else None
+    result = {"stalls": stalls, "step_s": quiet_s, "steps_during": len(during), "bytes": size,
+              "during_s": statistics.median([r["step_time_s"] for r in during]) if during else None}
+    if during and quiet_s:
+        extra = sum(r["step_time_s"] - quiet_s for r in during)
+        result.update(
+            slowdown=result["during_s"] / quiet_s,
+            mean_slowdown=statistics.mean(r["step_time_s"] for r in during) / quiet_s,
+            # What a save costs training beyond its stall: the steps it overlapped took this
+            # much longer than quiet steps, per save.
+            lost_per_save_s=extra / len(saves),
+            # The k-th step after a save, over the quiet median: where in the write the cost is.
+            by_position={k: statistics.median(by_step[s + k]["step_time_s"] for s in saves
+                                              if s + k in began_saving) / quiet_s
+                         for k in range(1, args.every + 1)
+                         if any(s + k in began_saving for s in saves)})
+    return result
+
+
+def spread(values: list[float], fmt: str, unit: str = "") -> str:
+    """`median [min–max]` of per-run figures (the single figure for one run)."""
+    if not values:
+        return "–"
+    median, low, high = (format(v, fmt) + unit for v in (statistics.median(values), min(values), max(values)))
+    return median if len(values) == 1 else f"{median} [{low}–{high}]"
+
+
+def modes_table(runs: dict[str, list[dict]]) -> str:
+    """Per mode, over its runs: stalls against the synchronous save's, and the slowdown of
+    the steps a background save overlapped against the same run's quiet steps."""
+    base = statistics.median(s for r in runs["sync"] for s in r["stalls"]) if "sync" in runs else None
+    lines = ["| checkpoint.async_mode | runs | median stall (s) | vs sync | step time without save (s) "
+             "| steps begun during a save, per run | slowdown, median step | slowdown, mean step "
+             "| training time lost per save beyond the stall (s) | k-th step after the save / quiet |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for mode, rs in runs.items():
+        stall = statistics.median(s for r in rs for s in r["stalls"])
+        timed = [r for r in rs if "slowdown" in r]
+        cells = [mode, str(len(rs)), f"{stall:.3f}", "–" if base is None else f"{stall / base:.3f}",
+                 spread([r["step_s"] for r in rs if r["step_s"]], ".3f"),
+                 spread([r["steps_during"] for r in rs], "g")]
+        if timed:
+            positions = sorted({k for r in timed for k in r["by_position"]})
+            cells += [spread([r["slowdown"] for r in timed], ".2f", "x"),
+                      spread([r["mean_slowdown"] for r in timed], ".2f", "x"),
+                      spread([r["lost_per_save_s"] for r in timed], ".2f"),
+                      ", ".join(f"{k}: {statistics.median(r['by_position'][k] for r in timed if k in r['by_position']):.2f}"
+                                for k in positions)]
+        else:
+            cells += ["–"] * 4
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + (
+        "\n\nPer run: the slowdown is the median (or mean) step time of the steps begun with a save "
+        "in flight over the median of that run's other steps; a cell with several runs gives "
+        "the median over runs [lowest–highest]. The last column is the median over runs.")
 
 
 UPLOAD_ARMS = {"none": None, "background (idle class, nice 19)": True, "normal (nice 0)": False}
@@ -206,6 +261,10 @@ def main() -> None:
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="ddp")
     parser.add_argument("--nproc", type=int, default=2, help="workers (1 per GPU on a GPU machine)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
+    parser.add_argument("--modes", nargs="+", choices=("sync", "thread", "process"),
+                        default=["sync", "thread", "process"])
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds of the modes, taking turns (report median and range over rounds)")
     parser.add_argument("--dir", help="work directory (default: a temporary one)")
     parser.add_argument("--uploads", action="store_true",
                         help="only the upload runs: synchronous saves, each checkpoint uploaded to "
@@ -220,25 +279,24 @@ def main() -> None:
         print(upload_table(result))
         print(json.dumps(result), file=sys.stderr)
         return
-    results = {mode: run_mode(root, dataset, mode, args) for mode in ("sync", "thread", "process")}
-    base = statistics.median(results["sync"]["stalls"])
+    # The modes take turns, each round starting one later, so that a drift in the machine's
+    # load spreads over them instead of falling on one.
+    runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    for round_ in range(args.repeats):
+        for i in range(len(args.modes)):
+            mode = args.modes[(round_ + i) % len(args.modes)]
+            runs[mode].append(run_mode(root, dataset, mode, args, name=f"{mode}-{round_}"))
+            print(f"[bench] round {round_ + 1}/{args.repeats}: {mode} done; load "
+                  f"{os.getloadavg()[0]:.1f}", file=sys.stderr, flush=True)
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (gloo)"
-    print(f"\n{device}, {args.nproc} worker(s), layout {args.layout}, {args.steps} steps, a save every {args.every}; checkpoint "
-          f"{results['sync']['bytes'] / 1e9:.2f} GB; load {os.getloadavg()[0]:.1f}\n")
-    print("| checkpoint.async_mode | stall per save (s) | median stall (s) | vs sync | "
-          "step time without save (s) | steps begun during a save | their step time (s) | slowdown |")
-    print("|---|---|---|---|---|---|---|---|")
-    for mode, r in results.items():
-        median = statistics.median(r["stalls"])
-        step_s = "–" if r["step_s"] is None else f"{r['step_s']:.3f}"
-        during = ("– | –" if r["during_s"] is None or r["step_s"] is None else
-                  f"{r['during_s']:.3f} | {r['during_s'] / r['step_s']:.2f}x")
-        print(f"| {mode} | {', '.join(f'{s:.3f}' for s in r['stalls'])} | {median:.3f} | "
-              f"{median / base:.3f} | {step_s} | {r['steps_during']} | {during} |")
-    print(json.dumps(results), file=sys.stderr)
-
+    size = next(iter(runs.values()))[0]["bytes"]
+    print(f"\n{device}, {args.nproc} worker(s), layout {args.layout}, {args.steps} steps, a save every "
+          f"{args.every}; checkpoint {size / 1e9:.2f} GB; {args.repeats} round(s); load "
+          f"{os.getloadavg()[0]:.1f}\n")
+    print(json.dumps(runs), file=sys.stderr)  # first: the table can be made again from it
+    print(modes_table(runs))
 
 if __name__ == "__main__":
     main()
