@@ -9,9 +9,9 @@ Per mode: the training time blocked per save (what `metrics.jsonl` records as ch
 starting the save, plus waiting for background staging before the next optimizer step),
 the ratio of blocking to the synchronous save, and the median step time of steps begun
 without and with a background save in flight (`save_in_flight`: writing, or rank 0 hashing
-the files for the manifest), whose ratio is the slowdown a background save causes; also the mean's ratio, the training
-time the overlapped steps lost per save, and the slowdown by the step's place after the
-save. Runs the modes one after another in one invocation (`--repeats`: in rounds, taking
+the files for the manifest), whose ratio is the slowdown a background save causes; also
+the mean's ratio, the training time the overlapped steps lost per save, and the slowdown by
+the step's place after the save. Runs the modes one after another in one invocation (`--repeats`: in rounds, taking
 turns); prints a markdown table for benchmarks/RESULTS.md.
 
 `--uploads`: the step-time slowdown while checkpoints upload to S3 (SeaweedFS): a training
@@ -295,8 +295,9 @@ def main() -> None:
     print(f"\n{device}, {args.nproc} worker(s), layout {args.layout}, {args.steps} steps, a save every "
           f"{args.every}; checkpoint {size / 1e9:.2f} GB; {args.repeats} round(s); load "
           f"{os.getloadavg()[0]:.1f}\n")
-    print(json.dumps(runs), file=sys.stderr)  # first: the table can be made again from it
+    print(json.dumps(runs), file=sys.stderr)  # first: an error in the table loses no run
     print(modes_table(runs))
+
 
 if __name__ == "__main__":
     main()
