@@ -14,6 +14,7 @@ A node that dies as a whole (its torchrun agent gone) ends the attempt at once.
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -91,6 +92,12 @@ def worker_env(config: RunConfig, attempt: str) -> dict[str, str]:
            # A shared rendezvous TCP store made restarts flaky (STACK_NOTES): rank 0's node
            # opens a fresh store for the workers on every attempt.
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TOKENIZERS_PARALLELISM": "false",
+           # torchrun passes a SIGTERM on to its workers and SIGKILLs them after this long
+           # (30 s unless told): give the emergency checkpoint the whole faults.emergency_save_s.
+           # Only a stop and the end of a failed attempt wait for it; torchrun's in-job restart
+           # after a crashed worker keeps its own fixed 30 s. An environment variable, not
+           # --shutdown-timeout: a node's older torchrun ignores it instead of failing.
+           "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(config.faults.emergency_save_s)),
            # After an in-job restart: how long to wait for the verdict on recent checkpoints.
            "GOODPUT_RESTART_WAIT_S": str(config.launch.restart_verdict_wait_s),
            # glibc would hand large activation buffers back to the OS after every step and
@@ -119,9 +126,8 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume:
     start = time.monotonic()
     hung = False
     watch = HangWatch(config.run, attempt)
-    # Not torchrun's own shutdown timeout (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, 30 s): it also
-    # applies when a worker crashed, to survivors stuck in a collective that no signal
-    # reaches, so raising it delays every recovery. The launcher's grace is the limit.
+    # The launcher's grace and torchrun's (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, worker_env) are
+    # both faults.emergency_save_s: whichever ends first, the workers had that long.
     live = _LiveAttempt(launcher, grace_s=config.faults.emergency_save_s)
     try:
         live.start(log)
