@@ -115,10 +115,14 @@ class NodeProcesses:
             proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, env=env,
                                     start_new_session=True, bufsize=1)
-            reader = threading.Thread(target=_pump, args=(proc.stdout, log), daemon=True)
+            reader = threading.Thread(target=self._read_output, args=(i, proc.stdout, log),
+                                      daemon=True)
             reader.start()
             self.procs.append(proc)
             self.readers.append(reader)
+
+    def _read_output(self, node: int, stream, log: Log) -> None:
+        _pump(stream, log)
 
     def poll(self) -> int | None:
         codes = [p.poll() for p in self.procs]
@@ -151,9 +155,21 @@ class LocalLauncher(NodeProcesses):
 class SshLauncher(NodeProcesses):
     """`ssh HOST 'cd WORKDIR && env ... torchrun ...'` per host; launch.hosts[0] is node 0.
 
-    `-tt` gives the remote command a terminal, so when this side ends the ssh client the
-    remote torchrun gets SIGHUP and stops its workers.
+    `-tt` gives the remote command a terminal, so when the ssh client ends (this process
+    died, the connection dropped) the remote torchrun gets SIGHUP and stops its workers.
+
+    Stopping does not start there: an ssh client exits at once on SIGTERM, and the next
+    attempt would start while the remote workers still write their emergency checkpoint.
+    Each remote command first reports its process id (then the shell execs torchrun in its
+    place); `stop` sends that torchrun SIGTERM over a second connection and waits, up to the
+    grace, for the node's command to end.
     """
+
+    REMOTE_PID = "goodput-node-pid "  # the first line of each node's output
+
+    def __init__(self, spec: NodeLaunch):
+        super().__init__(spec)
+        self.remote_pids: dict[int, int] = {}
 
     def node_commands(self):
         launch = self.spec.config.launch
@@ -163,9 +179,39 @@ class SshLauncher(NodeProcesses):
         for i, (host, addr) in enumerate(zip(launch.hosts, addresses)):
             remote = ["env", *(f"{k}={v}" for k, v in shared.items()),
                       *node_wrapper(str(i), shlex.quote(addr)), *self.spec.command]
-            line = f"cd {shlex.quote(self.spec.workdir)} && exec {shlex.join(remote)}"
+            line = (f"cd {shlex.quote(self.spec.workdir)} && echo {self.REMOTE_PID}$$ && "
+                    f"exec {shlex.join(remote)}")
             commands.append((["ssh", "-tt", *launch.ssh.options, host, line], dict(os.environ)))
         return commands
+
+    def _read_output(self, node: int, stream, log: Log) -> None:
+        for line in stream:
+            line = line.rstrip()  # also the \r a remote terminal adds
+            if line.startswith(self.REMOTE_PID) and node not in self.remote_pids:
+                self.remote_pids[node] = int(line[len(self.REMOTE_PID):])
+            else:
+                log(line)
+
+    def stop(self, grace_s: float = 5.0) -> int:
+        code = self.poll()
+        deadline = time.monotonic() + grace_s
+        launch = self.spec.config.launch
+        for node, proc in enumerate(self.procs):
+            pid = self.remote_pids.get(node)
+            if proc.poll() is None and pid is not None:
+                try:
+                    subprocess.run(["ssh", *launch.ssh.options, launch.hosts[node], f"kill -TERM {pid}"],
+                                   stdin=subprocess.DEVNULL, capture_output=True, timeout=min(grace_s, 30))
+                except subprocess.TimeoutExpired:
+                    pass  # unreachable: hanging up below is all that is left
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        # Whatever did not end in time: end its ssh client, which hangs the remote command up.
+        ended = super().stop(grace_s=1.0)
+        return ended if code is None else code
 
 
 def _pump(stream, log: Log) -> None:

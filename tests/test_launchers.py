@@ -48,16 +48,31 @@ def fake_python():
 
 
 def ssh():
-    """Runs the remote command here, or inside the network namespace that owns the host's
-    address when FAKE_SSH_NETNS maps addresses to namespaces."""
+    """Runs the remote command here as sshd would, in a session of its own (inside the
+    network namespace that owns the host's address when FAKE_SSH_NETNS maps addresses to
+    namespaces). As a real client does, it exits at once on SIGTERM or SIGHUP, and the
+    remote command gets SIGHUP (with -tt its terminal goes away)."""
     rest = list(args)
     while rest[0].startswith("-"):
         rest = rest[2:] if rest[0] in ("-o", "-i", "-p") else rest[1:]
     host, command = rest[0].rsplit("@", 1)[-1], rest[1]
     netns = json.loads(os.environ.get("FAKE_SSH_NETNS", "{}"))
+    argv = ["bash", "-c", command]
     if host in netns:
-        os.execvp("ip", ["ip", "netns", "exec", netns[host], "bash", "-c", command])
-    os.execvp("bash", ["bash", "-c", command])
+        argv = ["ip", "netns", "exec", netns[host], *argv]
+    remote = subprocess.Popen(argv, start_new_session=True)
+
+    def hang_up(signum, frame):
+        try:
+            os.killpg(remote.pid, signal.SIGHUP)
+        except ProcessLookupError:
+            pass
+        os._exit(255)
+
+    signal.signal(signal.SIGTERM, hang_up)
+    signal.signal(signal.SIGHUP, hang_up)
+    code = remote.wait()
+    sys.exit(code if code >= 0 else 128 - code)
 
 
 def job_file(job, suffix):
@@ -588,3 +603,66 @@ def test_stopping_kills_a_frozen_worker_in_its_own_session(tmp_path):
         os.kill(worker, signal.SIGKILL)  # nothing left to kill: reaped or a zombie of init
     except ProcessLookupError:
         pass
+
+
+def start_slow_saving_worker(tmp_path, config, save_s: float):
+    """A real torchrun (one node, one worker) through `config`'s launcher; the worker answers
+    SIGTERM or SIGHUP as an emergency checkpoint would: it takes `save_s`, then writes
+    `saved` (with the signal's name) and exits. Returns the launcher, once the worker runs,
+    the `saved` path and the launcher's log."""
+    import time
+
+    ready, saved = tmp_path / "ready", tmp_path / "saved"
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        "import pathlib, signal, sys, time\n"
+        "def save(signum, frame):\n"
+        f"    time.sleep({save_s})\n"
+        f"    pathlib.Path({str(saved)!r}).write_text(signal.Signals(signum).name)\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, save)\n"
+        "signal.signal(signal.SIGHUP, save)\n"
+        f"pathlib.Path({str(ready)!r}).write_text('ready')\n"
+        "time.sleep(600)\n")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", "--rdzv-id=grace", str(worker)]
+    launcher = make_launcher(NodeLaunch(config, command, worker_env(config, "grace-1"),
+                                        tmp_path / "attempt", "goodput-grace"))
+    lines: list[str] = []
+    launcher.start(lines.append)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert launcher.poll() is None, "\n".join(lines)
+        assert time.monotonic() < deadline, "the worker never started\n" + "\n".join(lines)
+        time.sleep(0.2)
+    return launcher, saved, lines
+
+
+def test_torchrun_gives_its_workers_the_whole_emergency_save_time(tmp_path):
+    """A stop SIGTERMs torchrun, which passes it on to the workers and, unless told
+    otherwise, SIGKILLs them 30 s later: an emergency checkpoint that takes longer was lost
+    although faults.emergency_save_s allowed it. The worker here takes 32 s."""
+    import time
+
+    config = small_config(tmp_path, "faults.emergency_save_s=45")
+    launcher, saved, lines = start_slow_saving_worker(tmp_path, config, save_s=32)
+    started = time.monotonic()
+    launcher.stop(grace_s=config.faults.emergency_save_s)
+    assert saved.read_text() == "SIGTERM", "\n".join(lines[-20:])
+    assert 32 <= time.monotonic() - started < 45
+
+
+def test_stopping_an_ssh_node_waits_for_its_emergency_checkpoint(tmp_path, fakes):
+    """An ssh client exits at once on SIGTERM: stopping it alone would return while the
+    remote workers still save, and the next attempt would overlap them. The stop SIGTERMs
+    the remote torchrun over a second connection and returns once the node's command ended."""
+    from infra.launchers import free_port
+
+    config = small_config(tmp_path, "launch.kind=ssh", "launch.hosts=[me@127.0.0.1]",
+                          f"launch.rdzv_port={free_port()}", "faults.emergency_save_s=20")
+    launcher, saved, lines = start_slow_saving_worker(tmp_path, config, save_s=3)
+    [node_pid] = launcher.remote_pids.values()
+    launcher.stop(grace_s=config.faults.emergency_save_s)
+    assert saved.read_text() == "SIGTERM", "\n".join(lines[-20:])
+    assert [*config.launch.ssh.options, "me@127.0.0.1", f"kill -TERM {node_pid}"] in calls(fakes, "ssh")
+    assert not any(line.startswith(launcher.REMOTE_PID) for line in lines)  # not in the log
