@@ -214,6 +214,13 @@ class SshLauncher(NodeProcesses):
         return ended if code is None else code
 
 
+def _stamp_key(stamp: str) -> tuple[str, str] | None:
+    """An RFC 3339 UTC timestamp as kubectl prints it (nanoseconds, trailing zeros dropped)
+    in a form that sorts in time order; None when `stamp` is not one."""
+    match = re.fullmatch(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?Z", stamp)
+    return None if match is None else (match.group(1), (match.group(2) or "").ljust(9, "0"))
+
+
 def _pump(stream, log: Log) -> None:
     for line in stream:
         log(line.rstrip())  # rstrip also drops the \r a remote terminal adds
@@ -484,10 +491,17 @@ class KubernetesLauncher(SchedulerJob):
 
     LABEL = "goodput.dev/job"
 
+    LOG_REFOLLOW_S = 10.0  # at most this often, a log stream that ended is followed again
+
     def __init__(self, spec: NodeLaunch):
         super().__init__(spec)
         self._logs: subprocess.Popen | None = None
         self._reader: threading.Thread | None = None
+        self._followed_at = 0.0
+        # The newest timestamp streamed, and the lines streamed at it: where a stream
+        # followed again resumes, none repeated.
+        self._last_stamp: str | None = None
+        self._lines_at_last: set[str] = set()
         self.name = kubernetes_name(spec.name)
 
     @property
@@ -587,15 +601,44 @@ class KubernetesLauncher(SchedulerJob):
 
     def _follow_logs(self) -> None:
         """Stream every pod's output until the pods end (no --prefix: torchrun's own
-        [node rank] prefix is the one the log sink knows)."""
+        [node rank] prefix is the one the log sink knows). Each line comes with its
+        timestamp, so that a stream ending while the job runs (the kubelet closes a stream
+        idle for 4 hours by default; an API server restarts) is followed again from the last
+        line passed on (`follow_logs`)."""
+        since = [f"--since-time={self._last_stamp}"] if self._last_stamp else []
         self._logs = subprocess.Popen(
-            ["kubectl", "logs", *self._selector(), "-f", "--tail=-1", "--all-containers=true",
-             f"--max-log-requests={self.spec.nnodes}"],
+            ["kubectl", "logs", *self._selector(), "-f", "--tail=-1", *since, "--timestamps",
+             "--all-containers=true", f"--max-log-requests={self.spec.nnodes}"],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
             start_new_session=True, bufsize=1)
-        self._reader = threading.Thread(target=_pump, args=(self._logs.stdout, self._log),
+        self._followed_at = time.monotonic()
+        self._reader = threading.Thread(target=self._pass_on, args=(self._logs.stdout,),
                                         daemon=True)
         self._reader.start()
+
+    def _pass_on(self, stream) -> None:
+        resumed_at, seen = self._last_stamp, set(self._lines_at_last)
+        for raw in stream:
+            stamp, _, line = raw.rstrip().partition(" ")
+            key = _stamp_key(stamp)
+            if key is None:  # kubectl's own message, not a pod's line
+                self._log(raw.rstrip())
+                continue
+            if resumed_at is not None:
+                last = _stamp_key(resumed_at)
+                if key < last or (key == last and line in seen):
+                    continue  # passed on before the stream was followed again
+            if self._last_stamp is None or key > _stamp_key(self._last_stamp):
+                self._last_stamp, self._lines_at_last = stamp, set()
+            self._lines_at_last.add(line)
+            self._log(line)
+
+    def follow_logs(self) -> None:
+        if (self.started and self.code is None and self._logs is not None
+                and self._logs.poll() is not None
+                and time.monotonic() - self._followed_at >= self.LOG_REFOLLOW_S):
+            self._reader.join(timeout=5)
+            self._follow_logs()
 
     def stop(self, grace_s: float = 5.0) -> int:  # the scheduler applies its own grace
         if self._logs is not None:

@@ -180,8 +180,19 @@ def kubectl():
         print(json.dumps({"status": statuses[0]}))
         if len(statuses) > 1:
             (state / "k8s-status.json").write_text(json.dumps(statuses[1:]))
-    elif verb == "logs":
-        print((state / "k8s-logs.txt").read_text(), end="")
+    elif verb == "logs":  # the whole log, then the stream ends (as when the pods end)
+        lines = (state / "k8s-logs.txt").read_text().splitlines()
+        stamped = [(f"2026-11-23T00:00:{1 + i // 2:02d}.{25 * (1 + i % 2)}Z", line)
+                   for i, line in enumerate(lines)]  # two lines a second
+        since = next((a.split("=", 1)[1] for a in args if a.startswith("--since-time=")), None)
+        if since:  # the API server keeps whole seconds of it
+            stamped = [(t, line) for t, line in stamped if t[:19] >= since[:19]]
+        drop = state / "k8s-logs-drop-after"
+        if drop.exists():  # this stream breaks early
+            stamped = stamped[:int(drop.read_text())]
+            drop.unlink()
+        for t, line in stamped:
+            print(f"{t} {line}" if "--timestamps" in args else line)
     elif verb == "delete":
         print("deleted")
 
@@ -547,8 +558,30 @@ def test_kubernetes_job_is_applied_watched_streamed_and_deleted(tmp_path, fakes)
     # Logs are followed once every pod is ready.
     assert [c for c in kubectl if c[0] == "logs"] == [
         ["logs", "-n", "ml", "-l", "goodput.dev/job=goodput-test-t1", "-f", "--tail=-1",
-         "--all-containers=true", "--max-log-requests=2"]]
+         "--timestamps", "--all-containers=true", "--max-log-requests=2"]]
     assert "[node0 rank0] [train] done: step 30, loss 1.0" in lines
+
+
+def test_a_kubernetes_log_stream_that_ends_early_is_followed_again_without_repeats(
+        tmp_path, fakes, monkeypatch):
+    """The kubelet closes a log stream idle for 4 hours by default, and an API server restart
+    ends one: while the job runs, the stream is followed again from the last line passed on
+    (by timestamp: the server keeps whole seconds, the lines of that second are not repeated)."""
+    monkeypatch.setattr(KubernetesLauncher, "LOG_REFOLLOW_S", 0.0)
+    config = launch_config(tmp_path, fakes, *K8S)
+    logged = [f"[node0 rank0] [train] step {i}" for i in range(1, 6)]
+    set_k8s(fakes, [{}, *[RUNNING] * 20, {"conditions": [{"type": "Completed", "status": "True"}]}],
+            logs="".join(line + "\n" for line in logged))
+    (fakes / "k8s-logs-drop-after").write_text("2")
+    lines: list[str] = []
+    result = attempt(config, lines=lines)
+    assert result.failure_class == "done"
+    assert [line for line in lines if "[train] step" in line] == logged  # each once, in order
+    follows = [c for c in calls(fakes, "kubectl") if c[0] == "logs"]
+    assert len(follows) >= 3  # broken, followed again, and again while the job still ran
+    assert not any(a.startswith("--since-time") for a in follows[0])
+    assert "--since-time=2026-11-23T00:00:01.50Z" in follows[1]
+    assert "--since-time=2026-11-23T00:00:03.25Z" in follows[-1]
 
 
 def test_kubernetes_failure_reports_the_pods_exit_code(tmp_path, fakes):
