@@ -195,23 +195,32 @@ class SshLauncher(NodeProcesses):
     def stop(self, grace_s: float = 5.0) -> int:
         code = self.poll()
         deadline = time.monotonic() + grace_s
-        launch = self.spec.config.launch
-        for node, proc in enumerate(self.procs):
-            pid = self.remote_pids.get(node)
-            if proc.poll() is None and pid is not None:
-                try:
-                    subprocess.run(["ssh", *launch.ssh.options, launch.hosts[node], f"kill -TERM {pid}"],
-                                   stdin=subprocess.DEVNULL, capture_output=True, timeout=min(grace_s, 30))
-                except subprocess.TimeoutExpired:
-                    pass  # unreachable: hanging up below is all that is left
+        self._remote_signal("kill -TERM {pid}", timeout_s=min(grace_s, 30))
         for proc in self.procs:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
-        # Whatever did not end in time: end its ssh client, which hangs the remote command up.
+        # Past the grace (a frozen worker never answers SIGTERM, and torchrun would wait its
+        # own timeout): kill the node's workers and torchrun, so that none lingers into the
+        # next attempt holding its GPU; then end the ssh client, which hangs up the rest.
+        self._remote_signal("pkill -KILL -P {pid}; kill -KILL {pid}", timeout_s=10)
         ended = super().stop(grace_s=1.0)
         return ended if code is None else code
+
+    def _remote_signal(self, command: str, timeout_s: float) -> None:
+        """Run `command` (with the node's torchrun pid) on every node still running, over a
+        connection of its own; a host that does not answer is left to the hang-up."""
+        launch = self.spec.config.launch
+        for node, proc in enumerate(self.procs):
+            pid = self.remote_pids.get(node)
+            if proc.poll() is None and pid is not None:
+                try:
+                    subprocess.run(["ssh", *launch.ssh.options, launch.hosts[node],
+                                    command.format(pid=pid)],
+                                   stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    pass
 
 
 def _stamp_key(stamp: str) -> tuple[str, str] | None:

@@ -642,20 +642,20 @@ def start_slow_saving_worker(tmp_path, config, save_s: float):
     """A real torchrun (one node, one worker) through `config`'s launcher; the worker answers
     SIGTERM or SIGHUP as an emergency checkpoint would: it takes `save_s`, then writes
     `saved` (with the signal's name) and exits. Returns the launcher, once the worker runs,
-    the `saved` path and the launcher's log."""
+    the `saved` path and the launcher's log; `ready`, beside it, holds the worker's pid."""
     import time
 
     ready, saved = tmp_path / "ready", tmp_path / "saved"
     worker = tmp_path / "worker.py"
     worker.write_text(
-        "import pathlib, signal, sys, time\n"
+        "import os, pathlib, signal, sys, time\n"
         "def save(signum, frame):\n"
         f"    time.sleep({save_s})\n"
         f"    pathlib.Path({str(saved)!r}).write_text(signal.Signals(signum).name)\n"
         "    sys.exit(0)\n"
         "signal.signal(signal.SIGTERM, save)\n"
         "signal.signal(signal.SIGHUP, save)\n"
-        f"pathlib.Path({str(ready)!r}).write_text('ready')\n"
+        f"pathlib.Path({str(ready)!r}).write_text(str(os.getpid()))\n"
         "time.sleep(600)\n")
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
                "--rdzv-backend=c10d", "--rdzv-id=grace", str(worker)]
@@ -699,3 +699,28 @@ def test_stopping_an_ssh_node_waits_for_its_emergency_checkpoint(tmp_path, fakes
     assert saved.read_text() == "SIGTERM", "\n".join(lines[-20:])
     assert [*config.launch.ssh.options, "me@127.0.0.1", f"kill -TERM {node_pid}"] in calls(fakes, "ssh")
     assert not any(line.startswith(launcher.REMOTE_PID) for line in lines)  # not in the log
+
+
+def test_a_frozen_ssh_node_is_killed_on_its_host_when_the_grace_ends(tmp_path, fakes):
+    """A frozen worker never answers SIGTERM, and its torchrun would wait its own timeout:
+    past the grace, the node's workers and torchrun are killed on the host itself, so none
+    lingers into the next attempt holding its GPU."""
+    import signal
+    import time
+
+    from infra.launchers import free_port
+
+    config = small_config(tmp_path, "launch.kind=ssh", "launch.hosts=[127.0.0.1]",
+                          f"launch.rdzv_port={free_port()}", "faults.emergency_save_s=20")
+    launcher, saved, lines = start_slow_saving_worker(tmp_path, config, save_s=3)
+    [node_pid] = launcher.remote_pids.values()
+    worker = int((tmp_path / "ready").read_text())
+    os.kill(worker, signal.SIGSTOP)
+    started = time.monotonic()
+    launcher.stop(grace_s=2)
+    assert time.monotonic() - started < 15
+    kill = f"pkill -KILL -P {node_pid}; kill -KILL {node_pid}"
+    assert [*config.launch.ssh.options, "127.0.0.1", kill] in calls(fakes, "ssh")
+    stat = Path(f"/proc/{worker}/stat")
+    assert not stat.exists() or stat.read_text().split()[2] == "Z"
+    assert not saved.exists()
