@@ -10,8 +10,9 @@ starting the save, plus waiting for background staging before the next optimizer
 the ratio of blocking to the synchronous save, and the median step time of steps begun
 without and with a background save in flight (`save_in_flight`: writing, or rank 0 hashing
 the files for the manifest), whose ratio is the slowdown a background save causes; also
-the mean's ratio, the training time the overlapped steps lost per save, and the slowdown by
-the step's place after the save. Runs the modes one after another in one invocation (`--repeats`: in rounds, taking
+the mean's ratio, the training time the overlapped steps lost per save (also over the saves
+after the first, which alone allocates the staging buffers), and the slowdown by the step's
+place after the save. Runs the modes one after another in one invocation (`--repeats`: in rounds, taking
 turns); prints a markdown table for benchmarks/RESULTS.md.
 
 `--uploads`: the step-time slowdown while checkpoints upload to S3 (SeaweedFS): a training
@@ -38,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from goodput.config import load_config  # noqa: E402
 from goodput.runs import write_run_config  # noqa: E402
-from infra.torchrun import free_port  # noqa: E402
+from infra.torchrun import ALLOCATOR_ENV, free_port  # noqa: E402
 from tests.helpers import synthetic_dataset  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
 
@@ -63,7 +64,10 @@ def training_command(config, dataset: Path, args) -> list[str]:
             "--config", str(write_run_config(config)), "--dataset", str(dataset), "--resume", "none"]
 
 
-TRAINING_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# The workers' environment as the launcher sets it (infra.torchrun.worker_env): one thread
+# each, and the allocator kept from returning memory to the OS between steps. Without the
+# latter, each step of this model faulted ~120k pages in again and took 1.25x as long.
+TRAINING_ENV = {**os.environ, **ALLOCATOR_ENV, "OMP_NUM_THREADS": "1"}
 
 
 def run_mode(root: Path, dataset: Path, mode: str, args, name: str | None = None) -> dict:
@@ -101,6 +105,13 @@ def run_mode(root: Path, dataset: Path, mode: str, args, name: str | None = None
                                               if s + k in began_saving) / quiet_s
                          for k in range(1, args.every + 1)
                          if any(s + k in began_saving for s in saves)})
+        # The same without the run's first save, which also allocates (and the machine first
+        # backs) the staging buffers every later save reuses: what each save of a long run costs.
+        later = [r for r in during if r["step"] > saves[0] + args.every]
+        if later:
+            result.update(later_mean_slowdown=statistics.mean(r["step_time_s"] for r in later) / quiet_s,
+                          later_lost_per_save_s=sum(r["step_time_s"] - quiet_s for r in later)
+                          / (len(saves) - 1))
     return result
 
 
@@ -118,8 +129,9 @@ def modes_table(runs: dict[str, list[dict]]) -> str:
     base = statistics.median(s for r in runs["sync"] for s in r["stalls"]) if "sync" in runs else None
     lines = ["| checkpoint.async_mode | runs | median stall (s) | vs sync | step time without save (s) "
              "| steps begun during a save, per run | slowdown, median step | slowdown, mean step "
-             "| training time lost per save beyond the stall (s) | k-th step after the save / quiet |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| training time lost per save beyond the stall (s) | saves after the first: slowdown, "
+             "mean step; lost per save (s) | k-th step after the save / quiet |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for mode, rs in runs.items():
         stall = statistics.median(s for r in rs for s in r["stalls"])
         timed = [r for r in rs if "slowdown" in r]
@@ -131,15 +143,20 @@ def modes_table(runs: dict[str, list[dict]]) -> str:
             cells += [spread([r["slowdown"] for r in timed], ".2f", "x"),
                       spread([r["mean_slowdown"] for r in timed], ".2f", "x"),
                       spread([r["lost_per_save_s"] for r in timed], ".2f"),
+                      spread([r["later_mean_slowdown"] for r in timed if "later_mean_slowdown" in r],
+                             ".2f", "x") + "; " +
+                      spread([r["later_lost_per_save_s"] for r in timed if "later_lost_per_save_s" in r],
+                             ".2f"),
                       ", ".join(f"{k}: {statistics.median(r['by_position'][k] for r in timed if k in r['by_position']):.2f}"
                                 for k in positions)]
         else:
-            cells += ["–"] * 4
+            cells += ["–"] * 5
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + (
         "\n\nPer run: the slowdown is the median (or mean) step time of the steps begun with a save "
         "in flight over the median of that run's other steps; a cell with several runs gives "
-        "the median over runs [lowest–highest]. The last column is the median over runs.")
+        "the median over runs [lowest–highest]. The last column is the median over runs. The "
+        "run's first save also allocates the staging buffers that later saves reuse.")
 
 
 UPLOAD_ARMS = {"none": None, "background (idle class, nice 19)": True, "normal (nice 0)": False}

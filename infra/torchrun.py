@@ -83,6 +83,13 @@ def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path,
     ]
 
 
+# glibc would hand large activation buffers back to the OS after every step and fault them
+# in again on the next (2x the page faults of a bare loop, 0.78x its speed on CPU;
+# benchmarks/RESULTS.md): keep them. Every worker gets it, and so do the benchmarks that start
+# the trainer themselves, so that they time the trainer as it runs.
+ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
 def worker_env(config: RunConfig, attempt: str) -> dict[str, str]:
     """What every worker needs on top of its node's own environment."""
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # workers share the cores
@@ -100,10 +107,7 @@ def worker_env(config: RunConfig, attempt: str) -> dict[str, str]:
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(config.faults.emergency_save_s)),
            # After an in-job restart: how long to wait for the verdict on recent checkpoints.
            "GOODPUT_RESTART_WAIT_S": str(config.launch.restart_verdict_wait_s),
-           # glibc would hand large activation buffers back to the OS after every step and
-           # fault them in again on the next (2x the page faults of a bare loop, 0.78x its
-           # speed on CPU; benchmarks/RESULTS.md): keep them. launch.env may override.
-           "MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+           **ALLOCATOR_ENV}  # launch.env may override it
     if config.launch.network_interface:  # which NIC the collectives use between hosts
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = config.launch.network_interface
     return {**env, **config.launch.env}
