@@ -540,6 +540,13 @@ class RunConfig(_Section):
                                             * deg["dp_replicate"] * deg["dp_shard"])
         return sha256_bytes(canonical_json(tree))[:16]
 
+    def eval_hash(self) -> str:
+        """Hash of what decides an eval report besides the checkpoint and the dataset: the
+        eval section, the sequence length it scores and the seed its samples draw from."""
+        tree = {"eval": self.eval.model_dump(), "seq_len": self.training.seq_len,
+                "seed": self.training.seed}
+        return sha256_bytes(canonical_json(tree))[:16]
+
 
 # -- loading -------------------------------------------------------------------------------
 

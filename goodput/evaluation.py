@@ -9,7 +9,7 @@ from pathlib import Path
 from goodput.checkpoints import download_checkpoint, ledger_of, restore_ledger
 from goodput.config import RunConfig
 from goodput.runs import write_run_config
-from storage.manifests import EvalReport
+from storage.manifests import DatasetManifest, EvalReport
 from training.checkpoint import checkpoint_path, is_committed
 
 
@@ -20,7 +20,9 @@ def report_path(config: RunConfig, step: int) -> Path:
 def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = None) -> Path:
     """A validated checkpoint of the run: the newest, or the given step, or a directory.
 
-    A checkpoint that only the store holds any more is downloaded first.
+    A checkpoint that only the store holds any more is downloaded first. One validated on
+    another machine and not uploaded yet (the store's ledger names it before its upload
+    ends) is on that machine's disk only: the newest is the newest this machine can read.
     """
     if checkpoint is not None and not str(checkpoint).isdigit():
         path = Path(str(checkpoint))
@@ -29,17 +31,28 @@ def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = N
         return path
     restore_ledger(config, store)
     ledger = ledger_of(config).read()
+
+    def here(entry) -> bool:
+        return is_committed(checkpoint_path(config.run_dir, entry.step))
+
     if checkpoint is None:
-        entry = ledger.newest()
-        if entry is None:
-            raise FileNotFoundError(f"run '{config.run.run_id}' has no validated checkpoint yet; "
-                                    "train it first (goodput train)")
+        readable = [e for e in ledger.entries.values()
+                    if e.state == "uploaded" or (e.state == "validated" and here(e))]
+        if not readable:
+            raise FileNotFoundError(f"run '{config.run.run_id}' has no validated checkpoint on this "
+                                    "machine or in the store yet; train it first (goodput train)")
+        entry = max(readable, key=lambda e: e.step)
     else:
         entry = ledger.entries.get(int(checkpoint))
         if entry is None or entry.state not in ("validated", "uploaded"):
             state = entry.state if entry else "not in the ledger"
             raise FileNotFoundError(f"checkpoint step {checkpoint} of run '{config.run.run_id}' "
                                     f"is {state}; pick one of {ledger.steps('validated', 'uploaded')}")
+        if entry.state == "validated" and not here(entry):
+            raise FileNotFoundError(
+                f"checkpoint step {checkpoint} of run '{config.run.run_id}' is validated but not "
+                f"uploaded yet, and this machine has no copy; evaluate it where it was trained, "
+                f"or one of the uploaded steps {ledger.steps('uploaded')}")
     path = checkpoint_path(config.run_dir, entry.step)
     if is_committed(path):
         return path
@@ -47,13 +60,17 @@ def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = N
 
 
 def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path) -> EvalReport:
-    """Run `python -m training.evaluate`; a report that exists for this checkpoint is reused."""
-    from training.checkpoint import step_of
+    """Run `python -m training.evaluate`. A report that exists is reused only if it was made
+    of this copy of the checkpoint, on this dataset, with these eval settings; otherwise the
+    checkpoint is evaluated again and the new report replaces it."""
+    from training.checkpoint import copy_id, step_of
 
     out = report_path(config, step_of(checkpoint))
     if out.is_file():
         report = EvalReport.model_validate_json(out.read_text())
-        if report.checkpoint == str(checkpoint):
+        if (report.checkpoint == str(checkpoint) and report.copy_id == copy_id(checkpoint)
+                and report.eval_hash == config.eval_hash()
+                and report.dataset_id == DatasetManifest.load(dataset_dir).dataset_id):
             return report
     config_path = write_run_config(config)
     proc = subprocess.run(

@@ -152,3 +152,8 @@ class EvalReport(BaseModel):
     samples: list[EvalSample]
     wall_time_s: float
     created_at: float
+    # What the report depends on besides the step: the copy of the checkpoint evaluated (a
+    # step saved again is another copy) and the evaluation settings (RunConfig.eval_hash).
+    # A report is reused only for the same of both; older reports without them never are.
+    copy_id: str | None = None
+    eval_hash: str | None = None

@@ -12,6 +12,7 @@ from flows.train import train
 from goodput.config import dump_config
 from storage import open_store
 from storage.ledger import Ledger
+from storage.manifests import CheckpointManifest
 from tests.helpers import REPO, losses_by_step, small_config
 
 STEPS = 30
@@ -121,3 +122,31 @@ def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
     assert f"run directory: {config.run_dir.resolve()}" in proc.stdout
     report = json.loads((config.run_dir / "eval" / "step-00000020.json").read_text())
     assert report["step"] == 20 and report["loss"] > 0 and len(report["samples"]) == 1
+
+
+def test_an_eval_report_is_reused_only_for_the_same_checkpoint_copy_and_settings(finished):
+    """The saved report of a step answers a later evaluation only when nothing it depends on
+    changed: other eval settings, or another copy of the step, are evaluated again."""
+    from goodput.evaluation import evaluate
+    from tasks.train import locate_dataset
+    from training.checkpoint import checkpoint_path
+
+    config, _ = finished
+    checkpoint, dataset_dir = checkpoint_path(config.run_dir, 10), locate_dataset(config)
+    first = evaluate(config, checkpoint, dataset_dir)
+    assert first.copy_id and first.eval_hash == config.eval_hash()
+    assert evaluate(config, checkpoint, dataset_dir) == first  # the same: reused
+
+    more_samples = config.model_copy(update={"eval": config.eval.model_copy(update={"num_samples": 1})})
+    second = evaluate(more_samples, checkpoint, dataset_dir)
+    assert len(second.samples) == 1 != len(first.samples) and second.created_at > first.created_at
+
+    # The step saved again (an in-job restart re-trains it): another manifest, another copy.
+    saved = CheckpointManifest.load(checkpoint)
+    original = (checkpoint / "manifest.json").read_bytes()
+    try:
+        saved.model_copy(update={"created_at": saved.created_at + 1}).save(checkpoint)
+        third = evaluate(more_samples, checkpoint, dataset_dir)
+        assert third.copy_id != second.copy_id and third.created_at > second.created_at
+    finally:
+        (checkpoint / "manifest.json").write_bytes(original)

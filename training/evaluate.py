@@ -17,7 +17,7 @@ from tokenizers import Tokenizer
 from goodput.data.tokenizer import load_tokenizer
 from storage.checksums import write_atomic
 from storage.manifests import CheckpointManifest, DatasetManifest, EvalReport, EvalSample
-from training.checkpoint import load_all_tensors, model_state_from
+from training.checkpoint import copy_id, load_all_tensors, model_state_from
 from training.data import TokenStream, sequential_batches
 from training.model import ModelArgs, Transformer
 
@@ -63,6 +63,7 @@ def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_c
                         seed: int, device: torch.device | None = None) -> EvalReport:
     start = time.perf_counter()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    evaluated_copy = copy_id(checkpoint)  # before loading: the copy the report speaks of
     model, ckpt = load_model(checkpoint, device)
     dataset = DatasetManifest.load(dataset_dir)
     stream = TokenStream(dataset_dir, dataset, "validation")
@@ -73,7 +74,8 @@ def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_c
     return EvalReport(run_id=run_id, step=ckpt.step, checkpoint=str(checkpoint),
                       dataset_id=dataset.dataset_id, loss=loss, perplexity=math.exp(loss),
                       tokens_evaluated=tokens, samples=samples,
-                      wall_time_s=time.perf_counter() - start, created_at=time.time())
+                      wall_time_s=time.perf_counter() - start, created_at=time.time(),
+                      copy_id=evaluated_copy)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config)
     report = evaluate_checkpoint(Path(args.checkpoint), Path(args.dataset), config.run.run_id,
                                  config.eval, config.training.seq_len, config.training.seed)
+    report = report.model_copy(update={"eval_hash": config.eval_hash()})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, report.model_dump_json(indent=2).encode())
     print(f"[eval] step {report.step}: loss {report.loss:.4f}, perplexity {report.perplexity:.2f} "
