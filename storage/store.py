@@ -486,12 +486,18 @@ class S3Store(Store):
         self._call("download of", key, download)
 
     def put_bytes(self, key, data):
-        expected = {"size": len(data), "sha256": sha256_bytes(data), "etag": hashlib.md5(data).hexdigest()}
+        sent = {"size": len(data), "sha256": sha256_bytes(data),
+                "crc32": _b64(zlib.crc32(data).to_bytes(4, "big"))}
 
         def put() -> None:
             self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data,
-                                    Metadata={"sha256": expected["sha256"]})
-            _compare("stored object", self.url(key), self._head_digest(key), expected)
+                                    Metadata={"sha256": sent["sha256"]}, ChecksumAlgorithm="CRC32")
+            stored = self._head_digest(key)
+            # The stored CRC32, as for files; the ETag (md5 of a one-PUT object) only where the
+            # server keeps none: with SSE-KMS or SSE-C the ETag is not an md5 at all.
+            expected = sent if stored.get("crc32") is not None else {
+                "size": sent["size"], "sha256": sent["sha256"], "etag": hashlib.md5(data).hexdigest()}
+            _compare("stored object", self.url(key), stored, expected)
 
         self._call("upload to", key, put)
 

@@ -332,6 +332,29 @@ def test_verify_falls_back_to_the_etag_where_the_server_keeps_no_checksum(s3_uri
 
 
 @pytest.mark.s3
+def test_put_bytes_checks_the_crc32_not_the_etag_which_encryption_changes(s3_uri):
+    """Objects encrypted with SSE-KMS or SSE-C get an ETag that is no md5 of their bytes (AWS;
+    SeaweedFS has no KMS, so its HEAD is shown one): small writes (the ledger) must not fail
+    on it, while a stored CRC32 that differs still does."""
+    store = S3Store(s3_uri, retry=RetryPolicy(attempts=1))
+    head_digest = store._head_digest
+    store._head_digest = lambda key: {**head_digest(key), "etag": "a6f1c0b4e0d2c5b7a9f8e7d6c5b4a3f2"}
+    store.put_bytes("ledger.json", b'{"entries": {}}')
+    assert store.get_bytes("ledger.json") == b'{"entries": {}}'
+
+    store._head_digest = lambda key: {**head_digest(key), "crc32": "AAAAAA=="}
+    with pytest.raises(IntegrityError, match="crc32 AAAAAA== != expected"):
+        store.put_bytes("ledger.json", b'{"entries": {"1": {}}}')
+
+    store = _without_checksums(S3Store(s3_uri, retry=RetryPolicy(attempts=1)))  # the ETag is all there is
+    store.put_bytes("plain.json", b"{}")
+    head_digest = store._head_digest
+    store._head_digest = lambda key: {**head_digest(key), "etag": "0" * 32}
+    with pytest.raises(IntegrityError, match="etag 0+ != expected"):
+        store.put_bytes("plain.json", b"{}")
+
+
+@pytest.mark.s3
 @pytest.mark.parametrize("access_key", ["server", "unknown-key-id"])
 def test_wrong_credentials_are_refused_without_retrying(s3_server, s3_uri, monkeypatch, tmp_path, access_key):
     secret = "not-the-secret-0123"
