@@ -27,6 +27,12 @@ class VerifierCrashed(RuntimeError):
     """The verifier process ended without judging the checkpoint (not a verdict on it)."""
 
 
+class CopySuperseded(ValueError):
+    """The copy of a step that was validated is no longer on disk: training saved the step
+    again since (workers restarted from an older checkpoint re-trained it). The new copy is
+    judged and uploaded on its own; the upload of the old one has nothing left to do."""
+
+
 def ledger_of(config: RunConfig) -> Ledger:
     return Ledger(config.run_dir, config.run.run_id)
 
@@ -150,10 +156,12 @@ def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
             key = checkpoint_key(config.run.run_id, step)
             path = checkpoint_path(config.run_dir, step)
             if entry.copy_id is not None and copy_id(path) != entry.copy_id:
-                raise ValueError(f"checkpoint step {step} on disk is not the copy that was "
-                                 "validated (it was saved again); validate it first")
-            if entry.store_url:  # an earlier copy is in the store: its manifest goes first,
-                store.delete(f"{key}/{CHECKPOINT_MANIFEST}")  # so no reader mixes the copies
+                raise CopySuperseded(f"checkpoint step {step} on disk is not the copy that was "
+                                     "validated (it was saved again); validate it first")
+            # An earlier copy in the store (this machine's, or another's): its manifest goes
+            # first, so that no reader mixes the copies.
+            if entry.store_url or store.exists(f"{key}/{CHECKPOINT_MANIFEST}"):
+                store.delete(f"{key}/{CHECKPOINT_MANIFEST}")
             # The manifest's digests spare hashing every shard before it goes out; the store checks them.
             known = {f.path: f.sha256 for f in CheckpointManifest.load(path).files}
             # Training runs meanwhile: the upload (its transfer threads included) takes the
@@ -167,10 +175,21 @@ def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
 
 
 def restore_ledger(config: RunConfig, store) -> None:
-    """A new machine (no local ledger) starts from the store's copy of the ledger."""
-    ledger = ledger_of(config)
-    if not ledger.path.is_file() and store.exists(ledger_key(config.run.run_id)):
-        ledger.replace(store.get_bytes(ledger_key(config.run.run_id)))
+    """Merge the store's copy of the ledger into the local one: a new machine starts from
+    it, and a machine that trained the run before learns what others did since (without it
+    it would resume from its own older checkpoint and upload over theirs).
+
+    With a local ledger to go on, a store that cannot be read right now is reported and
+    skipped; without one it is an error, as nothing could be resumed or evaluated."""
+    ledger, key = ledger_of(config), ledger_key(config.run.run_id)
+    try:
+        if store.exists(key):
+            ledger.merge(store.get_bytes(key))
+    except (ConnectionError, TimeoutError, PermissionError) as e:
+        if not ledger.path.is_file():
+            raise
+        print(f"could not read the ledger of run {config.run.run_id} from the store ({e}); "
+              "going on with the local ledger", flush=True)
 
 
 def run_finished(config: RunConfig, store) -> bool:
@@ -287,6 +306,8 @@ def prune_local(config: RunConfig) -> list[int]:
         if _needs_verdict(entry, checkpoint_path(config.run_dir, step)):
             continue  # a newer copy than the one in the store, not judged yet
         with _step_lock(config, step):
+            if not is_committed(checkpoint_path(config.run_dir, step)):
+                continue  # pruned meanwhile by another flow's retention
             shutil.rmtree(checkpoint_path(config.run_dir, step))
         ledger.record(step, "uploaded", note="local copy pruned; store copy kept")
         deleted.append(step)
@@ -316,7 +337,11 @@ def prune_aside(config: RunConfig) -> list[str]:
 def prune_store(config: RunConfig, store) -> list[int]:
     """Store retention (checkpoint.store_keep_every): keep every M-th step, the best by eval
     loss and the newest validated; delete the rest from the store (manifest first, so a
-    half-deleted checkpoint is never taken for a whole one) and mark them pruned."""
+    half-deleted checkpoint is never taken for a whole one) and mark them pruned.
+
+    A step the local tier still holds (one of the newest checkpoint.keep_local) keeps its
+    store copy until prune_local has deleted the local one: the two tiers' retention never
+    shrink each other, and a pruned step is gone from both."""
     keep_every = config.checkpoint.store_keep_every
     if keep_every is None:
         return []
@@ -332,10 +357,12 @@ def prune_store(config: RunConfig, store) -> list[int]:
         if step in keep:
             continue
         with _step_lock(config, step):
+            if is_committed(checkpoint_path(config.run_dir, step)):
+                continue  # kept locally: later, once its local copy is pruned
             key = checkpoint_key(config.run.run_id, step)
             store.delete(f"{key}/{CHECKPOINT_MANIFEST}")
             store.delete_prefix(key)
-            shutil.rmtree(checkpoint_path(config.run_dir, step), ignore_errors=True)
+            shutil.rmtree(checkpoint_path(config.run_dir, step), ignore_errors=True)  # debris, if any
         ledger.record(step, "pruned", note=f"retention: not a multiple of {keep_every}, "
                                            "not the best by eval, not the newest")
         pruned.append(step)

@@ -6,7 +6,9 @@
 
 One JSON file, `<run_dir>/ledger.json`, mirrored to `runs/<run_id>/ledger.json` in the
 store so a new machine can resume from the store alone. Writers (validation and upload
-tasks run concurrently) take an exclusive file lock and replace the file atomically.
+tasks run concurrently) take an exclusive file lock and replace the file atomically. The
+two copies are merged both ways (`merge` on reading the store's, `push`), so machines that
+take turns training a run each see, and keep, the other's checkpoints.
 """
 
 from __future__ import annotations
@@ -106,16 +108,37 @@ class Ledger:
             data.data_skips.append(skip)
         return skip
 
-    def replace(self, raw: bytes) -> None:
-        """Replace the ledger wholesale (used when restoring it from the store)."""
-        data = LedgerData.model_validate_json(raw)
+    def merge(self, raw: bytes) -> None:
+        """Take in another copy of this run's ledger (the store's, written by another machine
+        that trained the run meanwhile): per step, the entry that changed last wins; data
+        skips are the union. Times are each machine's clock: machines that take turns on a
+        run must not disagree by more than the time between their turns."""
         with self.edit() as current:
-            current.entries, current.data_skips = data.entries, data.data_skips
+            _merge_into(current, LedgerData.model_validate_json(raw))
 
     def push(self, store) -> None:
-        """Mirror the ledger to the store. Holding the lock keeps an older copy from landing last."""
+        """Mirror the ledger to the store, merged with what the store holds (another machine's
+        progress is never dropped). Holding the lock keeps an older copy from landing last."""
+        key = ledger_key(self.run_id)
         with self.edit() as data:
-            store.put_bytes(ledger_key(self.run_id), data.model_dump_json(indent=2).encode())
+            if store.exists(key):
+                _merge_into(data, LedgerData.model_validate_json(store.get_bytes(key)))
+            store.put_bytes(key, data.model_dump_json(indent=2).encode())
+
+
+def _last_change(entry: LedgerEntry) -> float:
+    return entry.history[-1].at if entry.history else 0.0
+
+
+def _merge_into(data: LedgerData, other: LedgerData) -> None:
+    for step, theirs in other.entries.items():
+        ours = data.entries.get(step)
+        if ours is None or _last_change(theirs) > _last_change(ours):
+            data.entries[step] = theirs
+    known = {(skip.start, skip.end, skip.at) for skip in data.data_skips}
+    data.data_skips += [skip for skip in other.data_skips if (skip.start, skip.end, skip.at) not in known]
+    data.data_skips.sort(key=lambda skip: skip.at)
+    data.entries = dict(sorted(data.entries.items()))
 
 
 def ledger_key(run_id: str) -> str:

@@ -96,8 +96,12 @@ def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
 
 @task(name="upload-checkpoint", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30],
       tags=["checkpoint", "upload"], task_run_name="upload-step-{step}")
-def upload_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
-    entry = checkpoints.upload_checkpoint(config, step, config.storage.open())
+def upload_checkpoint(config: RunConfig, step: int) -> LedgerEntry | None:
+    try:
+        entry = checkpoints.upload_checkpoint(config, step, config.storage.open())
+    except checkpoints.CopySuperseded as e:  # not a failure: the new copy has its own upload
+        get_run_logger().warning(f"{e}; its new copy is validated and uploaded on its own")
+        return None
     checkpoint_event(config, entry)
     get_run_logger().info(f"checkpoint step {step} uploaded to {entry.store_url}")
     return entry

@@ -18,7 +18,7 @@ from tests.helpers import (flip_bytes, losses_by_step, small_config, synthetic_d
 from goodput.runs import train_attempt
 from infra.torchrun import TrainingFailed
 from training.checkpoint import (CheckpointCorrupt, StoreReader, VerifiedReader, checkpoint_path,
-                                 checkpoint_root, committed_checkpoints, load_all_tensors,
+                                 checkpoint_root, committed_checkpoints, is_committed, load_all_tensors,
                                  set_aside, verify_checkpoint)
 
 
@@ -177,6 +177,48 @@ def test_upload_then_resume_from_the_store_alone(run, tmp_path):
     assert not checkpoint_path(config.run_dir, 20).exists()
 
 
+def test_a_machine_that_trained_the_run_before_resumes_from_what_another_did_since(run, tmp_path):
+    """Machine B trained the run up to step 10, then machine A took over and uploaded step 20.
+    B, with its own older ledger, resumes from step 20 in the store (not from its 10), and
+    what it pushes to the store keeps A's step 20."""
+    config, _ = run
+    store = open_store(str(tmp_path / "store"))
+    checkpoints.validate_checkpoint(config, 10)
+    checkpoints.upload_checkpoint(config, 10, store)
+    machine_b = small_config(tmp_path / "b", "training.max_steps=20")
+    shutil.copytree(config.run_dir, machine_b.run_dir, ignore=shutil.ignore_patterns("step-00000020"))
+    checkpoints.validate_checkpoint(config, 20)
+    checkpoints.upload_checkpoint(config, 20, store)
+
+    point = checkpoints.resume_point(machine_b, store)
+    assert (point.step, point.local) == (20, None)
+    assert checkpoints.ledger_of(machine_b).read().entries[10].state == "uploaded"
+    checkpoints.ledger_of(machine_b).record(10, "uploaded", note="local copy pruned; store copy kept")
+    checkpoints.ledger_of(machine_b).push(store)
+    pushed = json.loads(store.get_bytes("runs/test/ledger.json"))["entries"]
+    assert pushed["20"]["state"] == "uploaded" and "pruned" in pushed["10"]["history"][-1]["note"]
+
+
+def test_a_new_machine_evaluates_the_newest_checkpoint_it_can_read(run, tmp_path):
+    """The store's ledger names a step validated but not uploaded yet (its upload still runs
+    on the training machine): a machine without local copies evaluates the newest uploaded
+    one instead, and asking for the other by step says why it cannot."""
+    from goodput.evaluation import locate_checkpoint
+
+    config, _ = run
+    store = open_store(str(tmp_path / "store"))
+    checkpoints.validate_checkpoint(config, 10)
+    checkpoints.upload_checkpoint(config, 10, store)
+    checkpoints.validate_checkpoint(config, 20)
+    checkpoints.ledger_of(config).push(store)  # as the upload of 10 pushes it while 20 is validated
+
+    shutil.rmtree(config.run_dir)  # a new machine
+    assert locate_checkpoint(config, store) == checkpoint_path(config.run_dir, 10)
+    assert is_committed(checkpoint_path(config.run_dir, 10))  # downloaded and verified
+    with pytest.raises(FileNotFoundError, match=r"step 20 .* validated but not uploaded yet.*\[10\]"):
+        locate_checkpoint(config, store, 20)
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 def test_validation_and_upload_run_at_the_lowest_cpu_priority(run, tmp_path, monkeypatch):
     """Both run beside training: they take the cycles it leaves idle (storage.background)."""
@@ -311,8 +353,28 @@ def test_upload_refuses_a_copy_other_than_the_validated_one(run, tmp_path):
     manifest = CheckpointManifest.load(path)
     manifest.created_at += 1  # saved again after validation, not yet judged
     manifest.save(path)
-    with pytest.raises(ValueError, match="not the copy that was validated"):
+    with pytest.raises(checkpoints.CopySuperseded, match="not the copy that was validated"):
         checkpoints.upload_checkpoint(config, 20, open_store(str(tmp_path / "store")))
+
+
+def test_the_upload_task_of_a_superseded_copy_completes_without_uploading(run, prefect_api):
+    """The train flow's upload of a copy that training replaced since its validation has
+    nothing to do: the task completes (the flow does not fail on it) and the store is
+    untouched; the new copy gets its own validation and upload."""
+    from prefect.states import Completed
+
+    from tasks.train import upload_checkpoint
+
+    config, _ = run
+    path = checkpoint_path(config.run_dir, 20)
+    checkpoints.validate_checkpoint(config, 20)
+    manifest = CheckpointManifest.load(path)
+    manifest.created_at += 1  # saved again after validation
+    manifest.save(path)
+    state = upload_checkpoint(config, 20, return_state=True)
+    assert state.type == Completed().type and state.result() is None
+    assert not config.storage.open().list("runs/test/checkpoints")
+    assert checkpoints.ledger_of(config).read().entries[20].state == "validated"
 
 
 def test_checkpoint_damaged_after_validation_is_never_loaded(run, tmp_path):
@@ -429,14 +491,23 @@ def test_retention_keeps_the_newest_copies_set_aside(run):
 
 
 def test_store_retention_keeps_every_mth_best_and_newest(run, tmp_path):
+    """Store retention drops a step only once the local tier let it go too: while one of the
+    newest keep_local, its store copy stays and it stays resumable."""
     config, _ = run
     config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(
-        update={"store_keep_every": 20})})
+        update={"store_keep_every": 20, "keep_local": 2})})
     store = open_store(str(tmp_path / "store"))
     for step in (10, 20):
         checkpoints.validate_checkpoint(config, step)
         checkpoints.upload_checkpoint(config, step, store)
-    assert checkpoints.prune_store(config, store) == [10]  # 20: multiple of 20, and newest
+    assert checkpoints.apply_retention(config, store) == {"local": [], "store": [], "aside": []}
+    assert is_committed(checkpoint_path(config.run_dir, 10))
+    assert store.exists("runs/test/checkpoints/step-00000010/manifest.json")
+    assert checkpoints.ledger_of(config).read().entries[10].state == "uploaded"
+
+    config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"keep_local": 1})})
+    # 20: a multiple of 20, and the newest
+    assert checkpoints.apply_retention(config, store) == {"local": [10], "store": [10], "aside": []}
     assert not store.list("runs/test/checkpoints/step-00000010")
     assert store.exists("runs/test/checkpoints/step-00000020/manifest.json")
     ledger = checkpoints.ledger_of(config).read()
