@@ -366,8 +366,7 @@ class SlurmLauncher(SchedulerJob):
         spec, slurm = self.spec, self.spec.config.launch.slurm
         # --no-requeue: a node failure fails the attempt (the launch task's retry resumes from
         # the last validated checkpoint) instead of queueing the job again unseen.
-        options = [f"--job-name={spec.name}", f"--nodes={spec.nnodes}", "--ntasks-per-node=1",
-                   f"--output={spec.attempt_dir.resolve()}/slurm-%j.out", f"--time={slurm.time}",
+        options = [f"--nodes={spec.nnodes}", "--ntasks-per-node=1", f"--time={slurm.time}",
                    "--no-requeue"]
         options += [f"--partition={slurm.partition}"] if slurm.partition else []
         options += [f"--account={slurm.account}"] if slurm.account else []
@@ -386,7 +385,8 @@ class SlurmLauncher(SchedulerJob):
         return "\n".join([
             "#!/bin/bash",
             f"# Training attempt of run {spec.config.run.run_id}: {spec.nnodes} node(s), one "
-            "torchrun each. Rendered by infra/launchers.py.",
+            "torchrun each. Rendered by infra/launchers.py;",
+            "# its name and output file are on sbatch's command line (SlurmLauncher.submit_command).",
             *(f"#SBATCH {option}" for option in options),
             "set -eo pipefail",
             f"cd {shlex.quote(spec.workdir)}",
@@ -403,13 +403,20 @@ class SlurmLauncher(SchedulerJob):
             "",
         ])
 
+    def submit_command(self, script: Path) -> list[str]:
+        """sbatch of `script`. The name and the output file are options here, not #SBATCH
+        lines: a directive is split at whitespace and cut at '#', so a run directory holding
+        either would send the output elsewhere (and the log would never be followed).
+        --parsable prints "jobid" or "jobid;cluster"."""
+        return ["sbatch", "--parsable", f"--job-name={self.spec.name}",
+                f"--output={self.spec.attempt_dir.resolve()}/slurm-%j.out", str(script)]
+
     def start(self, log: Log) -> None:
         self._log = log
         path = self.spec.attempt_dir / "sbatch.sh"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.script())
-        # --parsable prints "jobid" or "jobid;cluster".
-        self.job_id = _run(["sbatch", "--parsable", str(path)]).strip().split(";")[0]
+        self.job_id = _run(self.submit_command(path)).strip().split(";")[0]
         self.output = self.spec.attempt_dir.resolve() / f"slurm-{self.job_id}.out"
         log(f"submitted Slurm job {self.job_id}: {path}")
 

@@ -81,9 +81,10 @@ def job_file(job, suffix):
 
 def sbatch():
     assert args[0] == "--parsable"
-    script = Path(args[1])
+    script = Path(args[-1])
     options = dict(line[len("#SBATCH --"):].split("=", 1) for line in script.read_text().splitlines()
                    if line.startswith("#SBATCH --") and "=" in line)
+    options.update(arg[2:].split("=", 1) for arg in args[1:-1] if "=" in arg)  # the command line wins
     job = str(len(list(state.glob("job-*.script"))) + 1)
     job_file(job, "script").write_text(script.read_text())
     if os.fork() == 0:  # the job runs in the background, as under slurmd
@@ -344,8 +345,7 @@ def test_slurm_script(tmp_path, fakes):
     lines = script.splitlines()
     assert lines[0] == "#!/bin/bash"
     assert [line for line in lines if line.startswith("#SBATCH")] == [
-        "#SBATCH --job-name=goodput-test-t1", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --output={spec.attempt_dir.resolve()}/slurm-%j.out", "#SBATCH --time=02:00:00",
+        "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --time=02:00:00",
         "#SBATCH --no-requeue", "#SBATCH --partition=gpu", "#SBATCH --account=proj7",
         "#SBATCH --gpus-per-node=8", "#SBATCH --cpus-per-task=96", "#SBATCH --exclusive",
         "#SBATCH --qos=high"]
@@ -364,12 +364,16 @@ def test_slurm_script(tmp_path, fakes):
 
 
 def test_slurm_job_is_submitted_watched_and_its_output_streamed(tmp_path, fakes):
-    config = launch_config(tmp_path, fakes, *SLURM)
+    """Also where the run directory's path holds a space and a '#' (neither fits in an
+    #SBATCH line: the output file is named on sbatch's command line)."""
+    config = launch_config(tmp_path / "my runs#2", fakes, *SLURM)
     lines: list[str] = []
     result = attempt(config, lines=lines)
     assert result.failure_class == "done" and result.exit_code == 0
-    script = exits.attempt_dir(config.run_dir, "t1") / "sbatch.sh"
-    assert calls(fakes, "sbatch") == [["--parsable", str(script)]]
+    attempt_dir = exits.attempt_dir(config.run_dir, "t1")
+    assert calls(fakes, "sbatch") == [["--parsable", "--job-name=goodput-test-t1",
+                                       f"--output={attempt_dir.resolve()}/slurm-%j.out",
+                                       str(attempt_dir / "sbatch.sh")]]
     queries = calls(fakes, "squeue")
     assert len(queries) >= 2 and set(map(tuple, queries)) == {("-h", "-j", "1", "-o", "%T")}
     assert calls(fakes, "sacct")[-1] == ["-j", "1", "-X", "-n", "-P", "-o", "State,ExitCode"]
