@@ -516,6 +516,41 @@ def test_store_retention_keeps_every_mth_best_and_newest(run, tmp_path):
     assert checkpoints.resume_point(config, store).local == checkpoint_path(config.run_dir, 20)
 
 
+def test_restarted_workers_never_take_a_copy_saved_after_its_step_was_validated(run):
+    """In-job restarts resume from what the ledger validated: a step saved again since (by
+    workers restarted from an older checkpoint) is another copy, not judged yet, so the
+    restart waits for its verdict and, without one, takes the newest judged copy."""
+    from training.train import _newest_validated
+
+    config, _ = run
+    for step in (10, 20):
+        checkpoints.validate_checkpoint(config, step)
+    assert _newest_validated(config.run_dir, None, wait_s=0) == (str(checkpoint_path(config.run_dir, 20)), None)
+    manifest = CheckpointManifest.load(checkpoint_path(config.run_dir, 20))
+    manifest.created_at += 1  # step 20 saved again
+    manifest.save(checkpoint_path(config.run_dir, 20))
+    assert _newest_validated(config.run_dir, None, wait_s=0) == (str(checkpoint_path(config.run_dir, 10)), None)
+
+
+@pytest.mark.parametrize("mode", ["thread", "process"])
+def test_the_emergency_save_survives_the_sigterm_that_asks_for_it(trained, tmp_path, mode):
+    """torchrun stops a worker by signalling its whole process group, which in process mode
+    holds DCP's writer process too: the writer must outlive the signal, or the emergency
+    checkpoint (and every step since the last one) is lost."""
+    root, dataset = trained
+    config = small_config(tmp_path, "training.max_steps=20", f"checkpoint.async_mode={mode}",
+                          "faults.sigterm_at_step=13")
+    proc = torchrun_training(config, dataset)
+    assert "emergency save failed" not in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
+    committed = [p.name for p in committed_checkpoints(config.run_dir)]
+    assert committed[0] == "step-00000010" and committed[1] in ("step-00000013", "step-00000014"), \
+        (committed, proc.stdout[-3000:], proc.stderr[-3000:])
+    assert all(verify_checkpoint(p)["ok"] for p in committed_checkpoints(config.run_dir))
+    # What the supervisor saw last: a save under way (its allowance), not a stalled step.
+    beat = json.loads((config.run_dir / "heartbeat.json").read_text())
+    assert beat["phase"] == "checkpoint" and f"step-{beat['step']:08d}" == committed[1]
+
+
 @pytest.mark.parametrize("mode", ["thread", "process"])
 def test_async_saves_commit_the_same_state(trained, tmp_path, mode):
     """Background saves snapshot the state at the step they were taken: resuming from one

@@ -13,11 +13,13 @@ checkpoint in one process with no model or layout given, to prove it is whole.
 from __future__ import annotations
 
 import argparse
+import atexit
 import errno
 import hashlib
 import io
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
@@ -393,6 +395,35 @@ class BackgroundWriter(ShardWriter):
         super().set_up_storage_writer(is_coordinator, *args, **kwargs)
 
 
+# DCP's writer process (process mode) starts through this script, which ignores the stop
+# signals and then execs Python in its place (an ignored signal stays ignored across exec).
+# The writer is a child the worker spawns on its first background save, in the worker's
+# process group, which torchrun signals as a whole (Slurm signals every process of a step, a
+# terminal's Ctrl-C its foreground group): the SIGTERM that asks the worker for an emergency
+# save would otherwise kill the writer first, and the save in flight and the emergency save
+# with it. The worker decides when to stop; the writer ends when the worker's pipe to it
+# closes, or by SIGKILL (_kill_writer_processes; torchrun's after its shutdown timeout).
+WRITER_LAUNCHER = Path(__file__).with_name("writer_ignoring_stop_signals.sh")
+
+
+def _start_writers_ignoring_stop_signals() -> None:
+    """Make the processes multiprocessing spawns (DCP's writer) start through WRITER_LAUNCHER."""
+    if not os.access(WRITER_LAUNCHER, os.X_OK):
+        raise RuntimeError(f"{WRITER_LAUNCHER} is missing or not executable (checkpoint.async_mode="
+                           "process starts its writer through it); reinstall goodput or chmod +x it")
+    os.environ["GOODPUT_WRITER_PYTHON"] = sys.executable
+    multiprocessing.set_executable(str(WRITER_LAUNCHER))
+
+
+def _kill_writer_processes() -> None:
+    """At the worker's exit, before multiprocessing's own exit handler, which would SIGTERM
+    the writer (ignored) and then wait for it forever: SIGKILL. By then nothing is in flight
+    that could still commit: the worker waited for its saves, or is dying without them."""
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join(timeout=10)
+
+
 class Checkpointer:
     """Saves checkpoints synchronously or in the background, and commits each when whole.
 
@@ -425,6 +456,11 @@ class Checkpointer:
                                   before_copy=lambda: self.fault_hook("staging", self._saving_step))
                        if mode != "sync" else None)
         self.replicas = _ReplicaSplit(self.group)
+        if mode == "process":
+            _start_writers_ignoring_stop_signals()
+            # Registered after multiprocessing's exit handler, so it runs first.
+            atexit.unregister(_kill_writer_processes)
+            atexit.register(_kill_writer_processes)
         self._pending: threading.Thread | None = None
         self._staging: Future | None = None
         self.failures: list[str] = []

@@ -160,17 +160,22 @@ def _newest_validated(run_dir: Path, fallback: str | None, wait_s: float
     """resolve_resume('validated[:LOCATION]') on rank 0: (location or None for scratch, error)."""
     from storage.ledger import RESUMABLE
     from storage.manifests import CheckpointManifest
-    from training.checkpoint import is_committed, step_of
+    from training.checkpoint import copy_id, is_committed, step_of
 
     ledger = Ledger(run_dir, run_dir.name)
     deadline, told = time.monotonic() + wait_s, False
     while True:
         entries = ledger.read().entries
         committed = {step_of(p): p for p in committed_checkpoints(run_dir)}
-        good = [s for s in committed if s in entries and entries[s].state in RESUMABLE]
+
+        def judged(s: int) -> bool:  # the ledger's verdict is on the copy on disk now
+            entry = entries.get(s)  # (a step saved again since is another copy, unjudged)
+            return entry is not None and entry.copy_id in (None, copy_id(committed[s]))
+
+        good = [s for s in committed if judged(s) and entries[s].state in RESUMABLE]
         newest = max(good, default=0)
         pending = sorted(s for s in committed if s > newest
-                         and (s not in entries or entries[s].state == "committed"))
+                         and (not judged(s) or entries[s].state == "committed"))
         if not pending or time.monotonic() >= deadline:
             break
         if not told:
@@ -510,7 +515,11 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
         loss, grad_norm = torch.stack([mean_loss, norm.to(mean_loss)]).tolist()
         verdict = guard.check(loss, grad_norm)
         if verdict:  # the update is not applied; the next attempt rolls back past this data
-            checkpointer.wait()  # the checkpoint to roll back to may still be in flight
+            # The checkpoint to roll back to may still be in flight: the supervisor gives the
+            # wait a save's allowance, not a step's (or it would stop this as a hang).
+            metrics.heartbeat(step=step, loss=loss, attempt=attempt, phase="checkpoint",
+                              max_steps=tcfg.max_steps)
+            checkpointer.wait()
             raise RollbackRequested(step + 1, loader.sample_index, verdict)
         # A background save may still be copying the weights: let it finish before they change.
         checkpoint_s += checkpointer.before_update()
@@ -563,6 +572,10 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
             raise CheckpointFailed("; ".join(failures[:4]), any(full for _, full in reports),
                                    writes_stuck=not settled)
         if preempted:
+            # A save's allowance for the emergency save (and the one in flight), not a step's:
+            # a job the scheduler signalled stays RUNNING meanwhile, and the supervisor polls.
+            metrics.heartbeat(step=step, loss=loss, attempt=attempt, phase="checkpoint",
+                              max_steps=tcfg.max_steps)
             if saved_step != step:  # within the launcher's grace: not in idle cycles
                 save(step, loss, urgent=True)
             checkpointer.wait()
