@@ -574,6 +574,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from e
+    # A '#' after a space starts a YAML comment, which would silently cut the value short
+    # (a path such as "/runs/my runs #2"); a command-line argument never means one.
+    if raw.count("#") > str(value).count("#"):
+        raise ConfigError(f"override {text!r}: the part from ' #' on would be read as a YAML "
+                          f"comment and dropped; quote the value in YAML, e.g. "
+                          f"""'{key}="{raw.strip()}"' in a shell""")
     return path, value
 
 

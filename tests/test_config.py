@@ -73,6 +73,15 @@ def test_storage_transfer_settings_reach_the_s3_store():
     assert store.transfer.max_request_concurrency == store.transfer.max_in_memory_upload_chunks == 32
 
 
+def test_an_override_value_is_never_cut_short_by_a_yaml_comment():
+    """'#' after a space starts a YAML comment: `run.runs_dir=/x/my runs #2` would quietly
+    become '/x/my runs'. It is refused with the quoting that keeps it; '#' elsewhere is kept."""
+    with pytest.raises(ConfigError, match=r"""read as a YAML comment.*'run.runs_dir="/x/my runs #2"'"""):
+        load_config(None, ["run.runs_dir=/x/my runs #2"])
+    assert str(load_config(None, ['run.runs_dir="/x/my runs #2"']).run.runs_dir) == "/x/my runs #2"
+    assert str(load_config(None, ["run.runs_dir=/x/runs#2"]).run.runs_dir) == "/x/runs#2"
+
+
 def test_malformed_override_and_missing_file():
     with pytest.raises(ConfigError, match="section.field=value"):
         load_config(None, ["training.max_steps"])
