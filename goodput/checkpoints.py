@@ -76,7 +76,7 @@ def _needs_verdict(entry: LedgerEntry, path: Path) -> bool:
     again after a judged copy)."""
     if entry.state in ("committed", "rejected"):
         return True
-    return entry.copy_id is not None and entry.copy_id != copy_id(path)
+    return not entry.is_about(copy_id(path))
 
 
 def verify_in_fresh_process(path: Path, timeout_s: float = 600, held_out: list[str] = ()) -> dict:
@@ -155,7 +155,7 @@ def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
         if entry.state != "uploaded":  # (uploaded: a retry after the push below failed)
             key = checkpoint_key(config.run.run_id, step)
             path = checkpoint_path(config.run_dir, step)
-            if entry.copy_id is not None and copy_id(path) != entry.copy_id:
+            if not entry.is_about(copy_id(path)):
                 raise CopySuperseded(f"checkpoint step {step} on disk is not the copy that was "
                                      "validated (it was saved again); validate it first")
             # An earlier copy in the store (this machine's, or another's): its manifest goes
@@ -223,6 +223,14 @@ class ResumePoint:
         return self.local.name if self.local is not None else f"step-{self.step:08d} in the store"
 
 
+def readable_here(config: RunConfig, entry: LedgerEntry) -> bool:
+    """A resumable checkpoint this machine can read: its copy on local disk, or the store's.
+    (One validated on another machine and not uploaded yet is on that machine's disk only;
+    the store's ledger names it before its upload ends.)"""
+    return entry.state in RESUMABLE and (entry.state == "uploaded"
+                                         or is_committed(checkpoint_path(config.run_dir, entry.step)))
+
+
 def resume_point(config: RunConfig, store) -> ResumePoint | None:
     """The newest validated checkpoint: on local disk if there, else its uploaded copy.
 
@@ -232,17 +240,15 @@ def resume_point(config: RunConfig, store) -> ResumePoint | None:
     for step in unjudged_steps(config):
         validate_checkpoint(config, step)
     ledger = ledger_of(config).read()
-    for entry in sorted(ledger.entries.values(), key=lambda e: e.step, reverse=True):
-        if entry.state not in RESUMABLE:
-            continue
-        path = checkpoint_path(config.run_dir, entry.step)
-        if (path / CHECKPOINT_MANIFEST).is_file():
-            return ResumePoint(entry.step, CheckpointManifest.load(path).data_position, path)
-        if entry.state == "uploaded":
-            key = f"{checkpoint_key(config.run.run_id, entry.step)}/{CHECKPOINT_MANIFEST}"
-            manifest = CheckpointManifest.model_validate_json(store.get_bytes(key))
-            return ResumePoint(entry.step, manifest.data_position)
-    return None
+    readable = [e for e in ledger.entries.values() if readable_here(config, e)]
+    if not readable:
+        return None
+    entry = max(readable, key=lambda e: e.step)
+    path = checkpoint_path(config.run_dir, entry.step)
+    if is_committed(path):
+        return ResumePoint(entry.step, CheckpointManifest.load(path).data_position, path)
+    key = f"{checkpoint_key(config.run.run_id, entry.step)}/{CHECKPOINT_MANIFEST}"
+    return ResumePoint(entry.step, CheckpointManifest.model_validate_json(store.get_bytes(key)).data_position)
 
 
 def set_aside_damaged(config: RunConfig, step: int, from_store: bool, reason: str) -> LedgerEntry:

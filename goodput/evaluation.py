@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from goodput.checkpoints import download_checkpoint, ledger_of, restore_ledger
+from goodput.checkpoints import download_checkpoint, ledger_of, readable_here, restore_ledger
 from goodput.config import RunConfig
 from goodput.runs import write_run_config
 from storage.manifests import DatasetManifest, EvalReport
@@ -20,9 +20,8 @@ def report_path(config: RunConfig, step: int) -> Path:
 def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = None) -> Path:
     """A validated checkpoint of the run: the newest, or the given step, or a directory.
 
-    A checkpoint that only the store holds any more is downloaded first. One validated on
-    another machine and not uploaded yet (the store's ledger names it before its upload
-    ends) is on that machine's disk only: the newest is the newest this machine can read.
+    A checkpoint that only the store holds any more is downloaded first. The newest is the
+    newest this machine can read (goodput.checkpoints.readable_here).
     """
     if checkpoint is not None and not str(checkpoint).isdigit():
         path = Path(str(checkpoint))
@@ -31,13 +30,8 @@ def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = N
         return path
     restore_ledger(config, store)
     ledger = ledger_of(config).read()
-
-    def here(entry) -> bool:
-        return is_committed(checkpoint_path(config.run_dir, entry.step))
-
     if checkpoint is None:
-        readable = [e for e in ledger.entries.values()
-                    if e.state == "uploaded" or (e.state == "validated" and here(e))]
+        readable = [e for e in ledger.entries.values() if readable_here(config, e)]
         if not readable:
             raise FileNotFoundError(f"run '{config.run.run_id}' has no validated checkpoint on this "
                                     "machine or in the store yet; train it first (goodput train)")
@@ -48,7 +42,7 @@ def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = N
             state = entry.state if entry else "not in the ledger"
             raise FileNotFoundError(f"checkpoint step {checkpoint} of run '{config.run.run_id}' "
                                     f"is {state}; pick one of {ledger.steps('validated', 'uploaded')}")
-        if entry.state == "validated" and not here(entry):
+        if not readable_here(config, entry):
             raise FileNotFoundError(
                 f"checkpoint step {checkpoint} of run '{config.run.run_id}' is validated but not "
                 f"uploaded yet, and this machine has no copy; evaluate it where it was trained, "

@@ -44,6 +44,11 @@ class LedgerEntry(BaseModel):
                              "copy_id): a later save of the same step is another copy.")
     history: list[Transition] = Field(default_factory=list)
 
+    def is_about(self, copy: str | None) -> bool:
+        """Whether this entry speaks of the copy `copy` (training.checkpoint.copy_id of the
+        directory on disk); an entry from before copies were told apart speaks of any."""
+        return self.copy_id is None or self.copy_id == copy
+
 
 class DataSkip(BaseModel):
     """Global samples [start, end) that training never sees again (the data before a spike)."""

@@ -169,8 +169,8 @@ def _newest_validated(run_dir: Path, fallback: str | None, wait_s: float
         committed = {step_of(p): p for p in committed_checkpoints(run_dir)}
 
         def judged(s: int) -> bool:  # the ledger's verdict is on the copy on disk now
-            entry = entries.get(s)  # (a step saved again since is another copy, unjudged)
-            return entry is not None and entry.copy_id in (None, copy_id(committed[s]))
+            # (a step saved again since is another copy, not judged yet)
+            return s in entries and entries[s].is_about(copy_id(committed[s]))
 
         good = [s for s in committed if judged(s) and entries[s].state in RESUMABLE]
         newest = max(good, default=0)
@@ -488,6 +488,12 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
              "config_hash": config.config_hash(), "dataset_id": manifest.dataset_id,
              "model_args": model_args, "loss": loss, "seq_len": tcfg.seq_len}, urgent=urgent)
 
+    def announce_save(step: int, loss: float) -> None:
+        """Tell the supervisor a save, or a wait for one, is under way: it gets a save's
+        allowance (run.checkpoint_timeout_s) before it counts as a hang, not a step's."""
+        metrics.heartbeat(step=step, loss=loss, attempt=attempt, phase="checkpoint",
+                          max_steps=tcfg.max_steps)
+
     last_loss, saved_step = float("nan"), step
     # Steps since the last metrics record (training.log_every): each record accounts for them
     # all, so goodput counts every step's time, not only the logged ones.
@@ -515,10 +521,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
         loss, grad_norm = torch.stack([mean_loss, norm.to(mean_loss)]).tolist()
         verdict = guard.check(loss, grad_norm)
         if verdict:  # the update is not applied; the next attempt rolls back past this data
-            # The checkpoint to roll back to may still be in flight: the supervisor gives the
-            # wait a save's allowance, not a step's (or it would stop this as a hang).
-            metrics.heartbeat(step=step, loss=loss, attempt=attempt, phase="checkpoint",
-                              max_steps=tcfg.max_steps)
+            announce_save(step, loss)  # the checkpoint to roll back to may still be in flight
             checkpointer.wait()
             raise RollbackRequested(step + 1, loader.sample_index, verdict)
         # A background save may still be copying the weights: let it finish before they change.
@@ -534,9 +537,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
         schedule.step_times.append(step_time)
 
         if schedule.due(step, tcfg.max_steps):
-            # The supervisor gives a save its own allowance before calling it a hang.
-            metrics.heartbeat(step=step, loss=loss, attempt=attempt, phase="checkpoint",
-                              max_steps=tcfg.max_steps)
+            announce_save(step, loss)
             blocked = save(step, loss)
             checkpoint_s, saved_step = checkpoint_s + blocked, step
             note = schedule.saved(step, blocked)
@@ -572,10 +573,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: str = "auto") -> dict:
             raise CheckpointFailed("; ".join(failures[:4]), any(full for _, full in reports),
                                    writes_stuck=not settled)
         if preempted:
-            # A save's allowance for the emergency save (and the one in flight), not a step's:
-            # a job the scheduler signalled stays RUNNING meanwhile, and the supervisor polls.
-            metrics.heartbeat(step=step, loss=loss, attempt=attempt, phase="checkpoint",
-                              max_steps=tcfg.max_steps)
+            # (a job the scheduler signalled stays RUNNING meanwhile, and the supervisor polls)
+            announce_save(step, loss)
             if saved_step != step:  # within the launcher's grace: not in idle cycles
                 save(step, loss, urgent=True)
             checkpointer.wait()
