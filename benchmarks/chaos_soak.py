@@ -1,6 +1,6 @@
 """Chaos soak: N faults of random kinds at random steps, each in a real train flow run.
 
-    python benchmarks/chaos_soak.py --faults 8 --seed 7 [--kinds crash,hang,nan,sigterm,corrupt,s3]
+    python benchmarks/chaos_soak.py --faults 104 --seed 7 [--kinds crash,hang,nan,...]
 
 Starts a Prefect server and a SeaweedFS (the store of every run), prepares the tiny test
 dataset once and trains one uninterrupted run for reference. Then each case trains a fresh
@@ -13,6 +13,13 @@ run id of the same config under one fault, drawn with the seed:
     corrupt  bytes of a shard flip right after a checkpoint's commit, before its validation,
              and a worker is killed a few steps later: the restart must not resume from it
     s3       SeaweedFS stops as the upload of a checkpoint starts and comes back after 3-15 s
+    savekill SIGKILL of a worker at a random moment of a checkpoint's save (its staging, its
+             write, before or right after its commit): torchrun's in-job restart
+    diskfull the checkpoint directory is a tmpfs with room for 1 or 2 checkpoints and a half:
+             the save that runs out of space stops the run (disk_full, never retried); space
+             is freed (the tmpfs grows) and the flow is run again (needs root, for mount)
+
+Kinds take turns in a seeded order, so every kind runs floor(N / kinds) times or once more.
 
 A case has recovered when the flow completed to max_steps with every checkpoint uploaded
 (except a corrupted one, which must be rejected), and every resume point (a step the metrics
@@ -41,7 +48,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.helpers import Watcher, committed, corrupt_largest_shard  # noqa: E402
 
-KINDS = ("crash", "hang", "nan", "sigterm", "corrupt", "s3")
+KINDS = ("crash", "hang", "nan", "sigterm", "corrupt", "s3", "savekill", "diskfull")
 BUCKET = "goodput-soak"
 
 
@@ -81,7 +88,7 @@ def stop_process_group(proc: subprocess.Popen) -> None:
 def ledger_entries(config) -> dict:
     from storage.ledger import Ledger
 
-    return Ledger(config.run_dir, config.run.run_id).read().entries
+    return Ledger(config.run_dir).read().entries
 
 
 def resume_points(run_dir: Path) -> list[int]:
@@ -106,12 +113,62 @@ def recovery_s(run_dir: Path) -> float:
     return max((b - a for a, b in zip(times, times[1:])), default=0.0)
 
 
+def worker_pids(config) -> dict[int, int]:
+    """The training workers of `config`'s run on this machine, by global rank (from each
+    process's command line and environment; torchrun's agents are left out)."""
+    config_file = str(config.run_dir.config_file.resolve())
+    pids = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            if config_file.encode() not in cmdline or b"torch.distributed.run" in cmdline:
+                continue
+            environ = dict(line.split(b"=", 1) for line in (entry / "environ").read_bytes().split(b"\0")
+                           if b"=" in line)
+        except OSError:
+            continue
+        if b"RANK" in environ:
+            pids[int(environ[b"RANK"])] = int(entry.name)
+    return pids
+
+
+def save_started(config, step: int) -> bool:
+    """Rank 0 announced the save of `step` (its heartbeat, written just before the save)."""
+    from core.protocol import read_heartbeat
+
+    beat = read_heartbeat(config.run_dir) or {}
+    return beat.get("phase") == "checkpoint" and beat.get("step") == step
+
+
+def save_phase(path: Path) -> str:
+    """How far the save at `path` had come: writing (no .metadata yet), before the commit,
+    or committed (and not yet judged)."""
+    if (path / "manifest.json").is_file():
+        return "after commit"
+    return "before commit" if (path / ".metadata").is_file() else "staging/writing"
+
+
+def kill_during_save(config, step: int, rank: int, delay_s: float) -> str:
+    time.sleep(delay_s)
+    pid = worker_pids(config)[rank]
+    phase = save_phase(config.run_dir.checkpoint(step))
+    os.kill(pid, signal.SIGKILL)
+    return phase
+
+
+def mount_tmpfs(path: Path, size: int) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True,
+                   capture_output=True, text=True)
+
+
 def run_case(i: int, kind: str, rng: random.Random, make_config, steps: int, every: int,
-             server, clean: dict[int, float]) -> dict:
+             server, clean: dict[int, float], checkpoint_bytes: int, workdir: Path) -> dict:
     from flows.train import train
     from goodput.runs import read_outcomes, read_summary
     from tests.helpers import losses_by_step
-    from training.checkpoint import checkpoint_path
 
     at = rng.randint(every + 1, steps - 2)  # a checkpoint exists before the fault
     rank = rng.randint(0, 1)
@@ -133,10 +190,22 @@ def run_case(i: int, kind: str, rng: random.Random, make_config, steps: int, eve
         ckpt = ckpt - every if ckpt >= steps else ckpt  # a crash must come after it
         crash = ckpt + rng.randint(1, every - 1)
         overrides += [f"faults.crash_at_step={crash}", f"faults.crash_rank={rank}"]
+    if kind == "savekill":
+        ckpt = rng.randrange(every, steps, every)  # a periodic save, not the final one
+        delay_s = rng.uniform(0.0, 0.6)  # the tiny model's background save takes 0.1-0.5 s
     config = make_config(*overrides)
+    disk = None
+    if kind == "savekill":
+        fault = Watcher(lambda: save_started(config, ckpt),
+                        lambda: kill_during_save(config, ckpt, rank, delay_s), timeout_s=900)
+        detail = f"checkpoint {ckpt} + {delay_s:.2f}s, rank {rank}"
+    elif kind == "diskfull":
+        room = rng.choice([1, 2])  # checkpoints that fit before a save runs out of space
+        disk = workdir / f"disk-{i:02d}"
+        detail = f"room for {room}.5 checkpoints"
     if kind == "corrupt":
         fault = Watcher(lambda: committed(config, ckpt),
-                        lambda: corrupt_largest_shard(checkpoint_path(config.run_dir, ckpt)), timeout_s=900)
+                        lambda: corrupt_largest_shard(config.run_dir.checkpoint(ckpt)), timeout_s=900)
         detail = f"checkpoint {ckpt}, crash at {crash}"
     elif kind == "s3":
         down_s = rng.uniform(3, 15)
@@ -153,6 +222,10 @@ def run_case(i: int, kind: str, rng: random.Random, make_config, steps: int, eve
         fault = Watcher(lambda: getattr(ledger_entries(config).get(ckpt), "state", None) == "validated",
                         outage, timeout_s=900)
     shutil.rmtree(config.run_dir, ignore_errors=True)
+    if disk is not None:
+        mount_tmpfs(disk, int(checkpoint_bytes * (room + 0.5)))
+        config.run_dir.path.mkdir(parents=True)
+        config.run_dir.checkpoints.symlink_to(disk, target_is_directory=True)
 
     started = time.monotonic()
     if fault is not None:
@@ -162,10 +235,23 @@ def run_case(i: int, kind: str, rng: random.Random, make_config, steps: int, eve
         result = train(config)
     except Exception as e:  # a case that did not recover is a result, not a crash of the soak
         result, error = {}, f"{type(e).__name__}: {e}"
+    if disk is not None:
+        # The run stopped on the full disk, not retried; someone frees space and reruns it.
+        if error is None or "disk_full" not in error:
+            error = f"expected the run to stop on a full disk, got: {error or 'it finished'}"
+        else:
+            error = None
+            subprocess.run(["mount", "-o", "remount,size=256m", str(disk)], check=True)
+            try:
+                result = train(config)
+            except Exception as e:
+                result, error = {}, f"after freeing space: {type(e).__name__}: {e}"
     if fault is not None:
         fault.join(timeout=120)
         if fault.error is not None:
             error = error or f"fault not injected: {fault.error}"
+        elif kind == "savekill":
+            detail += f", hit {fault.result}"
     wall = time.monotonic() - started
 
     outcomes = read_outcomes(config)
@@ -195,6 +281,8 @@ def run_case(i: int, kind: str, rng: random.Random, make_config, steps: int, eve
         if losses != clean:
             problems.append("losses differ from the reference run")
     goodput = read_summary(config.run_dir).get("goodput", {})
+    if disk is not None:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
     return {"case": i, "kind": kind, "fault": detail,
             "attempts": "+".join(o["class"] for o in outcomes),
             "in_job_restarts": sum(o.get("restarts", 0) for o in outcomes),
@@ -260,14 +348,17 @@ def main() -> int:
         from goodput.runs import read_summary
 
         reference_goodput = read_summary(reference.run_dir)["goodput"]["goodput"]
+        checkpoint_bytes = sum(f.stat().st_size for f in reference.run_dir.checkpoint(args.every).iterdir())
         print(f"reference run: goodput {reference_goodput:.3f} "
               f"({time.monotonic() - started:.0f}s with the dataset)", flush=True)
 
         rng = random.Random(args.seed)
+        order = [kinds[i % len(kinds)] for i in range(args.faults)]  # the kinds take turns
+        rng.shuffle(order)
         rows = []
-        for i in range(args.faults):
-            kind = rng.choice(kinds)
-            row = run_case(i, kind, rng, make_config, args.steps, args.every, s3, clean)
+        for i, kind in enumerate(order):
+            row = run_case(i, kind, rng, make_config, args.steps, args.every, s3, clean,
+                           checkpoint_bytes, workdir)
             rows.append(row)
             print(f"case {i}: {kind} ({row['fault']}): attempts {row['attempts']}, in-job restarts "
                   f"{row['in_job_restarts']}, resumed from {row['resumed_from']}, recovered "

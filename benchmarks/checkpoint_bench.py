@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from training.checkpoint import load_all_tensors  # noqa: E402
+from training.checkpoint.reader import load_all_tensors  # noqa: E402
 from training.model import ModelArgs, Transformer  # noqa: E402
 
 IMPORTED = time.time()
@@ -56,7 +56,7 @@ class Trainer:
     draw initial weights; else allocate only, for a checkpoint to fill (as a resume does)."""
 
     def __init__(self, layout: str, micro_batch: int, seq_len: int, fresh: bool = True):
-        from goodput.config import ParallelismConfig, TrainingConfig
+        from core.config import ParallelismConfig, TrainingConfig
         from training.parallelize import parallelize
         from training.train import build_optimizer
 
@@ -148,8 +148,8 @@ def save_modes() -> dict:
     """name -> None for a synchronous dcp.save; ("dcp", dcp.async_save options, a factory for
     the stager kept across that mode's saves, or None for async_save's own per-save stager);
     or ("trainer", checkpoint.async_mode, background priority, DCP's writer, whole state): the
-    trainer's own Checkpointer; the save counts as done once committed (its manifest written).
-    The Checkpointer at normal priority is the control arm for its background priority; the one
+    trainer's own saver (training.checkpoint.saving); the save counts as done once committed (its manifest written).
+    The Saver at normal priority is the control arm for its background priority; the one
     with DCP's own write (torch.save computes its zip CRCs, and rank 0 hashes every file for
     the manifest after the write), for ShardWriter (no CRCs, each rank hashes as it writes);
     the one where every rank stages the whole state it holds (and DCP's dedup then picks the
@@ -221,7 +221,7 @@ def time_async_save(trainer: Trainer, path: Path, ckpt_group, options: dict) -> 
 
 
 def time_trainer_save(trainer: Trainer, path: Path, checkpointer) -> dict:
-    """As time_async_save, through the trainer's Checkpointer: blocking = starting the save
+    """As time_async_save, through the trainer's Saver: blocking = starting the save
     plus waiting for its staging before the next update; done = written, hashed, committed."""
     snapshot = trainer.probe()
     dist.barrier()
@@ -260,7 +260,7 @@ def time_sync_save(trainer: Trainer, path: Path) -> dict:
 @contextmanager
 def saver(mode, trainer: Trainer, ckpt_group):
     """The function that times one save of `mode` (see save_modes), with what the mode keeps
-    across its saves (a stager; the trainer's Checkpointer) released at the end."""
+    across its saves (a stager; the trainer's Saver) released at the end."""
     if mode is None:
         yield lambda path: time_sync_save(trainer, path)
     elif mode[0] == "dcp":
@@ -270,33 +270,32 @@ def saver(mode, trainer: Trainer, ckpt_group):
         if stager is not None:
             stager.close()  # caller-owned stagers must be closed (dcp.async_save docs)
     else:
-        from training import checkpoint
-
-        _, async_mode, background, dcp_writer, whole_state = mode
         from torch.distributed.checkpoint.filesystem import FileSystem
 
-        lower = checkpoint.lower_thread_priority
+        from training.checkpoint import replicas, saving, writer
+
+        _, async_mode, background, dcp_writer, whole_state = mode
+        controls = []  # (owner, attribute, what the control arm puts there)
         if not background:  # the control arm: the same saves, the writer and hashing at nice 0
-            checkpoint.lower_thread_priority = lambda: False
-        controls = []  # (class, attribute, what the control arm puts there)
+            controls += [(writer, "lower_thread_priority", lambda: False),
+                         (saving, "lower_thread_priority", lambda: False)]
         if dcp_writer:  # DCP's own write, nothing hashed as written: the commit hashes every
             controls += [  # file it finds, on rank 0
-                (checkpoint.ShardWriter, "write_data", dcp.FileSystemWriter.write_data),
-                (checkpoint._HashingFileSystem, "create_stream", FileSystem.create_stream),
-                (checkpoint._HashingFileSystem, "rename", FileSystem.rename)]
+                (writer.ShardWriter, "write_data", dcp.FileSystemWriter.write_data),
+                (writer._HashingFileSystem, "create_stream", FileSystem.create_stream),
+                (writer._HashingFileSystem, "rename", FileSystem.rename)]
         if whole_state:  # every rank stages all it holds (DCP's dedup then picks the writers)
-            controls.append((checkpoint._ReplicaSplit, "share", lambda self, state: state))
-        kept = [(cls, name, getattr(cls, name)) for cls, name, _ in controls]
-        for cls, name, control in controls:
-            setattr(cls, name, control)
-        checkpointer = checkpoint.Checkpointer(async_mode)
+            controls.append((replicas.ReplicaSplit, "own_share", lambda self, state: state))
+        kept = [(owner, name, getattr(owner, name)) for owner, name, _ in controls]
+        for owner, name, control in controls:
+            setattr(owner, name, control)
+        saver = saving.Saver(async_mode)
         try:
-            yield lambda path: time_trainer_save(trainer, path, checkpointer)
+            yield lambda path: time_trainer_save(trainer, path, saver)
         finally:
-            checkpointer.close()
-            checkpoint.lower_thread_priority = lower
-            for cls, name, ours in kept:
-                setattr(cls, name, ours)
+            saver.close()
+            for owner, name, ours in kept:
+                setattr(owner, name, ours)
 
 
 def remove(path: Path) -> None:
@@ -355,7 +354,7 @@ def start_worker(args) -> dict:
     if args.resume_from:
         state = trainer.state()  # initialises AdamW's state so there is something to load into
         if args.verify:  # as the trainer loads: each file of this rank's read plan hashed first
-            from training.checkpoint import VerifiedReader
+            from training.checkpoint.reader import VerifiedReader
 
             dcp.load(state, storage_reader=VerifiedReader(args.resume_from))
         else:

@@ -289,7 +289,7 @@ def run_size(name: str, args, workdir: Path, deadline: float, index: int = 0,
              micro_batch: int | None = None) -> dict:
     """Measure one size (the index-th of the command line: its own run directory); never
     raises for a failure of the size itself."""
-    from goodput.config import ConfigError, load_config
+    from core.config import ConfigError, load_config
     from goodput.runs import write_run_config
     from training.metrics import read_metrics
 
@@ -370,6 +370,7 @@ def launch(config, config_path: Path, dataset: Path, args, deadline: float, name
            max_steps: int) -> dict:
     """One training attempt as the train task runs it (or `python -m training` alone with
     --no-torchrun); returns its failure class and reason. The time budget cancels it."""
+    from core.protocol import ResumeSpec
     from infra.torchrun import classify, run_attempt, worker_env
 
     last_said = [0.0]
@@ -397,8 +398,8 @@ def launch(config, config_path: Path, dataset: Path, args, deadline: float, name
             code = plain_run(config_path, dataset, log, worker_env(config, attempt))
             outcome = classify(config.run_dir, attempt, code, False, time.monotonic() - start)
         else:
-            outcome = run_attempt(config, config_path, dataset, None, attempt, log,
-                                  on_progress=progress)
+            outcome = run_attempt(config, config_path, dataset, attempt, log,
+                                  on_progress=progress, start=ResumeSpec.scratch())
     except BudgetExceeded:
         return {"class": "budget", "reason": f"stopped by the bench's time budget "
                                              f"(--budget-s {args.budget_s:.0f}) after {time.monotonic() - start:.0f}s"}
@@ -520,7 +521,9 @@ def main(argv: list[str] | None = None) -> int:
                                                if p)
     ensure_packages(args.wheels)
     try:
-        import goodput.runs, infra.torchrun, training.train  # noqa: F401  (what the run needs)
+        import goodput.runs  # noqa: F401  (what the run needs)
+        import infra.torchrun
+        import training.train
     except ImportError as e:
         sys.exit(f"[mfu-bench] cannot import the trainer here: {e!r}; missing packages can come "
                  "as wheels (scripts/gpu_wheels.sh)")

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from storage.manifests import list_files  # noqa: E402
-from training.checkpoint import WRITTEN_DIGESTS, ShardWriter, written_digests  # noqa: E402
+from training.checkpoint.writer import WRITTEN_DIGESTS, ShardWriter, written_digests  # noqa: E402
 
 
 def cpu_seconds(fn) -> float:

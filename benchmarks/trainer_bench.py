@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import resource
@@ -78,7 +77,7 @@ LAYOUTS: dict[int, dict[str, list[str]]] = {
 
 def write_config(workdir: Path, name: str, *overrides: str):
     """A RunConfig of its own run id (a fresh run directory) written next to it."""
-    from goodput.config import load_config
+    from core.config import load_config
     from goodput.runs import write_run_config
 
     config = load_config(None, [f"run.runs_dir={workdir / 'runs'}", f"run.run_id={name}",
@@ -134,7 +133,7 @@ def bare_worker(config_path: str, dataset_dir: str, out: str) -> None:
     """The loop a user would write around the same model, data, optimizer and schedule."""
     import torch
 
-    from goodput.config import load_config
+    from core.config import load_config
     from storage.manifests import DatasetManifest
     from training.data import DistributedSampleLoader, TokenStream
     from training.model import Transformer, model_args_from_config
@@ -255,7 +254,7 @@ def model_text(args) -> str:
 
 
 def layouts(workdir: Path, dataset: Path, args) -> None:
-    from goodput.config import ConfigError, ParallelismConfig, parse_override
+    from core.config import ConfigError, ParallelismConfig, parse_override
 
     cores = os.cpu_count() or 1
     print(f"\n### Layouts (cpu, gloo; global batch {args.global_batch} x {args.seq} tokens; "

@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from goodput.config import load_config  # noqa: E402
+from core.config import load_config  # noqa: E402
 from goodput.runs import write_run_config  # noqa: E402
 from infra.torchrun import ALLOCATOR_ENV, free_port  # noqa: E402
 from tests.helpers import synthetic_dataset  # noqa: E402
@@ -172,13 +172,13 @@ def run_with_uploads(root: Path, dataset: Path, args) -> dict:
 
     SeaweedFS stands for a remote store, whose CPU is not the training node's: it runs at
     nice 19 (its threads and its autogroup) in every arm. Training is started in this
-    process's session (the local launcher does not: see storage.background on autogroups).
+    process's session (the local launcher does not: see core.cpu_priority on autogroups).
     Returns, per arm, the step times of the steps that ran during an upload (a step counts
     as during an upload when the middle of its compute falls inside it; all steps for the
     arm without uploads) and the uploads' durations."""
     from benchmarks.upload_bench import ACCESS_KEY, BUCKET, SECRET_KEY
+    from core.cpu_priority import BACKGROUND_NICE
     from infra.seaweedfs import REGION, SeaweedFS
-    from storage.background import BACKGROUND_NICE
 
     os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY,
                       AWS_DEFAULT_REGION=REGION)  # a throwaway server's own keys
@@ -198,11 +198,10 @@ def train_while_uploading(root: Path, dataset: Path, args, server, background: b
     """One training run; each checkpoint it commits is uploaded at once (`background`: at
     background priority; None: not uploaded)."""
     from benchmarks.upload_bench import BUCKET, store_upload
+    from core.cpu_priority import at_background_priority
     from infra.seaweedfs import REGION
-    from storage.background import at_background_priority
     from storage.manifests import CheckpointManifest
     from storage.store import open_store
-    from training.checkpoint import committed_checkpoints
 
     name = {None: "none", True: "background", False: "normal"}[background]
     config = bench_config(root, f"uploads-{name}", "sync", args)
@@ -214,7 +213,7 @@ def train_while_uploading(root: Path, dataset: Path, args, server, background: b
         try:
             while background is not None:
                 running = proc.poll() is None
-                for path in committed_checkpoints(config.run_dir):
+                for path in config.run_dir.committed_checkpoints():
                     if path.name in uploaded:
                         continue
                     uploaded.add(path.name)

@@ -23,12 +23,13 @@ from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLi
 from prefect.deployments.runner import RunnerDeployment
 from prefect.schedules import Cron
 
+from core.config import RunConfig
 from flows.evaluate import evaluate
 from flows.pipeline import pipeline
 from flows.prepare import prepare
 from flows.train import train
-from goodput.checkpoints import run_finished
-from goodput.config import RunConfig
+from goodput.checkpoint_lifecycle import run_finished
+from storage.store import store_from_config
 
 
 def build_deployments(config: RunConfig, eval_cron: str | None = None,
@@ -46,7 +47,7 @@ def build_deployments(config: RunConfig, eval_cron: str | None = None,
     ]
     if train_cron:
         # Serving again after the run reached its budget must not switch the schedule back on.
-        finished = run_finished(config, config.storage.open())
+        finished = run_finished(config, store_from_config(config.storage))
         deployments.append(train.to_deployment(
             name="goodput-train-continue", tags=[*tags, "continue"],
             description=f"Continue run {config.run.run_id} until training.max_steps, at most "

@@ -6,7 +6,7 @@ import time
 
 from prefect import flow
 
-from goodput.config import RunConfig
+from core.config import RunConfig
 from storage.manifests import EvalReport
 from tasks.control import resolve_config
 from tasks.evaluate import evaluate_checkpoint, locate_checkpoint, publish_eval_report, record_eval

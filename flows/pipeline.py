@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from prefect import flow
 
+from core.config import RunConfig
 from flows.evaluate import evaluate
 from flows.prepare import prepare
 from flows.train import train
-from goodput.config import RunConfig
 from tasks.control import resolve_config
-from tasks.plan import check_layout
+from tasks.layout import check_layout
 from tasks.reporting import WorkerLogs
 
 

@@ -6,11 +6,20 @@ import time
 
 from prefect import flow, get_run_logger, unmapped
 
-from goodput.config import RunConfig
+from core.config import RunConfig
 from storage.manifests import DatasetManifest
 from tasks.control import resolve_config
-from tasks.prepare import (build_tokenizer, find_prepared, plan_dataset, publish, record_prepare,
-                           shard_specs, stage_corpus, tokenize_shard, write_manifest)
+from tasks.prepare import (
+    build_tokenizer,
+    find_prepared,
+    plan_dataset,
+    publish,
+    record_prepare,
+    shard_specs,
+    stage_corpus,
+    tokenize_shard,
+    write_manifest,
+)
 
 
 @flow(name="prepare")

@@ -8,13 +8,24 @@ from prefect import flow
 from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from goodput.checkpoints import new_checkpoints
-from goodput.config import RunConfig
+from core.config import RunConfig
+from goodput.checkpoint_lifecycle import new_checkpoints
 from tasks.control import no_orphan_workers, resolve_config, training_slot
-from tasks.plan import check_layout
-from tasks.reporting import WorkerLogs, announce_run_finished, publish_training_report
-from tasks.train import (launch_training, locate_dataset, prune_local_checkpoints,
-                         record_training, upload_checkpoint, validate_checkpoint)
+from tasks.layout import check_layout
+from tasks.reporting import (
+    WorkerLogs,
+    announce_committed,
+    announce_run_finished,
+    publish_training_report,
+)
+from tasks.train import (
+    apply_retention,
+    launch_training,
+    locate_dataset,
+    record_training,
+    upload_checkpoint,
+    validate_checkpoint,
+)
 
 
 # The launch task holds one thread for the whole run; the others validate and upload. The
@@ -57,13 +68,14 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
 
         secured = []
         for step in new_checkpoints(config, still_running):
+            announce_committed(config, step)
             validated = validate_checkpoint.submit(config, step)
-            secured.append(upload_checkpoint.submit(config, step, wait_for=[validated]))
+            uploaded = upload_checkpoint.submit(config, step, wait_for=[validated])
+            secured.append(apply_retention.submit(config, wait_for=[uploaded]))
         wait(secured)
     outcome = training.result()  # raises when the last attempt failed
     for future in secured:
         future.result()
-    prune_local_checkpoints(config)
     trained = record_training(config, outcome, started)
     publish_training_report(config)
     announce_run_finished(config, trained)

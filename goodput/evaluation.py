@@ -6,22 +6,19 @@ import subprocess
 import sys
 from pathlib import Path
 
-from goodput.checkpoints import download_checkpoint, ledger_of, readable_here, restore_ledger
-from goodput.config import RunConfig
+from core.config import RunConfig
+from core.protocol import copy_id, is_committed, step_of
+from goodput.checkpoint_lifecycle import download_checkpoint, ledger_of, restore_ledger
 from goodput.runs import write_run_config
+from storage.ledger import choose_resume, readable_copy
 from storage.manifests import DatasetManifest, EvalReport
-from training.checkpoint import checkpoint_path, is_committed
-
-
-def report_path(config: RunConfig, step: int) -> Path:
-    return config.run_dir / "eval" / f"step-{step:08d}.json"
 
 
 def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = None) -> Path:
     """A validated checkpoint of the run: the newest, or the given step, or a directory.
 
-    A checkpoint that only the store holds any more is downloaded first. The newest is the
-    newest this machine can read (goodput.checkpoints.readable_here).
+    The newest is the one training would resume from (storage.ledger.choose_resume); a
+    checkpoint that only the store holds any more is downloaded first.
     """
     if checkpoint is not None and not str(checkpoint).isdigit():
         path = Path(str(checkpoint))
@@ -31,35 +28,30 @@ def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = N
     restore_ledger(config, store)
     ledger = ledger_of(config).read()
     if checkpoint is None:
-        readable = [e for e in ledger.entries.values() if readable_here(config, e)]
-        if not readable:
+        point = choose_resume(config.run_dir, ledger)
+        if point is None:
             raise FileNotFoundError(f"run '{config.run.run_id}' has no validated checkpoint on this "
                                     "machine or in the store yet; train it first (goodput train)")
-        entry = max(readable, key=lambda e: e.step)
     else:
         entry = ledger.entries.get(int(checkpoint))
         if entry is None or entry.state not in ("validated", "uploaded"):
             state = entry.state if entry else "not in the ledger"
             raise FileNotFoundError(f"checkpoint step {checkpoint} of run '{config.run.run_id}' "
                                     f"is {state}; pick one of {ledger.steps('validated', 'uploaded')}")
-        if not readable_here(config, entry):
+        point = readable_copy(config.run_dir, entry)
+        if point is None:
             raise FileNotFoundError(
                 f"checkpoint step {checkpoint} of run '{config.run.run_id}' is validated but not "
                 f"uploaded yet, and this machine has no copy; evaluate it where it was trained, "
                 f"or one of the uploaded steps {ledger.steps('uploaded')}")
-    path = checkpoint_path(config.run_dir, entry.step)
-    if is_committed(path):
-        return path
-    return download_checkpoint(config, entry.step, store)
+    return point.local if point.local is not None else download_checkpoint(config, point.step, store)
 
 
 def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path) -> EvalReport:
     """Run `python -m training.evaluate`. A report that exists is reused only if it was made
     of this copy of the checkpoint, on this dataset, with these eval settings; otherwise the
     checkpoint is evaluated again and the new report replaces it."""
-    from training.checkpoint import copy_id, step_of
-
-    out = report_path(config, step_of(checkpoint))
+    out = config.run_dir.eval_report(step_of(checkpoint))
     if out.is_file():
         report = EvalReport.model_validate_json(out.read_text())
         if (report.checkpoint == str(checkpoint) and report.copy_id == copy_id(checkpoint)

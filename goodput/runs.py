@@ -1,13 +1,7 @@
-"""The run directory: its resolved config, its summary, and one training attempt in it.
+"""A training run's attempts: launch one, record how it ended, decide whether to retry.
 
-    <runs_dir>/<run_id>/
-        config.yaml      the resolved RunConfig the workers read
-        checkpoints/     step-XXXXXXXX/ (DCP + manifest), rejected/, superseded/
-        ledger.json      checkpoint states (mirrored to the store)
-        metrics.jsonl    rank 0, one line per step;  heartbeat.json  latest step
-        attempts/        per attempt, each rank's exit record
-        eval/            step-XXXXXXXX.json reports
-        summary.json     what the stages produced, wall time per stage
+The run directory's layout is core.protocol.RunDir; this module writes its config.yaml,
+summary.json and each attempt's outcome.json.
 """
 
 from __future__ import annotations
@@ -19,18 +13,17 @@ from typing import Callable
 
 import yaml
 
-from goodput.checkpoints import ResumePoint, resume_point, set_aside_damaged
-from goodput.config import ConfigError, RunConfig, dump_config
+from core.config import ConfigError, RunConfig, dump_config
+from core.files import exclusive_lock, write_atomic
+from core.protocol import FailureClass, RunDir, step_of
+from goodput.checkpoint_lifecycle import resume_point, resume_position, set_aside_damaged
 from infra.torchrun import AttemptResult, TrainingFailed, run_attempt
-from storage.checksums import exclusive_lock, write_atomic
-from storage.ledger import DataSkip, Ledger
-from training.checkpoint import committed_checkpoints, step_of
-from training.exits import attempt_dir
+from storage.ledger import DataSkip, Ledger, ResumePoint
 
 
 def write_run_config(config: RunConfig) -> Path:
     """Write config.yaml; refuse to continue a run whose trajectory-defining config changed."""
-    path = config.run_dir / "config.yaml"
+    path = config.run_dir.config_file
     if path.is_file():
         previous = RunConfig.model_validate(yaml.safe_load(path.read_text()))
         if previous.config_hash() != config.config_hash():
@@ -49,7 +42,8 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
     """One attempt: resume from the newest validated checkpoint and train to max_steps.
 
     Raises TrainingFailed with the failure class and the retry policy's verdict when the
-    attempt does not finish. A rollback first records the data window to skip.
+    attempt does not finish (a cancelled attempt: class cancelled, never retried). A rollback
+    first records the data window to skip.
     """
     if not config.checkpoint.save_at_end:
         raise ConfigError(
@@ -60,21 +54,25 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
     resume = resume_point(config, store)
     if resume is not None and resume.step >= config.training.max_steps:
         log(f"checkpoint {resume} already reached max_steps={config.training.max_steps}")
-        return AttemptResult(0, "done", "already complete", resume.step, 0.0)
+        return AttemptResult(0, FailureClass.DONE, "already complete", resume.step, 0.0)
     log(f"attempt {attempt}: resuming from {resume}" if resume else
         f"attempt {attempt}: starting from scratch")
-    result = run_attempt(config, config_path, dataset_dir, resume.location if resume else None,
-                         attempt, log, on_progress=on_progress)
+    result = run_attempt(config, config_path, dataset_dir, attempt, log, on_progress=on_progress,
+                         mtbf_s=observed_mtbf_s(config))
     outcome = record_outcome(config, attempt, result, resume)
     if result.restarts:
         log(f"attempt {attempt}: torchrun restarted the workers {result.restarts} time(s) in-job")
-    if result.failure_class == "done":
+    if result.failure_class == FailureClass.DONE:
         return result
-    if result.failure_class == "rollback":
+    if result.failure_class == FailureClass.CANCELLED:
+        log(f"attempt {attempt} cancelled at step {result.step}: not retrying")
+        raise TrainingFailed(f"training attempt {attempt} was cancelled at step {result.step}",
+                             FailureClass.CANCELLED, result.step, retry=False)
+    if result.failure_class == FailureClass.ROLLBACK:
         skip = skip_data_before(config, store, result)
         log(f"rollback: samples [{skip.start}, {skip.end}) will be skipped ({skip.reason})")
-    if result.failure_class == "corrupt_checkpoint":
-        damaged = next(r for r in result.records if r["class"] == "corrupt_checkpoint")
+    if result.failure_class == FailureClass.CORRUPT_CHECKPOINT:
+        damaged = next(r for r in result.records if r["class"] == FailureClass.CORRUPT_CHECKPOINT)
         entry = set_aside_damaged(config, damaged["checkpoint_step"], damaged["from_store"],
                                   damaged["reason"])
         log(f"checkpoint step {entry.step} failed its checksums at load: now {entry.state} "
@@ -95,51 +93,60 @@ def attempt_prefix(attempt: str) -> str:
 def record_outcome(config: RunConfig, attempt: str, result: AttemptResult,
                    resumed_from: ResumePoint | None) -> dict:
     """Why the attempt ended, where it started and what it left: the retry policy's input."""
-    committed = committed_checkpoints(config.run_dir)
-    outcome = {"attempt": attempt, "class": result.failure_class, "reason": result.reason,
+    committed = config.run_dir.committed_checkpoints()
+    outcome = {"attempt": attempt, "class": result.failure_class.value, "reason": result.reason,
                "step": result.step, "exit_code": result.exit_code,
                "resumed_from": resumed_from.step if resumed_from else 0,
                "newest_checkpoint": step_of(committed[-1]) if committed else 0,
                "restarts": result.restarts,  # in-job (torchrun) restarts within the attempt
                "wall_time_s": result.wall_time_s, "time": time.time()}
-    directory = attempt_dir(config.run_dir, attempt)
+    directory = config.run_dir.attempt(attempt)
     directory.mkdir(parents=True, exist_ok=True)
     write_atomic(directory / "outcome.json", json.dumps(outcome).encode())
     return outcome
 
 
 def read_outcomes(config: RunConfig, prefix: str = "") -> list[dict]:
-    root = config.run_dir / "attempts"
+    root = config.run_dir.attempts
     paths = root.glob(f"attempt-{prefix}*/outcome.json") if root.is_dir() else []
-    return sorted((json.loads(p.read_text()) for p in paths), key=lambda o: o["time"])
+    return sorted((json.loads(p.read_text()) for p in paths), key=lambda o: o.get("time", 0.0))
 
 
-# What a user can do about a failure class once its retries are spent.
-_WHAT_TO_DO = {
-    "oom": " — lower training.micro_batch_size, or shard more (parallelism.dp_shard, "
-           "activation_checkpointing); `goodput plan` estimates memory",
-    "disk_full": " — the checkpoint disk is full: free space on it, lower checkpoint.keep_local or "
-                 "checkpoint.keep_aside, "
-                 "or move run.runs_dir to a larger disk; committed checkpoints are intact",
-}
+def failures_of(outcomes: list[dict]) -> int:
+    """Failures the outcomes record: failed attempts and the in-job restarts each recovered
+    (a cancelled attempt failed nothing)."""
+    return sum((o["class"] not in (FailureClass.DONE, FailureClass.CANCELLED))
+               + (o.get("restarts") or 0) for o in outcomes)
+
+
+def observed_mtbf_s(config: RunConfig) -> float:
+    """The run's mean time between failures: faults.mtbf_hours, else the wall time of its
+    attempts so far over their failures; 0 when there is nothing to go on."""
+    if config.faults.mtbf_hours:
+        return config.faults.mtbf_hours * 3600
+    outcomes = read_outcomes(config)
+    failures = failures_of(outcomes)
+    return sum(o.get("wall_time_s") or 0.0 for o in outcomes) / failures if failures else 0.0
 
 
 def retry_decision(config: RunConfig, outcomes: list[dict]) -> tuple[bool, str]:
     """Retry the last failed attempt? Each failure class has its own budget, configuration
-    errors never retry, and attempts that keep failing without progress stop the run."""
-    last = outcomes[-1]
-    cls = last["class"]
-    if cls == "config":
-        return False, "configuration or data error: fix the input and rerun"
+    errors and cancellations never retry, and attempts that keep failing without progress
+    stop the run."""
+    cls = outcomes[-1]["class"]
+    if cls in (FailureClass.CONFIG, FailureClass.CANCELLED):
+        return False, FailureClass(cls).hint or "cancelled"
     budgets = config.run.retry_budgets
     budget = budgets.get(cls, budgets.get("unknown", 0))
     failures = sum(1 for o in outcomes if o["class"] == cls)
     if failures > budget:
+        known = FailureClass.named(cls)
+        hint = known.hint if known else ""
         return False, (f"{cls} failures ({failures}) exceed their budget of {budget} retries"
-                       + _WHAT_TO_DO.get(cls, ""))
+                       + (f" — {hint}" if hint else ""))
     stalled = 0
     for o in reversed(outcomes):
-        if o["class"] == "done" or o["newest_checkpoint"] > o["resumed_from"]:
+        if o["class"] == FailureClass.DONE or o["newest_checkpoint"] > o["resumed_from"]:
             break
         stalled += 1
     if stalled >= config.run.no_progress_attempts:
@@ -150,24 +157,23 @@ def retry_decision(config: RunConfig, outcomes: list[dict]) -> tuple[bool, str]:
 
 def skip_data_before(config: RunConfig, store, result: AttemptResult) -> DataSkip:
     """Record the data window from the checkpoint the next attempt resumes at to the bad step."""
-    bad = next(r for r in result.records if r["class"] == "rollback")
-    resume = resume_point(config, store)
-    start = resume.data_position if resume is not None else 0
-    return Ledger(config.run_dir, config.run.run_id).add_data_skip(
+    bad = next(r for r in result.records if r["class"] == FailureClass.ROLLBACK)
+    start = resume_position(config, resume_point(config, store), store)
+    return Ledger(config.run_dir).add_data_skip(
         start, bad["sample_end"], f"rollback at step {bad['step']}: {bad['reason']}")
 
 
-def read_summary(run_dir: Path) -> dict:
-    path = Path(run_dir) / "summary.json"
+def read_summary(run_dir: RunDir | Path) -> dict:
+    path = RunDir.of(run_dir).summary_file
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
-def update_summary(run_dir: Path, section: str, values: dict | Callable[[dict], dict]) -> dict:
+def update_summary(run_dir: RunDir | Path, section: str, values: dict | Callable[[dict], dict]) -> dict:
     """Merge one stage's results into summary.json (stages run separately or chained, and
     flows of one run at the same time: a scheduled evaluation while training runs). Under a
     lock, so no flow's section is lost; `values` may be a function of the section's previous
     values (e.g. to add up wall time across flow runs)."""
-    path = Path(run_dir) / "summary.json"
+    path = RunDir.of(run_dir).summary_file
     with exclusive_lock(path.with_suffix(".lock")):
         summary = read_summary(run_dir)
         summary[section] = values(summary.get(section, {})) if callable(values) else values

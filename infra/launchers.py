@@ -45,7 +45,7 @@ from typing import Callable
 
 import yaml
 
-from goodput.config import RunConfig
+from core.config import LaunchConfig, RunConfig
 
 Log = Callable[[str], None]
 STOPPED = -signal.SIGTERM  # exit code reported for a scheduler job this process ended
@@ -59,24 +59,29 @@ def free_port() -> int:
 
 @dataclass
 class NodeLaunch:
-    """One attempt, as every launcher needs it."""
+    """One attempt, as every launcher needs it: what each node runs, and how nodes start."""
 
-    config: RunConfig
+    launch: LaunchConfig  # how nodes start: kind, hosts, ssh / Slurm / Kubernetes settings
+    nnodes: int
     command: list[str]  # the torchrun command line, the same on every node
     env: dict[str, str]  # worker environment on top of each node's own
     attempt_dir: Path  # scripts, manifests and scheduler logs of this attempt
     name: str  # job name, unique per attempt: goodput-<run>-<attempt>
+    rdzv_endpoint: str | None = None  # host:port of the rendezvous; None: node 0, launch.rdzv_port
+    grace_s: float = 60.0  # what a stopped node's workers get for an emergency checkpoint
 
-    @property
-    def nnodes(self) -> int:
-        return self.config.parallelism.nnodes
+    @classmethod
+    def of(cls, config: RunConfig, command: list[str], env: dict[str, str], attempt_dir: Path,
+           name: str) -> NodeLaunch:
+        return cls(config.launch, config.parallelism.nnodes, command, env, attempt_dir, name,
+                   config.parallelism.rdzv_endpoint, config.faults.emergency_save_s)
 
     @property
     def workdir(self) -> str:
-        return self.config.launch.workdir or os.getcwd()
+        return self.launch.workdir or os.getcwd()
 
     def endpoint(self, head: str) -> str:
-        return self.config.parallelism.rdzv_endpoint or f"{head}:{self.config.launch.rdzv_port}"
+        return self.rdzv_endpoint or f"{head}:{self.launch.rdzv_port}"
 
 
 def node_wrapper(node: str, addr: str) -> list[str]:
@@ -91,7 +96,7 @@ def node_wrapper(node: str, addr: str) -> list[str]:
 def make_launcher(spec: NodeLaunch) -> NodeProcesses | SchedulerJob:
     launchers = {"local": LocalLauncher, "ssh": SshLauncher, "slurm": SlurmLauncher,
                  "kubernetes": KubernetesLauncher}
-    return launchers[spec.config.launch.kind](spec)
+    return launchers[spec.launch.kind](spec)
 
 
 # -- nodes as processes of this machine: local, ssh ------------------------------------------
@@ -146,7 +151,7 @@ class LocalLauncher(NodeProcesses):
 
     def node_commands(self):
         # A free port rather than launch.rdzv_port: runs on one machine must not collide.
-        endpoint = self.spec.config.parallelism.rdzv_endpoint or f"127.0.0.1:{free_port()}"
+        endpoint = self.spec.rdzv_endpoint or f"127.0.0.1:{free_port()}"
         env = {**os.environ, **self.spec.env, "PET_RDZV_ENDPOINT": endpoint}
         return [(node_wrapper(str(i), "127.0.0.1") + self.spec.command, env)
                 for i in range(self.spec.nnodes)]
@@ -172,7 +177,7 @@ class SshLauncher(NodeProcesses):
         self.remote_pids: dict[int, int] = {}
 
     def node_commands(self):
-        launch = self.spec.config.launch
+        launch = self.spec.launch
         addresses = [host.rsplit("@", 1)[-1] for host in launch.hosts]
         shared = {**self.spec.env, "PET_RDZV_ENDPOINT": self.spec.endpoint(addresses[0])}
         commands = []
@@ -211,7 +216,7 @@ class SshLauncher(NodeProcesses):
     def _remote_signal(self, command: str, timeout_s: float) -> None:
         """Run `command` (with the node's torchrun pid) on every node still running, over a
         connection of its own; a host that does not answer is left to the hang-up."""
-        launch = self.spec.config.launch
+        launch = self.spec.launch
         for node, proc in enumerate(self.procs):
             pid = self.remote_pids.get(node)
             if proc.poll() is None and pid is not None:
@@ -319,7 +324,7 @@ class SchedulerJob:
     def poll(self) -> int | None:
         self.follow_logs()
         if self.code is None and time.monotonic() >= self._next_query:
-            self._next_query = time.monotonic() + self.spec.config.launch.poll_s
+            self._next_query = time.monotonic() + self.spec.launch.poll_s
             try:
                 self.code = self.query()
                 self._query_failures = 0
@@ -363,7 +368,7 @@ class SlurmLauncher(SchedulerJob):
         self._partial = ""
 
     def script(self) -> str:
-        spec, slurm = self.spec, self.spec.config.launch.slurm
+        spec, slurm = self.spec, self.spec.launch.slurm
         # --no-requeue: a node failure fails the attempt (the launch task's retry resumes from
         # the last validated checkpoint) instead of queueing the job again unseen.
         options = [f"--nodes={spec.nnodes}", "--ntasks-per-node=1", f"--time={slurm.time}",
@@ -373,10 +378,10 @@ class SlurmLauncher(SchedulerJob):
         options += [f"--gpus-per-node={slurm.gpus_per_node}"] if slurm.gpus_per_node else []
         options += [f"--cpus-per-task={slurm.cpus_per_node}"] if slurm.cpus_per_node else []
         options += slurm.extra_sbatch
-        if spec.config.parallelism.rdzv_endpoint:
-            endpoint = shlex.quote(spec.config.parallelism.rdzv_endpoint)
+        if spec.rdzv_endpoint:
+            endpoint = shlex.quote(spec.rdzv_endpoint)
         else:
-            endpoint = f'"$head_node:{spec.config.launch.rdzv_port}"'
+            endpoint = f'"$head_node:{spec.launch.rdzv_port}"'
         # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): without it each
         # node's torchrun and all its workers would share one CPU.
         cpus = [f"--cpus-per-task={slurm.cpus_per_node}"] if slurm.cpus_per_node else []
@@ -384,13 +389,13 @@ class SlurmLauncher(SchedulerJob):
                 *cpus, *node_wrapper("$SLURM_NODEID", '"$SLURMD_NODENAME"'), *spec.command]
         return "\n".join([
             "#!/bin/bash",
-            f"# Training attempt of run {spec.config.run.run_id}: {spec.nnodes} node(s), one "
+            f"# Training attempt {spec.name}: {spec.nnodes} node(s), one "
             "torchrun each. Rendered by infra/launchers.py;",
             "# its name and output file are on sbatch's command line (SlurmLauncher.submit_command).",
             *(f"#SBATCH {option}" for option in options),
             "set -eo pipefail",
             f"cd {shlex.quote(spec.workdir)}",
-            *spec.config.launch.slurm.setup,
+            *spec.launch.slurm.setup,
             "set -u  # after the setup lines: conda activate and module load fail under -u",
             *(f"export {k}={shlex.quote(v)}" for k, v in spec.env.items()),
             "# The allocation's first node hosts the c10d rendezvous. (No `| head`: under",
@@ -485,7 +490,7 @@ class SlurmLauncher(SchedulerJob):
             if time.monotonic() >= deadline:
                 return False
             self.follow_logs()
-            time.sleep(min(self.spec.config.launch.poll_s, max(0.0, deadline - time.monotonic())))
+            time.sleep(min(self.spec.launch.poll_s, max(0.0, deadline - time.monotonic())))
 
 
 def kubernetes_name(name: str, limit: int = 40) -> str:
@@ -522,11 +527,11 @@ class KubernetesLauncher(SchedulerJob):
 
     @property
     def kind(self) -> str:
-        return self.spec.config.launch.kubernetes.kind
+        return self.spec.launch.kubernetes.kind
 
     @property
     def namespace(self) -> str:
-        return self.spec.config.launch.kubernetes.namespace
+        return self.spec.launch.kubernetes.namespace
 
     def manifest(self) -> dict:
         if self.kind == "jobset":
@@ -558,7 +563,7 @@ class KubernetesLauncher(SchedulerJob):
         return {"name": self.name, "namespace": self.namespace, "labels": {self.LABEL: self.name}}
 
     def _pod(self, endpoint: str, node_env: list[dict], node: str) -> dict:
-        launch = self.spec.config.launch
+        launch = self.spec.launch
         k8s = launch.kubernetes
         pod_ip = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
         env = [*node_env, pod_ip, *({"name": k, "value": v} for k, v in self.spec.env.items()),
@@ -573,7 +578,7 @@ class KubernetesLauncher(SchedulerJob):
             container["resources"] = {"limits": {"nvidia.com/gpu": k8s.gpus_per_node}}
         # Deleting the job gives each pod this long between SIGTERM and SIGKILL: the time
         # the workers have for an emergency checkpoint (faults.emergency_save_s), and more.
-        grace = int(self.spec.config.faults.emergency_save_s) + 30
+        grace = int(self.spec.grace_s) + 30
         spec = {"restartPolicy": "Never", "terminationGracePeriodSeconds": grace,
                 "containers": [container]}
         if k8s.volume_claim:
@@ -667,7 +672,7 @@ class KubernetesLauncher(SchedulerJob):
             self._reader.join(timeout=5)
         # Foreground cascade with --wait: returns once the pods are gone (after their
         # emergency checkpoint), so the next attempt never overlaps this one.
-        wait_s = int(self.spec.config.faults.emergency_save_s + 30 + SCHEDULER_KILL_WAIT_S)
+        wait_s = int(self.spec.grace_s + 30 + SCHEDULER_KILL_WAIT_S)
         if self._try(["kubectl", "delete", self.kind, self.name, "-n", self.namespace,
                       "--ignore-not-found", "--cascade=foreground", "--wait=true",
                       f"--timeout={wait_s}s"], timeout=wait_s + 30):

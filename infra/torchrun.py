@@ -4,7 +4,7 @@ The supervisor starts the nodes through a launcher (infra/launchers.py: local, s
 kubernetes), streams the workers' output line by line to a callback (the Prefect run log),
 watches rank 0's heartbeat to catch a hung job, ends every node on hang, cancel, error or
 the failure of any one node, and turns the exit into a failure class the launch task maps
-to a retry decision (codes in training/exits.py).
+to a retry decision (the contract is core/protocol.py).
 
 Two lines of defence against a crash: torchrun restarts the workers within the attempt
 (`--max-restarts`, launch.max_restarts; they resume from the newest validated checkpoint),
@@ -23,16 +23,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from goodput.config import RunConfig
+from core.config import RunConfig
+from core.protocol import (ENV_ATTEMPT, ENV_MTBF_S, ENV_RESTART_WAIT_S, ENV_RUN_DIR, FailureClass,
+                           ResumeSpec, in_job_restarts, read_exit_records, read_heartbeat)
 from infra.launchers import NodeLaunch, free_port, make_launcher  # noqa: F401 (free_port: API)
-from training import exits
-from training.metrics import read_heartbeat
 
 
 class TrainingFailed(RuntimeError):
     """An attempt that ended without finishing; `failure_class` says what to do about it."""
 
-    def __init__(self, message: str, failure_class: str, step: int | None = None,
+    def __init__(self, message: str, failure_class: FailureClass, step: int | None = None,
                  retry: bool = True):
         super().__init__(message)
         self.failure_class = failure_class
@@ -43,7 +43,7 @@ class TrainingFailed(RuntimeError):
 @dataclass
 class AttemptResult:
     exit_code: int
-    failure_class: str  # done | retryable | rollback | config | hang
+    failure_class: FailureClass
     reason: str
     step: int | None
     wall_time_s: float
@@ -51,19 +51,15 @@ class AttemptResult:
     restarts: int = 0  # in-job restarts of the worker group (torchrun --max-restarts)
 
 
-def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path,
-                     resume: str | None, attempt: str) -> list[str]:
+def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path, attempt: str,
+                     start: ResumeSpec = ResumeSpec.validated()) -> list[str]:
     """The torchrun command line, the same on every node. The rendezvous endpoint and each
     node's own settings reach torchrun through its environment (infra/launchers.py).
 
-    `resume`: the checkpoint to start from, a directory or 'store:STEP' (the workers' --resume).
-    """
+    `start`: where the workers start; by default the newest checkpoint validated so far,
+    which is also what workers torchrun restarts in-job resume from (the same line)."""
+    log_dir = config.run_dir.attempt(attempt).resolve() / "torchrun"
     par = config.parallelism
-    log_dir = exits.attempt_dir(config.run_dir, attempt).resolve() / "torchrun"
-    restarts = config.launch.max_restarts
-    resume_arg = resume or "none"
-    if restarts:  # restarted workers get this same line: resume from what was validated since
-        resume_arg = "validated" + (f":{resume}" if resume is not None else "")
     return [
         config.launch.python or sys.executable, "-m", "torch.distributed.run",
         f"--nnodes={par.nnodes}",
@@ -72,14 +68,14 @@ def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path,
         # Per attempt: a node left over from an earlier attempt cannot join this one.
         f"--rdzv-id={config.run.run_id}-{attempt}",
         # In-job restarts first; the launch task's retries resume from a validated checkpoint.
-        f"--max-restarts={restarts}",
+        f"--max-restarts={config.launch.max_restarts}",
         # Worker output to the console with a [node rank] prefix, and per rank to files
         # next to the attempt's exit records.
         "--tee=3", f"--log-dir={log_dir}",
         "-m", "training",
         "--config", str(config_path.resolve()),
         "--dataset", str(dataset_dir.resolve()),
-        "--resume", resume_arg,
+        "--resume", str(start),
     ]
 
 
@@ -90,12 +86,14 @@ def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path,
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
-def worker_env(config: RunConfig, attempt: str) -> dict[str, str]:
-    """What every worker needs on top of its node's own environment."""
+def worker_env(config: RunConfig, attempt: str, mtbf_s: float = 0.0) -> dict[str, str]:
+    """What every worker needs on top of its node's own environment (core.protocol names
+    the variables of the contract). `mtbf_s`: the run's mean time between failures so far,
+    for checkpoint.interval=auto."""
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # workers share the cores
-           "PYTHONUNBUFFERED": "1", "GOODPUT_ATTEMPT": attempt,
+           "PYTHONUNBUFFERED": "1", ENV_ATTEMPT: attempt, ENV_MTBF_S: str(mtbf_s),
            # Where to leave the exit record even when the config file fails to load there.
-           "GOODPUT_RUN_DIR": str(config.run_dir.resolve()),
+           ENV_RUN_DIR: str(config.run_dir.path.resolve()),
            # A shared rendezvous TCP store made restarts flaky (STACK_NOTES): rank 0's node
            # opens a fresh store for the workers on every attempt.
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -106,28 +104,30 @@ def worker_env(config: RunConfig, attempt: str) -> dict[str, str]:
            # --shutdown-timeout: a node's older torchrun ignores it instead of failing.
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(config.faults.emergency_save_s)),
            # After an in-job restart: how long to wait for the verdict on recent checkpoints.
-           "GOODPUT_RESTART_WAIT_S": str(config.launch.restart_verdict_wait_s),
+           ENV_RESTART_WAIT_S: str(config.launch.restart_verdict_wait_s),
            **ALLOCATOR_ENV}  # launch.env may override it
     if config.launch.network_interface:  # which NIC the collectives use between hosts
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = config.launch.network_interface
     return {**env, **config.launch.env}
 
 
-def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume: str | None,
-                attempt: str, log: Callable[[str], None], poll_s: float = 0.5,
-                on_progress: Callable[[dict], None] | None = None) -> AttemptResult:
+def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, attempt: str,
+                log: Callable[[str], None], poll_s: float = 0.5,
+                on_progress: Callable[[dict], None] | None = None, mtbf_s: float = 0.0,
+                start: ResumeSpec = ResumeSpec.validated()) -> AttemptResult:
     """Run one training attempt on every node to its end; never leaves a worker behind.
 
     `on_progress` receives every new heartbeat (step, loss, tokens/s, ...) as it appears.
-    While it runs, `stop_live_attempts` (another thread: a cancelled flow) can end it.
+    While it runs, `stop_live_attempts` (another thread: a cancelled flow) can end it: the
+    attempt then ends as cancelled, whatever the workers' exit records say.
     """
-    launcher = make_launcher(NodeLaunch(
-        config, torchrun_command(config, config_path, dataset_dir, resume, attempt),
-        worker_env(config, attempt), exits.attempt_dir(config.run_dir, attempt),
+    launcher = make_launcher(NodeLaunch.of(
+        config, torchrun_command(config, config_path, dataset_dir, attempt, start),
+        worker_env(config, attempt, mtbf_s), config.run_dir.attempt(attempt),
         name=f"goodput-{config.run.run_id}-{attempt}"))
     log(f"launch attempt {attempt}: {config.parallelism.nnodes} node(s) x "
         f"{config.parallelism.nproc_per_node} worker(s), launcher {config.launch.kind}")
-    start = time.monotonic()
+    started = time.monotonic()
     hung = False
     watch = HangWatch(config.run, attempt)
     # The launcher's grace and torchrun's (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, worker_env) are
@@ -158,7 +158,10 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, resume:
         # survives. Workers that can still run get time for an emergency checkpoint; hung
         # ones do not deserve the wait.
         returncode = live.stop(grace_s=5.0 if hung else None)
-    return classify(config.run_dir, attempt, returncode, hung, time.monotonic() - start)
+    result = classify(config.run_dir, attempt, returncode, hung, time.monotonic() - started)
+    if live.cancelled and result.failure_class != FailureClass.DONE:
+        result.failure_class, result.reason = FailureClass.CANCELLED, "stopped by a cancellation"
+    return result
 
 
 class _LiveAttempt:
@@ -173,6 +176,7 @@ class _LiveAttempt:
     def __init__(self, launcher, grace_s: float):
         self.launcher, self.grace_s = launcher, grace_s
         self.stopping = False
+        self.cancelled = False  # stopped from outside (stop_live_attempts), not by the supervisor
         self._lock = threading.Lock()
         self._code: int | None = None
         with self._registry_lock:
@@ -211,6 +215,7 @@ def stop_live_attempts(grace_s: float | None = None) -> list[threading.Thread]:
     process on its way out still waits for them)."""
     threads = []
     for attempt in _LiveAttempt.live():
+        attempt.cancelled = True
         thread = threading.Thread(target=attempt.stop, args=(grace_s,), name="stop-training-attempt")
         thread.start()
         threads.append(thread)
@@ -266,21 +271,26 @@ class HangWatch:
         return f"{what} for {waited:.0f}s (limit {limit:.0f}s)" if waited > limit else ""
 
 
-def classify(run_dir: Path, attempt: str, returncode: int, hung: bool, wall: float) -> AttemptResult:
-    records = exits.read_exit_records(run_dir, attempt)
-    restarts = exits.in_job_restarts(run_dir, attempt)
+def classify(run_dir, attempt: str, returncode: int, hung: bool, wall: float) -> AttemptResult:
+    """The attempt's failure class from how it ended and the ranks' exit records: the most
+    specific record wins; an exit no record explains is a crash, retried."""
+    records = read_exit_records(run_dir, attempt)
+    restarts = in_job_restarts(run_dir, attempt)
     beat = read_heartbeat(run_dir)
     step = beat.get("step") if beat and beat.get("attempt") == attempt else None
+
+    def result(failure: FailureClass, reason: str) -> AttemptResult:
+        return AttemptResult(returncode, failure, reason, step, wall, records, restarts)
+
     if hung:
-        return AttemptResult(returncode, "hang", "heartbeat stalled", step, wall, records, restarts)
+        return result(FailureClass.HANG, "heartbeat stalled")
     if returncode == 0:
-        return AttemptResult(0, "done", "done", step, wall, records, restarts)
-    classes = {r["class"] for r in records}
-    # The most specific verdict wins.
-    for cls in ("config", "oom", "disk_full", "corrupt_checkpoint", "rollback"):
-        if cls in classes:
-            reason = next(r["reason"] for r in records if r["class"] == cls)
-            return AttemptResult(returncode, cls, reason, step, wall, records, restarts)
-    reason = next((r["reason"] for r in records if r["class"] == "retryable"),
-                  f"a worker died (torchrun exit {returncode})")
-    return AttemptResult(returncode, "retryable", reason, step, wall, records, restarts)
+        return result(FailureClass.DONE, "done")
+    for failure in (FailureClass.CONFIG, FailureClass.OOM, FailureClass.DISK_FULL,
+                    FailureClass.CORRUPT_CHECKPOINT, FailureClass.ROLLBACK):
+        reason = next((r["reason"] for r in records if r["class"] == failure), None)
+        if reason is not None:
+            return result(failure, reason)
+    return result(FailureClass.RETRYABLE,
+                  next((r["reason"] for r in records if r["class"] == FailureClass.RETRYABLE),
+                       f"a worker died (torchrun exit {returncode})"))

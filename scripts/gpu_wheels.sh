@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Wheels of the trainer's Python dependencies that the lent GPU machines' image lacks.
 #
-# That image has torch, numpy, pyarrow and PyYAML but not pydantic (goodput.config) nor boto3
+# That image has torch, numpy, pyarrow and PyYAML but not pydantic (core.config) nor boto3
 # (storage/ imports it), and it cannot reach a package index. Run this where PyPI is
 # reachable; it downloads the versions installed in .venv, built for the GPU machine's
 # Python (3.12, x86-64 Linux), into .goodput/wheels (ignored by git). Carry that folder to

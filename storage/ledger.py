@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Literal
 
 from pydantic import BaseModel, Field
 
-from storage.checksums import exclusive_lock, write_atomic
+from core.files import exclusive_lock, write_atomic
+from core.protocol import ResumeSpec, RunDir, copy_id, is_committed, step_of
 
 State = Literal["committed", "validated", "uploaded", "rejected", "pruned"]
 RESUMABLE: tuple[State, ...] = ("validated", "uploaded")
-LEDGER_FILE = "ledger.json"
 
 
 class Transition(BaseModel):
@@ -40,12 +41,12 @@ class LedgerEntry(BaseModel):
     loss: float | None = None
     tokens_seen: int | None = None
     store_url: str | None = None
-    copy_id: str | None = Field(None, description="Identity of the copy judged (training.checkpoint."
+    copy_id: str | None = Field(None, description="Identity of the copy judged (core.protocol."
                              "copy_id): a later save of the same step is another copy.")
     history: list[Transition] = Field(default_factory=list)
 
     def is_about(self, copy: str | None) -> bool:
-        """Whether this entry speaks of the copy `copy` (training.checkpoint.copy_id of the
+        """Whether this entry speaks of the copy `copy` (core.protocol.copy_id of the
         directory on disk); an entry from before copies were told apart speaks of any."""
         return self.copy_id is None or self.copy_id == copy
 
@@ -73,9 +74,10 @@ class LedgerData(BaseModel):
 
 
 class Ledger:
-    def __init__(self, run_dir: str | Path, run_id: str):
-        self.path = Path(run_dir) / LEDGER_FILE
-        self.run_id = run_id
+    def __init__(self, run_dir: RunDir | str | Path, run_id: str | None = None):
+        run_dir = RunDir.of(run_dir)
+        self.path = run_dir.ledger_file
+        self.run_id = run_id or run_dir.run_id
 
     def read(self) -> LedgerData:
         if not self.path.is_file():
@@ -147,8 +149,70 @@ def _merge_into(data: LedgerData, other: LedgerData) -> None:
 
 
 def ledger_key(run_id: str) -> str:
-    return f"runs/{run_id}/{LEDGER_FILE}"
+    return f"runs/{run_id}/ledger.json"
 
 
 def checkpoint_key(run_id: str, step: int) -> str:
     return f"runs/{run_id}/checkpoints/step-{step:08d}"
+
+
+# -- which checkpoint to resume from -----------------------------------------------------------
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """A checkpoint to start from: its local copy (`local`), or, where this machine has none,
+    the store's (`local` None: the workers read it from the store, each rank only the files
+    its part of the state is in)."""
+
+    step: int
+    local: Path | None = None
+
+    @property
+    def spec(self) -> ResumeSpec:
+        return ResumeSpec.directory(self.local) if self.local is not None else ResumeSpec.store(self.step)
+
+    def __str__(self) -> str:
+        return self.local.name if self.local is not None else f"step-{self.step:08d} in the store"
+
+
+def local_copy_judged(run_dir: RunDir, entry: LedgerEntry) -> Path | None:
+    """The local copy of `entry`'s step when the entry's verdict is about that very copy (a
+    step saved again since is another copy, not judged yet); None otherwise."""
+    path = run_dir.checkpoint(entry.step)
+    return path if is_committed(path) and entry.is_about(copy_id(path)) else None
+
+
+def readable_copy(run_dir: RunDir | str | Path, entry: LedgerEntry) -> ResumePoint | None:
+    """A copy of a resumable (validated or uploaded) checkpoint this machine can read: its
+    local copy where the verdict is about it, else the store's where it was uploaded. A
+    checkpoint validated on another machine and not yet uploaded is on that machine's disk
+    only: None."""
+    if entry.state not in RESUMABLE:
+        return None
+    local = local_copy_judged(RunDir.of(run_dir), entry)
+    if local is not None:
+        return ResumePoint(entry.step, local)
+    return ResumePoint(entry.step) if entry.state == "uploaded" else None
+
+
+def choose_resume(run_dir: RunDir | str | Path, ledger: LedgerData) -> ResumePoint | None:
+    """The one answer to "which checkpoint": the newest this machine can read a good copy of
+    (readable_copy). None: nothing to resume from. The train flow (after judging every
+    committed checkpoint), the evaluation and workers restarted in-job all ask it."""
+    for entry in sorted(ledger.entries.values(), key=lambda e: -e.step):
+        point = readable_copy(run_dir, entry)
+        if point is not None:
+            return point
+    return None
+
+
+def unjudged_copies(run_dir: RunDir | str | Path, ledger: LedgerData) -> list[int]:
+    """Steps of committed local copies that the ledger has no verdict on yet: never judged,
+    or saved again after the copy that was (a rejected copy was moved aside first)."""
+    run_dir = RunDir.of(run_dir)
+    steps = []
+    for path in run_dir.committed_checkpoints():
+        entry = ledger.entries.get(step_of(path))
+        if entry is None or entry.state in ("committed", "rejected") or not entry.is_about(copy_id(path)):
+            steps.append(step_of(path))
+    return steps

@@ -6,17 +6,17 @@ written last: its presence means everything it lists is complete.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Literal, Mapping
 
 from pydantic import BaseModel, Field
 
-from storage.checksums import sha256_file, write_atomic
+from core.files import sha256_file, write_atomic
+from core.protocol import CHECKPOINT_MANIFEST
 
 DATASET_MANIFEST = "manifest.json"
-CHECKPOINT_MANIFEST = "manifest.json"
+
 
 
 class FileEntry(BaseModel):
@@ -127,11 +127,6 @@ def verify_files(directory: str | os.PathLike, files: list[FileEntry]) -> list[s
         if digest != entry.sha256:
             problems.append(f"{entry.path}: sha256 {digest[:12]}… != manifest {entry.sha256[:12]}…")
     return problems
-
-
-def canonical_json(obj) -> bytes:
-    """Stable JSON bytes for hashing (sorted keys, no whitespace)."""
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
 
 
 class EvalSample(BaseModel):

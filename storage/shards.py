@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import numpy as np
 import pyarrow as pa
 
-from storage.checksums import write_atomic
+from core.files import write_atomic
 
 COLUMN = "tokens"
 _MAX_LIST_OFFSET = 2**31 - 1  # `list` (not `large_list`) offsets are int32

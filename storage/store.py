@@ -37,7 +37,8 @@ from botocore.config import Config
 from s3transfer.manager import TransferConfig, TransferManager
 from s3transfer.utils import ChunksizeAdjuster
 
-from storage.checksums import fsync_dir, sha256_bytes, sha256_file
+from core.files import fsync_dir, sha256_bytes, sha256_file
+from core.uris import check_bucket, check_key, parse_s3_uri  # noqa: F401 (check_bucket: API)
 
 log = logging.getLogger(__name__)
 
@@ -71,35 +72,13 @@ def open_store(uri: str, *, endpoint_url: str | None = None, region: str | None 
     )
 
 
-def check_key(key: str) -> str:
-    """Reject keys that could escape the store root or mean different things on disk and in S3."""
-    parts = key.split("/")
-    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        raise ValueError(f"invalid key {key!r}: use a relative 'a/b/c' path without '.', '..' or '//'")
-    return key
+def store_from_config(section) -> Store:
+    """The store a RunConfig's `storage` section describes."""
+    from core.config import parse_bytes
 
-
-# S3's rules for new buckets: 3-63 lowercase letters, digits, '.' and '-', alphanumeric ends.
-_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
-
-
-def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """The bucket and prefix of `s3://bucket[/prefix]`, checked (no request is sent)."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "s3" or not parsed.netloc:
-        raise ValueError(f"not an S3 URI: {uri!r}; expected s3://bucket[/prefix]")
-    prefix = parsed.path.strip("/")
-    if prefix:
-        check_key(prefix)
-    return check_bucket(parsed.netloc), prefix
-
-
-def check_bucket(name: str) -> str:
-    """Reject a bucket name S3 refuses, before any request (servers answer it differently)."""
-    if not _BUCKET_NAME.fullmatch(name) or ".." in name:
-        raise ValueError(f"invalid S3 bucket name {name!r}: use 3 to 63 lowercase letters, digits, "
-                         "'.' and '-', starting and ending with a letter or digit")
-    return name
+    return open_store(section.uri, endpoint_url=section.endpoint_url, region=section.region,
+                      part_size=parse_bytes(section.part_size),
+                      max_concurrency=section.max_concurrency)
 
 
 def _folder(prefix: str) -> str:

@@ -30,10 +30,9 @@ from prefect.concurrency.sync import concurrency
 from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run
 
-from goodput.config import ConfigError, RunConfig, apply_overrides, config_from_dict, load_config
+from core.config import ConfigError, RunConfig, apply_overrides, config_from_dict, load_config
+from core.protocol import CHECKPOINT_MANIFEST, step_of
 from infra.torchrun import stop_live_attempts
-from storage.manifests import CHECKPOINT_MANIFEST
-from training.checkpoint import committed_checkpoints, step_of
 
 
 @task(name="resolve-config", cache_policy=NO_CACHE, tags=["config"])
@@ -138,7 +137,7 @@ class StopAtCheckpointAfter:
             return
         # Rank 0 writes step N+1's heartbeat after step N's checkpoint save returned; the
         # manifest also covers saves that complete asynchronously (it is written last).
-        since = [step_of(path) for path in committed_checkpoints(self.config.run_dir)
+        since = [step_of(path) for path in self.config.run_dir.committed_checkpoints()
                  if step_of(path) >= self.first_step and _committed_at(path) >= self.deadline]
         if since:
             raise TimeLimitReached(max(since), self.limit_s)

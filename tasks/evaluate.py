@@ -10,18 +10,19 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
+from core.config import RunConfig
 from goodput import evaluation
-from goodput.config import RunConfig
-from goodput.goodput import summarize_goodput
+from goodput.accounting import summarize_goodput
 from goodput.runs import update_summary
 from storage.manifests import EvalReport
+from storage.store import store_from_config
 from tasks.reporting import artifact_key
 
 
 @task(name="locate-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
       tags=["evaluate"])
 def locate_checkpoint(config: RunConfig, checkpoint: str | None) -> Path:
-    return evaluation.locate_checkpoint(config, config.storage.open(), checkpoint)
+    return evaluation.locate_checkpoint(config, store_from_config(config.storage), checkpoint)
 
 
 @task(name="evaluate-checkpoint", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5,
@@ -49,7 +50,7 @@ def publish_eval_report(report: EvalReport) -> None:
 def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
     values = {"step": report.step, "loss": report.loss, "perplexity": report.perplexity,
               "tokens_evaluated": report.tokens_evaluated,
-              "report": str(evaluation.report_path(config, report.step)),
+              "report": str(config.run_dir.eval_report(report.step)),
               "wall_time_s": time.time() - started}
     update_summary(config.run_dir, "evaluate", values)
     summarize_goodput(config)

@@ -12,11 +12,12 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from goodput.config import RunConfig, StorageConfig
+from core.config import RunConfig, StorageConfig
+from core.errors import DataError
 from goodput.data import prepare as lib
-from goodput.data import DataError
 from goodput.runs import update_summary
 from storage.manifests import DatasetManifest, ShardInfo
+from storage.store import store_from_config
 
 TAGS = ["prepare"]
 
@@ -43,7 +44,7 @@ def plan_dataset(config: RunConfig) -> lib.DatasetPlan:
 
 @task(name="find-prepared-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
 def find_prepared(plan: lib.DatasetPlan, storage: StorageConfig) -> DatasetManifest | None:
-    return lib.find_prepared(plan, storage.open())
+    return lib.find_prepared(plan, store_from_config(storage))
 
 
 @task(name="stage-corpus", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
@@ -75,7 +76,7 @@ def write_manifest(plan: lib.DatasetPlan, shard_infos: list[ShardInfo], tokenize
 
 @task(name="publish-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
 def publish(plan: lib.DatasetPlan, manifest: DatasetManifest, storage: StorageConfig) -> None:
-    lib.publish(plan, manifest, storage.open())
+    lib.publish(plan, manifest, store_from_config(storage))
 
 
 @task(name="record-prepare", cache_policy=NO_CACHE, tags=TAGS)

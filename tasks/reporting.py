@@ -22,19 +22,23 @@ from pathlib import Path
 from typing import Callable, Literal
 
 from prefect import task
-from prefect.artifacts import (create_markdown_artifact, create_progress_artifact,
-                               create_table_artifact, update_progress_artifact)
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 from prefect.logging import get_run_logger
 
-from goodput.config import RunConfig
+from core.config import RunConfig
 from goodput.runs import read_summary
 from storage.ledger import Ledger, LedgerEntry
+from storage.manifests import CheckpointManifest
 from tasks.control import switch_off_own_schedule
 from training.metrics import read_metrics
 
-LOSS_CURVE_FILE = "loss_curve.png"
 WorkerLogs = Literal["rank0", "all"]
 
 
@@ -137,14 +141,14 @@ def publish_training_report(config: RunConfig) -> Path | None:
     if metrics:
         create_table_artifact(metrics_rows(metrics), key=artifact_key("training-metrics", run_id),
                               description=f"Training metrics of {run_id} (sampled steps)")
-        curve = plot_loss_curve(metrics, run_dir / LOSS_CURVE_FILE, run_id)
+        curve = plot_loss_curve(metrics, run_dir.loss_curve, run_id)
         encoded = base64.b64encode(curve.read_bytes()).decode()
         create_markdown_artifact(
             f"### Training loss of `{run_id}`\n\n"
             f"![training loss of {run_id}](data:image/png;base64,{encoded})\n\n"
             f"Stored with the run: `{curve.resolve()}`",
             key=artifact_key("loss-curve", run_id), description=f"Training loss of {run_id}")
-    ledger = Ledger(run_dir, run_id).read()
+    ledger = Ledger(run_dir).read()
     if ledger.entries:
         create_table_artifact(ledger_rows(ledger.entries.values()),
                               key=artifact_key("checkpoint-ledger", run_id),
@@ -237,6 +241,14 @@ def checkpoint_event(config: RunConfig, entry: LedgerEntry, state: str | None = 
                  "store_url": entry.store_url, "reason": entry.reason})
 
 
+def announce_committed(config: RunConfig, step: int) -> None:
+    """`goodput.checkpoint.committed` as the train flow sees the commit (whatever becomes of
+    its validation), with what the checkpoint's manifest records."""
+    manifest = CheckpointManifest.load(config.run_dir.checkpoint(step))
+    checkpoint_event(config, LedgerEntry(step=step, state="committed", loss=manifest.loss,
+                                         tokens_seen=manifest.tokens_seen))
+
+
 def attempt_failed_event(config: RunConfig, attempt: str, failure_class: str, reason: str,
                          step: int | None) -> None:
     """`goodput.attempt.failed`; the class is also a resource label, which automation
@@ -262,7 +274,7 @@ def announce_run_finished(config: RunConfig, trained: dict) -> bool:
                payload={"final_step": trained["final_step"],
                         "final_train_loss": trained.get("final_train_loss"),
                         "max_steps": config.training.max_steps,
-                        "run_dir": str(config.run_dir.resolve())})
+                        "run_dir": str(config.run_dir.path.resolve())})
     deployment_name = switch_off_own_schedule()
     if deployment_name:
         logger.info(f"run {run_id} reached max_steps={config.training.max_steps}: switched off "

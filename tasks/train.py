@@ -1,7 +1,8 @@
 """Prefect policy around training and the checkpoint lifecycle.
 
 `launch_training` is retried by Prefect; every attempt resumes from the newest validated
-checkpoint. A configuration error is never retried (retrying the same inputs cannot help).
+checkpoint. A configuration error is never retried (retrying the same inputs cannot help),
+nor is a cancelled attempt.
 """
 
 from __future__ import annotations
@@ -14,26 +15,44 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run, task_run
 
-from goodput import checkpoints
-from goodput.config import ConfigError, RunConfig
-from goodput.data.prepare import find_prepared, plan_dataset
-from goodput.goodput import summarize_goodput
+from core.config import ConfigError, RunConfig
+from core.errors import DataError
+from core.protocol import FailureClass
+from goodput import checkpoint_lifecycle as lifecycle
+from goodput.accounting import summarize_goodput
+from goodput.data.prepare import plan_dataset, require_prepared
 from goodput.runs import train_attempt, update_summary
 from infra.torchrun import TrainingFailed
-from storage.ledger import LedgerEntry
+from storage.ledger import LedgerEntry, choose_resume
+from storage.store import store_from_config
 from tasks.control import StopAtCheckpointAfter, TimeLimitReached
-from tasks.reporting import (TrainingProgress, WorkerLogs, attempt_failed_event, checkpoint_event,
-                             worker_log)
+from tasks.reporting import (
+    TrainingProgress,
+    WorkerLogs,
+    attempt_failed_event,
+    checkpoint_event,
+    worker_log,
+)
 
 
 def retry_per_policy(task, task_run, state) -> bool:
     """Prefect retry condition: the library's verdict (per-class budgets, no-progress guard;
-    configuration or data errors never retry)."""
+    configuration or data errors and cancellations never retry)."""
     try:
         state.result()
     except TrainingFailed as e:
         return e.retry
-    except ConfigError:
+    except (ConfigError, DataError):
+        return False
+    except Exception:
+        return True
+    return False
+
+
+def retry_unless_config_error(task, task_run, state) -> bool:
+    try:
+        state.result()
+    except (ConfigError, DataError):
         return False
     except Exception:
         return True
@@ -68,25 +87,32 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
 
     started = time.monotonic()
     try:
-        result = train_attempt(config, dataset_dir, config.storage.open(), attempt,
+        result = train_attempt(config, dataset_dir, store_from_config(config.storage), attempt,
                                worker_log(logger.info, worker_logs), on_progress=on_progress)
     except TimeLimitReached as stop:
         logger.info(str(stop))
         return {"attempt": attempt, "step": stop.step, "wall_time_s": time.monotonic() - started,
                 "stopped": "time limit"}
     except TrainingFailed as failure:
-        attempt_failed_event(config, attempt, failure.failure_class, str(failure), failure.step)
+        if failure.failure_class != FailureClass.CANCELLED:  # a cancel is no failure to act on
+            attempt_failed_event(config, attempt, failure.failure_class, str(failure), failure.step)
         raise
     return {"attempt": attempt, "step": result.step, "wall_time_s": result.wall_time_s}
 
 
 @task(name="validate-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
       tags=["checkpoint"], task_run_name="validate-step-{step}")
-def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
-    entry = checkpoints.validate_checkpoint(config, step)
-    checkpoint_event(config, entry, "committed")
-    checkpoint_event(config, entry)
+def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry | None:
+    """Judge the checkpoint in a fresh process. A verifier that gives no verdict (it crashed,
+    ran out of memory or time) leaves the checkpoint unjudged, never resumed from: logged,
+    not a failure of the run."""
     logger = get_run_logger()
+    try:
+        entry = lifecycle.validate_checkpoint(config, step)
+    except lifecycle.VerifierCrashed as e:
+        logger.warning(f"{e}: checkpoint step {step} stays unjudged and is not resumed from")
+        return None
+    checkpoint_event(config, entry)
     if entry.state == "rejected":
         logger.warning(f"checkpoint step {step} rejected: {entry.reason}")
     else:
@@ -97,9 +123,12 @@ def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
 @task(name="upload-checkpoint", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30],
       tags=["checkpoint", "upload"], task_run_name="upload-step-{step}")
 def upload_checkpoint(config: RunConfig, step: int) -> LedgerEntry | None:
+    if lifecycle.ledger_of(config).read().entries[step].state == "committed":
+        get_run_logger().warning(f"checkpoint step {step} has no verdict: not uploaded")
+        return None
     try:
-        entry = checkpoints.upload_checkpoint(config, step, config.storage.open())
-    except checkpoints.CopySuperseded as e:  # not a failure: the new copy has its own upload
+        entry = lifecycle.upload_checkpoint(config, step, store_from_config(config.storage))
+    except lifecycle.CopySuperseded as e:  # not a failure: the new copy has its own upload
         get_run_logger().warning(f"{e}; its new copy is validated and uploaded on its own")
         return None
     checkpoint_event(config, entry)
@@ -108,31 +137,32 @@ def upload_checkpoint(config: RunConfig, step: int) -> LedgerEntry | None:
 
 
 @task(name="apply-retention", cache_policy=NO_CACHE, tags=["checkpoint"])
-def prune_local_checkpoints(config: RunConfig) -> dict[str, list]:
+def apply_retention(config: RunConfig) -> dict[str, list]:
     """Retention for both tiers (checkpoint.keep_local, checkpoint.store_keep_every) and for
-    copies moved aside (checkpoint.keep_aside)."""
-    deleted = checkpoints.apply_retention(config, config.storage.open())
+    copies moved aside (checkpoint.keep_aside), after every upload: an interrupted run keeps
+    no more than a finished one."""
+    deleted = lifecycle.apply_retention(config, store_from_config(config.storage))
     if any(deleted.values()):
         get_run_logger().info(f"retention deleted: {deleted}")
     return deleted
 
 
 @task(name="locate-dataset", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
-      tags=["training"])
+      retry_condition_fn=retry_unless_config_error, tags=["training"])
 def locate_dataset(config: RunConfig) -> Path:
-    """The prepared dataset of this config on local disk (downloaded from the store if needed)."""
+    """The prepared dataset of this config on local disk (downloaded from the store if
+    needed); one never prepared or damaged fails at once, saying which."""
     plan = plan_dataset(config)
-    if find_prepared(plan, config.storage.open()) is None:
-        raise ConfigError(f"dataset {plan.dataset_id} is not prepared for this config; "
-                          "run `goodput prepare` (or the pipeline) first")
+    require_prepared(plan, store_from_config(config.storage))
     return Path(plan.local_dir)
 
 
 @task(name="record-training", cache_policy=NO_CACHE, tags=["training"])
 def record_training(config: RunConfig, outcome: dict, started: float) -> dict:
     """Write the train stage's part of summary.json: final step, ledger, wall time."""
-    ledger = checkpoints.ledger_of(config).read()
-    newest = ledger.newest()
+    ledger = lifecycle.ledger_of(config).read()
+    newest = choose_resume(config.run_dir, ledger)  # the newest checkpoint this machine can use
+    newest = ledger.entries[newest.step] if newest else None
     wall = time.time() - started
     values = {"final_step": newest.step if newest else None,
               "final_train_loss": newest.loss if newest else None,

@@ -13,8 +13,8 @@ from typing import Callable
 
 import numpy as np
 
-from goodput.config import RunConfig, load_config
-from storage.checksums import sha256_file
+from core.config import RunConfig, load_config
+from core.files import sha256_file
 from storage.manifests import DatasetManifest, ShardInfo
 from storage.shards import write_shard
 
@@ -99,9 +99,7 @@ def corrupt_largest_shard(checkpoint_dir: Path) -> str:
 
 def committed(config: RunConfig, step: int) -> bool:
     """The checkpoint of `step` has its manifest: training committed it."""
-    from training.checkpoint import checkpoint_path
-
-    return (checkpoint_path(config.run_dir, step) / "manifest.json").is_file()
+    return (config.run_dir.checkpoint(step) / "manifest.json").is_file()
 
 
 class Watcher(threading.Thread):
@@ -132,5 +130,5 @@ class Watcher(threading.Thread):
 
 
 def thread_nice() -> int:
-    """The calling thread's nice value (Linux keeps one per thread; storage.background)."""
+    """The calling thread's nice value (Linux keeps one per thread; core.cpu_priority)."""
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

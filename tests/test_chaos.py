@@ -17,6 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from core.protocol import copy_id, read_heartbeat
 from flows.prepare import prepare
 from flows.train import train
 from goodput.data.prepare import plan_dataset
@@ -24,10 +25,15 @@ from goodput.runs import read_outcomes, read_summary
 from storage.ledger import Ledger
 from storage.manifests import CheckpointManifest
 from storage.store import open_store
-from tests.helpers import (Watcher, committed, corrupt_largest_shard, losses_by_step, small_config,
-                           torchrun_training)
-from training.checkpoint import checkpoint_path, checkpoint_root, copy_id
-from training.metrics import read_heartbeat, read_metrics
+from tests.helpers import (
+    Watcher,
+    committed,
+    corrupt_largest_shard,
+    losses_by_step,
+    small_config,
+    torchrun_training,
+)
+from training.metrics import read_metrics
 
 STEPS = 30
 
@@ -115,7 +121,7 @@ def test_store_outage_during_an_upload_delays_it_without_blocking_training(
     store = open_store(config.storage.uri, endpoint_url=server.endpoint_url)
     assert Ledger(config.run_dir, "outage").read().steps("uploaded") == [10, 20, 30]
     for step in (10, 20, 30):
-        local = checkpoint_path(config.run_dir, step)
+        local = config.run_dir.checkpoint(step)
         prefix = f"runs/outage/checkpoints/step-{step:08d}"
         for rel in [f.path for f in CheckpointManifest.load(local).files] + ["manifest.json"]:
             store.verify(local / rel, f"{prefix}/{rel}")
@@ -172,7 +178,7 @@ def test_a_shard_corrupted_after_commit_is_rejected_and_never_resumed_from(workd
     is another copy: judged on its own, validated and uploaded."""
     config = small_config(workdir, "run.run_id=corrupt", "launch.max_restarts=1",
                           "faults.crash_at_step=25", "faults.crash_rank=1")
-    path = checkpoint_path(config.run_dir, 20)
+    path = config.run_dir.checkpoint(20)
 
     watcher = Watcher(lambda: committed(config, 20), lambda: corrupt_largest_shard(path))
     watcher.start()
@@ -185,7 +191,7 @@ def test_a_shard_corrupted_after_commit_is_rejected_and_never_resumed_from(workd
     entry = Ledger(config.run_dir, "corrupt").read().entries[20]
     [rejected] = [t for t in entry.history if t.state == "rejected"]
     assert "checksum" in rejected.note and shard in rejected.note
-    [aside] = (checkpoint_root(config.run_dir) / "rejected").iterdir()
+    [aside] = (config.run_dir.checkpoints / "rejected").iterdir()
     assert aside.name.startswith("step-00000020") and aside.name in rejected.note
     assert [t.state for t in entry.history] == ["committed", "rejected", "committed", "validated",
                                                 "uploaded"]

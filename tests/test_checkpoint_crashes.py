@@ -12,8 +12,9 @@ import pytest
 from goodput.runs import read_outcomes, train_attempt
 from infra.torchrun import TrainingFailed
 from storage.ledger import Ledger
+from storage.store import store_from_config
 from tests.helpers import losses_by_step, small_config, synthetic_dataset, torchrun_training
-from training.checkpoint import checkpoint_path, committed_checkpoints, verify_checkpoint
+from training.checkpoint.verify import verify_checkpoint
 
 STEPS = 20
 
@@ -35,7 +36,7 @@ def baseline(tmp_path_factory):
 
 
 def attempt(config, dataset, name, lines):
-    return train_attempt(config, dataset, config.storage.open(), name, lines.append)
+    return train_attempt(config, dataset, store_from_config(config.storage), name, lines.append)
 
 
 @pytest.mark.chaos
@@ -57,8 +58,8 @@ def test_kill_during_a_background_save(baseline, tmp_path, point, resumed_from):
     if point == "staging":  # every rank stopped (rank 0 without waiting out its stuck write)
         assert "checkpoint failed: rank 1: step-00000010: OSError: injected: rank 1 could not stage" in str(
             failed.value)
-    step_10 = checkpoint_path(config.run_dir, 10)
-    assert (committed_checkpoints(config.run_dir)[-1] == step_10) == (point == "after_manifest")
+    step_10 = config.run_dir.checkpoint(10)
+    assert (config.run_dir.committed_checkpoints()[-1] == step_10) == (point == "after_manifest")
     if point == "before_manifest":  # the data was all there; only the commit was missing
         assert (step_10 / ".metadata").is_file()
 
@@ -68,9 +69,9 @@ def test_kill_during_a_background_save(baseline, tmp_path, point, resumed_from):
     assert [o["resumed_from"] for o in read_outcomes(config)] == [0, resumed_from]
     ledger = Ledger(config.run_dir, config.run.run_id).read()
     assert not ledger.steps("rejected")
-    assert [p.name for p in committed_checkpoints(config.run_dir)] == [
+    assert [p.name for p in config.run_dir.committed_checkpoints()] == [
         f"step-{s:08d}" for s in (5, 10, 15, 20)]  # the debris was replaced by a real save
-    assert all(verify_checkpoint(p)["ok"] for p in committed_checkpoints(config.run_dir))
+    assert all(verify_checkpoint(p)["ok"] for p in config.run_dir.committed_checkpoints())
     assert losses_by_step(config.run_dir) == clean
 
 
@@ -92,12 +93,12 @@ def test_a_full_checkpoint_disk_stops_the_run_without_losing_a_checkpoint(baseli
                                                                          small_disk):
     root, dataset, clean = baseline
     checkpoint_bytes = sum(f.stat().st_size for f in
-                           checkpoint_path(config_for(root, "clean").run_dir, 5).iterdir())
+                           config_for(root, "clean").run_dir.checkpoint(5).iterdir())
     # Room for two checkpoints and a half: the save at step 15 runs out of space.
     subprocess.run(["mount", "-o", f"remount,size={int(checkpoint_bytes * 2.5)}", str(small_disk)],
                    check=True)
     config = config_for(tmp_path, "full", "checkpoint.async_mode=thread")
-    config.run_dir.mkdir(parents=True)
+    config.run_dir.path.mkdir(parents=True)
     (config.run_dir / "checkpoints").symlink_to(small_disk, target_is_directory=True)
 
     lines: list[str] = []
@@ -106,7 +107,7 @@ def test_a_full_checkpoint_disk_stops_the_run_without_losing_a_checkpoint(baseli
     assert failed.value.failure_class == "disk_full" and not failed.value.retry
     assert "no space left" in str(failed.value).lower()
     assert "free space on it" in str(failed.value)  # the error says what to do
-    assert [p.name for p in committed_checkpoints(config.run_dir)] == ["step-00000005",
+    assert [p.name for p in config.run_dir.committed_checkpoints()] == ["step-00000005",
                                                                        "step-00000010"]
 
     # Someone frees space (here: a larger disk); the run continues from the newest good one.
@@ -114,7 +115,7 @@ def test_a_full_checkpoint_disk_stops_the_run_without_losing_a_checkpoint(baseli
     result = attempt(config, dataset, "full-2", lines)
     assert result.failure_class == "done"
     assert "resuming from step-00000010" in "\n".join(lines)
-    assert [p.name for p in committed_checkpoints(config.run_dir)] == [
+    assert [p.name for p in config.run_dir.committed_checkpoints()] == [
         f"step-{s:08d}" for s in (5, 10, 15, 20)]
-    assert all(verify_checkpoint(p)["ok"] for p in committed_checkpoints(config.run_dir))
+    assert all(verify_checkpoint(p)["ok"] for p in config.run_dir.committed_checkpoints())
     assert losses_by_step(config.run_dir) == clean

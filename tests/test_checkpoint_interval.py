@@ -6,25 +6,27 @@ import os
 import subprocess
 import sys
 
+from goodput.runs import observed_mtbf_s
+from storage.store import store_from_config
 from tests.helpers import REPO, small_config, synthetic_dataset
+from training.checkpoint.component import CheckpointSchedule
 from training.metrics import read_metrics
-from training.train import CheckpointSchedule
 
 
 def test_runs_the_pipeline_launches_must_save_their_last_step(tmp_path):
     import pytest
 
-    from goodput.config import ConfigError
+    from core.config import ConfigError
     from goodput.runs import train_attempt
 
     config = small_config(tmp_path, "checkpoint.save_at_end=false")
     with pytest.raises(ConfigError, match="checkpoint.save_at_end=false is for throughput measurements"):
-        train_attempt(config, tmp_path / "dataset", config.storage.open(), "0", print)
-    assert not config.run_dir.exists()  # refused before anything was written
+        train_attempt(config, tmp_path / "dataset", store_from_config(config.storage), "0", print)
+    assert not config.run_dir.path.exists()  # refused before anything was written
 
 
 def test_fixed_interval_saves_every_n_steps_and_at_the_end(tmp_path):
-    schedule = CheckpointSchedule(small_config(tmp_path, "checkpoint.every_steps=10"), rank=0)
+    schedule = CheckpointSchedule(small_config(tmp_path, "checkpoint.every_steps=10"))
     due = [s for s in range(1, 26) if schedule.due(s, 25) and not schedule.saved(s, 0.1)]
     assert due == [10, 20, 25]
 
@@ -32,7 +34,7 @@ def test_fixed_interval_saves_every_n_steps_and_at_the_end(tmp_path):
 def test_auto_interval_follows_young_daly(tmp_path):
     config = small_config(tmp_path, "checkpoint.interval=auto", "checkpoint.every_steps=500",
                           "faults.mtbf_hours=0.5")
-    schedule = CheckpointSchedule(config, rank=0)
+    schedule = CheckpointSchedule(config, observed_mtbf_s(config))
     schedule.step_times.extend([0.2] * 10)
     note = schedule.saved(500, blocked_s=0.4)
     # sqrt(2 x 0.4 s x 1800 s) = 37.9 s between saves = 190 steps of 0.2 s
@@ -51,7 +53,7 @@ def test_auto_interval_uses_observed_failures_without_configured_mtbf(tmp_path):
         directory = config.run_dir / "attempts" / f"attempt-a-{i}"
         directory.mkdir(parents=True)
         (directory / "outcome.json").write_text(json.dumps({"class": cls, "wall_time_s": wall}))
-    schedule = CheckpointSchedule(config, rank=0)
+    schedule = CheckpointSchedule(config, observed_mtbf_s(config))
     assert schedule.mtbf_s == 1200.0 / 2  # 1200 s of attempts, 2 failures
     schedule.step_times.append(1.0)
     schedule.saved(10, blocked_s=3.0)
@@ -60,7 +62,7 @@ def test_auto_interval_uses_observed_failures_without_configured_mtbf(tmp_path):
 
 def test_auto_interval_without_any_mtbf_keeps_every_steps(tmp_path):
     schedule = CheckpointSchedule(small_config(tmp_path, "checkpoint.interval=auto",
-                                               "checkpoint.every_steps=7"), rank=0)
+                                               "checkpoint.every_steps=7"))
     schedule.step_times.append(0.1)
     assert schedule.saved(7, 0.5) == "" and schedule.every == 7
 

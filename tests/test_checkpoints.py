@@ -1,6 +1,7 @@
 """Checkpoints from real torchrun training: commit, validate, reject, upload, resume."""
 
 import json
+import os
 import re
 import shutil
 import sys
@@ -9,17 +10,25 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from goodput import checkpoints
+from core.protocol import is_committed, set_aside
+from goodput import checkpoint_lifecycle as checkpoints
+from goodput.runs import train_attempt
+from infra.torchrun import TrainingFailed
 from storage import open_store
 from storage.ledger import checkpoint_key
 from storage.manifests import CheckpointManifest, list_files, verify_files
-from tests.helpers import (flip_bytes, losses_by_step, small_config, synthetic_dataset,
-                           thread_nice, torchrun_training)
-from goodput.runs import train_attempt
-from infra.torchrun import TrainingFailed
-from training.checkpoint import (CheckpointCorrupt, StoreReader, VerifiedReader, checkpoint_path,
-                                 checkpoint_root, committed_checkpoints, is_committed, load_all_tensors,
-                                 set_aside, verify_checkpoint)
+from storage.store import store_from_config
+from tests.helpers import (
+    flip_bytes,
+    losses_by_step,
+    small_config,
+    synthetic_dataset,
+    thread_nice,
+    torchrun_training,
+)
+from training.checkpoint.errors import CheckpointCorrupt
+from training.checkpoint.reader import StoreReader, VerifiedReader, load_all_tensors
+from training.checkpoint.verify import verify_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +52,7 @@ def run(trained, tmp_path):
 
 def test_training_commits_checkpoints_that_verify(run):
     config, _ = run
-    committed = committed_checkpoints(config.run_dir)
+    committed = config.run_dir.committed_checkpoints()
     assert [p.name for p in committed] == ["step-00000010", "step-00000020"]
     manifest = CheckpointManifest.load(committed[-1])
     assert manifest.step == 20 and manifest.world_size == 2
@@ -56,40 +65,40 @@ def test_training_commits_checkpoints_that_verify(run):
 
 def test_checkpoint_without_manifest_is_never_resumed(run, tmp_path):
     config, dataset = run
-    (checkpoint_path(config.run_dir, 20) / "manifest.json").unlink()  # killed mid-commit
-    assert [p.name for p in committed_checkpoints(config.run_dir)] == ["step-00000010"]
+    (config.run_dir.checkpoint(20) / "manifest.json").unlink()  # killed mid-commit
+    assert [p.name for p in config.run_dir.committed_checkpoints()] == ["step-00000010"]
     store = open_store(str(tmp_path / "store"))
-    assert checkpoints.resume_point(config, store).local == checkpoint_path(config.run_dir, 10)
+    assert checkpoints.resume_point(config, store).local == config.run_dir.checkpoint(10)
     # Plain torchrun's --resume auto agrees, and saving step 20 again clears the debris.
     proc = torchrun_training(config, dataset, resume="auto")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resumed from" in proc.stdout and "step-00000010" in proc.stdout
     assert "in-job restart" not in proc.stdout  # a second plain run is no restart of the first
-    assert verify_checkpoint(checkpoint_path(config.run_dir, 20))["ok"]
+    assert verify_checkpoint(config.run_dir.checkpoint(20))["ok"]
 
 
 def test_flipped_byte_is_rejected_and_kept_aside(run, tmp_path):
     config, _ = run
-    shard = next(checkpoint_path(config.run_dir, 20).glob("*.distcp"))
+    shard = next(config.run_dir.checkpoint(20).glob("*.distcp"))
     flip_bytes(shard)
     entry = checkpoints.validate_checkpoint(config, 20)
     assert entry.state == "rejected"
     assert "sha256" in entry.reason and shard.name in entry.reason
-    assert not checkpoint_path(config.run_dir, 20).exists()
+    assert not config.run_dir.checkpoint(20).exists()
     assert list((config.run_dir / "checkpoints" / "rejected").glob("step-00000020-*"))
     store = open_store(str(tmp_path / "store"))
-    assert checkpoints.resume_point(config, store).local == checkpoint_path(config.run_dir, 10)
+    assert checkpoints.resume_point(config, store).local == config.run_dir.checkpoint(10)
     with pytest.raises(ValueError, match="rejected"):
         checkpoints.ledger_of(config).record(20, "validated")
 
 
 def test_missing_shard_and_non_finite_weights_are_rejected(run):
     config, _ = run
-    next(checkpoint_path(config.run_dir, 10).glob("*.distcp")).unlink()
+    next(config.run_dir.checkpoint(10).glob("*.distcp")).unlink()
     assert "missing file" in checkpoints.validate_checkpoint(config, 10).reason
 
     # Checksums that match, weights that do not: what a diverged run would save.
-    path = checkpoint_path(config.run_dir, 20)
+    path = config.run_dir.checkpoint(20)
     manifest = CheckpointManifest.load(path)
     state = load_all_tensors(path)
     state["model.norm.weight"][0] = float("nan")
@@ -103,7 +112,7 @@ def test_missing_shard_and_non_finite_weights_are_rejected(run):
 
 def test_held_out_loss_check_rejects_finite_but_wrong_weights(run):
     config, dataset = run
-    path = checkpoint_path(config.run_dir, 20)
+    path = config.run_dir.checkpoint(20)
     good = verify_checkpoint(path, dataset, eval_batches=2)
     assert good["ok"] and good["held_out_loss"] < good["loss"] * 1.5
 
@@ -134,10 +143,75 @@ def test_a_verifier_that_ends_without_a_verdict_leaves_the_checkpoint_unjudged(r
         checkpoints.validate_checkpoint(config, 20)
     assert checkpoints.ledger_of(config).read().entries[20].state == "committed"
     assert checkpoints.unjudged_steps(config) == [10, 20]
-    assert checkpoint_path(config.run_dir, 20).is_dir()
-    verdict = checkpoints.verify_in_fresh_process(checkpoint_path(config.run_dir, 20), held_out=[
+    assert config.run_dir.checkpoint(20).is_dir()
+    verdict = checkpoints.verify_in_fresh_process(config.run_dir.checkpoint(20), held_out=[
         "--dataset", str(dataset), "--eval-batches", "2"])
     assert verdict["ok"], verdict
+
+
+def test_an_unjudged_checkpoint_is_not_resumed_from(run, tmp_path, monkeypatch):
+    """Before an attempt, every committed checkpoint is judged; one whose verifier gives no
+    verdict is passed over (not resumed from, not a failure): the attempt starts from the
+    newest judged one."""
+    config, _ = run
+    store = open_store(str(tmp_path / "store"))
+    checkpoints.validate_checkpoint(config, 10)
+
+    def no_verdict(path, *args, **kwargs):
+        raise checkpoints.VerifierCrashed(f"the verifier of {path} was killed for memory")
+
+    monkeypatch.setattr(checkpoints, "verify_in_fresh_process", no_verdict)
+    point = checkpoints.resume_point(config, store)
+    assert point.step == 10 and checkpoints.unjudged_steps(config) == [20]
+
+
+def test_the_verifier_holds_a_bounded_share_of_a_checkpoint_larger_than_its_memory(tmp_path):
+    """A checkpoint of about 590 MB (a 49M-parameter model with its AdamW moments) validates
+    in a process whose data segment may not grow by more than 200 MB beyond what importing
+    torch takes; loading it whole, as the verifier once did, fails under the same limit."""
+    import resource
+    import subprocess
+
+    from training.model import ModelArgs, Transformer
+
+    args = ModelArgs(vocab_size=4096, dim=768, n_layers=6, n_heads=12, max_seq_len=64)
+    model = Transformer(args, seed=0)
+    state = {f"model.{k}": v for k, v in model.state_dict().items()}
+    for k, v in model.state_dict().items():
+        state[f"optim.state.{k}.exp_avg"] = torch.full_like(v, 1e-3)
+        state[f"optim.state.{k}.exp_avg_sq"] = torch.full_like(v, 1e-6)
+    state["progress"] = {"step": 10, "tokens_seen": 0}
+    n_tensors = len(state) - 1
+    path = tmp_path / "step-00000010"
+    dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    del model, state
+    CheckpointManifest(step=10, tokens_seen=0, files=list_files(path), world_size=1, layout={},
+                       config_hash="", dataset_id="", model_args=vars(args), created_at=0, loss=2.0
+                       ).save(path)
+    size = sum(f.stat().st_size for f in path.iterdir())
+    assert size > 550e6
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    probe = subprocess.run([sys.executable, "-c", "import torch.distributed.checkpoint, "
+                            "training.checkpoint.verify; print(next(l.split()[1] for l in "
+                            "open('/proc/self/status') if l.startswith('VmData')))"],
+                           capture_output=True, text=True, env=env, check=True)
+    limit = int(probe.stdout) * 1024 + 200 * 2**20
+    assert limit < size
+
+    def limited(*command: str) -> subprocess.CompletedProcess:
+        def set_limit():
+            resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+        return subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env,
+                              preexec_fn=set_limit, timeout=300)
+
+    verdict = limited("-m", "training.checkpoint.verify", str(path), "--max-bytes", str(32 * 2**20))
+    assert verdict.returncode == 0, verdict.stdout + verdict.stderr[-2000:]
+    result = json.loads(verdict.stdout.splitlines()[-1])
+    assert result["ok"] and result["tensors"] == n_tensors
+    whole = limited("-c", f"from training.checkpoint.reader import load_all_tensors; "
+                          f"load_all_tensors({str(path)!r})")
+    assert whole.returncode != 0 and "memory" in (whole.stderr + whole.stdout).lower()
 
 
 def test_a_retried_upload_pushes_the_ledger_the_failed_try_could_not(run, tmp_path, monkeypatch):
@@ -171,10 +245,10 @@ def test_upload_then_resume_from_the_store_alone(run, tmp_path):
     shutil.rmtree(config.run_dir)  # a new machine: no local tier, no local ledger
     point = checkpoints.resume_point(config, store)
     # Nothing is downloaded up front: the workers read it from the store, each rank its files.
-    assert (point.step, point.local, point.location) == (20, None, "store:20")
-    assert point.data_position == CheckpointManifest.model_validate_json(
+    assert (point.step, point.local, str(point.spec)) == (20, None, "store:20")
+    assert checkpoints.resume_position(config, point, store) == CheckpointManifest.model_validate_json(
         store.get_bytes("runs/test/checkpoints/step-00000020/manifest.json")).data_position > 0
-    assert not checkpoint_path(config.run_dir, 20).exists()
+    assert not config.run_dir.checkpoint(20).exists()
 
 
 def test_a_machine_that_trained_the_run_before_resumes_from_what_another_did_since(run, tmp_path):
@@ -213,19 +287,19 @@ def test_a_new_machine_evaluates_the_newest_checkpoint_it_can_read(run, tmp_path
     checkpoints.ledger_of(config).push(store)  # as the upload of 10 pushes it while 20 is validated
 
     shutil.rmtree(config.run_dir)  # a new machine
-    assert locate_checkpoint(config, store) == checkpoint_path(config.run_dir, 10)
-    assert is_committed(checkpoint_path(config.run_dir, 10))  # downloaded and verified
+    assert locate_checkpoint(config, store) == config.run_dir.checkpoint(10)
+    assert is_committed(config.run_dir.checkpoint(10))  # downloaded and verified
     with pytest.raises(FileNotFoundError, match=r"step 20 .* validated but not uploaded yet.*\[10\]"):
         locate_checkpoint(config, store, 20)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 def test_validation_and_upload_run_at_the_lowest_cpu_priority(run, tmp_path, monkeypatch):
-    """Both run beside training: they take the cycles it leaves idle (storage.background)."""
+    """Both run beside training: they take the cycles it leaves idle (core.cpu_priority)."""
     import threading
 
-    from storage import background
-    from training import checkpoint as ckpt
+    from core import cpu_priority as background
+    from training.checkpoint import verify as ckpt
 
     config, _ = run
     store = open_store(str(tmp_path / "store"))
@@ -245,7 +319,7 @@ def test_validation_and_upload_run_at_the_lowest_cpu_priority(run, tmp_path, mon
     # The verifier's entry point (what the validate task starts in a fresh process), here in a
     # thread of its own, since it lowers the thread that runs it.
     verifier = threading.Thread(target=ckpt.main, args=(
-        ["verify", str(checkpoint_path(config.run_dir, 10)), "--background"],))
+        [str(config.run_dir.checkpoint(10)), "--background"],))
     verifier.start()
     verifier.join()
     checkpoints.validate_checkpoint(config, 10)
@@ -265,22 +339,22 @@ def test_download_into_the_local_tier_is_verified_and_done_once(run, tmp_path):
     for step in (10, 20):
         checkpoints.validate_checkpoint(config, step)
         checkpoints.upload_checkpoint(config, step, store)
-    original = {f.path: f.sha256 for f in CheckpointManifest.load(checkpoint_path(config.run_dir, 20)).files}
-    shutil.rmtree(checkpoint_path(config.run_dir, 20))
+    original = {f.path: f.sha256 for f in CheckpointManifest.load(config.run_dir.checkpoint(20)).files}
+    shutil.rmtree(config.run_dir.checkpoint(20))
     with ThreadPoolExecutor(2) as pool:
         paths = list(pool.map(lambda _: checkpoints.download_checkpoint(config, 20, store), range(2)))
-    assert paths == [checkpoint_path(config.run_dir, 20)] * 2
+    assert paths == [config.run_dir.checkpoint(20)] * 2
     assert {f.path: f.sha256 for f in CheckpointManifest.load(paths[0]).files} == original
     assert verify_checkpoint(paths[0])["ok"]
-    assert not list(checkpoint_root(config.run_dir).glob(".download-*"))
+    assert not list(config.run_dir.checkpoints.glob(".download-*"))
 
-    shutil.rmtree(checkpoint_path(config.run_dir, 10))
+    shutil.rmtree(config.run_dir.checkpoint(10))
     shard = next((tmp_path / "store" / checkpoint_key("test", 10)).glob("*.distcp"))
     flip_bytes(shard)
     with pytest.raises(IOError):
         checkpoints.download_checkpoint(config, 10, store)
-    assert not checkpoint_path(config.run_dir, 10).exists()
-    assert not list(checkpoint_root(config.run_dir).glob(".download-*"))
+    assert not config.run_dir.checkpoint(10).exists()
+    assert not list(config.run_dir.checkpoints.glob(".download-*"))
 
 
 def test_a_step_saved_again_is_another_copy_judged_and_uploaded_on_its_own(run, tmp_path):
@@ -289,11 +363,13 @@ def test_a_step_saved_again_is_another_copy_judged_and_uploaded_on_its_own(run, 
     yielded again, judged, and replaces the store copy manifest-first."""
     import threading
 
-    from training.checkpoint import _clear_for_save, copy_id, step_lock
+    from core.protocol import checkpoint_lock as step_lock
+    from core.protocol import copy_id
+    from training.checkpoint.saving import clear_for_save as _clear_for_save
 
     config, _ = run
     store = open_store(str(tmp_path / "store"))
-    path = checkpoint_path(config.run_dir, 20)
+    path = config.run_dir.checkpoint(20)
     for step in (10, 20):
         checkpoints.validate_checkpoint(config, step)
         checkpoints.upload_checkpoint(config, step, store)
@@ -308,8 +384,8 @@ def test_a_step_saved_again_is_another_copy_judged_and_uploaded_on_its_own(run, 
         clearing.join(timeout=0.5)
         assert clearing.is_alive() and copy_id(path) == first
     clearing.join()
-    assert not path.exists() and list((checkpoint_root(config.run_dir) / "superseded").iterdir())
-    superseded = next((checkpoint_root(config.run_dir) / "superseded").iterdir())
+    assert not path.exists() and list((config.run_dir.checkpoints / "superseded").iterdir())
+    superseded = next((config.run_dir.checkpoints / "superseded").iterdir())
     shutil.copytree(superseded, path)  # the new save (same tensors, a manifest of its own)
     manifest = CheckpointManifest.load(path)
     manifest.created_at += 1
@@ -336,9 +412,9 @@ def test_retention_keeps_a_new_copy_of_an_uploaded_step_until_it_is_uploaded(run
     for step in (10, 20):
         checkpoints.validate_checkpoint(config, step)
         checkpoints.upload_checkpoint(config, step, store)
-    manifest = CheckpointManifest.load(checkpoint_path(config.run_dir, 10))
+    manifest = CheckpointManifest.load(config.run_dir.checkpoint(10))
     manifest.created_at += 1  # step 10 saved again: the store holds the other copy
-    manifest.save(checkpoint_path(config.run_dir, 10))
+    manifest.save(config.run_dir.checkpoint(10))
     assert checkpoints.prune_local(config) == []
     checkpoints.validate_checkpoint(config, 10)
     assert checkpoints.prune_local(config) == []
@@ -348,7 +424,7 @@ def test_retention_keeps_a_new_copy_of_an_uploaded_step_until_it_is_uploaded(run
 
 def test_upload_refuses_a_copy_other_than_the_validated_one(run, tmp_path):
     config, _ = run
-    path = checkpoint_path(config.run_dir, 20)
+    path = config.run_dir.checkpoint(20)
     checkpoints.validate_checkpoint(config, 20)
     manifest = CheckpointManifest.load(path)
     manifest.created_at += 1  # saved again after validation, not yet judged
@@ -366,14 +442,14 @@ def test_the_upload_task_of_a_superseded_copy_completes_without_uploading(run, p
     from tasks.train import upload_checkpoint
 
     config, _ = run
-    path = checkpoint_path(config.run_dir, 20)
+    path = config.run_dir.checkpoint(20)
     checkpoints.validate_checkpoint(config, 20)
     manifest = CheckpointManifest.load(path)
     manifest.created_at += 1  # saved again after validation
     manifest.save(path)
     state = upload_checkpoint(config, 20, return_state=True)
     assert state.type == Completed().type and state.result() is None
-    assert not config.storage.open().list("runs/test/checkpoints")
+    assert not store_from_config(config.storage).list("runs/test/checkpoints")
     assert checkpoints.ledger_of(config).read().entries[20].state == "validated"
 
 
@@ -382,13 +458,13 @@ def test_checkpoint_damaged_after_validation_is_never_loaded(run, tmp_path):
     attempt stops, the damaged copy goes aside, the retry resumes from the store copy (read
     per rank), and the step the run saves again after a rejection is judged afresh."""
     config, dataset = run
-    store = config.storage.open()
+    store = store_from_config(config.storage)
     full = losses_by_step(config.run_dir)
     checkpoints.validate_checkpoint(config, 10)
     checkpoints.upload_checkpoint(config, 10, store)
-    flip_bytes(next(checkpoint_path(config.run_dir, 20).glob("*.distcp")))
+    flip_bytes(next(config.run_dir.checkpoint(20).glob("*.distcp")))
     assert checkpoints.validate_checkpoint(config, 20).state == "rejected"
-    shard = sorted(checkpoint_path(config.run_dir, 10).glob("*.distcp"))[0]
+    shard = sorted(config.run_dir.checkpoint(10).glob("*.distcp"))[0]
     flip_bytes(shard)  # after validation and upload: only the local copy is damaged
 
     lines = []
@@ -397,7 +473,7 @@ def test_checkpoint_damaged_after_validation_is_never_loaded(run, tmp_path):
     assert failed.value.failure_class == "corrupt_checkpoint" and failed.value.retry
     entry = checkpoints.ledger_of(config).read().entries[10]
     assert entry.state == "uploaded" and "local copy damaged" in entry.history[-1].note
-    assert shard.name in entry.history[-1].note and not checkpoint_path(config.run_dir, 10).exists()
+    assert shard.name in entry.history[-1].note and not config.run_dir.checkpoint(10).exists()
     assert list((config.run_dir / "checkpoints" / "rejected").glob("step-00000010-*"))
 
     (config.run_dir / "metrics.jsonl").unlink()
@@ -420,8 +496,8 @@ def test_readers_refuse_files_that_differ_from_the_manifest(run, tmp_path):
     """What a rank checks before DCP reads a file: the local copy, and the store's (fetched
     twice before it is called damaged)."""
     config, _ = run
-    store = config.storage.open()
-    path = checkpoint_path(config.run_dir, 10)
+    store = store_from_config(config.storage)
+    path = config.run_dir.checkpoint(10)
     store.upload_dir(path, checkpoint_key("test", 10), last=("manifest.json",))
     shard = sorted(path.glob("*.distcp"))[0]
     VerifiedReader(path)._obtain(shard.name)  # whole: no complaint
@@ -446,9 +522,9 @@ def test_resume_continues_the_exact_loss_curve(trained, tmp_path):
     full = losses_by_step(small_config(root, "training.max_steps=20").run_dir)
     shutil.copytree(root / "runs", tmp_path / "runs")
     config = small_config(tmp_path, "training.max_steps=20")
-    shutil.rmtree(checkpoint_path(config.run_dir, 20))
+    shutil.rmtree(config.run_dir.checkpoint(20))
     (config.run_dir / "metrics.jsonl").unlink()
-    proc = torchrun_training(config, dataset, resume=str(checkpoint_path(config.run_dir, 10)))
+    proc = torchrun_training(config, dataset, resume=str(config.run_dir.checkpoint(10)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = losses_by_step(config.run_dir)
     assert sorted(resumed) == list(range(11, 21))
@@ -464,8 +540,8 @@ def test_prune_keeps_newest_and_anything_not_uploaded(run, tmp_path):
     assert checkpoints.prune_local(config) == []  # step 10 is not in the store yet
     checkpoints.upload_checkpoint(config, 10, store)
     assert checkpoints.prune_local(config) == [10]
-    assert [p.name for p in committed_checkpoints(config.run_dir)] == ["step-00000020"]
-    assert torch.isfinite(load_all_tensors(checkpoint_path(config.run_dir, 20), "model.")
+    assert [p.name for p in config.run_dir.committed_checkpoints()] == ["step-00000020"]
+    assert torch.isfinite(load_all_tensors(config.run_dir.checkpoint(20), "model.")
                           ["model.output.weight"]).all()
 
 
@@ -475,18 +551,18 @@ def test_retention_keeps_the_newest_copies_set_aside(run):
     config, _ = run
     config = config.model_copy(update={"checkpoint": config.checkpoint.model_copy(update={"keep_aside": 1})})
     for _ in range(3):  # a step saved again and again
-        shutil.copytree(checkpoint_path(config.run_dir, 20), checkpoint_path(config.run_dir, 30))
-        set_aside(checkpoint_path(config.run_dir, 30), "superseded")
+        shutil.copytree(config.run_dir.checkpoint(20), config.run_dir.checkpoint(30))
+        set_aside(config.run_dir.checkpoint(30), "superseded")
     for step in (10, 20):
-        set_aside(checkpoint_path(config.run_dir, step), "rejected")
-    rejected = sorted((checkpoint_root(config.run_dir) / "rejected").iterdir(),
+        set_aside(config.run_dir.checkpoint(step), "rejected")
+    rejected = sorted((config.run_dir.checkpoints / "rejected").iterdir(),
                       key=lambda p: int(p.name.rsplit("-", 1)[1]))
-    superseded = sorted((checkpoint_root(config.run_dir) / "superseded").iterdir(),
+    superseded = sorted((config.run_dir.checkpoints / "superseded").iterdir(),
                         key=lambda p: int(p.name.rsplit("-", 1)[1]))
     assert checkpoints.prune_aside(config) == [f"rejected/{rejected[0].name}"] + [
         f"superseded/{p.name}" for p in superseded[:2]]
-    assert list((checkpoint_root(config.run_dir) / "rejected").iterdir()) == [rejected[1]]
-    assert list((checkpoint_root(config.run_dir) / "superseded").iterdir()) == [superseded[2]]
+    assert list((config.run_dir.checkpoints / "rejected").iterdir()) == [rejected[1]]
+    assert list((config.run_dir.checkpoints / "superseded").iterdir()) == [superseded[2]]
     assert checkpoints.prune_aside(config) == []
 
 
@@ -501,7 +577,7 @@ def test_store_retention_keeps_every_mth_best_and_newest(run, tmp_path):
         checkpoints.validate_checkpoint(config, step)
         checkpoints.upload_checkpoint(config, step, store)
     assert checkpoints.apply_retention(config, store) == {"local": [], "store": [], "aside": []}
-    assert is_committed(checkpoint_path(config.run_dir, 10))
+    assert is_committed(config.run_dir.checkpoint(10))
     assert store.exists("runs/test/checkpoints/step-00000010/manifest.json")
     assert checkpoints.ledger_of(config).read().entries[10].state == "uploaded"
 
@@ -513,23 +589,24 @@ def test_store_retention_keeps_every_mth_best_and_newest(run, tmp_path):
     ledger = checkpoints.ledger_of(config).read()
     assert ledger.entries[10].state == "pruned" and "retention" in ledger.entries[10].history[-1].note
     assert json.loads(store.get_bytes("runs/test/ledger.json"))["entries"]["10"]["state"] == "pruned"
-    assert checkpoints.resume_point(config, store).local == checkpoint_path(config.run_dir, 20)
+    assert checkpoints.resume_point(config, store).local == config.run_dir.checkpoint(20)
 
 
 def test_restarted_workers_never_take_a_copy_saved_after_its_step_was_validated(run):
     """In-job restarts resume from what the ledger validated: a step saved again since (by
     workers restarted from an older checkpoint) is another copy, not judged yet, so the
     restart waits for its verdict and, without one, takes the newest judged copy."""
-    from training.train import _newest_validated
+    from core.protocol import ResumeSpec
+    from training.checkpoint.resume import newest_validated
 
     config, _ = run
     for step in (10, 20):
         checkpoints.validate_checkpoint(config, step)
-    assert _newest_validated(config.run_dir, None, wait_s=0) == (str(checkpoint_path(config.run_dir, 20)), None)
-    manifest = CheckpointManifest.load(checkpoint_path(config.run_dir, 20))
+    assert newest_validated(config.run_dir, wait_s=0) == ResumeSpec.directory(config.run_dir.checkpoint(20))
+    manifest = CheckpointManifest.load(config.run_dir.checkpoint(20))
     manifest.created_at += 1  # step 20 saved again
-    manifest.save(checkpoint_path(config.run_dir, 20))
-    assert _newest_validated(config.run_dir, None, wait_s=0) == (str(checkpoint_path(config.run_dir, 10)), None)
+    manifest.save(config.run_dir.checkpoint(20))
+    assert newest_validated(config.run_dir, wait_s=0) == ResumeSpec.directory(config.run_dir.checkpoint(10))
 
 
 @pytest.mark.parametrize("mode", ["thread", "process"])
@@ -542,10 +619,10 @@ def test_the_emergency_save_survives_the_sigterm_that_asks_for_it(trained, tmp_p
                           "faults.sigterm_at_step=13")
     proc = torchrun_training(config, dataset)
     assert "emergency save failed" not in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
-    committed = [p.name for p in committed_checkpoints(config.run_dir)]
+    committed = [p.name for p in config.run_dir.committed_checkpoints()]
     assert committed[0] == "step-00000010" and committed[1] in ("step-00000013", "step-00000014"), \
         (committed, proc.stdout[-3000:], proc.stderr[-3000:])
-    assert all(verify_checkpoint(p)["ok"] for p in committed_checkpoints(config.run_dir))
+    assert all(verify_checkpoint(p)["ok"] for p in config.run_dir.committed_checkpoints())
     # What the supervisor saw last: a save under way (its allowance), not a stalled step.
     beat = json.loads((config.run_dir / "heartbeat.json").read_text())
     assert beat["phase"] == "checkpoint" and f"step-{beat['step']:08d}" == committed[1]
@@ -561,8 +638,8 @@ def test_async_saves_commit_the_same_state(trained, tmp_path, mode):
     proc = torchrun_training(config, dataset)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert losses_by_step(config.run_dir) == full
-    assert [p.name for p in committed_checkpoints(config.run_dir)] == ["step-00000010", "step-00000020"]
-    assert all(verify_checkpoint(p)["ok"] for p in committed_checkpoints(config.run_dir))
+    assert [p.name for p in config.run_dir.committed_checkpoints()] == ["step-00000010", "step-00000020"]
+    assert all(verify_checkpoint(p)["ok"] for p in config.run_dir.committed_checkpoints())
 
     # DDP: each rank staged and wrote half of the replicated state, not all of it.
     share = re.search(r"rank 0 stages and writes ([\d.]+) MB of the ([\d.]+) MB of tensors it "
@@ -571,9 +648,9 @@ def test_async_saves_commit_the_same_state(trained, tmp_path, mode):
     mine, held = map(float, share.groups())
     assert 0.4 * held < mine < 0.6 * held
 
-    shutil.rmtree(checkpoint_path(config.run_dir, 20))
+    shutil.rmtree(config.run_dir.checkpoint(20))
     (config.run_dir / "metrics.jsonl").unlink()
-    proc = torchrun_training(config, dataset, resume=str(checkpoint_path(config.run_dir, 10)))
+    proc = torchrun_training(config, dataset, resume=str(config.run_dir.checkpoint(10)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     resumed = losses_by_step(config.run_dir)
     assert all(resumed[s] == full[s] for s in range(11, 21))
@@ -582,7 +659,8 @@ def test_async_saves_commit_the_same_state(trained, tmp_path, mode):
 def test_ranks_that_hold_the_same_tensors_split_them_balanced():
     """Which tensors a rank stages and writes: the ranks holding exactly what it holds (same
     digest) split them, balanced by bytes; a rank no other matches keeps all it holds."""
-    from training.checkpoint import holdings_digest, my_share
+    from training.checkpoint.replicas import assign_units as my_share
+    from training.checkpoint.replicas import holdings_digest
 
     def unit(key, offsets=()):
         return ("model", key, offsets)
@@ -620,8 +698,8 @@ def test_ranks_resume_from_the_store_fetching_only_what_their_plan_reads(tmp_pat
     proc = torchrun_training(config, dataset)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     full = losses_by_step(config.run_dir)
-    store = config.storage.open()
-    store.upload_dir(checkpoint_path(config.run_dir, 10), checkpoint_key("test", 10))
+    store = store_from_config(config.storage)
+    store.upload_dir(config.run_dir.checkpoint(10), checkpoint_key("test", 10))
     shutil.rmtree(config.run_dir / "checkpoints")  # a node that never saw the local tier
     (config.run_dir / "metrics.jsonl").unlink()
 
@@ -651,7 +729,7 @@ def test_a_checkpoint_of_another_model_is_a_config_error_not_a_crash_to_retry(tm
     # A run saved with an unpadded vocabulary (300 ids), then resumed by code that pads it to
     # 384: its old config.yaml, which predates model.vocab_multiple_of, reloads with the
     # default. Loading would fail on a shape mismatch in every attempt.
-    from training.exits import CONFIG_ERROR, read_exit_records
+    from core.protocol import FailureClass, read_exit_records
 
     dataset = synthetic_dataset(tmp_path / "dataset", vocab_size=300)
     saved = small_config(tmp_path, "training.max_steps=10", "model.vocab_multiple_of=1")
@@ -661,7 +739,7 @@ def test_a_checkpoint_of_another_model_is_a_config_error_not_a_crash_to_retry(tm
     proc = torchrun_training(small_config(tmp_path, "training.max_steps=20"), dataset)
     assert proc.returncode != 0
     records = read_exit_records(saved.run_dir, "0")
-    assert records and {r["code"] for r in records} == {CONFIG_ERROR}, records
+    assert records and {r["code"] for r in records} == {FailureClass.CONFIG.exit_code}, records
     reason = records[0]["reason"]
     assert "vocab_size (padded) 300 in the checkpoint, 384 now" in reason
     assert "model.vocab_multiple_of=1" in reason
@@ -670,12 +748,13 @@ def test_a_checkpoint_of_another_model_is_a_config_error_not_a_crash_to_retry(tm
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
 def test_a_background_save_writes_and_hashes_at_the_lowest_cpu_priority(tmp_path, monkeypatch):
     """The shard writer and the manifest's hashing take only the cycles training leaves idle;
-    the training thread keeps its priority (storage.background). An urgent save does not."""
-    from storage import background
-    from training import checkpoint as ckpt
+    the training thread keeps its priority (core.cpu_priority). An urgent save does not."""
+    from core import cpu_priority as background
+    from core.protocol import is_committed
+    from training.checkpoint import saving, writer
 
     seen = {}
-    write_data, list_files_ = ckpt.BackgroundWriter.write_data, ckpt.list_files
+    write_data, list_files_ = writer.BackgroundWriter.write_data, saving.list_files
 
     def spy_write(self, plan, planner):
         seen["writer"] = thread_nice()
@@ -685,31 +764,31 @@ def test_a_background_save_writes_and_hashes_at_the_lowest_cpu_priority(tmp_path
         seen["hashing"] = thread_nice()
         return list_files_(*args, **kwargs)
 
-    monkeypatch.setattr(ckpt.BackgroundWriter, "write_data", spy_write)
-    monkeypatch.setattr(ckpt, "list_files", spy_hash)
+    monkeypatch.setattr(writer.BackgroundWriter, "write_data", spy_write)
+    monkeypatch.setattr(saving, "list_files", spy_hash)
     model = torch.nn.Linear(64, 64)
     optimizer = torch.optim.AdamW(model.parameters())
     model(torch.randn(2, 64)).sum().backward()
     optimizer.step()
     training_thread = thread_nice()
-    checkpointer = ckpt.Checkpointer("thread")
+    checkpointer = saving.Saver("thread")
     path = tmp_path / "step-00000001"
     fields = dict(step=1, tokens_seen=0, world_size=1, layout={}, config_hash="c", dataset_id="d",
                   model_args={}, loss=1.0)
     checkpointer.save(path, [model], [optimizer], {}, fields)
     checkpointer.close()
     assert not checkpointer.failures
-    assert ckpt.is_committed(path) and verify_files(path, CheckpointManifest.load(path).files) == []
+    assert is_committed(path) and verify_files(path, CheckpointManifest.load(path).files) == []
     assert seen == {"writer": background.BACKGROUND_NICE, "hashing": background.BACKGROUND_NICE}
     assert thread_nice() == training_thread
 
     # The emergency save (within the launcher's grace period) does not wait for idle cycles.
     seen.clear()
     urgent = tmp_path / "step-00000002"
-    checkpointer = ckpt.Checkpointer("thread")
+    checkpointer = saving.Saver("thread")
     checkpointer.save(urgent, [model], [optimizer], {}, {**fields, "step": 2}, urgent=True)
     checkpointer.close()
-    assert ckpt.is_committed(urgent) and not checkpointer.failures
+    assert is_committed(urgent) and not checkpointer.failures
     assert seen == {"hashing": training_thread}
 
 
@@ -722,9 +801,11 @@ def test_a_save_hashes_its_files_as_written_and_skips_the_zip_crc(tmp_path, monk
     import io
     import zipfile
 
-    from storage import manifests
     from torch.utils.serialization import config as serialization_config
-    from training import checkpoint as ckpt
+
+    from storage import manifests
+    from training.checkpoint import saving
+    from training.checkpoint.reader import load_all_tensors
 
     read_back = []
     sha256_file = manifests.sha256_file
@@ -736,7 +817,7 @@ def test_a_save_hashes_its_files_as_written_and_skips_the_zip_crc(tmp_path, monk
     path = tmp_path / "step-00000001"
     fields = dict(step=1, tokens_seen=0, world_size=1, layout={}, config_hash="c", dataset_id="d",
                   model_args={}, loss=1.0)
-    checkpointer = ckpt.Checkpointer(mode)
+    checkpointer = saving.Saver(mode)
     checkpointer.save(path, [model], [optimizer], {}, fields)
     checkpointer.close()
     assert not checkpointer.failures
@@ -757,7 +838,7 @@ def test_a_save_hashes_its_files_as_written_and_skips_the_zip_crc(tmp_path, monk
         assert crcs and set(crcs) == {0}, (info, crcs)
         tensor_records += 1
     assert tensor_records >= 4  # weight, bias and their AdamW moments at least
-    saved = ckpt.load_all_tensors(path, prefix="model.")
+    saved = load_all_tensors(path, prefix="model.")
     assert torch.equal(saved["model.weight"], model.weight.detach())
 
 
@@ -765,7 +846,8 @@ def test_a_save_hashes_its_files_as_written_and_skips_the_zip_crc(tmp_path, monk
 def test_a_file_that_changed_after_its_write_is_never_committed(tmp_path, change):
     """The manifest records what the writers wrote; a shard that is shorter or gone by commit
     time fails the commit instead of being blessed or left out."""
-    from training import checkpoint as ckpt
+    from core.protocol import is_committed
+    from training.checkpoint.saving import Saver
 
     def change_a_shard(point, step):
         if point == "before_manifest":
@@ -780,10 +862,10 @@ def test_a_file_that_changed_after_its_write_is_never_committed(tmp_path, change
     path = tmp_path / "step-00000001"
     fields = dict(step=1, tokens_seen=0, world_size=1, layout={}, config_hash="c", dataset_id="d",
                   model_args={}, loss=1.0)
-    checkpointer = ckpt.Checkpointer("thread", fault_hook=change_a_shard)
+    checkpointer = Saver("thread", fault_hook=change_a_shard)
     checkpointer.save(path, [model], [optimizer], {}, fields)
     checkpointer.close()
-    assert not ckpt.is_committed(path)
+    assert not is_committed(path)
     assert len(checkpointer.failures) == 1
     assert ("__0_0.distcp: 100 bytes on disk, but its writer wrote" if change == "truncated"
             else "__0_0.distcp written but not found") in checkpointer.failures[0]
@@ -795,7 +877,7 @@ def test_a_hashed_file_is_on_disk_before_dcp_fsyncs_it(tmp_path):
     import hashlib
     import os
 
-    from training.checkpoint import _HashingFileSystem
+    from training.checkpoint.writer import _HashingFileSystem
 
     fs = _HashingFileSystem()
     with fs.create_stream(tmp_path / ".metadata.tmp", "wb") as stream:

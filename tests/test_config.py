@@ -2,7 +2,8 @@
 
 import pytest
 
-from goodput.config import ConfigError, RunConfig, config_from_dict, load_config
+from core.config import ConfigError, RunConfig, config_from_dict, load_config
+from storage.store import store_from_config
 
 
 def test_tiny_yaml_is_the_builtin_default():
@@ -36,11 +37,11 @@ def test_overrides_parse_as_yaml_values():
     ("run.retry_budgets.retriable=3", "run.retry_budgets", "unknown failure class(es) ['retriable']"),
     ("run.retry_budgets.hang=-1", "run.retry_budgets", "['hang'] below 0"),
     ("parallelism.tp=2 training.seq_len=127", "(top level)",
-     "training.seq_len=127 does not split over parallelism.tp=2 (sequence parallelism); choose a "
-     "multiple of 2, e.g. 128"),
+     "tp=2 does not divide training.seq_len=127, which sequence parallelism splits over the TP "
+     "ranks; choose tp in [1], or a seq_len divisible by 2, e.g. 128"),
     ("parallelism.pp=2 parallelism.pp_schedule=interleaved-1f1b parallelism.microbatches=5 "
      "training.micro_batch_size=5", "(top level)",
-     "parallelism.microbatches=5 does not split into 2 equal rounds of interleaved-1f1b over pp=2"),
+     "microbatches=5 do not split into equal rounds of interleaved-1f1b over pp=2"),
 ])
 def test_invalid_values_name_the_field(override, field, hint):
     with pytest.raises(ConfigError) as err:
@@ -68,7 +69,7 @@ def test_a_retry_budget_given_overrides_only_its_class():
 def test_storage_transfer_settings_reach_the_s3_store():
     config = load_config("configs/tiny.yaml", ["storage.uri=s3://bucket/runs", "storage.region=us-east-1",
                                                "storage.part_size=64MiB", "storage.max_concurrency=32"])
-    store = config.storage.open()
+    store = store_from_config(config.storage)
     assert store.transfer.multipart_chunksize == store.transfer.multipart_threshold == 64 * 2**20
     assert store.transfer.max_request_concurrency == store.transfer.max_in_memory_upload_chunks == 32
 

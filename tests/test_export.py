@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from goodput.cli import main as cli_main
-from goodput.data.tokenizer import EOS_TOKEN, train_tokenizer
+from flows.cli import main as cli_main
 from storage.manifests import CheckpointManifest
 from tests.helpers import flip_bytes, small_config, synthetic_dataset, torchrun_training
-from training.checkpoint import checkpoint_path, load_all_tensors, model_state_from
+from training.checkpoint.reader import load_all_tensors, model_state_from
 from training.export import ExportError, export_hf, hf_config, hf_state_dict
 from training.model import ModelArgs, Transformer
+from training.tokenizer import EOS_TOKEN, train_tokenizer
 
 transformers = pytest.importorskip("transformers")  # the `test` extra
 
@@ -44,7 +44,7 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
                           "training.max_steps=4", "checkpoint.every_steps=4", "training.warmup_steps=2")
     proc = torchrun_training(config, dataset)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return checkpoint_path(config.run_dir, 4), dataset / "tokenizer.json"
+    return config.run_dir.checkpoint(4), dataset / "tokenizer.json"
 
 
 def trainer_model(checkpoint: Path) -> Transformer:

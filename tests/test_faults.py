@@ -6,16 +6,16 @@ from pathlib import Path
 
 import pytest
 
+from core.config import load_config
+from core.protocol import RunDir, read_exit_records, read_starts
 from flows.prepare import prepare
 from flows.train import train
-from goodput.config import load_config
 from goodput.runs import read_outcomes, read_summary, retry_decision
 from storage.ledger import Ledger
 from tests.helpers import losses_by_step, small_config
 from training.data import DistributedSampleLoader, TokenStream
-from training.exits import read_exit_records, read_starts
 from training.metrics import read_metrics
-from training.train import LossGuard
+from training.resilience import LossGuard
 
 STEPS = 30
 
@@ -24,12 +24,12 @@ STEPS = 30
 
 def test_loss_guard_flags_non_finite_and_spikes():
     guard = LossGuard(factor=2.0, window=3)
-    assert guard.check(float("nan"), 1.0).startswith("non-finite loss")
-    assert guard.check(1.0, float("inf")).startswith("non-finite gradient")
+    assert guard.problem(float("nan"), 1.0).startswith("non-finite loss")
+    assert guard.problem(1.0, float("inf")).startswith("non-finite gradient")
     for loss in (5.0, 4.0, 3.0):
-        assert guard.check(loss, 1.0) == ""  # filling the window: no verdict yet
-    assert guard.check(9.5, 1.0).startswith("loss spike 9.5000 > 2.0 x rolling mean 4.0000")
-    assert guard.check(3.5, 1.0) == ""  # the spike did not enter the window
+        assert guard.problem(loss, 1.0) is None  # filling the window: no verdict yet
+    assert guard.problem(9.5, 1.0).startswith("loss spike 9.5000 > 2.0 x rolling mean 4.0000")
+    assert guard.problem(3.5, 1.0) is None  # the spike did not enter the window
 
 
 def _outcome(cls, resumed_from=0, newest=10):
@@ -56,49 +56,49 @@ def test_retry_policy_budgets_per_class_and_no_progress():
 
 def _committed(run_dir, step):
     from storage.manifests import CheckpointManifest
-    from training.checkpoint import checkpoint_path
 
-    path = checkpoint_path(run_dir, step)
+    path = RunDir.of(run_dir).checkpoint(step)
     path.mkdir(parents=True)
     CheckpointManifest(step=step, tokens_seen=0, files=[], world_size=1, layout={},
                        config_hash="", dataset_id="", model_args={}, created_at=0).save(path)
     return path
 
 
-def test_restarted_workers_resume_from_the_newest_validated_checkpoint(tmp_path, monkeypatch):
-    """`--resume validated:DIR`, what the launch task passes when torchrun may restart the
-    workers in-job: the ledger's newest validated checkpoint on disk, else DIR."""
-    from training.train import resolve_resume
+def test_restarted_workers_resume_from_the_newest_validated_checkpoint(tmp_path):
+    """`--resume validated`, what the launch task passes (restarted workers get the same
+    line): the newest checkpoint the ledger marks validated that this machine can read."""
+    from core.config import ConfigError
+    from core.protocol import ResumeSpec
+    from training.checkpoint.resume import resolve_resume
 
-    run_dir = tmp_path / "run"
+    run_dir = RunDir(tmp_path / "run")
     ledger = Ledger(run_dir, "run")
+    validated = ResumeSpec.validated()
     start = _committed(run_dir, 10)
-    assert resolve_resume("validated", run_dir) is None  # nothing judged yet: from scratch
-    assert resolve_resume(f"validated:{start}", run_dir) == str(start)
-    assert resolve_resume("validated:store:5", run_dir) == "store:5"  # only the store has it
+    assert resolve_resume(validated, run_dir) is None  # nothing judged yet: from scratch
+    ledger.record(5, "uploaded")
+    assert resolve_resume(validated, run_dir) == ResumeSpec.store(5)  # only the store has it
     ledger.record(10, "validated")
+    assert resolve_resume(validated, run_dir) == ResumeSpec.directory(start)
     for step, state in ((20, "uploaded"), (30, "rejected"), (40, None)):
         _committed(run_dir, step)
         if state:
             ledger.record(step, state)
     # 30 was rejected, 40 has no verdict (and no validator answers within the wait): 20.
-    monkeypatch.setenv("GOODPUT_RESTART_WAIT_S", "0.2")
-    assert Path(resolve_resume(f"validated:{start}", run_dir)).name == "step-00000020"
-    assert Path(resolve_resume("validated:store:15", run_dir)).name == "step-00000020"  # older
-    assert resolve_resume("validated:store:50", run_dir) == "store:50"  # newer than any on disk
-    with pytest.raises(FileNotFoundError, match="no such committed checkpoint"):
-        resolve_resume(f"validated:{tmp_path / 'gone'}", tmp_path / "empty-run")
+    assert resolve_resume(validated, run_dir, wait_s=0.2).path.name == "step-00000020"
+    ledger.record(50, "uploaded")
+    assert resolve_resume(validated, run_dir) == ResumeSpec.store(50)  # newer than any on disk
+    with pytest.raises(ConfigError, match="no committed checkpoint there"):
+        resolve_resume(ResumeSpec.directory(tmp_path / "gone"), RunDir(tmp_path / "empty-run"))
 
 
 def test_torchrun_command_restarts_in_job_and_resumes_from_what_was_validated(tmp_path):
     from infra.torchrun import torchrun_command, worker_env
 
     config = small_config(tmp_path, "launch.max_restarts=2")
-    command = torchrun_command(config, Path("run.yaml"), Path("data"), "/ckpt/step-00000010", "a-1")
+    command = torchrun_command(config, Path("run.yaml"), Path("data"), "a-1")
     assert "--max-restarts=2" in command
-    assert command[-2:] == ["--resume", "validated:/ckpt/step-00000010"]
-    assert torchrun_command(config, Path("run.yaml"), Path("data"), "store:10", "a-1")[-1] == "validated:store:10"
-    assert torchrun_command(config, Path("run.yaml"), Path("data"), None, "a-1")[-1] == "validated"
+    assert command[-2:] == ["--resume", "validated"]  # the same line for restarted workers
     assert worker_env(config, "a-1")["GOODPUT_RESTART_WAIT_S"] == "300.0"
 
 
@@ -125,19 +125,20 @@ def test_hang_watch_allowances_follow_the_phase_across_in_job_restarts():
 
 
 def test_failures_a_restart_cannot_fix_block_in_job_restarts(tmp_path):
-    from training import exits
+    from core import protocol
+    from core.protocol import FailureClass
 
-    exits.write_exit_record(tmp_path, "a-1", 1, exits.RETRYABLE, "peer closed", 14)
-    assert exits.restart_blocker(tmp_path, "a-1") is None  # a crash: restart
-    exits.write_exit_record(tmp_path, "a-1", 0, exits.ROLLBACK, "non-finite loss", 16, sample_end=128)
-    blocker = exits.restart_blocker(tmp_path, "a-1")
+    protocol.write_exit_record(tmp_path, "a-1", 1, FailureClass.RETRYABLE, "peer closed", 14)
+    assert protocol.restart_blocker(tmp_path, "a-1") is None  # a crash: restart
+    protocol.write_exit_record(tmp_path, "a-1", 0, FailureClass.ROLLBACK, "non-finite loss", 16, sample_end=128)
+    blocker = protocol.restart_blocker(tmp_path, "a-1")
     assert (blocker["class"], blocker["code"], blocker["sample_end"]) == ("rollback", 76, 128)
-    assert exits.restart_blocker(tmp_path, "a-2") is None  # per attempt
+    assert protocol.restart_blocker(tmp_path, "a-2") is None  # per attempt
 
 
 def test_loader_skips_windows_deterministically(tmp_path):
-    from tests.helpers import synthetic_dataset
     from storage.manifests import DatasetManifest
+    from tests.helpers import synthetic_dataset
 
     directory = synthetic_dataset(tmp_path / "ds")
     stream = TokenStream(directory, DatasetManifest.load(directory), "train")
@@ -261,7 +262,7 @@ def test_a_config_file_the_workers_cannot_load_ends_the_attempt_as_a_config_erro
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  dim: lots\n")
     lines = []
-    result = run_attempt(config, bad, tmp_path / "dataset", None, "badcfg-1", lines.append)
+    result = run_attempt(config, bad, tmp_path / "dataset", "badcfg-1", lines.append)
     assert result.failure_class == "config", "\n".join(lines[-20:])
     assert "bad.yaml" in result.reason and "model.dim" in result.reason
     assert result.restarts <= 1
@@ -272,7 +273,7 @@ def test_sigterm_and_sighup_ask_for_an_emergency_checkpoint(signum):
     """SIGTERM (a scheduler preempting or cancelling) and SIGHUP (an ssh node's connection
     closed; its torchrun passes the hangup on to the workers) both set the preemption flag
     the training loop checks at every step boundary."""
-    from training.train import PreemptionFlag
+    from training.resilience import PreemptionFlag
 
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from goodput.goodput import goodput_breakdown
+from goodput.accounting import goodput_breakdown
 from goodput.runs import read_summary, update_summary
 
 

@@ -20,11 +20,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from infra.launchers import (STOPPED, KubernetesLauncher, NodeLaunch, kubernetes_name, make_launcher,
-                             node_wrapper)
+from core.protocol import ResumeSpec
+from infra.launchers import (
+    STOPPED,
+    KubernetesLauncher,
+    NodeLaunch,
+    kubernetes_name,
+    make_launcher,
+    node_wrapper,
+)
 from infra.torchrun import run_attempt, stop_live_attempts, torchrun_command, worker_env
 from tests.helpers import small_config
-from training import exits
 
 FAKE_TOOLS = r'''
 import json, os, signal, subprocess, sys, time
@@ -243,14 +249,14 @@ def launch_config(tmp_path, fakes: Path, *overrides: str):
 
 
 def spec_of(config, attempt: str = "t1") -> NodeLaunch:
-    command = torchrun_command(config, config.run_dir / "config.yaml", Path("/data/set"), None, attempt)
-    return NodeLaunch(config, command, worker_env(config, attempt),
-                      exits.attempt_dir(config.run_dir, attempt), f"goodput-test-{attempt}")
+    command = torchrun_command(config, config.run_dir / "config.yaml", Path("/data/set"), attempt)
+    return NodeLaunch.of(config, command, worker_env(config, attempt),
+                         config.run_dir.attempt(attempt), f"goodput-test-{attempt}")
 
 
 def attempt(config, attempt_id: str = "t1", lines: list[str] | None = None):
     log = lines.append if lines is not None else (lambda line: None)
-    return run_attempt(config, config.run_dir / "config.yaml", Path("/data/set"), None, attempt_id,
+    return run_attempt(config, config.run_dir / "config.yaml", Path("/data/set"), attempt_id,
                        log, poll_s=0.05)
 
 
@@ -274,7 +280,7 @@ def assert_node_settings(records: dict[str, dict], endpoint: str, addresses: lis
 
 def test_torchrun_command_is_the_same_for_every_node(tmp_path):
     config = small_config(tmp_path, "parallelism.nnodes=3", "parallelism.nproc_per_node=4")
-    command = torchrun_command(config, Path("run.yaml"), Path("data"), None, "abc-1")
+    command = torchrun_command(config, Path("run.yaml"), Path("data"), "abc-1", ResumeSpec.scratch())
     assert command[:9] == [sys.executable, "-m", "torch.distributed.run", "--nnodes=3",
                            "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-id=test-abc-1",
                            "--max-restarts=0", "--tee=3"]
@@ -370,7 +376,7 @@ def test_slurm_job_is_submitted_watched_and_its_output_streamed(tmp_path, fakes)
     lines: list[str] = []
     result = attempt(config, lines=lines)
     assert result.failure_class == "done" and result.exit_code == 0
-    attempt_dir = exits.attempt_dir(config.run_dir, "t1")
+    attempt_dir = config.run_dir.attempt("t1")
     assert calls(fakes, "sbatch") == [["--parsable", "--job-name=goodput-test-t1",
                                        f"--output={attempt_dir.resolve()}/slurm-%j.out",
                                        str(attempt_dir / "sbatch.sh")]]
@@ -444,7 +450,8 @@ def test_another_thread_stops_a_live_attempt(tmp_path, fakes, monkeypatch):
     supervisor.join(timeout=30)
     assert not supervisor.is_alive()
     [result] = results
-    assert result.exit_code == STOPPED and result.failure_class == "retryable"
+    # A cancellation ends the attempt as cancelled, never as a failure to retry.
+    assert result.exit_code == STOPPED and result.failure_class == "cancelled"
     assert calls(fakes, "scancel") == [["--signal=TERM", "1"]]  # stopped once, not twice
     assert stop_live_attempts() == []  # nothing left to stop
 
@@ -551,7 +558,7 @@ def test_kubernetes_job_is_applied_watched_streamed_and_deleted(tmp_path, fakes)
     lines: list[str] = []
     result = attempt(config, lines=lines)
     assert result.failure_class == "done" and result.exit_code == 0
-    manifest = exits.attempt_dir(config.run_dir, "t1") / "kubernetes.yaml"
+    manifest = config.run_dir.attempt("t1") / "kubernetes.yaml"
     assert yaml.safe_load(manifest.read_text())["kind"] == "JobSet"
     kubectl = calls(fakes, "kubectl")
     get = ["get", "jobset", "goodput-test-t1", "-n", "ml", "-o", "json"]
@@ -663,8 +670,8 @@ def start_slow_saving_worker(tmp_path, config, save_s: float):
         "time.sleep(600)\n")
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=1",
                "--rdzv-backend=c10d", "--rdzv-id=grace", str(worker)]
-    launcher = make_launcher(NodeLaunch(config, command, worker_env(config, "grace-1"),
-                                        tmp_path / "attempt", "goodput-grace"))
+    launcher = make_launcher(NodeLaunch.of(config, command, worker_env(config, "grace-1"),
+                                           tmp_path / "attempt", "goodput-grace"))
     lines: list[str] = []
     launcher.start(lines.append)
     deadline = time.monotonic() + 60

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from core.protocol import RunDir
 from tests.helpers import REPO
-from training.checkpoint import committed_checkpoints
 from training.metrics import read_metrics
 
 BENCH = REPO / "benchmarks" / "mfu_bench.py"
@@ -65,7 +65,7 @@ def test_tiny_on_cpu_measures_and_an_unknown_size_is_reported(tmp_path):
     assert tiny["trainer_tokens_per_s"] > 0
     assert tiny["max_memory_allocated_gb"] is None  # logged on CUDA only
     assert "max_memory_allocated_gb" not in records[1]
-    assert not committed_checkpoints(tiny["run_dir"])  # checkpoint.save_at_end=false
+    assert not RunDir.of(tiny["run_dir"]).committed_checkpoints()  # checkpoint.save_at_end=false
 
     # The model's attention runs with the flash backend alone (on CPU, its CPU kernel).
     assert tiny["attention"]["flash"] == "ok", tiny["attention"]

@@ -18,8 +18,6 @@ from goodput.runs import write_run_config
 from infra.torchrun import run_attempt
 from tests.helpers import losses_by_step, small_config, synthetic_dataset
 from tests.test_launchers import calls, fakes  # noqa: F401 (fixture)
-from training import exits
-from training.checkpoint import checkpoint_path
 
 STEPS = 4
 SHORT = (f"training.max_steps={STEPS}", "training.warmup_steps=1", f"checkpoint.every_steps={STEPS}")
@@ -32,9 +30,12 @@ def dataset(tmp_path_factory):
 
 
 def train(config, dataset, attempt: str = "a1", resume: str | None = None, on_progress=None):
+    from core.protocol import ResumeSpec
+
     lines: list[str] = []
-    result = run_attempt(config, write_run_config(config), dataset, resume, attempt, lines.append,
-                         poll_s=0.2, on_progress=on_progress)
+    start = ResumeSpec.directory(resume) if resume else ResumeSpec.validated()
+    result = run_attempt(config, write_run_config(config), dataset, attempt, lines.append,
+                         poll_s=0.2, on_progress=on_progress, start=start)
     return result, lines
 
 
@@ -61,7 +62,7 @@ def test_two_local_nodes_of_two_workers_train(tmp_path, dataset):
     manifest = json.loads((config.run_dir / "checkpoints" / f"step-{STEPS:08d}" / "manifest.json").read_text())
     assert manifest["world_size"] == 4
     # Per-rank log files next to the attempt's exit records: 2 nodes x 2 local ranks.
-    logs = exits.attempt_dir(config.run_dir, "a1") / "torchrun"
+    logs = config.run_dir.attempt("a1") / "torchrun"
     assert len(list(logs.glob("*/attempt_0/[01]/stdout.log"))) == 4
     assert processes_mentioning(str(config.run_dir)) == []
 
@@ -78,7 +79,7 @@ def test_a_failing_node_stops_the_others_and_every_node_restarts(tmp_path, datas
     assert time.monotonic() - started < 60  # the other node was stopped, not waited for
     assert processes_mentioning(str(config.run_dir)) == []
     # The retry starts every node again, on a fresh rendezvous, from the checkpoint.
-    resumed, lines = train(config, dataset, "a2", resume=str(checkpoint_path(config.run_dir, 2)))
+    resumed, lines = train(config, dataset, "a2", resume=str(config.run_dir.checkpoint(2)))
     assert resumed.failure_class == "done" and resumed.step == STEPS, "\n".join(lines[-40:])
     assert any(WORKER_LINE.match(line) and "resumed from" in line for line in lines)
     assert sorted(losses_by_step(config.run_dir)) == list(range(1, STEPS + 1))

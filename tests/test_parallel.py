@@ -13,10 +13,10 @@ import sys
 
 import pytest
 
+from core.protocol import RunDir
 from goodput.runs import write_run_config
 from infra.torchrun import free_port
 from tests.helpers import REPO, losses_by_step, small_config, synthetic_dataset
-from training.checkpoint import checkpoint_path
 
 STEPS = 20  # two processes
 STEPS_4 = 12  # four or more processes on 2 cores
@@ -120,7 +120,7 @@ def test_hsdp_matches_single_process_and_its_background_saves_resume_whole(tmp_p
     run_dir = small_config(tmp_path, "run.run_id=layout").run_dir
     (run_dir / "metrics.jsonl").unlink()
     resumed = run_training(tmp_path, dataset, 1, "training.micro_batch_size=4", steps=STEPS_4,
-                           resume=str(checkpoint_path(run_dir, STEPS_4 // 2)))
+                           resume=str(RunDir.of(run_dir).checkpoint(STEPS_4 // 2)))
     assert sorted(resumed) == list(range(STEPS_4 // 2 + 1, STEPS_4 + 1))
     for step, loss in resumed.items():
         assert loss == pytest.approx(reference(STEPS_4)[step], rel=RTOL), (step, loss)
@@ -144,11 +144,11 @@ def test_checkpoints_reshard_across_layouts(tmp_path, dataset, reference):
     # Resume from step 4 under DDP on 2 processes, then from step 8 on one process.
     (run_dir / "metrics.jsonl").unlink()
     second = run_training(tmp_path, dataset, 2, *LAYOUTS_2["ddp"], "checkpoint.every_steps=4",
-                          steps=12, resume=str(checkpoint_path(run_dir, 4)))
+                          steps=12, resume=str(RunDir.of(run_dir).checkpoint(4)))
     (run_dir / "metrics.jsonl").unlink()
     third = run_training(tmp_path, dataset, 1, "training.micro_batch_size=4",
                          "checkpoint.every_steps=4", steps=12,
-                         resume=str(checkpoint_path(run_dir, 8)))
+                         resume=str(RunDir.of(run_dir).checkpoint(8)))
     for losses, steps in ((first, range(1, 13)), (second, range(5, 13)), (third, range(9, 13))):
         assert sorted(losses) == list(steps)
         for step in steps:
@@ -163,7 +163,8 @@ def test_a_model_built_on_meta_and_laid_out_starts_from_the_whole_models_weights
     model built whole with the same seed, and another seed gives other weights."""
     import torch
 
-    from goodput.config import ParallelismConfig
+    from core.config import ParallelismConfig
+    from core.layout import ParallelDims
     from training.model import ModelArgs, Transformer
     from training.parallelize import parallelize
 
@@ -171,8 +172,7 @@ def test_a_model_built_on_meta_and_laid_out_starts_from_the_whole_models_weights
     with torch.device("meta"):
         model = Transformer(args)
     par_cfg = ParallelismConfig(activation_checkpointing="full", device="cpu")
-    layout = parallelize(model, par_cfg, {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "tp": 1},
-                         torch.device("cpu"), None, seed=7)
+    layout = parallelize(model, par_cfg, ParallelDims(), torch.device("cpu"), None, seed=7)
     laid_out = layout.model_parts[0].state_dict()
     whole = Transformer(args, seed=7).state_dict()
     assert laid_out.keys() == whole.keys()

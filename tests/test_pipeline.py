@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
+from core.config import dump_config
 from flows.pipeline import pipeline
 from flows.train import train
-from goodput.config import dump_config
 from storage import open_store
 from storage.ledger import Ledger
 from storage.manifests import CheckpointManifest
@@ -80,7 +80,7 @@ def test_crash_resumes_to_the_same_losses(finished, workdir):
 def test_rerun_redoes_no_finished_stage(finished):
     config, result = finished
     attempts = sorted(p.name for p in (config.run_dir / "attempts").iterdir())
-    dataset_files = {p: p.stat().st_mtime_ns for p in (config.run_dir.parents[1] / "data").rglob("*")}
+    dataset_files = {p: p.stat().st_mtime_ns for p in (config.run_dir.path.parents[1] / "data").rglob("*")}
     report_mtime = (config.run_dir / "eval" / "step-00000030.json").stat().st_mtime_ns
 
     again = pipeline(config)
@@ -105,7 +105,7 @@ def test_pipeline_with_an_s3_store(prefect_api, s3_server, s3_uri, tmp_path):
 
 
 def test_cli_reports_config_errors_before_starting_anything():
-    proc = subprocess.run([sys.executable, "-m", "goodput.cli", "train", "model.n_heads=3"],
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "model.n_heads=3"],
                           capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 2
     assert "model: n_heads=3 does not divide dim=128" in proc.stderr
@@ -115,11 +115,11 @@ def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
     config, _ = finished
     config_file = tmp_path / "run.yaml"
     config_file.write_text(dump_config(config))
-    proc = subprocess.run([sys.executable, "-m", "goodput.cli", "evaluate", "--config", str(config_file),
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "evaluate", "--config", str(config_file),
                            "--checkpoint", "20", "eval.num_samples=1"],
                           capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"run directory: {config.run_dir.resolve()}" in proc.stdout
+    assert f"run directory: {config.run_dir.path.resolve()}" in proc.stdout
     report = json.loads((config.run_dir / "eval" / "step-00000020.json").read_text())
     assert report["step"] == 20 and report["loss"] > 0 and len(report["samples"]) == 1
 
@@ -129,10 +129,9 @@ def test_an_eval_report_is_reused_only_for_the_same_checkpoint_copy_and_settings
     changed: other eval settings, or another copy of the step, are evaluated again."""
     from goodput.evaluation import evaluate
     from tasks.train import locate_dataset
-    from training.checkpoint import checkpoint_path
 
     config, _ = finished
-    checkpoint, dataset_dir = checkpoint_path(config.run_dir, 10), locate_dataset(config)
+    checkpoint, dataset_dir = config.run_dir.checkpoint(10), locate_dataset(config)
     first = evaluate(config, checkpoint, dataset_dir)
     assert first.copy_id and first.eval_hash == config.eval_hash()
     assert evaluate(config, checkpoint, dataset_dir) == first  # the same: reused

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from goodput import plan as planner
-from goodput.config import ConfigError, load_config
+from core.config import ConfigError, load_config
+from goodput import planner
 from tests.helpers import REPO
 from training.model import ModelArgs, Transformer
 
@@ -240,7 +240,7 @@ def test_search_ranks_valid_layouts_first_and_explains_the_rest():
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "goodput.cli", "plan", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "flows.cli", "plan", *args], capture_output=True,
                           text=True, cwd=REPO, timeout=120)
 
 
@@ -264,7 +264,7 @@ def test_cli_rejects_an_invalid_layout_with_exit_2():
 
 
 def test_cli_takes_the_cluster_from_the_config_and_flags_override_it(capsys):
-    from goodput.cli import main
+    from flows.cli import main
 
     def plan(*args: str) -> tuple[int, str, str]:
         code = main(["plan", "--config", str(REPO / "configs/llama2-7b.yaml"), "--top", "3", *args])
@@ -289,7 +289,7 @@ def test_cli_takes_the_cluster_from_the_config_and_flags_override_it(capsys):
 def test_cli_plans_what_the_train_flow_checks(tmp_path, capsys):
     """parallelism.device=cpu plans CPU workers, with the same estimate as check_run (the
     train flow's check), and no step time without a FLOP/s figure."""
-    from goodput.cli import main
+    from flows.cli import main
 
     overrides = ["parallelism.device=cpu", "parallelism.dp_replicate=1", "parallelism.dp_shard=2",
                  "parallelism.device_memory=100MiB", f"run.runs_dir={tmp_path}"]
@@ -354,7 +354,7 @@ def test_train_flow_fails_an_out_of_memory_layout_before_launch(prefect_api, tmp
     runs = task_runs_of(state.state_details.flow_run_id)
     assert set(runs) == {"resolve-config", "check-layout"}
     assert runs["check-layout"].state.is_failed() and runs["check-layout"].run_count == 1
-    assert not config.run_dir.exists()
+    assert not config.run_dir.path.exists()
     report = layout_artifact(state.state_details.flow_run_id)
     assert "cannot run" in report and "**Fix:** shard instead of replicating" in report
 
@@ -373,13 +373,13 @@ def test_pipeline_fails_an_invalid_layout_before_preparing_the_dataset(prefect_a
     runs = task_runs_of(state.state_details.flow_run_id)
     assert set(runs) == {"resolve-config", "check-layout"}
     assert runs["check-layout"].state.is_failed() and runs["check-layout"].run_count == 1
-    assert not (tmp_path / "data").exists() and not config.run_dir.exists()
+    assert not (tmp_path / "data").exists() and not config.run_dir.path.exists()
 
 
 def test_check_layout_passes_a_layout_that_fits_and_publishes_its_plan(prefect_api, tmp_path):
     from prefect import flow
 
-    from tasks.plan import check_layout
+    from tasks.layout import check_layout
     from tests.helpers import small_config
 
     @flow(name="check-layout-only")
@@ -414,7 +414,7 @@ def test_check_run_plans_on_the_run_s_own_hardware(tmp_path):
     assert result.ok and cluster.gpu_memory is None and cluster.device == "cuda"
     assert "set parallelism.device_memory" in source
     # An existing tokenizer's vocabulary, not tokenizer.vocab_size, sizes the embeddings.
-    from goodput.data.tokenizer import train_tokenizer
+    from training.tokenizer import train_tokenizer
 
     path = tmp_path / "tokenizer.json"
     tokenizer = train_tokenizer(["some text to learn from"] * 10, vocab_size=300, min_frequency=1)
@@ -555,14 +555,15 @@ def probe(cases: dict[str, list[str]], steps: int = 2) -> None:
     import torch
     import torch.distributed as dist
 
+    from training.distributed import init_distributed
     from training.parallelize import clip_grad_norm_, parallelize
-    from training.train import build_optimizer, forward_backward, init_distributed, layout_degrees
+    from training.train import build_optimizer, forward_backward, layout_dims
 
-    env = init_distributed(load_config(None, next(iter(cases.values()))))
+    env = init_distributed(load_config(None, next(iter(cases.values()))).parallelism)
     for name, overrides in cases.items():
         config = load_config(None, overrides)
         tcfg = config.training
-        degrees = layout_degrees(config, env)
+        dims = layout_dims(config, env)
         generator = torch.Generator().manual_seed(env.rank)
         batch = torch.randint(0, config.tokenizer.vocab_size,
                               (tcfg.micro_batch_size, tcfg.seq_len + 1), generator=generator)
@@ -570,7 +571,7 @@ def probe(cases: dict[str, list[str]], steps: int = 2) -> None:
         def build(args: ModelArgs):
             with torch.device("meta"):
                 model = Transformer(args)
-            layout = parallelize(model, config.parallelism, degrees, env.device, None, tcfg.seed)
+            layout = parallelize(model, config.parallelism, dims, env.device, None, tcfg.seed)
             return layout, build_optimizer(layout.model_parts[0], tcfg, env.device)
 
         def step(layout, optimizer, tokens, activations: dict | None = None) -> int:

@@ -22,20 +22,24 @@ import httpx
 import psutil
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (DeploymentFilter, DeploymentFilterId, FlowRunFilter,
-                                            FlowRunFilterParentFlowRunId, LogFilter,
-                                            LogFilterFlowRunId)
+from prefect.client.schemas.filters import (
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowRunFilter,
+    FlowRunFilterParentFlowRunId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
 from prefect.client.schemas.objects import FlowRun
 from prefect.exceptions import ObjectNotFound
 
+from core.config import config_from_dict, dump_config
 from flows.prepare import prepare
 from flows.train import train
-from goodput.config import config_from_dict, dump_config
 from storage.ledger import Ledger
 from tasks.control import StopAtCheckpointAfter, TimeLimitReached
 from tasks.reporting import TrainingProgress, worker_log
 from tests.helpers import REPO, small_config
-from training.checkpoint import checkpoint_path
 from training.metrics import read_metrics
 
 SERVE_CRON = "* * * * *"  # the continuation schedule: a run every minute
@@ -76,7 +80,7 @@ def served(prefect_api, base, dataset, workdir):
     # Pick up triggered runs within a second (default: 10 s).
     env = prefect_api.env(PREFECT_RUNNER_POLL_FREQUENCY="1")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "goodput.cli", "serve", "--config", str(config_file),
+        [sys.executable, "-m", "flows.cli", "serve", "--config", str(config_file),
          "--eval-cron", EVAL_CRON, "--train-cron", SERVE_CRON,
          "--train-time-limit", str(SERVE_TIME_LIMIT_S)],
         cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -195,7 +199,7 @@ def events(api_url: str, prefix: str, run_id: str) -> list[dict]:
 
 def form(base, *overrides: str) -> dict:
     """The RunConfig form as the UI submits it: every field, some edited."""
-    from goodput.config import apply_overrides
+    from core.config import apply_overrides
 
     return config_from_dict(apply_overrides(base.model_dump(mode="json"), list(overrides))
                             ).model_dump(mode="json")
@@ -290,7 +294,7 @@ def test_time_limit_stops_after_the_next_committed_checkpoint(tmp_path):
     config = small_config(tmp_path)
 
     def commit(step: int) -> None:
-        manifest = checkpoint_path(config.run_dir, step) / "manifest.json"
+        manifest = config.run_dir.checkpoint(step) / "manifest.json"
         manifest.parent.mkdir(parents=True)
         manifest.write_text("{}")
 
@@ -370,7 +374,7 @@ class TestServedDeployments:
 
     def test_ui_triggered_pipeline_completes_with_artifacts(self, ui_run, base, prefect_api):
         assert ui_run.state.is_completed(), ui_run.state.message
-        run_dir = base.run_dir.parent / "ui"
+        run_dir = base.run_dir.path.parent / "ui"
         assert Ledger(run_dir, "ui").read().steps("uploaded") == [10, 20]
         api = prefect_api.api_url
 
@@ -438,7 +442,7 @@ class TestServedDeployments:
                              for line in logs_of(both)), timeout_s=30, what="refusal in the run's logs")
         evaluated = wait_final(good, timeout_s=300)
         assert evaluated.state.is_completed(), evaluated.state.message
-        report = json.loads((base.run_dir.parent / "ui" / "eval" / "step-00000010.json")
+        report = json.loads((base.run_dir.path.parent / "ui" / "eval" / "step-00000010.json")
                             .read_text())
         assert report["step"] == 10 and len(report["samples"]) == 2
 
@@ -458,8 +462,8 @@ class TestServedDeployments:
         nightly = served["goodput-evaluate"]
         (schedule,) = nightly.schedules
         config = config_from_dict(form(base, "run.run_id=ui", "training.max_steps=20"))
-        rejected = checkpoint_path(config.run_dir, 30)
-        shutil.copytree(checkpoint_path(config.run_dir, 20), rejected)
+        rejected = config.run_dir.checkpoint(30)
+        shutil.copytree(config.run_dir.checkpoint(20), rejected)
         with temporary_settings({PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW: "ignore"}):
             assert validate_checkpoint(config, 30).state == "rejected"  # a task, no flow
         Ledger(config.run_dir, "ui").record(40, "committed")
@@ -527,7 +531,7 @@ class TestServedDeployments:
         it Cancelled with no worker left; B then resumes from A's checkpoints and stops at its
         budget, right after a checkpoint."""
         api = prefect_api.api_url
-        run_dir = base.run_dir.parent / "long"
+        run_dir = base.run_dir.path.parent / "long"
         long_form = form(base, "run.run_id=long", "training.max_steps=100000",
                          "checkpoint.every_steps=200")
         a = trigger_like_the_ui(api, served["goodput-train"].id, {"config": long_form})
@@ -667,7 +671,7 @@ def test_work_pool_script_deploys_prefect_yaml_and_runs_it(prefect_api, base, da
 
 def test_serving_a_finished_run_again_keeps_its_continuation_schedule_off(tmp_path):
     from flows.deployments import build_deployments
-    from goodput.checkpoints import ledger_of
+    from goodput.checkpoint_lifecycle import ledger_of
 
     config = small_config(tmp_path, "training.max_steps=20")
 

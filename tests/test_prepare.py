@@ -13,15 +13,15 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from goodput.config import RunConfig, load_config
+from core.config import RunConfig, load_config
+from core.errors import DataError
+from core.files import sha256_file
 from goodput.data import prepare as prep
-from goodput.data import DataError
 from goodput.data.corpus import load_documents, resolve_files, split_documents
-from goodput.data.tokenizer import load_tokenizer, train_tokenizer
-from storage.checksums import sha256_file
 from storage.manifests import DatasetManifest
 from storage.shards import read_documents, read_tokens, shard_size, token_dtype, write_shard
 from tests.helpers import flip_bytes
+from training.tokenizer import load_tokenizer, train_tokenizer
 
 
 def make_config(root: Path, *overrides: str) -> RunConfig:

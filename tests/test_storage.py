@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 import storage.store
+from core.files import sha256_bytes
 from storage import LocalStore, S3Store, Store, open_store, sha256_file
-from storage.checksums import sha256_bytes
-from storage.store import MiB, IntegrityError, RetryPolicy
+from storage.store import IntegrityError, MiB, RetryPolicy
 
 FAST_RETRY = RetryPolicy(attempts=3, initial_delay=0.05, max_delay=0.2, max_total=5.0)
 
@@ -430,7 +430,7 @@ def test_open_store_rejects_other_uris(uri):
     assert "s3://bucket" in str(error.value) or "file:///" in str(error.value)
 
 
-# -- background priority (storage.background) ----------------------------------------------------
+# -- background priority (core.cpu_priority) ----------------------------------------------------
 
 def _priority_of_this_thread() -> tuple[int, int]:
     """(scheduling policy, nice value) of the calling thread."""
@@ -444,7 +444,7 @@ def _priority_of_this_thread() -> tuple[int, int]:
 def test_background_work_runs_at_the_lowest_priority_and_leaves_the_caller_alone():
     import threading
 
-    from storage.background import BACKGROUND_NICE, at_background_priority, lower_thread_priority
+    from core.cpu_priority import BACKGROUND_NICE, at_background_priority, lower_thread_priority
 
     probe = []
     threading.Thread(target=lambda: probe.append(lower_thread_priority())).start()
@@ -470,7 +470,7 @@ def test_background_work_runs_at_the_lowest_priority_and_leaves_the_caller_alone
 
 
 def test_background_work_hands_its_exception_to_the_caller():
-    from storage.background import at_background_priority
+    from core.cpu_priority import at_background_priority
 
     def fails():
         raise ConnectionError("store down")

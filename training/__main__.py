@@ -1,25 +1,35 @@
 """`python -m training`: the torchrun entrypoint. Works with or without the orchestrator.
 
     torchrun --nproc-per-node 2 -m training --config configs/tiny.yaml \
-        --dataset .goodput/data/<dataset_id> [--resume auto|none|DIR|store:STEP|validated[:DIR]] [key=value ...]
+        --dataset .goodput/data/<dataset_id> [--resume auto|none|validated|store:STEP|DIR] [key=value ...]
 
-Exits with the codes in training/exits.py and leaves an exit record for the launch task.
-
-When torchrun restarts the workers within an attempt (`--max-restarts`, launch.max_restarts),
-they run this same command line again: `--resume validated:DIR` makes them resume from the
-newest checkpoint validated since (training.train.resolve_resume), and a failure that a
-restart cannot fix (exits.NOT_RESTARTABLE) makes them exit at once with its code.
+Each rank exits with its failure class's code and leaves an exit record for the launch task
+(core/protocol.py). When torchrun restarts the workers within an attempt they run this same
+command line again: `--resume validated` makes them resume from the newest checkpoint
+validated since, and a failure that a restart cannot fix makes them exit at once with its code.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
-import traceback
 from pathlib import Path
 
-from training import exits
+from core.protocol import (
+    ENV_RUN_DIR,
+    FailureClass,
+    ResumeSpec,
+    attempt_of_worker,
+    restart_blocker,
+    restart_count,
+    supervised,
+    write_exit_record,
+)
+from training.logs import get_logger, setup_worker_logging
+
+log = get_logger("train")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,85 +40,79 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", default="auto",
                         help="'auto' (newest committed checkpoint), 'none', a checkpoint directory, "
                              "'store:STEP' (the uploaded checkpoint of STEP, each rank fetching "
-                             "the files it reads), or 'validated[:LOCATION]' (newest checkpoint "
-                             "the run's ledger marks validated, else LOCATION, else from scratch)")
+                             "the files it reads), or 'validated' (the newest checkpoint the run's "
+                             "ledger marks validated that this machine can read)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
 
     rank = int(os.environ.get("RANK", 0))
-    attempt = os.environ.get("GOODPUT_ATTEMPT", "0")
+    attempt = attempt_of_worker()
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_agent()
-    from goodput.config import ConfigError, load_config  # after argparse: --help stays fast
+    from core.config import ConfigError, load_config  # after argparse: --help stays fast
+    from core.errors import DataError
 
+    setup_worker_logging(rank)
     try:
         config = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(e, file=sys.stderr, flush=True)
-        if "GOODPUT_RUN_DIR" in os.environ:  # the launch task's: it reads why the attempt ended
-            exits.write_exit_record(os.environ["GOODPUT_RUN_DIR"], attempt, rank, exits.CONFIG_ERROR,
-                                    f"--config {args.config}: {e}", None)
-        return exits.CONFIG_ERROR
+        resume = ResumeSpec.parse(args.resume)
+    except (ConfigError, ValueError) as e:
+        log.error("%s", e)
+        if ENV_RUN_DIR in os.environ:  # the launch task's: it reads why the attempt ended
+            write_exit_record(os.environ[ENV_RUN_DIR], attempt, rank, FailureClass.CONFIG,
+                              f"--config {args.config}: {e}", None)
+        return FailureClass.CONFIG.exit_code
     run_dir = config.run_dir
-    if "GOODPUT_ATTEMPT" in os.environ:  # attempts of the launch task are unique; plain runs reuse "0"
-        blocker = exits.restart_blocker(run_dir, attempt)
+    if supervised():
+        blocker = restart_blocker(run_dir, attempt)
         if blocker is not None:
-            if rank == 0:
-                print(f"[train] not training on after an in-job restart: rank {blocker['rank']} "
-                      f"ended with {blocker['class']} ({blocker['reason']}); the launch task "
-                      "decides what comes next", file=sys.stderr, flush=True)
+            log.warning("not training on after an in-job restart: rank %s ended with %s (%s); "
+                        "the launch task decides what comes next",
+                        blocker["rank"], blocker["class"], blocker["reason"])
             return blocker["code"]
     if rank == 0:
         announce_start(run_dir, attempt)
     import torch
 
-    from training.checkpoint import CheckpointCorrupt, CheckpointFailed
-    from training.train import Preempted, RollbackRequested, train
+    from training.checkpoint.errors import CheckpointCorrupt, CheckpointFailed
+    from training.resilience import Preempted, RollbackRequested
+    from training.train import train
+
+    def ended(failure: FailureClass, reason: str, step: int | None, **details) -> int:
+        write_exit_record(run_dir, attempt, rank, failure, reason, step, **details)
+        return failure.exit_code
 
     try:
-        summary = train(config, Path(args.dataset), args.resume)
+        summary = train(config, Path(args.dataset), resume)
     except RollbackRequested as e:
-        print(f"[train] rollback: {e}", file=sys.stderr, flush=True)
-        exits.write_exit_record(run_dir, attempt, rank, exits.ROLLBACK, e.reason, e.step,
-                                sample_end=e.sample_end)
-        return exits.ROLLBACK
+        log.warning("rollback: %s", e)
+        return ended(FailureClass.ROLLBACK, e.reason, e.step, sample_end=e.sample_end)
     except Preempted as e:
-        print(f"[train] {e}", flush=True)
-        exits.write_exit_record(run_dir, attempt, rank, exits.RETRYABLE, str(e), e.step)
-        return exits.RETRYABLE
+        log.info("%s", e)
+        return ended(FailureClass.RETRYABLE, str(e), e.step)
     except CheckpointCorrupt as e:  # the launch task sets that copy aside; the retry resumes elsewhere
-        print(f"[train] not resuming: {e}", file=sys.stderr, flush=True)
-        exits.write_exit_record(run_dir, attempt, rank, exits.RETRYABLE, str(e), None,
-                                failure_class="corrupt_checkpoint", checkpoint_step=e.step,
-                                from_store=e.from_store)
-        return exits.RETRYABLE
+        log.error("not resuming: %s", e)
+        return ended(FailureClass.CORRUPT_CHECKPOINT, str(e), None, checkpoint_step=e.step,
+                     from_store=e.from_store)
     except CheckpointFailed as e:  # nothing was committed; a full disk stays full on retry
-        print(f"[train] checkpoint failed: {e}", file=sys.stderr, flush=True)
-        exits.write_exit_record(run_dir, attempt, rank, exits.RETRYABLE, f"checkpoint failed: {e}",
-                                None, failure_class="disk_full" if e.disk_full else None)
+        log.error("checkpoint failed: %s", e)
+        code = ended(FailureClass.DISK_FULL if e.disk_full else FailureClass.RETRYABLE,
+                     f"checkpoint failed: {e}", None)
         if e.writes_stuck:  # an interpreter exit would join the blocked write thread first
-            sys.stdout.flush()
-            os._exit(exits.RETRYABLE)
-        return exits.RETRYABLE
+            logging.shutdown()
+            os._exit(code)
+        return code
     except torch.OutOfMemoryError as e:  # retrying the same layout would run out again
-        traceback.print_exc()
-        exits.write_exit_record(run_dir, attempt, rank, exits.RETRYABLE, f"out of memory: {e}",
-                                None, failure_class="oom")
-        return exits.RETRYABLE
-    except (ValueError, FileNotFoundError) as e:
-        # Bad data, shapes that do not fit, a resume path that does not exist: retrying the
-        # same inputs cannot help.
-        traceback.print_exc()
-        exits.write_exit_record(run_dir, attempt, rank, exits.CONFIG_ERROR, f"{type(e).__name__}: {e}", None)
-        return exits.CONFIG_ERROR
-    except Exception as e:  # crash, communication error: the next attempt resumes
-        traceback.print_exc()
-        exits.write_exit_record(run_dir, attempt, rank, exits.RETRYABLE, f"{type(e).__name__}: {e}", None)
-        return exits.RETRYABLE
-    exits.write_exit_record(run_dir, attempt, rank, exits.DONE, "done", summary["final_step"])
-    if rank == 0:
-        print(f"[train] done: step {summary['final_step']}, loss {summary['final_loss']:.4f}", flush=True)
-    return exits.DONE
+        log.exception("out of memory")
+        return ended(FailureClass.OOM, f"out of memory: {e}", None)
+    except (ConfigError, DataError) as e:  # the same inputs fail the same way: never retried
+        log.exception("configuration or data error")
+        return ended(FailureClass.CONFIG, f"{type(e).__name__}: {e}", None)
+    except Exception as e:  # a crash, a communication error, a file a shared filesystem lost
+        log.exception("training failed")
+        return ended(FailureClass.RETRYABLE, f"{type(e).__name__}: {e}", None)
+    log.info("done: step %d, loss %.4f", summary["final_step"], summary["final_loss"])
+    return ended(FailureClass.DONE, "done", summary["final_step"])
 
 
 def die_with_agent() -> None:
@@ -127,25 +131,23 @@ def die_with_agent() -> None:
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != agent:  # the agent died before the request took effect
-        os._exit(exits.RETRYABLE)
+        os._exit(FailureClass.RETRYABLE.exit_code)
 
 
-def announce_start(run_dir: Path, attempt: str) -> None:
+def announce_start(run_dir, attempt: str) -> None:
     """Global rank 0, at every start of the worker group: note the start and tell the launch
     task through the heartbeat, which gives a (re)start its startup allowance before the
     first step rather than the allowance of a step."""
-    from training.metrics import MetricsWriter
+    from core.protocol import record_start, write_heartbeat
 
     # Attempts of the launch task are unique; plain runs share "0" and each starts anew.
-    plain_run = "GOODPUT_ATTEMPT" not in os.environ and exits.restart_count() == 0
-    start = exits.record_start(run_dir, attempt, fresh=plain_run)
+    start = record_start(run_dir, attempt, fresh=not supervised() and restart_count() == 0)
     if start:
-        print(f"[train] in-job restart {start} of attempt {attempt} (torchrun restart count "
-              f"{exits.restart_count()} on this node)", flush=True)
-    writer = MetricsWriter(run_dir, enabled=True)
-    writer.heartbeat(attempt=attempt, phase="startup", step=None, start=start,
-                     restart=exits.restart_count())
-    writer.close()
+        log.info("in-job restart %d of attempt %s (torchrun restart count %d on this node)",
+                 start, attempt, restart_count())
+    run_dir.path.mkdir(parents=True, exist_ok=True)
+    write_heartbeat(run_dir, attempt=attempt, phase="startup", step=None, start=start,
+                    restart=restart_count())
 
 
 if __name__ == "__main__":

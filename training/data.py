@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.errors import ConfigError, DataError
 from storage.manifests import DatasetManifest
 from storage.shards import read_tokens
 
@@ -24,7 +25,8 @@ class TokenStream:
 
     def __init__(self, dataset_dir: str | Path, manifest: DatasetManifest, split: str):
         if split not in manifest.splits or not manifest.splits[split]:
-            raise ValueError(f"dataset {manifest.dataset_id} has no '{split}' shards")
+            raise DataError(f"dataset {manifest.dataset_id} has no '{split}' shards; prepare it "
+                            "again (goodput prepare)")
         dataset_dir = Path(dataset_dir)
         self.shards = [read_tokens(dataset_dir / s.path) for s in manifest.splits[split]]
         lengths = [len(s) for s in self.shards]
@@ -56,7 +58,7 @@ class DistributedSampleLoader:
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.samples_per_epoch = stream.num_samples(seq_len)
         if self.samples_per_epoch < micro_batch * dp_size:
-            raise ValueError(
+            raise DataError(
                 f"the train split has {stream.n_tokens} tokens, {self.samples_per_epoch} samples "
                 f"of seq_len={seq_len}: fewer than one micro-batch across ranks "
                 f"({micro_batch} x {dp_size}); add data or lower training.seq_len")
@@ -91,7 +93,7 @@ class DistributedSampleLoader:
 
     def load_state_dict(self, state: dict) -> None:
         if state["seq_len"] != self.seq_len or state["seed"] != self.seed:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint data order was seq_len={state['seq_len']} seed={state['seed']}, "
                 f"this run has seq_len={self.seq_len} seed={self.seed}; resuming would change "
                 "which samples are seen — start a new run id instead")

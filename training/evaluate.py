@@ -14,35 +14,17 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
-from goodput.data.tokenizer import load_tokenizer
-from storage.checksums import write_atomic
-from storage.manifests import CheckpointManifest, DatasetManifest, EvalReport, EvalSample
-from training.checkpoint import copy_id, load_all_tensors, model_state_from
-from training.data import TokenStream, sequential_batches
-from training.model import ModelArgs, Transformer
+from core.files import write_atomic
+from core.protocol import copy_id
+from storage.manifests import DatasetManifest, EvalReport, EvalSample
+from training.checkpoint.reader import load_model
+from training.data import TokenStream
+from training.held_out import held_out_loss
+from training.logs import get_logger, setup_worker_logging
+from training.model import Transformer
+from training.tokenizer import load_tokenizer
 
-
-def load_model(checkpoint: Path, device: torch.device) -> tuple[Transformer, CheckpointManifest]:
-    """The model of a committed checkpoint, whatever layout trained it."""
-    manifest = CheckpointManifest.load(checkpoint)
-    model = Transformer.with_weights(ModelArgs(**manifest.model_args),
-                                    model_state_from(load_all_tensors(checkpoint, prefix="model.")))
-    return model.to(device).eval(), manifest
-
-
-@torch.no_grad()
-def held_out_loss(model: Transformer, stream: TokenStream, seq_len: int, batch_size: int,
-                  max_batches: int, device: torch.device) -> tuple[float, int]:
-    """Mean next-token cross-entropy over the first `max_batches` validation batches."""
-    total, tokens = 0.0, 0
-    for inputs, targets in sequential_batches(stream, seq_len, batch_size, max_batches):
-        loss = model(inputs.to(device), targets.to(device))
-        total += loss.item() * targets.numel()
-        tokens += targets.numel()
-    if tokens == 0:
-        raise ValueError(f"validation split has {stream.n_tokens} tokens, not enough for one "
-                         f"sample of seq_len={seq_len}; add data or raise data.validation_fraction")
-    return total / tokens, tokens
+log = get_logger("eval")
 
 
 def generate_samples(model: Transformer, tokenizer: Tokenizer, prompts: list[str], count: int,
@@ -86,16 +68,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
-    from goodput.config import load_config
+    from core.config import load_config
 
+    setup_worker_logging()
     config = load_config(args.config)
     report = evaluate_checkpoint(Path(args.checkpoint), Path(args.dataset), config.run.run_id,
                                  config.eval, config.training.seq_len, config.training.seed)
     report = report.model_copy(update={"eval_hash": config.eval_hash()})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, report.model_dump_json(indent=2).encode())
-    print(f"[eval] step {report.step}: loss {report.loss:.4f}, perplexity {report.perplexity:.2f} "
-          f"over {report.tokens_evaluated:,} tokens", flush=True)
+    log.info("step %d: loss %.4f, perplexity %.2f over %s tokens", report.step, report.loss,
+             report.perplexity, f"{report.tokens_evaluated:,}")
     return 0
 
 

@@ -26,8 +26,9 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import save_file
 
-from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, verify_files
-from training.checkpoint import is_committed, load_all_tensors, model_state_from
+from core.protocol import CHECKPOINT_MANIFEST, is_committed
+from storage.manifests import CheckpointManifest, verify_files
+from training.checkpoint.reader import load_all_tensors, model_state_from
 from training.model import ModelArgs, Transformer
 
 # Hugging Face's default shard size ("5GB"); smaller models are one model.safetensors.
@@ -198,8 +199,8 @@ class TokenizerFiles(NamedTuple):
 
 def _tokenizer_files(tokenizer: str | Path, vocab_size: int) -> TokenizerFiles:
     """A tokenizer.json, given itself or the dataset directory holding it, checked against the model."""
-    from goodput.data import DataError
-    from goodput.data.tokenizer import eos_id, load_tokenizer
+    from core.errors import DataError
+    from training.tokenizer import eos_id, load_tokenizer
 
     path = Path(tokenizer)
     if path.is_dir():

@@ -1,6 +1,6 @@
-"""Rank 0's view of progress: one JSON line per step, and a heartbeat file.
+"""Rank 0's view of progress: one JSON line per logged step, and the heartbeat.
 
-The heartbeat is rewritten atomically every step; the launch task watches it to tell a
+The heartbeat (core.protocol) is rewritten every step; the launch task watches it to tell a
 slow step from a hung job and to show live progress.
 """
 
@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from pathlib import Path
+
+from core.protocol import RunDir, write_heartbeat
 
 
 def young_daly_interval_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
@@ -20,42 +21,79 @@ def young_daly_interval_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path, enabled: bool):
+    """metrics.jsonl and the heartbeat, written by rank 0 (`enabled`) only."""
+
+    def __init__(self, run_dir: RunDir | str | Path, enabled: bool):
+        self.run_dir = RunDir.of(run_dir)
         self.enabled = enabled
-        self.metrics_path = Path(run_dir) / "metrics.jsonl"
-        self.heartbeat_path = Path(run_dir) / "heartbeat.json"
         if enabled:
-            self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.metrics_path, "a", buffering=1)  # line-buffered: tail-able
+            self.run_dir.path.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.run_dir.metrics_file, "a", buffering=1)  # line-buffered: tail-able
 
     def log(self, record: dict) -> None:
         if self.enabled:
             self._file.write(json.dumps({**record, "time": time.time()}) + "\n")
 
     def heartbeat(self, **fields) -> None:
-        if not self.enabled:
-            return
-        tmp = self.heartbeat_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({**fields, "time": time.time(), "pid": os.getpid()}))
-        os.replace(tmp, self.heartbeat_path)
+        if self.enabled:
+            write_heartbeat(self.run_dir, **fields)
 
     def close(self) -> None:
         if self.enabled:
             self._file.close()
 
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
+class StepMetrics:
+    """What the loop reports after each step: a heartbeat every step, a metrics record every
+    `log_every` steps (and at the last). A record accounts for every step since the previous
+    one (`window_steps`, `window_time_s`, `checkpoint_s`), so goodput counts every step's
+    time, not only the logged ones."""
+
+    def __init__(self, writer: MetricsWriter, *, attempt: str, max_steps: int, log_every: int,
+                 tokens_per_step: int, flops_per_token: float, world_size: int,
+                 device_peak_flops: float | None, device_memory=lambda: {}):
+        self.writer, self.attempt, self.max_steps, self.log_every = writer, attempt, max_steps, log_every
+        self.tokens_per_step, self.flops_per_token = tokens_per_step, flops_per_token
+        self.world_size, self.device_peak_flops = world_size, device_peak_flops
+        self.device_memory = device_memory
+        self.window_steps, self.window_time_s, self.window_checkpoint_s = 0, 0.0, 0.0
+
+    def step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens_seen: int,
+             step_time_s: float, checkpoint_s: float, save_in_flight: bool) -> None:
+        tokens_per_s = self.tokens_per_step / step_time_s
+        self.window_steps += 1
+        self.window_time_s += step_time_s
+        self.window_checkpoint_s += checkpoint_s
+        if step % self.log_every == 0 or step == self.max_steps:
+            achieved = self.flops_per_token * tokens_per_s / self.world_size
+            self.writer.log({
+                "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                "tokens_seen": tokens_seen, "tokens_per_s": tokens_per_s, "step_time_s": step_time_s,
+                "checkpoint_s": self.window_checkpoint_s,
+                # rank 0's background save was still writing or hashing when this step ended:
+                # the step shared the CPU with it (benchmarks/ measures it)
+                "save_in_flight": save_in_flight,
+                # this record stands for steps (step - window_steps, step]
+                "window_steps": self.window_steps, "window_time_s": self.window_time_s,
+                "flops_per_s_per_device": achieved,
+                "mfu": achieved / self.device_peak_flops if self.device_peak_flops else None,
+                "attempt": self.attempt, **self.device_memory()})
+            self.window_steps, self.window_time_s, self.window_checkpoint_s = 0, 0.0, 0.0
+        self.writer.heartbeat(step=step, loss=loss, tokens_per_s=tokens_per_s,
+                              step_time_s=step_time_s, max_steps=self.max_steps,
+                              attempt=self.attempt, phase="step")
+
+    def saving(self, step: int, loss: float) -> None:
+        """A save, or a wait for one, is under way: the supervisor allows it a save's time."""
+        self.writer.heartbeat(step=step, loss=loss, attempt=self.attempt, phase="checkpoint",
+                              max_steps=self.max_steps)
+
+
+def read_metrics(run_dir: RunDir | str | Path) -> list[dict]:
+    path = RunDir.of(run_dir).metrics_file
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def read_heartbeat(run_dir: str | Path) -> dict | None:
-    try:
-        return json.loads((Path(run_dir) / "heartbeat.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
 
 
 # Dense bf16 peak FLOP/s by device name fragment, for the MFU estimate.

@@ -248,7 +248,7 @@ def shape_differences(saved: dict, args: ModelArgs) -> list[str]:
 
 
 def model_args_from_config(model_cfg, vocab_size: int) -> ModelArgs:
-    """ModelConfig (goodput.config) + the tokenizer's vocabulary -> ModelArgs, the vocabulary
+    """ModelConfig (core.config) + the tokenizer's vocabulary -> ModelArgs, the vocabulary
     rounded up to a multiple of model.vocab_multiple_of."""
     multiple = model_cfg.vocab_multiple_of
     return ModelArgs(vocab_size=-(-vocab_size // multiple) * multiple,

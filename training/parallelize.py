@@ -1,6 +1,6 @@
 """Apply a parallelism layout to the model: the only place that knows about layouts.
 
-    mesh   = (pp, dp_replicate, dp_shard, tp), TP innermost (fastest links)
+    mesh   = core.layout.MESH_DIMS: (pp, dp_replicate, dp_shard, tp), TP innermost
     order  = pipeline split -> tensor parallel -> activation checkpointing -> compile
              -> data parallel (FSDP2 / HSDP, or DDP when the layout is pure replication)
              -> materialize (the model is built on the meta device; each rank allocates
@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from core.errors import ConfigError
+from core.layout import MESH_DIMS, ParallelDims
 from training.model import cross_entropy
-
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass
@@ -32,7 +32,7 @@ class Layout:
     """What the training loop needs to know after the layout is applied."""
 
     mesh: DeviceMesh | None
-    degrees: dict[str, int]
+    dims: ParallelDims
     model_parts: list[nn.Module]  # one, or this rank's pipeline stages
     schedule: object | None = None  # torch.distributed.pipelining schedule when pp > 1
     first_stage: bool = True
@@ -47,13 +47,13 @@ class Layout:
 
     @property
     def dp_size(self) -> int:
-        return self.degrees["dp_replicate"] * self.degrees["dp_shard"]
+        return self.dims.dp_size
 
     @property
     def dp_rank(self) -> int:
         if self.mesh is None:
             return 0
-        return (self.mesh.get_local_rank("dp_replicate") * self.degrees["dp_shard"]
+        return (self.mesh.get_local_rank("dp_replicate") * self.dims.dp_shard
                 + self.mesh.get_local_rank("dp_shard"))
 
     @property
@@ -65,34 +65,29 @@ class Layout:
         return self.mesh.get_group(dim) if self.mesh is not None else None
 
 
-def build_mesh(degrees: dict[str, int], device_type: str) -> DeviceMesh | None:
+def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
     if not dist.is_initialized():
         return None
-    shape = tuple(degrees[d] for d in MESH_DIMS)
-    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)
 
 
-def parallelize(model: nn.Module, par_cfg, degrees: dict[str, int], device: torch.device,
+def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.device,
                 loss_fn, seed: int | None) -> Layout:
     """Lay `model` (built whole on the meta device: no memory yet) out on this rank according
-    to `degrees`, then allocate and initialise only what this rank holds (materialize; seed
+    to `dims`, then allocate and initialise only what this rank holds (materialize; seed
     None: allocate only, for a caller that loads every weight from a checkpoint)."""
-    mesh = build_mesh(degrees, device.type)
+    mesh = build_mesh(dims, device.type)
     if mesh is None:
         parts = materialize([_finish(model, par_cfg)], seed, device)
-        return _precision_and_loss(Layout(None, degrees, parts), par_cfg, device)
+        return _precision_and_loss(Layout(None, dims, parts), par_cfg, device)
 
     stage_ids, parts = [0], [model]
-    if degrees["pp"] > 1:
-        stage_ids, parts = split_pipeline(model, mesh, par_cfg, degrees["pp"])
-    parts = [_apply_tp(part, mesh["tp"]) if degrees["tp"] > 1 else part for part in parts]
+    if dims.pp > 1:
+        stage_ids, parts = split_pipeline(model, mesh, dims)
+    parts = [_apply_tp(part, mesh["tp"]) if dims.tp > 1 else part for part in parts]
     parts = [_finish(part, par_cfg) for part in parts]
 
-    dp_size = degrees["dp_replicate"] * degrees["dp_shard"]
-    pure_replication = degrees["dp_shard"] == 1 and degrees["tp"] == 1 and degrees["pp"] == 1
-    layout = Layout(mesh, degrees, parts, stage_ids=stage_ids)
-    layout.fsdp = dp_size > 1 and not pure_replication
-    layout.ddp = dp_size > 1 and pure_replication
+    layout = Layout(mesh, dims, parts, stage_ids=stage_ids, fsdp=dims.fsdp, ddp=dims.ddp)
     if layout.fsdp:  # sharded while still on the meta device: each rank allocates its shards
         parts = [_apply_fsdp(p, mesh["dp_replicate", "dp_shard"], par_cfg, device) for p in parts]
     # Before DDP, which broadcasts rank 0's weights when it wraps them.
@@ -103,8 +98,8 @@ def parallelize(model: nn.Module, par_cfg, degrees: dict[str, int], device: torc
         layout.model_parts = [DistributedDataParallel(layout.model_parts[0],
                                                       process_group=mesh.get_group("dp_replicate"))]
 
-    if degrees["pp"] > 1:
-        _build_schedule(layout, mesh, par_cfg, device, loss_fn)
+    if dims.pp > 1:
+        _build_schedule(layout, mesh, device, loss_fn)
     return _precision_and_loss(layout, par_cfg, device)
 
 
@@ -165,23 +160,15 @@ def uses_bf16(par_cfg, device: torch.device) -> bool:
 
 # -- pipeline parallelism ---------------------------------------------------------------------
 
-def stages_per_rank(par_cfg) -> int:
-    return 2 if par_cfg.pp_schedule == "interleaved-1f1b" else 1
-
-
-def split_pipeline(model: nn.Module, mesh: DeviceMesh, par_cfg, pp: int):
-    """This rank's stages: copies of the model keeping a contiguous run of layers each.
-
-    With interleaving a rank holds stages r and r + pp (looping placement).
-    """
-    n_stages = pp * stages_per_rank(par_cfg)
+def split_pipeline(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims):
+    """This rank's stages: copies of the model keeping a contiguous run of layers each
+    (ParallelDims.stage_bounds); with interleaving a rank holds stages r and r + pp."""
     layer_names = list(model.layers.keys())
-    if len(layer_names) < n_stages:
-        raise ValueError(f"{len(layer_names)} layers cannot fill {n_stages} pipeline stages; "
-                         "lower parallelism.pp or use a non-interleaved pp_schedule")
-    bounds = _even_split(len(layer_names), n_stages)
-    pp_rank = mesh.get_local_rank("pp")
-    stage_ids = [pp_rank + k * pp for k in range(stages_per_rank(par_cfg))]
+    if len(layer_names) < dims.n_stages:
+        raise ConfigError(f"{len(layer_names)} layers cannot fill {dims.n_stages} pipeline stages; "
+                          "lower parallelism.pp or use a non-interleaved pp_schedule")
+    bounds = dims.stage_bounds(len(layer_names))
+    stage_ids = dims.stages_of(mesh.get_local_rank("pp"))
     parts = []
     for sid in stage_ids:
         part = copy.deepcopy(model)
@@ -191,38 +178,33 @@ def split_pipeline(model: nn.Module, mesh: DeviceMesh, par_cfg, pp: int):
                 del part.layers[name]
         if sid != 0:
             part.tok_embeddings = None
-        if sid != n_stages - 1:
+        if sid != dims.n_stages - 1:
             part.norm, part.output = None, None
         parts.append(part)
     return stage_ids, parts
 
 
-def _even_split(n: int, parts: int) -> list[int]:
-    base, extra = divmod(n, parts)
-    bounds = [0]
-    for i in range(parts):
-        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
-    return bounds
-
-
-def _build_schedule(layout: Layout, mesh: DeviceMesh, par_cfg, device, loss_fn) -> None:
+def _build_schedule(layout: Layout, mesh: DeviceMesh, device, loss_fn) -> None:
     from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import (Schedule1F1B, ScheduleGPipe,
-                                                        ScheduleInterleaved1F1B)
+    from torch.distributed.pipelining.schedules import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
-    pp = layout.degrees["pp"]
-    n_stages = pp * stages_per_rank(par_cfg)
+    dims = layout.dims
+    n_stages = dims.n_stages
     group = mesh.get_group("pp")
     stages = [PipelineStage(part, sid, n_stages, device, group=group)
               for sid, part in zip(layout.stage_ids, layout.model_parts)]
-    microbatches = par_cfg.pipeline_microbatches
+    microbatches = dims.microbatches_per_step
     # scale_grads would divide the *accumulated* gradients after every step, which is wrong
     # with gradient accumulation; loss_fn already divides by micro-batches x accumulation.
-    if par_cfg.pp_schedule == "interleaved-1f1b":
+    if dims.pp_schedule == "interleaved-1f1b":
         layout.schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn,
                                                   scale_grads=False)
     else:
-        cls = ScheduleGPipe if par_cfg.pp_schedule == "gpipe" else Schedule1F1B
+        cls = ScheduleGPipe if dims.pp_schedule == "gpipe" else Schedule1F1B
         layout.schedule = cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
     layout.first_stage = 0 in layout.stage_ids
     layout.last_stage = (n_stages - 1) in layout.stage_ids
@@ -234,9 +216,13 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     """Megatron-style TP with sequence parallelism for the norms (activations between blocks
     are sharded along the sequence, so norms and residual adds are not duplicated)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     top = {}
     if model.tok_embeddings is not None:
@@ -320,7 +306,7 @@ def clip_grad_norm_(layout: Layout, max_norm: float) -> torch.Tensor:
     norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
     if hasattr(norm, "full_tensor"):  # DTensor: reduce over its mesh
         norm = norm.full_tensor()
-    if layout.degrees["pp"] > 1:  # each stage saw only its own parameters
+    if layout.dims.pp > 1:  # each stage saw only its own parameters
         squared = norm ** 2
         dist.all_reduce(squared, group=layout.group("pp"))
         norm = squared.sqrt()

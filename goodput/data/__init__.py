@@ -3,7 +3,3 @@
 `goodput.data.prepare.prepare_dataset` runs the whole stage without Prefect; the Prefect
 tasks in `tasks/prepare.py` wrap the same functions one by one.
 """
-
-
-class DataError(ValueError):
-    """The input data cannot be used as given; the message says what to change."""

@@ -27,10 +27,9 @@ from pathlib import Path
 import datasets
 import numpy as np
 
-from goodput.config import DataConfig
-from goodput.data import DataError
-from storage.checksums import sha256_bytes, sha256_file, write_atomic
-from storage.manifests import canonical_json
+from core.config import DataConfig
+from core.errors import DataError
+from core.files import canonical_json, sha256_bytes, sha256_file, write_atomic
 
 BUILTIN = "builtin"
 FORMAT_OF_EXTENSION = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}

@@ -27,15 +27,14 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel
 
-from goodput.config import RunConfig
-from goodput.data import DataError
-from goodput.data.corpus import (describe_source, load_documents,
-                                 source_fingerprint, split_documents)
-from goodput.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
-from storage.checksums import sha256_bytes, sha256_file, write_atomic
-from storage.manifests import DATASET_MANIFEST, DatasetManifest, ShardInfo, canonical_json
+from core.config import RunConfig
+from core.errors import ConfigError, DataError
+from core.files import canonical_json, sha256_bytes, sha256_file, write_atomic
+from goodput.data.corpus import describe_source, load_documents, source_fingerprint, split_documents
+from storage.manifests import DATASET_MANIFEST, DatasetManifest, ShardInfo
 from storage.shards import read_metadata, shard_size, token_dtype, write_shard
-from storage.store import Store
+from storage.store import Store, store_from_config
+from training.tokenizer import eos_id, load_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +128,19 @@ def find_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest | None:
     log.info("restoring dataset %s from %s", plan.dataset_id, store.url(plan.store_prefix))
     store.download_dir(plan.store_prefix, plan.dir)
     return _verified_manifest(plan.dir)
+
+
+def require_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest:
+    """For training and evaluation: the prepared dataset of `plan` (local, or restored from
+    the store), or a ConfigError that says whether it was never prepared or is damaged."""
+    had_manifest = (plan.dir / DATASET_MANIFEST).is_file()
+    manifest = find_prepared(plan, store)
+    if manifest is None:
+        state = ("is damaged: its files no longer match its manifest (the log names them)"
+                 if had_manifest else "is not prepared")
+        raise ConfigError(f"dataset {plan.dataset_id} of this config {state}; run `goodput "
+                          "prepare` (or the pipeline) first")
+    return manifest
 
 
 def _verified_manifest(directory: Path) -> DatasetManifest | None:
@@ -329,7 +341,7 @@ def publish(plan: DatasetPlan, manifest: DatasetManifest, store: Store) -> None:
 def prepare_dataset(config: RunConfig) -> DatasetManifest:
     """Prepare (or find) the dataset `config` describes, without Prefect."""
     plan = plan_dataset(config)
-    store = config.storage.open()
+    store = store_from_config(config.storage)
     manifest = find_prepared(plan, store)
     if manifest is None:
         corpus = stage_corpus(plan, config)

@@ -1,4 +1,5 @@
-"""What happens to a checkpoint after training commits it: validate, upload, resume, prune.
+"""What happens to a checkpoint after training commits it: validate, upload, prune; and
+which one an attempt resumes from.
 
 These functions are the checkpoint lifecycle the Prefect tasks wrap. Any of them may run
 concurrently with training and with each other; a per-checkpoint lock makes "validate
@@ -8,19 +9,36 @@ step N" happen once, whoever asks first, and the ledger records every verdict.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-from goodput.config import RunConfig
-from storage.background import at_background_priority
-from storage.ledger import RESUMABLE, Ledger, LedgerEntry, checkpoint_key, ledger_key
-from storage.manifests import CHECKPOINT_MANIFEST, CheckpointManifest, verify_files
-from training.checkpoint import (checkpoint_path, checkpoint_root, committed_checkpoints, copy_id,
-                                 is_committed, set_aside, step_lock, step_of)
+from core.config import RunConfig
+from core.cpu_priority import at_background_priority
+from core.protocol import (
+    CHECKPOINT_MANIFEST,
+    checkpoint_lock,
+    copy_id,
+    is_committed,
+    set_aside,
+    step_of,
+)
+from storage.ledger import (
+    Ledger,
+    LedgerEntry,
+    ResumePoint,
+    checkpoint_key,
+    choose_resume,
+    ledger_key,
+    local_copy_judged,
+    unjudged_copies,
+)
+from storage.manifests import CheckpointManifest, verify_files
+
+log = logging.getLogger("goodput.checkpoints")
 
 
 class VerifierCrashed(RuntimeError):
@@ -34,11 +52,11 @@ class CopySuperseded(ValueError):
 
 
 def ledger_of(config: RunConfig) -> Ledger:
-    return Ledger(config.run_dir, config.run.run_id)
+    return Ledger(config.run_dir)
 
 
 def _step_lock(config: RunConfig, step: int):
-    return step_lock(checkpoint_path(config.run_dir, step))
+    return checkpoint_lock(config.run_dir.checkpoint(step))
 
 
 def new_checkpoints(config: RunConfig, still_running: Callable[[], bool]) -> Iterator[int]:
@@ -52,7 +70,7 @@ def new_checkpoints(config: RunConfig, still_running: Callable[[], bool]) -> Ite
     seen = {(step, entry.copy_id) for step, entry in entries.items() if entry.state == "uploaded"}
     while True:
         running = still_running()
-        for path in committed_checkpoints(config.run_dir):
+        for path in config.run_dir.committed_checkpoints():
             step, copy = step_of(path), copy_id(path)
             # (step, None): uploaded before the ledger told copies apart
             if copy is not None and (step, copy) not in seen and (step, None) not in seen:
@@ -65,30 +83,30 @@ def new_checkpoints(config: RunConfig, still_running: Callable[[], bool]) -> Ite
 def unjudged_steps(config: RunConfig) -> list[int]:
     """Committed checkpoints on local disk that the ledger has no verdict on yet (including
     new saves of a step whose earlier copy was judged)."""
-    entries = ledger_of(config).read().entries
-    return [step_of(p) for p in committed_checkpoints(config.run_dir)
-            if step_of(p) not in entries or _needs_verdict(entries[step_of(p)], p)]
+    return unjudged_copies(config.run_dir, ledger_of(config).read())
 
 
-def _needs_verdict(entry: LedgerEntry, path: Path) -> bool:
-    """Whether the committed copy at `path` is still to be judged: nobody has, or the verdict
-    in `entry` is on another copy (the rejected copy was moved aside; or the step was saved
-    again after a judged copy)."""
-    if entry.state in ("committed", "rejected"):
-        return True
-    return not entry.is_about(copy_id(path))
+def verify_timeout_s(config: RunConfig, path: Path) -> float:
+    """checkpoint.verify_timeout_s, or by default 600 s plus what reading the checkpoint
+    twice (hashing, then loading) takes at a slow 50 MB/s."""
+    if config.checkpoint.verify_timeout_s is not None:
+        return config.checkpoint.verify_timeout_s
+    size = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    return 600.0 + 2 * size / 50e6
 
 
 def verify_in_fresh_process(path: Path, timeout_s: float = 600, held_out: list[str] = ()) -> dict:
-    """Reload the checkpoint in a new single process (no state shared with training).
-    `held_out`: the verifier's --dataset/--eval-batches/--loss-tolerance arguments.
+    """Reload the checkpoint in a new single process (no state shared with training), in
+    bounded memory (training.checkpoint.verify). `held_out`: the verifier's --dataset/
+    --eval-batches/--loss-tolerance arguments.
 
-    A verifier that ends without a verdict (killed for memory, a crash in its own setup) says
-    nothing about the checkpoint: VerifierCrashed, and the checkpoint stays unjudged for a retry.
+    A verifier that ends without a verdict (killed for memory, a crash in its own setup, past
+    `timeout_s`) says nothing about the checkpoint: VerifierCrashed, and the checkpoint stays
+    unjudged (never resumed from until a verifier judges it).
     """
-    # Validation runs beside training: at background priority (storage.background).
+    # Validation runs beside training: at background priority (core.cpu_priority).
     try:
-        proc = subprocess.run([sys.executable, "-m", "training.checkpoint", "verify", str(path),
+        proc = subprocess.run([sys.executable, "-m", "training.checkpoint.verify", str(path),
                                "--background", *held_out], capture_output=True, text=True,
                               timeout=timeout_s)
     except subprocess.TimeoutExpired as e:  # starved or stuck: no verdict on the checkpoint
@@ -124,16 +142,16 @@ def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
     ledger = ledger_of(config)
     with _step_lock(config, step):
         entry = ledger.read().entries.get(step)
-        path = checkpoint_path(config.run_dir, step)
+        path = config.run_dir.checkpoint(step)
         copy = copy_id(path)
         saved_again = entry is not None and entry.state != "committed" and copy is not None \
-            and _needs_verdict(entry, path)
+            and (entry.state == "rejected" or not entry.is_about(copy))
         if entry is not None and entry.state != "committed" and not saved_again:
             return entry  # judged already
         manifest = CheckpointManifest.load(path)
         ledger.record(step, "committed", note=f"saved again after a {entry.state} copy" if saved_again else "",
                       loss=manifest.loss, tokens_seen=manifest.tokens_seen, copy_id=copy)
-        result = verify_in_fresh_process(path, held_out=held_out_check(config))
+        result = verify_in_fresh_process(path, verify_timeout_s(config, path), held_out_check(config))
         if result["ok"]:
             note = f"{result['tensors']} tensors finite"
             if "held_out_loss" in result:
@@ -154,7 +172,7 @@ def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
             return entry  # never to be uploaded
         if entry.state != "uploaded":  # (uploaded: a retry after the push below failed)
             key = checkpoint_key(config.run.run_id, step)
-            path = checkpoint_path(config.run_dir, step)
+            path = config.run_dir.checkpoint(step)
             if not entry.is_about(copy_id(path)):
                 raise CopySuperseded(f"checkpoint step {step} on disk is not the copy that was "
                                      "validated (it was saved again); validate it first")
@@ -165,7 +183,7 @@ def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
             # The manifest's digests spare hashing every shard before it goes out; the store checks them.
             known = {f.path: f.sha256 for f in CheckpointManifest.load(path).files}
             # Training runs meanwhile: the upload (its transfer threads included) takes the
-            # cycles training leaves idle (storage.background).
+            # cycles training leaves idle (core.cpu_priority).
             at_background_priority(store.upload_dir, path, key, last=(CHECKPOINT_MANIFEST,),
                                    known_sha256=known)
             entry = ledger.record(step, "uploaded", store_url=store.url(key))
@@ -188,67 +206,43 @@ def restore_ledger(config: RunConfig, store) -> None:
     except (ConnectionError, TimeoutError, PermissionError) as e:
         if not ledger.path.is_file():
             raise
-        print(f"could not read the ledger of run {config.run.run_id} from the store ({e}); "
-              "going on with the local ledger", flush=True)
+        log.warning("could not read the ledger of run %s from the store (%s); going on with "
+                    "the local ledger", config.run.run_id, e)
 
 
 def run_finished(config: RunConfig, store) -> bool:
-    """The run's newest validated checkpoint (ledger on local disk, else the store's copy)
-    reached training.max_steps."""
+    """The newest checkpoint this machine can resume from (choose_resume; the local ledger
+    merged with the store's) reached training.max_steps."""
     try:
         restore_ledger(config, store)
     except Exception as e:  # e.g. serving must not depend on the store being up right now
-        print(f"could not read the ledger of run {config.run.run_id} from the store ({e}); "
-              "judging from the local ledger only", flush=True)
-    newest = ledger_of(config).read().newest()
-    return newest is not None and newest.step >= config.training.max_steps
-
-
-@dataclass(frozen=True)
-class ResumePoint:
-    """Where an attempt starts: a validated checkpoint on local disk (`local`), or an
-    uploaded one only the store holds (local None: the workers read it from the store, each
-    rank only the files its part of the state is in; nothing is downloaded up front)."""
-
-    step: int
-    data_position: int  # global sample index the data loader continues from
-    local: Path | None = None
-
-    @property
-    def location(self) -> str:
-        """The workers' --resume value (training.train.resolve_resume)."""
-        return str(self.local.resolve()) if self.local is not None else f"store:{self.step}"
-
-    def __str__(self) -> str:
-        return self.local.name if self.local is not None else f"step-{self.step:08d} in the store"
-
-
-def readable_here(config: RunConfig, entry: LedgerEntry) -> bool:
-    """A resumable checkpoint this machine can read: its copy on local disk, or the store's.
-    (One validated on another machine and not uploaded yet is on that machine's disk only;
-    the store's ledger names it before its upload ends.)"""
-    return entry.state in RESUMABLE and (entry.state == "uploaded"
-                                         or is_committed(checkpoint_path(config.run_dir, entry.step)))
+        log.warning("could not read the ledger of run %s from the store (%s); judging from the "
+                    "local ledger only", config.run.run_id, e)
+    point = choose_resume(config.run_dir, ledger_of(config).read())
+    return point is not None and point.step >= config.training.max_steps
 
 
 def resume_point(config: RunConfig, store) -> ResumePoint | None:
-    """The newest validated checkpoint: on local disk if there, else its uploaded copy.
-
-    Judges every committed checkpoint first, so progress saved just before a crash counts.
-    """
+    """Where the next attempt starts (storage.ledger.choose_resume), once every committed
+    checkpoint on local disk is judged, so that progress saved just before a crash counts.
+    A verifier that gives no verdict leaves its checkpoint unjudged: not resumed from."""
     restore_ledger(config, store)
     for step in unjudged_steps(config):
-        validate_checkpoint(config, step)
-    ledger = ledger_of(config).read()
-    readable = [e for e in ledger.entries.values() if readable_here(config, e)]
-    if not readable:
-        return None
-    entry = max(readable, key=lambda e: e.step)
-    path = checkpoint_path(config.run_dir, entry.step)
-    if is_committed(path):
-        return ResumePoint(entry.step, CheckpointManifest.load(path).data_position, path)
-    key = f"{checkpoint_key(config.run.run_id, entry.step)}/{CHECKPOINT_MANIFEST}"
-    return ResumePoint(entry.step, CheckpointManifest.model_validate_json(store.get_bytes(key)).data_position)
+        try:
+            validate_checkpoint(config, step)
+        except VerifierCrashed as e:
+            log.warning("%s; not resuming from it", e)
+    return choose_resume(config.run_dir, ledger_of(config).read())
+
+
+def resume_position(config: RunConfig, point: ResumePoint | None, store) -> int:
+    """The global sample the data loader continues from at `point` (0: from scratch)."""
+    if point is None:
+        return 0
+    if point.local is not None:
+        return CheckpointManifest.load(point.local).data_position
+    key = f"{checkpoint_key(config.run.run_id, point.step)}/{CHECKPOINT_MANIFEST}"
+    return CheckpointManifest.model_validate_json(store.get_bytes(key)).data_position
 
 
 def set_aside_damaged(config: RunConfig, step: int, from_store: bool, reason: str) -> LedgerEntry:
@@ -259,9 +253,9 @@ def set_aside_damaged(config: RunConfig, step: int, from_store: bool, reason: st
     ledger = ledger_of(config)
     with _step_lock(config, step):
         entry = ledger.read().entries.get(step)
-        path = checkpoint_path(config.run_dir, step)
+        path = config.run_dir.checkpoint(step)
         if from_store:
-            shutil.rmtree(checkpoint_root(config.run_dir) / ".from-store" / path.name, ignore_errors=True)
+            shutil.rmtree(config.run_dir.fetched_from_store(step), ignore_errors=True)
             return ledger.record(step, "rejected", note=f"store copy damaged: {reason}")
         aside = set_aside(path, "rejected")
         if entry is not None and entry.state == "uploaded":
@@ -275,7 +269,7 @@ def download_checkpoint(config: RunConfig, step: int, store) -> Path:
 
     Under the checkpoint's lock: two flows that need it (overlapping evaluations) download it
     once, and neither deletes what the other is reading."""
-    path = checkpoint_path(config.run_dir, step)
+    path = config.run_dir.checkpoint(step)
     with _step_lock(config, step):
         if is_committed(path):
             return path  # fetched by another flow meanwhile
@@ -303,23 +297,23 @@ def prune_local(config: RunConfig) -> list[int]:
     ledger = ledger_of(config)
     entries = ledger.read().entries
     newest = ledger.read().newest()
-    local = [step_of(p) for p in committed_checkpoints(config.run_dir)]
+    local = [step_of(p) for p in config.run_dir.committed_checkpoints()]
     deleted = []
     for step in local[:-config.checkpoint.keep_local]:
         entry = entries.get(step)
         if entry is None or entry.state != "uploaded" or (newest and newest.step == step):
             continue
-        if _needs_verdict(entry, checkpoint_path(config.run_dir, step)):
+        if local_copy_judged(config.run_dir, entry) is None:
             continue  # a newer copy than the one in the store, not judged yet
         with _step_lock(config, step):
-            if not is_committed(checkpoint_path(config.run_dir, step)):
+            if not is_committed(config.run_dir.checkpoint(step)):
                 continue  # pruned meanwhile by another flow's retention
-            shutil.rmtree(checkpoint_path(config.run_dir, step))
+            shutil.rmtree(config.run_dir.checkpoint(step))
         ledger.record(step, "uploaded", note="local copy pruned; store copy kept")
         deleted.append(step)
     # Files the workers fetched from the store to resume from: once a newer checkpoint is
     # on local disk, nothing resumes from them.
-    fetched = checkpoint_root(config.run_dir) / ".from-store"
+    fetched = config.run_dir.fetched_from_store(0).parent
     for cache in sorted(fetched.glob("step-*")) if local else []:
         if step_of(cache) < local[-1]:
             shutil.rmtree(cache, ignore_errors=True)
@@ -331,7 +325,7 @@ def prune_aside(config: RunConfig) -> list[str]:
     superseded): deleted, so that a run with many rollbacks does not fill its disk."""
     deleted = []
     for kind in ("rejected", "superseded"):
-        folder = checkpoint_root(config.run_dir) / kind
+        folder = config.run_dir.aside(kind)
         # Named step-<step>-<time_ns moved>: oldest first by the time they were moved.
         copies = sorted(folder.glob("step-*-*"), key=lambda p: int(p.name.rsplit("-", 1)[1]))
         for old in copies[:max(0, len(copies) - config.checkpoint.keep_aside)]:
@@ -363,12 +357,12 @@ def prune_store(config: RunConfig, store) -> list[int]:
         if step in keep:
             continue
         with _step_lock(config, step):
-            if is_committed(checkpoint_path(config.run_dir, step)):
+            if is_committed(config.run_dir.checkpoint(step)):
                 continue  # kept locally: later, once its local copy is pruned
             key = checkpoint_key(config.run.run_id, step)
             store.delete(f"{key}/{CHECKPOINT_MANIFEST}")
             store.delete_prefix(key)
-            shutil.rmtree(checkpoint_path(config.run_dir, step), ignore_errors=True)  # debris, if any
+            shutil.rmtree(config.run_dir.checkpoint(step), ignore_errors=True)  # debris, if any
         ledger.record(step, "pruned", note=f"retention: not a multiple of {keep_every}, "
                                            "not the best by eval, not the newest")
         pruned.append(step)
@@ -379,7 +373,7 @@ def prune_store(config: RunConfig, store) -> list[int]:
 
 def best_by_eval(config: RunConfig) -> int | None:
     """The step whose eval report has the lowest held-out loss, if any was evaluated."""
-    reports = sorted((config.run_dir / "eval").glob("step-*.json")) if (config.run_dir / "eval").is_dir() else []
+    reports = sorted(config.run_dir.eval_dir.glob("step-*.json")) if config.run_dir.eval_dir.is_dir() else []
     losses = {int(p.stem.split("-")[1]): json.loads(p.read_text())["loss"] for p in reports}
     return min(losses, key=losses.get) if losses else None
 

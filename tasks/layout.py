@@ -1,6 +1,6 @@
 """Check the run's parallelism layout on its hardware before anything launches.
 
-The planner (goodput/plan.py) validates the layout against the model, the batch and the
+The planner (goodput/planner.py) validates the layout against the model, the batch and the
 memory of the devices it will run on, and explains its estimate. This task logs that
 explanation, publishes it as a markdown artifact, and fails the flow with a ConfigError
 (never retried: the same config fails the same way) naming the fix when the layout cannot
@@ -14,8 +14,8 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from goodput import plan as planner
-from goodput.config import ConfigError, RunConfig
+from core.config import ConfigError, RunConfig
+from goodput import planner
 from tasks.reporting import artifact_key
 
 

@@ -16,7 +16,7 @@ import json
 import os
 import sys
 
-from goodput.config import ConfigError, load_config
+from core.config import ConfigError, load_config
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -98,7 +98,7 @@ def _plan(args: argparse.Namespace) -> int:
     The cluster is what the flags say, else what the config says (parallelism.nnodes,
     nproc_per_node, device_memory): a config written for its cluster plans with no flags.
     """
-    from goodput import plan as planner
+    from goodput import planner
 
     try:
         # The cluster defines the world size the config's degrees must fill: flags given
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"goodput: {e}", file=sys.stderr)
         return 2
     if args.command == "show-config":
-        from goodput.config import dump_config
+        from core.config import dump_config
 
         print(dump_config(config), end="")
         return 0
@@ -180,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as e:
         print(f"goodput: {args.command} failed: {e}", file=sys.stderr)
-        print(f"run directory: {config.run_dir.resolve()}")
+        print(f"run directory: {config.run_dir.path.resolve()}")
         return 1
     print(json.dumps(result, indent=2, default=str))
-    print(f"run directory: {config.run_dir.resolve()}")
+    print(f"run directory: {config.run_dir.path.resolve()}")
     return 0
 
 

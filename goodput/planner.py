@@ -5,7 +5,7 @@
 Given a RunConfig and a cluster, `plan_layout` explains one layout (dp_replicate x dp_shard
 x tp x pp = world size) and `search` enumerates every factorisation of the world size and
 ranks the valid ones by estimated throughput (tokens/s). The train flow runs `check_run` before it
-launches, and the pipeline before it prepares the dataset (tasks/plan.py): the config's own
+launches, and the pipeline before it prepares the dataset (tasks/layout.py): the config's own
 layout on the hardware it names or runs on. The estimates mirror what the trainer
 (training/parallelize.py) actually does; the byte accounting below is checked against
 measured training steps in tests/test_plan.py.
@@ -49,17 +49,15 @@ import itertools
 import math
 import os
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from goodput.config import ConfigError, RunConfig, parse_bytes  # noqa: F401 (parse_bytes: API)
+from core.config import ConfigError, RunConfig, parse_bytes  # noqa: F401 (parse_bytes: API)
+from core.layout import DEGREES, MESH_DIMS, LayoutError, ParallelDims, Problem, pipeline_bubble  # noqa: F401 (API)
 from training.model import ModelArgs, model_args_from_config
 
 GiB = 1024**3
 H100_FLOPS = 989e12  # dense bf16
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
-# Row-major mesh order of training/parallelize.py: TP innermost (consecutive ranks).
-MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4  # fp32 weights and gradients
 
@@ -176,15 +174,6 @@ def loss_workspace_bytes(args: ModelArgs, batch: int, seq: int) -> float:
 # -- layouts ---------------------------------------------------------------------------------
 
 @dataclass
-class Problem:
-    reason: str
-    fix: str
-
-    def __str__(self) -> str:
-        return f"{self.reason}; fix: {self.fix}"
-
-
-@dataclass
 class Memory:
     """Bytes per GPU on the pipeline rank that needs the most."""
 
@@ -248,12 +237,11 @@ class _Setup:
     def act_bytes(self) -> int:
         return 2 if self.bf16 else 4
 
-    def residual_bytes(self, degrees: dict[str, int]) -> int:
+    def residual_bytes(self, dims: ParallelDims) -> int:
         """The residual stream (embedding output, norms, block outputs, what pipeline stages
         exchange): bf16 only where FSDP casts the parameters to bf16. Under autocast it stays
         fp32: the embedding is fp32 and adding bf16 matmul outputs to it keeps fp32."""
-        fsdp = degrees["dp_replicate"] * degrees["dp_shard"] > 1 and not _pure_replication(degrees)
-        return 2 if self.bf16 and fsdp else 4
+        return 2 if self.bf16 and dims.fsdp else 4
 
 
 def _setup(config: RunConfig, cluster: Cluster) -> _Setup:
@@ -264,29 +252,29 @@ def _setup(config: RunConfig, cluster: Cluster) -> _Setup:
 
 
 def plan_layout(config: RunConfig, cluster: Cluster, degrees: dict[str, int]) -> LayoutPlan:
-    """Explain one layout: memory, bubble, communication, step time, or why it cannot run."""
+    """Explain one layout (a -1 degree fills the cluster): memory, bubble, communication,
+    step time, or why it cannot run."""
     s = _setup(config, cluster)
     par = config.parallelism
-    pp = degrees["pp"]
-    m = (par.microbatches or 2 * pp) if pp > 1 else 1
-    plan = LayoutPlan(dict(degrees), s.params, m)
-    world = cluster.world_size
-    if any(v < 1 for v in degrees.values()) or math.prod(degrees.values()) != world:
-        plan.problems = [Problem(
-            f"dp_replicate*dp_shard*tp*pp = {math.prod(v for v in degrees.values() if v > 0)} "
-            f"does not match the cluster's {world} GPUs",
-            "make the product equal the world size, or set one degree to -1 to fill the rest")]
-        return plan  # no layout to estimate
-    plan.problems = _structural_problems(s, degrees, m)
-    plan.bubble = pipeline_bubble(pp, m, _stages_per_rank(par.pp_schedule))
-    plan.memory = _memory(s, degrees, m, par.activation_checkpointing)
-    plan.comm, plan.crosses_nodes = _communication(s, degrees, m)
+    try:
+        dims = ParallelDims.resolve(degrees, cluster.world_size, f"the cluster's {cluster.world_size} GPUs",
+                                    pp_schedule=par.pp_schedule, microbatches=par.microbatches)
+    except LayoutError as e:
+        return LayoutPlan(dict(degrees), s.params, 1, problems=[e.problem])  # nothing to estimate
+    m = dims.microbatches_per_step
+    plan = LayoutPlan(dims.degrees, s.params, m)
+    plan.problems = dims.problems(
+        n_heads=s.args.n_heads, n_kv_heads=s.args.kv_heads, n_layers=s.args.n_layers,
+        seq_len=config.training.seq_len, micro_batch_size=config.training.micro_batch_size,
+        vocab_size=s.args.vocab_size, gpus_per_node=cluster.gpus_per_node)
+    plan.bubble = dims.bubble
+    plan.memory = _memory(s, dims, par.activation_checkpointing)
+    plan.comm, plan.crosses_nodes = _communication(s, dims)
     tcfg = config.training
-    plan.tokens_per_step = (tcfg.micro_batch_size * tcfg.grad_accum_steps * tcfg.seq_len
-                            * degrees["dp_replicate"] * degrees["dp_shard"])
+    plan.tokens_per_step = tcfg.micro_batch_size * tcfg.grad_accum_steps * tcfg.seq_len * dims.dp_size
     plan.step_time_s = _step_time(s, plan)
     if cluster.gpu_memory is not None and plan.memory.peak > cluster.gpu_memory:
-        plan.problems.append(_out_of_memory(s, degrees, m, plan.memory))
+        plan.problems.append(_out_of_memory(s, dims, plan.memory))
     plan.departures = _departures(plan, cluster)
     return plan
 
@@ -318,12 +306,12 @@ def plan(config: RunConfig, cluster: Cluster, force_search: bool = False) -> lis
     """The config's own layout, or a ranked search when it leaves the degrees at defaults."""
     if force_search or layout_is_default(config):
         return search(config, cluster)
-    return [plan_layout(config, cluster, configured_degrees(config, cluster))]
+    return [plan_layout(config, cluster, configured_degrees(config))]
 
 
 def check(config: RunConfig, cluster: Cluster) -> LayoutPlan:
     """The config's layout if it is valid on `cluster`; ConfigError with reasons and fixes."""
-    result = plan_layout(config, cluster, configured_degrees(config, cluster))
+    result = plan_layout(config, cluster, configured_degrees(config))
     if not result.ok:
         raise ConfigError(f"layout {result.name} cannot run on {cluster.world_size} GPUs:\n"
                           + "\n".join(f"  - {p}" for p in result.problems))
@@ -392,7 +380,7 @@ def local_device_memory(device: str, workers: int) -> tuple[int, str]:
 
 def run_vocab_size(config: RunConfig) -> int:
     """The vocabulary the run's model gets: an existing tokenizer.path's own size, else
-    tokenizer.vocab_size (what a trained tokenizer has, exactly: goodput.data.tokenizer)."""
+    tokenizer.vocab_size (what a trained tokenizer has, exactly: training.tokenizer)."""
     path = config.tokenizer.path
     if path and Path(path).is_file():
         try:
@@ -409,7 +397,7 @@ def check_run(config: RunConfig) -> tuple[LayoutPlan, Cluster, str]:
     model's real vocabulary. Returns the plan (check `.ok`), the cluster and the memory source."""
     cluster, source = run_cluster(config)
     config = with_run_vocab(config)
-    return plan_layout(config, cluster, configured_degrees(config, cluster)), cluster, source
+    return plan_layout(config, cluster, configured_degrees(config)), cluster, source
 
 
 def with_run_vocab(config: RunConfig) -> RunConfig:
@@ -434,94 +422,15 @@ def layout_is_default(config: RunConfig) -> bool:
     return all(getattr(config.parallelism, d) == getattr(defaults, d) for d in DEGREES)
 
 
-def configured_degrees(config: RunConfig, cluster: Cluster) -> dict[str, int]:
-    """The config's degrees with -1 resolved against the cluster's world size (left as -1,
-    to be reported, when the fixed degrees do not divide it)."""
-    named = {d: getattr(config.parallelism, d) for d in DEGREES}
-    free = [d for d, v in named.items() if v == -1]
-    fixed = math.prod(v for v in named.values() if v != -1)
-    if len(free) == 1 and cluster.world_size % fixed == 0:
-        named[free[0]] = cluster.world_size // fixed
-    return named
+def configured_degrees(config: RunConfig) -> dict[str, int]:
+    """The config's degrees as written (plan_layout resolves a -1 on the cluster)."""
+    return {d: getattr(config.parallelism, d) for d in DEGREES}
 
 
 def factorisations(world: int) -> list[dict[str, int]]:
     divisors = [d for d in range(1, world + 1) if world % d == 0]
     return [dict(zip(DEGREES, combo)) for combo in itertools.product(divisors, repeat=4)
             if math.prod(combo) == world]
-
-
-def pipeline_bubble(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
-    """Idle share of a pipelined step: (pp-1)/(m+pp-1); interleaving v stages per rank
-    shrinks it to (pp-1)/(v*m+pp-1)."""
-    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
-
-
-def _stages_per_rank(schedule: str) -> int:
-    return 2 if schedule == "interleaved-1f1b" else 1
-
-
-def _divisors(n: int, limit: int | None = None) -> list[int]:
-    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
-
-
-def _structural_problems(s: _Setup, degrees: dict[str, int], m: int) -> list[Problem]:
-    """Layouts that cannot run at all, each with the change that makes it run."""
-    args, gpn = s.args, s.cluster.gpus_per_node
-    tp, pp = degrees["tp"], degrees["pp"]
-    problems = []
-    if tp > gpn or gpn % tp:
-        problems.append(Problem(
-            f"tp={tp} does not fit inside a node of {gpn} GPUs (TP all-reduces every layer and "
-            "needs the fast intra-node links)",
-            f"choose tp in {_divisors(gpn)} and move the rest to dp_shard or pp"))
-    head_tp = math.gcd(args.n_heads, args.kv_heads)
-    if head_tp % tp:
-        problems.append(Problem(
-            f"tp={tp} does not divide n_heads={args.n_heads} and n_kv_heads={args.kv_heads}",
-            f"choose tp in {_divisors(head_tp, gpn)}"))
-    if args.vocab_size % tp:
-        problems.append(Problem(
-            f"tp={tp} does not divide the vocabulary ({args.vocab_size}) that TP splits",
-            f"choose tp in {_divisors(math.gcd(args.vocab_size, head_tp), gpn)}, or a "
-            f"model.vocab_multiple_of divisible by {tp}"))
-    seq_len = s.config.training.seq_len
-    if seq_len % tp:
-        problems.append(Problem(
-            f"tp={tp} does not divide training.seq_len={seq_len}, which sequence parallelism "
-            "splits over the TP ranks",
-            f"choose tp in {_divisors(math.gcd(seq_len, head_tp), gpn)}, or a seq_len "
-            f"divisible by {tp}"))
-    if pp > 1:
-        problems += _pipeline_problems(s, pp, m)
-    return problems
-
-
-def _pipeline_problems(s: _Setup, pp: int, m: int) -> list[Problem]:
-    par, args, mbs = s.config.parallelism, s.args, s.config.training.micro_batch_size
-    v = _stages_per_rank(par.pp_schedule)
-    problems = []
-    if args.n_layers % (pp * v):
-        fits = [d for d in range(2, args.n_layers // v + 1) if args.n_layers % (d * v) == 0]
-        problems.append(Problem(
-            f"{pp * v} pipeline stages (pp={pp}, {par.pp_schedule}) do not divide "
-            f"n_layers={args.n_layers} evenly",
-            f"choose pp in {fits}" if fits else "change model.n_layers or use pp=1"))
-    if m < 2 * pp:
-        problems.append(Problem(
-            f"microbatches={m} < 2*pp={2 * pp}: the pipeline bubble would be "
-            f"{pipeline_bubble(pp, m):.0%} of the step",
-            f"set parallelism.microbatches={2 * pp} (or more) and training.micro_batch_size "
-            f"to a multiple of it"))
-    elif mbs % m:
-        problems.append(Problem(
-            f"training.micro_batch_size={mbs} does not split into {m} pipeline micro-batches",
-            f"set training.micro_batch_size to a multiple of {m}"))
-    if v > 1 and m % max(1, m // pp):
-        problems.append(Problem(
-            f"microbatches={m} do not split into equal rounds of interleaved-1f1b over pp={pp}",
-            f"set parallelism.microbatches to a multiple of {pp}"))
-    return problems
 
 
 # -- memory ------------------------------------------------------------------------------------
@@ -536,43 +445,36 @@ class _Rank:
     inflight: int  # stage-forwards whose activations are alive at once
 
 
-def _pipeline_ranks(n_layers: int, pp: int, m: int, schedule: str) -> list[_Rank]:
-    """Layers per stage as training/parallelize.py splits them (earlier stages take the
-    remainder; rank r holds stages r, r+pp, ...) and the in-flight micro-batches of each
-    rank under torch.distributed.pipelining's schedules."""
-    v = _stages_per_rank(schedule) if pp > 1 else 1
-    n_stages = pp * v
-    base, extra = divmod(n_layers, n_stages)
-    sizes = [base + (1 if i < extra else 0) for i in range(n_stages)]
+def _pipeline_ranks(n_layers: int, dims: ParallelDims) -> list[_Rank]:
+    """Layers per stage as training/parallelize.py splits them (ParallelDims.stage_layers;
+    rank r holds stages r, r+pp, ...) and the in-flight micro-batches of each rank under
+    torch.distributed.pipelining's schedules."""
+    sizes, pp, m, v = dims.stage_layers(n_layers), dims.pp, dims.microbatches_per_step, dims.stages_per_rank
     ranks = []
     for r in range(pp):
         if pp == 1:
             inflight = 1
-        elif schedule == "gpipe":
+        elif dims.pp_schedule == "gpipe":
             inflight = m
-        elif schedule == "1f1b":
+        elif dims.pp_schedule == "1f1b":
             inflight = min(m, pp - r)
         else:  # interleaved 1F1B: warm-up forwards plus the first steady one (schedules.py)
             rounds = max(1, m // pp)
             inflight = min((v - 1) * (m // rounds) + 2 * (pp - 1 - r) + 1, m * v)
-        ranks.append(_Rank(tuple(sizes[r + k * pp] for k in range(v)), r == 0, r == pp - 1,
-                           inflight))
+        ranks.append(_Rank(tuple(sizes[s] for s in dims.stages_of(r)), r == 0, r == pp - 1, inflight))
     return ranks
 
 
-def _memory(s: _Setup, degrees: dict[str, int], m: int, checkpointing: str) -> Memory:
-    ranks = _pipeline_ranks(s.args.n_layers, degrees["pp"], m, s.config.parallelism.pp_schedule)
-    per_rank = [_rank_memory(s, degrees, m, checkpointing, r) for r in ranks]
+def _memory(s: _Setup, dims: ParallelDims, checkpointing: str) -> Memory:
+    ranks = _pipeline_ranks(s.args.n_layers, dims)
+    per_rank = [_rank_memory(s, dims, checkpointing, r) for r in ranks]
     return max(per_rank, key=lambda mem: mem.peak)
 
 
-def _rank_memory(s: _Setup, degrees: dict[str, int], m: int, checkpointing: str,
-                 rank: _Rank) -> Memory:
+def _rank_memory(s: _Setup, dims: ParallelDims, checkpointing: str, rank: _Rank) -> Memory:
     pc, args, par, tcfg = s.params, s.args, s.config.parallelism, s.config.training
-    tp, dp_shard = degrees["tp"], degrees["dp_shard"]
-    dp = degrees["dp_replicate"] * dp_shard
-    fsdp = dp > 1 and not _pure_replication(degrees)
-    ddp = dp > 1 and _pure_replication(degrees)
+    tp, dp_shard, m = dims.tp, dims.dp_shard, dims.microbatches_per_step
+    fsdp, ddp = dims.fsdp, dims.ddp
 
     root, block = _local_params(pc, rank, tp)
     local = root + sum(rank.layers) * block  # this rank's parameters after TP
@@ -585,7 +487,7 @@ def _rank_memory(s: _Setup, degrees: dict[str, int], m: int, checkpointing: str,
         # A pipeline schedule keeps its stage's blocks gathered after backward until the
         # end of its step (PipelineStage turns reshard_after_backward off), so all of them
         # are gathered at once by the last backward.
-        gathered_blocks = (2 if par.reshard_after_forward and degrees["pp"] == 1
+        gathered_blocks = (2 if par.reshard_after_forward and dims.pp == 1
                            else sum(rank.layers))
         buffers += compute_bytes * (root + gathered_blocks * block)
         # Without gradient sync (accumulating micro-batches) FSDP2 keeps unsharded gradients,
@@ -599,7 +501,7 @@ def _rank_memory(s: _Setup, degrees: dict[str, int], m: int, checkpointing: str,
             buffers += 2 * matrices / tp
 
     mb = tcfg.micro_batch_size // m
-    residual = s.residual_bytes(degrees)
+    residual = s.residual_bytes(dims)
     activations = rank.inflight * max(_stage_activations(s, mb, tp, n, checkpointing, residual)
                                       for n in rank.layers)
     if rank.last:
@@ -636,12 +538,7 @@ def _stage_activations(s: _Setup, mb: int, tp: int, layers: int, checkpointing: 
     return checkpointed * block_input + (layers - checkpointed) * full
 
 
-def _pure_replication(degrees: dict[str, int]) -> bool:
-    """The trainer uses DDP for pure replication and FSDP2 for every other data-parallel layout."""
-    return degrees["dp_shard"] == 1 and degrees["tp"] == 1 and degrees["pp"] == 1
-
-
-def _out_of_memory(s: _Setup, degrees: dict[str, int], m: int, mem: Memory) -> Problem:
+def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory) -> Problem:
     """Name the first single change that makes the layout fit, with its estimate."""
     have, device = s.cluster.gpu_memory, _device_noun(s.cluster)
     reason = f"needs {_amount(mem.peak)} per {device}, more than the {_amount(have)} it has"
@@ -649,12 +546,12 @@ def _out_of_memory(s: _Setup, degrees: dict[str, int], m: int, mem: Memory) -> P
     options = []
     if checkpointing != "full":
         options.append(("set parallelism.activation_checkpointing=full",
-                        _memory(s, degrees, m, "full")))
-    if degrees["dp_replicate"] > 1:
-        shard = degrees["dp_shard"] * degrees["dp_replicate"]
+                        _memory(s, dims, "full")))
+    if dims.dp_replicate > 1:
+        shard = dims.dp_size
         options.append((f"shard instead of replicating: dp_shard={shard}, dp_replicate=1 (FSDP "
                         "shards weights, gradients and optimizer state)",
-                        _memory(s, {**degrees, "dp_shard": shard, "dp_replicate": 1}, m, checkpointing)))
+                        _memory(s, replace(dims, dp_shard=shard, dp_replicate=1), checkpointing)))
     for text, alternative in options:
         if alternative.peak <= have:
             return Problem(reason, f"{text} ({_amount(alternative.peak)})")
@@ -677,17 +574,17 @@ def _amount(x: float) -> str:
 def _axis_crosses_nodes(degrees: dict[str, int], axis: str, gpus_per_node: int) -> bool:
     """Ranks of one group along `axis` are `stride` apart; it stays in a node when it spans
     no more than one node's GPUs."""
-    inner = MESH_ORDER[MESH_ORDER.index(axis) + 1:]
+    inner = MESH_DIMS[MESH_DIMS.index(axis) + 1:]
     stride = math.prod(degrees[a] for a in inner)
     return stride * degrees[axis] > gpus_per_node
 
 
-def _communication(s: _Setup, degrees: dict[str, int], m: int) -> tuple[dict[str, float], dict[str, bool]]:
+def _communication(s: _Setup, dims: ParallelDims) -> tuple[dict[str, float], dict[str, bool]]:
     """Bytes each GPU sends per optimizer step along each mesh axis (ring collectives:
     all-reduce 2(d-1)/d of the data, all-gather and reduce-scatter (d-1)/d)."""
     pc, args, tcfg, par = s.params, s.args, s.config.training, s.config.parallelism
-    tp, pp, shard, rep = degrees["tp"], degrees["pp"], degrees["dp_shard"], degrees["dp_replicate"]
-    ranks = _pipeline_ranks(args.n_layers, pp, m, par.pp_schedule)
+    tp, pp, shard, rep, m = dims.tp, dims.pp, dims.dp_shard, dims.dp_replicate, dims.microbatches_per_step
+    ranks = _pipeline_ranks(args.n_layers, dims)
     busiest = max(ranks, key=lambda r: sum(r.layers) + r.first + r.last)
     root, block = _local_params(pc, busiest, tp)
     blocks = sum(busiest.layers) * block
@@ -696,7 +593,7 @@ def _communication(s: _Setup, degrees: dict[str, int], m: int) -> tuple[dict[str
     mb = tcfg.micro_batch_size // m
     comm: dict[str, float] = {}
 
-    if _pure_replication(degrees) and rep > 1:  # DDP: fp32 gradient all-reduce once per step
+    if dims.ddp:  # DDP: fp32 gradient all-reduce once per step
         comm["dp_replicate"] = 2 * _ring(rep) * 4 * local
     elif rep * shard > 1:  # FSDP2 / HSDP
         compute_bytes = 2 if s.bf16 else 4
@@ -708,13 +605,13 @@ def _communication(s: _Setup, degrees: dict[str, int], m: int) -> tuple[dict[str
         comm["dp_replicate"] = reductions * 2 * _ring(rep) * 4 * local / shard
     if tp > 1:
         comm["tp"] = n_micro * _tp_bytes_per_microbatch(s, busiest, mb, tp,
-                                                        s.residual_bytes(degrees))
+                                                        s.residual_bytes(dims))
     if pp > 1:
-        boundary = s.residual_bytes(degrees) * mb * tcfg.seq_len * args.dim / tp
+        boundary = s.residual_bytes(dims) * mb * tcfg.seq_len * args.dim / tp
         sends = 2 * len(busiest.layers)  # activations forward, their gradients backward
         comm["pp"] = n_micro * sends * boundary
     comm = {k: v for k, v in comm.items() if v > 0}
-    crosses = {k: _axis_crosses_nodes(degrees, k, s.cluster.gpus_per_node) for k in comm}
+    crosses = {k: _axis_crosses_nodes(dims.degrees, k, s.cluster.gpus_per_node) for k in comm}
     return comm, crosses
 
 
@@ -749,8 +646,7 @@ def _step_time(s: _Setup, plan: LayoutPlan) -> float | None:
     bandwidth with no overlap: pessimistic, but it orders layouts by what they cost."""
     if s.cluster.gpu_flops is None:
         return None
-    tcfg, args, degrees = s.config.training, s.args, plan.degrees
-    dp = degrees["dp_replicate"] * degrees["dp_shard"]
+    tcfg, args = s.config.training, s.args
     tokens = plan.tokens_per_step
     flops_per_token = 6 * s.params.non_embedding + 12 * args.n_layers * args.dim * tcfg.seq_len
     recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[s.config.parallelism.activation_checkpointing]

@@ -1,10 +1,11 @@
-"""Content checksums: one definition of "the same bytes" for shards, checkpoints and uploads;
-and the file primitives that keep them true (atomic writes, fsync, an exclusive lock)."""
+"""Content checksums: one definition of "the same bytes" for shards, checkpoints, uploads and
+configs; and the file primitives that keep them true (atomic writes, fsync, an exclusive lock)."""
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,11 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def canonical_json(obj) -> bytes:
+    """Stable JSON bytes for hashing (sorted keys, no whitespace)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str).encode()
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from goodput.data import DataError
+from core.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
 # End-of-document tokens of common tokenizers, in order of preference.

@@ -12,7 +12,6 @@ goodput = productive / total. The parts add up to the total exactly.
 
 from __future__ import annotations
 
-
 from training.metrics import read_metrics, young_daly_interval_s
 
 

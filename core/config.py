@@ -14,12 +14,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from storage.manifests import canonical_json
-from storage.checksums import sha256_bytes
-
-
-class ConfigError(ValueError):
-    """A configuration problem, worded for the user: which field, what is wrong, what to do."""
+from core.errors import ConfigError
+from core.files import canonical_json, sha256_bytes
+from core.layout import DEGREES, ParallelDims
+from core.protocol import DEFAULT_RETRY_BUDGETS, RunDir
+from core.uris import parse_s3_uri
 
 
 class _Section(BaseModel):
@@ -146,32 +145,17 @@ class ParallelismConfig(_Section):
     def world_size(self) -> int:
         return self.nnodes * self.nproc_per_node
 
-    def degrees(self) -> dict[str, int]:
-        """The four degrees with -1 resolved; raises ValueError when they do not fit."""
-        named = {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp,
-                 "pp": self.pp}
-        free = [k for k, v in named.items() if v == -1]
-        if len(free) > 1 or any(v == 0 or v < -1 for v in named.values()):
-            raise ValueError("parallelism degrees must be positive, with at most one -1 "
-                             f"(got {named}); give the others as numbers")
-        fixed = 1
-        for k, v in named.items():
-            if v != -1:
-                fixed *= v
-        if free:
-            if self.world_size % fixed:
-                raise ValueError(f"parallelism: {fixed} (product of the fixed degrees) does not "
-                                 f"divide world size {self.world_size}; choose degrees whose "
-                                 f"product divides it")
-            named[free[0]] = self.world_size // fixed
-        elif fixed != self.world_size:
-            raise ValueError(f"parallelism: dp_replicate*dp_shard*tp*pp = {fixed} but world size "
-                             f"is {self.world_size} (nnodes x nproc_per_node); make them equal")
-        return named
+    def dims(self, world_size: int | None = None, world: str = "") -> ParallelDims:
+        """The layout (core.layout), with -1 resolved against `world_size` (default: this
+        config's nnodes x nproc_per_node); raises LayoutError when the degrees do not fit."""
+        if world_size is None:
+            world_size, world = self.world_size, f"world size {self.world_size} (nnodes x nproc_per_node)"
+        return ParallelDims.resolve({d: getattr(self, d) for d in DEGREES}, world_size, world,
+                                    pp_schedule=self.pp_schedule, microbatches=self.microbatches)
 
-    @property
-    def pipeline_microbatches(self) -> int:
-        return self.microbatches or 2 * self.degrees()["pp"]
+    def degrees(self) -> dict[str, int]:
+        """The four degrees with -1 resolved."""
+        return self.dims().degrees
 
     @model_validator(mode="after")
     def _degrees_fit(self) -> "ParallelismConfig":
@@ -179,7 +163,7 @@ class ParallelismConfig(_Section):
             # dp_replicate's default "the rest" gives way to the sharding asked for (a form
             # or a saved config carries the default along, so it is not told apart).
             self.dp_replicate = 1
-        self.degrees()
+        self.dims()
         return self
 
     @model_validator(mode="after")
@@ -243,6 +227,10 @@ class CheckpointConfig(_Section):
         "more than validate_loss_tolerance. 0 turns the check off.")
     validate_loss_tolerance: float = Field(
         0.5, gt=0, description="Allowed relative excess of held-out over training loss.")
+    verify_timeout_s: float | None = Field(
+        None, gt=0, description="How long the verifier of one checkpoint may take before it counts "
+        "as giving no verdict (the checkpoint then stays unjudged and is not resumed from). None: "
+        "600 s plus reading the checkpoint twice at 50 MB/s.")
     store_keep_every: int | None = Field(
         None, ge=1, description="Store retention: keep checkpoints whose step is a multiple of "
         "this, the best by eval loss and the newest; delete the others. None keeps all.")
@@ -269,8 +257,6 @@ class StorageConfig(_Section):
     @classmethod
     def _uri_names_a_valid_bucket(cls, value: str) -> str:
         if value.startswith("s3://"):
-            from storage.store import parse_s3_uri  # boto3 only where an S3 store is configured
-
             parse_s3_uri(value)
         return value
 
@@ -284,13 +270,6 @@ class StorageConfig(_Section):
         if not 5 * 2**20 <= size <= 5 * 2**30:
             raise ValueError(f"{value!r} is outside what S3 accepts; choose 5MiB to 5GiB, e.g. 64MiB")
         return value
-
-    def open(self):
-        """The store this section describes (storage.open_store)."""
-        from storage import open_store  # boto3 only where a store is actually used
-
-        return open_store(self.uri, endpoint_url=self.endpoint_url, region=self.region,
-                          part_size=parse_bytes(self.part_size), max_concurrency=self.max_concurrency)
 
 
 class EvalConfig(_Section):
@@ -337,11 +316,6 @@ class FaultsConfig(_Section):
         "the state fails, no kill; background saves only), 'writing' (rank faults.crash_rank, "
         "shards in flight; background saves only), 'before_manifest' (rank 0, shards durable, "
         "no manifest), 'after_manifest' (rank 0, committed, not yet in the ledger).")
-
-
-# Retries per failure class (training/exits.py); run.retry_budgets overrides them one by one.
-DEFAULT_RETRY_BUDGETS = {"retryable": 4, "hang": 2, "rollback": 3, "oom": 0, "disk_full": 0,
-                         "corrupt_checkpoint": 2, "unknown": 1}
 
 
 class RunSection(_Section):
@@ -487,34 +461,13 @@ class RunConfig(_Section):
             raise ValueError(
                 f"training.warmup_steps={self.training.warmup_steps} must be below "
                 f"training.max_steps={self.training.max_steps}")
-        deg, model = self.parallelism.degrees(), self.model
-        kv_heads = model.n_kv_heads or model.n_heads
-        if model.n_heads % deg["tp"] or kv_heads % deg["tp"]:
-            raise ValueError(f"parallelism.tp={deg['tp']} does not divide model.n_heads="
-                             f"{model.n_heads} and n_kv_heads={kv_heads}; choose a tp that does")
-        stages = deg["pp"] * (2 if self.parallelism.pp_schedule == "interleaved-1f1b" else 1)
-        if deg["pp"] > 1 and stages > model.n_layers:
-            raise ValueError(f"{stages} pipeline stages (parallelism.pp={deg['pp']}, "
-                             f"{self.parallelism.pp_schedule}) exceed model.n_layers={model.n_layers}; "
-                             "each stage needs at least one layer")
-        if deg["pp"] > 1 and self.training.micro_batch_size % self.parallelism.pipeline_microbatches:
-            raise ValueError(f"training.micro_batch_size={self.training.micro_batch_size} does not "
-                             f"split into parallelism.microbatches={self.parallelism.pipeline_microbatches}; "
-                             "make it a multiple")
-        if deg["tp"] > 1 and self.training.seq_len % deg["tp"]:
-            # Sequence parallelism splits every sequence over the TP ranks: uneven parts give
-            # the ranks different shapes and the collectives fail or hang.
-            fits = deg["tp"] * -(-self.training.seq_len // deg["tp"])
-            raise ValueError(f"training.seq_len={self.training.seq_len} does not split over "
-                             f"parallelism.tp={deg['tp']} (sequence parallelism); choose a multiple "
-                             f"of {deg['tp']}, e.g. {fits}")
-        if deg["pp"] > 1 and self.parallelism.pp_schedule == "interleaved-1f1b":
-            m = self.parallelism.pipeline_microbatches
-            rounds = max(1, m // deg["pp"])  # the schedule runs m in rounds of equal size
-            if m % rounds:
-                raise ValueError(f"parallelism.microbatches={m} does not split into {rounds} equal "
-                                 f"rounds of interleaved-1f1b over pp={deg['pp']}; choose a multiple "
-                                 f"of {deg['pp']}, or at most {deg['pp']}")
+        model = self.model
+        problems = [p for p in self.parallelism.dims().problems(
+            n_heads=model.n_heads, n_kv_heads=model.n_kv_heads or model.n_heads,
+            n_layers=model.n_layers, seq_len=self.training.seq_len,
+            micro_batch_size=self.training.micro_batch_size) if not p.advice]
+        if problems:
+            raise ValueError("; ".join(f"{p.reason}; {p.fix}" for p in problems))
         if self.launch.kind == "ssh" and len(self.launch.hosts) != self.parallelism.nnodes:
             raise ValueError(f"launch.kind=ssh needs one host per node: {len(self.launch.hosts)} "
                              f"launch.hosts for parallelism.nnodes={self.parallelism.nnodes}")
@@ -525,8 +478,8 @@ class RunConfig(_Section):
 
     # -- derived paths -----------------------------------------------------------------
     @property
-    def run_dir(self) -> Path:
-        return Path(self.run.runs_dir) / self.run.run_id
+    def run_dir(self) -> RunDir:
+        return RunDir(Path(self.run.runs_dir) / self.run.run_id)
 
     def config_hash(self) -> str:
         """Hash of what determines the training trajectory (not paths, faults or eval)."""
@@ -535,9 +488,8 @@ class RunConfig(_Section):
         # under another layout (checkpoints reshard) and keep its trajectory.
         per_rank = {"micro_batch_size", "grad_accum_steps", "log_every", "peak_flops_per_device"}
         tree = self.model_dump(include=set(keys), exclude={"data": {"data_dir"}, "training": per_rank})
-        deg = self.parallelism.degrees()
         tree["training"]["global_batch"] = (self.training.micro_batch_size * self.training.grad_accum_steps
-                                            * deg["dp_replicate"] * deg["dp_shard"])
+                                            * self.parallelism.dims().dp_size)
         return sha256_bytes(canonical_json(tree))[:16]
 
     def eval_hash(self) -> str:

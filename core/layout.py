@@ -1,0 +1,212 @@
+"""The parallel layout of a run, in one object (torchtitan's ParallelDims is the model).
+
+A layout is dp_replicate x dp_shard x tp x pp = world size, laid out on a device mesh named
+MESH_DIMS in row-major order with TP innermost, so TP groups are consecutive ranks on the
+fastest links. `ParallelDims` resolves a `-1` degree, says which data parallelism the trainer
+applies (DDP for pure replication, FSDP2 otherwise), how layers split into pipeline stages,
+and, in `problems`, every rule a layout must satisfy, each with its fix. The config's
+validation, the planner (goodput.planner) and training.parallelize all ask it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # row-major: TP innermost
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a layout cannot run, and the change that makes it run."""
+
+    reason: str
+    fix: str
+    # A planner rule only: the trainer runs such a layout, the planner advises against it.
+    advice: bool = field(default=False, compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.reason}; fix: {self.fix}"
+
+
+class LayoutError(ValueError):
+    """Degrees that do not make a layout of the world size at all."""
+
+    def __init__(self, problem: Problem):
+        super().__init__(f"{problem.reason}; {problem.fix}")
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b
+    microbatches: int | None = None  # pipeline micro-batches per step; None: 2 x pp
+
+    @classmethod
+    def resolve(cls, degrees: dict[str, int], world_size: int, world: str = "",
+                **pipeline) -> ParallelDims:
+        """The layout of `degrees` (at most one of them -1: whatever the others leave) on
+        `world_size` ranks (`world` names them in errors). Raises LayoutError."""
+        world = world or f"world size {world_size}"
+        named = {d: degrees[d] for d in DEGREES}
+        free = [d for d, v in named.items() if v == -1]
+        if len(free) > 1 or any(v == 0 or v < -1 for v in named.values()):
+            raise LayoutError(Problem(f"parallelism degrees must be positive, with at most one -1 "
+                                      f"(got {named})", "give the others as numbers"))
+        fixed = math.prod(v for v in named.values() if v != -1)
+        if free:
+            if world_size % fixed:
+                raise LayoutError(Problem(
+                    f"{fixed} (the product of the fixed degrees) does not divide {world}",
+                    "choose degrees whose product divides it"))
+            named[free[0]] = world_size // fixed
+        elif fixed != world_size:
+            raise LayoutError(Problem(f"dp_replicate*dp_shard*tp*pp = {fixed} does not match {world}",
+                                      "make the product equal it, or set one degree to -1 to fill "
+                                      "the rest"))
+        return cls(**named, **pipeline)
+
+    @property
+    def degrees(self) -> dict[str, int]:
+        return {d: getattr(self, d) for d in DEGREES}
+
+    @property
+    def name(self) -> str:
+        return " x ".join(f"{k}={v}" for k, v in self.degrees.items())
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.degrees.values())
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in MESH_DIMS)
+
+    # -- data parallelism ---------------------------------------------------------------------
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def pure_replication(self) -> bool:
+        return self.dp_shard == 1 and self.tp == 1 and self.pp == 1
+
+    @property
+    def ddp(self) -> bool:
+        """DDP: data parallelism is pure replication (nothing sharded, no TP, no PP)."""
+        return self.dp_size > 1 and self.pure_replication
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 (HSDP with dp_replicate > 1) for every other data-parallel layout."""
+        return self.dp_size > 1 and not self.pure_replication
+
+    # -- pipeline -----------------------------------------------------------------------------
+    @property
+    def stages_per_rank(self) -> int:
+        return 2 if self.pp > 1 and self.pp_schedule == "interleaved-1f1b" else 1
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    @property
+    def microbatches_per_step(self) -> int:
+        """Pipeline micro-batches each micro-step is cut into (1 without PP)."""
+        return (self.microbatches or 2 * self.pp) if self.pp > 1 else 1
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank `pp_rank` holds (looping placement: r, r + pp, ...)."""
+        return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
+
+    def stage_layers(self, n_layers: int) -> list[int]:
+        """Layers per stage: as even as possible, earlier stages taking the remainder."""
+        base, extra = divmod(n_layers, self.n_stages)
+        return [base + (1 if i < extra else 0) for i in range(self.n_stages)]
+
+    def stage_bounds(self, n_layers: int) -> list[int]:
+        """Stage s holds layers [bounds[s], bounds[s + 1])."""
+        bounds = [0]
+        for size in self.stage_layers(n_layers):
+            bounds.append(bounds[-1] + size)
+        return bounds
+
+    @property
+    def bubble(self) -> float:
+        """Idle share of a pipelined step: (pp-1)/(m+pp-1); interleaving v stages per rank
+        shrinks it to (pp-1)/(v*m+pp-1)."""
+        return pipeline_bubble(self.pp, self.microbatches_per_step, self.stages_per_rank)
+
+    # -- the rules ----------------------------------------------------------------------------
+    def problems(self, *, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int,
+                 micro_batch_size: int, vocab_size: int | None = None,
+                 gpus_per_node: int | None = None) -> list[Problem]:
+        """Every rule this layout breaks for this model and batch, each with its fix.
+        `vocab_size` and `gpus_per_node`, where known, add the vocabulary and TP-within-a-node
+        rules. Problems marked `advice` are the planner's: the trainer would run the layout."""
+        tp, pp, m, v = self.tp, self.pp, self.microbatches_per_step, self.stages_per_rank
+        limit = gpus_per_node  # TP beyond a node is ruled out above
+        problems = []
+        if gpus_per_node is not None and (tp > gpus_per_node or gpus_per_node % tp):
+            problems.append(Problem(
+                f"tp={tp} does not fit inside a node of {gpus_per_node} GPUs (TP all-reduces every "
+                "layer and needs the fast intra-node links)",
+                f"choose tp in {_divisors(gpus_per_node)} and move the rest to dp_shard or pp"))
+        head_tp = math.gcd(n_heads, n_kv_heads)
+        if head_tp % tp:
+            problems.append(Problem(f"tp={tp} does not divide n_heads={n_heads} and n_kv_heads={n_kv_heads}",
+                                    f"choose tp in {_divisors(head_tp, limit)}"))
+        if vocab_size is not None and vocab_size % tp:
+            problems.append(Problem(
+                f"tp={tp} does not divide the vocabulary ({vocab_size}) that TP splits",
+                f"choose tp in {_divisors(math.gcd(vocab_size, head_tp), limit)}, or a "
+                f"model.vocab_multiple_of divisible by {tp}"))
+        if seq_len % tp:
+            # Sequence parallelism splits every sequence over the TP ranks: uneven parts give
+            # the ranks different shapes and the collectives fail or hang.
+            problems.append(Problem(
+                f"tp={tp} does not divide training.seq_len={seq_len}, which sequence parallelism "
+                "splits over the TP ranks",
+                f"choose tp in {_divisors(math.gcd(seq_len, head_tp), limit)}, or a seq_len "
+                f"divisible by {tp}, e.g. {tp * -(-seq_len // tp)}"))
+        if pp == 1:
+            return problems
+        if n_layers < self.n_stages:
+            problems.append(Problem(
+                f"{self.n_stages} pipeline stages (pp={pp}, {self.pp_schedule}) exceed "
+                f"n_layers={n_layers}: each stage needs at least one layer",
+                "lower parallelism.pp, or use a non-interleaved pp_schedule"))
+        elif n_layers % self.n_stages:
+            fits = [d for d in range(2, n_layers // v + 1) if n_layers % (d * v) == 0]
+            problems.append(Problem(
+                f"{self.n_stages} pipeline stages (pp={pp}, {self.pp_schedule}) do not divide "
+                f"n_layers={n_layers} evenly",
+                f"choose pp in {fits}" if fits else "change model.n_layers or use pp=1", advice=True))
+        if m < 2 * pp:
+            problems.append(Problem(
+                f"microbatches={m} < 2*pp={2 * pp}: the pipeline bubble would be "
+                f"{pipeline_bubble(pp, m):.0%} of the step",
+                f"set parallelism.microbatches={2 * pp} (or more) and training.micro_batch_size "
+                f"to a multiple of it", advice=True))
+        if micro_batch_size % m:
+            problems.append(Problem(
+                f"training.micro_batch_size={micro_batch_size} does not split into {m} pipeline "
+                "micro-batches", f"set training.micro_batch_size to a multiple of {m}"))
+        if v > 1 and m % max(1, m // pp):  # the schedule runs m in rounds of equal size
+            problems.append(Problem(
+                f"microbatches={m} do not split into equal rounds of interleaved-1f1b over pp={pp}",
+                f"set parallelism.microbatches to a multiple of {pp}, or at most {pp}"))
+        return problems
+
+
+def pipeline_bubble(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
+    return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+
+
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    return [d for d in range(1, (limit or n) + 1) if n % d == 0]

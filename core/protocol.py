@@ -1,0 +1,432 @@
+"""The contract between the supervisor (the launch task) and the workers (`python -m training`).
+
+Everything the two sides exchange is here:
+
+- `RunDir`: every path of a run directory, which both sides read and write.
+- `FailureClass`: how an attempt ended. Each class carries the workers' exit code, whether
+  an in-job restart (torchrun --max-restarts) can help, its default retry budget and what
+  the user can do about it.
+- `ResumeSpec`: where the workers start (the `--resume` argument).
+- The files they leave for each other: each rank's exit record, the worker group's starts,
+  rank 0's heartbeat; and the environment the supervisor sets for the workers.
+
+torchrun reports only that a worker failed, not how, so each worker leaves an exit record
+(`attempts/attempt-<id>/rank-<r>.json`). torchrun may restart the workers within an attempt:
+a rank's record then holds how its latest run ended, and `starts.jsonl` gets a line per start
+of the worker group, so restarts are counted across nodes too. A failure class a restart
+cannot fix ends the attempt: restarted workers find its record and exit at once with its code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from core.files import exclusive_lock, sha256_file
+
+# -- the run directory ----------------------------------------------------------------------
+
+CHECKPOINT_MANIFEST = "manifest.json"  # written last: a checkpoint directory without it is debris
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Every path of one run's directory (`<run.runs_dir>/<run.run_id>/`).
+
+        config.yaml      the resolved RunConfig the workers read
+        checkpoints/     step-XXXXXXXX/ (DCP + manifest.json), rejected/, superseded/,
+                         .from-store/ (files fetched to resume from the store)
+        ledger.json      checkpoint states (mirrored to the store)
+        metrics.jsonl    rank 0, one line per logged step;  heartbeat.json  its latest step
+        attempts/        per attempt: exit records, starts, outcome, torchrun's logs
+        faults/          markers of injected faults that fired (each fires once per run)
+        eval/            step-XXXXXXXX.json reports
+        summary.json     what the stages produced, wall time per stage
+    """
+
+    path: Path
+
+    @classmethod
+    def of(cls, where: RunDir | str | os.PathLike) -> RunDir:
+        return where if isinstance(where, RunDir) else cls(Path(where))
+
+    def __fspath__(self) -> str:
+        return os.fspath(self.path)
+
+    def __str__(self) -> str:
+        return str(self.path)
+
+    def __truediv__(self, name: str) -> Path:
+        return self.path / name
+
+    @property
+    def run_id(self) -> str:
+        return self.path.name
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def ledger_file(self) -> Path:
+        return self.path / "ledger.json"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def heartbeat_file(self) -> Path:
+        return self.path / "heartbeat.json"
+
+    @property
+    def summary_file(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def loss_curve(self) -> Path:
+        return self.path / "loss_curve.png"
+
+    @property
+    def fault_markers(self) -> Path:
+        return self.path / "faults"
+
+    @property
+    def eval_dir(self) -> Path:
+        return self.path / "eval"
+
+    def eval_report(self, step: int) -> Path:
+        return self.eval_dir / f"step-{step:08d}.json"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step:08d}"
+
+    def aside(self, kind: str) -> Path:
+        """Where copies moved out of reach of resume are kept: 'rejected' or 'superseded'."""
+        return self.checkpoints / kind
+
+    def fetched_from_store(self, step: int) -> Path:
+        """The files of checkpoint `step` that this node's workers fetched from the store."""
+        return self.checkpoints / ".from-store" / f"step-{step:08d}"
+
+    def committed_checkpoints(self) -> list[Path]:
+        """Checkpoint directories with a manifest, oldest first. Others are crash debris."""
+        if not self.checkpoints.is_dir():
+            return []
+        found = [p for p in self.checkpoints.iterdir()
+                 if p.is_dir() and _STEP_DIR.match(p.name) and is_committed(p)]
+        return sorted(found, key=step_of)
+
+    @property
+    def attempts(self) -> Path:
+        return self.path / "attempts"
+
+    def attempt(self, attempt: int | str) -> Path:
+        return self.attempts / f"attempt-{attempt}"
+
+
+def step_of(path: str | os.PathLike) -> int:
+    """The step of a checkpoint directory `step-XXXXXXXX`."""
+    match = _STEP_DIR.match(Path(path).name)
+    if not match:
+        raise ValueError(f"{path} is not a checkpoint directory (expected step-XXXXXXXX)")
+    return int(match.group(1))
+
+
+def is_committed(path: str | os.PathLike) -> bool:
+    return (Path(path) / CHECKPOINT_MANIFEST).is_file()
+
+
+def checkpoint_lock(path: str | os.PathLike):
+    """Exclusive lock on the checkpoint directory `path` (a file beside it): the flow's
+    validation, upload and download of a step, and the trainer moving a committed copy of
+    it aside to save the step again, never overlap."""
+    path = Path(path)
+    return exclusive_lock(path.parent / f".{path.name}.lock")
+
+
+def set_aside(path: str | os.PathLike, kind: str) -> Path | None:
+    """Move a checkpoint directory out of reach of resume into `checkpoints/<kind>/`
+    ('rejected', 'superseded'), kept for inspection; returns where it went (None when there
+    was nothing to move)."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    aside = path.parent / kind / f"{path.name}-{time.time_ns()}"
+    aside.parent.mkdir(parents=True, exist_ok=True)
+    path.rename(aside)
+    return aside
+
+
+def copy_id(path: str | os.PathLike) -> str | None:
+    """Identity of the committed copy at `path` (None: not committed): a save of the same
+    step again is another copy, judged and uploaded on its own."""
+    manifest = Path(path) / CHECKPOINT_MANIFEST
+    return sha256_file(manifest)[:16] if manifest.is_file() else None
+
+
+# -- failure classes ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _ClassFacts:
+    exit_code: int | None  # the workers' exit code (None: decided by the supervisor)
+    restartable: bool  # an in-job restart of the workers can help
+    default_budget: int  # retries of the launch task, unless run.retry_budgets says otherwise
+    hint: str  # what the user can do once the retries are spent
+
+
+class FailureClass(str, Enum):
+    """How an attempt ended. The value is what records and events carry ("retryable")."""
+
+    DONE = "done"
+    CONFIG = "config"  # bad configuration or data: never retried
+    RETRYABLE = "retryable"  # crash, communication timeout, preemption after an emergency save
+    ROLLBACK = "rollback"  # non-finite loss or a loss spike: resume before it, skip its data
+    HANG = "hang"  # no heartbeat for too long: the supervisor killed the job
+    OOM = "oom"
+    DISK_FULL = "disk_full"  # a checkpoint write hit ENOSPC
+    CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # the checkpoint to resume from fails its checksums
+    CANCELLED = "cancelled"  # a user or the orchestrator stopped the attempt: not a failure
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def facts(self) -> _ClassFacts:
+        return _FACTS[self]
+
+    @property
+    def exit_code(self) -> int | None:
+        return self.facts.exit_code
+
+    @property
+    def restartable(self) -> bool:
+        return self.facts.restartable
+
+    @property
+    def default_budget(self) -> int:
+        return self.facts.default_budget
+
+    @property
+    def hint(self) -> str:
+        return self.facts.hint
+
+    @classmethod
+    def named(cls, value: str) -> FailureClass | None:
+        """The class a record names; None for one this version does not know."""
+        try:
+            return cls(value)
+        except ValueError:
+            return None
+
+    @classmethod
+    def of_exit_code(cls, code: int) -> FailureClass:
+        """The class a bare exit code stands for (no record says more): any code that is not
+        the contract's is a crash, retried."""
+        return {0: cls.DONE, 2: cls.CONFIG, 76: cls.ROLLBACK}.get(code, cls.RETRYABLE)
+
+
+_RETRYABLE_CODE = 75  # sysexits' EX_TEMPFAIL; classes the record tells apart share it
+_FACTS = {
+    FailureClass.DONE: _ClassFacts(0, False, 0, ""),
+    FailureClass.CONFIG: _ClassFacts(2, False, 0, "configuration or data error: fix the input and rerun"),
+    FailureClass.RETRYABLE: _ClassFacts(_RETRYABLE_CODE, True, 4, ""),
+    FailureClass.ROLLBACK: _ClassFacts(76, False, 3, ""),  # the window to skip is recorded first
+    FailureClass.HANG: _ClassFacts(None, False, 2, ""),
+    FailureClass.OOM: _ClassFacts(_RETRYABLE_CODE, False, 0, (
+        "lower training.micro_batch_size, or shard more (parallelism.dp_shard, "
+        "activation_checkpointing); `goodput plan` estimates memory")),
+    FailureClass.DISK_FULL: _ClassFacts(_RETRYABLE_CODE, False, 0, (
+        "the checkpoint disk is full: free space on it, lower checkpoint.keep_local or "
+        "checkpoint.keep_aside, or move run.runs_dir to a larger disk; committed checkpoints "
+        "are intact")),
+    # The launch task sets the damaged copy aside before the retry, which resumes elsewhere.
+    FailureClass.CORRUPT_CHECKPOINT: _ClassFacts(_RETRYABLE_CODE, False, 2, ""),
+    FailureClass.CANCELLED: _ClassFacts(None, False, 0, ""),
+}
+
+# The classes a retry budget applies to (run.retry_budgets); "unknown" is the budget of a
+# class this version does not know (an outcome record written by another one).
+DEFAULT_RETRY_BUDGETS = {**{c.value: c.default_budget for c in FailureClass
+                            if c not in (FailureClass.DONE, FailureClass.CONFIG, FailureClass.CANCELLED)},
+                         "unknown": 1}
+
+
+# -- where the workers start -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ResumeSpec:
+    """The workers' `--resume`: where training starts.
+
+    - `scratch()`            no checkpoint ('none')
+    - `newest_committed()`   the newest committed checkpoint of the run ('auto'; for plain
+                             torchrun use without the orchestrator)
+    - `directory(path)`      that checkpoint directory
+    - `store(step)`          the uploaded checkpoint of `step`, read straight from the store,
+                             each rank fetching only the files its part of the state is in
+    - `validated()`          the newest checkpoint the run's ledger marks validated that this
+                             machine can read (local copy or the store's): what the launch task
+                             passes, so that workers torchrun restarts in-job resume from what
+                             was validated since, never from a copy nobody has verified
+    """
+
+    kind: str  # "scratch" | "newest_committed" | "directory" | "store" | "validated"
+    path: Path | None = None
+    step: int | None = None
+
+    @classmethod
+    def scratch(cls) -> ResumeSpec:
+        return cls("scratch")
+
+    @classmethod
+    def newest_committed(cls) -> ResumeSpec:
+        return cls("newest_committed")
+
+    @classmethod
+    def directory(cls, path: str | os.PathLike) -> ResumeSpec:
+        return cls("directory", path=Path(path))
+
+    @classmethod
+    def store(cls, step: int) -> ResumeSpec:
+        return cls("store", step=step)
+
+    @classmethod
+    def validated(cls) -> ResumeSpec:
+        return cls("validated")
+
+    @classmethod
+    def parse(cls, text: str) -> ResumeSpec:
+        """The command-line form: none | auto | validated | store:STEP | a directory."""
+        if text == "none":
+            return cls.scratch()
+        if text == "auto":
+            return cls.newest_committed()
+        if text == "validated":
+            return cls.validated()
+        if text.startswith("store:"):
+            try:
+                return cls.store(int(text.removeprefix("store:")))
+            except ValueError:
+                raise ValueError(f"--resume {text}: expected store:STEP with an integer step") from None
+        return cls.directory(text)
+
+    def __str__(self) -> str:
+        return {"scratch": "none", "newest_committed": "auto", "validated": "validated",
+                "store": f"store:{self.step}", "directory": str(self.path)}[self.kind]
+
+
+# -- the environment the supervisor gives the workers ----------------------------------------
+
+ENV_ATTEMPT = "GOODPUT_ATTEMPT"  # the launch task's attempt id (plain runs: "0")
+ENV_RUN_DIR = "GOODPUT_RUN_DIR"  # where to leave the exit record even when the config fails to load
+ENV_RESTART_WAIT_S = "GOODPUT_RESTART_WAIT_S"  # after an in-job restart: wait for pending verdicts
+ENV_MTBF_S = "GOODPUT_MTBF_S"  # the run's MTBF so far, for checkpoint.interval=auto
+
+
+def attempt_of_worker() -> str:
+    return os.environ.get(ENV_ATTEMPT, "0")
+
+
+def supervised() -> bool:
+    """Started by the launch task (attempt ids are unique), not by hand (plain runs reuse "0")."""
+    return ENV_ATTEMPT in os.environ
+
+
+def restart_count() -> int:
+    """How often torchrun restarted this node's workers in the current job (0 without torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+# -- the files the two sides exchange -------------------------------------------------------
+
+STARTS_FILE = "starts.jsonl"
+
+
+def _write_json_atomically(path: Path, record: dict) -> None:
+    # Restarted workers and the launch task read these while others write them.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+
+
+def write_exit_record(run_dir: RunDir | Path, attempt: int | str, rank: int,
+                      failure: FailureClass, reason: str, step: int | None, **details) -> None:
+    """How this rank's run ended; the exit code it returns is `failure.exit_code`."""
+    directory = RunDir.of(run_dir).attempt(attempt)
+    directory.mkdir(parents=True, exist_ok=True)
+    record = {"rank": rank, "code": failure.exit_code, "class": failure.value,
+              "reason": reason, "step": step, "time": time.time(), "pid": os.getpid(),
+              "restart": restart_count(), **details}
+    _write_json_atomically(directory / f"rank-{rank}.json", record)
+
+
+def read_exit_records(run_dir: RunDir | Path, attempt: int | str) -> list[dict]:
+    directory = RunDir.of(run_dir).attempt(attempt)
+    if not directory.is_dir():
+        return []
+    return [json.loads(p.read_text()) for p in sorted(directory.glob("rank-*.json"))]
+
+
+def restart_blocker(run_dir: RunDir | Path, attempt: int | str) -> dict | None:
+    """The exit record, from an earlier run of this attempt's workers, of a failure that an
+    in-job restart cannot fix; None when the workers may (re)start. (A class this version
+    does not know blocks too: the launch task decides.)"""
+    def blocks(value: str) -> bool:
+        failure = FailureClass.named(value)
+        return failure is not FailureClass.DONE and not (failure and failure.restartable)
+
+    return next((r for r in read_exit_records(run_dir, attempt) if blocks(r["class"])), None)
+
+
+def record_start(run_dir: RunDir | Path, attempt: int | str, fresh: bool = False) -> int:
+    """Note a start of the worker group (call on global rank 0); returns how many came before.
+    `fresh`: a new job reusing the attempt id (plain runs all use "0"): forget earlier starts."""
+    directory = RunDir.of(run_dir).attempt(attempt)
+    directory.mkdir(parents=True, exist_ok=True)
+    if fresh:
+        (directory / STARTS_FILE).unlink(missing_ok=True)
+    before = len(read_starts(run_dir, attempt))
+    line = {"start": before, "restart": restart_count(), "time": time.time(), "pid": os.getpid(),
+            "node": int(os.environ.get("GROUP_RANK", "0"))}
+    with open(directory / STARTS_FILE, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    return before
+
+
+def read_starts(run_dir: RunDir | Path, attempt: int | str) -> list[dict]:
+    path = RunDir.of(run_dir).attempt(attempt) / STARTS_FILE
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def in_job_restarts(run_dir: RunDir | Path, attempt: int | str) -> int:
+    """Worker-group restarts within the attempt (after a start, before the first step too)."""
+    return max(0, len(read_starts(run_dir, attempt)) - 1)
+
+
+def write_heartbeat(run_dir: RunDir | Path, **fields) -> None:
+    """Rank 0, every step (and at a start, and before a save): the supervisor tells a slow
+    attempt from a hung one by it. `phase`: 'startup', 'step' or 'checkpoint'."""
+    _write_json_atomically(RunDir.of(run_dir).heartbeat_file,
+                           {**fields, "time": time.time(), "pid": os.getpid()})
+
+
+def read_heartbeat(run_dir: RunDir | Path) -> dict | None:
+    try:
+        return json.loads(RunDir.of(run_dir).heartbeat_file.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None

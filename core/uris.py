@@ -1,0 +1,38 @@
+"""Store URIs and keys: what a valid `s3://bucket/prefix`, bucket name and object key look
+like, checked without sending any request (servers answer bad names in different ways)."""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlparse
+
+
+def check_key(key: str) -> str:
+    """Reject keys that could escape the store root or mean different things on disk and in S3."""
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"invalid key {key!r}: use a relative 'a/b/c' path without '.', '..' or '//'")
+    return key
+
+
+# S3's rules for new buckets: 3-63 lowercase letters, digits, '.' and '-', alphanumeric ends.
+_BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+
+
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """The bucket and prefix of `s3://bucket[/prefix]`, checked (no request is sent)."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ValueError(f"not an S3 URI: {uri!r}; expected s3://bucket[/prefix]")
+    prefix = parsed.path.strip("/")
+    if prefix:
+        check_key(prefix)
+    return check_bucket(parsed.netloc), prefix
+
+
+def check_bucket(name: str) -> str:
+    """Reject a bucket name S3 refuses, before any request (servers answer it differently)."""
+    if not _BUCKET_NAME.fullmatch(name) or ".." in name:
+        raise ValueError(f"invalid S3 bucket name {name!r}: use 3 to 63 lowercase letters, digits, "
+                         "'.' and '-', starting and ending with a letter or digit")
+    return name

@@ -1,0 +1,28 @@
+"""The held-out loss: mean next-token cross-entropy over the start of the validation split.
+
+Used by the evaluation report, and by checkpoint validation to catch weights that are finite
+but wrong."""
+
+from __future__ import annotations
+
+import torch
+
+from core.errors import DataError
+from training.data import TokenStream, sequential_batches
+from training.model import Transformer
+
+
+@torch.no_grad()
+def held_out_loss(model: Transformer, stream: TokenStream, seq_len: int, batch_size: int,
+                  max_batches: int, device: torch.device) -> tuple[float, int]:
+    """Mean next-token cross-entropy over the first `max_batches` validation batches, and
+    the tokens it covers."""
+    total, tokens = 0.0, 0
+    for inputs, targets in sequential_batches(stream, seq_len, batch_size, max_batches):
+        loss = model(inputs.to(device), targets.to(device))
+        total += loss.item() * targets.numel()
+        tokens += targets.numel()
+    if tokens == 0:
+        raise DataError(f"validation split has {stream.n_tokens} tokens, not enough for one "
+                        f"sample of seq_len={seq_len}; add data or raise data.validation_fraction")
+    return total / tokens, tokens
