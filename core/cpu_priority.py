@@ -1,29 +1,15 @@
-"""Work off the training path runs at the lowest CPU priority.
+"""Work beside training runs at the lowest CPU priority (SCHED_IDLE, nice 19).
 
 A background checkpoint write, the manifest's hashing, the validation reload and the upload
-all run while training runs. Where the cores are busy with training (a CPU run; a GPU node
-whose data loader or host code saturates it) every CPU second they take at normal priority
-is a second taken from a training step. At the idle scheduling class (SCHED_IDLE, and nice
-19) the scheduler gives them the cycles training leaves idle (waiting in a collective, on
-the GPU, on I/O) and little more, so training keeps its pace; the background work takes
-longer instead. It cannot starve for good: the next save waits for the previous one, and
-while training waits nothing competes. (A thread inside the training process still shares
-its interpreter lock: `checkpoint.async_mode: process` keeps the shard writing out of it.)
+run while training runs. At normal priority every CPU second they take on busy cores is
+taken from a training step; at the idle class they get the cycles training leaves idle
+(waiting in a collective, on the GPU, on I/O), and take longer instead.
 
-Priorities count within a scheduling group. On kernels with autogroups (most desktop and
-many server distributions) each session is a group, and groups share the CPU evenly
-whatever their threads' priorities. The local launcher starts the training workers in a
-session of their own, so there the flow process's validation and upload get an even share
-against them, and idle priority only makes them yield to the flow's own threads. (The
-validation process stays in the flow's session: in a session of its own, a cancelled flow,
-which Prefect stops by signalling its process group, would leave it running.) Where cgroups
-divide the CPU (Slurm, Kubernetes), the same holds per cgroup.
-
-Linux keeps the priority per thread, and a thread starts with its creator's, so lowering
-one thread lowers the pool threads it later starts (DCP's writer threads, boto3's transfer
-threads) and nothing else. A thread's priority cannot be raised back without privileges,
-which is why a long-lived thread (a Prefect worker thread) hands the work to a new thread
-(`at_background_priority`) instead of lowering itself.
+Linux keeps the priority per thread and a new thread inherits its creator's: lowering one
+thread lowers the threads it starts (DCP's writers, boto3's transfer threads) and nothing
+else. Priorities count within a scheduling group (an autogroup per session; a cgroup under
+Slurm or Kubernetes). A thread cannot raise its priority back without privileges, so a
+long-lived thread hands the work to a new one (`at_background_priority`).
 """
 
 from __future__ import annotations

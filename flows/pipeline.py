@@ -22,10 +22,8 @@ def pipeline(config: RunConfig = RunConfig(), config_file: str | None = None,
              overrides: tuple[str, ...] = (), worker_logs: WorkerLogs = "rank0") -> dict:
     """Prepare the dataset, train on it, evaluate the newest checkpoint.
 
-    The layout is checked first: one that cannot run fails the pipeline in seconds, not
-    after the dataset is prepared. The train stage checks it again before it launches, as
-    it does when run on its own: the check is arithmetic (milliseconds), so a second task
-    run costs less than a parameter that could switch the guard off.
+    The layout is checked first, so that one that cannot run fails in seconds, before the
+    dataset is prepared (the train stage checks it again, as it does on its own).
 
     Args:
         config: The run's configuration (the form); used unless `config_file` is set.

@@ -2,45 +2,12 @@
 
     goodput plan --config configs/llama2-7b.yaml --nodes 4 --gpus-per-node 8 --gpu-memory 80GiB
 
-Given a RunConfig and a cluster, `plan_layout` explains one layout (dp_replicate x dp_shard
-x tp x pp = world size) and `search` enumerates every factorisation of the world size and
-ranks the valid ones by estimated throughput (tokens/s). The train flow runs `check_run` before it
-launches, and the pipeline before it prepares the dataset (tasks/layout.py): the config's own
-layout on the hardware it names or runs on. The estimates mirror what the trainer
-(training/parallelize.py) actually does; the byte accounting below is checked against
-measured training steps in tests/test_plan.py.
-
-Byte accounting, per GPU (worst pipeline rank), AdamW:
-- weights     fp32 master copy, 4 bytes/param, sharded over dp_shard by FSDP.
-- gradients   fp32, 4 bytes/param, sharded like the weights.
-- optimizer   AdamW exp_avg + exp_avg_sq in fp32, 8 bytes/param, sharded like the weights.
-  Together 16 bytes/param: bf16-on-GPU mixed precision keeps fp32 master weights, gradients
-  reduced in fp32 and fp32 Adam moments (FSDP2 MixedPrecisionPolicy(bf16, reduce fp32)), and
-  plain fp32 on CPU is 4 + 4 + 8 as well. 7B parameters: 112 GB unsharded, 14 GB over 8 shards.
-- buffers     what data parallelism adds: DDP's gradient buckets (one more fp32 gradient
-  copy); FSDP's all-gathered weights in compute precision (the root module, kept after
-  forward, plus two blocks in flight, or every block without reshard_after_forward or under
-  a pipeline schedule, which keeps them gathered after backward until its step ends) and its
-  unsharded gradients (one block in flight, or all of them, in fp32, while micro-batches
-  accumulate without syncing); bf16 weight copies that autocast saves for backward outside FSDP.
-- activations what autograd saves for backward, counted tensor by tensor for
-  training/model.py (per block: norms, q/k/v/attention output and log-sum-exp, SwiGLU's
-  four hidden-size tensors; the head's fp32 log-probabilities), times the micro-batches a
-  pipeline schedule keeps in flight. Checkpointed blocks keep only their input. In bf16
-  the residual stream (norms, block inputs, what pipeline stages and sequence parallelism
-  exchange) is bf16 only under FSDP2, which casts the parameters; under autocast it stays
-  fp32, and autocast saves a bf16 copy of a matmul's input for each matmul. Tensor
-  parallelism (with sequence parallelism for norms) divides everything but the all-gathered
-  inputs of the column-parallel matmuls and the replicated logits.
-- workspace   in backward, the larger of the loss gradient (fp32 gradients of the
-  log-probabilities and the logits, at its start) and one block recomputed under activation
-  checkpointing (later, once the loss is done); in the optimizer step, the temporaries of
-  AdamW's per-tensor update on CPU (sqrt and division of the largest tensor) -- the fused
-  CUDA update needs none.
-
-Peak = weights + optimizer + buffers + the larger of the backward phase (activations +
-backward workspace, plus gradients when they live across micro-batches: gradient
-accumulation, pipeline micro-batches) and the update (gradients + step workspace).
+`plan_layout` explains one layout (memory per GPU, pipeline bubble, communication, step
+time, or why it cannot run, each problem with its fix: core.layout states the rules), and
+`search` ranks every factorisation of the world size by estimated tokens/s. The train flow
+and the pipeline run `check_run` first (tasks/layout.py). The memory model (see "memory"
+below) mirrors what training/parallelize.py does and is checked against measured steps in
+tests/test_plan.py.
 """
 
 from __future__ import annotations
@@ -434,6 +401,39 @@ def factorisations(world: int) -> list[dict[str, int]]:
 
 
 # -- memory ------------------------------------------------------------------------------------
+#
+# Byte accounting, per GPU (worst pipeline rank), AdamW:
+# - weights     fp32 master copy, 4 bytes/param, sharded over dp_shard by FSDP.
+# - gradients   fp32, 4 bytes/param, sharded like the weights.
+# - optimizer   AdamW exp_avg + exp_avg_sq in fp32, 8 bytes/param, sharded like the weights.
+#   Together 16 bytes/param: bf16-on-GPU mixed precision keeps fp32 master weights, gradients
+#   reduced in fp32 and fp32 Adam moments (FSDP2 MixedPrecisionPolicy(bf16, reduce fp32)), and
+#   plain fp32 on CPU is 4 + 4 + 8 as well. 7B parameters: 112 GB unsharded, 14 GB over 8 shards.
+# - buffers     what data parallelism adds: DDP's gradient buckets (one more fp32 gradient
+#   copy); FSDP's all-gathered weights in compute precision (the root module, kept after
+#   forward, plus two blocks in flight, or every block without reshard_after_forward or under
+#   a pipeline schedule, which keeps them gathered after backward until its step ends) and its
+#   unsharded gradients (one block in flight, or all of them, in fp32, while micro-batches
+#   accumulate without syncing); bf16 weight copies that autocast saves for backward outside FSDP.
+# - activations what autograd saves for backward, counted tensor by tensor for
+#   training/model.py (per block: norms, q/k/v/attention output and log-sum-exp, SwiGLU's
+#   four hidden-size tensors; the head's fp32 log-probabilities), times the micro-batches a
+#   pipeline schedule keeps in flight. Checkpointed blocks keep only their input. In bf16
+#   the residual stream (norms, block inputs, what pipeline stages and sequence parallelism
+#   exchange) is bf16 only under FSDP2, which casts the parameters; under autocast it stays
+#   fp32, and autocast saves a bf16 copy of a matmul's input for each matmul. Tensor
+#   parallelism (with sequence parallelism for norms) divides everything but the all-gathered
+#   inputs of the column-parallel matmuls and the replicated logits.
+# - workspace   in backward, the larger of the loss gradient (fp32 gradients of the
+#   log-probabilities and the logits, at its start) and one block recomputed under activation
+#   checkpointing (later, once the loss is done); in the optimizer step, the temporaries of
+#   AdamW's per-tensor update on CPU (sqrt and division of the largest tensor) -- the fused
+#   CUDA update needs none.
+#
+# Peak = weights + optimizer + buffers + the larger of the backward phase (activations +
+# backward workspace, plus gradients when they live across micro-batches: gradient
+# accumulation, pipeline micro-batches) and the update (gradients + step workspace).
+
 
 @dataclass(frozen=True)
 class _Rank:

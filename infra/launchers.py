@@ -1,30 +1,13 @@
 """Start the nodes of one training attempt, one `torchrun` each, and watch them.
 
-Every node runs the same torchrun command line (infra/torchrun.py). The facts that differ
-per node are derived on the node by a small shell wrapper (`node_wrapper`) from two values
-each launcher knows in its own way -- the node's index and the address other nodes reach it
-at (a literal for local and ssh nodes; SLURM_NODEID / SLURMD_NODENAME in a Slurm job; the
-JobSet job index or the PyTorchJob replica rank and the pod IP on Kubernetes):
-
-- node 0 hosts the c10d rendezvous store (`--rdzv-conf is_host=1`, the others 0). torchrun
-  would otherwise guess by matching the endpoint against its hostname, which fails when
-  nodes share a hostname (several on one machine, network namespaces) or resolve it to
-  the wrong interface (STACK_NOTES);
-- `--local-addr` is the node's own address, which rank 0's node advertises for the workers'
-  store (a fresh one per attempt, with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1);
-- worker lines are prefixed `[node<i> rank<r>] `, the format the Prefect log sink filters on.
-
-They reach torchrun as its PET_<FLAG> environment variables, which it reads for any flag
-not given on the command line. The endpoint (host:port of node 0) is shared by all nodes.
-Global ranks are assigned by the c10d rendezvous (torchrun ignores --node-rank with it), so
-global rank 0 may run on any node.
-
-A launcher has four members, used by infra.torchrun.run_attempt:
+Launchers: local ("nodes" on this machine), ssh (one per host), slurm (an sbatch job),
+kubernetes (a JobSet or PyTorchJob). Each has four members, used by infra.torchrun:
     start(log)  start or submit every node; worker output goes to `log` line by line
     started     whether the nodes run yet (a scheduler may queue the job first)
     poll()      None while running; the exit code once every node succeeded or any failed
     stop()      end whatever still runs, on every node; returns the attempt's exit code
-Any node failing ends the attempt: poll() reports it and run_attempt stops the others.
+Any node failing ends the attempt. Every node runs the same command line; what differs per
+node is derived on the node (node_wrapper).
 """
 
 from __future__ import annotations
@@ -86,7 +69,19 @@ class NodeLaunch:
 
 def node_wrapper(node: str, addr: str) -> list[str]:
     """`bash -c SCRIPT torchrun` prefix that derives one node's torchrun settings from its
-    index and address (shell words, expanded on the node) and then runs the command."""
+    index and its address (shell words, expanded on the node: literals for local and ssh
+    nodes, SLURM_NODEID / SLURMD_NODENAME in a Slurm job, the JobSet job index or PyTorchJob
+    replica rank and the pod IP on Kubernetes), then runs the command:
+
+    - node 0 hosts the c10d rendezvous store (`--rdzv-conf is_host=1`, the others 0): torchrun
+      would otherwise guess by matching the endpoint against its hostname, which fails when
+      nodes share a hostname or resolve it to the wrong interface (STACK_NOTES);
+    - `--local-addr` is the node's own address, which rank 0's node advertises for the
+      workers' store (a fresh one per attempt, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1);
+    - worker lines are prefixed `[node<i> rank<r>] `, which the Prefect log sink filters on.
+
+    They reach torchrun as PET_<FLAG> variables, read for any flag not on the command line.
+    Global ranks come from the c10d rendezvous, so global rank 0 may run on any node."""
     script = (f'node={node}; export PET_RDZV_CONF="is_host=$(( node == 0 ))" '
               f'PET_LOCAL_ADDR={addr} '
               'TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[node$node rank\\${rank}] "; exec "$@"')

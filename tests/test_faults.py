@@ -252,6 +252,35 @@ def test_configuration_errors_are_not_retried(workdir):
     assert "no-such-dataset" in outcomes[0]["reason"]
 
 
+def test_a_file_missing_in_a_worker_is_a_crash_to_retry_not_a_config_error(tmp_path):
+    """Only errors raised as configuration or data errors where they are detected end a run
+    unretried; a shard the manifest lists but a shared filesystem lost for a moment is a
+    crash (retryable). A --dataset without a prepared dataset is a configuration error."""
+    import subprocess
+    import sys
+
+    from goodput.runs import write_run_config
+    from tests.helpers import REPO, synthetic_dataset
+
+    dataset = synthetic_dataset(tmp_path / "dataset")
+    config = small_config(tmp_path)
+    config_path = write_run_config(config)
+
+    def worker(dataset_dir: Path, attempt: str) -> tuple[int, dict]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "training", "--config", str(config_path), "--dataset",
+             str(dataset_dir), "--resume", "none"], capture_output=True, text=True, cwd=REPO,
+            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", "GOODPUT_ATTEMPT": attempt})
+        [record] = read_exit_records(config.run_dir, attempt)
+        return proc.returncode, record
+
+    (dataset / "train-00001.arrow").unlink()
+    code, record = worker(dataset, "lost-1")
+    assert (code, record["class"]) == (75, "retryable") and "FileNotFoundError" in record["reason"]
+    code, record = worker(tmp_path / "elsewhere", "wrong-1")
+    assert (code, record["class"]) == (2, "config") and "no prepared dataset there" in record["reason"]
+
+
 def test_a_config_file_the_workers_cannot_load_ends_the_attempt_as_a_config_error(tmp_path):
     """The flow loaded the config; a node's copy of the file does not load (edited, another
     version): the workers still leave the record that makes it a config error, not a crash

@@ -396,6 +396,19 @@ class TestServedDeployments:
         assert 0 < float(breakdown["goodput"]) <= 1 and breakdown["attempts.retryable"] == "1"
 
 
+    def test_retention_runs_after_every_upload(self, ui_run):
+        """An interrupted run keeps no more checkpoints than a finished one: the train flow
+        applies retention after each upload, not once at its end."""
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        train_run = subflow_runs(ui_run.id)["train"]
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[train_run.id])))
+        uploads = sorted((r for r in runs if r.name.startswith("upload-step-")), key=lambda r: r.start_time)
+        retention = sorted((r for r in runs if r.name.startswith("apply-retention")), key=lambda r: r.start_time)
+        assert len(uploads) == len(retention) == 2
+        assert all(after.start_time >= upload.end_time for upload, after in zip(uploads, retention))
+
     def test_ui_triggered_pipeline_emits_events(self, ui_run, prefect_api):
         seen = wait_for(lambda: (lambda e: e if len(e) >= 7 else None)(
             events(prefect_api.api_url, "goodput.", "ui")), timeout_s=30, what="goodput events")
@@ -570,6 +583,12 @@ class TestServedDeployments:
         assert b_steps[0]["step"] < summary["final_step"] < b_steps[0]["step"] + 2 * 200
         with get_client(sync_client=True) as client:
             assert client.read_global_concurrency_limit_by_name("goodput-train-long").limit == 1
+        # A's attempt ended as cancelled: its own class, not retried, and no failure event for
+        # automations to act on (B's run is over by now: any event of A's has arrived).
+        outcomes = [json.loads(p.read_text()) for p in
+                    (run_dir / "attempts").glob(f"attempt-{str(a)[-8:]}-*/outcome.json")]
+        assert [o["class"] for o in outcomes] == ["cancelled"]
+        assert events(api, "goodput.attempt.failed", "long") == []
 
 
     # -- what a person sees ----------------------------------------------------------

@@ -137,6 +137,24 @@ def test_damaged_local_shard_is_replaced(builtin):
     assert sha256_file(shard) == manifest.splits["train"][1].sha256
 
 
+def test_training_is_told_whether_a_dataset_was_never_prepared_or_is_damaged(tmp_path):
+    """What train and evaluate ask (require_prepared): a missing dataset and a damaged one
+    (with no store copy to restore) are configuration errors that say which, never retried."""
+    from core.config import ConfigError
+    from storage.store import store_from_config
+
+    config = make_config(tmp_path)
+    plan, store = prep.plan_dataset(config), store_from_config(config.storage)
+    with pytest.raises(ConfigError, match="is not prepared; run `goodput prepare`"):
+        prep.require_prepared(plan, store)
+    manifest = prep.prepare_dataset(config)
+    assert prep.require_prepared(plan, store) == manifest
+    shutil.rmtree(config.storage.uri)  # no copy in the store to restore from
+    flip_bytes(plan.dir / manifest.splits["train"][0].path)
+    with pytest.raises(ConfigError, match="is damaged: its files no longer match its manifest"):
+        prep.require_prepared(plan, store)
+
+
 def test_rerun_after_a_crash_keeps_finished_shards(tmp_path):
     source = write_source(tmp_path / "in", "jsonl", DOCS)
     config = make_config(tmp_path, f"data.source={source}", "tokenizer.vocab_size=300")
