@@ -227,6 +227,10 @@ class CheckpointConfig(_Section):
         "more than validate_loss_tolerance. 0 turns the check off.")
     validate_loss_tolerance: float = Field(
         0.5, gt=0, description="Allowed relative excess of held-out over training loss.")
+    failed_save_wait_s: float = Field(
+        30.0, gt=0, description="When a save failed on some rank, how long the others wait for "
+        "their own writes (blocked in a collective the failed rank never joins) before the run "
+        "stops.")
     verify_timeout_s: float | None = Field(
         None, gt=0, description="How long the verifier of one checkpoint may take before it counts "
         "as giving no verdict (the checkpoint then stays unjudged and is not resumed from). None: "

@@ -50,7 +50,7 @@ def test_kill_during_a_background_save(baseline, tmp_path, point, resumed_from):
     root, dataset, clean = baseline
     config = config_for(tmp_path, f"kill-{point}", "checkpoint.async_mode=thread",
                         "faults.save_crash_at_step=10", f"faults.save_crash_point={point}",
-                        "faults.crash_rank=1")
+                        "faults.crash_rank=1", "checkpoint.failed_save_wait_s=5")
     lines: list[str] = []
     with pytest.raises(TrainingFailed) as failed:
         attempt(config, dataset, "crash-1", lines)

@@ -78,14 +78,14 @@ def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.dev
     None: allocate only, for a caller that loads every weight from a checkpoint)."""
     mesh = build_mesh(dims, device.type)
     if mesh is None:
-        parts = materialize([_finish(model, par_cfg)], seed, device)
+        parts = materialize([_checkpoint_and_compile(model, par_cfg)], seed, device)
         return _precision_and_loss(Layout(None, dims, parts), par_cfg, device)
 
     stage_ids, parts = [0], [model]
     if dims.pp > 1:
         stage_ids, parts = split_pipeline(model, mesh, dims)
     parts = [_apply_tp(part, mesh["tp"]) if dims.tp > 1 else part for part in parts]
-    parts = [_finish(part, par_cfg) for part in parts]
+    parts = [_checkpoint_and_compile(part, par_cfg) for part in parts]
 
     layout = Layout(mesh, dims, parts, stage_ids=stage_ids, fsdp=dims.fsdp, ddp=dims.ddp)
     if layout.fsdp:  # sharded while still on the meta device: each rank allocates its shards
@@ -253,7 +253,7 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
 
 # -- activation checkpointing, compile ---------------------------------------------------------
 
-def _finish(model: nn.Module, par_cfg) -> nn.Module:
+def _checkpoint_and_compile(model: nn.Module, par_cfg) -> nn.Module:
     """Activation checkpointing and compile, per block (both keep parameter names).
 
     Compiling per block rather than the whole model: the blocks share their code, so Dynamo

@@ -33,10 +33,6 @@ from training.model import ModelArgs, shape_differences
 
 log = get_logger("checkpoint")
 
-# How long a rank waits for its own write of a save that failed elsewhere to end.
-SAVE_FAILED_WAIT_S = 30.0
-
-
 @dataclass
 class Progress:
     """What the loop has done: saved in every checkpoint, restored on resume."""
@@ -195,7 +191,7 @@ class Checkpointer:
         progress. Gathers every rank's reasons and raises CheckpointFailed on all."""
         # Bounded: where the save failed on some ranks only (their staging copy), the others'
         # writes wait in a collective those ranks never join.
-        settled = self.saver.wait(timeout_s=SAVE_FAILED_WAIT_S)
+        settled = self.saver.wait(timeout_s=self.config.checkpoint.failed_save_wait_s)
         reports = from_every_rank((self.saver.failures, self.saver.disk_full))
         failures = [f"rank {rank}: {failure}" for rank, (failed, _) in enumerate(reports)
                     for failure in failed]

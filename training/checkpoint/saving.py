@@ -127,7 +127,7 @@ class Saver:
         self.fault_hook("writing", step)
         # The coordinator's future completes after it gathered every rank's write results
         # and wrote .metadata: then, and only then, the checkpoint may be committed.
-        self._pending = threading.Thread(target=self._finish,
+        self._pending = threading.Thread(target=self._commit_when_written,
                                          args=(written, path, manifest_fields, not urgent),
                                          name=f"commit-{path.name}", daemon=True)
         self._pending.start()
@@ -151,7 +151,7 @@ class Saver:
         self._staging = None
         return time.perf_counter() - started
 
-    def _finish(self, written: Future, path: Path, manifest_fields: dict, background: bool) -> None:
+    def _commit_when_written(self, written: Future, path: Path, manifest_fields: dict, background: bool) -> None:
         if background:  # the manifest (and any file without a digest to hash) too
             lower_thread_priority()
         try:
