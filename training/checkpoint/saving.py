@@ -151,7 +151,8 @@ class Saver:
         self._staging = None
         return time.perf_counter() - started
 
-    def _commit_when_written(self, written: Future, path: Path, manifest_fields: dict, background: bool) -> None:
+    def _commit_when_written(self, written: Future, path: Path, manifest_fields: dict,
+                             background: bool) -> None:
         if background:  # the manifest (and any file without a digest to hash) too
             lower_thread_priority()
         try:
