@@ -30,36 +30,84 @@ class DataConfig(_Section):
     source: str = Field(
         "builtin",
         description="'builtin' (a corpus built from documentation every Python installation "
-        "ships), local files (a path, a glob, or a comma-separated list of json/jsonl/parquet/"
-        "txt files), or a Hugging Face hub dataset name (needs network).",
+        "ships); local files (a path, a glob, a directory, or a comma-separated list of those: "
+        ".jsonl/.json/.parquet/.txt, also compressed .gz/.zst); s3://bucket/prefix (read with "
+        "storage.endpoint_url and the AWS credentials chain); or a Hugging Face hub dataset "
+        "name, streamed (needs network).",
     )
     format: Literal["auto", "json", "parquet", "text"] = Field(
-        "auto", description="File format; 'auto' picks it from the file extension."
+        "auto", description="File format; 'auto' picks it from each file's extension."
     )
     hub_config: str | None = Field(None, description="Hub dataset configuration name.")
     hub_split: str = Field("train", description="Split to read from a hub dataset.")
-    revision: str | None = Field(None, description="Hub dataset revision (commit or tag).")
+    revision: str | None = Field(None, description="Hub dataset revision (commit or tag); pin "
+                                 "it so the dataset id changes only when the data does.")
     text_column: str = Field("text", description="Column that holds the document text.")
-    max_docs: int | None = Field(None, ge=1, description="Use at most this many documents.")
+    max_docs: int | None = Field(None, ge=1, description="Use at most this many documents, the "
+                                 "first of the source in listing order (read as one work unit: "
+                                 "for quick trials, not for corpora).")
     validation_fraction: float = Field(
-        0.05, gt=0, lt=0.5, description="Share of documents held out for validation."
+        0.05, gt=0, lt=0.5, description="Share of documents held out for validation, chosen per "
+        "document by a hash of its text (the same document always lands in the same split)."
     )
-    num_shards: int = Field(
-        4, ge=1, le=4096, description="Train token shards; each is tokenized by its own task."
-    )
+    shard_tokens: int = Field(
+        2**25, ge=1024, le=2**31 - 1, description="Tokens per token shard (about: a shard holds "
+        "whole documents and closes once it reaches this). 2^25 uint16 tokens = 64 MiB.")
+    unit_bytes: str | int = Field(
+        "256MiB", description="Input bytes per work unit (one Prefect task): small files are "
+        "grouped, large ones cut into byte ranges or parquet row groups. A unit's memory does "
+        "not depend on it; a rerun redoes only the units that did not finish.")
+    fingerprint: Literal["listing", "content"] = Field(
+        "listing", description="What names the dataset: 'listing' (each file's path, size and "
+        "modification time; ETag on S3; revision on the hub: no file is read) or 'content' "
+        "(a sha256 over every byte of every file).")
+    on_bad_record: Literal["error", "skip"] = Field(
+        "error", description="A malformed record (a bad JSON line, a missing text field): "
+        "'error' stops with the file and line; 'skip' skips it and counts it in the manifest.")
     data_dir: str = Field(
         "./.goodput/data", description="Local cache of prepared datasets (one dir per dataset id)."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_shard_count(cls, values: Any) -> Any:
+        if isinstance(values, dict) and "num_shards" in values:
+            raise ValueError("data.num_shards is gone: shards have a fixed size now; set "
+                             "data.shard_tokens (tokens per shard) instead, or drop the field")
+        return values
+
+    @field_validator("unit_bytes")
+    @classmethod
+    def _unit_bytes_is_a_size(cls, value: str | int) -> str | int:
+        if _size(value) < 1024:
+            raise ValueError(f"{value!r} is below 1KiB; give each work unit at least 1KiB of input")
+        return value
+
+
+class PrepareConfig(_Section):
+    workers: int = Field(0, ge=0, description="Work units tokenized at once, each in a process "
+                         "of its own on this machine; 0 = one per CPU core.")
+    progress: bool = Field(True, description="A progress bar on the console while preparing.")
+
 
 class TokenizerConfig(_Section):
     path: str | None = Field(
-        None, description="An existing tokenizer.json to use instead of training one."
+        None, description="An existing tokenizer to use instead of training one: a "
+        "tokenizer.json, or a Hugging Face tokenizer directory (save_pretrained) holding one.",
     )
     vocab_size: int = Field(
         4096, ge=260, le=1_000_000, description="BPE vocabulary size to train, exactly: ids the "
         "corpus has no merges for are reserved tokens.")
     min_frequency: int = Field(2, ge=1, description="Minimum pair frequency when training BPE.")
+    sample_bytes: str | int = Field(
+        "64MiB", description="Text the tokenizer is trained on: a deterministic sample of the "
+        "train split this large, taken from the start of work units spread over the corpus.")
+
+    @field_validator("sample_bytes")
+    @classmethod
+    def _sample_is_a_size(cls, value: str | int) -> str | int:
+        _size(value)
+        return value
 
 
 class ModelConfig(_Section):
@@ -89,6 +137,14 @@ class ModelConfig(_Section):
         if self.n_heads % kv:
             raise ValueError(f"n_kv_heads={kv} does not divide n_heads={self.n_heads}")
         return self
+
+
+def _size(value: str | int) -> int:
+    """parse_bytes for a field validator: pydantic reports ValueError with the field's name."""
+    try:
+        return parse_bytes(value)
+    except ConfigError as e:
+        raise ValueError(str(e)) from None
 
 
 def parse_bytes(text: str) -> int:
@@ -267,10 +323,7 @@ class StorageConfig(_Section):
     @field_validator("part_size")
     @classmethod
     def _part_size_fits_s3(cls, value: str | int) -> str | int:
-        try:
-            size = parse_bytes(value)
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
+        size = _size(value)
         if not 5 * 2**20 <= size <= 5 * 2**30:
             raise ValueError(f"{value!r} is outside what S3 accepts; choose 5MiB to 5GiB, e.g. 64MiB")
         return value
@@ -445,6 +498,7 @@ class LaunchConfig(_Section):
 class RunConfig(_Section):
     run: RunSection = Field(default_factory=RunSection)
     data: DataConfig = Field(default_factory=DataConfig)
+    prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)

@@ -48,6 +48,11 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
+def fsync_file(path: str | os.PathLike) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def fsync_dir(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -126,9 +126,10 @@ def held_out_check(config: RunConfig) -> list[str]:
     """The verifier's arguments for the optional held-out loss check (checkpoint.validate_batches)."""
     if not config.checkpoint.validate_batches:
         return []
-    from goodput.data.prepare import plan_dataset
+    from goodput.data.prepare import locate
+    from storage.store import store_from_config
 
-    return ["--dataset", str(plan_dataset(config).local_dir),
+    return ["--dataset", str(locate(config, store_from_config(config.storage)).local_dir),
             "--eval-batches", str(config.checkpoint.validate_batches),
             "--loss-tolerance", str(config.checkpoint.validate_loss_tolerance)]
 

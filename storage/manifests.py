@@ -18,7 +18,6 @@ from core.protocol import CHECKPOINT_MANIFEST
 DATASET_MANIFEST = "manifest.json"
 
 
-
 class FileEntry(BaseModel):
     """One file of a checkpoint or dataset: path relative to the manifest, size, sha256."""
 
@@ -46,6 +45,8 @@ class DatasetManifest(BaseModel):
     eos_id: int
     dtype: Literal["uint8", "uint16", "uint32"]
     splits: dict[str, list[ShardInfo]]
+    skipped_records: int = Field(0, description="Bad records skipped (data.on_bad_record=skip).")
+    source_bytes: int = Field(0, description="Input bytes read to make the shards.")
     created_at: float
 
     def n_tokens(self, split: str) -> int:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from core.files import write_atomic
+from core.files import fsync_dir, fsync_file
 
 COLUMN = "tokens"
 _MAX_LIST_OFFSET = 2**31 - 1  # `list` (not `large_list`) offsets are int32
@@ -45,19 +46,65 @@ def write_shard(path: str | os.PathLike, docs: Sequence[Sequence[int] | np.ndarr
     n_tokens = int(lengths.sum())
     if n_tokens > _MAX_LIST_OFFSET:
         raise ValueError(f"{n_tokens} tokens do not fit in one shard (limit {_MAX_LIST_OFFSET}); "
-                         "write more, smaller shards (raise data.num_shards)")
+                         "write more, smaller shards (lower data.shard_tokens)")
     values = np.concatenate(arrays) if arrays else np.empty(0)
+    del arrays
     if values.size and (values.min() < 0 or values.max() > np.iinfo(dtype).max):
         raise ValueError(f"token ids range {values.min()}..{values.max()} does not fit {dtype}")
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    tokens = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(dtype)))
+    tokens = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(dtype, copy=False)))
     batch = pa.record_batch([tokens], names=[COLUMN], metadata=metadata)
 
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, batch.schema) as writer:
-        writer.write_batch(batch)
-    write_atomic(path, sink.getvalue())
-    return n_tokens, len(arrays)
+    # Streamed to the temporary file, not built in memory first: a shard of hundreds of MB
+    # then costs its tokens once, not twice.
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
+            writer.write_batch(batch)
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)
+    return n_tokens, len(lengths)
+
+
+class ShardWriter:
+    """Writes a stream of documents as shards of about `shard_tokens` tokens each.
+
+    Documents are never split: a shard closes at the first document that brings it to
+    `shard_tokens` or beyond. Memory is bounded by one shard's tokens. Each shard is written
+    whole (`write_shard`) and named `name_of(k)` for the k-th; `written` lists
+    (name, n_tokens, n_docs) of those written so far.
+    """
+
+    def __init__(self, directory: str | os.PathLike, name_of, dtype: str, shard_tokens: int,
+                 metadata: dict[str, str] | None = None):
+        self.directory, self.name_of, self.dtype = os.fspath(directory), name_of, dtype
+        self.shard_tokens, self.metadata = shard_tokens, metadata
+        self.written: list[tuple[str, int, int]] = []
+        self._docs: list[np.ndarray] = []
+        self._tokens = 0
+
+    def add(self, docs: Sequence[np.ndarray]) -> None:
+        for doc in docs:
+            self._docs.append(doc)
+            self._tokens += len(doc)
+            if self._tokens >= self.shard_tokens:
+                self._flush()
+
+    def close(self) -> list[tuple[str, int, int]]:
+        if self._docs:
+            self._flush()
+        return self.written
+
+    def _flush(self) -> None:
+        name = self.name_of(len(self.written))
+        n_tokens, n_docs = write_shard(os.path.join(self.directory, name), self._docs, self.dtype,
+                                       self.metadata)
+        self.written.append((name, n_tokens, n_docs))
+        self._docs, self._tokens = [], 0
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import logging
 import os
 import random
@@ -51,6 +52,10 @@ _T = TypeVar("_T")
 
 class IntegrityError(OSError):
     """What was stored or fetched differs from what was sent (size or checksum)."""
+
+
+class ObjectChangedError(OSError):
+    """An object was replaced while a reader read it (its ETag is no longer the one read)."""
 
 
 def open_store(uri: str, *, endpoint_url: str | None = None, region: str | None = None,
@@ -542,6 +547,66 @@ class S3Store(Store):
                 pass
         self._compare_stored(key, path, stored, reader.digest(), part_size)
 
+    # -- reading data sources in place -----------------------------------------------------
+
+    def list_objects(self, prefix: str = "") -> list[tuple[str, int, str]]:
+        """(key, size, ETag) of every object whose key starts with `prefix`, sorted by key.
+
+        Unlike `list`, `prefix` is a plain string prefix, not a folder: "data/x" also matches
+        "data/x.jsonl" and "data/x2/y"; pass "data/x/" for the folder. Keys are relative to the
+        store root, ETags without their quotes. Only the listing is read, never an object.
+        """
+        if prefix.startswith("/") or ".." in prefix.split("/"):
+            raise ValueError(f"invalid prefix {prefix!r}: use a relative 'a/b' path without '..'")
+        full_prefix = _join(self.prefix, prefix) if self.prefix else prefix
+        strip = len(self.prefix) + 1 if self.prefix else 0
+
+        def list_all() -> list[tuple[str, int, str]]:
+            pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=full_prefix)
+            return sorted((obj["Key"][strip:], obj["Size"], obj["ETag"].strip('"'))
+                          for page in pages for obj in page.get("Contents", []))
+
+        return self._call("listing of", prefix, list_all)
+
+    def open_read(self, key: str, start: int = 0, stop: int | None = None, *, etag: str | None = None,
+                  buffer_size: int = 8 * MiB) -> io.BufferedReader:
+        """A seekable binary file over the object under `key`, read by ranged GETs.
+
+        Positions are offsets in the object; the file starts at `start` and ends at `stop`
+        (None: the object's end). Reads go through a `buffer_size` read-ahead buffer, so
+        line-by-line reading costs one request per buffer, and memory stays bounded whatever
+        the object's size. Every GET names the version first seen (`etag`, else the one the
+        opening HEAD found): a replaced object raises ObjectChangedError, a deleted one
+        FileNotFoundError, rather than mixing the bytes of two versions.
+        """
+        head = self._call("lookup of", key, lambda: self._client.head_object(Bucket=self.bucket, Key=self._key(key)))
+        found = head["ETag"].strip('"')
+        if etag is not None and found != etag:
+            raise ObjectChangedError(f"{self.url(key)} changed: its ETag is {found}, not {etag}")
+        size = head["ContentLength"] if stop is None else min(stop, head["ContentLength"])
+        raw = _RangeReader(self, key, found, size)
+        reader = io.BufferedReader(raw, buffer_size=buffer_size)
+        reader.seek(start)
+        return reader
+
+    def _get_range(self, key: str, etag: str, start: int, stop: int) -> bytes:
+        """Bytes [start, stop) of the object under `key` at version `etag` (retried like any call)."""
+        def get() -> bytes:
+            try:
+                response = self._client.get_object(Bucket=self.bucket, Key=self._key(key), IfMatch=f'"{etag}"',
+                                                   Range=f"bytes={start}-{stop - 1}")
+            except botocore.exceptions.ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") == "PreconditionFailed":
+                    raise ObjectChangedError(f"{self.url(key)} changed while being read: its ETag "
+                                             f"is no longer {etag}") from None
+                raise
+            data = response["Body"].read()
+            if len(data) != stop - start:  # a short body (connection cut): IntegrityError is retried
+                raise IntegrityError(f"read of {self.url(key)}: got {len(data)} of {stop - start} bytes")
+            return data
+
+        return self._call("read of", key, get)
+
     # -- checksums ------------------------------------------------------------------------
 
     def _part_size(self, size: int) -> int | None:
@@ -652,6 +717,47 @@ class S3Store(Store):
                 return FileNotFoundError(f"bucket {self.bucket!r} does not exist: {url}")
             return FileNotFoundError(f"no such object: {url}")
         return exc
+
+
+class _RangeReader(io.RawIOBase):
+    """The bytes [0, size) of one S3 object version, each read a ranged GET (see open_read)."""
+
+    def __init__(self, store: S3Store, key: str, etag: str, size: int):
+        self._store, self._key, self._etag, self._size = store, key, etag, size
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        base = {os.SEEK_SET: 0, os.SEEK_CUR: self._pos, os.SEEK_END: self._size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        # No request at or past the end: S3 answers a range there with 416.
+        stop = min(self._pos + len(buffer), self._size)
+        if stop <= self._pos:
+            return 0
+        data = self._store._get_range(self._key, self._etag, self._pos, stop)
+        buffer[: len(data)] = data
+        self._pos = stop
+        return len(data)
+
+    def readall(self) -> bytes:
+        # RawIOBase's would read 8 KiB, one request, at a time.
+        parts = []
+        while chunk := self.read(8 * MiB):
+            parts.append(chunk)
+        return b"".join(parts)
 
 
 class _DigestingReader:

@@ -20,7 +20,7 @@ from core.errors import DataError
 from core.protocol import FailureClass
 from goodput import checkpoint_lifecycle as lifecycle
 from goodput.accounting import summarize_goodput
-from goodput.data.prepare import plan_dataset, require_prepared
+from goodput.data.prepare import locate, require_prepared
 from goodput.runs import train_attempt, update_summary
 from infra.torchrun import TrainingFailed
 from storage.ledger import LedgerEntry, choose_resume
@@ -151,9 +151,11 @@ def apply_retention(config: RunConfig) -> dict[str, list]:
       retry_condition_fn=retry_unless_config_error, tags=["training"])
 def locate_dataset(config: RunConfig) -> Path:
     """The prepared dataset of this config on local disk (downloaded from the store if
-    needed); one never prepared or damaged fails at once, saying which."""
-    plan = plan_dataset(config)
-    require_prepared(plan, store_from_config(config.storage))
+    needed; found by its data settings where the raw sources are gone); one never prepared
+    or damaged fails at once, saying which."""
+    store = store_from_config(config.storage)
+    plan = locate(config, store)
+    require_prepared(plan, store)
     return Path(plan.local_dir)
 
 

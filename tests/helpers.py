@@ -47,7 +47,7 @@ def small_config(tmp_path: Path, *overrides: str) -> RunConfig:
     return load_config(None, [
         f"run.runs_dir={tmp_path / 'runs'}", "run.run_id=test", "run.retry_delay_s=0",
         f"data.data_dir={tmp_path / 'data'}", f"storage.uri={tmp_path / 'store'}",
-        "data.max_docs=400", "data.num_shards=2", "data.validation_fraction=0.1",
+        "data.max_docs=400", "data.shard_tokens=32768", "data.validation_fraction=0.1",
         "tokenizer.vocab_size=512",
         "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
         "training.seq_len=64", "training.micro_batch_size=4", "training.max_steps=30",

@@ -104,3 +104,10 @@ def test_config_hash_ignores_paths_and_faults():
     changed = load_config(None, ["training.lr=1e-4"])
     assert base.config_hash() == moved.config_hash()
     assert base.config_hash() != changed.config_hash()
+
+
+def test_data_settings_of_the_old_shape_say_what_replaced_them():
+    with pytest.raises(ConfigError, match="data.num_shards is gone.*data.shard_tokens"):
+        load_config(None, ["data.num_shards=4"])
+    with pytest.raises(ConfigError, match="data.unit_bytes: '12x' is not a memory size"):
+        load_config(None, ["data.unit_bytes=12x"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import re
@@ -477,3 +478,55 @@ def test_background_work_hands_its_exception_to_the_caller():
 
     with pytest.raises(ConnectionError, match="store down"):
         at_background_priority(fails)
+
+
+# -- reading data sources in place: list_objects, open_read ------------------------------------
+
+@pytest.mark.s3
+def test_list_objects_takes_a_plain_prefix_and_gives_sizes_and_etags(s3_uri):
+    store = S3Store(s3_uri)
+    for key, data in {"data/x.jsonl": b"12345", "data/x.jsonl.gz": b"1", "data2/y": b"", "z": b"7"}.items():
+        store.put_bytes(key, data)
+    listed = store.list_objects("data")
+    assert [(key, size) for key, size, _ in listed] == [("data/x.jsonl", 5), ("data/x.jsonl.gz", 1), ("data2/y", 0)]
+    assert listed[0][2] == hashlib.md5(b"12345").hexdigest()  # a one-PUT object's ETag, unquoted
+    assert [key for key, _, _ in store.list_objects("data/")] == ["data/x.jsonl", "data/x.jsonl.gz"]
+    assert len(store.list_objects()) == 4 and store.list_objects("nothing/") == []
+
+
+@pytest.mark.s3
+def test_open_read_reads_ranges_ahead_and_seeks(s3_uri):
+    store = S3Store(s3_uri)
+    data = os.urandom(3 * MiB + 123)
+    store.put_bytes("blob", data)
+    ranges = []
+    store._client.meta.events.register("before-parameter-build.s3.GetObject",
+                                       lambda params, **_: ranges.append(params["Range"]))
+    with store.open_read("blob", 100, buffer_size=MiB) as f:
+        assert f.tell() == 100
+        assert b"".join(f.read(1000) for _ in range(1500)) == data[100:1_500_100]
+        # a GET per MiB read ahead, not one per small read
+        assert ranges == [f"bytes=100-{100 + MiB - 1}", f"bytes={100 + MiB}-{100 + 2 * MiB - 1}"]
+        f.seek(-10, os.SEEK_END)
+        assert f.read() == data[-10:] and f.read(5) == b""
+    ranges.clear()
+    with store.open_read("blob", 10, 20) as f:
+        assert f.read() == data[10:20]
+    assert ranges == ["bytes=10-19"]
+    with pytest.raises(storage.store.ObjectChangedError, match="changed: its ETag is"):
+        store.open_read("blob", etag="not-the-etag")
+
+
+@pytest.mark.s3
+def test_open_read_refuses_to_mix_versions_and_names_a_vanished_object(s3_uri):
+    store = S3Store(s3_uri, retry=FAST_RETRY)
+    store.put_bytes("blob", os.urandom(2 * MiB))
+    with store.open_read("blob", buffer_size=MiB) as f:
+        f.read(10)
+        store.put_bytes("blob", os.urandom(2 * MiB))  # replaced between two ranged GETs
+        with pytest.raises(storage.store.ObjectChangedError, match="blob changed while being read"):
+            f.read(2 * MiB)
+    with store.open_read("blob") as f:
+        store.delete("blob")
+        with pytest.raises(FileNotFoundError, match=f"no such object: {re.escape(store.url('blob'))}"):
+            f.read(1)

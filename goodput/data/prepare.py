@@ -1,47 +1,65 @@
-"""The prepare stage: text source -> tokenizer -> token shards -> manifest -> object store.
+"""The prepare stage: sources -> work units -> token shards -> manifest -> object store.
 
 Each step is a plain function the Prefect tasks in `tasks/prepare.py` wrap one to one;
 `prepare_dataset` runs them in order without Prefect.
 
-A dataset is named by its content: `dataset_id` hashes the source's content, the tokenizer
-settings and the preparation parameters. Its directory `<data.data_dir>/<dataset_id>/`
-holds the shards, tokenizer.json and, written last, manifest.json, whose presence (with
-checksums that verify) means the dataset is complete. The same files live in the store
-under `datasets/<dataset_id>/`. So preparing twice with the same inputs finds the first
-result and does nothing, on this machine or any other that sees the store; and a run that
-crashed half way stages the texts again but keeps its tokenizer and finished shards.
+A dataset is named by its inputs: `dataset_id` hashes the source *listing* (each file's path,
+size and modification time; ETag on S3; revision on the hub; or, with
+`data.fingerprint=content`, every byte), the tokenizer settings and the preparation settings.
+Nothing is staged: each work unit (a group of files, a byte range of a large file, parquet
+row groups, hub shards) streams its documents through the tokenizer in bounded batches and
+writes fixed-size token shards as it goes, then records itself as done
+(`units/unit-NNNNN.json`), so a rerun redoes only unfinished units. Each document goes to
+train or validation by a hash of its text. The dataset directory
+`<data.data_dir>/<dataset_id>/` ends up holding the shards, tokenizer.json and, written
+last, manifest.json, whose presence means the dataset is complete. The same files go to the
+store under `datasets/<dataset_id>/`, with a pointer from the data settings to the id
+(`datasets/by-settings/`), so training and evaluation find the dataset when the raw sources
+are gone.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
-import math
 import os
 import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import datasets
 import numpy as np
-import pyarrow as pa
 from pydantic import BaseModel
 
-from core.config import RunConfig
-from core.errors import ConfigError, DataError
+from core.config import DataConfig, RunConfig, StorageConfig, parse_bytes
+from core.errors import DataError
 from core.files import canonical_json, sha256_bytes, sha256_file, write_atomic
-from goodput.data.corpus import describe_source, load_documents, source_fingerprint, split_documents
+from goodput.data.corpus import BUILTIN, build_builtin_corpus, builtin_description
+from goodput.data.sources import (
+    Piece,
+    SourceFile,
+    content_fingerprint,
+    fingerprint,
+    list_source,
+    read_documents,
+    split_into_pieces,
+)
 from storage.manifests import DATASET_MANIFEST, DatasetManifest, ShardInfo
-from storage.shards import read_metadata, shard_size, token_dtype, write_shard
+from storage.shards import ShardWriter, token_dtype
 from storage.store import Store, store_from_config
 from training.tokenizer import eos_id, load_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
 
-PREPARE_VERSION = 1  # bump when the same inputs would give different shards
+PREPARE_VERSION = 2  # bump when the same inputs would give different shards
 SPLITS = ("train", "validation")
 TOKENIZER_FILE = "tokenizer.json"
-_ENCODE_BATCH_DOCS = 1024  # documents per encode_batch call: bounds the Encoding objects alive
+UNITS_DIR = "units"
+BY_SETTINGS = "by-settings"
+_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: with one shard, all a unit holds
+_SAMPLE_UNITS = 64  # the tokenizer's sample comes from at most this many units, spread out
+_SPLIT_KEY = b"goodput-split-v1"
 
 
 class DatasetPlan(BaseModel):
@@ -51,71 +69,169 @@ class DatasetPlan(BaseModel):
     source: str  # one line for humans
     local_dir: str
     store_prefix: str
-    num_shards: int  # train shards asked for (fewer if there are fewer documents)
+    settings_key: str  # names the data settings, whatever the files hold: the pointer's key
+    files: list[SourceFile] = []  # the listing; empty when found through the pointer
 
     @property
     def dir(self) -> Path:
         return Path(self.local_dir)
 
     @property
-    def staging_dir(self) -> Path:
-        return self.dir / "staging"
-
-    @property
     def tokenizer_path(self) -> Path:
         return self.dir / TOKENIZER_FILE
 
-    def staged_texts(self, split: str) -> Path:
-        return self.staging_dir / f"{split}.arrow"
+    def without_listing(self) -> DatasetPlan:
+        """The plan a work unit needs: its own pieces come with it, the listing would not."""
+        return self.model_copy(update={"files": []})
+
+    def unit_record(self, index: int) -> Path:
+        return self.dir / UNITS_DIR / f"unit-{index:05d}.json"
 
 
-class CorpusInfo(BaseModel):
-    """Documents per split, staged as Arrow files of text under the plan's staging dir."""
+class WorkUnit(BaseModel):
+    """One Prefect task's share of the corpus: pieces of files read in order."""
 
-    n_docs: dict[str, int]
-
-
-class ShardSpec(BaseModel):
-    """One shard to tokenize: documents [start, stop) of a split's staged texts."""
-
-    split: str
     index: int
-    start: int
-    stop: int
+    pieces: list[Piece]
+    max_docs: int | None = None  # data.max_docs: the one unit stops there
+
+    def describe(self) -> str:
+        shown = ", ".join(p.describe() for p in self.pieces[:3])
+        return shown + (f" and {len(self.pieces) - 3} more" if len(self.pieces) > 3 else "")
+
+    def key(self, data: DataConfig, tokenizer_sha256: str) -> str:
+        """What the unit's shards depend on: a record with another key is redone."""
+        return sha256_bytes(canonical_json([self.model_dump(mode="json"), _shard_settings(data),
+                                            tokenizer_sha256]))[:16]
+
+
+class UnitResult(BaseModel):
+    """What a finished unit wrote: small metadata, never data."""
+
+    index: int
+    key: str
+    shards: dict[str, list[ShardInfo]]
+    docs: int
+    skipped: int
+    bytes_read: int
+    seconds: float
 
     @property
-    def filename(self) -> str:
-        return f"{self.split}-{self.index:05d}.arrow"
+    def tokens(self) -> int:
+        return sum(s.n_tokens for shards in self.shards.values() for s in shards)
 
 
 # -- planning -------------------------------------------------------------------------------
 
 def sources_dir(config: RunConfig) -> Path:
-    """Where loading keeps what it derives from sources: builtin corpus, `datasets` cache."""
+    """Where preparation keeps what it derives from sources: the builtin corpus."""
     return Path(config.data.data_dir) / "sources"
 
 
+def list_files(config: RunConfig) -> list[SourceFile]:
+    """The source's files (the builtin corpus is built first); reads no file's content."""
+    data = config.data
+    source = str(build_builtin_corpus(sources_dir(config))) if data.source == BUILTIN else data.source
+    files = list_source(source, data.format, storage=config.storage, hub_config=data.hub_config,
+                        hub_split=data.hub_split, revision=data.revision)
+    if not files:
+        raise DataError(f"data.source={data.source!r} lists no files of a known format "
+                        "(.jsonl/.json/.parquet/.txt, also .gz/.zst); point it at your corpus")
+    return files
+
+
 def plan_dataset(config: RunConfig) -> DatasetPlan:
-    """Name the dataset by its inputs' content and place it locally and in the store."""
+    """Name the dataset by its inputs (the listing, not the bytes, unless asked) and place it."""
     data, tok = config.data, config.tokenizer
-    if tok.path is not None and not Path(tok.path).is_file():
-        raise DataError(f"tokenizer.path={tok.path} is not a file; point it at a tokenizer.json "
-                        "or leave it unset to train one")
-    inputs = {
-        "source": source_fingerprint(data, sources_dir(config)),
-        "tokenizer": {"sha256": sha256_file(tok.path)} if tok.path else
-        {"vocab_size": tok.vocab_size, "min_frequency": tok.min_frequency},
-        "prep": {"num_shards": data.num_shards, "validation_fraction": data.validation_fraction,
-                 "max_docs": data.max_docs, "text_column": data.text_column,
-                 "format": data.format, "version": PREPARE_VERSION},
-    }
-    dataset_id = sha256_bytes(canonical_json(inputs))[:16]
-    return DatasetPlan(dataset_id=dataset_id, source=describe_source(data),
-                       local_dir=str(Path(data.data_dir) / dataset_id),
-                       store_prefix=f"datasets/{dataset_id}", num_shards=data.num_shards)
+    files = list_files(config)
+    if data.source == BUILTIN:  # its file's name holds what determines it; its place does not
+        listing = [[Path(f.uri).name, f.size] for f in files]
+    elif data.fingerprint == "content":
+        listing = content_fingerprint(files, storage=config.storage)
+    else:
+        listing = fingerprint(files)
+    inputs = {"source": listing, "tokenizer": _tokenizer_settings(config),
+              "prep": _shard_settings(data) | {"version": PREPARE_VERSION}}
+    if tok.path is None:
+        inputs["tokenizer"]["sample_bytes"] = parse_bytes(tok.sample_bytes)
+    return _plan(config, sha256_bytes(canonical_json(inputs))[:16], files)
 
 
-# -- reuse ----------------------------------------------------------------------------------
+def _plan(config: RunConfig, dataset_id: str, files: list[SourceFile]) -> DatasetPlan:
+    source = builtin_description() if config.data.source == BUILTIN else config.data.source
+    return DatasetPlan(dataset_id=dataset_id, source=source,
+                       local_dir=str(Path(config.data.data_dir) / dataset_id),
+                       store_prefix=f"datasets/{dataset_id}", settings_key=settings_key(config),
+                       files=files)
+
+
+def _tokenizer_settings(config: RunConfig) -> dict:
+    tok = config.tokenizer
+    if tok.path is not None:
+        return {"sha256": sha256_file(given_tokenizer_file(tok.path))}
+    return {"vocab_size": tok.vocab_size, "min_frequency": tok.min_frequency}
+
+
+def _shard_settings(data: DataConfig) -> dict:
+    return {"shard_tokens": data.shard_tokens, "unit_bytes": parse_bytes(data.unit_bytes),
+            "validation_fraction": data.validation_fraction, "max_docs": data.max_docs,
+            "text_column": data.text_column, "format": data.format,
+            "on_bad_record": data.on_bad_record}
+
+
+def settings_key(config: RunConfig) -> str:
+    """The data and tokenizer settings as written (not what the files hold)."""
+    tree = config.model_dump(include={"data", "tokenizer"}, exclude={"data": {"data_dir"}})
+    return sha256_bytes(canonical_json(tree))[:16]
+
+
+def given_tokenizer_file(path: str) -> Path:
+    """tokenizer.path as a file: a tokenizer.json, or the one in an HF tokenizer directory."""
+    found = Path(path).expanduser()
+    if found.is_dir():
+        found = found / TOKENIZER_FILE
+    if not found.is_file():
+        raise DataError(f"tokenizer.path={path}: no tokenizer.json there; point it at a "
+                        "tokenizer.json or a directory saved by save_pretrained (a fast "
+                        "tokenizer), or leave it unset to train one")
+    return found
+
+
+def plan_units(plan: DatasetPlan, config: RunConfig) -> list[WorkUnit]:
+    """Cut the listing into work units of about data.unit_bytes of input each."""
+    data = config.data
+    if data.max_docs is not None:  # the first max_docs documents: one unit reads them in order
+        pieces = [p for unit in split_into_pieces(plan.files, 2**62, storage=config.storage)
+                  for p in unit]
+        return [WorkUnit(index=0, pieces=pieces, max_docs=data.max_docs)]
+    groups = split_into_pieces(plan.files, parse_bytes(data.unit_bytes), storage=config.storage)
+    return [WorkUnit(index=i, pieces=pieces) for i, pieces in enumerate(groups)]
+
+
+# -- finding a prepared dataset -------------------------------------------------------------
+
+def locate(config: RunConfig, store: Store) -> DatasetPlan:
+    """The plan of the dataset `config` trains on, for training, evaluation and validation.
+
+    From the listing where the sources are here; where they are not (deleted after
+    `prepare`, or a host that never had them), from the pointer that `prepare` left from
+    these data settings to the dataset id, locally or in the store.
+    """
+    try:
+        return plan_dataset(config)
+    except DataError as unlisted:
+        pointer_key = f"datasets/{BY_SETTINGS}/{settings_key(config)}.json"
+        local = Path(config.data.data_dir) / BY_SETTINGS / f"{settings_key(config)}.json"
+        try:
+            pointer = local.read_bytes() if local.is_file() else store.get_bytes(pointer_key)
+        except FileNotFoundError:
+            raise DataError(f"{unlisted}; and no dataset was prepared from these data settings "
+                            "(none in the store either)") from unlisted
+        dataset_id = json.loads(pointer)["dataset_id"]
+        log.info("the sources are not listable here (%s); using dataset %s, prepared from these "
+                 "data settings", unlisted, dataset_id)
+        return _plan(config, dataset_id, [])
+
 
 def find_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest | None:
     """The complete dataset of `plan`, found locally or restored from the store; else None."""
@@ -133,6 +249,8 @@ def find_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest | None:
 def require_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest:
     """For training and evaluation: the prepared dataset of `plan` (local, or restored from
     the store), or a ConfigError that says whether it was never prepared or is damaged."""
+    from core.errors import ConfigError
+
     had_manifest = (plan.dir / DATASET_MANIFEST).is_file()
     manifest = find_prepared(plan, store)
     if manifest is None:
@@ -143,11 +261,29 @@ def require_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest:
     return manifest
 
 
+def _stamp_path(directory: Path) -> Path:
+    """What was last verified of a dataset dir: (size, mtime, inode) per file, kept beside it."""
+    return directory.parent / ".verified" / f"{directory.name}.json"
+
+
+def _file_stats(directory: Path, rels: list[str]) -> dict[str, list[int]]:
+    stats = {}
+    for rel in rels:
+        try:
+            st = (directory / rel).stat()
+        except FileNotFoundError:
+            continue
+        stats[rel] = [st.st_size, st.st_mtime_ns, st.st_ino]
+    return stats
+
+
 def _verified_manifest(directory: Path) -> DatasetManifest | None:
     """The manifest in `directory` if every file it lists checks out.
 
-    A damaged dataset loses its manifest and its damaged files, so the steps that make
-    them run again while the intact files are kept.
+    Files unchanged since they were last hashed (same size, mtime and inode) are not hashed
+    again, so finding a prepared dataset costs a stat per file, not a read of every shard. A
+    damaged dataset loses its manifest and its damaged files, so the steps that make them run
+    again while the intact files are kept.
     """
     if not (directory / DATASET_MANIFEST).is_file():
         return None
@@ -159,136 +295,182 @@ def _verified_manifest(directory: Path) -> DatasetManifest | None:
         return None
     expected = {manifest.tokenizer: manifest.tokenizer_sha256}
     expected |= {shard.path: shard.sha256 for shards in manifest.splits.values() for shard in shards}
+    stats = _file_stats(directory, list(expected))
+    try:
+        stamp = json.loads(_stamp_path(directory).read_text())
+    except (FileNotFoundError, ValueError):
+        stamp = {}
     damaged = [rel for rel, sha256 in expected.items()
-               if not (directory / rel).is_file() or sha256_file(directory / rel) != sha256]
+               if rel not in stats or (stamp.get(rel) != stats[rel]
+                                       and sha256_file(directory / rel) != sha256)]
     if not damaged:
+        if stamp != stats:
+            _stamp_path(directory).parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(_stamp_path(directory), json.dumps(stats).encode())
         return manifest
     log.warning("dataset in %s is damaged (%s); preparing those files again", directory, ", ".join(damaged))
+    _stamp_path(directory).unlink(missing_ok=True)
     (directory / DATASET_MANIFEST).unlink()
     for rel in damaged:
         (directory / rel).unlink(missing_ok=True)
     return None
 
 
-# -- corpus ---------------------------------------------------------------------------------
-
-def stage_corpus(plan: DatasetPlan, config: RunConfig) -> CorpusInfo:
-    """Load, cap at data.max_docs, split, and stage each split's texts as an Arrow file.
-
-    Shard tasks memory-map the staged file and read only their slice of documents.
-    """
-    docs = load_documents(config.data, sources_dir(config))
-    if config.data.max_docs is not None and config.data.max_docs < len(docs):
-        docs = docs.select(range(config.data.max_docs))
-    splits = dict(zip(SPLITS, split_documents(docs, config.data.validation_fraction)))
-    plan.staging_dir.mkdir(parents=True, exist_ok=True)
-    for split, ds in splits.items():
-        _write_texts(ds, plan.staged_texts(split))
-    return CorpusInfo(n_docs={split: len(ds) for split, ds in splits.items()})
-
-
-def _write_texts(ds: datasets.Dataset, path: Path) -> None:
-    # large_string: 64-bit offsets, so a split may hold more than 2 GiB of text.
-    schema = pa.schema([("text", pa.large_string())])
-    tmp = path.with_name(f".{path.name}.tmp")
-    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
-        for table in ds.with_format("arrow").iter(batch_size=10_000):
-            writer.write_table(table.select(["text"]).cast(schema))
-    os.replace(tmp, path)
-
-
-def _read_texts(path: Path, start: int, stop: int) -> list[str]:
-    """Documents [start, stop) of a staged split; only their pages of the file are read."""
-    table = pa.ipc.open_file(pa.memory_map(str(path), "r")).read_all()
-    return table.column("text").slice(start, stop - start).to_pylist()
-
-
-def _iter_texts(path: Path) -> Iterator[str]:
-    """Every document of a staged split, one record batch in memory at a time."""
-    reader = pa.ipc.open_file(pa.memory_map(str(path), "r"))
-    for i in range(reader.num_record_batches):
-        yield from reader.get_batch(i).column("text").to_pylist()
-
-
 # -- tokenizer ------------------------------------------------------------------------------
 
-def build_tokenizer(plan: DatasetPlan, config: RunConfig) -> str:
-    """tokenizer.json in the dataset dir: trained on the train split, or the one given.
+def build_tokenizer(plan: DatasetPlan, config: RunConfig, units: list[WorkUnit]) -> str:
+    """tokenizer.json in the dataset dir: the one given, or trained on a bounded sample.
 
-    An existing one is kept: shards already written by a crashed run used it.
+    The sample is deterministic: the first train-split documents of up to 64 units spread
+    evenly over the corpus, tokenizer.sample_bytes of text in all. An existing tokenizer.json
+    is kept: shards already written by a crashed run used it.
     """
     path = plan.tokenizer_path
     if path.is_file():
         return str(path)
+    plan.dir.mkdir(parents=True, exist_ok=True)
     if config.tokenizer.path is not None:
-        load_tokenizer(config.tokenizer.path)  # validate before adopting it
-        write_atomic(path, Path(config.tokenizer.path).read_bytes())
+        given = given_tokenizer_file(config.tokenizer.path)
+        load_tokenizer(given)  # validate before adopting it
+        write_atomic(path, given.read_bytes())
         return str(path)
     start = time.perf_counter()
-    tokenizer = train_tokenizer(_iter_texts(plan.staged_texts("train")),
-                                config.tokenizer.vocab_size, config.tokenizer.min_frequency)
+    texts = _sample_texts(units, config, parse_bytes(config.tokenizer.sample_bytes))
+    tokenizer = train_tokenizer(texts, config.tokenizer.vocab_size, config.tokenizer.min_frequency)
     log.info("trained a %d-token BPE in %.1fs", tokenizer.get_vocab_size(), time.perf_counter() - start)
     write_atomic(path, tokenizer.to_str().encode())
     return str(path)
 
 
-# -- shards ---------------------------------------------------------------------------------
-
-def shard_specs(plan: DatasetPlan, corpus: CorpusInfo) -> list[ShardSpec]:
-    """Train into `num_shards` shards; validation into shards no larger on average."""
-    n_train = corpus.n_docs["train"]
-    train_shards = min(plan.num_shards, n_train)
-    validation_shards = math.ceil(corpus.n_docs["validation"] * train_shards / n_train)
-    specs = []
-    for split, n_shards in (("train", train_shards), ("validation", validation_shards)):
-        n_docs = corpus.n_docs[split]
-        bounds = [round(i * n_docs / n_shards) for i in range(n_shards + 1)]
-        specs += [ShardSpec(split=split, index=i, start=bounds[i], stop=bounds[i + 1])
-                  for i in range(n_shards)]
-    return specs
+def _sample_texts(units: list[WorkUnit], config: RunConfig, sample_bytes: int) -> Iterator[str]:
+    chosen = units[::max(1, -(-len(units) // _SAMPLE_UNITS))]
+    budget = max(1, sample_bytes // len(chosen))
+    for unit in chosen:
+        taken = 0
+        for text in _unit_texts(unit, config.data, config.storage):
+            if not is_validation(text, config.data.validation_fraction):
+                yield text
+                taken += len(text)
+                if taken >= budget:
+                    break
 
 
-def tokenize_shard(plan: DatasetPlan, spec: ShardSpec) -> ShardInfo:
-    """Encode the spec's documents, each followed by EOS, into one token shard.
+class _Counts:
+    """What a unit's readers counted: bad records skipped, input bytes read."""
 
-    A shard already written from the same documents with the same tokenizer is kept.
+    skipped = 0
+    bytes_read = 0
+
+
+def _unit_texts(unit: WorkUnit, data: DataConfig, storage: StorageConfig) -> Iterator[str]:
+    for batch in _unit_batches(unit, data, storage, _Counts()):
+        yield from batch
+
+
+def _unit_batches(unit: WorkUnit, data: DataConfig, storage: StorageConfig, counts: _Counts,
+                  ) -> Iterator[list[str]]:
+    """Batches of a unit's documents, its pieces in order, cut at unit.max_docs."""
+    left = unit.max_docs
+    for piece in unit.pieces:
+        reader = read_documents(piece, data.text_column, on_bad_record=data.on_bad_record,
+                                storage=storage, batch_bytes=_BATCH_BYTES)
+        try:
+            for batch in reader:
+                if left is not None:
+                    batch = batch[:left]
+                    left -= len(batch)
+                yield batch
+                if left == 0:
+                    return
+        finally:
+            counts.skipped += reader.skipped
+            counts.bytes_read += reader.bytes_read
+
+
+def is_validation(text: str, fraction: float) -> bool:
+    """Whether a document is held out: a keyed hash of its text, so the split does not depend
+    on where the document sits, and duplicates never straddle train and validation."""
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8, key=_SPLIT_KEY).digest()
+    return int.from_bytes(digest, "big") < fraction * 2**64
+
+
+# -- work units -----------------------------------------------------------------------------
+
+def tokenize_unit(plan: DatasetPlan, unit: WorkUnit, data: DataConfig, storage: StorageConfig,
+                  ) -> UnitResult:
+    """Stream the unit's documents through the tokenizer into token shards; record it done.
+
+    A unit recorded done with the same inputs, its shards all present, is not redone; a
+    half-done one (a crash, a retry) starts over, its partial shards replaced.
     """
-    path = plan.dir / spec.filename
-    made_from = {"tokenizer_sha256": sha256_file(plan.tokenizer_path),
-                 "documents": f"{spec.split}[{spec.start}:{spec.stop}]"}
-    if _written_from(path) != made_from:
-        tokenizer = load_tokenizer(plan.tokenizer_path)
-        eos, dtype = eos_id(tokenizer), token_dtype(tokenizer.get_vocab_size())
-        texts = _read_texts(plan.staged_texts(spec.split), spec.start, spec.stop)
-        docs = []
-        for i in range(0, len(texts), _ENCODE_BATCH_DOCS):
-            # add_special_tokens=False: no BOS/EOS templates a given tokenizer may carry;
-            # the shard format puts exactly one EOS after each document.
-            encodings = tokenizer.encode_batch(texts[i:i + _ENCODE_BATCH_DOCS], add_special_tokens=False)
-            docs += [np.array(encoding.ids + [eos], dtype=dtype) for encoding in encodings]
-        write_shard(path, docs, dtype, metadata=made_from)
-    n_tokens, n_docs = shard_size(path)
-    return ShardInfo(path=spec.filename, n_tokens=n_tokens, n_docs=n_docs,
-                     size=path.stat().st_size, sha256=sha256_file(path))
+    tokenizer_sha256 = sha256_file(plan.tokenizer_path)
+    key = unit.key(data, tokenizer_sha256)
+    done = _finished_unit(plan, unit.index, key)
+    if done is not None:
+        return done
+    for stale in plan.dir.glob(f"*-{unit.index:05d}-*.arrow"):
+        stale.unlink()
+    started = time.perf_counter()
+    tokenizer = load_tokenizer(plan.tokenizer_path)
+    eos, dtype = eos_id(tokenizer), token_dtype(tokenizer.get_vocab_size())
+    made_from = {"tokenizer_sha256": tokenizer_sha256}  # not where the text was: bytes follow content
+    writers = {split: ShardWriter(plan.dir, lambda k, s=split: f"{s}-{unit.index:05d}-{k:04d}.arrow",
+                                  dtype, data.shard_tokens, made_from) for split in SPLITS}
+    docs, counts = 0, _Counts()
+    for batch in _unit_batches(unit, data, storage, counts):
+        docs += len(batch)
+        held_out = [is_validation(text, data.validation_fraction) for text in batch]
+        for split, texts in (("train", [t for t, v in zip(batch, held_out) if not v]),
+                             ("validation", [t for t, v in zip(batch, held_out) if v])):
+            if texts:
+                # add_special_tokens=False: no BOS/EOS templates a given tokenizer may carry;
+                # the shard format puts exactly one EOS after each document.
+                encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
+                writers[split].add([np.array(e.ids + [eos], dtype=dtype) for e in encodings])
+    shards = {split: [_shard_info(plan.dir, name, n_tokens, n_docs)
+                      for name, n_tokens, n_docs in writer.close()] for split, writer in writers.items()}
+    result = UnitResult(index=unit.index, key=key, shards=shards, docs=docs, skipped=counts.skipped,
+                        bytes_read=counts.bytes_read, seconds=time.perf_counter() - started)
+    plan.unit_record(unit.index).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(plan.unit_record(unit.index), result.model_dump_json(indent=1).encode())
+    return result
 
 
-def _written_from(path: Path) -> dict[str, str]:
-    """What an existing shard says it was made from; empty if it is missing or unreadable."""
+def _shard_info(directory: Path, name: str, n_tokens: int, n_docs: int) -> ShardInfo:
+    path = directory / name
+    return ShardInfo(path=name, n_tokens=n_tokens, n_docs=n_docs, size=path.stat().st_size,
+                     sha256=sha256_file(path))
+
+
+def _finished_unit(plan: DatasetPlan, index: int, key: str) -> UnitResult | None:
     try:
-        return read_metadata(path)
-    except (FileNotFoundError, pa.ArrowInvalid):
-        return {}
+        result = UnitResult.model_validate_json(plan.unit_record(index).read_bytes())
+    except (FileNotFoundError, ValueError):
+        return None
+    present = all((plan.dir / s.path).is_file() and (plan.dir / s.path).stat().st_size == s.size
+                  for shards in result.shards.values() for s in shards)
+    return result if result.key == key and present else None
 
 
 # -- manifest and publishing ----------------------------------------------------------------
 
-def write_manifest(plan: DatasetPlan, shard_infos: list[ShardInfo], tokenizer_path: str,
+def write_manifest(plan: DatasetPlan, results: list[UnitResult], tokenizer_path: str,
                    ) -> DatasetManifest:
-    """Seal the dataset: drop what it does not list (staged texts), then write the manifest."""
+    """Seal the dataset: drop what it does not list (unit records, leftovers), then write the
+    manifest, and the pointer from these data settings to it."""
     tokenizer = load_tokenizer(tokenizer_path)
-    splits: dict[str, list[ShardInfo]] = {split: [] for split in SPLITS}
-    for info in sorted(shard_infos, key=lambda info: info.path):
-        splits[info.path.rsplit("-", 1)[0]].append(info)
+    results = sorted(results, key=lambda r: r.index)
+    splits = {split: [s for r in results for s in r.shards[split]] for split in SPLITS}
+    docs, skipped = sum(r.docs for r in results), sum(r.skipped for r in results)
+    if docs == 0:
+        raise DataError(f"data.source={plan.source!r} holds no text: none of its documents has "
+                        f"any ({skipped} bad records skipped); point data.source at files with "
+                        "text, or check data.text_column")
+    for split, shards in splits.items():
+        if not shards:
+            raise DataError(f"data.source={plan.source!r}: its {docs} document(s) (after "
+                            f"{skipped} bad records skipped) leave the {split} split empty; add "
+                            "documents or change data.validation_fraction")
     manifest = DatasetManifest(
         dataset_id=plan.dataset_id,
         source=plan.source,
@@ -298,16 +480,26 @@ def write_manifest(plan: DatasetPlan, shard_infos: list[ShardInfo], tokenizer_pa
         eos_id=eos_id(tokenizer),
         dtype=token_dtype(tokenizer.get_vocab_size()),
         splits=splits,
+        skipped_records=skipped,
+        source_bytes=sum(r.bytes_read for r in results),
         created_at=time.time(),
     )
-    _remove_unlisted(plan.dir, {manifest.tokenizer} | {info.path for info in shard_infos})
+    _remove_unlisted(plan.dir, {manifest.tokenizer} | {s.path for ss in splits.values() for s in ss})
     manifest.save(plan.dir)
+    _verified_manifest(plan.dir)  # stamps the files just hashed: the next look is a stat each
+    pointer = Path(plan.dir).parent / BY_SETTINGS / f"{plan.settings_key}.json"
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(pointer, _pointer(plan))
     return manifest
+
+
+def _pointer(plan: DatasetPlan) -> bytes:
+    return canonical_json({"dataset_id": plan.dataset_id, "source": plan.source})
 
 
 def _remove_unlisted(directory: Path, keep: set[str]) -> None:
     # The dataset dir ends up holding exactly what the manifest lists, so it can be uploaded
-    # as it is: no staged texts, no temporary files of crashed writes.
+    # as it is: no unit records, no temporary files of crashed writes.
     for path in directory.iterdir():
         if path.name in keep:
             continue
@@ -318,35 +510,37 @@ def _remove_unlisted(directory: Path, keep: set[str]) -> None:
 
 
 def publish(plan: DatasetPlan, manifest: DatasetManifest, store: Store) -> None:
-    """Upload the dataset dir to `datasets/<dataset_id>/`, manifest last.
+    """Upload the dataset dir to `datasets/<dataset_id>/`, manifest last, then the pointer.
 
     Nothing is sent when the store already holds this very manifest: it is uploaded last,
     so everything it lists is there already.
     """
     key = f"{plan.store_prefix}/{DATASET_MANIFEST}"
+    pointer_key = f"datasets/{BY_SETTINGS}/{plan.settings_key}.json"
     local_manifest = (plan.dir / DATASET_MANIFEST).read_bytes()
-    if store.exists(key) and store.get_bytes(key) == local_manifest:
-        return
-    # The manifest's digests spare a hashing pass over every shard; the upload checks them.
-    known = {shard.path: shard.sha256 for shards in manifest.splits.values() for shard in shards}
-    if manifest.tokenizer_sha256:
-        known[manifest.tokenizer] = manifest.tokenizer_sha256
-    store.upload_dir(plan.dir, plan.store_prefix, last=(DATASET_MANIFEST,), known_sha256=known)
-    log.info("published dataset %s to %s (%d train tokens)", manifest.dataset_id,
-             store.url(plan.store_prefix), manifest.n_tokens("train"))
+    if not (store.exists(key) and store.get_bytes(key) == local_manifest):
+        # The manifest's digests spare a hashing pass over every shard; the upload checks them.
+        known = {shard.path: shard.sha256 for shards in manifest.splits.values() for shard in shards}
+        if manifest.tokenizer_sha256:
+            known[manifest.tokenizer] = manifest.tokenizer_sha256
+        store.upload_dir(plan.dir, plan.store_prefix, last=(DATASET_MANIFEST,), known_sha256=known)
+        log.info("published dataset %s to %s (%d train tokens)", manifest.dataset_id,
+                 store.url(plan.store_prefix), manifest.n_tokens("train"))
+    if plan.files and not (store.exists(pointer_key) and store.get_bytes(pointer_key) == _pointer(plan)):
+        store.put_bytes(pointer_key, _pointer(plan))
 
 
 # -- the whole stage ------------------------------------------------------------------------
 
 def prepare_dataset(config: RunConfig) -> DatasetManifest:
-    """Prepare (or find) the dataset `config` describes, without Prefect."""
+    """Prepare (or find) the dataset `config` describes, without Prefect, one unit at a time."""
     plan = plan_dataset(config)
     store = store_from_config(config.storage)
     manifest = find_prepared(plan, store)
     if manifest is None:
-        corpus = stage_corpus(plan, config)
-        tokenizer_path = build_tokenizer(plan, config)
-        shards = [tokenize_shard(plan, spec) for spec in shard_specs(plan, corpus)]
-        manifest = write_manifest(plan, shards, tokenizer_path)
+        units = plan_units(plan, config)
+        tokenizer_path = build_tokenizer(plan, config, units)
+        results = [tokenize_unit(plan, unit, config.data, config.storage) for unit in units]
+        manifest = write_manifest(plan, results, tokenizer_path)
     publish(plan, manifest, store)
     return manifest

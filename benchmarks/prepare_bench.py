@@ -1,0 +1,284 @@
+"""Data preparation at corpus scale: memory, disk, throughput and the no-op rerun.
+
+    python benchmarks/prepare_bench.py --sizes 100MB 500MB 2GB [--workdir DIR] [--json OUT]
+
+For each size it generates a corpus of real-shaped documents (0.5-5 kB of word-like text
+drawn from a Zipf vocabulary, JSON Lines in files of 64 MB, deterministic), then runs
+`goodput prepare` on it as a user would (a fresh process, Prefect's temporary server
+included) and reports:
+
+- peak RSS of the whole process tree (sampled every 0.1 s, all processes summed);
+- disk written by the tree (its block writes, getrusage of the reaped children) beyond the
+  output (the dataset dir plus its copy in the local store), as a share of the input;
+- tokenizing throughput (tokens / wall time of the work units, from summary.json) against
+  raw `tokenizers` `encode_batch` on the same texts, tokenizer and cores (one process per
+  core, each on its share of the files) and against `datasets.map(batched=True,
+  num_proc=cores)` doing the same (only for sizes up to --map-max, it copies the corpus);
+- a no-op rerun: the library's decision that there is no work (plan + find + publish
+  check) and the whole command's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+FILE_BYTES = 64 * 2**20
+VOCAB_SIZE = 16384
+
+
+def parse_size(text: str) -> int:
+    from core.config import parse_bytes
+
+    return parse_bytes(text)
+
+
+# -- the corpus -----------------------------------------------------------------------------
+
+def generate_corpus(directory: Path, size: int, seed: int = 0) -> int:
+    """JSON Lines files of documents until `size` bytes; returns the bytes written."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))
+    words = ["".join(rng.choice(letters, size=int(n))) for n in rng.integers(1, 11, size=30000)]
+    zipf = 1.0 / np.arange(1, len(words) + 1)
+    zipf /= zipf.sum()
+    directory.mkdir(parents=True, exist_ok=True)
+    written, index, f = 0, 0, None
+    while written < size:
+        if f is None or f.tell() >= FILE_BYTES:
+            if f:
+                f.close()
+            f = open(directory / f"part-{index:05d}.jsonl", "w")
+            index += 1
+        # A batch of documents at a time: numpy draws the words, Python joins them.
+        lengths = rng.integers(90, 900, size=256)  # ~0.5-5 kB of text each
+        picks = rng.choice(len(words), size=int(lengths.sum()), p=zipf)
+        start = 0
+        lines = []
+        for n in lengths:
+            text = " ".join(words[i] for i in picks[start:start + n])
+            start += n
+            lines.append(json.dumps({"text": text, "id": index}) + "\n")
+        chunk = "".join(lines)
+        f.write(chunk)
+        written += len(chunk)
+    f.close()
+    return written
+
+
+def corpus_texts(directory: Path):
+    for path in sorted(directory.glob("*.jsonl")):
+        with open(path) as f:
+            for line in f:
+                yield json.loads(line)["text"]
+
+
+# -- measuring a command --------------------------------------------------------------------
+
+def run_measured(cmd: list[str], env: dict, cwd: Path) -> dict:
+    """Run `cmd`; its wall time, peak summed RSS of its process tree, and block writes."""
+    import psutil
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_oublock
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    peak = [0]
+
+    def sample() -> None:
+        root = psutil.Process(proc.pid)
+        while proc.poll() is None:
+            try:
+                tree = [root] + root.children(recursive=True)
+                rss = 0
+                for p in tree:
+                    try:
+                        rss += p.memory_info().rss
+                    except psutil.Error:
+                        pass
+                peak[0] = max(peak[0], rss)
+            except psutil.Error:
+                pass
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    output = proc.communicate()[0].decode(errors="replace")
+    wall = time.perf_counter() - start
+    sampler.join()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-4000:]}")
+    written = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_oublock - before) * 512
+    return {"wall_s": wall, "peak_rss": peak[0], "written": written, "output": output}
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.exists() else 0
+
+
+# -- baselines ------------------------------------------------------------------------------
+
+def _encode_files(args: tuple[str, list[str]]) -> int:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    from tokenizers import Tokenizer
+
+    tokenizer_path, files = args
+    tokenizer = Tokenizer.from_file(tokenizer_path)
+    n, batch = 0, []
+    for path in files:
+        with open(path) as f:
+            for line in f:
+                batch.append(json.loads(line)["text"])
+                if len(batch) == 1024:
+                    n += sum(len(e.ids) + 1 for e in tokenizer.encode_batch(batch, add_special_tokens=False))
+                    batch = []
+    if batch:
+        n += sum(len(e.ids) + 1 for e in tokenizer.encode_batch(batch, add_special_tokens=False))
+    return n
+
+
+def raw_encode_batch(tokenizer_path: Path, corpus: Path, cores: int) -> dict:
+    """encode_batch on every document, one process per core, files dealt out round robin."""
+    files = sorted(str(p) for p in corpus.glob("*.jsonl"))
+    shares = [(str(tokenizer_path), files[i::cores]) for i in range(cores)]
+    start = time.perf_counter()
+    with multiprocessing.get_context("spawn").Pool(cores) as pool:
+        tokens = sum(pool.map(_encode_files, shares))
+    wall = time.perf_counter() - start
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
+
+
+def datasets_map(tokenizer_path: Path, corpus: Path, cores: int, cache: Path) -> dict:
+    """`datasets.load_dataset` + `map(batched=True, num_proc=cores)`, the usual recipe."""
+    code = f"""
+import os, time, json
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+import datasets
+from tokenizers import Tokenizer
+datasets.disable_progress_bars()
+tok = Tokenizer.from_file({str(tokenizer_path)!r})
+files = sorted(str(p) for p in __import__("pathlib").Path({str(corpus)!r}).glob("*.jsonl"))
+start = time.perf_counter()
+ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir={str(cache)!r})
+def encode(batch):
+    return {{"ids": [e.ids + [0] for e in tok.encode_batch(batch["text"], add_special_tokens=False)]}}
+out = ds.map(encode, batched=True, num_proc={cores}, remove_columns=ds.column_names)
+tokens = sum(len(x) for batch in out.iter(batch_size=10000) for x in batch["ids"])
+print(json.dumps({{"tokens": tokens, "wall_s": time.perf_counter() - start}}))
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    shutil.rmtree(cache, ignore_errors=True)
+    return measured | {"tokens_per_s": measured["tokens"] / measured["wall_s"]}
+
+
+# -- one size -------------------------------------------------------------------------------
+
+def bench_size(label: str, size: int, work: Path, cores: int, map_max: int) -> dict:
+    from core.config import load_config
+    from goodput.data import prepare as prep
+    from storage.store import store_from_config
+
+    corpus = work / f"corpus-{label}"
+    if not corpus.exists():
+        t = time.perf_counter()
+        input_bytes = generate_corpus(corpus, size)
+        print(f"[{label}] generated {input_bytes / 1e6:.0f} MB in {time.perf_counter() - t:.0f}s", flush=True)
+    input_bytes = dir_bytes(corpus)
+    root = work / f"prep-{label}"
+    shutil.rmtree(root, ignore_errors=True)
+    overrides = [f"data.source={corpus}", f"data.data_dir={root / 'data'}",
+                 f"storage.uri={root / 'store'}", f"run.runs_dir={root / 'runs'}",
+                 f"run.run_id=bench-{label}", f"tokenizer.vocab_size={VOCAB_SIZE}",
+                 f"prepare.workers={cores}", "prepare.progress=false"]
+    env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(REPO),
+               PREFECT_HOME=str(root / "prefect"))
+    goodput = str(Path(sys.executable).with_name("goodput"))
+    first = run_measured([goodput, "prepare", *overrides], env, REPO)
+    summary = json.loads((root / "runs" / f"bench-{label}" / "summary.json").read_text())["prepare"]
+    config = load_config(None, overrides)
+    plan = prep.plan_dataset(config)
+    output = dir_bytes(plan.dir) + dir_bytes(root / "store")
+    tokens = sum(summary["tokens"].values())
+    row = {"size": label, "input_bytes": input_bytes, "files": len(list(corpus.glob("*.jsonl"))),
+           "tokens": tokens, "wall_s": first["wall_s"], "tokenize_s": summary["tokenize_s"],
+           "tokens_per_s": tokens / summary["tokenize_s"], "peak_rss": first["peak_rss"],
+           "written": first["written"], "output_bytes": output,
+           "written_beyond_output": max(0, first["written"] - output)}
+    print(f"[{label}] prepare: {first['wall_s']:.0f}s, {tokens:,} tokens, "
+          f"{row['tokens_per_s']:,.0f} tokens/s, peak RSS {first['peak_rss'] / 2**20:.0f} MiB, "
+          f"written {first['written'] / 1e6:.0f} MB (output {output / 1e6:.0f} MB)", flush=True)
+
+    # The no-op rerun: the library's decision, then the whole command.
+    store = store_from_config(config.storage)
+    t = time.perf_counter()
+    plan = prep.plan_dataset(config)
+    manifest = prep.find_prepared(plan, store)
+    prep.publish(plan, manifest, store)
+    row["noop_decide_s"] = time.perf_counter() - t
+    row["noop_command_s"] = run_measured([goodput, "prepare", *overrides], env, REPO)["wall_s"]
+    print(f"[{label}] no-op rerun: decided in {row['noop_decide_s']:.2f}s, command "
+          f"{row['noop_command_s']:.1f}s", flush=True)
+
+    if size <= map_max:
+        raw = raw_encode_batch(plan.tokenizer_path, corpus, cores)
+        row["raw_tokens_per_s"] = raw["tokens_per_s"]
+        row["vs_raw"] = row["tokens_per_s"] / raw["tokens_per_s"]
+        mapped = datasets_map(plan.tokenizer_path, corpus, cores, work / "hf-cache")
+        row["map_tokens_per_s"] = mapped["tokens_per_s"]
+        row["vs_map"] = row["tokens_per_s"] / mapped["tokens_per_s"]
+        print(f"[{label}] raw encode_batch {raw['tokens_per_s']:,.0f} tokens/s "
+              f"({raw['tokens']:,} tokens), datasets.map {mapped['tokens_per_s']:,.0f}: goodput "
+              f"{row['vs_raw']:.2f}x raw, {row['vs_map']:.2f}x map", flush=True)
+    shutil.rmtree(root, ignore_errors=True)
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    print("\n| corpus | files | tokens | prepare wall (s) | tokens/s | vs raw encode_batch | vs datasets.map "
+          "| peak RSS (MiB) | written beyond output (% of input) | no-op decision (s) | no-op command (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = lambda key: f"{r[key]:.2f}x" if key in r else "–"  # noqa: E731
+        print(f"| {r['size']} | {r['files']} | {r['tokens']:,} | {r['wall_s']:.0f} | "
+              f"{r['tokens_per_s']:,.0f} | {ratio('vs_raw')} | {ratio('vs_map')} | "
+              f"{r['peak_rss'] / 2**20:,.0f} | "
+              f"{100 * r['written_beyond_output'] / r['input_bytes']:.1f}% | "
+              f"{r['noop_decide_s']:.2f} | {r['noop_command_s']:.1f} |")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="+", default=["100MB", "500MB", "2GB"])
+    parser.add_argument("--workdir", type=Path, help="keep corpora here (default: a temporary dir)")
+    parser.add_argument("--cores", type=int, default=os.cpu_count())
+    parser.add_argument("--map-max", default="500MB",
+                        help="compare with raw encode_batch and datasets.map up to this size")
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    args = parser.parse_args()
+    work = args.workdir or Path(tempfile.mkdtemp(prefix="prepare-bench-"))
+    rows = [bench_size(s, parse_size(s), work, args.cores, parse_size(args.map_max)) for s in args.sizes]
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,644 @@
+"""Pretraining sources read in place: listed cheaply, cut into pieces, streamed in batches.
+
+`data.source` names local files (a path, a glob with `**`, a directory, or a comma-separated
+list of those), an `s3://bucket/prefix` (or one object), or else a Hugging Face hub dataset,
+streamed. Nothing is copied: `list_source` reads names, sizes and versions only (mtime, ETag,
+revision: the dataset's fingerprint); `split_into_pieces` groups files into work units of
+about a given size, cutting big files at byte ranges or parquet row groups; `read_documents`
+streams one piece's documents in batches of bounded size, whatever the file's size.
+
+Formats, from each file's extension unless data.format says: JSON Lines (.jsonl, .json; a
+file holding one JSON array is read whole, up to 256 MiB), parquet, text (.txt, a document
+per line); JSON and text also compressed (.gz, .zst). Every problem with the input raises
+`DataError` worded for the user; storage trouble stays an OSError, which a retry may cure.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import hashlib
+import io
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import BinaryIO, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel
+
+from core.errors import DataError
+from core.files import canonical_json, sha256_bytes
+from core.uris import parse_s3_uri
+from storage.store import ObjectChangedError, open_store
+
+try:  # several times faster than json on JSON Lines; optional
+    from orjson import loads as _loads
+except ImportError:  # pragma: no cover - orjson is in the venv
+    _loads = json.loads
+
+log = logging.getLogger(__name__)
+
+Format = Literal["json", "parquet", "text", "hub"]
+Compression = Literal["", "gzip", "zstd"]
+FORMAT_OF_EXTENSION = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+COMPRESSION_OF_EXTENSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
+MiB = 2**20
+MAX_WHOLE_JSON = 256 * MiB  # a JSON array is parsed in one piece; larger ones must be JSON Lines
+MAX_LINE = 256 * MiB  # a longer "line" is no JSON Lines or text file: stop before memory runs out
+MAX_HUB_UNITS = 4096
+_CHUNK = MiB  # read size when splitting lines
+_AWS_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AWS_PROFILE",
+            "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+_STORES: dict[str, object] = {}  # see _s3_store
+_STORES_LOCK = threading.Lock()
+_BAD_RECORD_FIX = "fix or remove the file, or set data.on_bad_record=skip to skip such records"
+
+
+class SourceFile(BaseModel):
+    """One file of a source, as listed (no content read): what it is and which version."""
+
+    uri: str  # absolute local path, s3://bucket/key, or hub:<name>
+    size: int  # bytes (0 for hub)
+    version: str  # local: st_mtime_ns; S3: the ETag; hub: the revision or "latest"
+    format: Format
+    compression: Compression = ""
+    hub_config: str | None = None
+    hub_split: str = "train"
+    n_shards: int = 1  # hub: the streamed dataset's shards (data files); files: 1
+
+
+class Piece(BaseModel):
+    """A part of one source file that one work unit reads."""
+
+    file: SourceFile
+    start: int = 0  # text formats: byte offset; parquet: first row group; hub: first shard
+    stop: int | None = None  # exclusive; None = to the end
+
+    def describe(self) -> str:
+        """Where the piece lies, for logs and errors: "x.jsonl bytes 0-1048576"."""
+        if self.start == 0 and self.stop is None:
+            return self.file.uri
+        unit = {"parquet": "row groups", "hub": "shards"}.get(self.file.format, "bytes")
+        return f"{self.file.uri} {unit} {self.start}-{'end' if self.stop is None else self.stop}"
+
+
+# -- listing ---------------------------------------------------------------------------------
+
+def list_source(source: str, fmt: str = "auto", *, storage=None, hub_config: str | None = None,
+                hub_split: str = "train", revision: str | None = None) -> list[SourceFile]:
+    """The files `source` names, sorted by URI; one `hub:` entry for a hub dataset.
+
+    `storage` (a StorageConfig) gives the endpoint and region for s3:// sources. Reads no
+    file content: the listing is the dataset's fingerprint and must stay cheap at 100 TB.
+    """
+    if fmt not in ("auto", "json", "parquet", "text"):
+        raise ValueError(f"unknown format {fmt!r}: use auto, json, parquet or text")
+    parts = [p.strip() for p in source.split(",") if p.strip()]
+    if not parts:
+        raise DataError("data.source is empty; name files, an s3:// prefix or a hub dataset")
+    if len(parts) == 1 and not parts[0].startswith("s3://") and not _looks_local(parts[0]):
+        return [list_hub(parts[0], hub_config, hub_split, revision)]
+    files: dict[str, SourceFile] = {}
+    for part in parts:
+        found = _list_s3(part, source, fmt, storage) if part.startswith("s3://") else _list_local(part, source, fmt)
+        files.update((f.uri, f) for f in found)
+    return [files[uri] for uri in sorted(files)]
+
+
+def _looks_local(part: str) -> bool:
+    # A hub name ("owner/name") has no extension, no glob characters and no local match.
+    path = Path(part).expanduser()
+    return (glob.has_magic(part) or path.exists() or _kind(part) != (None, "")
+            or part.startswith((".", "/", "~")))
+
+
+def _kind(name: str) -> tuple[str | None, Compression]:
+    """The format and compression a name's extensions say: "x.jsonl.zst" -> ("json", "zstd")."""
+    stem, ext = os.path.splitext(name.lower())
+    compression = COMPRESSION_OF_EXTENSION.get(ext, "")
+    if compression:
+        ext = os.path.splitext(stem)[1]
+    return FORMAT_OF_EXTENSION.get(ext), compression
+
+
+def _list_local(part: str, source: str, fmt: str) -> list[SourceFile]:
+    paths = _expand(part)
+    if not paths:
+        raise DataError(f"no files match {part!r} (data.source={source!r}, looked from "
+                        f"{os.getcwd()}); fix the path or glob, or use data.source=builtin")
+    files = []
+    for path in paths:
+        stat = path.stat()
+        files.append(_source_file(str(path), stat.st_size, str(stat.st_mtime_ns), fmt, source))
+    return files
+
+
+def _expand(part: str) -> list[Path]:
+    """The files a path, glob or directory names; a directory gives its files in known formats."""
+    pattern = os.path.expanduser(part)
+    if glob.has_magic(pattern):
+        matches = [Path(p) for p in glob.glob(pattern, recursive=True)]
+    else:
+        matches = [Path(pattern)] if os.path.exists(pattern) else []
+    files = []
+    for path in matches:
+        if path.is_dir():  # hidden files and folders (.git, .cache) hold no corpus
+            files += [p for p in path.rglob("*") if p.is_file() and _kind(p.name)[0]
+                      and not any(s.startswith(".") for s in p.relative_to(path).parts)]
+        elif path.is_file():
+            files.append(path)
+    return [p.resolve() for p in files]
+
+
+def _source_file(uri: str, size: int, version: str, fmt: str, source: str) -> SourceFile:
+    detected, compression = _kind(uri)
+    file_format = detected if fmt == "auto" else fmt
+    if file_format is None:
+        raise DataError(f"cannot tell the format of {uri} (data.source={source!r}) from its "
+                        "extension; rename it (.jsonl, .json, .parquet, .txt, each optionally "
+                        "with .gz or .zst) or set data.format=json|parquet|text")
+    if file_format == "parquet" and compression:
+        raise DataError(f"{uri} (data.source={source!r}) is a {compression}-compressed parquet "
+                        "file, which cannot be read by row groups; parquet compresses inside: "
+                        "decompress it (or write it with compression='zstd')")
+    return SourceFile(uri=uri, size=size, version=version, format=file_format, compression=compression)
+
+
+def _list_s3(uri: str, source: str, fmt: str, storage) -> list[SourceFile]:
+    """The objects of a known format under the folder `uri`, or the one object it names."""
+    try:
+        bucket, prefix = parse_s3_uri(uri)
+    except ValueError as e:
+        raise DataError(f"data.source={source!r}: {e}") from None
+    store = _s3_store(bucket, storage)
+    try:
+        objects = [o for o in store.list_objects(f"{prefix}/" if prefix else "")
+                   if _kind(o[0])[0] and not any(s.startswith(".") for s in o[0][len(prefix):].split("/"))]
+        if not objects and prefix:  # no folder: maybe the key of one object
+            objects = [o for o in store.list_objects(prefix) if o[0] == prefix]
+    except FileNotFoundError as e:  # no such bucket
+        raise DataError(f"data.source={source!r}: {e}; fix the bucket name") from None
+    if not objects:
+        raise DataError(f"no objects of a known format (.jsonl, .json, .parquet, .txt, also .gz "
+                        f"or .zst) under {uri} (data.source={source!r}); fix the prefix")
+    return [_source_file(f"s3://{bucket}/{key}", size, etag, fmt, source) for key, size, etag in objects]
+
+
+def _s3_store(bucket: str, storage):
+    """The store of `bucket`, kept per process and settings: opening one (a boto3 client) takes
+    about 0.1 s, too much per piece when a unit holds a thousand small objects."""
+    endpoint_url, region = getattr(storage, "endpoint_url", None), getattr(storage, "region", None)
+    # The environment decides boto3's endpoint and credentials too; hashed, to keep no secret.
+    key = sha256_bytes(canonical_json([os.getpid(), bucket, endpoint_url, region,
+                                       *(os.environ.get(name) for name in _AWS_ENV)]))
+    with _STORES_LOCK:
+        if key not in _STORES:
+            if len(_STORES) >= 16:  # settings that keep changing (rotated keys): start afresh
+                _STORES.clear()
+            _STORES[key] = open_store(f"s3://{bucket}", endpoint_url=endpoint_url, region=region)
+        return _STORES[key]
+
+
+def list_hub(name: str, hub_config: str | None = None, hub_split: str = "train",
+             revision: str | None = None) -> SourceFile:
+    """A hub dataset (or a local dataset folder, which `datasets` streams the same way) as one
+    entry; its shards (data files) are what work units split."""
+    ds = _load_hub(name, hub_config, hub_split, revision)
+    return SourceFile(uri=f"hub:{name}", size=0, version=revision or "latest", format="hub",
+                      hub_config=hub_config, hub_split=hub_split, n_shards=ds.n_shards)
+
+
+def _load_hub(name: str, hub_config: str | None, hub_split: str, revision: str | None):
+    import datasets  # slow to import; only hub sources need it
+
+    try:
+        return datasets.load_dataset(name, hub_config, split=hub_split, revision=revision, streaming=True)
+    except ConnectionError as e:
+        raise DataError(
+            f"data.source={name!r} is no local file or s3:// URI, so it was read as a Hugging Face "
+            f"hub dataset, but the hub is unreachable from here ({e}); use local files "
+            "(data.source=path/to/*.jsonl) or s3://bucket/prefix, or data.source=builtin") from e
+    except Exception as e:  # unknown name, config or split: the hub said no
+        raise DataError(f"cannot open hub dataset {name!r} (data.hub_config={hub_config}, "
+                        f"data.hub_split={hub_split}, data.revision={revision}): {e}") from e
+
+
+def fingerprint(files: list[SourceFile]) -> list[list]:
+    """The listing as JSON-able rows [uri, size, version, format, compression]."""
+    return [[f.uri, f.size, f.version, f.format, f.compression] for f in files]
+
+
+def content_fingerprint(files: list[SourceFile], storage=None) -> str:
+    """A sha256 over every file's bytes (streamed) and name, in listing order.
+
+    File names, not full paths, so a moved copy keeps its id; a hub dataset cannot be read
+    whole from here, so its listing row stands in.
+    """
+    rows = []
+    for file in files:
+        if file.format == "hub":
+            rows.append(fingerprint([file])[0])
+            continue
+        digest = hashlib.sha256()
+        with _open_binary(file, 0, storage) as f:
+            while chunk := f.read(8 * MiB):
+                digest.update(chunk)
+        rows.append([file.uri.rsplit("/", 1)[-1], file.size, digest.hexdigest()])
+    return sha256_bytes(canonical_json(rows))
+
+
+# -- work units ------------------------------------------------------------------------------
+
+def split_into_pieces(files: list[SourceFile], target_bytes: int, *, storage=None,
+                      max_files: int = 1024) -> list[list[Piece]]:
+    """Work units of about `target_bytes` of input each, in listing order.
+
+    Small files are grouped (at most `max_files` per unit, so a unit stays a small task
+    parameter); a larger file is cut into units of its own: byte ranges (uncompressed JSON
+    Lines and text), row-group ranges (parquet, from its footer), shard ranges (hub).
+    Compressed files cannot be cut and stay whole.
+    """
+    if target_bytes < 1:
+        raise ValueError(f"target_bytes must be positive, not {target_bytes}")
+    units: list[list[Piece]] = []
+    group: list[Piece] = []
+    group_bytes = 0
+    for file in files:
+        if file.format == "hub" or file.size > target_bytes:
+            if group:
+                units.append(group)
+                group, group_bytes = [], 0
+            units += [[piece] for piece in _cut(file, target_bytes, storage)]
+            continue
+        group.append(Piece(file=file))
+        group_bytes += file.size
+        if group_bytes >= target_bytes or len(group) >= max_files:
+            units.append(group)
+            group, group_bytes = [], 0
+    if group:
+        units.append(group)
+    return units
+
+
+def _cut(file: SourceFile, target_bytes: int, storage) -> list[Piece]:
+    if file.format == "hub":  # a shard per unit, unless that would make too many units
+        step = -(-file.n_shards // MAX_HUB_UNITS)
+        return [Piece(file=file, start=i, stop=min(i + step, file.n_shards))
+                for i in range(0, file.n_shards, step)]
+    if file.compression:
+        return [Piece(file=file)]
+    if file.format == "parquet":
+        return _row_group_pieces(file, target_bytes, storage)
+    n = -(-file.size // target_bytes)
+    bounds = [file.size * k // n for k in range(n + 1)]
+    return [Piece(file=file, start=a, stop=b) for a, b in zip(bounds, bounds[1:])]
+
+
+def _row_group_pieces(file: SourceFile, target_bytes: int, storage) -> list[Piece]:
+    """Consecutive row groups of about `target_bytes` (compressed) per piece; reads the footer."""
+    with _open_binary(file, 0, storage) as f:
+        meta = _parquet_file(_Counted(f), file).metadata
+    pieces, first, size = [], 0, 0
+    for i in range(meta.num_row_groups):
+        size += _row_group_bytes(meta.row_group(i))
+        if size >= target_bytes or i == meta.num_row_groups - 1:
+            pieces.append(Piece(file=file, start=first, stop=i + 1))
+            first, size = i + 1, 0
+    return pieces if len(pieces) > 1 else [Piece(file=file)]
+
+
+def _row_group_bytes(row_group) -> int:
+    return sum(row_group.column(j).total_compressed_size for j in range(row_group.num_columns))
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+def read_documents(piece: Piece, text_column: str = "text", *, on_bad_record: str = "error",
+                   storage=None, batch_bytes: int = 8 * MiB) -> DocumentBatches:
+    """The non-empty documents of `piece`, as batches (lists) of about `batch_bytes` of text."""
+    if piece.file.compression and (piece.start or piece.stop is not None):
+        raise ValueError(f"{piece.describe()}: a compressed file can only be read whole")
+    return DocumentBatches(piece, text_column, on_bad_record, storage, batch_bytes)
+
+
+class DocumentBatches:
+    """The documents of one piece in batches of about `batch_bytes` characters of text.
+
+    Each iteration reads the piece anew and keeps counts as it goes: `docs` (documents
+    yielded), `skipped` (bad records skipped, with on_bad_record="skip") and `bytes_read`:
+    the input consumed, as stored (compressed bytes for .gz/.zst; for uncompressed byte
+    ranges the bytes of the lines the piece owns, so pieces add up to the file; parquet: the
+    compressed size of the row groups done; hub: characters of text). Documents that are
+    empty, whitespace or null are dropped without counting, as before.
+    """
+
+    def __init__(self, piece: Piece, text_column: str, on_bad_record: str, storage, batch_bytes: int):
+        if on_bad_record not in ("error", "skip"):
+            raise ValueError(f"on_bad_record must be 'error' or 'skip', not {on_bad_record!r}")
+        self.piece, self.text_column, self.on_bad_record = piece, text_column, on_bad_record
+        self.storage, self.batch_bytes = storage, batch_bytes
+        self.docs = self.skipped = self.bytes_read = 0
+
+    def __iter__(self) -> Iterator[list[str]]:
+        self.docs = self.skipped = self.bytes_read = 0
+        uri = self.piece.file.uri
+        texts = {"json": self._json_texts, "text": self._text_texts, "parquet": self._parquet_texts,
+                 "hub": self._hub_texts}[self.piece.file.format]()
+        batch: list[str] = []
+        size = 0
+        try:
+            for text in texts:
+                if not text or text.isspace():
+                    continue
+                batch.append(text)
+                size += len(text)
+                if size >= self.batch_bytes:
+                    self.docs += len(batch)
+                    yield batch
+                    batch, size = [], 0
+        except FileNotFoundError as e:  # a retry helps if it was being replaced
+            raise FileNotFoundError(f"{uri} vanished after it was listed ({e})") from e
+        except ObjectChangedError as e:
+            raise DataError(f"{uri} changed after it was listed ({e}); prepare again, so that "
+                            "the new version is listed and named") from e
+        if batch:
+            self.docs += len(batch)
+            yield batch
+
+    # -- formats ----------------------------------------------------------------------------
+
+    def _json_texts(self) -> Iterator[str | None]:
+        start = self.piece.start
+        with self._stream(max(start - 1, 0)) as (raw, read):
+            if start == 0:
+                first, read = _peek(read)
+                if first == b"[":
+                    yield from self._json_array(raw, read)
+                    return
+            else:
+                with self._stream(0, buffer_size=64 * 1024) as (_, head):
+                    if _peek(head)[0] == b"[":
+                        return  # a JSON array: the piece at offset 0 reads it whole
+            for where, line in self._owned_lines(raw, read):
+                if not line.strip():
+                    continue
+                try:
+                    obj = _loads(line)
+                except ValueError as e:  # also bytes that are no UTF-8
+                    self._bad(where(), f"is not valid JSON ({e})")
+                    continue
+                yield self._field(obj, where)
+
+    def _json_array(self, raw: _Counted, read: Callable[[int], bytes]) -> Iterator[str | None]:
+        uri = self.piece.file.uri
+        data = bytearray()
+        while chunk := read(_CHUNK):
+            data += chunk
+            if len(data) > MAX_WHOLE_JSON:
+                raise DataError(f"{uri} is a JSON array over {MAX_WHOLE_JSON // MiB} MiB, too large "
+                                "to parse whole; convert it to JSON Lines (one object per line, .jsonl)")
+        try:
+            items = _loads(data)
+        except ValueError as e:  # one broken array: no record can be skipped on its own
+            raise DataError(f"{uri} is not valid JSON ({e}); fix or replace the file") from None
+        self.bytes_read = raw.count
+        for i, item in enumerate(items):
+            yield self._field(item, lambda i=i: f"{uri} element {i}")
+
+    def _text_texts(self) -> Iterator[str]:
+        with self._stream(max(self.piece.start - 1, 0)) as (raw, read):
+            for where, line in self._owned_lines(raw, read):
+                try:
+                    yield line.removesuffix(b"\r").decode()
+                except UnicodeDecodeError as e:
+                    self._bad(where(), f"is not UTF-8 text ({e})")
+
+    def _parquet_texts(self) -> Iterator[str | None]:
+        file, column = self.piece.file, self.text_column
+        with _open_binary(file, 0, self.storage) as f:
+            raw = _Counted(f)
+            pf = _parquet_file(raw, file)
+            _check_text_column(pf.schema_arrow, column, file.uri)
+            meta = pf.metadata
+            stop = meta.num_row_groups if self.piece.stop is None else min(self.piece.stop, meta.num_row_groups)
+            for i in range(self.piece.start, stop):
+                rows = _rows_per_batch(meta.row_group(i), column, self.batch_bytes)
+                try:
+                    for batch in pf.iter_batches(batch_size=rows, row_groups=[i], columns=[column],
+                                                 use_threads=False):
+                        yield from batch.column(0).to_pylist()
+                except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
+                    if raw.error is not None:
+                        raise
+                    raise DataError(f"{file.uri} row group {i} cannot be read ({e}); fix or "
+                                    "replace the file") from e
+                self.bytes_read += _row_group_bytes(meta.row_group(i))
+
+    def _hub_texts(self) -> Iterator[str | None]:
+        file, column = self.piece.file, self.text_column
+        name = file.uri.removeprefix("hub:")
+        ds = _load_hub(name, file.hub_config, file.hub_split, None if file.version == "latest" else file.version)
+        if ds.n_shards != file.n_shards:
+            raise DataError(f"hub dataset {name!r} has {ds.n_shards} shards now, {file.n_shards} "
+                            "when listed; pin data.revision so the data cannot change under a run")
+        if ds.column_names is not None:
+            if column not in ds.column_names:
+                raise DataError(f"hub dataset {name!r} has no column {column!r}; its columns are "
+                                f"{ds.column_names}: set data.text_column=<one of them>")
+            ds = ds.select_columns([column])
+        stop = file.n_shards if self.piece.stop is None else self.piece.stop
+        for shard in range(self.piece.start, stop):
+            for i, row in enumerate(ds.shard(num_shards=file.n_shards, index=shard)):
+                text = self._field(row, lambda s=shard, i=i: f"{file.uri} shard {s} row {i}")
+                self.bytes_read += len(text or "")
+                yield text
+
+    # -- records ----------------------------------------------------------------------------
+
+    def _owned_lines(self, raw: _Counted, read: Callable[[int], bytes]
+                     ) -> Iterator[tuple[Callable[[], str], bytes]]:
+        """(where, line) for each line this piece owns: those that start in [start, stop).
+
+        The stream begins at start - 1 (when start > 0), and everything through the first
+        newline belongs to the piece before: a line starting exactly at `start` is kept.
+        `where` names the line for errors: its number from the file's start, else its offset.
+        """
+        file, start, stop = self.piece.file, self.piece.start, self.piece.stop
+        lines = _lines(read, max(start - 1, 0), file.uri)
+        if start > 0:
+            next(lines, None)
+        first = None
+        for n, (offset, line) in enumerate(lines, 1):
+            if stop is not None and offset >= stop:
+                break
+            first = offset if first is None else first
+            self.bytes_read = raw.count if file.compression else min(offset + len(line) + 1, file.size) - first
+            if start == 0:
+                yield (lambda n=n: f"{file.uri} line {n}"), line
+            else:
+                yield (lambda o=offset: f"{file.uri} line at byte {o}"), line
+
+    def _field(self, obj, where: Callable[[], str]) -> str | None:
+        """The text of one record, None if it is null or bad (and skipped)."""
+        if not isinstance(obj, dict):
+            return self._bad(where(), f"is a JSON {type(obj).__name__}, not an object")
+        if self.text_column not in obj:
+            fields = ", ".join(list(obj)[:10])
+            return self._bad(where(), f"has no field {self.text_column!r} (it has: {fields}); set "
+                             "data.text_column if the text is in another field")
+        value = obj[self.text_column]
+        if value is not None and not isinstance(value, str):
+            return self._bad(where(), f"holds {type(value).__name__} in {self.text_column!r}, not text")
+        return value
+
+    def _bad(self, where: str, what: str) -> None:
+        if self.on_bad_record == "error":
+            raise DataError(f"{where} {what}; {_BAD_RECORD_FIX}")
+        if not self.skipped:  # the first says what is skipped; the count says how many
+            log.warning("skipping bad records in %s (data.on_bad_record=skip), the first: %s %s",
+                        self.piece.describe(), where, what)
+        self.skipped += 1
+
+    @contextmanager
+    def _stream(self, start: int, buffer_size: int = 8 * MiB
+                ) -> Iterator[tuple[_Counted, Callable[[int], bytes]]]:
+        """The piece's file from byte `start`: its raw bytes (counted) and a decompressed `read`."""
+        with _open_binary(self.piece.file, start, self.storage, buffer_size) as f:
+            raw = _Counted(f)
+            yield raw, _decompressed(raw, self.piece.file)
+
+
+# -- bytes -----------------------------------------------------------------------------------
+
+@contextmanager
+def _open_binary(file: SourceFile, start: int, storage, buffer_size: int = 8 * MiB) -> Iterator[BinaryIO]:
+    """A seekable binary file over a local path or S3 object, positioned at `start`."""
+    if file.uri.startswith("s3://"):
+        bucket, key = parse_s3_uri(file.uri)
+        f = _s3_store(bucket, storage).open_read(key, start, etag=file.version, buffer_size=buffer_size)
+    else:
+        f = open(file.uri, "rb")
+        f.seek(start)
+    with f:
+        yield f
+
+
+class _Counted(io.RawIOBase):
+    """A file's bytes as read from storage, counted. It records the storage's own errors, so
+    that a decompressor or parquet reader failing on top of it can be told to be a data
+    problem (a corrupt file) rather than an I/O one (worth a retry)."""
+
+    def __init__(self, f: BinaryIO):
+        self._f, self.count, self.error = f, 0, None
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        return self._f.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def readinto(self, buffer) -> int:
+        try:
+            n = self._f.readinto(buffer)
+        except BaseException as e:
+            self.error = e
+            raise
+        self.count += n
+        return n
+
+
+def _decompressed(raw: _Counted, file: SourceFile) -> Callable[[int], bytes]:
+    """`read(n)` of the file's content; a corrupt compressed stream raises DataError."""
+    if not file.compression:
+        return raw.read
+    if file.compression == "gzip":
+        stream = gzip.GzipFile(fileobj=raw, mode="rb")
+    else:
+        stream = pa.CompressedInputStream(pa.PythonFile(raw, mode="r"), "zstd")
+
+    def read(n: int) -> bytes:
+        try:
+            return stream.read(n)
+        except Exception as e:
+            if raw.error is not None:  # storage failed, not the data: keep its error
+                raise
+            raise DataError(f"{file.uri} is not a valid {file.compression} file ({e}); a corrupt "
+                            "compressed stream cannot be skipped record by record: fix or "
+                            "replace the file") from e
+
+    return read
+
+
+def _peek(read: Callable[[int], bytes]) -> tuple[bytes, Callable[[int], bytes]]:
+    """The first non-whitespace byte of a stream (b"" if none early on), and a `read` that
+    still returns the stream from its start."""
+    head = b""
+    while len(head) < _CHUNK and not head.strip() and (chunk := read(64 * 1024)):
+        head += chunk
+    pending = [head] if head else []
+    return head.lstrip()[:1], lambda n: pending.pop() if pending else read(n)
+
+
+def _lines(read: Callable[[int], bytes], offset: int, uri: str) -> Iterator[tuple[int, bytes]]:
+    """(offset, line without b"\\n") for each line of a stream that begins at `offset`."""
+    parts: list[bytes] = []  # the line read so far, joined once its end arrives
+    pending = 0
+    while chunk := read(_CHUNK):
+        cut = chunk.rfind(b"\n")
+        if cut < 0:
+            parts.append(chunk)
+            pending += len(chunk)
+            if pending > MAX_LINE:
+                raise DataError(f"{uri} has a line over {MAX_LINE // MiB} MiB at byte {offset}: "
+                                "not JSON Lines or text with one document per line; fix data.format")
+            continue
+        lines = b"".join([*parts, chunk[:cut]]).split(b"\n")
+        parts = [chunk[cut + 1 :]]
+        pending = len(parts[0])
+        for line in lines:
+            yield offset, line
+            offset += len(line) + 1
+    if tail := b"".join(parts):
+        yield offset, tail
+
+
+def _parquet_file(raw: _Counted, file: SourceFile) -> pq.ParquetFile:
+    try:  # buffer_size: read column chunks page by page, so memory stays bounded
+        return pq.ParquetFile(raw, buffer_size=8 * MiB)
+    except (pa.ArrowException, OSError) as e:
+        if raw.error is not None:
+            raise
+        raise DataError(f"{file.uri} is not a readable parquet file ({e}); fix or replace it, or "
+                        "set data.format if its extension is misleading") from e
+
+
+def _check_text_column(schema: pa.Schema, column: str, uri: str) -> None:
+    if column not in schema.names:
+        raise DataError(f"{uri} has no column {column!r}; its columns are {schema.names}: set "
+                        "data.text_column=<one of them>")
+    kind = schema.field(column).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+        raise DataError(f"column {column!r} of {uri} holds {kind}, not text; set data.text_column "
+                        "to a text column")
+
+
+def _rows_per_batch(row_group, column: str, batch_bytes: int) -> int:
+    """Rows of about `batch_bytes` of text, from the column's size in the footer."""
+    for j in range(row_group.num_columns):
+        chunk = row_group.column(j)
+        if chunk.path_in_schema == column:
+            per_row = chunk.total_uncompressed_size / max(1, row_group.num_rows)
+            return int(min(65536, max(1, batch_bytes // max(1.0, per_row))))
+    return 1024

@@ -1,0 +1,367 @@
+"""Sources read in place (goodput/data/sources.py): listing, pieces and streamed documents,
+on real files the tests write and on the real S3 server of the test session."""
+
+from __future__ import annotations
+
+import builtins
+import gzip
+import io
+import json
+import os
+import random
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from core.config import StorageConfig
+from core.errors import DataError
+from goodput.data import sources
+from goodput.data.sources import (Piece, SourceFile, content_fingerprint, fingerprint, list_hub,
+                                  list_source, read_documents, split_into_pieces)
+
+# Multi-byte characters (2, 3 and 4 bytes in UTF-8), so byte cuts land inside them too.
+DOCS = [f"doc {i}: {'é' * (i % 3)}{'€' * (i % 5)}{'🦜' * (i % 2)} " + "word " * (i % 17) for i in range(300)]
+
+
+def jsonl_bytes(docs: list[str], trailing_newline: bool = True) -> bytes:
+    lines = []
+    for i, doc in enumerate(docs):
+        lines.append(json.dumps({"id": i, "text": doc}, ensure_ascii=False))
+        if i % 7 == 3:
+            lines.append("   ")  # blank lines are no records
+    return ("\n".join(lines) + ("\n" if trailing_newline else "")).encode()
+
+
+def zstd(data: bytes) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.CompressedOutputStream(sink, "zstd") as stream:
+        stream.write(data)
+    return sink.getvalue().to_pybytes()
+
+
+def compress(data: bytes, compression: str) -> bytes:
+    return {"": lambda d: d, "gzip": gzip.compress, "zstd": zstd}[compression](data)
+
+
+def file_bytes(kind: str, docs: list[str], compression: str = "") -> bytes:
+    """The bytes of a file of `docs` in format `kind` (jsonl, json array, txt, parquet)."""
+    if kind == "jsonl":
+        data = jsonl_bytes(docs)
+    elif kind == "json":
+        data = json.dumps([{"text": d} for d in docs], ensure_ascii=False, indent=1).encode()
+    elif kind == "txt":
+        data = "".join(d + ("\r\n" if i % 2 else "\n") for i, d in enumerate(docs)).encode()
+    else:
+        sink = io.BytesIO()
+        pq.write_table(pa.table({"text": docs, "n": list(range(len(docs)))}), sink, row_group_size=40)
+        return sink.getvalue()
+    return compress(data, compression)
+
+
+SUFFIX = {"": "", "gzip": ".gz", "zstd": ".zst"}
+
+
+def write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def read_all(pieces, **kwargs) -> list[str]:
+    docs = []
+    for piece in pieces:
+        for batch in read_documents(piece, **kwargs):
+            docs += batch
+    return docs
+
+
+def local_file(path: Path, fmt="json", compression="") -> SourceFile:
+    return SourceFile(uri=str(path), size=path.stat().st_size, version="0", format=fmt, compression=compression)
+
+
+# -- listing ---------------------------------------------------------------------------------
+
+def test_a_directory_lists_its_files_of_known_formats_sorted_without_reading_them(tmp_path, monkeypatch):
+    root = tmp_path / "corpus"
+    write(root / "b.jsonl", b'{"text": "b"}\n')
+    write(root / "sub" / "a.jsonl.zst", zstd(b'{"text": "a"}\n'))
+    write(root / "c.txt.gz", gzip.compress(b"c\n"))
+    write(root / "d.parquet", file_bytes("parquet", ["d"]))
+    write(root / "e.JSON.ZSTD", zstd(b"[]"))
+    write(root / ".hidden.jsonl", b"{}\n")
+    write(root / ".cache" / "x.jsonl", b"{}\n")
+    write(root / "notes.md", b"# not a corpus\n")
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError(f"listing opened {args[0]}")
+
+    monkeypatch.setattr(builtins, "open", no_reading)
+    monkeypatch.setattr(io, "open", no_reading)
+    files = list_source(str(root))
+    monkeypatch.undo()
+
+    assert [Path(f.uri).relative_to(root).as_posix() for f in files] == [
+        "b.jsonl", "c.txt.gz", "d.parquet", "e.JSON.ZSTD", "sub/a.jsonl.zst"]
+    assert [(f.format, f.compression) for f in files] == [
+        ("json", ""), ("text", "gzip"), ("parquet", ""), ("json", "zstd"), ("json", "zstd")]
+    for f in files:
+        stat = os.stat(f.uri)
+        assert (f.size, f.version) == (stat.st_size, str(stat.st_mtime_ns))
+
+
+def test_globs_and_comma_lists_combine_and_a_touch_changes_the_version(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ("x/1.jsonl", "x/deep/2.jsonl.gz", "x/3.txt", "y/4.txt"):
+        write(tmp_path / name, compress(b'{"text": "t"}\n', "gzip" if name.endswith(".gz") else ""))
+    recursive = list_source("x/**/*.jsonl*")
+    assert [Path(f.uri).name for f in recursive] == ["1.jsonl", "2.jsonl.gz"]
+    both = list_source("x/3.txt, y , x/*.jsonl")
+    assert [Path(f.uri).name for f in both] == ["1.jsonl", "3.txt", "4.txt"]
+    assert fingerprint(both)[0] == [str(tmp_path / "x/1.jsonl"), 14, both[0].version, "json", ""]
+
+    before = list_source("x/3.txt")[0]
+    os.utime(tmp_path / "x/3.txt", ns=(1, int(before.version) + 10**9))
+    assert list_source("x/3.txt")[0].version != before.version
+    assert list_source("x/3.txt", fmt="json")[0].format == "json"  # data.format wins over the name
+
+
+@pytest.mark.parametrize(("source", "message"), [
+    ("missing/*.jsonl", r"no files match 'missing/\*.jsonl'"),
+    ("data.csv", "cannot tell the format"),
+    ("t.parquet.gz", "parquet compresses inside: decompress it"),
+])
+def test_listing_errors_name_the_path_and_what_to_do(tmp_path, monkeypatch, source, message):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "data.csv", b"a,b\n")
+    write(tmp_path / "t.parquet.gz", b"\0")
+    with pytest.raises(DataError, match=message) as error:
+        list_source(source)
+    assert f"data.source='{source}'" in str(error.value)
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("kind", "compression"), [
+    (k, c) for k in ("jsonl", "json", "txt") for c in ("", "gzip", "zstd")] + [("parquet", "")])
+def test_every_format_reads_back_its_documents(tmp_path, kind, compression):
+    docs = DOCS[:50] + ["", "  \t "] + DOCS[50:60]  # empty and whitespace documents are dropped
+    name = "corpus.parquet" if kind == "parquet" else f"corpus.{kind}{SUFFIX[compression]}"
+    path = write(tmp_path / name, file_bytes(kind, docs, compression))
+    [file] = list_source(str(path))
+    batches = read_documents(Piece(file=file), batch_bytes=2000)
+    assert [doc for batch in batches for doc in batch] == DOCS[:60]
+    assert (batches.docs, batches.skipped) == (60, 0) and 0 < batches.bytes_read <= file.size
+
+
+def test_byte_range_pieces_read_every_line_exactly_once_in_order(tmp_path):
+    rng = random.Random(7)
+    cases = [("jsonl", jsonl_bytes(DOCS, trailing_newline=False)), ("jsonl", jsonl_bytes(DOCS)),
+             ("txt", "\n".join(DOCS).encode())]
+    for kind, data in cases:
+        path = write(tmp_path / f"f.{kind}", data)
+        file = local_file(path, "json" if kind == "jsonl" else "text")
+        line_starts = [0] + [i + 1 for i, b in enumerate(data) if b == ord("\n")]
+        multibyte = [i for i, b in enumerate(data) if b & 0xC0 == 0x80]  # inside a character
+        for _ in range(12):
+            cuts = set(rng.sample(range(1, len(data)), 6) + rng.sample(line_starts[1:], 3)
+                       + rng.sample(multibyte, 3) + [len(data) - 1])
+            bounds = [0, *sorted(cuts), len(data)]
+            pieces = [Piece(file=file, start=a, stop=b) for a, b in zip(bounds, bounds[1:])]
+            assert read_all(pieces) == DOCS, f"{kind} cut at {bounds}"
+        counted = [read_documents(p) for p in pieces]
+        for batches in counted:
+            list(batches)
+        assert sum(b.bytes_read for b in counted) == len(data)  # pieces add up to the file
+
+
+def test_split_groups_small_files_and_cuts_large_ones(tmp_path):
+    small = [write(tmp_path / f"s{i}.jsonl", jsonl_bytes(DOCS[i * 10:i * 10 + 10])) for i in range(6)]
+    big = write(tmp_path / "t.jsonl", jsonl_bytes(DOCS))
+    packed = write(tmp_path / "u.jsonl.gz", gzip.compress(jsonl_bytes(DOCS)))
+    files = list_source(str(tmp_path))
+    target = 3 * small[0].stat().st_size
+    units = split_into_pieces(files, target)
+
+    assert split_into_pieces(files, target) == units  # deterministic
+    assert [len(u) for u in units[:2]] == [3, 3]  # the six small files, three to a unit
+    cut = [u[0] for u in units if u[0].file.uri == str(big)]
+    assert len(cut) == -(-big.stat().st_size // target) and all(len(u) == 1 for u in units[2:])
+    assert cut[0].describe() == f"{big} bytes 0-{cut[0].stop}"
+    assert [u[0].describe() for u in units if u[0].file.compression] == [str(packed)]  # not cut
+    assert read_all([p for u in units for p in u]) == (DOCS[:60] + DOCS + DOCS)
+    assert [len(u) for u in split_into_pieces(files, 10**9, max_files=4)] == [4, 4]
+
+
+def test_parquet_splits_at_row_groups(tmp_path):
+    path = write(tmp_path / "p.parquet", file_bytes("parquet", DOCS))  # 8 row groups of 40 rows
+    [file] = list_source(str(path))
+    units = split_into_pieces([file], file.size // 6)  # footer and header count in file.size
+    pieces = [u[0] for u in units]
+    assert len(pieces) >= 3 and pieces[0].start == 0 and pieces[-1].stop == 8
+    assert all(a.stop == b.start for a, b in zip(pieces, pieces[1:]))
+    assert pieces[1].describe().startswith(f"{path} row groups {pieces[1].start}-")
+    assert read_all(pieces) == DOCS
+
+
+def test_batches_are_bounded_by_batch_bytes(tmp_path):
+    docs = [f"{i:05d} " + "x" * 94 for i in range(2000)]  # 100 characters each
+    path = write(tmp_path / "many.jsonl", jsonl_bytes(docs))
+    batches = read_documents(Piece(file=local_file(path)), batch_bytes=10_000)
+    sizes = []
+    for batch in batches:
+        sizes.append(sum(map(len, batch)))
+        assert batches.docs == len(sizes) * 100  # counted as they are handed out
+    assert len(sizes) == 20 and max(sizes) < 10_000 + 100
+
+
+# -- bad input -------------------------------------------------------------------------------
+
+def test_a_malformed_line_is_named_by_file_and_line_or_byte_and_can_be_skipped(tmp_path):
+    lines = [b'{"text": "one"}', b'{"text": "two"', b'{"body": "three"}', b'{"text": 4}',
+             b'"five"', b'{"text": "s\xffx"}', b'{"text": "seven"}']
+    path = write(tmp_path / "bad.jsonl", b"\n".join(lines) + b"\n")
+    file = local_file(path)
+    with pytest.raises(DataError, match=rf"{path} line 2 is not valid JSON .*data.on_bad_record=skip"):
+        read_all([Piece(file=file)])
+    with pytest.raises(DataError, match=rf"{path} line at byte 16 is not valid JSON"):
+        read_all([Piece(file=file, start=10)])
+    skipping = read_documents(Piece(file=file), on_bad_record="skip")
+    assert [d for b in skipping for d in b] == ["one", "seven"] and skipping.skipped == 5
+    no_field = write(tmp_path / "nofield.jsonl", b"\n".join([lines[0], lines[2]]))
+    with pytest.raises(DataError, match="line 2 has no field 'text' .*set data.text_column"):
+        read_all([Piece(file=local_file(no_field))])
+    with pytest.raises(DataError, match="line 1 holds int in 'text', not text"):
+        read_all([Piece(file=local_file(write(tmp_path / "int.jsonl", lines[3])))])
+
+
+def test_bad_text_and_whole_file_problems(tmp_path):
+    text = write(tmp_path / "t.txt", b"good\nbad \xff line\nfine\n")
+    with pytest.raises(DataError, match=rf"{text} line 2 is not UTF-8 text"):
+        read_all([Piece(file=local_file(text, "text"))])
+    assert read_all([Piece(file=local_file(text, "text"))], on_bad_record="skip") == ["good", "fine"]
+
+    data = gzip.compress(jsonl_bytes(DOCS))
+    truncated = write(tmp_path / "t.jsonl.gz", data[: len(data) // 2])
+    garbage = write(tmp_path / "g.jsonl.zst", b"this is no zstd frame" * 10)
+    for path, compression in ((truncated, "gzip"), (garbage, "zstd")):
+        with pytest.raises(DataError, match=rf"{path} is not a valid {compression} file"):
+            read_all([Piece(file=local_file(path, compression=compression))], on_bad_record="skip")
+
+    empty = write(tmp_path / "empty.jsonl", b"")
+    assert read_all([Piece(file=local_file(empty))]) == []
+    parquet = write(tmp_path / "p.parquet", file_bytes("parquet", ["a"]))
+    with pytest.raises(DataError, match=r"no column 'body'; its columns are \['text', 'n'\]: set data.text_column"):
+        read_all([Piece(file=local_file(parquet, "parquet"))], text_column="body")
+    with pytest.raises(DataError, match="not a readable parquet file"):
+        read_all([Piece(file=local_file(text, "parquet"))])
+
+
+def test_a_json_array_too_large_to_parse_whole_asks_for_json_lines(tmp_path, monkeypatch):
+    path = write(tmp_path / "a.json", file_bytes("json", DOCS))
+    monkeypatch.setattr(sources, "MAX_WHOLE_JSON", 1000)
+    with pytest.raises(DataError, match="convert it to JSON Lines"):
+        read_all([Piece(file=local_file(path))])
+
+
+def test_storage_errors_stay_os_errors(tmp_path):
+    gone = write(tmp_path / "gone.jsonl", b'{"text": "x"}\n')
+    file = local_file(gone)
+    gone.unlink()
+    with pytest.raises(FileNotFoundError, match=f"{gone} vanished after it was listed"):
+        read_all([Piece(file=file)])
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(IsADirectoryError):
+        read_all([Piece(file=SourceFile(uri=str(tmp_path / "dir.jsonl"), size=1, version="0", format="json"))])
+
+
+def test_content_fingerprint_follows_the_bytes(tmp_path):
+    path = write(tmp_path / "a" / "x.jsonl", b'{"text": "x"}\n')
+    copy = write(tmp_path / "b" / "x.jsonl", path.read_bytes())
+    first = content_fingerprint(list_source(str(path)))
+    assert content_fingerprint(list_source(str(copy))) == first  # names, not places
+    write(copy, b'{"text": "y"}\n')
+    assert content_fingerprint(list_source(str(copy))) != first
+
+
+# -- the hub ---------------------------------------------------------------------------------
+
+def test_a_hub_dataset_is_split_by_shard_and_read_exactly_once(tmp_path):
+    folder = tmp_path / "dataset"
+    for i in range(3):
+        write(folder / f"part-{i}.jsonl", jsonl_bytes(DOCS[i * 20:i * 20 + 20]))
+    file = list_hub(str(folder))  # a local folder streams like a hub dataset, offline
+    assert (file.uri, file.format, file.version, file.n_shards) == (f"hub:{folder}", "hub", "latest", 3)
+    units = split_into_pieces([file], 1)
+    assert [u[0].describe() for u in units] == [f"hub:{folder} shards {i}-{i + 1}" for i in range(3)]
+    assert read_all([u[0] for u in units]) == DOCS[:60]
+    with pytest.raises(DataError, match=r"no column 'body'.*set data.text_column"):
+        read_all([units[0][0]], text_column="body")
+
+
+def test_an_unreachable_hub_is_a_data_error(monkeypatch):
+    import datasets
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no network here: fail at once, not after retries
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(DataError, match="hub is unreachable from here.*use local files"):
+        list_source("someone/nonexistent-dataset-xyz")
+
+
+# -- S3 --------------------------------------------------------------------------------------
+
+@pytest.fixture
+def s3_corpus(s3_server, s3_uri):
+    """Objects under a fresh prefix: (source URI, StorageConfig, plain boto3 client, bucket, prefix)."""
+    bucket, prefix = s3_uri.removeprefix("s3://").split("/", 1)
+    client = s3_server.client()
+    objects = {
+        "corpus/a.jsonl.zst": zstd(jsonl_bytes(DOCS[:100])),
+        "corpus/b.parquet": file_bytes("parquet", DOCS),
+        "corpus/sub/c.txt": "\n".join(DOCS).encode(),
+        "corpus/.staging/d.jsonl": b'{"text": "hidden"}\n',
+        "corpus/_SUCCESS": b"",
+        "corpus-old/e.jsonl": b'{"text": "a sibling, not under the folder"}\n',
+    }
+    for key, body in objects.items():
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=body)
+    return f"{s3_uri}/corpus", StorageConfig(uri=s3_uri), client, bucket, prefix
+
+
+@pytest.mark.s3
+def test_s3_prefixes_list_and_read_like_local_files(s3_corpus):
+    source, storage, _, bucket, prefix = s3_corpus
+    files = list_source(source, storage=storage)
+    assert [f.uri.removeprefix(f"s3://{bucket}/{prefix}/") for f in files] == [
+        "corpus/a.jsonl.zst", "corpus/b.parquet", "corpus/sub/c.txt"]
+    assert all(len(f.version) == 32 and f.size > 0 for f in files)  # the ETags
+    assert list_source(f"{source}/sub/c.txt", storage=storage) == files[2:]  # one object
+
+    zst, parquet, text = files
+    assert read_all([Piece(file=zst)], storage=storage) == DOCS[:100]
+    units = split_into_pieces([parquet, text], parquet.size // 3, storage=storage)  # reads a footer
+    assert {u[0].file.format for u in units} == {"parquet", "text"}
+    assert [u[0].start > 0 for u in units if u[0].file.format == "text"].count(True) >= 2  # byte ranges
+    assert read_all([u[0] for u in units], storage=storage) == DOCS + DOCS
+    assert content_fingerprint(files, storage) != content_fingerprint(files[:2], storage)
+
+
+@pytest.mark.s3
+def test_an_s3_object_deleted_or_replaced_after_listing_is_reported(s3_corpus):
+    source, storage, client, bucket, prefix = s3_corpus
+    zst, _, text = list_source(source, storage=storage)
+    client.delete_object(Bucket=bucket, Key=f"{prefix}/corpus/a.jsonl.zst")
+    with pytest.raises(FileNotFoundError, match=f"{zst.uri} vanished after it was listed"):
+        read_all([Piece(file=zst)], storage=storage)
+    client.put_object(Bucket=bucket, Key=f"{prefix}/corpus/sub/c.txt", Body=b"new text\n")
+    with pytest.raises(DataError, match=f"{text.uri} changed after it was listed"):
+        read_all([Piece(file=text, start=5, stop=50)], storage=storage)
+
+
+@pytest.mark.s3
+def test_an_empty_s3_prefix_is_a_data_error(s3_uri):
+    with pytest.raises(DataError, match=f"no objects of a known format .* under {s3_uri}/nothing"):
+        list_source(f"{s3_uri}/nothing", storage=StorageConfig(uri=s3_uri))
