@@ -104,6 +104,29 @@ def test_pipeline_with_an_s3_store(prefect_api, s3_server, s3_uri, tmp_path):
     assert Ledger(config.run_dir, "s3run").read().steps("uploaded") == [10, 20]
 
 
+def test_training_needs_only_the_store_once_the_data_is_prepared(prefect_api, tmp_path):
+    """The raw sources and the local dataset copy are gone: the train flow (and the held-out
+    check of its validation) finds the dataset by its data settings in the store."""
+    import shutil
+
+    from flows.prepare import prepare
+    from goodput.data.corpus import build_builtin_corpus
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(build_builtin_corpus(tmp_path / "builtin"), corpus / "docs.jsonl")
+    config = small_config(tmp_path, "run.run_id=nosources", f"data.source={corpus}",
+                          "training.max_steps=10", "checkpoint.validate_batches=2")
+    dataset_id = prepare(config).dataset_id
+    shutil.rmtree(corpus)
+    shutil.rmtree(config.data.data_dir)
+    assert train(config)["final_step"] == 10
+    ledger = Ledger(config.run_dir, "nosources").read()
+    assert ledger.steps("uploaded") == [10]
+    assert any("held-out loss" in h.note for h in ledger.entries[10].history if h.state == "validated")
+    assert (tmp_path / "data" / dataset_id / "manifest.json").is_file()  # restored from the store
+
+
 def test_cli_reports_config_errors_before_starting_anything():
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "model.n_heads=3"],
                           capture_output=True, text=True, cwd=REPO, timeout=60)

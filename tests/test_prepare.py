@@ -538,3 +538,23 @@ def test_publishes_to_and_restores_from_s3(tmp_path, s3_uri):
     shutil.rmtree(prep.plan_dataset(config).dir)
     assert prep.prepare_dataset(config) == manifest
     assert sorted(sum(decoded_splits(config, manifest).values(), [])) == sorted(DOCS)
+
+
+def test_plain_errors_are_not_retried_as_if_transient():
+    """Bad data and a full or read-only disk fail the task at once; a flaky network, a vanished
+    object or anything unforeseen gets the retries."""
+    import errno
+
+    from prefect.states import Failed
+
+    from tasks.prepare import retry_if_transient
+
+    def retried(error: BaseException) -> bool:
+        return retry_if_transient(None, None, Failed(data=error))
+
+    assert not retried(DataError("line 3 of x.jsonl is not JSON"))
+    assert not retried(OSError(errno.ENOSPC, "No space left on device"))
+    assert not retried(OSError(errno.EROFS, "Read-only file system"))
+    assert retried(ConnectionError("s3 endpoint unreachable"))
+    assert retried(FileNotFoundError(errno.ENOENT, "s3://b/x.jsonl vanished after it was listed"))
+    assert retried(RuntimeError("unforeseen"))

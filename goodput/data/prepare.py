@@ -150,6 +150,8 @@ def plan_dataset(config: RunConfig) -> DatasetPlan:
         listing = content_fingerprint(files, storage=config.storage)
     else:
         listing = fingerprint(files)
+    if any(f.format == "hub" for f in files):  # the listing names the dataset, not its part
+        listing = [listing, data.hub_config, data.hub_split]
     inputs = {"source": listing, "tokenizer": _tokenizer_settings(config),
               "prep": _shard_settings(data) | {"version": PREPARE_VERSION}}
     if tok.path is None:
