@@ -22,8 +22,9 @@ run id of the same config under one fault, drawn with the seed:
 Kinds take turns in a seeded order, so every kind runs floor(N / kinds) times or once more.
 
 A case has recovered when the flow completed to max_steps with every checkpoint uploaded
-(except a corrupted one, which must be rejected), and every resume point (a step the metrics
-go back to) was a validated checkpoint. Losses must equal the reference run except after a
+(except a corrupted one, which must be rejected; a copy saved again at its step is judged
+on its own), and every resume point (a step the metrics go back to) was a validated
+checkpoint. Losses must equal the reference run except after a
 rollback, which skips data on purpose. Prints one row per case and a summary per kind;
 results belong in benchmarks/RESULTS.md with the command.
 """
@@ -256,7 +257,9 @@ def run_case(i: int, kind: str, rng: random.Random, make_config, steps: int, eve
 
     outcomes = read_outcomes(config)
     entries = ledger_entries(config)
-    rejected = {s for s, e in entries.items() if e.state == "rejected"}
+    # A corrupted copy is rejected; training that passes its step again saves a new copy,
+    # which is judged on its own (the entry's history keeps the rejection).
+    rejected = {s for s, e in entries.items() if any(h.state == "rejected" for h in e.history)}
     good = {s for s, e in entries.items() if e.state in ("validated", "uploaded")}
     points = resume_points(config.run_dir)
     problems = []
@@ -267,7 +270,7 @@ def run_case(i: int, kind: str, rng: random.Random, make_config, steps: int, eve
     expected_rejected = {ckpt} if kind == "corrupt" else set()
     if rejected != expected_rejected:
         problems.append(f"rejected {sorted(rejected)}")
-    not_uploaded = [s for s, e in entries.items() if e.state != "uploaded" and s not in rejected]
+    not_uploaded = [s for s, e in entries.items() if e.state not in ("uploaded", "rejected")]
     if not_uploaded:
         problems.append(f"not uploaded {not_uploaded}")
     bad_points = [p for p in points if p and p not in good]
