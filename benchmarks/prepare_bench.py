@@ -205,6 +205,7 @@ def bench_size(label: str, size: int, work: Path, cores: int, map_max: int) -> d
                  f"storage.uri={root / 'store'}", f"run.runs_dir={root / 'runs'}",
                  f"run.run_id=bench-{label}", f"tokenizer.vocab_size={VOCAB_SIZE}",
                  f"prepare.workers={cores}", "prepare.progress=false"]
+    (root / "prefect").mkdir(parents=True)
     env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(REPO),
                PREFECT_HOME=str(root / "prefect"))
     goodput = str(Path(sys.executable).with_name("goodput"))

@@ -54,9 +54,11 @@ class DataConfig(_Section):
         2**25, ge=1024, le=2**31 - 1, description="Tokens per token shard (about: a shard holds "
         "whole documents and closes once it reaches this). 2^25 uint16 tokens = 64 MiB.")
     unit_bytes: str | int = Field(
-        "256MiB", description="Input bytes per work unit (one Prefect task): small files are "
-        "grouped, large ones cut into byte ranges or parquet row groups. A unit's memory does "
-        "not depend on it; a rerun redoes only the units that did not finish.")
+        "256MiB", description="Input bytes per work unit (one Prefect task) at most: small "
+        "files are grouped, large ones cut into byte ranges or parquet row groups (compressed "
+        "files stay whole). A corpus of fewer than 64 such units is cut into 64 (of 8MiB at "
+        "least), so every core has work. A unit's memory does not depend on it; a rerun redoes "
+        "only the units that did not finish.")
     fingerprint: Literal["listing", "content"] = Field(
         "listing", description="What names the dataset: 'listing' (each file's path, size and "
         "modification time; ETag on S3; revision on the hub: no file is read) or 'content' "

@@ -68,8 +68,8 @@ def tokenize_units(plan: DatasetPlan, units: list[WorkUnit], config: RunConfig) 
     """Every work unit through the tokenizer on the configured task runner, reporting
     progress as each finishes. Units recorded done by an earlier run return at once."""
     progress = PrepareProgress(config.run.run_id, plan.dataset_id, len(units), config.prepare.progress)
-    futures = tokenize_unit.map(plan=unmapped(plan.without_listing()), unit=units, data=unmapped(config.data),
-                                storage=unmapped(config.storage))
+    futures = tokenize_unit.map(plan=unmapped(plan.without_listing()), unit=units,
+                                data=unmapped(config.data), storage=unmapped(config.storage))
     results = []
     try:
         for future in as_completed(futures):

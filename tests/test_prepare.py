@@ -558,3 +558,20 @@ def test_plain_errors_are_not_retried_as_if_transient():
     assert retried(ConnectionError("s3 endpoint unreachable"))
     assert retried(FileNotFoundError(errno.ENOENT, "s3://b/x.jsonl vanished after it was listed"))
     assert retried(RuntimeError("unforeseen"))
+
+
+def test_a_small_corpus_is_cut_into_enough_units_for_every_core():
+    """Units follow from the listing alone (the dataset id must not depend on the machine):
+    at most data.unit_bytes each, and a corpus of fewer than 64 such units is cut into 64,
+    none below 8 MiB."""
+    from goodput.data.sources import SourceFile
+
+    def files(*sizes: int) -> list[SourceFile]:
+        return [SourceFile(uri=f"/c/{i}.jsonl", size=n, version="1", format="json")
+                for i, n in enumerate(sizes)]
+
+    MiB = 2**20
+    assert prep.unit_target_bytes(files(64 * MiB, 36 * MiB), 256 * MiB) == 8 * MiB
+    assert prep.unit_target_bytes(files(*[1024 * MiB] * 2), 256 * MiB) == 32 * MiB
+    assert prep.unit_target_bytes(files(*[1024 * MiB] * 100), 256 * MiB) == 256 * MiB
+    assert prep.unit_target_bytes(files(64 * MiB), 1024) == 1024  # asked for: kept

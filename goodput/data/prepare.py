@@ -59,6 +59,7 @@ UNITS_DIR = "units"
 BY_SETTINGS = "by-settings"
 _BATCH_BYTES = 4 * 2**20  # text per encode_batch call: with one shard, all a unit holds
 _SAMPLE_UNITS = 64  # the tokenizer's sample comes from at most this many units, spread out
+_UNITS_AT_LEAST, _MIN_UNIT_BYTES = 64, 8 * 2**20  # see unit_target_bytes
 _SPLIT_KEY = b"goodput-split-v1"
 
 
@@ -142,7 +143,7 @@ def list_files(config: RunConfig) -> list[SourceFile]:
 
 def plan_dataset(config: RunConfig) -> DatasetPlan:
     """Name the dataset by its inputs (the listing, not the bytes, unless asked) and place it."""
-    data, tok = config.data, config.tokenizer
+    data = config.data
     files = list_files(config)
     if data.source == BUILTIN:  # its file's name holds what determines it; its place does not
         listing = [[Path(f.uri).name, f.size] for f in files]
@@ -154,8 +155,6 @@ def plan_dataset(config: RunConfig) -> DatasetPlan:
         listing = [listing, data.hub_config, data.hub_split]
     inputs = {"source": listing, "tokenizer": _tokenizer_settings(config),
               "prep": _shard_settings(data) | {"version": PREPARE_VERSION}}
-    if tok.path is None:
-        inputs["tokenizer"]["sample_bytes"] = parse_bytes(tok.sample_bytes)
     return _plan(config, sha256_bytes(canonical_json(inputs))[:16], files)
 
 
@@ -171,7 +170,8 @@ def _tokenizer_settings(config: RunConfig) -> dict:
     tok = config.tokenizer
     if tok.path is not None:
         return {"sha256": sha256_file(given_tokenizer_file(tok.path))}
-    return {"vocab_size": tok.vocab_size, "min_frequency": tok.min_frequency}
+    return {"vocab_size": tok.vocab_size, "min_frequency": tok.min_frequency,
+            "sample_bytes": parse_bytes(tok.sample_bytes)}
 
 
 def _shard_settings(data: DataConfig) -> dict:
@@ -206,8 +206,17 @@ def plan_units(plan: DatasetPlan, config: RunConfig) -> list[WorkUnit]:
         pieces = [p for unit in split_into_pieces(plan.files, 2**62, storage=config.storage)
                   for p in unit]
         return [WorkUnit(index=0, pieces=pieces, max_docs=data.max_docs)]
-    groups = split_into_pieces(plan.files, parse_bytes(data.unit_bytes), storage=config.storage)
+    groups = split_into_pieces(plan.files, unit_target_bytes(plan.files, parse_bytes(data.unit_bytes)),
+                               storage=config.storage)
     return [WorkUnit(index=i, pieces=pieces) for i, pieces in enumerate(groups)]
+
+
+def unit_target_bytes(files: list[SourceFile], unit_bytes: int) -> int:
+    """data.unit_bytes, or less for a corpus of fewer than 64 such units: then 64 units (of
+    8 MiB at least), so every core has work and the last ones end close together. Follows
+    from the listing alone, as the dataset id must, never from the machine."""
+    total = sum(f.size for f in files)
+    return min(unit_bytes, max(_MIN_UNIT_BYTES, total // _UNITS_AT_LEAST))
 
 
 # -- finding a prepared dataset -------------------------------------------------------------
