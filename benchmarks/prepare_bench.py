@@ -97,20 +97,21 @@ def run_measured(cmd: list[str], env: dict, cwd: Path) -> dict:
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_oublock
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    peak = [0]
+    peak, at_peak = [0], [[]]
 
     def sample() -> None:
         root = psutil.Process(proc.pid)
         while proc.poll() is None:
             try:
                 tree = [root] + root.children(recursive=True)
-                rss = 0
+                sizes = []
                 for p in tree:
                     try:
-                        rss += p.memory_info().rss
+                        sizes.append((p.memory_info().rss, " ".join(p.cmdline()[1:4])[:80]))
                     except psutil.Error:
                         pass
-                peak[0] = max(peak[0], rss)
+                if sum(rss for rss, _ in sizes) > peak[0]:
+                    peak[0], at_peak[0] = sum(rss for rss, _ in sizes), sorted(sizes, reverse=True)
             except psutil.Error:
                 pass
             time.sleep(0.1)
@@ -123,7 +124,8 @@ def run_measured(cmd: list[str], env: dict, cwd: Path) -> dict:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode}:\n{output[-4000:]}")
     written = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_oublock - before) * 512
-    return {"wall_s": wall, "peak_rss": peak[0], "written": written, "output": output}
+    return {"wall_s": wall, "peak_rss": peak[0], "written": written, "output": output,
+            "at_peak": [f"{rss / 2**20:.0f} MiB {what}" for rss, what in at_peak[0]]}
 
 
 def dir_bytes(path: Path) -> int:
@@ -214,15 +216,19 @@ def bench_size(label: str, size: int, work: Path, cores: int, map_max: int) -> d
     config = load_config(None, overrides)
     plan = prep.plan_dataset(config)
     output = dir_bytes(plan.dir) + dir_bytes(root / "store")
+    prefect_home = dir_bytes(root / "prefect")  # the temporary server's database, logs
     tokens = sum(summary["tokens"].values())
     row = {"size": label, "input_bytes": input_bytes, "files": len(list(corpus.glob("*.jsonl"))),
            "tokens": tokens, "wall_s": first["wall_s"], "tokenize_s": summary["tokenize_s"],
            "tokens_per_s": tokens / summary["tokenize_s"], "peak_rss": first["peak_rss"],
-           "written": first["written"], "output_bytes": output,
+           "written": first["written"], "output_bytes": output, "at_peak": first["at_peak"],
+           "prefect_home_bytes": prefect_home,
            "written_beyond_output": max(0, first["written"] - output)}
     print(f"[{label}] prepare: {first['wall_s']:.0f}s, {tokens:,} tokens, "
           f"{row['tokens_per_s']:,.0f} tokens/s, peak RSS {first['peak_rss'] / 2**20:.0f} MiB, "
-          f"written {first['written'] / 1e6:.0f} MB (output {output / 1e6:.0f} MB)", flush=True)
+          f"written {first['written'] / 1e6:.0f} MB (output {output / 1e6:.0f} MB, Prefect's "
+          f"home {prefect_home / 1e6:.0f} MB); at the peak: "
+          f"{'; '.join(first['at_peak'])}", flush=True)
 
     # The no-op rerun: the library's decision, then the whole command.
     store = store_from_config(config.storage)
