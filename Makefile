@@ -10,4 +10,4 @@ pipeline: setup
 	.venv/bin/goodput pipeline --config configs/tiny.yaml
 
 test: setup
-	.venv/bin/python -m pytest -m "not slow" -q
+	.venv/bin/python -m pytest -m "not slow" -q -n 2 --dist loadfile
