@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 _CHUNK = 4 * 1024 * 1024
 
@@ -33,24 +34,30 @@ def canonical_json(obj) -> bytes:
 
 
 def write_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` so readers see either the old file or the whole new one, never a part.
+    """Write `data` so readers see either the old file or the whole new one, never a part."""
+    with atomic_file(path) as f:
+        f.write(data)
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[BinaryIO]:
+    """A binary file to write whole that appears under `path` only once complete.
 
     The bytes go to a temporary file in the same directory, are fsynced, and are renamed
-    over the target; the directory is fsynced so the rename itself survives a power loss.
+    over the target; the directory is fsynced so the rename itself survives a power loss. On
+    an error the temporary file goes and `path` keeps what it held.
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
-
-
-def fsync_file(path: str | os.PathLike) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

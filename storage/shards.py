@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 
-from core.files import fsync_dir, fsync_file
+from core.files import atomic_file
 
 COLUMN = "tokens"
 _MAX_LIST_OFFSET = 2**31 - 1  # `list` (not `large_list`) offsets are int32
@@ -55,18 +54,10 @@ def write_shard(path: str | os.PathLike, docs: Sequence[Sequence[int] | np.ndarr
     tokens = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(dtype, copy=False)))
     batch = pa.record_batch([tokens], names=[COLUMN], metadata=metadata)
 
-    # Streamed to the temporary file, not built in memory first: a shard of hundreds of MB
-    # then costs its tokens once, not twice.
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, batch.schema) as writer:
-            writer.write_batch(batch)
-        fsync_file(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
+    # Streamed into the file, not built in memory first: a shard of hundreds of MB then
+    # costs its tokens once, not twice.
+    with atomic_file(path) as f, pa.ipc.new_file(f, batch.schema) as writer:
+        writer.write_batch(batch)
     return n_tokens, len(lengths)
 
 

@@ -27,6 +27,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -366,11 +367,12 @@ def _sample_texts(units: list[WorkUnit], config: RunConfig, sample_bytes: int) -
                     break
 
 
+@dataclass
 class _Counts:
     """What a unit's readers counted: bad records skipped, input bytes read."""
 
-    skipped = 0
-    bytes_read = 0
+    skipped: int = 0
+    bytes_read: int = 0
 
 
 def _unit_texts(unit: WorkUnit, data: DataConfig, storage: StorageConfig) -> Iterator[str]:
