@@ -562,8 +562,8 @@ def test_plain_errors_are_not_retried_as_if_transient():
 
 def test_a_small_corpus_is_cut_into_enough_units_for_every_core():
     """Units follow from the listing alone (the dataset id must not depend on the machine):
-    at most data.unit_bytes each, and a corpus of fewer than 64 such units is cut into 64,
-    none below 8 MiB."""
+    at most data.unit_bytes each, and a corpus of fewer than 32 such units is cut into 32,
+    none below 16 MiB."""
     from goodput.data.sources import SourceFile
 
     def files(*sizes: int) -> list[SourceFile]:
@@ -571,7 +571,7 @@ def test_a_small_corpus_is_cut_into_enough_units_for_every_core():
                 for i, n in enumerate(sizes)]
 
     MiB = 2**20
-    assert prep.unit_target_bytes(files(64 * MiB, 36 * MiB), 256 * MiB) == 8 * MiB
-    assert prep.unit_target_bytes(files(*[1024 * MiB] * 2), 256 * MiB) == 32 * MiB
+    assert prep.unit_target_bytes(files(64 * MiB, 36 * MiB), 256 * MiB) == 16 * MiB
+    assert prep.unit_target_bytes(files(*[1024 * MiB] * 2), 256 * MiB) == 64 * MiB
     assert prep.unit_target_bytes(files(*[1024 * MiB] * 100), 256 * MiB) == 256 * MiB
     assert prep.unit_target_bytes(files(64 * MiB), 1024) == 1024  # asked for: kept

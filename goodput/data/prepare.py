@@ -53,14 +53,14 @@ from training.tokenizer import eos_id, load_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
 
-PREPARE_VERSION = 2  # bump when the same inputs would give different shards
+PREPARE_VERSION = 3  # bump when the same inputs would give different shards
 SPLITS = ("train", "validation")
 TOKENIZER_FILE = "tokenizer.json"
 UNITS_DIR = "units"
 BY_SETTINGS = "by-settings"
 _BATCH_BYTES = 4 * 2**20  # text per encode_batch call: with one shard, all a unit holds
 _SAMPLE_UNITS = 64  # the tokenizer's sample comes from at most this many units, spread out
-_UNITS_AT_LEAST, _MIN_UNIT_BYTES = 64, 8 * 2**20  # see unit_target_bytes
+_UNITS_AT_LEAST, _MIN_UNIT_BYTES = 32, 16 * 2**20  # see unit_target_bytes
 _SPLIT_KEY = b"goodput-split-v1"
 
 
@@ -213,9 +213,10 @@ def plan_units(plan: DatasetPlan, config: RunConfig) -> list[WorkUnit]:
 
 
 def unit_target_bytes(files: list[SourceFile], unit_bytes: int) -> int:
-    """data.unit_bytes, or less for a corpus of fewer than 64 such units: then 64 units (of
-    8 MiB at least), so every core has work and the last ones end close together. Follows
-    from the listing alone, as the dataset id must, never from the machine."""
+    """data.unit_bytes, or less for a corpus of fewer than 32 such units: then 32 units (of
+    16 MiB at least), so every core has work and the last ones end close together, while
+    each unit's few seconds of work still dwarf its ~0.1 s as a Prefect task. Follows from
+    the listing alone, as the dataset id must, never from the machine."""
     total = sum(f.size for f in files)
     return min(unit_bytes, max(_MIN_UNIT_BYTES, total // _UNITS_AT_LEAST))
 
