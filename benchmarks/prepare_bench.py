@@ -107,14 +107,15 @@ def run_measured(cmd: list[str], env: dict, cwd: Path) -> dict:
                 sizes = []
                 for p in tree:
                     try:
-                        sizes.append((p.memory_info().rss, " ".join(p.cmdline()[1:4])[:80]))
+                        sizes.append((p.memory_info().rss, p))
                     except psutil.Error:
                         pass
-                if sum(rss for rss, _ in sizes) > peak[0]:
-                    peak[0], at_peak[0] = sum(rss for rss, _ in sizes), sorted(sizes, reverse=True)
+                if sum(rss for rss, _ in sizes) > peak[0]:  # names only then: sampling is cheap
+                    peak[0] = sum(rss for rss, _ in sizes)
+                    at_peak[0] = sorted(((rss, _name(p)) for rss, p in sizes), reverse=True)
             except psutil.Error:
                 pass
-            time.sleep(0.1)
+            time.sleep(0.25)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -126,6 +127,13 @@ def run_measured(cmd: list[str], env: dict, cwd: Path) -> dict:
     written = (resource.getrusage(resource.RUSAGE_CHILDREN).ru_oublock - before) * 512
     return {"wall_s": wall, "peak_rss": peak[0], "written": written, "output": output,
             "at_peak": [f"{rss / 2**20:.0f} MiB {what}" for rss, what in at_peak[0]]}
+
+
+def _name(process) -> str:
+    try:
+        return " ".join(process.cmdline()[1:4])[:80]
+    except Exception:  # gone since its size was read
+        return "?"
 
 
 def dir_bytes(path: Path) -> int:

@@ -87,8 +87,16 @@ class DataConfig(_Section):
 
 
 class PrepareConfig(_Section):
-    workers: int = Field(0, ge=0, description="Work units tokenized at once, each in a process "
-                         "of its own on this machine; 0 = one per CPU core.")
+    runner: Literal["process", "ray"] = Field(
+        "process", description="Where work units run: 'process', a process pool on this "
+        "machine, writing the dataset here before it is uploaded; 'ray', the tasks of a Ray "
+        "cluster (prefect-ray), writing shards straight to storage.uri (no shared disk needed).")
+    ray_address: str | None = Field(
+        None, description="prepare.runner=ray: the cluster to join ('auto' for RAY_ADDRESS or "
+        "the cluster started on this machine, 'HEAD_IP:6379', or 'ray://HEAD:10001'); unset "
+        "starts a Ray of this machine for the run.")
+    workers: int = Field(0, ge=0, description="Work units tokenized at once, one per process: "
+                         "0 = one per CPU core (of the Ray cluster with prepare.runner=ray).")
     progress: bool = Field(True, description="A progress bar on the console while preparing.")
 
 

@@ -1,13 +1,17 @@
-"""The prepare flow: list sources -> tokenizer -> work units (in parallel) -> manifest -> store."""
+"""The prepare flow: list sources -> tokenizer -> work units (in parallel) -> manifest -> store.
+
+Work units run in a process pool on this machine and write the dataset here (then it is
+uploaded), or with prepare.runner=ray on a Ray cluster, writing it straight to the store.
+"""
 
 from __future__ import annotations
 
 import time
 
-from prefect import flow, get_run_logger, unmapped
+from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
-from core.config import RunConfig
+from core.config import RunConfig, StorageConfig
 from goodput.data.prepare import DatasetPlan, UnitResult, WorkUnit
 from storage.manifests import DatasetManifest
 from tasks.control import resolve_config
@@ -21,6 +25,7 @@ from tasks.prepare import (
     record_prepare,
     tokenize_unit,
     unit_runner,
+    units_in_flight,
     write_manifest,
 )
 from tasks.reporting import PrepareProgress
@@ -43,39 +48,60 @@ def prepare(config: RunConfig = RunConfig(), config_file: str | None = None,
     plan = plan_dataset(config)
     logger.info("dataset %s from %s (%d files)", plan.dataset_id, plan.source, len(plan.files))
 
-    manifest, tokenize_s = find_prepared(plan, config.storage), None
+    to_store = config.prepare.runner == "ray"  # a cluster's machines share the store, not a disk
+    manifest, tokenize_s, workers = find_prepared(plan, config.storage, fetch=not to_store), None, None
     if manifest is None:
         units = plan_units(plan, config)
-        tokenizer_path = build_tokenizer(plan, config, units)
-        run_units = tokenize_units.with_options(task_runner=unit_runner(config.prepare, len(units)))
+        tokenizer_path = build_tokenizer(plan, config, units, to_store)
         tokenizing_since = time.time()
-        with api_shared_with_unit_processes():
-            results = run_units(plan, units, config)
+        with api_shared_with_unit_processes() as api_url:
+            runner = unit_runner(config.prepare, len(units), api_url)
+            results = tokenize_units.with_options(task_runner=runner)(plan, units, config, to_store)
         tokenize_s = time.time() - tokenizing_since
-        manifest = write_manifest(plan, results, tokenizer_path)
+        workers = sorted({result.worker for result in results})
+        manifest = write_manifest(plan, results, tokenizer_path, config.storage if to_store else None)
     # Also when found: a dataset prepared here while the store was down still gets uploaded.
     publish(plan, manifest, config.storage)
 
     logger.info("dataset %s: %d train tokens in %d shards, %d validation tokens (%s)",
                 manifest.dataset_id, manifest.n_tokens("train"), len(manifest.splits["train"]),
                 manifest.n_tokens("validation"), manifest.dtype)
-    record_prepare(config, manifest, started, tokenize_s)
+    record_prepare(config, manifest, started, tokenize_s, workers)
     return manifest
 
 
 @flow(name="tokenize-units")
-def tokenize_units(plan: DatasetPlan, units: list[WorkUnit], config: RunConfig) -> list[UnitResult]:
-    """Every work unit through the tokenizer on the configured task runner, reporting
-    progress as each finishes. Units recorded done by an earlier run return at once."""
+def tokenize_units(plan: DatasetPlan, units: list[WorkUnit], config: RunConfig,
+                   to_store: bool = False) -> list[UnitResult]:
+    """Every work unit through the tokenizer on the configured task runner, a bounded number
+    in flight, reporting progress as each finishes. Units recorded done by an earlier run
+    return at once."""
     progress = PrepareProgress(config.run.run_id, plan.dataset_id, len(units), config.prepare.progress)
-    futures = tokenize_unit.map(plan=unmapped(plan.without_listing()), unit=units,
-                                data=unmapped(config.data), storage=unmapped(config.storage))
-    results = []
+    plan, storage = plan.without_listing(), _as_seen_from_anywhere(config.storage)
+    waiting, in_flight, results = iter(units), set(), []
+    window = units_in_flight(config.prepare)
     try:
-        for future in as_completed(futures):
-            result = future.result()
+        while True:
+            for unit in waiting:
+                in_flight.add(tokenize_unit.submit(plan, unit, config.data, storage, to_store))
+                if len(in_flight) >= window:
+                    break
+            if not in_flight:
+                return sorted(results, key=lambda r: r.index)
+            finished = next(as_completed(in_flight))
+            in_flight.remove(finished)
+            result = finished.result()
             progress(result.docs, result.tokens, result.skipped)
             results.append(result)
     finally:
         progress.close()
-    return results
+
+
+def _as_seen_from_anywhere(storage: StorageConfig) -> StorageConfig:
+    """storage with a local store's path made absolute: a worker's working directory is not
+    this process's."""
+    if storage.uri.startswith("s3://"):
+        return storage
+    from storage.store import store_from_config
+
+    return storage.model_copy(update={"uri": store_from_config(storage).uri})

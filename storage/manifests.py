@@ -52,9 +52,12 @@ class DatasetManifest(BaseModel):
     def n_tokens(self, split: str) -> int:
         return sum(s.n_tokens for s in self.splits[split])
 
+    def to_json(self) -> bytes:
+        return self.model_dump_json(indent=2).encode()
+
     def save(self, directory: str | os.PathLike) -> Path:
         path = Path(directory) / DATASET_MANIFEST
-        write_atomic(path, self.model_dump_json(indent=2).encode())
+        write_atomic(path, self.to_json())
         return path
 
     @classmethod

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.task_runners import ProcessPoolTaskRunner
+from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner
 
 from core.config import DataConfig, PrepareConfig, RunConfig, StorageConfig
 from core.errors import ConfigError, DataError
@@ -29,11 +30,12 @@ _NOT_TRANSIENT = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS}
 
 
 def retry_if_transient(task, task_run, state) -> bool:
-    """Bad input (DataError, ConfigError) and a full or read-only disk fail at once; other
-    errors (a network filesystem, the store, a vanished object) are worth a retry."""
+    """Bad input (DataError, ConfigError), refused credentials and a full or read-only disk
+    fail at once; other errors (a network filesystem, the store, a vanished object) are worth
+    a retry."""
     try:
         state.result()
-    except (DataError, ConfigError):
+    except (DataError, ConfigError, PermissionError):
         return False
     except OSError as e:
         return e.errno not in _NOT_TRANSIENT
@@ -46,17 +48,61 @@ def retry_if_transient(task, task_run, state) -> bool:
 _io_retries = dict(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=retry_if_transient)
 
 
-def unit_runner(prepare: PrepareConfig, n_units: int) -> ProcessPoolTaskRunner:
-    """Where work units run: a process per unit in flight (tokenizing holds the GIL), at
-    most prepare.workers (0: one per core), never more than there are units."""
-    workers = prepare.workers or os.cpu_count() or 1
-    return ProcessPoolTaskRunner(max_workers=max(1, min(workers, n_units)),
-                                 initializer=_one_thread_per_process)
+def unit_runner(prepare: PrepareConfig, n_units: int, api_url: str | None) -> TaskRunner:
+    """Where work units run: a process per unit in flight (tokenizing holds the GIL).
+
+    prepare.runner=process: a pool of at most prepare.workers processes (0: one per core),
+    never more than there are units. prepare.runner=ray: prefect-ray's RayTaskRunner on the
+    cluster at prepare.ray_address (unset: a Ray of this machine, started for the run), its
+    workers handed what they cannot find on their own node: the Prefect API this flow run
+    reports to (`api_url`), the store's credentials from this environment (AWS_*) and one
+    tokenizer thread per process.
+    """
+    if prepare.runner == "process":
+        workers = prepare.workers or os.cpu_count() or 1
+        return ProcessPoolTaskRunner(max_workers=max(1, min(workers, n_units)),
+                                     initializer=_one_thread_per_process)
+    try:
+        from prefect_ray import RayTaskRunner
+    except ImportError as e:
+        raise ConfigError("prepare.runner=ray needs prefect-ray on this machine and every node "
+                          "of the cluster: pip install 'goodput[ray]'") from e
+    init_kwargs: dict = {"runtime_env": {"env_vars": worker_environment(api_url)},
+                         "log_to_driver": False}  # unit logs reach Prefect; not also the console
+    if prepare.ray_address is None:  # a Ray of this machine: no dashboard to serve
+        init_kwargs |= {"include_dashboard": False, "num_cpus": prepare.workers or None}
+    return RayTaskRunner(address=prepare.ray_address, init_kwargs=init_kwargs)
+
+
+def worker_environment(api_url: str | None) -> dict[str, str]:
+    """What a unit on another machine needs of this one's environment: the Prefect API (and
+    key), the AWS_* settings that reach the store (credentials, endpoint, region, profile)."""
+    from prefect.settings import PREFECT_API_KEY
+
+    env = {name: value for name, value in os.environ.items() if name.startswith("AWS_")}
+    env["TOKENIZERS_PARALLELISM"] = "false"  # see _one_thread_per_process
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    if PREFECT_API_KEY.value():
+        env["PREFECT_API_KEY"] = PREFECT_API_KEY.value().get_secret_value()
+    return env
+
+
+def units_in_flight(prepare: PrepareConfig) -> int:
+    """Units submitted at once: enough to keep every worker busy, few enough that a corpus
+    of a million units never sits in the runner's queue (or Ray's object store) at once."""
+    if prepare.workers:
+        return 2 * prepare.workers
+    if prepare.runner == "ray":
+        import ray
+
+        return 2 * max(1, int(ray.cluster_resources().get("CPU", 1)))
+    return 2 * (os.cpu_count() or 1)
 
 
 @contextmanager
-def api_shared_with_unit_processes() -> Iterator[None]:
-    """Point the work units' processes at this process's Prefect API.
+def api_shared_with_unit_processes() -> Iterator[str | None]:
+    """Point the work units' processes at this process's Prefect API; yields its URL.
 
     A plain local run (no PREFECT_API_URL) talks to a temporary server of its own; the unit
     processes, handed that setting (none), would each start another one: seconds and
@@ -67,10 +113,10 @@ def api_shared_with_unit_processes() -> Iterator[None]:
 
     server = SubprocessASGIServer()  # the temporary server, if this process started one
     if PREFECT_API_URL.value() or not server.running:
-        yield
+        yield PREFECT_API_URL.value()
         return
     with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
-        yield
+        yield server.api_url
 
 
 def _one_thread_per_process() -> None:
@@ -85,8 +131,9 @@ def plan_dataset(config: RunConfig) -> lib.DatasetPlan:
 
 
 @task(name="find-prepared-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
-def find_prepared(plan: lib.DatasetPlan, storage: StorageConfig) -> DatasetManifest | None:
-    return lib.find_prepared(plan, store_from_config(storage))
+def find_prepared(plan: lib.DatasetPlan, storage: StorageConfig, fetch: bool = True,
+                  ) -> DatasetManifest | None:
+    return lib.find_prepared(plan, store_from_config(storage), fetch)
 
 
 @task(name="plan-work-units", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
@@ -95,8 +142,10 @@ def plan_units(plan: lib.DatasetPlan, config: RunConfig) -> list[lib.WorkUnit]:
 
 
 @task(name="build-tokenizer", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
-def build_tokenizer(plan: lib.DatasetPlan, config: RunConfig, units: list[lib.WorkUnit]) -> str:
-    return lib.build_tokenizer(plan, config, units)
+def build_tokenizer(plan: lib.DatasetPlan, config: RunConfig, units: list[lib.WorkUnit],
+                    to_store: bool = False) -> str:
+    return lib.build_tokenizer(plan, config, units,
+                               store_from_config(config.storage) if to_store else None)
 
 
 # No tags: a tagged task asks the server for its tags' concurrency slots before it starts,
@@ -105,14 +154,19 @@ def build_tokenizer(plan: lib.DatasetPlan, config: RunConfig, units: list[lib.Wo
 @task(name="tokenize-unit", task_run_name="tokenize-unit-{unit.index}",
       cache_policy=NO_CACHE, **_io_retries)
 def tokenize_unit(plan: lib.DatasetPlan, unit: lib.WorkUnit, data: DataConfig,
-                  storage: StorageConfig) -> lib.UnitResult:
-    return lib.tokenize_unit(plan, unit, data, storage)
+                  storage: StorageConfig, to_store: bool = False) -> lib.UnitResult:
+    result = lib.tokenize_unit(plan, unit, data, storage, to_store)
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():  # one machine can hold several Ray nodes
+        result.worker += f" (Ray node {ray.get_runtime_context().get_node_id()[:12]})"
+    return result
 
 
 @task(name="write-manifest", cache_policy=NO_CACHE, tags=TAGS)
 def write_manifest(plan: lib.DatasetPlan, results: list[lib.UnitResult], tokenizer_path: str,
-                   ) -> DatasetManifest:
-    return lib.write_manifest(plan, results, tokenizer_path)
+                   storage: StorageConfig | None = None) -> DatasetManifest:
+    return lib.write_manifest(plan, results, tokenizer_path,
+                              store_from_config(storage) if storage is not None else None)
 
 
 @task(name="publish-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
@@ -122,13 +176,13 @@ def publish(plan: lib.DatasetPlan, manifest: DatasetManifest, storage: StorageCo
 
 @task(name="record-prepare", cache_policy=NO_CACHE, tags=TAGS)
 def record_prepare(config: RunConfig, manifest: DatasetManifest, started: float,
-                   tokenize_s: float | None = None) -> dict:
+                   tokenize_s: float | None = None, workers: list[str] | None = None) -> dict:
     """Write the prepare stage's part of the run's summary.json (`tokenize_s`: the work
-    units' wall time, None when the dataset was found prepared)."""
+    units' wall time, None when the dataset was found prepared; `workers`: where they ran)."""
     values = {"dataset_id": manifest.dataset_id, "source": manifest.source,
               "vocab_size": manifest.vocab_size,
               "tokens": {split: manifest.n_tokens(split) for split in manifest.splits},
               "skipped_records": manifest.skipped_records,
-              "tokenize_s": tokenize_s, "wall_time_s": time.time() - started}
+              "tokenize_s": tokenize_s, "workers": workers, "wall_time_s": time.time() - started}
     update_summary(config.run_dir, "prepare", values)
     return values

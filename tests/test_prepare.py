@@ -444,6 +444,43 @@ def test_a_small_corpus_still_gives_the_configured_vocabulary(tmp_path):
     assert reloaded.decode(ids) == text
 
 
+def test_units_writing_to_the_store_resume_and_seal_the_dataset_there(tmp_path):
+    """Units of a cluster (to_store) share only the store: they leave nothing on this disk,
+    record themselves done there (a rerun skips them; one whose shard went missing is redone),
+    and the dataset is sealed there with the bytes a local run writes."""
+    from storage.store import store_from_config
+
+    source = write_source(tmp_path / "in", "jsonl", DOCS * 20)
+    overrides = (f"data.source={source}", "data.max_docs=null", "data.unit_bytes=16KiB",
+                 "data.shard_tokens=2048", "tokenizer.vocab_size=300")
+    config = make_config(tmp_path / "cluster", *overrides)
+    store = store_from_config(config.storage)
+    plan = prep.plan_dataset(config)
+    units = prep.plan_units(plan, config)
+    tokenizer_path = prep.build_tokenizer(plan, config, units, store)
+    first = [prep.tokenize_unit(plan, unit, config.data, config.storage, to_store=True) for unit in units]
+    assert len(units) >= 3 and not list(plan.dir.glob("*.arrow"))
+    assert [prep.tokenize_unit(plan, unit, config.data, config.storage, to_store=True)
+            for unit in units] == first  # recorded: not redone (same timings)
+
+    lost = f"{plan.store_prefix}/{first[1].shards['train'][0].path}"
+    store.delete(lost)
+    with pytest.raises(FileNotFoundError, match="run prepare again"):
+        prep.write_manifest(plan, first, tokenizer_path, store)
+    redone = prep.tokenize_unit(plan, units[1], config.data, config.storage, to_store=True)
+    assert redone.seconds != first[1].seconds and store.exists(lost)
+
+    manifest = prep.write_manifest(plan, first, tokenizer_path, store)
+    listed = [manifest.tokenizer] + [s.path for shards in manifest.splits.values() for s in shards]
+    assert store.list(plan.store_prefix) == sorted(f"{plan.store_prefix}/{rel}"
+                                                   for rel in listed + ["manifest.json"])
+    assert not plan.dir.exists()
+    assert prep.find_prepared(plan, store, fetch=False) == manifest and not plan.dir.exists()
+
+    local = prep.prepare_dataset(make_config(tmp_path / "local", *overrides))
+    assert manifest.model_dump(exclude={"created_at"}) == local.model_dump(exclude={"created_at"})
+
+
 # -- the Prefect flow -----------------------------------------------------------------------
 
 def test_prefect_flow_matches_the_library_and_reruns_for_free(prefect_api, builtin, tmp_path):
@@ -555,6 +592,7 @@ def test_plain_errors_are_not_retried_as_if_transient():
     assert not retried(DataError("line 3 of x.jsonl is not JSON"))
     assert not retried(OSError(errno.ENOSPC, "No space left on device"))
     assert not retried(OSError(errno.EROFS, "Read-only file system"))
+    assert not retried(PermissionError("upload of s3://b/k: no AWS credentials found"))
     assert retried(ConnectionError("s3 endpoint unreachable"))
     assert retried(FileNotFoundError(errno.ENOENT, "s3://b/x.jsonl vanished after it was listed"))
     assert retried(RuntimeError("unforeseen"))

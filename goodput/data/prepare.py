@@ -16,6 +16,10 @@ last, manifest.json, whose presence means the dataset is complete. The same file
 store under `datasets/<dataset_id>/`, with a pointer from the data settings to the id
 (`datasets/by-settings/`), so training and evaluation find the dataset when the raw sources
 are gone.
+
+Units that run on other machines (a Ray cluster) share no disk with this one: they write
+straight to the store (`to_store`), recording themselves done there, and the manifest is
+sealed there; nothing of the dataset stays on this machine.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import json
 import logging
 import os
 import shutil
+import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -117,6 +123,7 @@ class UnitResult(BaseModel):
     skipped: int
     bytes_read: int
     seconds: float
+    worker: str = ""  # host:pid where the unit ran, for the log of a cluster run
 
     @property
     def tokens(self) -> int:
@@ -246,14 +253,19 @@ def locate(config: RunConfig, store: Store) -> DatasetPlan:
         return _plan(config, dataset_id, [])
 
 
-def find_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest | None:
-    """The complete dataset of `plan`, found locally or restored from the store; else None."""
+def find_prepared(plan: DatasetPlan, store: Store, fetch: bool = True) -> DatasetManifest | None:
+    """The complete dataset of `plan`, found locally or in the store (and restored from it
+    unless `fetch` is False); else None."""
     manifest = _verified_manifest(plan.dir)
     if manifest is not None:
         log.info("dataset %s is prepared in %s", plan.dataset_id, plan.dir)
         return manifest
-    if not store.exists(f"{plan.store_prefix}/{DATASET_MANIFEST}"):
+    key = f"{plan.store_prefix}/{DATASET_MANIFEST}"
+    if not store.exists(key):
         return None
+    if not fetch:
+        log.info("dataset %s is prepared in %s", plan.dataset_id, store.url(plan.store_prefix))
+        return DatasetManifest.model_validate_json(store.get_bytes(key))
     log.info("restoring dataset %s from %s", plan.dataset_id, store.url(plan.store_prefix))
     store.download_dir(plan.store_prefix, plan.dir)
     return _verified_manifest(plan.dir)
@@ -331,14 +343,18 @@ def _verified_manifest(directory: Path) -> DatasetManifest | None:
 
 # -- tokenizer ------------------------------------------------------------------------------
 
-def build_tokenizer(plan: DatasetPlan, config: RunConfig, units: list[WorkUnit]) -> str:
+def build_tokenizer(plan: DatasetPlan, config: RunConfig, units: list[WorkUnit],
+                    store: Store | None = None) -> str:
     """tokenizer.json in the dataset dir: the one given, or trained on a bounded sample.
 
     The sample is deterministic: the first train-split documents of up to 64 units spread
     evenly over the corpus, tokenizer.sample_bytes of text in all. An existing tokenizer.json
-    is kept: shards already written by a crashed run used it.
+    is kept: shards already written by a crashed run used it. With `store` (units that
+    write to the store), the tokenizer is the store's when it has one, else it goes there.
     """
     path = plan.tokenizer_path
+    if store is not None:
+        return _shared_tokenizer(plan, config, units, store)
     if path.is_file():
         return str(path)
     plan.dir.mkdir(parents=True, exist_ok=True)
@@ -353,6 +369,16 @@ def build_tokenizer(plan: DatasetPlan, config: RunConfig, units: list[WorkUnit])
     log.info("trained a %d-token BPE in %.1fs", tokenizer.get_vocab_size(), time.perf_counter() - start)
     write_atomic(path, tokenizer.to_str().encode())
     return str(path)
+
+
+def _shared_tokenizer(plan: DatasetPlan, config: RunConfig, units: list[WorkUnit], store: Store) -> str:
+    key = f"{plan.store_prefix}/{TOKENIZER_FILE}"
+    if store.exists(key):  # units recorded done in the store used this one
+        store.get_file(key, plan.tokenizer_path)
+        return str(plan.tokenizer_path)
+    path = build_tokenizer(plan, config, units)
+    store.put_file(path, key, sha256=sha256_file(path))
+    return path
 
 
 def _sample_texts(units: list[WorkUnit], config: RunConfig, sample_bytes: int) -> Iterator[str]:
@@ -411,24 +437,57 @@ def is_validation(text: str, fraction: float) -> bool:
 # -- work units -----------------------------------------------------------------------------
 
 def tokenize_unit(plan: DatasetPlan, unit: WorkUnit, data: DataConfig, storage: StorageConfig,
-                  ) -> UnitResult:
+                  to_store: bool = False) -> UnitResult:
     """Stream the unit's documents through the tokenizer into token shards; record it done.
 
     A unit recorded done with the same inputs, its shards all present, is not redone; a
-    half-done one (a crash, a retry) starts over, its partial shards replaced.
+    half-done one (a crash, a retry) starts over, its partial shards replaced. With
+    `to_store`, the unit shares no disk with the others (a cluster's machines): it takes the
+    tokenizer from the store, tokenizes into a scratch directory, uploads its shards and
+    records itself done in the store.
     """
+    if to_store:
+        return _tokenize_unit_to_store(plan, unit, data, storage)
     tokenizer_sha256 = sha256_file(plan.tokenizer_path)
-    key = unit.key(data, tokenizer_sha256)
-    done = _finished_unit(plan, unit.index, key)
+    done = _finished_unit(plan, unit.index, unit.key(data, tokenizer_sha256))
     if done is not None:
         return done
-    for stale in plan.dir.glob(f"*-{unit.index:05d}-*.arrow"):
+    result = _tokenize(plan.dir, plan.tokenizer_path, tokenizer_sha256, unit, data, storage)
+    plan.unit_record(unit.index).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(plan.unit_record(unit.index), result.model_dump_json(indent=1).encode())
+    return result
+
+
+def _tokenize_unit_to_store(plan: DatasetPlan, unit: WorkUnit, data: DataConfig,
+                            storage: StorageConfig) -> UnitResult:
+    store = store_from_config(storage)
+    record_key = f"{plan.store_prefix}/{UNITS_DIR}/unit-{unit.index:05d}.json"
+    with tempfile.TemporaryDirectory(prefix=f"goodput-unit-{unit.index:05d}-") as scratch:
+        tokenizer_path = Path(scratch) / TOKENIZER_FILE
+        store.get_file(f"{plan.store_prefix}/{TOKENIZER_FILE}", tokenizer_path)
+        tokenizer_sha256 = sha256_file(tokenizer_path)
+        done = _finished_unit_in_store(plan, store, record_key, unit.key(data, tokenizer_sha256))
+        if done is not None:
+            return done
+        result = _tokenize(Path(scratch), tokenizer_path, tokenizer_sha256, unit, data, storage)
+        for shards in result.shards.values():
+            for shard in shards:
+                store.put_file(Path(scratch) / shard.path, f"{plan.store_prefix}/{shard.path}",
+                               sha256=shard.sha256)
+    store.put_bytes(record_key, result.model_dump_json(indent=1).encode())
+    return result
+
+
+def _tokenize(directory: Path, tokenizer_path: Path, tokenizer_sha256: str, unit: WorkUnit,
+              data: DataConfig, storage: StorageConfig) -> UnitResult:
+    """The unit's shards, written into `directory` (partial ones of an earlier try replaced)."""
+    for stale in directory.glob(f"*-{unit.index:05d}-*.arrow"):
         stale.unlink()
     started = time.perf_counter()
-    tokenizer = load_tokenizer(plan.tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path)
     eos, dtype = eos_id(tokenizer), token_dtype(tokenizer.get_vocab_size())
     made_from = {"tokenizer_sha256": tokenizer_sha256}  # not where the text was: bytes follow content
-    writers = {split: ShardWriter(plan.dir, lambda k, s=split: f"{s}-{unit.index:05d}-{k:04d}.arrow",
+    writers = {split: ShardWriter(directory, lambda k, s=split: f"{s}-{unit.index:05d}-{k:04d}.arrow",
                                   dtype, data.shard_tokens, made_from) for split in SPLITS}
     docs, counts = 0, _Counts()
     for batch in _unit_batches(unit, data, storage, counts):
@@ -441,13 +500,12 @@ def tokenize_unit(plan: DatasetPlan, unit: WorkUnit, data: DataConfig, storage: 
                 # the shard format puts exactly one EOS after each document.
                 encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
                 writers[split].add([np.array(e.ids + [eos], dtype=dtype) for e in encodings])
-    shards = {split: [_shard_info(plan.dir, name, n_tokens, n_docs)
+    shards = {split: [_shard_info(directory, name, n_tokens, n_docs)
                       for name, n_tokens, n_docs in writer.close()] for split, writer in writers.items()}
-    result = UnitResult(index=unit.index, key=key, shards=shards, docs=docs, skipped=counts.skipped,
-                        bytes_read=counts.bytes_read, seconds=time.perf_counter() - started)
-    plan.unit_record(unit.index).parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(plan.unit_record(unit.index), result.model_dump_json(indent=1).encode())
-    return result
+    return UnitResult(index=unit.index, key=unit.key(data, tokenizer_sha256), shards=shards,
+                      docs=docs, skipped=counts.skipped, bytes_read=counts.bytes_read,
+                      seconds=time.perf_counter() - started,
+                      worker=f"{socket.gethostname()}:{os.getpid()}")
 
 
 def _shard_info(directory: Path, name: str, n_tokens: int, n_docs: int) -> ShardInfo:
@@ -466,12 +524,28 @@ def _finished_unit(plan: DatasetPlan, index: int, key: str) -> UnitResult | None
     return result if result.key == key and present else None
 
 
+def _finished_unit_in_store(plan: DatasetPlan, store: Store, record_key: str, key: str,
+                            ) -> UnitResult | None:
+    try:
+        result = UnitResult.model_validate_json(store.get_bytes(record_key))
+    except (FileNotFoundError, ValueError):
+        return None
+    # Shards are uploaded whole before the record: a listed one that is there is complete.
+    present = all(store.exists(f"{plan.store_prefix}/{s.path}")
+                  for shards in result.shards.values() for s in shards)
+    return result if result.key == key and present else None
+
+
 # -- manifest and publishing ----------------------------------------------------------------
 
 def write_manifest(plan: DatasetPlan, results: list[UnitResult], tokenizer_path: str,
-                   ) -> DatasetManifest:
+                   store: Store | None = None) -> DatasetManifest:
     """Seal the dataset: drop what it does not list (unit records, leftovers), then write the
-    manifest, and the pointer from these data settings to it."""
+    manifest, and the pointer from these data settings to it.
+
+    With `store` (units that wrote to the store), the dataset is sealed there: the manifest
+    goes up once every file it lists is there, and this machine keeps none of it.
+    """
     tokenizer = load_tokenizer(tokenizer_path)
     results = sorted(results, key=lambda r: r.index)
     splits = {split: [s for r in results for s in r.shards[split]] for split in SPLITS}
@@ -498,9 +572,14 @@ def write_manifest(plan: DatasetPlan, results: list[UnitResult], tokenizer_path:
         source_bytes=sum(r.bytes_read for r in results),
         created_at=time.time(),
     )
-    _remove_unlisted(plan.dir, {manifest.tokenizer} | {s.path for ss in splits.values() for s in ss})
-    manifest.save(plan.dir)
-    _verified_manifest(plan.dir)  # stamps the files just hashed: the next look is a stat each
+    listed = {manifest.tokenizer} | {s.path for ss in splits.values() for s in ss}
+    if store is None:
+        _remove_unlisted(plan.dir, listed)
+        manifest.save(plan.dir)
+        _verified_manifest(plan.dir)  # stamps the files just hashed: the next look is a stat each
+    else:
+        _seal_in_store(plan, manifest, listed, store)
+        shutil.rmtree(plan.dir, ignore_errors=True)
     pointer = Path(plan.dir).parent / BY_SETTINGS / f"{plan.settings_key}.json"
     pointer.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(pointer, _pointer(plan))
@@ -509,6 +588,18 @@ def write_manifest(plan: DatasetPlan, results: list[UnitResult], tokenizer_path:
 
 def _pointer(plan: DatasetPlan) -> bytes:
     return canonical_json({"dataset_id": plan.dataset_id, "source": plan.source})
+
+
+def _seal_in_store(plan: DatasetPlan, manifest: DatasetManifest, listed: set[str], store: Store) -> None:
+    found = {key.removeprefix(f"{plan.store_prefix}/") for key in store.list(plan.store_prefix)}
+    missing = sorted(listed - found)
+    if missing:
+        raise FileNotFoundError(f"dataset {plan.dataset_id}: {len(missing)} file(s) its work units "
+                                f"recorded are not in {store.url(plan.store_prefix)} (e.g. "
+                                f"{missing[0]}); run prepare again: it redoes those units")
+    store.put_bytes(f"{plan.store_prefix}/{DATASET_MANIFEST}", manifest.to_json())
+    for rel in sorted(found - listed - {DATASET_MANIFEST}):  # unit records, leftovers of crashes
+        store.delete(f"{plan.store_prefix}/{rel}")
 
 
 def _remove_unlisted(directory: Path, keep: set[str]) -> None:
@@ -531,8 +622,8 @@ def publish(plan: DatasetPlan, manifest: DatasetManifest, store: Store) -> None:
     """
     key = f"{plan.store_prefix}/{DATASET_MANIFEST}"
     pointer_key = f"datasets/{BY_SETTINGS}/{plan.settings_key}.json"
-    local_manifest = (plan.dir / DATASET_MANIFEST).read_bytes()
-    if not (store.exists(key) and store.get_bytes(key) == local_manifest):
+    local = plan.dir / DATASET_MANIFEST  # absent when the dataset was sealed in the store
+    if local.is_file() and not (store.exists(key) and store.get_bytes(key) == local.read_bytes()):
         # The manifest's digests spare a hashing pass over every shard; the upload checks them.
         known = {shard.path: shard.sha256 for shards in manifest.splits.values() for shard in shards}
         if manifest.tokenizer_sha256:
