@@ -7,7 +7,7 @@ drawn from a Zipf vocabulary, JSON Lines in files of 64 MB, deterministic), then
 `goodput prepare` on it as a user would (a fresh process, Prefect's temporary server
 included) and reports:
 
-- peak RSS of the whole process tree (sampled every 0.1 s, all processes summed);
+- peak RSS of the whole process tree (sampled every 0.25 s, all processes summed);
 - disk written by the tree (its block writes, getrusage of the reaped children) beyond the
   output (the dataset dir plus its copy in the local store), as a share of the input;
 - tokenizing throughput (tokens / wall time of the work units, from summary.json) against
@@ -15,7 +15,11 @@ included) and reports:
   core, each on its share of the files) and against `datasets.map(batched=True,
   num_proc=cores)` doing the same (only for sizes up to --map-max, it copies the corpus);
 - a no-op rerun: the library's decision that there is no work (plan + find + publish
-  check) and the whole command's wall time.
+  check) and the whole command's wall time;
+- with --ray: the same prepare with prepare.runner=ray on a Ray cluster of two nodes on this
+  machine (Ray's cluster_utils, half of the cores each), writing to a store directory of its
+  own: its shards compared byte for byte with the process pool's, and its tokenizing time
+  against the pool's.
 """
 
 from __future__ import annotations
@@ -198,7 +202,7 @@ print(json.dumps({{"tokens": tokens, "wall_s": time.perf_counter() - start}}))
 
 # -- one size -------------------------------------------------------------------------------
 
-def bench_size(label: str, size: int, work: Path, cores: int, map_max: int) -> dict:
+def bench_size(label: str, size: int, work: Path, cores: int, map_max: int, ray: bool) -> dict:
     from core.config import load_config
     from goodput.data import prepare as prep
     from storage.store import store_from_config
@@ -259,8 +263,45 @@ def bench_size(label: str, size: int, work: Path, cores: int, map_max: int) -> d
         print(f"[{label}] raw encode_batch {raw['tokens_per_s']:,.0f} tokens/s "
               f"({raw['tokens']:,} tokens), datasets.map {mapped['tokens_per_s']:,.0f}: goodput "
               f"{row['vs_raw']:.2f}x raw, {row['vs_map']:.2f}x map", flush=True)
+    if ray:
+        row |= bench_ray(label, overrides, env, root, cores, plan, manifest, summary["tokenize_s"])
     shutil.rmtree(root, ignore_errors=True)
     return row
+
+
+def bench_ray(label: str, overrides: list[str], env: dict, root: Path, cores: int, plan,
+              manifest, pool_tokenize_s: float) -> dict:
+    """prepare.runner=ray on two local Ray nodes: the same bytes, and the time it takes."""
+    from ray.cluster_utils import Cluster
+
+    from storage.store import open_store
+
+    half = max(1, cores // 2)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": half, "include_dashboard": False})
+    cluster.add_node(num_cpus=max(1, cores - half))
+    cluster.wait_for_nodes()
+    try:
+        store_dir = root / "ray-store"
+        ray_overrides = [o for o in overrides if not o.startswith(("storage.uri=", "run.run_id=",
+                                                                   "prepare.workers=", "data.data_dir="))]
+        ray_overrides += [f"storage.uri={store_dir}", f"run.run_id=bench-{label}-ray",
+                          f"data.data_dir={root / 'ray-data'}",
+                          "prepare.runner=ray", f"prepare.ray_address={cluster.address}"]
+        goodput = str(Path(sys.executable).with_name("goodput"))
+        wall = run_measured([goodput, "prepare", *ray_overrides], env, REPO)["wall_s"]
+    finally:
+        cluster.shutdown()
+    summary = json.loads((root / "runs" / f"bench-{label}-ray" / "summary.json").read_text())["prepare"]
+    store, prefix = open_store(str(store_dir)), f"datasets/{manifest.dataset_id}"
+    listed = [s.path for shards in manifest.splits.values() for s in shards]
+    same = all(store.get_bytes(f"{prefix}/{rel}") == (plan.dir / rel).read_bytes() for rel in listed)
+    nodes = len({w.split("Ray node ")[-1] for w in summary["workers"]})
+    print(f"[{label}] ray on 2 local nodes: wall {wall:.0f}s, tokenizing {summary['tokenize_s']:.1f}s "
+          f"against {pool_tokenize_s:.1f}s in the process pool ({summary['tokenize_s'] / pool_tokenize_s:.2f}x); "
+          f"units ran on {nodes} nodes; {len(listed)} shards {'byte-equal' if same else 'DIFFERENT'}",
+          flush=True)
+    return {"ray_wall_s": wall, "ray_tokenize_s": summary["tokenize_s"], "ray_nodes": nodes,
+            "ray_vs_pool": summary["tokenize_s"] / pool_tokenize_s, "ray_same_shards": same}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -274,6 +315,14 @@ def print_table(rows: list[dict]) -> None:
               f"{r['peak_rss'] / 2**20:,.0f} | "
               f"{100 * r['written_beyond_output'] / r['input_bytes']:.1f}% | "
               f"{r['noop_decide_s']:.2f} | {r['noop_command_s']:.1f} |")
+    if any("ray_tokenize_s" in r for r in rows):
+        print("\n| corpus | Ray (2 local nodes) tokenizing (s) | process pool (s) | Ray / pool | nodes used "
+              "| shards |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['size']} | {r['ray_tokenize_s']:.1f} | {r['tokenize_s']:.1f} | "
+                  f"{r['ray_vs_pool']:.2f}x | {r['ray_nodes']} | "
+                  f"{'byte-equal' if r['ray_same_shards'] else 'DIFFERENT'} |")
 
 
 def main() -> int:
@@ -284,9 +333,12 @@ def main() -> int:
     parser.add_argument("--map-max", default="500MB",
                         help="compare with raw encode_batch and datasets.map up to this size")
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--ray", action="store_true",
+                        help="also prepare each corpus on a two-node local Ray cluster")
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="prepare-bench-"))
-    rows = [bench_size(s, parse_size(s), work, args.cores, parse_size(args.map_max)) for s in args.sizes]
+    rows = [bench_size(s, parse_size(s), work, args.cores, parse_size(args.map_max), args.ray)
+            for s in args.sizes]
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

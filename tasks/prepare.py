@@ -71,6 +71,9 @@ def unit_runner(prepare: PrepareConfig, n_units: int, api_url: str | None) -> Ta
                          "log_to_driver": False}  # unit logs reach Prefect; not also the console
     if prepare.ray_address is None:  # a Ray of this machine: no dashboard to serve
         init_kwargs |= {"include_dashboard": False, "num_cpus": prepare.workers or None}
+    elif prepare.ray_address == "auto":  # RayTaskRunner would drop it and maybe start a Ray
+        init_kwargs["address"] = "auto"
+        return RayTaskRunner(init_kwargs=init_kwargs)
     return RayTaskRunner(address=prepare.ray_address, init_kwargs=init_kwargs)
 
 
