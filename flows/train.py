@@ -69,7 +69,7 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
         secured = []
         for step in new_checkpoints(config, still_running):
             announce_committed(config, step)
-            validated = validate_checkpoint.submit(config, step)
+            validated = validate_checkpoint.submit(config, step, dataset_dir)
             uploaded = upload_checkpoint.submit(config, step, wait_for=[validated])
             secured.append(apply_retention.submit(config, wait_for=[uploaded]))
         wait(secured)

@@ -122,20 +122,24 @@ def verify_in_fresh_process(path: Path, timeout_s: float = 600, held_out: list[s
     return verdict
 
 
-def held_out_check(config: RunConfig) -> list[str]:
-    """The verifier's arguments for the optional held-out loss check (checkpoint.validate_batches)."""
+def held_out_check(config: RunConfig, dataset_dir: Path | None = None) -> list[str]:
+    """The verifier's arguments for the optional held-out loss check (checkpoint.validate_batches),
+    on `dataset_dir`, the dataset the run trains on (found from the config when not given)."""
     if not config.checkpoint.validate_batches:
         return []
-    from goodput.data.prepare import locate
-    from storage.store import store_from_config
+    if dataset_dir is None:
+        from goodput.data.prepare import locate
+        from storage.store import store_from_config
 
-    return ["--dataset", str(locate(config, store_from_config(config.storage)).local_dir),
+        dataset_dir = Path(locate(config, store_from_config(config.storage)).local_dir)
+    return ["--dataset", str(dataset_dir),
             "--eval-batches", str(config.checkpoint.validate_batches),
             "--loss-tolerance", str(config.checkpoint.validate_loss_tolerance)]
 
 
-def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
+def validate_checkpoint(config: RunConfig, step: int, dataset_dir: Path | None = None) -> LedgerEntry:
     """committed -> validated, or -> rejected with the reason (the directory is moved aside).
+    `dataset_dir`: the run's dataset, for the held-out check (see held_out_check).
 
     A rejected step whose directory is back was saved again by a later attempt (rejection
     moves the bad copy aside): the new copy is judged on its own.
@@ -152,7 +156,8 @@ def validate_checkpoint(config: RunConfig, step: int) -> LedgerEntry:
         manifest = CheckpointManifest.load(path)
         ledger.record(step, "committed", note=f"saved again after a {entry.state} copy" if saved_again else "",
                       loss=manifest.loss, tokens_seen=manifest.tokens_seen, copy_id=copy)
-        result = verify_in_fresh_process(path, verify_timeout_s(config, path), held_out_check(config))
+        result = verify_in_fresh_process(path, verify_timeout_s(config, path),
+                                         held_out_check(config, dataset_dir))
         if result["ok"]:
             note = f"{result['tensors']} tensors finite"
             if "held_out_loss" in result:
