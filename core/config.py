@@ -247,6 +247,11 @@ class TrainingConfig(_Section):
     max_steps: int = Field(300, ge=1, description="Optimizer steps to train.")
     seq_len: int = Field(128, ge=8, description="Tokens per sample.")
     micro_batch_size: int = Field(8, ge=1, description="Samples per rank per micro-step.")
+    shuffle_window_tokens: int = Field(
+        2**28, ge=1, description="Samples are shuffled within windows of this many tokens of "
+        "the train split (consecutive shards), the windows visited in a shuffled order, both "
+        "anew each epoch: the loader's memory does not grow with the dataset, and reading "
+        "stays within a window's shards at a time.")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-steps per optimizer step.")
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a share of the peak.")

@@ -41,6 +41,13 @@ def goodput_breakdown(run_dir, train_wall_s: float, eval_wall_s: float = 0.0) ->
             "goodput": productive / total if total > 0 else None}
 
 
+def data_wait_share(run_dir) -> float | None:
+    """The share of the run's step time spent waiting for batches (every recorded step)."""
+    records = [r for r in read_metrics(run_dir) if "data_wait_s" in r]
+    step_time = sum(r.get("window_time_s", r["step_time_s"]) for r in records)
+    return sum(r["data_wait_s"] for r in records) / step_time if step_time > 0 else None
+
+
 def checkpoint_interval_advice(run_dir, failures: int, wall_s: float,
                                mtbf_hours: float | None, every_steps: int) -> dict | None:
     """Young/Daly: the interval that minimises expected lost time is sqrt(2 * C * MTBF),

@@ -93,6 +93,8 @@ class TrainingProgress:
             parts.append("saving a checkpoint")
         elif beat.get("tokens_per_s"):
             parts.append(f"{beat['tokens_per_s']:,.0f} tokens/s")
+            if beat.get("data_wait_share") is not None:
+                parts.append(f"data wait {beat['data_wait_share']:.0%}")
         steps_done = step - self.first["step"]
         elapsed = beat["time"] - self.first["time"]
         if steps_done > 0 and elapsed > 0 and step < self.max_steps:
@@ -220,6 +222,7 @@ def metrics_rows(metrics: list[dict], max_rows: int = 25) -> list[dict]:
     return [{"step": m["step"], "loss": f"{m['loss']:.4f}", "lr": f"{m['lr']:.2e}",
              "grad norm": f"{m['grad_norm']:.3f}", "tokens seen": f"{m['tokens_seen']:,}",
              "tokens/s": f"{m['tokens_per_s']:,.0f}", "step time (s)": f"{m['step_time_s']:.3f}",
+             "data wait": f"{m['data_wait_share']:.1%}" if "data_wait_share" in m else "",
              "attempt": m.get("attempt", "")} for m in sampled]
 
 

@@ -19,7 +19,7 @@ from core.config import ConfigError, RunConfig
 from core.errors import DataError
 from core.protocol import FailureClass
 from goodput import checkpoint_lifecycle as lifecycle
-from goodput.accounting import summarize_goodput
+from goodput.accounting import data_wait_share, summarize_goodput
 from goodput.data.prepare import locate, require_prepared
 from goodput.runs import train_attempt, update_summary
 from infra.torchrun import TrainingFailed
@@ -170,6 +170,7 @@ def record_training(config: RunConfig, outcome: dict, started: float) -> dict:
     values = {"final_step": newest.step if newest else None,
               "final_train_loss": newest.loss if newest else None,
               "last_attempt": outcome, "wall_time_s": wall,
+              "data_wait_share": data_wait_share(config.run_dir),
               "ledger": {str(s): e.state for s, e in sorted(ledger.entries.items())}}
 
     def with_total(previous: dict) -> dict:  # across every train flow run of this run

@@ -14,6 +14,7 @@ from storage import open_store
 from storage.ledger import Ledger
 from storage.manifests import CheckpointManifest
 from tests.helpers import REPO, losses_by_step, small_config
+from training.metrics import read_metrics
 
 STEPS = 30
 
@@ -42,6 +43,11 @@ def test_pipeline_completes_and_learns(finished):
     assert summary["evaluate"]["perplexity"] == pytest.approx(math.exp(summary["evaluate"]["loss"]))
     for stage in ("prepare", "train", "evaluate"):
         assert summary[stage]["wall_time_s"] > 0
+    records = read_metrics(config.run_dir)
+    assert all(0 < r["data_wait_s"] < r["window_time_s"] and r["data_wait_share"] ==
+               pytest.approx(r["data_wait_s"] / r["window_time_s"]) for r in records)
+    assert summary["train"]["data_wait_share"] == pytest.approx(
+        sum(r["data_wait_s"] for r in records) / sum(r["window_time_s"] for r in records))
     goodput = summary["goodput"]
     parts = ("productive_s", "lost_work_s", "checkpoint_s", "restart_s", "evaluation_s")
     assert sum(goodput[p] for p in parts) == pytest.approx(goodput["total_s"])

@@ -46,8 +46,9 @@ class MetricsWriter:
 class StepMetrics:
     """What the loop reports after each step: a heartbeat every step, a metrics record every
     `log_every` steps (and at the last). A record accounts for every step since the previous
-    one (`window_steps`, `window_time_s`, `checkpoint_s`), so goodput counts every step's
-    time, not only the logged ones."""
+    one (`window_steps`, `window_time_s`, `checkpoint_s`, `data_wait_s`), so goodput counts
+    every step's time, not only the logged ones. `data_wait_s` is time inside the steps spent
+    waiting for batches; `data_wait_share` its share of the window's step time."""
 
     def __init__(self, writer: MetricsWriter, *, attempt: str, max_steps: int, log_every: int,
                  tokens_per_step: int, flops_per_token: float, world_size: int,
@@ -57,13 +58,16 @@ class StepMetrics:
         self.world_size, self.device_peak_flops = world_size, device_peak_flops
         self.device_memory = device_memory
         self.window_steps, self.window_time_s, self.window_checkpoint_s = 0, 0.0, 0.0
+        self.window_data_wait_s = 0.0
 
     def step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens_seen: int,
-             step_time_s: float, checkpoint_s: float, save_in_flight: bool) -> None:
+             step_time_s: float, checkpoint_s: float, save_in_flight: bool,
+             data_wait_s: float = 0.0) -> None:
         tokens_per_s = self.tokens_per_step / step_time_s
         self.window_steps += 1
         self.window_time_s += step_time_s
         self.window_checkpoint_s += checkpoint_s
+        self.window_data_wait_s += data_wait_s
         if step % self.log_every == 0 or step == self.max_steps:
             achieved = self.flops_per_token * tokens_per_s / self.world_size
             self.writer.log({
@@ -75,12 +79,16 @@ class StepMetrics:
                 "save_in_flight": save_in_flight,
                 # this record stands for steps (step - window_steps, step]
                 "window_steps": self.window_steps, "window_time_s": self.window_time_s,
+                "data_wait_s": self.window_data_wait_s,
+                "data_wait_share": self.window_data_wait_s / self.window_time_s,
                 "flops_per_s_per_device": achieved,
                 "mfu": achieved / self.device_peak_flops if self.device_peak_flops else None,
                 "attempt": self.attempt, **self.device_memory()})
             self.window_steps, self.window_time_s, self.window_checkpoint_s = 0, 0.0, 0.0
+            self.window_data_wait_s = 0.0
         self.writer.heartbeat(step=step, loss=loss, tokens_per_s=tokens_per_s,
-                              step_time_s=step_time_s, max_steps=self.max_steps,
+                              step_time_s=step_time_s, data_wait_share=data_wait_s / step_time_s,
+                              max_steps=self.max_steps,
                               attempt=self.attempt, phase="step")
 
     def saving(self, step: int, loss: float) -> None:

@@ -65,7 +65,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     del model  # from here on the layout's parts are the model
     optimizers = [build_optimizer(part, tcfg, env.device) for part in layout.model_parts]
     loader = DistributedSampleLoader(TokenStream(dataset_dir, dataset, "train"), tcfg.seq_len,
-                                     tcfg.micro_batch_size, layout.dp_rank, layout.dp_size, tcfg.seed)
+                                     tcfg.micro_batch_size, layout.dp_rank, layout.dp_size, tcfg.seed,
+                                     tcfg.shuffle_window_tokens)
     tokens_per_step = tcfg.tokens_per_rank_step * layout.dp_size
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     metrics = StepMetrics(MetricsWriter(config.run_dir, enabled=env.is_main), attempt=attempt_of_worker(),
@@ -119,7 +120,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
         stall += checkpointer.maybe_save(loss, step_time)
         metrics.step(progress.step, loss=loss, lr=lr, grad_norm=grad_norm,
                      tokens_seen=progress.tokens_seen, step_time_s=step_time, checkpoint_s=stall,
-                     save_in_flight=checkpointer.in_flight)
+                     data_wait_s=loader.take_wait_s(), save_in_flight=checkpointer.in_flight)
         resilience.after_step(progress.step, loss)
 
     checkpointer.close()  # the last checkpoint is committed before the job reports success
