@@ -56,7 +56,7 @@ class DataConfig(_Section):
     unit_bytes: str | int = Field(
         "256MiB", description="Input bytes per work unit (one Prefect task) at most: small "
         "files are grouped, large ones cut into byte ranges or parquet row groups (compressed "
-        "files stay whole). A corpus of fewer than 64 such units is cut into 64 (of 8MiB at "
+        "files stay whole). A corpus of fewer than 32 such units is cut into 32 (of 16MiB at "
         "least), so every core has work. A unit's memory does not depend on it; a rerun redoes "
         "only the units that did not finish.")
     fingerprint: Literal["listing", "content"] = Field(
@@ -69,6 +69,11 @@ class DataConfig(_Section):
     data_dir: str = Field(
         "./.goodput/data", description="Local cache of prepared datasets (one dir per dataset id)."
     )
+    cache_limit: str | int | None = Field(
+        None, description="Training on a dataset that is not on this machine reads its shards "
+        "from the store as it needs them, through a cache in data_dir/cache/<dataset id>: at "
+        "most this much disk (e.g. '50GiB'; least recently used shards evicted). None: no "
+        "limit (shards stay once fetched). A dataset prepared here is read in place.")
 
     @model_validator(mode="before")
     @classmethod
@@ -83,6 +88,13 @@ class DataConfig(_Section):
     def _unit_bytes_is_a_size(cls, value: str | int) -> str | int:
         if _size(value) < 1024:
             raise ValueError(f"{value!r} is below 1KiB; give each work unit at least 1KiB of input")
+        return value
+
+    @field_validator("cache_limit")
+    @classmethod
+    def _cache_limit_is_a_size(cls, value: str | int | None) -> str | int | None:
+        if value is not None:
+            _size(value)
         return value
 
 
@@ -560,7 +572,8 @@ class RunConfig(_Section):
         # The global batch, not how it is split over ranks and micro-steps: a run may resume
         # under another layout (checkpoints reshard) and keep its trajectory.
         per_rank = {"micro_batch_size", "grad_accum_steps", "log_every", "peak_flops_per_device"}
-        tree = self.model_dump(include=set(keys), exclude={"data": {"data_dir"}, "training": per_rank})
+        tree = self.model_dump(include=set(keys), exclude={"data": {"data_dir", "cache_limit"},
+                                                           "training": per_rank})
         tree["training"]["global_batch"] = (self.training.micro_batch_size * self.training.grad_accum_steps
                                             * self.parallelism.dims().dp_size)
         return sha256_bytes(canonical_json(tree))[:16]

@@ -20,7 +20,7 @@ from core.errors import DataError
 from core.protocol import FailureClass
 from goodput import checkpoint_lifecycle as lifecycle
 from goodput.accounting import data_wait_share, summarize_goodput
-from goodput.data.prepare import locate, require_prepared
+from goodput.data.prepare import dataset_for_training
 from goodput.runs import train_attempt, update_summary
 from infra.torchrun import TrainingFailed
 from storage.ledger import LedgerEntry, choose_resume
@@ -151,13 +151,11 @@ def apply_retention(config: RunConfig) -> dict[str, list]:
 @task(name="locate-dataset", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
       retry_condition_fn=retry_unless_config_error, tags=["training"])
 def locate_dataset(config: RunConfig) -> Path:
-    """The prepared dataset of this config on local disk (downloaded from the store if
-    needed; found by its data settings where the raw sources are gone); one never prepared
-    or damaged fails at once, saying which."""
-    store = store_from_config(config.storage)
-    plan = locate(config, store)
-    require_prepared(plan, store)
-    return Path(plan.local_dir)
+    """The prepared dataset of this config: read in place when it is on this machine, else
+    streamed from the store through a local cache (data.cache_limit); found by its data
+    settings where the raw sources are gone. One never prepared or damaged fails at once,
+    saying which."""
+    return dataset_for_training(config, store_from_config(config.storage))
 
 
 @task(name="record-training", cache_policy=NO_CACHE, tags=["training"])

@@ -112,7 +112,8 @@ def test_pipeline_with_an_s3_store(prefect_api, s3_server, s3_uri, tmp_path):
 
 def test_training_needs_only_the_store_once_the_data_is_prepared(prefect_api, tmp_path):
     """The raw sources and the local dataset copy are gone: the train flow (and the held-out
-    check of its validation) finds the dataset by its data settings in the store."""
+    check of its validation) finds the dataset by its data settings in the store, and reads
+    its shards from there through a cache smaller than the dataset."""
     import shutil
 
     from flows.prepare import prepare
@@ -122,15 +123,20 @@ def test_training_needs_only_the_store_once_the_data_is_prepared(prefect_api, tm
     corpus.mkdir()
     shutil.copy(build_builtin_corpus(tmp_path / "builtin"), corpus / "docs.jsonl")
     config = small_config(tmp_path, "run.run_id=nosources", f"data.source={corpus}",
+                          "data.shard_tokens=16384", "data.cache_limit=360KiB",
+                          "training.shuffle_window_tokens=16384",
                           "training.max_steps=10", "checkpoint.validate_batches=2")
-    dataset_id = prepare(config).dataset_id
+    manifest = prepare(config)
+    assert sum(s.size for s in manifest.splits["train"]) > 360 * 2**10
     shutil.rmtree(corpus)
     shutil.rmtree(config.data.data_dir)
     assert train(config)["final_step"] == 10
     ledger = Ledger(config.run_dir, "nosources").read()
     assert ledger.steps("uploaded") == [10]
     assert any("held-out loss" in h.note for h in ledger.entries[10].history if h.state == "validated")
-    assert (tmp_path / "data" / dataset_id / "manifest.json").is_file()  # restored from the store
+    assert not (tmp_path / "data" / manifest.dataset_id).exists()  # nothing downloaded whole
+    cache = tmp_path / "data" / "cache" / manifest.dataset_id
+    assert 0 < sum(p.stat().st_size for p in cache.glob("*.arrow")) <= 360 * 2**10
 
 
 def test_cli_reports_config_errors_before_starting_anything():

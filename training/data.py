@@ -1,7 +1,8 @@
 """Reading token shards for training and evaluation.
 
 A split's shards, in manifest order, form one token stream (memory-mapped, never loaded
-whole). The stream is cut into samples of `seq_len + 1` tokens that overlap by one token
+whole), read from a complete dataset directory or, shard by shard, from the store through a
+bounded local cache (training.shard_cache). The stream is cut into samples of `seq_len + 1` tokens that overlap by one token
 (inputs and shifted targets). Training visits samples in a seeded order per epoch
 (`WindowedShuffle`: a shuffle within windows of consecutive samples, the windows in a
 shuffled order, computed per sample in constant memory); the position in that *global*
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -22,20 +24,56 @@ import torch
 from core.errors import ConfigError, DataError
 from storage.manifests import DatasetManifest
 from storage.shards import read_tokens
+from training.shard_cache import ShardCache, is_cache
 
 
 class TokenStream:
-    """The concatenated tokens of one split, served from memory-mapped Arrow shards."""
+    """The concatenated tokens of one split, served from memory-mapped Arrow shards.
 
-    def __init__(self, dataset_dir: str | Path, manifest: DatasetManifest, split: str):
+    From a complete dataset directory every shard is mapped at once; from a cache directory
+    (shard_cache.is_cache) a shard is fetched when first read, at most `max_open` stay
+    mapped, and `prefetch` brings the shards of a coming stretch ahead of use.
+    """
+
+    def __init__(self, dataset_dir: str | Path, manifest: DatasetManifest, split: str,
+                 max_open: int = 16):
         if split not in manifest.splits or not manifest.splits[split]:
             raise DataError(f"dataset {manifest.dataset_id} has no '{split}' shards; prepare it "
                             "again (goodput prepare)")
-        dataset_dir = Path(dataset_dir)
-        self.shards = [read_tokens(dataset_dir / s.path) for s in manifest.splits[split]]
-        lengths = [len(s) for s in self.shards]
-        self.starts = np.concatenate([[0], np.cumsum(lengths)])
+        self.dir, self.infos, self.max_open = Path(dataset_dir), manifest.splits[split], max_open
+        self.cache = ShardCache(self.dir, manifest) if is_cache(self.dir) else None
+        self._mapped: OrderedDict[int, np.ndarray] = OrderedDict()
+        if self.cache is None:  # all at once: a missing shard fails now, not mid-run
+            for index in range(len(self.infos)):
+                self._shard(index)
+        self.starts = np.concatenate([[0], np.cumsum([s.n_tokens for s in self.infos])])
         self.n_tokens = int(self.starts[-1])
+
+    def _shard(self, index: int) -> np.ndarray:
+        tokens = self._mapped.get(index)
+        if tokens is not None:
+            self._mapped.move_to_end(index)
+            return tokens
+        info = self.infos[index]
+        tokens = read_tokens(self.cache.path(info) if self.cache else self.dir / info.path)
+        if len(tokens) != info.n_tokens:
+            raise DataError(f"shard {info.path} of {self.dir} holds {len(tokens)} tokens, its "
+                            f"manifest says {info.n_tokens}; prepare the dataset again")
+        self._mapped[index] = tokens
+        if self.cache is not None:
+            self.cache.in_use.add(info.path)
+            if len(self._mapped) > self.max_open:
+                unmapped, _ = self._mapped.popitem(last=False)
+                self.cache.in_use.discard(self.infos[unmapped].path)
+        return tokens
+
+    def prefetch(self, start: int, length: int) -> None:
+        """Fetch the shards of tokens [start, start + length) ahead of use (a cache only)."""
+        if self.cache is None:
+            return
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        last = int(np.searchsorted(self.starts, min(start + length, self.n_tokens) - 1, side="right")) - 1
+        self.cache.prefetch(self.infos[max(0, first):last + 1])
 
     def window(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) of the stream as int64, crossing shards if needed."""
@@ -44,7 +82,7 @@ class TokenStream:
         while pos < end:
             lo = pos - self.starts[shard]
             hi = min(end, self.starts[shard + 1]) - self.starts[shard]
-            pieces.append(self.shards[shard][lo:hi])
+            pieces.append(self._shard(shard)[lo:hi])
             pos = self.starts[shard] + hi
             shard += 1
         return np.concatenate(pieces).astype(np.int64)
@@ -116,6 +154,14 @@ class WindowedShuffle:
         chosen = self._permutation("windows", epoch)(slot)
         return chosen * self.window + self._permutation("window", epoch, chosen)(within)
 
+    def window_span(self, index: int) -> tuple[int, int]:
+        """(first sample, samples) of the window that position `index` falls in."""
+        epoch, offset = divmod(index, self.n)
+        slot = offset // self.window
+        if slot == self.full_windows:
+            return slot * self.window, self.n - slot * self.window
+        return self._permutation("windows", epoch)(slot) * self.window, self.window
+
     def _permutation(self, kind: str, *key: int) -> SeededPermutation:
         cached = self._cache.get(kind)
         if cached is None or cached[0] != key:
@@ -160,6 +206,9 @@ class DistributedSampleLoader:
             if start <= self.sample_index < end:
                 self.sample_index = end
         first = self.sample_index + self.dp_rank * self.micro_batch
+        # The shards of the window after this one come ahead of use (when they need fetching).
+        coming, samples = self.order.window_span(first + self.order.window)
+        self.stream.prefetch(coming * self.seq_len, samples * self.seq_len + 1)
         rows = [self.stream.window(self.order(first + i) * self.seq_len, self.seq_len + 1)
                 for i in range(self.micro_batch)]
         self.sample_index += self.micro_batch * self.dp_size

@@ -40,7 +40,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from core.config import DataConfig, RunConfig, StorageConfig, parse_bytes
-from core.errors import DataError
+from core.errors import ConfigError, DataError
 from core.files import canonical_json, sha256_bytes, sha256_file, write_atomic
 from goodput.data.corpus import BUILTIN, build_builtin_corpus, builtin_description
 from goodput.data.sources import (
@@ -55,6 +55,7 @@ from goodput.data.sources import (
 from storage.manifests import DATASET_MANIFEST, DatasetManifest, ShardInfo
 from storage.shards import ShardWriter, token_dtype
 from storage.store import Store, store_from_config
+from training.shard_cache import check_cache_limit, write_cache_settings
 from training.tokenizer import eos_id, load_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,7 @@ SPLITS = ("train", "validation")
 TOKENIZER_FILE = "tokenizer.json"
 UNITS_DIR = "units"
 BY_SETTINGS = "by-settings"
+CACHE_DIR = "cache"  # <data_dir>/cache/<dataset_id>: shards read from the store for training
 _BATCH_BYTES = 4 * 2**20  # text per encode_batch call: with one shard, all a unit holds
 _SAMPLE_UNITS = 64  # the tokenizer's sample comes from at most this many units, spread out
 _UNITS_AT_LEAST, _MIN_UNIT_BYTES = 32, 16 * 2**20  # see unit_target_bytes
@@ -191,7 +193,7 @@ def _shard_settings(data: DataConfig) -> dict:
 
 def settings_key(config: RunConfig) -> str:
     """The data and tokenizer settings as written (not what the files hold)."""
-    tree = config.model_dump(include={"data", "tokenizer"}, exclude={"data": {"data_dir"}})
+    tree = config.model_dump(include={"data", "tokenizer"}, exclude={"data": {"data_dir", "cache_limit"}})
     return sha256_bytes(canonical_json(tree))[:16]
 
 
@@ -274,8 +276,6 @@ def find_prepared(plan: DatasetPlan, store: Store, fetch: bool = True) -> Datase
 def require_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest:
     """For training and evaluation: the prepared dataset of `plan` (local, or restored from
     the store), or a ConfigError that says whether it was never prepared or is damaged."""
-    from core.errors import ConfigError
-
     had_manifest = (plan.dir / DATASET_MANIFEST).is_file()
     manifest = find_prepared(plan, store)
     if manifest is None:
@@ -284,6 +284,39 @@ def require_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest:
         raise ConfigError(f"dataset {plan.dataset_id} of this config {state}; run `goodput "
                           "prepare` (or the pipeline) first")
     return manifest
+
+
+def dataset_for_training(config: RunConfig, store: Store) -> Path:
+    """The dataset directory that training, checkpoint validation and evaluation read.
+
+    A complete copy on this machine is read in place. Otherwise nothing is downloaded whole:
+    a cache directory (`<data_dir>/cache/<dataset_id>`) gets the manifest and tokenizer, and
+    the readers fetch each shard from the store when they need it, keeping at most
+    data.cache_limit on disk (training.shard_cache). Never prepared or damaged beyond what
+    the store holds: a ConfigError that says which.
+    """
+    plan = locate(config, store)
+    manifest_key = f"{plan.store_prefix}/{DATASET_MANIFEST}"
+    if _verified_manifest(plan.dir) is not None or not store.exists(manifest_key):
+        require_prepared(plan, store)
+        return plan.dir
+    manifest = DatasetManifest.model_validate_json(store.get_bytes(manifest_key))
+    limit = parse_bytes(config.data.cache_limit) if config.data.cache_limit is not None else None
+    check_cache_limit(limit, manifest, config.training.shuffle_window_tokens)
+    cache = Path(config.data.data_dir) / CACHE_DIR / plan.dataset_id
+    tokenizer = cache / manifest.tokenizer
+    if not tokenizer.is_file() or sha256_file(tokenizer) != manifest.tokenizer_sha256:
+        store.get_file(f"{plan.store_prefix}/{manifest.tokenizer}", tokenizer)
+        if sha256_file(tokenizer) != manifest.tokenizer_sha256:
+            raise ConfigError(f"the tokenizer of dataset {plan.dataset_id} in "
+                              f"{store.url(plan.store_prefix)} differs from its manifest: the "
+                              "dataset in the store is damaged; run `goodput prepare` again")
+    manifest.save(cache)
+    storage = config.storage.model_copy(update={"uri": store.uri})  # absolute: workers' cwd differs
+    write_cache_settings(cache, storage, plan.store_prefix, limit)
+    log.info("dataset %s streams from %s through %s (cache limit %s)", plan.dataset_id,
+             store.url(plan.store_prefix), cache, config.data.cache_limit or "none")
+    return cache
 
 
 def _stamp_path(directory: Path) -> Path:

@@ -1,0 +1,111 @@
+"""Training reads a dataset that is only in the store: shards fetched on demand into a
+bounded local cache, verified once, shared by the processes of a node."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from core.errors import ConfigError
+from goodput.data import prepare as prep
+from storage.manifests import DatasetManifest
+from storage.store import IntegrityError, store_from_config
+from tests.helpers import REPO
+from tests.test_prepare import DOCS, make_config, write_source
+from training.data import DistributedSampleLoader, TokenStream
+from training.shard_cache import ShardCache
+
+LIMIT = 34_000  # bytes: a few of the ~5 kB shards below, far from all of them
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    """A dataset of many small shards, in the store; and a trainer's config on another
+    machine (a fresh data_dir) that streams it with a cache of LIMIT bytes."""
+    source = write_source(tmp_path / "in", "jsonl", DOCS * 20)
+    overrides = (f"data.source={source}", "data.max_docs=null", "data.shard_tokens=2048",
+                 "tokenizer.vocab_size=300", f"storage.uri={tmp_path / 'store'}",
+                 "training.shuffle_window_tokens=2048")
+    manifest = prep.prepare_dataset(make_config(tmp_path / "prep", *overrides))
+    trainer = make_config(tmp_path / "trainer", *overrides, f"data.cache_limit={LIMIT}")
+    return manifest, make_config(tmp_path / "prep", *overrides), trainer
+
+
+def cached_bytes(directory) -> int:
+    """Shards in the cache and those being fetched into it (a prefetch may evict meanwhile)."""
+    total = 0
+    for path in list(directory.glob("*.arrow")) + list(directory.glob(".*.partial")):
+        try:
+            total += path.stat().st_size
+        except FileNotFoundError:
+            pass
+    return total
+
+
+def test_a_stream_through_the_cache_reads_what_the_local_copy_reads_within_its_limit(prepared):
+    manifest, local_config, config = prepared
+    assert len(manifest.splits["train"]) >= 10 and sum(s.size for s in manifest.splits["train"]) > 2 * LIMIT
+    store = store_from_config(config.storage)
+    cache_dir = prep.dataset_for_training(config, store)
+    assert cache_dir.parent.name == "cache" and not list(cache_dir.glob("*.arrow"))  # nothing yet
+
+    local_dir = prep.dataset_for_training(local_config, store)
+    assert local_dir == prep.plan_dataset(local_config).dir  # prepared here: read in place
+    local = DistributedSampleLoader(TokenStream(local_dir, manifest, "train"), 32, 4, 0, 1, seed=3,
+                                    shuffle_window_tokens=2048)
+    streamed_stream = TokenStream(cache_dir, DatasetManifest.load(cache_dir), "train", max_open=2)
+    streamed = DistributedSampleLoader(streamed_stream, 32, 4, 0, 1, seed=3, shuffle_window_tokens=2048)
+    for _ in range(3 * streamed.samples_per_epoch // 4):  # three epochs
+        assert np.array_equal(streamed.next_batch()[0], local.next_batch()[0])
+        assert cached_bytes(cache_dir) <= LIMIT
+    assert streamed_stream.cache.fetched > len(manifest.splits["train"])  # evicted, fetched again
+
+
+def test_a_damaged_shard_in_the_store_is_an_error_naming_it(prepared):
+    manifest, _, config = prepared
+    store = store_from_config(config.storage)
+    cache_dir = prep.dataset_for_training(config, store)
+    shard = manifest.splits["train"][0]
+    key = f"datasets/{manifest.dataset_id}/{shard.path}"
+    store.put_bytes(key, store.get_bytes(key)[:-10] + b"0123456789")
+    with pytest.raises(IntegrityError, match=f"shard {shard.path} .*prepare it again"):
+        TokenStream(cache_dir, manifest, "train").window(0, 10)
+    assert not (cache_dir / shard.path).exists()  # never entered the cache
+
+
+def test_a_cache_too_small_for_two_windows_is_refused_naming_the_fields(prepared):
+    _, _, config = prepared
+    small = config.model_copy(update={"data": config.data.model_copy(update={"cache_limit": 5000})})
+    with pytest.raises(ConfigError, match="data.cache_limit=5,000 .*training.shuffle_window_tokens"):
+        prep.dataset_for_training(small, store_from_config(config.storage))
+
+
+def test_the_processes_of_a_node_fetch_each_shard_once(prepared):
+    manifest, _, config = prepared
+    unlimited = config.model_copy(update={"data": config.data.model_copy(update={"cache_limit": None})})
+    cache_dir = prep.dataset_for_training(unlimited, store_from_config(config.storage))
+    code = f"""
+import json
+from pathlib import Path
+from storage.manifests import DatasetManifest
+from training.shard_cache import ShardCache
+directory = Path({str(cache_dir)!r})
+manifest = DatasetManifest.load(directory)
+cache = ShardCache(directory, manifest)
+for shard in manifest.splits["train"] + manifest.splits["validation"]:
+    cache.path(shard)
+print(json.dumps(cache.fetched))
+"""
+    ranks = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    fetched = [json.loads(rank.communicate(timeout=120)[0]) for rank in ranks]
+    assert all(rank.returncode == 0 for rank in ranks)
+    assert sum(fetched) == len(manifest.splits["train"]) + len(manifest.splits["validation"])
+    for shards in manifest.splits.values():
+        for shard in shards:
+            assert (cache_dir / shard.path).stat().st_size == shard.size
+    assert isinstance(ShardCache(cache_dir, manifest).path(shards[0]), type(cache_dir))

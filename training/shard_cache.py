@@ -1,0 +1,159 @@
+"""The shards of a dataset in the store, read through a bounded cache on local disk.
+
+A node then needs disk for `data.cache_limit`, not for the dataset. A shard is fetched from
+the store when first needed (or ahead of use, by `prefetch` in a background thread), checked
+against the manifest's size and sha256 once, as it enters the cache, and the least recently
+used shards are evicted to keep the cache under its limit. The ranks of a node share one
+cache directory and fetch one shard at a time between them (a lock file): the ranks read the
+same windows at the same time, so one fetches a shard while the others wait for it, and the
+room a fetch makes is not taken by another.
+
+A cache directory holds the dataset's manifest.json and tokenizer.json, so it serves as the
+dataset directory the trainer, the verifier and the evaluator are given, plus `cache.json`
+(the store and the limit) and the cached shards. Evicting a shard another process still has
+memory-mapped is safe: its mapping stays valid, and the disk is freed when it is unmapped.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+from core.config import StorageConfig
+from core.errors import ConfigError
+from core.files import sha256_file, write_atomic
+from storage.manifests import DatasetManifest, ShardInfo
+from storage.store import IntegrityError, store_from_config
+
+CACHE_FILE = "cache.json"
+
+
+def write_cache_settings(directory: Path, storage: StorageConfig, store_prefix: str,
+                         limit_bytes: int | None) -> None:
+    """Mark `directory` (holding the dataset's manifest) as a cache of `store_prefix`."""
+    settings = {"storage": storage.model_dump(mode="json"), "store_prefix": store_prefix,
+                "limit_bytes": limit_bytes}
+    write_atomic(directory / CACHE_FILE, json.dumps(settings, indent=1).encode())
+
+
+def is_cache(directory: Path) -> bool:
+    return (directory / CACHE_FILE).is_file()
+
+
+class ShardCache:
+    """Local paths of a dataset's shards, fetched from the store on demand."""
+
+    def __init__(self, directory: Path, manifest: DatasetManifest):
+        settings = json.loads((directory / CACHE_FILE).read_text())
+        self.directory, self.manifest = directory, manifest
+        self.store = store_from_config(StorageConfig(**settings["storage"]))
+        self.prefix, self.limit = settings["store_prefix"], settings["limit_bytes"]
+        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
+        self._pending: dict[str, Future] = {}
+        self._lock = threading.Lock()
+        self.fetched = 0  # shards this process brought into the cache
+        # Shards this process has mapped: never evicted by it. The ranks of a node read the
+        # same windows at the same time, so what one holds the others hold too.
+        self.in_use: set[str] = set()
+
+    def path(self, shard: ShardInfo) -> Path:
+        """The shard's file in the cache, fetched and verified first if it is not there."""
+        with self._lock:
+            pending = self._pending.pop(shard.path, None)
+        if pending is not None:
+            pending.result()  # a failed prefetch raises here, where the shard is needed
+        return self._fetch(shard)
+
+    def prefetch(self, shards: list[ShardInfo]) -> None:
+        """Start fetching these shards in the background (those not cached or on their way)."""
+        with self._lock:
+            for shard in shards:
+                if shard.path not in self._pending and not self._cached(shard):
+                    self._pending[shard.path] = self._fetcher.submit(self._fetch, shard)
+
+    def close(self) -> None:
+        self._fetcher.shutdown(wait=True, cancel_futures=True)
+
+    def _cached(self, shard: ShardInfo) -> bool:
+        # A shard enters the cache by a rename after it was verified: present means whole.
+        local = self.directory / shard.path
+        return local.is_file() and local.stat().st_size == shard.size
+
+    def _fetch(self, shard: ShardInfo) -> Path:
+        local = self.directory / shard.path
+        if not self._cached(shard):
+            with _locked(self.directory / ".fetch.lock"):
+                if not self._cached(shard):  # another rank of this node may have fetched it
+                    self._make_room(shard.size)
+                    self._download(shard, local)
+        os.utime(local)  # most recently used
+        return local
+
+    def _download(self, shard: ShardInfo, local: Path) -> None:
+        key = f"{self.prefix}/{shard.path}"
+        partial = local.with_name(f".{shard.path}.{os.getpid()}.partial")
+        try:
+            self.store.get_file(key, partial)
+            size, sha256 = partial.stat().st_size, sha256_file(partial)
+            if (size, sha256) != (shard.size, shard.sha256):
+                raise IntegrityError(
+                    f"shard {shard.path} of dataset {self.manifest.dataset_id} from "
+                    f"{self.store.url(key)} is {size} bytes with sha256 {sha256[:12]}..., its "
+                    f"manifest says {shard.size} bytes, {shard.sha256[:12]}...: the dataset in the "
+                    "store is damaged; prepare it again (goodput prepare)")
+            os.replace(partial, local)
+            self.fetched += 1
+        finally:
+            partial.unlink(missing_ok=True)
+
+    def _make_room(self, incoming: int) -> None:
+        """Evict least recently used shards until `incoming` more bytes fit under the limit."""
+        if self.limit is None:
+            return
+        cached = []
+        for path in self.directory.glob("*.arrow"):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                continue
+            cached.append((stat.st_mtime_ns, stat.st_size, path))
+        total = sum(size for _, size, _ in cached)
+        for _, size, path in sorted(cached):
+            if total + incoming <= self.limit:
+                break
+            if path.name not in self.in_use:
+                path.unlink(missing_ok=True)
+                total -= size
+
+
+def check_cache_limit(limit_bytes: int | None, manifest: DatasetManifest, window_tokens: int) -> None:
+    """A cache must hold what training reads at once: two shuffle windows' shards (the one
+    being read and the next, fetched ahead), plus a shard of the validation split."""
+    if limit_bytes is None:
+        return
+    shards = [s for split in manifest.splits.values() for s in split]
+    largest = max(s.size for s in shards)
+    bytes_per_token = max(s.size / max(1, s.n_tokens) for s in shards)
+    needed = int(2 * window_tokens * bytes_per_token) + 3 * largest
+    if limit_bytes < needed:
+        raise ConfigError(
+            f"data.cache_limit={limit_bytes:,} bytes cannot hold what training reads at once "
+            f"(two windows of training.shuffle_window_tokens={window_tokens:,} and a few shards "
+            f"of up to {largest:,} bytes): raise data.cache_limit to at least {needed:,} bytes "
+            "or lower training.shuffle_window_tokens")
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
