@@ -57,7 +57,7 @@ def test_a_stream_through_the_cache_reads_what_the_local_copy_reads_within_its_l
     assert local_dir == prep.plan_dataset(local_config).dir  # prepared here: read in place
     local = DistributedSampleLoader(TokenStream(local_dir, manifest, "train"), 32, 4, 0, 1, seed=3,
                                     shuffle_window_tokens=2048)
-    streamed_stream = TokenStream(cache_dir, DatasetManifest.load(cache_dir), "train", max_open=2)
+    streamed_stream = TokenStream(cache_dir, DatasetManifest.load(cache_dir), "train")
     streamed = DistributedSampleLoader(streamed_stream, 32, 4, 0, 1, seed=3, shuffle_window_tokens=2048)
     for _ in range(3 * streamed.samples_per_epoch // 4):  # three epochs
         assert np.array_equal(streamed.next_batch()[0], local.next_batch()[0])

@@ -31,17 +31,20 @@ class TokenStream:
     """The concatenated tokens of one split, served from memory-mapped Arrow shards.
 
     From a complete dataset directory every shard is mapped at once; from a cache directory
-    (shard_cache.is_cache) a shard is fetched when first read, at most `max_open` stay
-    mapped, and `prefetch` brings the shards of a coming stretch ahead of use.
+    (shard_cache.is_cache) a shard is fetched when first read, the mapped ones (which the
+    cache keeps) take at most half of the cache's limit, and `prefetch` brings the shards of
+    a coming stretch ahead of use into the other half.
     """
 
-    def __init__(self, dataset_dir: str | Path, manifest: DatasetManifest, split: str,
-                 max_open: int = 16):
+    def __init__(self, dataset_dir: str | Path, manifest: DatasetManifest, split: str):
         if split not in manifest.splits or not manifest.splits[split]:
             raise DataError(f"dataset {manifest.dataset_id} has no '{split}' shards; prepare it "
                             "again (goodput prepare)")
-        self.dir, self.infos, self.max_open = Path(dataset_dir), manifest.splits[split], max_open
+        self.dir, self.infos = Path(dataset_dir), manifest.splits[split]
         self.cache = ShardCache(self.dir, manifest) if is_cache(self.dir) else None
+        self.max_open = len(self.infos)
+        if self.cache is not None and self.cache.limit is not None:
+            self.max_open = max(2, self.cache.limit // 2 // max(s.size for s in self.infos))
         self._mapped: OrderedDict[int, np.ndarray] = OrderedDict()
         if self.cache is None:  # all at once: a missing shard fails now, not mid-run
             for index in range(len(self.infos)):
@@ -60,11 +63,9 @@ class TokenStream:
             raise DataError(f"shard {info.path} of {self.dir} holds {len(tokens)} tokens, its "
                             f"manifest says {info.n_tokens}; prepare the dataset again")
         self._mapped[index] = tokens
-        if self.cache is not None:
-            self.cache.in_use.add(info.path)
-            if len(self._mapped) > self.max_open:
-                unmapped, _ = self._mapped.popitem(last=False)
-                self.cache.in_use.discard(self.infos[unmapped].path)
+        if self.cache is not None and len(self._mapped) > self.max_open:
+            unmapped, _ = self._mapped.popitem(last=False)
+            self.cache.release(self.infos[unmapped])
         return tokens
 
     def prefetch(self, start: int, length: int) -> None:

@@ -63,12 +63,17 @@ class ShardCache:
         self.in_use: set[str] = set()
 
     def path(self, shard: ShardInfo) -> Path:
-        """The shard's file in the cache, fetched and verified first if it is not there."""
+        """The shard's file in the cache, fetched and verified first if it is not there, and
+        kept (never evicted by this process) until `release`."""
         with self._lock:
             pending = self._pending.pop(shard.path, None)
         if pending is not None:
             pending.result()  # a failed prefetch raises here, where the shard is needed
-        return self._fetch(shard)
+        return self._fetch(shard, use=True)
+
+    def release(self, shard: ShardInfo) -> None:
+        """The shard is no longer mapped here: it may be evicted."""
+        self.in_use.discard(shard.path)
 
     def prefetch(self, shards: list[ShardInfo]) -> None:
         """Start fetching these shards in the background (those not cached or on their way)."""
@@ -85,14 +90,15 @@ class ShardCache:
         local = self.directory / shard.path
         return local.is_file() and local.stat().st_size == shard.size
 
-    def _fetch(self, shard: ShardInfo) -> Path:
+    def _fetch(self, shard: ShardInfo, use: bool = False) -> Path:
         local = self.directory / shard.path
-        if not self._cached(shard):
-            with _locked(self.directory / ".fetch.lock"):
-                if not self._cached(shard):  # another rank of this node may have fetched it
-                    self._make_room(shard.size)
-                    self._download(shard, local)
-        os.utime(local)  # most recently used
+        with _locked(self.directory / ".fetch.lock"):  # nothing is evicted meanwhile
+            if not self._cached(shard):  # another rank of this node may have fetched it
+                self._make_room(shard.size)
+                self._download(shard, local)
+            os.utime(local)  # most recently used
+            if use:
+                self.in_use.add(shard.path)
         return local
 
     def _download(self, shard: ShardInfo, local: Path) -> None:
