@@ -86,8 +86,6 @@ def read_epoch(dataset_dir: Path, manifest, step_s: float, max_batches: int,
         if cache_dir is not None:
             peak_cache = max(peak_cache, cache_bytes(cache_dir))
     wall = time.perf_counter() - start
-    if loader.stream.cache is not None:
-        loader.stream.cache.close()
     return {"batches": batches, "wall_s": wall, "tokens_per_s": batches * MICRO_BATCH * SEQ / wall,
             "data_wait_share": loader.take_wait_s() / wall, "peak_cache_bytes": peak_cache}
 

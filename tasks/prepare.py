@@ -94,8 +94,8 @@ def worker_environment(api_url: str | None) -> dict[str, str]:
 def units_in_flight(prepare: PrepareConfig) -> int:
     """Units submitted at once: enough to keep every worker busy, few enough that a corpus
     of a million units never sits in the runner's queue (or Ray's object store) at once."""
-    if prepare.workers:
-        return 2 * prepare.workers
+    if prepare.workers:  # Ray runs whatever is submitted, as far as the cluster's CPUs go
+        return prepare.workers if prepare.runner == "ray" else 2 * prepare.workers
     if prepare.runner == "ray":
         import ray
 

@@ -138,7 +138,7 @@ def test_a_verifier_that_ends_without_a_verdict_leaves_the_checkpoint_unjudged(r
     for the task's retry, and is judged once the verifier can run."""
     config, dataset = run
     missing = ["--dataset", str(dataset.parent / "gone"), "--eval-batches", "2"]
-    monkeypatch.setattr(checkpoints, "held_out_check", lambda config: missing)
+    monkeypatch.setattr(checkpoints, "held_out_check", lambda config, dataset_dir=None: missing)
     with pytest.raises(checkpoints.VerifierCrashed, match=r"step-00000020 ended without a verdict"):
         checkpoints.validate_checkpoint(config, 20)
     assert checkpoints.ledger_of(config).read().entries[20].state == "committed"

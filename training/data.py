@@ -31,9 +31,9 @@ class TokenStream:
     """The concatenated tokens of one split, served from memory-mapped Arrow shards.
 
     From a complete dataset directory every shard is mapped at once; from a cache directory
-    (shard_cache.is_cache) a shard is fetched when first read, the mapped ones (which the
-    cache keeps) take at most half of the cache's limit, and `prefetch` brings the shards of
-    a coming stretch ahead of use into the other half.
+    (shard_cache.is_cache) a shard is fetched when first read, `focus` names the stretch being
+    read (its shards stay cached, the others are unmapped), the mapped shards take at most
+    half of the cache's limit, and `prefetch` brings the shards of a coming stretch ahead.
     """
 
     def __init__(self, dataset_dir: str | Path, manifest: DatasetManifest, split: str):
@@ -42,10 +42,11 @@ class TokenStream:
                             "again (goodput prepare)")
         self.dir, self.infos = Path(dataset_dir), manifest.splits[split]
         self.cache = ShardCache(self.dir, manifest) if is_cache(self.dir) else None
-        self.max_open = len(self.infos)
+        self.mapped_limit = None  # bytes of mapped shards, beyond those of the focus
         if self.cache is not None and self.cache.limit is not None:
-            self.max_open = max(2, self.cache.limit // 2 // max(s.size for s in self.infos))
+            self.mapped_limit = self.cache.limit // 2
         self._mapped: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._focus: set[int] = set()
         if self.cache is None:  # all at once: a missing shard fails now, not mid-run
             for index in range(len(self.infos)):
                 self._shard(index)
@@ -58,23 +59,54 @@ class TokenStream:
             self._mapped.move_to_end(index)
             return tokens
         info = self.infos[index]
-        tokens = read_tokens(self.cache.path(info) if self.cache else self.dir / info.path)
+        if self.cache is None:
+            tokens = read_tokens(self.dir / info.path)
+        else:
+            try:
+                tokens = read_tokens(self.cache.path(info))
+            except FileNotFoundError:  # evicted by another process before it was opened
+                tokens = read_tokens(self.cache.path(info))
         if len(tokens) != info.n_tokens:
             raise DataError(f"shard {info.path} of {self.dir} holds {len(tokens)} tokens, its "
                             f"manifest says {info.n_tokens}; prepare the dataset again")
         self._mapped[index] = tokens
-        if self.cache is not None and len(self._mapped) > self.max_open:
-            unmapped, _ = self._mapped.popitem(last=False)
-            self.cache.release(self.infos[unmapped])
+        if self.mapped_limit is not None:
+            self._unmap_beyond(self.mapped_limit)
         return tokens
+
+    def _unmap_beyond(self, limit: int) -> None:
+        """Unmap least recently read shards outside the focus while the mapped ones exceed
+        `limit` bytes (the newest one stays)."""
+        mapped = sum(self.infos[i].size for i in self._mapped)
+        for index in list(self._mapped)[:-1]:
+            if mapped <= limit:
+                break
+            if index not in self._focus:
+                del self._mapped[index]
+                self.cache.release(self.infos[index])
+                mapped -= self.infos[index].size
+
+    def _shards_of(self, start: int, length: int) -> range:
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        last = int(np.searchsorted(self.starts, min(start + length, self.n_tokens) - 1, side="right")) - 1
+        return range(max(0, first), last + 1)
+
+    def focus(self, start: int, length: int) -> None:
+        """Tokens [start, start + length) are being read now (a shuffle window): their shards
+        stay in the cache; mapped shards outside it are let go (a cache only)."""
+        if self.cache is None:
+            return
+        self._focus = set(self._shards_of(start, length))
+        self.cache.hold([self.infos[i] for i in self._focus])
+        for index in [i for i in self._mapped if i not in self._focus]:
+            del self._mapped[index]
+            self.cache.release(self.infos[index])
 
     def prefetch(self, start: int, length: int) -> None:
         """Fetch the shards of tokens [start, start + length) ahead of use (a cache only)."""
         if self.cache is None:
             return
-        first = int(np.searchsorted(self.starts, start, side="right")) - 1
-        last = int(np.searchsorted(self.starts, min(start + length, self.n_tokens) - 1, side="right")) - 1
-        self.cache.prefetch(self.infos[max(0, first):last + 1])
+        self.cache.prefetch([self.infos[i] for i in self._shards_of(start, length)])
 
     def window(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) of the stream as int64, crossing shards if needed."""
@@ -191,6 +223,7 @@ class DistributedSampleLoader:
         self.skips: list[tuple[int, int]] = []  # [start, end) windows never handed out
         self.order = WindowedShuffle(self.samples_per_epoch,
                                      max(1, shuffle_window_tokens // seq_len), seed)
+        self._window: tuple[int, int] | None = None
 
     def skip_windows(self, windows: list[tuple[int, int]]) -> None:
         """Never hand out global samples in these windows (each starts on a step boundary)."""
@@ -207,6 +240,10 @@ class DistributedSampleLoader:
             if start <= self.sample_index < end:
                 self.sample_index = end
         first = self.sample_index + self.dp_rank * self.micro_batch
+        window = self.order.window_span(first)
+        if window != self._window:  # a new window: its shards are what the cache must keep
+            self._window = window
+            self.stream.focus(window[0] * self.seq_len, window[1] * self.seq_len + 1)
         # The shards of the window after this one come ahead of use (when they need fetching).
         coming, samples = self.order.window_span(first + self.order.window)
         self.stream.prefetch(coming * self.seq_len, samples * self.seq_len + 1)

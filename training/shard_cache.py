@@ -19,9 +19,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import queue
 import threading
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -47,58 +47,93 @@ def is_cache(directory: Path) -> bool:
 
 
 class ShardCache:
-    """Local paths of a dataset's shards, fetched from the store on demand."""
+    """Local paths of a dataset's shards, fetched from the store on demand.
+
+    Shards handed out by `path` and those `hold` names (the window being read) are never
+    evicted by this process. Prefetching runs in a daemon thread: a process that ends stops
+    it, leaving at most a partial file, which the next fetch on the node removes.
+    """
 
     def __init__(self, directory: Path, manifest: DatasetManifest):
         settings = json.loads((directory / CACHE_FILE).read_text())
         self.directory, self.manifest = directory, manifest
         self.store = store_from_config(StorageConfig(**settings["storage"]))
         self.prefix, self.limit = settings["store_prefix"], settings["limit_bytes"]
-        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
-        self._pending: dict[str, Future] = {}
+        self._queue: queue.Queue[ShardInfo] = queue.Queue()
+        self._pending: dict[str, _Pending] = {}
         self._lock = threading.Lock()
+        self._prefetcher: threading.Thread | None = None
         self.fetched = 0  # shards this process brought into the cache
-        # Shards this process has mapped: never evicted by it. The ranks of a node read the
-        # same windows at the same time, so what one holds the others hold too.
-        self.in_use: set[str] = set()
+        self.in_use: set[str] = set()  # handed out by path() and not released
+        self.held: set[str] = set()  # the shards of the window being read (hold)
 
     def path(self, shard: ShardInfo) -> Path:
         """The shard's file in the cache, fetched and verified first if it is not there, and
-        kept (never evicted by this process) until `release`."""
+        kept (never evicted by this process) until `release`. Another process may still
+        evict it before the caller opens it: a caller that finds it gone asks again."""
         with self._lock:
-            pending = self._pending.pop(shard.path, None)
+            pending = self._pending.get(shard.path)
         if pending is not None:
-            pending.result()  # a failed prefetch raises here, where the shard is needed
-        return self._fetch(shard, use=True)
+            pending.done.wait()
+            if pending.error is not None:  # a failed prefetch raises where the shard is needed
+                raise pending.error
+        self.in_use.add(shard.path)
+        local = self.directory / shard.path
+        try:
+            if self._cached(shard):
+                os.utime(local)  # most recently used
+                return local
+        except FileNotFoundError:  # evicted just now by another process
+            pass
+        return self._fetch(shard)
 
     def release(self, shard: ShardInfo) -> None:
         """The shard is no longer mapped here: it may be evicted."""
         self.in_use.discard(shard.path)
 
+    def hold(self, shards: list[ShardInfo]) -> None:
+        """Keep these shards (and no others held before) from eviction by this process: the
+        window being read, whose shards are mapped one by one as it goes."""
+        self.held = {s.path for s in shards}
+
     def prefetch(self, shards: list[ShardInfo]) -> None:
-        """Start fetching these shards in the background (those not cached or on their way)."""
+        """Fetch these shards in the background (those not cached or on their way)."""
         with self._lock:
             for shard in shards:
                 if shard.path not in self._pending and not self._cached(shard):
-                    self._pending[shard.path] = self._fetcher.submit(self._fetch, shard)
+                    self._pending[shard.path] = _Pending()
+                    self._queue.put(shard)
+            if self._prefetcher is None and self._pending:
+                self._prefetcher = threading.Thread(target=self._prefetch_loop, daemon=True,
+                                                    name="shard-prefetch")
+                self._prefetcher.start()
 
-    def close(self) -> None:
-        self._fetcher.shutdown(wait=True, cancel_futures=True)
+    def _prefetch_loop(self) -> None:
+        while True:
+            shard = self._queue.get()
+            pending = self._pending[shard.path]
+            try:
+                self._fetch(shard)
+            except BaseException as e:  # kept for the reader, which raises it
+                pending.error = e
+            with self._lock:
+                del self._pending[shard.path]
+            pending.done.set()
 
     def _cached(self, shard: ShardInfo) -> bool:
         # A shard enters the cache by a rename after it was verified: present means whole.
-        local = self.directory / shard.path
-        return local.is_file() and local.stat().st_size == shard.size
+        try:
+            return (self.directory / shard.path).stat().st_size == shard.size
+        except FileNotFoundError:
+            return False
 
-    def _fetch(self, shard: ShardInfo, use: bool = False) -> Path:
+    def _fetch(self, shard: ShardInfo) -> Path:
         local = self.directory / shard.path
-        with _locked(self.directory / ".fetch.lock"):  # nothing is evicted meanwhile
+        with _locked(self.directory / ".fetch.lock"):  # one fetch at a time on this node
             if not self._cached(shard):  # another rank of this node may have fetched it
                 self._make_room(shard.size)
                 self._download(shard, local)
             os.utime(local)  # most recently used
-            if use:
-                self.in_use.add(shard.path)
         return local
 
     def _download(self, shard: ShardInfo, local: Path) -> None:
@@ -119,7 +154,11 @@ class ShardCache:
             partial.unlink(missing_ok=True)
 
     def _make_room(self, incoming: int) -> None:
-        """Evict least recently used shards until `incoming` more bytes fit under the limit."""
+        """Evict least recently used shards until `incoming` more bytes fit under the limit.
+        Called under the fetch lock, when no fetch is under way on this node: a partial file
+        is what a killed process left behind."""
+        for stale in self.directory.glob(".*.partial"):
+            stale.unlink(missing_ok=True)
         if self.limit is None:
             return
         cached = []
@@ -133,26 +172,34 @@ class ShardCache:
         for _, size, path in sorted(cached):
             if total + incoming <= self.limit:
                 break
-            if path.name not in self.in_use:
+            if path.name not in self.in_use and path.name not in self.held:
                 path.unlink(missing_ok=True)
                 total -= size
 
 
 def check_cache_limit(limit_bytes: int | None, manifest: DatasetManifest, window_tokens: int) -> None:
     """A cache must hold what training reads at once: two shuffle windows' shards (the one
-    being read and the next, fetched ahead), plus a shard of the validation split."""
+    being read and the next, fetched ahead; each may straddle a shard at either end), plus
+    the validation split's shard being read."""
     if limit_bytes is None:
         return
     shards = [s for split in manifest.splits.values() for s in split]
     largest = max(s.size for s in shards)
     bytes_per_token = max(s.size / max(1, s.n_tokens) for s in shards)
-    needed = int(2 * window_tokens * bytes_per_token) + 3 * largest
+    needed = int(2 * window_tokens * bytes_per_token) + 4 * largest
     if limit_bytes < needed:
         raise ConfigError(
             f"data.cache_limit={limit_bytes:,} bytes cannot hold what training reads at once "
             f"(two windows of training.shuffle_window_tokens={window_tokens:,} and a few shards "
             f"of up to {largest:,} bytes): raise data.cache_limit to at least {needed:,} bytes "
             "or lower training.shuffle_window_tokens")
+
+
+class _Pending:
+    """A prefetch under way: set when done, with the error it met, if any."""
+
+    def __init__(self):
+        self.done, self.error = threading.Event(), None
 
 
 @contextmanager
