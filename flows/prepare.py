@@ -55,7 +55,7 @@ def prepare(config: RunConfig = RunConfig(), config_file: str | None = None,
         tokenizer_path = build_tokenizer(plan, config, units, to_store)
         tokenizing_since = time.time()
         with api_shared_with_unit_processes() as api_url:
-            runner = unit_runner(config.prepare, len(units), api_url)
+            runner = unit_runner(config.prepare, len(units), api_url, config.storage.uri)
             results = tokenize_units.with_options(task_runner=runner)(plan, units, config, to_store)
         tokenize_s = time.time() - tokenizing_since
         workers = sorted({result.worker for result in results})

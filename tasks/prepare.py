@@ -8,11 +8,13 @@ files and other machines where a Prefect cache key would not.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from urllib.parse import urlparse
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -48,7 +50,8 @@ def retry_if_transient(task, task_run, state) -> bool:
 _io_retries = dict(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=retry_if_transient)
 
 
-def unit_runner(prepare: PrepareConfig, n_units: int, api_url: str | None) -> TaskRunner:
+def unit_runner(prepare: PrepareConfig, n_units: int, api_url: str | None,
+                storage_uri: str = "") -> TaskRunner:
     """Where work units run: a process per unit in flight (tokenizing holds the GIL).
 
     prepare.runner=process: a pool of at most prepare.workers processes (0: one per core),
@@ -67,6 +70,8 @@ def unit_runner(prepare: PrepareConfig, n_units: int, api_url: str | None) -> Ta
     except ImportError as e:
         raise ConfigError("prepare.runner=ray needs prefect-ray on this machine and every node "
                           "of the cluster: pip install 'goodput[ray]'") from e
+    if prepare.ray_address is not None:
+        _warn_what_other_machines_cannot_reach(api_url, storage_uri)
     init_kwargs: dict = {"runtime_env": {"env_vars": worker_environment(api_url)},
                          "log_to_driver": False}  # unit logs reach Prefect; not also the console
     if prepare.ray_address is None:  # a Ray of this machine: no dashboard to serve
@@ -75,6 +80,19 @@ def unit_runner(prepare: PrepareConfig, n_units: int, api_url: str | None) -> Ta
         init_kwargs["address"] = "auto"
         return RayTaskRunner(init_kwargs=init_kwargs)
     return RayTaskRunner(address=prepare.ray_address, init_kwargs=init_kwargs)
+
+
+def _warn_what_other_machines_cannot_reach(api_url: str | None, storage_uri: str) -> None:
+    # A cluster of this machine alone is fine; nodes on other machines fail on these.
+    log = logging.getLogger(__name__)
+    if api_url and urlparse(api_url).hostname in ("127.0.0.1", "localhost", "::1"):
+        log.warning("prepare.ray_address: the Prefect API (%s) is this machine's loopback; Ray "
+                    "nodes on other machines cannot report to it: set PREFECT_API_URL to a "
+                    "server they can reach", api_url)
+    if storage_uri and not storage_uri.startswith("s3://"):
+        log.warning("prepare.ray_address: storage.uri=%s is a local path; Ray nodes on other "
+                    "machines write their shards to their own disks unless it is a shared "
+                    "filesystem: use an s3:// store", storage_uri)
 
 
 def worker_environment(api_url: str | None) -> dict[str, str]:
