@@ -116,6 +116,7 @@ def test_training_needs_only_the_store_once_the_data_is_prepared(prefect_api, tm
     its shards from there through a cache smaller than the dataset."""
     import shutil
 
+    from flows.evaluate import evaluate
     from flows.prepare import prepare
     from goodput.data.corpus import build_builtin_corpus
 
@@ -134,6 +135,9 @@ def test_training_needs_only_the_store_once_the_data_is_prepared(prefect_api, tm
     ledger = Ledger(config.run_dir, "nosources").read()
     assert ledger.steps("uploaded") == [10]
     assert any("held-out loss" in h.note for h in ledger.entries[10].history if h.state == "validated")
+    report = evaluate(config)  # the evaluator reads the validation split through the cache too
+    assert report.step == 10 and report.dataset_id == manifest.dataset_id
+    assert math.isfinite(report.loss) and report.tokens_evaluated > 0
     assert not (tmp_path / "data" / manifest.dataset_id).exists()  # nothing downloaded whole
     cache = tmp_path / "data" / "cache" / manifest.dataset_id
     assert 0 < sum(p.stat().st_size for p in cache.glob("*.arrow")) <= 420 * 2**10
