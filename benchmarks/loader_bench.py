@@ -59,21 +59,10 @@ def write_dataset(directory: Path, tokens: int):
     return manifest
 
 
-def cache_bytes(directory: Path) -> int:
-    """Shards in the cache and those on their way in (files may vanish meanwhile: evicted)."""
-    total = 0
-    for path in directory.iterdir():
-        if path.suffix in (".arrow", ".partial"):
-            try:
-                total += path.stat().st_size
-            except FileNotFoundError:
-                pass
-    return total
-
-
 def read_epoch(dataset_dir: Path, manifest, step_s: float, max_batches: int,
                cache_dir: Path | None = None) -> dict:
     from training.data import DistributedSampleLoader, TokenStream
+    from training.shard_cache import disk_usage
 
     loader = DistributedSampleLoader(TokenStream(dataset_dir, manifest, "train"), SEQ, MICRO_BATCH,
                                      0, 1, seed=1, shuffle_window_tokens=WINDOW)
@@ -84,7 +73,7 @@ def read_epoch(dataset_dir: Path, manifest, step_s: float, max_batches: int,
         if step_s:
             time.sleep(step_s)  # the device computing: the loader's prefetch runs meanwhile
         if cache_dir is not None:
-            peak_cache = max(peak_cache, cache_bytes(cache_dir))
+            peak_cache = max(peak_cache, disk_usage(cache_dir))
     wall = time.perf_counter() - start
     return {"batches": batches, "wall_s": wall, "tokens_per_s": batches * MICRO_BATCH * SEQ / wall,
             "data_wait_share": loader.take_wait_s() / wall, "peak_cache_bytes": peak_cache}

@@ -17,7 +17,7 @@ from storage.store import IntegrityError, store_from_config
 from tests.helpers import REPO
 from tests.test_prepare import DOCS, make_config, write_source
 from training.data import DistributedSampleLoader, TokenStream
-from training.shard_cache import ShardCache
+from training.shard_cache import ShardCache, disk_usage
 
 LIMIT = 37_400  # bytes: a few of the ~5 kB shards below, far from all of them
 
@@ -35,17 +35,6 @@ def prepared(tmp_path):
     return manifest, make_config(tmp_path / "prep", *overrides), trainer
 
 
-def cached_bytes(directory) -> int:
-    """Shards in the cache and those being fetched into it (a prefetch may evict meanwhile)."""
-    total = 0
-    for path in list(directory.glob("*.arrow")) + list(directory.glob(".*.partial")):
-        try:
-            total += path.stat().st_size
-        except FileNotFoundError:
-            pass
-    return total
-
-
 def test_a_stream_through_the_cache_reads_what_the_local_copy_reads_within_its_limit(prepared):
     manifest, local_config, config = prepared
     assert len(manifest.splits["train"]) >= 10 and sum(s.size for s in manifest.splits["train"]) > LIMIT
@@ -61,7 +50,7 @@ def test_a_stream_through_the_cache_reads_what_the_local_copy_reads_within_its_l
     streamed = DistributedSampleLoader(streamed_stream, 32, 4, 0, 1, seed=3, shuffle_window_tokens=2048)
     for _ in range(3 * streamed.samples_per_epoch // 4):  # three epochs
         assert np.array_equal(streamed.next_batch()[0], local.next_batch()[0])
-        assert cached_bytes(cache_dir) <= LIMIT
+        assert disk_usage(cache_dir) <= LIMIT
     # Evicted and fetched again each epoch; within an epoch a shard comes at most once per
     # window that reads it: once, or twice where a window boundary falls inside it.
     shards, windows = len(manifest.splits["train"]), streamed.order.full_windows + 1

@@ -2,8 +2,8 @@
 
 A split's shards, in manifest order, form one token stream (memory-mapped, never loaded
 whole), read from a complete dataset directory or, shard by shard, from the store through a
-bounded local cache (training.shard_cache). The stream is cut into samples of `seq_len + 1` tokens that overlap by one token
-(inputs and shifted targets). Training visits samples in a seeded order per epoch
+bounded local cache (training.shard_cache). The stream is cut into samples of `seq_len + 1`
+tokens that overlap by one token (inputs and shifted targets). Training visits samples in a seeded order per epoch
 (`WindowedShuffle`: a shuffle within windows of consecutive samples, the windows in a
 shuffled order, computed per sample in constant memory); the position in that *global*
 order is the loader's whole state, so a run resumes on any number of ranks without repeating
@@ -78,13 +78,21 @@ class TokenStream:
         """Unmap least recently read shards outside the focus while the mapped ones exceed
         `limit` bytes (the newest one stays)."""
         mapped = sum(self.infos[i].size for i in self._mapped)
+        unmapped = []
         for index in list(self._mapped)[:-1]:
             if mapped <= limit:
                 break
             if index not in self._focus:
-                del self._mapped[index]
-                self.cache.release(self.infos[index])
+                unmapped.append(index)
                 mapped -= self.infos[index].size
+        self._unmap(unmapped)
+
+    def _unmap(self, indexes: list[int]) -> None:
+        """Let these shards go; the cache keeps only what is still mapped and the focus."""
+        for index in indexes:
+            del self._mapped[index]
+        if indexes:
+            self.cache.keep_only([self.infos[i] for i in set(self._mapped) | self._focus])
 
     def _shards_of(self, start: int, length: int) -> range:
         first = int(np.searchsorted(self.starts, start, side="right")) - 1
@@ -97,10 +105,8 @@ class TokenStream:
         if self.cache is None:
             return
         self._focus = set(self._shards_of(start, length))
-        self.cache.hold([self.infos[i] for i in self._focus])
-        for index in [i for i in self._mapped if i not in self._focus]:
-            del self._mapped[index]
-            self.cache.release(self.infos[index])
+        self.cache.keep_only([self.infos[i] for i in set(self._mapped) | self._focus])
+        self._unmap([i for i in self._mapped if i not in self._focus])
 
     def prefetch(self, start: int, length: int) -> None:
         """Fetch the shards of tokens [start, start + length) ahead of use (a cache only)."""

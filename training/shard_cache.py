@@ -49,9 +49,10 @@ def is_cache(directory: Path) -> bool:
 class ShardCache:
     """Local paths of a dataset's shards, fetched from the store on demand.
 
-    Shards handed out by `path` and those `hold` names (the window being read) are never
-    evicted by this process. Prefetching runs in a daemon thread: a process that ends stops
-    it, leaving at most a partial file, which the next fetch on the node removes.
+    Shards handed out by `path`, and those the reader says it keeps (`keep_only`: what it
+    has mapped and the window it reads), are never evicted by this process. Prefetching runs
+    in a daemon thread: a process that ends stops it, leaving at most a partial file, which
+    the next fetch on the node removes.
     """
 
     def __init__(self, directory: Path, manifest: DatasetManifest):
@@ -64,20 +65,19 @@ class ShardCache:
         self._lock = threading.Lock()
         self._prefetcher: threading.Thread | None = None
         self.fetched = 0  # shards this process brought into the cache
-        self.in_use: set[str] = set()  # handed out by path() and not released
-        self.held: set[str] = set()  # the shards of the window being read (hold)
+        self.kept: set[str] = set()  # never evicted by this process (see keep_only)
 
     def path(self, shard: ShardInfo) -> Path:
         """The shard's file in the cache, fetched and verified first if it is not there, and
-        kept (never evicted by this process) until `release`. Another process may still
-        evict it before the caller opens it: a caller that finds it gone asks again."""
+        kept (never evicted by this process) until `keep_only` leaves it out. Another process
+        may still evict it before the caller opens it: a caller that finds it gone asks again."""
         with self._lock:
             pending = self._pending.get(shard.path)
         if pending is not None:
             pending.done.wait()
             if pending.error is not None:  # a failed prefetch raises where the shard is needed
                 raise pending.error
-        self.in_use.add(shard.path)
+        self.kept.add(shard.path)
         local = self.directory / shard.path
         try:
             if self._cached(shard):
@@ -87,14 +87,10 @@ class ShardCache:
             pass
         return self._fetch(shard)
 
-    def release(self, shard: ShardInfo) -> None:
-        """The shard is no longer mapped here: it may be evicted."""
-        self.in_use.discard(shard.path)
-
-    def hold(self, shards: list[ShardInfo]) -> None:
-        """Keep these shards (and no others held before) from eviction by this process: the
-        window being read, whose shards are mapped one by one as it goes."""
-        self.held = {s.path for s in shards}
+    def keep_only(self, shards: list[ShardInfo]) -> None:
+        """Keep these shards from eviction by this process, and no others: the reader's
+        mapped shards and those of the window it reads, mapped one by one as it goes."""
+        self.kept = {s.path for s in shards}
 
     def prefetch(self, shards: list[ShardInfo]) -> None:
         """Fetch these shards in the background (those not cached or on their way)."""
@@ -161,20 +157,31 @@ class ShardCache:
             stale.unlink(missing_ok=True)
         if self.limit is None:
             return
-        cached = []
-        for path in self.directory.glob("*.arrow"):
-            try:
-                stat = path.stat()
-            except FileNotFoundError:
-                continue
-            cached.append((stat.st_mtime_ns, stat.st_size, path))
+        cached = _files(self.directory, "*.arrow")
         total = sum(size for _, size, _ in cached)
         for _, size, path in sorted(cached):
             if total + incoming <= self.limit:
                 break
-            if path.name not in self.in_use and path.name not in self.held:
+            if path.name not in self.kept:
                 path.unlink(missing_ok=True)
                 total -= size
+
+
+def disk_usage(directory: Path) -> int:
+    """Bytes of a cache directory's shards, those being fetched included."""
+    return sum(size for _, size, _ in _files(directory, "*.arrow") + _files(directory, ".*.partial"))
+
+
+def _files(directory: Path, pattern: str) -> list[tuple[int, int, Path]]:
+    """(mtime_ns, size, path) of the files matching `pattern`; one evicted meanwhile is left out."""
+    found = []
+    for path in directory.glob(pattern):
+        try:
+            stat = path.stat()
+        except FileNotFoundError:
+            continue
+        found.append((stat.st_mtime_ns, stat.st_size, path))
+    return found
 
 
 def check_cache_limit(limit_bytes: int | None, manifest: DatasetManifest, window_tokens: int) -> None:
