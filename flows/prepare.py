@@ -11,9 +11,10 @@ import time
 from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
-from core.config import RunConfig, StorageConfig
+from core.config import RunConfig
 from goodput.data.prepare import DatasetPlan, UnitResult, WorkUnit
 from storage.manifests import DatasetManifest
+from storage.store import usable_anywhere
 from tasks.control import resolve_config
 from tasks.prepare import (
     api_shared_with_unit_processes,
@@ -77,7 +78,7 @@ def tokenize_units(plan: DatasetPlan, units: list[WorkUnit], config: RunConfig,
     in flight, reporting progress as each finishes. Units recorded done by an earlier run
     return at once."""
     progress = PrepareProgress(config.run.run_id, plan.dataset_id, len(units), config.prepare.progress)
-    plan, storage = plan.without_listing(), _as_seen_from_anywhere(config.storage)
+    plan, storage = plan.without_listing(), usable_anywhere(config.storage)
     waiting, in_flight, results = iter(units), set(), []
     window = units_in_flight(config.prepare)
     try:
@@ -95,13 +96,3 @@ def tokenize_units(plan: DatasetPlan, units: list[WorkUnit], config: RunConfig,
             results.append(result)
     finally:
         progress.close()
-
-
-def _as_seen_from_anywhere(storage: StorageConfig) -> StorageConfig:
-    """storage with a local store's path made absolute: a worker's working directory is not
-    this process's."""
-    if storage.uri.startswith("s3://"):
-        return storage
-    from storage.store import store_from_config
-
-    return storage.model_copy(update={"uri": store_from_config(storage).uri})

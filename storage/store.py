@@ -86,6 +86,14 @@ def store_from_config(section) -> Store:
                       max_concurrency=section.max_concurrency)
 
 
+def usable_anywhere(section):
+    """A `storage` config section as a process in another working directory must see it (a
+    torchrun worker, a Ray task): a local store's root made absolute; s3:// as it is."""
+    if urlparse(section.uri).scheme == "s3":
+        return section
+    return section.model_copy(update={"uri": LocalStore(section.uri).uri})
+
+
 def _folder(prefix: str) -> str:
     """`prefix` as a folder ("a/b" -> "a/b/"), so "step-1" never matches "step-10/..."."""
     prefix = prefix.strip("/")

@@ -27,6 +27,7 @@ from training.tokenizer import load_tokenizer, train_tokenizer
 def make_config(root: Path, *overrides: str) -> RunConfig:
     return load_config(None, [
         f"data.data_dir={root / 'data'}", f"storage.uri={root / 'store'}",
+        f"run.runs_dir={root / 'runs'}",  # a summary.json of its own: tests run side by side
         "data.max_docs=300", "data.shard_tokens=16384", "tokenizer.vocab_size=512",
         "prepare.progress=false", *overrides])
 

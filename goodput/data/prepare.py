@@ -32,7 +32,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +54,7 @@ from goodput.data.sources import (
 )
 from storage.manifests import DATASET_MANIFEST, DatasetManifest, ShardInfo
 from storage.shards import ShardWriter, token_dtype
-from storage.store import Store, store_from_config
+from storage.store import Store, store_from_config, usable_anywhere
 from training.shard_cache import check_cache_limit, write_cache_settings
 from training.tokenizer import eos_id, load_tokenizer, train_tokenizer
 
@@ -94,8 +94,14 @@ class DatasetPlan(BaseModel):
         """The plan a work unit needs: its own pieces come with it, the listing would not."""
         return self.model_copy(update={"files": []})
 
-    def unit_record(self, index: int) -> Path:
-        return self.dir / UNITS_DIR / f"unit-{index:05d}.json"
+    def store_key(self, rel: str) -> str:
+        """The store key of a file of the dataset (`rel`: its path in the dataset dir)."""
+        return f"{self.store_prefix}/{rel}"
+
+    @staticmethod
+    def unit_record(index: int) -> str:
+        """Where a finished unit is recorded, relative to the dataset (dir or store prefix)."""
+        return f"{UNITS_DIR}/unit-{index:05d}.json"
 
 
 class WorkUnit(BaseModel):
@@ -262,7 +268,7 @@ def find_prepared(plan: DatasetPlan, store: Store, fetch: bool = True) -> Datase
     if manifest is not None:
         log.info("dataset %s is prepared in %s", plan.dataset_id, plan.dir)
         return manifest
-    key = f"{plan.store_prefix}/{DATASET_MANIFEST}"
+    key = plan.store_key(DATASET_MANIFEST)
     if not store.exists(key):
         return None
     if not fetch:
@@ -273,11 +279,12 @@ def find_prepared(plan: DatasetPlan, store: Store, fetch: bool = True) -> Datase
     return _verified_manifest(plan.dir)
 
 
-def require_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest:
-    """For training and evaluation: the prepared dataset of `plan` (local, or restored from
-    the store), or a ConfigError that says whether it was never prepared or is damaged."""
+def require_prepared(plan: DatasetPlan, store: Store, fetch: bool = True) -> DatasetManifest:
+    """For training and evaluation: the prepared dataset of `plan` (local, or in the store and
+    restored from it unless `fetch` is False), or a ConfigError that says whether it was
+    never prepared or is damaged."""
     had_manifest = (plan.dir / DATASET_MANIFEST).is_file()
-    manifest = find_prepared(plan, store)
+    manifest = find_prepared(plan, store, fetch)
     if manifest is None:
         state = ("is damaged: its files no longer match its manifest (the log names them)"
                  if had_manifest else "is not prepared")
@@ -296,24 +303,21 @@ def dataset_for_training(config: RunConfig, store: Store) -> Path:
     the store holds: a ConfigError that says which.
     """
     plan = locate(config, store)
-    manifest_key = f"{plan.store_prefix}/{DATASET_MANIFEST}"
-    if _verified_manifest(plan.dir) is not None or not store.exists(manifest_key):
-        require_prepared(plan, store)
+    manifest = require_prepared(plan, store, fetch=False)
+    if (plan.dir / DATASET_MANIFEST).is_file():  # complete and verified on this machine
         return plan.dir
-    manifest = DatasetManifest.model_validate_json(store.get_bytes(manifest_key))
     limit = parse_bytes(config.data.cache_limit) if config.data.cache_limit is not None else None
     check_cache_limit(limit, manifest, config.training.shuffle_window_tokens)
     cache = Path(config.data.data_dir) / CACHE_DIR / plan.dataset_id
     tokenizer = cache / manifest.tokenizer
     if not tokenizer.is_file() or sha256_file(tokenizer) != manifest.tokenizer_sha256:
-        store.get_file(f"{plan.store_prefix}/{manifest.tokenizer}", tokenizer)
+        store.get_file(plan.store_key(manifest.tokenizer), tokenizer)
         if sha256_file(tokenizer) != manifest.tokenizer_sha256:
             raise ConfigError(f"the tokenizer of dataset {plan.dataset_id} in "
                               f"{store.url(plan.store_prefix)} differs from its manifest: the "
                               "dataset in the store is damaged; run `goodput prepare` again")
     manifest.save(cache)
-    storage = config.storage.model_copy(update={"uri": store.uri})  # absolute: workers' cwd differs
-    write_cache_settings(cache, storage, plan.store_prefix, limit)
+    write_cache_settings(cache, usable_anywhere(config.storage), plan.store_prefix, limit)
     log.info("dataset %s streams from %s through %s (cache limit %s)", plan.dataset_id,
              store.url(plan.store_prefix), cache, config.data.cache_limit or "none")
     return cache
@@ -405,7 +409,7 @@ def build_tokenizer(plan: DatasetPlan, config: RunConfig, units: list[WorkUnit],
 
 
 def _shared_tokenizer(plan: DatasetPlan, config: RunConfig, units: list[WorkUnit], store: Store) -> str:
-    key = f"{plan.store_prefix}/{TOKENIZER_FILE}"
+    key = plan.store_key(TOKENIZER_FILE)
     if store.exists(key):  # units recorded done in the store used this one
         store.get_file(key, plan.tokenizer_path)
         return str(plan.tokenizer_path)
@@ -482,30 +486,34 @@ def tokenize_unit(plan: DatasetPlan, unit: WorkUnit, data: DataConfig, storage: 
     if to_store:
         return _tokenize_unit_to_store(plan, unit, data, storage)
     tokenizer_sha256 = sha256_file(plan.tokenizer_path)
-    done = _finished_unit(plan, unit.index, unit.key(data, tokenizer_sha256))
+    record = plan.dir / plan.unit_record(unit.index)
+    done = _finished_unit(record.read_bytes, unit.key(data, tokenizer_sha256),
+                          lambda s: _has_size(plan.dir / s.path, s.size))
     if done is not None:
         return done
     result = _tokenize(plan.dir, plan.tokenizer_path, tokenizer_sha256, unit, data, storage)
-    plan.unit_record(unit.index).parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(plan.unit_record(unit.index), result.model_dump_json(indent=1).encode())
+    record.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(record, result.model_dump_json(indent=1).encode())
     return result
 
 
 def _tokenize_unit_to_store(plan: DatasetPlan, unit: WorkUnit, data: DataConfig,
                             storage: StorageConfig) -> UnitResult:
     store = store_from_config(storage)
-    record_key = f"{plan.store_prefix}/{UNITS_DIR}/unit-{unit.index:05d}.json"
+    record_key = plan.store_key(plan.unit_record(unit.index))
     with tempfile.TemporaryDirectory(prefix=f"goodput-unit-{unit.index:05d}-") as scratch:
         tokenizer_path = Path(scratch) / TOKENIZER_FILE
-        store.get_file(f"{plan.store_prefix}/{TOKENIZER_FILE}", tokenizer_path)
+        store.get_file(plan.store_key(TOKENIZER_FILE), tokenizer_path)
         tokenizer_sha256 = sha256_file(tokenizer_path)
-        done = _finished_unit_in_store(plan, store, record_key, unit.key(data, tokenizer_sha256))
+        # Shards are uploaded whole before the record: a listed one that is there is complete.
+        done = _finished_unit(lambda: store.get_bytes(record_key), unit.key(data, tokenizer_sha256),
+                              lambda s: store.exists(plan.store_key(s.path)))
         if done is not None:
             return done
         result = _tokenize(Path(scratch), tokenizer_path, tokenizer_sha256, unit, data, storage)
         for shards in result.shards.values():
             for shard in shards:
-                store.put_file(Path(scratch) / shard.path, f"{plan.store_prefix}/{shard.path}",
+                store.put_file(Path(scratch) / shard.path, plan.store_key(shard.path),
                                sha256=shard.sha256)
     store.put_bytes(record_key, result.model_dump_json(indent=1).encode())
     return result
@@ -547,26 +555,23 @@ def _shard_info(directory: Path, name: str, n_tokens: int, n_docs: int) -> Shard
                      sha256=sha256_file(path))
 
 
-def _finished_unit(plan: DatasetPlan, index: int, key: str) -> UnitResult | None:
+def _finished_unit(read_record: Callable[[], bytes], key: str,
+                   present: Callable[[ShardInfo], bool]) -> UnitResult | None:
+    """The unit's recorded result if it was made with these inputs (`key`) and every shard
+    it lists is `present`; else None (never recorded, another key, a shard gone)."""
     try:
-        result = UnitResult.model_validate_json(plan.unit_record(index).read_bytes())
+        result = UnitResult.model_validate_json(read_record())
     except (FileNotFoundError, ValueError):
         return None
-    present = all((plan.dir / s.path).is_file() and (plan.dir / s.path).stat().st_size == s.size
-                  for shards in result.shards.values() for s in shards)
-    return result if result.key == key and present else None
+    shards = [s for split in result.shards.values() for s in split]
+    return result if result.key == key and all(present(s) for s in shards) else None
 
 
-def _finished_unit_in_store(plan: DatasetPlan, store: Store, record_key: str, key: str,
-                            ) -> UnitResult | None:
+def _has_size(path: Path, size: int) -> bool:
     try:
-        result = UnitResult.model_validate_json(store.get_bytes(record_key))
-    except (FileNotFoundError, ValueError):
-        return None
-    # Shards are uploaded whole before the record: a listed one that is there is complete.
-    present = all(store.exists(f"{plan.store_prefix}/{s.path}")
-                  for shards in result.shards.values() for s in shards)
-    return result if result.key == key and present else None
+        return path.stat().st_size == size
+    except FileNotFoundError:
+        return False
 
 
 # -- manifest and publishing ----------------------------------------------------------------
@@ -630,9 +635,9 @@ def _seal_in_store(plan: DatasetPlan, manifest: DatasetManifest, listed: set[str
         raise FileNotFoundError(f"dataset {plan.dataset_id}: {len(missing)} file(s) its work units "
                                 f"recorded are not in {store.url(plan.store_prefix)} (e.g. "
                                 f"{missing[0]}); run prepare again: it redoes those units")
-    store.put_bytes(f"{plan.store_prefix}/{DATASET_MANIFEST}", manifest.to_json())
+    store.put_bytes(plan.store_key(DATASET_MANIFEST), manifest.to_json())
     for rel in sorted(found - listed - {DATASET_MANIFEST}):  # unit records, leftovers of crashes
-        store.delete(f"{plan.store_prefix}/{rel}")
+        store.delete(plan.store_key(rel))
 
 
 def _remove_unlisted(directory: Path, keep: set[str]) -> None:
@@ -653,7 +658,7 @@ def publish(plan: DatasetPlan, manifest: DatasetManifest, store: Store) -> None:
     Nothing is sent when the store already holds this very manifest: it is uploaded last,
     so everything it lists is there already.
     """
-    key = f"{plan.store_prefix}/{DATASET_MANIFEST}"
+    key = plan.store_key(DATASET_MANIFEST)
     pointer_key = f"datasets/{BY_SETTINGS}/{plan.settings_key}.json"
     local = plan.dir / DATASET_MANIFEST  # absent when the dataset was sealed in the store
     if local.is_file() and not (store.exists(key) and store.get_bytes(key) == local.read_bytes()):
