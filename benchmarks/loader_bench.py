@@ -66,7 +66,7 @@ def read_epoch(dataset_dir: Path, manifest, step_s: float, max_batches: int,
 
     loader = DistributedSampleLoader(TokenStream(dataset_dir, manifest, "train"), SEQ, MICRO_BATCH,
                                      0, 1, seed=1, shuffle_window_tokens=WINDOW)
-    batches = min(max_batches, loader.samples_per_epoch // MICRO_BATCH)
+    batches = min(max_batches, loader.sources[0].samples // MICRO_BATCH)
     peak_cache, start = 0, time.perf_counter()
     for _ in range(batches):
         loader.next_batch()

@@ -26,6 +26,68 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class SourceConfig(_Section):
+    """One named source of a mixture; the fields left unset are data's own."""
+
+    name: str = Field(description="What the source is called in the mix, the metrics and "
+                      "data.stages (letters, digits, '-', '_').")
+    weight: float = Field(description="Its share of the training tokens (the weights are "
+                          "normalised to sum 1); 0 leaves it out until a stage gives it one.")
+    source: str = Field(description="As data.source: 'builtin', local files, s3://... or a "
+                        "hub dataset name.")
+    format: Literal["auto", "json", "parquet", "text"] | None = None
+    hub_config: str | None = None
+    hub_split: str | None = None
+    revision: str | None = None
+    text_column: str | None = None
+    max_docs: int | None = Field(None, ge=1)
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_a_word(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", value):
+            raise ValueError(f"{value!r}: name a source with letters, digits, '-' and '_' "
+                             "(it labels metrics and files)")
+        return value
+
+    @field_validator("weight")
+    @classmethod
+    def _weight_is_a_share(cls, value: float) -> float:
+        if not value >= 0 or value == float("inf"):
+            raise ValueError(f"weight {value} is not a share of tokens: give a finite weight "
+                             ">= 0 (the weights are normalised to sum 1)")
+        return value
+
+
+class StageConfig(_Section):
+    """A curriculum stage: from its start on, the mix takes these weights."""
+
+    start_step: int | None = Field(None, ge=1, description="The first optimizer step of the "
+                                   "stage (steps count from 1).")
+    start_tokens: int | None = Field(None, ge=1, description="Or: the stage starts at the "
+                                     "first step after this many training tokens.")
+    weights: dict[str, float] = Field(description="Weight per source name; a source left out "
+                                      "gets 0 in this stage.")
+
+    @model_validator(mode="after")
+    def _one_start(self) -> "StageConfig":
+        if (self.start_step is None) == (self.start_tokens is None):
+            raise ValueError("give a stage exactly one of start_step and start_tokens")
+        for name, weight in self.weights.items():
+            if not weight >= 0 or weight == float("inf"):
+                raise ValueError(f"weights.{name}={weight} is not a share of tokens: give a "
+                                 "finite weight >= 0")
+        if not any(self.weights.values()):
+            raise ValueError("every weight of the stage is 0; give at least one source a "
+                             "positive weight")
+        return self
+
+
+# The fields a mixture's source may set for itself; the rest are shared by all sources.
+SOURCE_FIELDS = ("source", "format", "hub_config", "hub_split", "revision", "text_column", "max_docs")
+SINGLE_SOURCE = "default"  # the name of data.source in a mix of one
+
+
 class DataConfig(_Section):
     source: str = Field(
         "builtin",
@@ -75,6 +137,15 @@ class DataConfig(_Section):
         "most this much disk (e.g. '50GiB'; least recently used shards evicted). None: no "
         "limit (shards stay once fetched). A dataset prepared here is read in place.")
 
+    sources: list[SourceConfig] = Field(
+        default_factory=list, description="A mixture: named sources with weights (shares of "
+        "the training tokens), each prepared as a dataset of its own and reused by every mix "
+        "that lists it (with one tokenizer: tokenizer.path, or the one trained on the first "
+        "source). Empty: data.source alone, a mix of one.")
+    stages: list[StageConfig] = Field(
+        default_factory=list, description="Curriculum: weights that replace data.sources' "
+        "from a given step or token count on (e.g. a final stage with more high-quality data).")
+
     @model_validator(mode="before")
     @classmethod
     def _no_shard_count(cls, values: Any) -> Any:
@@ -82,6 +153,39 @@ class DataConfig(_Section):
             raise ValueError("data.num_shards is gone: shards have a fixed size now; set "
                              "data.shard_tokens (tokens per shard) instead, or drop the field")
         return values
+
+    @model_validator(mode="after")
+    def _a_mix_that_can_be_drawn(self) -> "DataConfig":
+        if not self.sources:
+            if self.stages:
+                raise ValueError("data.stages change the weights of data.sources, and none are "
+                                 "listed: list the sources with their weights in data.sources")
+            return self
+        if self.source != "builtin":
+            raise ValueError(f"data.source={self.source!r} and data.sources are both set: list "
+                             "that source in data.sources too, and leave data.source out")
+        names = [s.name for s in self.sources]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"data.sources names {', '.join(twice)} more than once; give each "
+                             "source its own name")
+        if not any(s.weight for s in self.sources):
+            raise ValueError("data.sources: every weight is 0; give at least one source a "
+                             "positive weight")
+        for i, stage in enumerate(self.stages):
+            unknown = sorted(set(stage.weights) - set(names))
+            if unknown:
+                raise ValueError(f"data.stages[{i}].weights names {', '.join(unknown)}, not a "
+                                 f"source of data.sources ({', '.join(names)}); fix the name or "
+                                 "add the source")
+        return self
+
+    def mix(self) -> list[SourceConfig]:
+        """The sources training draws from: data.sources, or data.source as a mix of one."""
+        if self.sources:
+            return list(self.sources)
+        return [SourceConfig(name=SINGLE_SOURCE, weight=1.0, source=self.source,
+                             **{f: getattr(self, f) for f in SOURCE_FIELDS[1:]})]
 
     @field_validator("unit_bytes")
     @classmethod
@@ -556,6 +660,11 @@ class RunConfig(_Section):
         if self.launch.kind == "ssh" and len(self.launch.hosts) != self.parallelism.nnodes:
             raise ValueError(f"launch.kind=ssh needs one host per node: {len(self.launch.hosts)} "
                              f"launch.hosts for parallelism.nnodes={self.parallelism.nnodes}")
+        starts = [start for start, _ in self.mix_stages()]
+        if starts != sorted(set(starts)) or (len(starts) > 1 and starts[1] == 0):
+            raise ValueError(f"data.stages start at samples {starts[1:]} (steps of "
+                             f"{self.global_batch} samples): give the stages in order, each "
+                             "starting at a later step than the one before")
         if self.faults.crash_rank >= self.parallelism.world_size:
             raise ValueError(f"faults.crash_rank={self.faults.crash_rank} is not a rank of "
                              f"world size {self.parallelism.world_size}")
@@ -566,16 +675,42 @@ class RunConfig(_Section):
     def run_dir(self) -> RunDir:
         return RunDir(Path(self.run.runs_dir) / self.run.run_id)
 
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step, over all data-parallel ranks."""
+        return (self.training.micro_batch_size * self.training.grad_accum_steps
+                * self.parallelism.dims().dp_size)
+
+    def mix_stages(self) -> list[tuple[int, dict[str, float]]]:
+        """The weights of the mix from each stage's first global sample on: data.sources'
+        from sample 0, then data.stages' (their steps and token counts as samples)."""
+        stages = [(0, {s.name: s.weight for s in self.data.mix()})]
+        for stage in self.data.stages:
+            if stage.start_step is not None:
+                step = stage.start_step - 1
+            else:  # the first step after start_tokens
+                step = -(-stage.start_tokens // (self.global_batch * self.training.seq_len))
+            stages.append((step * self.global_batch,
+                           {name: stage.weights.get(name, 0.0) for name in stages[0][1]}))
+        return stages
+
+    def source_config(self, source: SourceConfig) -> "RunConfig":
+        """This config as if `source` were its data.source alone: what prepares it."""
+        fields = {f: getattr(source, f) for f in SOURCE_FIELDS if getattr(source, f) is not None}
+        data = self.data.model_copy(update={**fields, "sources": [], "stages": []})
+        return self.model_copy(update={"data": data})
+
     def config_hash(self) -> str:
         """Hash of what determines the training trajectory (not paths, faults or eval)."""
         keys = ("data", "tokenizer", "model", "training")
         # The global batch, not how it is split over ranks and micro-steps: a run may resume
         # under another layout (checkpoints reshard) and keep its trajectory.
         per_rank = {"micro_batch_size", "grad_accum_steps", "log_every", "peak_flops_per_device"}
-        tree = self.model_dump(include=set(keys), exclude={"data": {"data_dir", "cache_limit"},
+        # A mix of one hashes as before mixtures existed: its runs resume.
+        unset = {f for f in ("sources", "stages") if not getattr(self.data, f)}
+        tree = self.model_dump(include=set(keys), exclude={"data": {"data_dir", "cache_limit", *unset},
                                                            "training": per_rank})
-        tree["training"]["global_batch"] = (self.training.micro_batch_size * self.training.grad_accum_steps
-                                            * self.parallelism.dims().dp_size)
+        tree["training"]["global_batch"] = self.global_batch
         return sha256_bytes(canonical_json(tree))[:16]
 
     def eval_hash(self) -> str:

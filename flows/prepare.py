@@ -1,4 +1,5 @@
-"""The prepare flow: list sources -> tokenizer -> work units (in parallel) -> manifest -> store.
+"""The prepare flow: list sources -> tokenizer -> work units (in parallel) -> manifest -> store,
+once per source of a mix (the first source's tokenizer serves them all).
 
 Work units run in a process pool on this machine and write the dataset here (then it is
 uploaded), or with prepare.runner=ray on a Ray cluster, writing it straight to the store.
@@ -12,14 +13,15 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
 from core.config import RunConfig
-from goodput.data.prepare import DatasetPlan, UnitResult, WorkUnit
-from storage.manifests import DatasetManifest
+from goodput.data.prepare import DatasetPlan, UnitResult, WorkUnit, mix_tokenizer_from
+from storage.manifests import DatasetManifest, MixtureManifest
 from storage.store import usable_anywhere
 from tasks.control import resolve_config
 from tasks.prepare import (
     api_shared_with_unit_processes,
     build_tokenizer,
     find_prepared,
+    mix_datasets,
     plan_dataset,
     plan_units,
     publish,
@@ -34,8 +36,9 @@ from tasks.reporting import PrepareProgress
 
 @flow(name="prepare")
 def prepare(config: RunConfig = RunConfig(), config_file: str | None = None,
-            overrides: tuple[str, ...] = ()) -> DatasetManifest:
-    """Prepare the dataset `config.data` and `config.tokenizer` describe, or find it prepared.
+            overrides: tuple[str, ...] = ()) -> DatasetManifest | MixtureManifest:
+    """Prepare the dataset `config.data` and `config.tokenizer` describe, or find it prepared;
+    for a mix (data.sources), each source's dataset in turn.
 
     Args:
         config: The run's configuration (the form); used unless `config_file` is set.
@@ -44,11 +47,27 @@ def prepare(config: RunConfig = RunConfig(), config_file: str | None = None,
         overrides: Field overrides applied last, e.g. ["data.max_docs=1000"].
     """
     started = time.time()
-    logger = get_run_logger()
     config = resolve_config(config, config_file, overrides)
-    plan = plan_dataset(config)
-    logger.info("dataset %s from %s (%d files)", plan.dataset_id, plan.source, len(plan.files))
+    prepared, tokenizer_from = [], None
+    for source in config.data.mix():
+        manifest, tokenize_s, workers = prepare_source.with_options(flow_run_name=f"prepare-{source.name}")(
+            config.source_config(source), tokenizer_from)
+        prepared.append((source, manifest, tokenize_s, workers))
+        tokenizer_from = mix_tokenizer_from(config, prepared[0][1].dataset_id)
+    mix = mix_datasets([(source, manifest) for source, manifest, _, _ in prepared]) if config.data.sources else None
+    record_prepare(config, [(s.name, m, t, w) for s, m, t, w in prepared], started, mix)
+    return mix or prepared[0][1]
 
+
+@flow(name="prepare-source")
+def prepare_source(config: RunConfig, tokenizer_from: str | None = None,
+                   ) -> tuple[DatasetManifest, float | None, list[str] | None]:
+    """One source's dataset (`config.data.source`; `tokenizer_from`: the dataset whose
+    tokenizer it uses), found prepared or tokenized and published. Returns its manifest, the
+    work units' wall time and where they ran (None, None when found prepared)."""
+    logger = get_run_logger()
+    plan = plan_dataset(config, tokenizer_from)
+    logger.info("dataset %s from %s (%d files)", plan.dataset_id, plan.source, len(plan.files))
     to_store = config.prepare.runner == "ray"  # a cluster's machines share the store, not a disk
     manifest, tokenize_s, workers = find_prepared(plan, config.storage, fetch=not to_store), None, None
     if manifest is None:
@@ -63,12 +82,10 @@ def prepare(config: RunConfig = RunConfig(), config_file: str | None = None,
         manifest = write_manifest(plan, results, tokenizer_path, config.storage if to_store else None)
     # Also when found: a dataset prepared here while the store was down still gets uploaded.
     publish(plan, manifest, config.storage)
-
     logger.info("dataset %s: %d train tokens in %d shards, %d validation tokens (%s)",
                 manifest.dataset_id, manifest.n_tokens("train"), len(manifest.splits["train"]),
                 manifest.n_tokens("validation"), manifest.dtype)
-    record_prepare(config, manifest, started, tokenize_s, workers)
-    return manifest
+    return manifest, tokenize_s, workers
 
 
 @flow(name="tokenize-units")

@@ -128,10 +128,10 @@ def held_out_check(config: RunConfig, dataset_dir: Path | None = None) -> list[s
     if not config.checkpoint.validate_batches:
         return []
     if dataset_dir is None:
-        from goodput.data.prepare import locate
+        from goodput.data.prepare import dataset_for_training
         from storage.store import store_from_config
 
-        dataset_dir = Path(locate(config, store_from_config(config.storage)).local_dir)
+        dataset_dir = dataset_for_training(config, store_from_config(config.storage))
     return ["--dataset", str(dataset_dir),
             "--eval-batches", str(config.checkpoint.validate_batches),
             "--loss-tolerance", str(config.checkpoint.validate_loss_tolerance)]

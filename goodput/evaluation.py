@@ -11,7 +11,7 @@ from core.protocol import copy_id, is_committed, step_of
 from goodput.checkpoint_lifecycle import download_checkpoint, ledger_of, restore_ledger
 from goodput.runs import write_run_config
 from storage.ledger import choose_resume, readable_copy
-from storage.manifests import DatasetManifest, EvalReport
+from storage.manifests import EvalReport, dataset_id_of
 
 
 def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = None) -> Path:
@@ -56,7 +56,7 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path) -> EvalRepo
         report = EvalReport.model_validate_json(out.read_text())
         if (report.checkpoint == str(checkpoint) and report.copy_id == copy_id(checkpoint)
                 and report.eval_hash == config.eval_hash()
-                and report.dataset_id == DatasetManifest.load(dataset_dir).dataset_id):
+                and report.dataset_id == dataset_id_of(dataset_dir)):
             return report
     config_path = write_run_config(config)
     proc = subprocess.run(

@@ -16,6 +16,7 @@ from core.files import sha256_file, write_atomic
 from core.protocol import CHECKPOINT_MANIFEST
 
 DATASET_MANIFEST = "manifest.json"
+MIXTURE_MANIFEST = "mixture.json"  # in a directory of its own: the mix training reads
 
 
 class FileEntry(BaseModel):
@@ -63,6 +64,42 @@ class DatasetManifest(BaseModel):
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "DatasetManifest":
         return cls.model_validate_json((Path(directory) / DATASET_MANIFEST).read_text())
+
+
+class MixSource(BaseModel):
+    name: str
+    weight: float = Field(description="Its share of training tokens from the start (data.sources).")
+    dataset_id: str
+    dir: str | None = Field(None, description="Where training reads it on this machine: the "
+                            "dataset dir or its shard cache (set when training locates it).")
+
+
+class MixtureManifest(BaseModel):
+    """A mixture of prepared datasets that share one tokenizer (data.sources)."""
+
+    dataset_id: str = Field(description="The mix's id: a hash of its sources' names, weights "
+                            "and dataset ids.")
+    tokenizer_sha256: str
+    vocab_size: int
+    eos_id: int
+    sources: list[MixSource]
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        path = Path(directory) / MIXTURE_MANIFEST
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, self.model_dump_json(indent=2).encode())
+        return path
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "MixtureManifest":
+        return cls.model_validate_json((Path(directory) / MIXTURE_MANIFEST).read_text())
+
+
+def dataset_id_of(directory: str | os.PathLike) -> str:
+    """The id of the dataset or mixture in `directory` (what a report was evaluated on)."""
+    if (Path(directory) / MIXTURE_MANIFEST).is_file():
+        return MixtureManifest.load(directory).dataset_id
+    return DatasetManifest.load(directory).dataset_id
 
 
 class CheckpointManifest(BaseModel):
@@ -156,3 +193,5 @@ class EvalReport(BaseModel):
     # A report is reused only for the same of both; older reports without them never are.
     copy_id: str | None = None
     eval_hash: str | None = None
+    # A mixture: the held-out loss of each source (`loss` is theirs, weighted as the mix).
+    source_losses: dict[str, float] = Field(default_factory=dict)

@@ -29,7 +29,8 @@ def locate_checkpoint(config: RunConfig, checkpoint: str | None) -> Path:
       tags=["evaluate"])
 def evaluate_checkpoint(config: RunConfig, checkpoint: Path, dataset_dir: Path) -> EvalReport:
     report = evaluation.evaluate(config, checkpoint, dataset_dir)
-    get_run_logger().info(f"step {report.step}: held-out loss {report.loss:.4f}, "
+    per_source = "".join(f", {name} {loss:.4f}" for name, loss in report.source_losses.items())
+    get_run_logger().info(f"step {report.step}: held-out loss {report.loss:.4f}{per_source}, "
                           f"perplexity {report.perplexity:.2f} ({report.tokens_evaluated:,} tokens)")
     return report
 
@@ -40,6 +41,8 @@ def publish_eval_report(report: EvalReport) -> None:
             {"metric": "perplexity", "value": f"{report.perplexity:.2f}"},
             {"metric": "tokens evaluated", "value": f"{report.tokens_evaluated:,}"},
             {"metric": "checkpoint step", "value": str(report.step)}]
+    rows += [{"metric": f"held-out loss of {name}", "value": f"{loss:.4f}"}
+             for name, loss in report.source_losses.items()]
     rows += [{"metric": f"sample {i + 1}", "value": f"{s.prompt!r} → {s.completion!r}"}
              for i, s in enumerate(report.samples)]
     create_table_artifact(table=rows, key=artifact_key("eval", report.run_id),
@@ -49,7 +52,7 @@ def publish_eval_report(report: EvalReport) -> None:
 @task(name="record-eval", cache_policy=NO_CACHE, tags=["evaluate"])
 def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
     values = {"step": report.step, "loss": report.loss, "perplexity": report.perplexity,
-              "tokens_evaluated": report.tokens_evaluated,
+              "tokens_evaluated": report.tokens_evaluated, "source_losses": report.source_losses,
               "report": str(config.run_dir.eval_report(report.step)),
               "wall_time_s": time.time() - started}
     update_summary(config.run_dir, "evaluate", values)

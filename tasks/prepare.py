@@ -20,11 +20,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner
 
-from core.config import DataConfig, PrepareConfig, RunConfig, StorageConfig
+from core.config import DataConfig, PrepareConfig, RunConfig, SourceConfig, StorageConfig
 from core.errors import ConfigError, DataError
 from goodput.data import prepare as lib
 from goodput.runs import update_summary
-from storage.manifests import DatasetManifest
+from storage.manifests import DatasetManifest, MixtureManifest
 from storage.store import store_from_config
 
 TAGS = ["prepare"]
@@ -147,8 +147,14 @@ def _one_thread_per_process() -> None:
 
 
 @task(name="plan-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
-def plan_dataset(config: RunConfig) -> lib.DatasetPlan:
-    return lib.plan_dataset(config)
+def plan_dataset(config: RunConfig, tokenizer_from: str | None = None) -> lib.DatasetPlan:
+    return lib.plan_dataset(config, tokenizer_from)
+
+
+@task(name="mix-datasets", cache_policy=NO_CACHE, tags=TAGS)
+def mix_datasets(sources: list[tuple[SourceConfig, DatasetManifest]]) -> MixtureManifest:
+    """The mixture of the sources' datasets, refused unless they share one tokenizer."""
+    return lib.mixture_manifest(sources)
 
 
 @task(name="find-prepared-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
@@ -196,14 +202,22 @@ def publish(plan: lib.DatasetPlan, manifest: DatasetManifest, storage: StorageCo
 
 
 @task(name="record-prepare", cache_policy=NO_CACHE, tags=TAGS)
-def record_prepare(config: RunConfig, manifest: DatasetManifest, started: float,
-                   tokenize_s: float | None = None, workers: list[str] | None = None) -> dict:
-    """Write the prepare stage's part of the run's summary.json (`tokenize_s`: the work
-    units' wall time, None when the dataset was found prepared; `workers`: where they ran)."""
-    values = {"dataset_id": manifest.dataset_id, "source": manifest.source,
-              "vocab_size": manifest.vocab_size,
-              "tokens": {split: manifest.n_tokens(split) for split in manifest.splits},
-              "skipped_records": manifest.skipped_records,
-              "tokenize_s": tokenize_s, "workers": workers, "wall_time_s": time.time() - started}
+def record_prepare(config: RunConfig, prepared: list[tuple[str, DatasetManifest, float | None, list[str] | None]],
+                   started: float, mix: MixtureManifest | None = None) -> dict:
+    """Write the prepare stage's part of the run's summary.json: per source (name, manifest,
+    `tokenize_s`: the work units' wall time, None when the dataset was found prepared;
+    `workers`: where they ran), and the mix's id for data.sources."""
+    per_source = {}
+    for name, manifest, tokenize_s, workers in prepared:
+        per_source[name] = {
+            "dataset_id": manifest.dataset_id, "source": manifest.source,
+            "vocab_size": manifest.vocab_size,
+            "tokens": {split: manifest.n_tokens(split) for split in manifest.splits},
+            "skipped_records": manifest.skipped_records, "tokenize_s": tokenize_s, "workers": workers}
+    if mix is None:  # a mix of one: its dataset is the stage's
+        values = next(iter(per_source.values()))
+    else:
+        values = {"dataset_id": mix.dataset_id, "vocab_size": mix.vocab_size, "sources": per_source}
+    values["wall_time_s"] = time.time() - started
     update_summary(config.run_dir, "prepare", values)
     return values

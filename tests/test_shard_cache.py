@@ -48,12 +48,12 @@ def test_a_stream_through_the_cache_reads_what_the_local_copy_reads_within_its_l
                                     shuffle_window_tokens=2048)
     streamed_stream = TokenStream(cache_dir, DatasetManifest.load(cache_dir), "train")
     streamed = DistributedSampleLoader(streamed_stream, 32, 4, 0, 1, seed=3, shuffle_window_tokens=2048)
-    for _ in range(3 * streamed.samples_per_epoch // 4):  # three epochs
+    for _ in range(3 * streamed_stream.num_samples(32) // 4):  # three epochs
         assert np.array_equal(streamed.next_batch()[0], local.next_batch()[0])
         assert disk_usage(cache_dir) <= LIMIT
     # Evicted and fetched again each epoch; within an epoch a shard comes at most once per
     # window that reads it: once, or twice where a window boundary falls inside it.
-    shards, windows = len(manifest.splits["train"]), streamed.order.full_windows + 1
+    shards, windows = len(manifest.splits["train"]), streamed.sources[0].order.full_windows + 1
     assert shards < streamed_stream.cache.fetched <= 3 * (shards + windows)
 
 

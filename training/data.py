@@ -3,12 +3,16 @@
 A split's shards, in manifest order, form one token stream (memory-mapped, never loaded
 whole), read from a complete dataset directory or, shard by shard, from the store through a
 bounded local cache (training.shard_cache). The stream is cut into samples of `seq_len + 1`
-tokens that overlap by one token (inputs and shifted targets). Training visits samples in a seeded order per epoch
-(`WindowedShuffle`: a shuffle within windows of consecutive samples, the windows in a
-shuffled order, computed per sample in constant memory); the position in that *global*
-order is the loader's whole state, so a run resumes on any number of ranks without repeating
-or skipping a sample: at each micro-step the data-parallel ranks together take the next
-`micro_batch * dp_size` global samples, rank r the r-th slice.
+tokens that overlap by one token (inputs and shifted targets).
+
+Training draws from a mix of such datasets (a mix of one without data.sources): `MixSchedule`
+decides which source each sample of the *global* order comes from, by weight and stage, and
+which of that source's samples it is; each source visits its samples in a seeded order per
+epoch (`WindowedShuffle`: a shuffle within windows of consecutive samples, the windows in a
+shuffled order, computed per sample in constant memory). The position in the global order
+and the samples taken from each source are the loader's whole state, so a run resumes on any
+number of ranks without repeating or skipping a sample: at each micro-step the data-parallel
+ranks together take the next `micro_batch * dp_size` global samples, rank r the r-th slice.
 """
 
 from __future__ import annotations
@@ -16,15 +20,76 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from core.config import SINGLE_SOURCE
 from core.errors import ConfigError, DataError
-from storage.manifests import DatasetManifest
+from storage.manifests import DATASET_MANIFEST, MIXTURE_MANIFEST, DatasetManifest, MixtureManifest
 from storage.shards import read_tokens
 from training.shard_cache import ShardCache, is_cache
+
+
+@dataclass
+class SourceData:
+    """One prepared dataset of the mix, where this machine reads it."""
+
+    name: str
+    weight: float  # its share from the start (data.sources), for the mix's held-out loss
+    dir: Path
+    manifest: DatasetManifest
+
+    def stream(self, split: str) -> "TokenStream":
+        return TokenStream(self.dir, self.manifest, split)
+
+
+@dataclass
+class TrainingData:
+    """What `--dataset DIR` names: a prepared dataset (a mix of one) or a mixture of them."""
+
+    dataset_id: str
+    sources: list[SourceData]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.sources[0].manifest.vocab_size
+
+    @property
+    def tokenizer_path(self) -> Path:
+        first = self.sources[0]
+        return first.dir / first.manifest.tokenizer
+
+    def mix_weights(self) -> dict[str, float]:
+        """The sources' weights as shares of the mix (those of its first stage)."""
+        total = sum(s.weight for s in self.sources)
+        return {s.name: s.weight / total for s in self.sources}
+
+
+def open_training_data(directory: str | Path) -> TrainingData:
+    """The dataset or mixture in `directory` (a mixture.json lists its datasets' dirs)."""
+    directory = Path(directory)
+    if (directory / MIXTURE_MANIFEST).is_file():
+        mix = MixtureManifest.load(directory)
+        sources = []
+        for source in mix.sources:
+            if not (Path(source.dir) / DATASET_MANIFEST).is_file():
+                raise ConfigError(f"{directory / MIXTURE_MANIFEST}: source {source.name}'s dataset "
+                                  f"is not in {source.dir}; locate the mix again (the train flow "
+                                  "does) on this machine")
+            manifest = DatasetManifest.load(source.dir)
+            if manifest.tokenizer_sha256 != mix.tokenizer_sha256:
+                raise ConfigError(f"source {source.name} ({source.dir}) was tokenized with another "
+                                  "tokenizer than the mix's; prepare it again with the mix")
+            sources.append(SourceData(source.name, source.weight, Path(source.dir), manifest))
+        return TrainingData(mix.dataset_id, sources)
+    if (directory / DATASET_MANIFEST).is_file():
+        manifest = DatasetManifest.load(directory)
+        return TrainingData(manifest.dataset_id, [SourceData(SINGLE_SOURCE, 1.0, directory, manifest)])
+    raise ConfigError(f"--dataset {directory}: no prepared dataset there (no {DATASET_MANIFEST} "
+                      f"or {MIXTURE_MANIFEST}); prepare it (goodput prepare) and pass its directory")
 
 
 class TokenStream:
@@ -210,26 +275,129 @@ class WindowedShuffle:
         return cached[1]
 
 
-class DistributedSampleLoader:
-    """Yields this rank's micro-batches (inputs, targets) in a resumable global order."""
+class MixSchedule:
+    """Which source each sample of the global order comes from, and which of its samples.
 
-    def __init__(self, stream: TokenStream, seq_len: int, micro_batch: int, dp_rank: int,
-                 dp_size: int, seed: int, shuffle_window_tokens: int = 2**28):
-        self.stream, self.seq_len, self.micro_batch = stream, seq_len, micro_batch
+    Within a stage (weights w, normalised), source s's k-th sample of the stage falls at time
+    (k + 1/2) / w_s, and the global order takes every source's samples by time (a tie: the
+    source listed first). That is stride scheduling (Sainte-Lague's apportionment): every
+    prefix of the order holds each source's share to within about a sample, deterministically,
+    and the order is the same however it is cut into batches. The state is the position and
+    the samples taken from each source (in all and since the stage began): a few integers
+    per source, whatever the dataset's size or the layout.
+    """
+
+    CHUNK = 2**16  # samples decided at once (a skipped window may span millions)
+
+    def __init__(self, names: list[str], stages: list[tuple[int, dict[str, float]]]):
+        self.names = list(names)
+        self.starts = [start for start, _ in stages]
+        self.weights = []
+        for start, weights in stages:
+            shares = np.array([float(weights.get(name, 0.0)) for name in self.names])
+            if not shares.sum() > 0:
+                raise ConfigError(f"the mix's weights from sample {start} on give none of its "
+                                  f"sources ({', '.join(self.names)}) a positive weight")
+            self.weights.append(shares / shares.sum())
+        self.position = 0
+        self.taken = np.zeros(len(names), np.int64)  # samples taken from each source
+        self.stage_base = np.zeros(len(names), np.int64)  # `taken` when the stage began
+
+    def take(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The next `n` global samples: each one's source (an index into names) and its
+        index among that source's samples (counting from the run's start)."""
+        sources, indexes = [], []
+        while n > 0:
+            stage = int(np.searchsorted(self.starts, self.position, side="right")) - 1
+            end = self.starts[stage + 1] if stage + 1 < len(self.starts) else None
+            m = min(n, self.CHUNK, end - self.position if end is not None else n)
+            chosen = self._merge(self.weights[stage], self.taken - self.stage_base, m)
+            index = np.empty(m, np.int64)
+            for source in np.unique(chosen):
+                mine = chosen == source
+                index[mine] = self.taken[source] + np.arange(int(mine.sum()))
+            self.taken += np.bincount(chosen, minlength=len(self.names))
+            self.position += m
+            n -= m
+            if self.position == end:
+                self.stage_base = self.taken.copy()
+            sources.append(chosen)
+            indexes.append(index)
+        return np.concatenate(sources), np.concatenate(indexes)
+
+    @staticmethod
+    def _merge(weights: np.ndarray, taken_in_stage: np.ndarray, m: int) -> np.ndarray:
+        times, owners = [], []
+        for source in np.flatnonzero(weights > 0):
+            k = taken_in_stage[source] + np.arange(m, dtype=np.float64)
+            times.append((k + 0.5) / weights[source])
+            owners.append(np.full(m, source, np.int64))
+        times, owners = np.concatenate(times), np.concatenate(owners)
+        return owners[np.lexsort((owners, times))[:m]]
+
+    def state_dict(self) -> dict:
+        return {"taken": dict(zip(self.names, self.taken.tolist())),
+                "stage_base": dict(zip(self.names, self.stage_base.tolist()))}
+
+    def load_state_dict(self, position: int, state: dict) -> None:
+        if sorted(state["taken"]) != sorted(self.names):
+            raise ConfigError(f"checkpoint data mix was {', '.join(state['taken'])}, this run's is "
+                              f"{', '.join(self.names)}; resuming would change which samples are "
+                              "seen — start a new run id instead")
+        self.position = position
+        self.taken = np.array([state["taken"][n] for n in self.names], np.int64)
+        self.stage_base = np.array([state["stage_base"][n] for n in self.names], np.int64)
+
+
+class _Source:
+    """A source as the loader reads it: its stream and its own order of samples."""
+
+    def __init__(self, name: str, stream: TokenStream, seq_len: int, window_tokens: int, seed):
+        self.name, self.stream = name, stream
+        self.samples = stream.num_samples(seq_len)
+        self.order = WindowedShuffle(self.samples, max(1, window_tokens // seq_len), seed) \
+            if self.samples else None
+        self.window: tuple[int, int] | None = None
+
+
+class DistributedSampleLoader:
+    """Yields this rank's micro-batches (inputs, targets) in a resumable global order.
+
+    `streams`: each source's train stream by name (a single stream: a mix of one); `stages`:
+    RunConfig.mix_stages(), the weights from each stage's first global sample on.
+    """
+
+    def __init__(self, streams: TokenStream | dict[str, TokenStream], seq_len: int, micro_batch: int,
+                 dp_rank: int, dp_size: int, seed: int, shuffle_window_tokens: int = 2**28,
+                 stages: list[tuple[int, dict[str, float]]] | None = None):
+        if isinstance(streams, TokenStream):
+            streams = {SINGLE_SOURCE: streams}
+        stages = stages or [(0, {name: 1.0 for name in streams})]
+        self.seq_len, self.micro_batch = seq_len, micro_batch
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.shuffle_window_tokens = shuffle_window_tokens
-        self.samples_per_epoch = stream.num_samples(seq_len)
-        if self.samples_per_epoch < micro_batch * dp_size:
-            raise DataError(
-                f"the train split has {stream.n_tokens} tokens, {self.samples_per_epoch} samples "
-                f"of seq_len={seq_len}: fewer than one micro-batch across ranks "
-                f"({micro_batch} x {dp_size}); add data or lower training.seq_len")
-        self.sample_index = 0  # next global sample to hand out, across all ranks
+        # A mix of one keeps the order it had before mixtures; each source of a mix its own.
+        self.sources = [_Source(name, stream, seq_len, shuffle_window_tokens,
+                                seed if len(streams) == 1 else (seed, name))
+                        for name, stream in streams.items()]
+        # A mix of one must fill a micro-batch of every rank; a source of a mix, one sample.
+        needed, what = ((micro_batch * dp_size, f"one micro-batch across ranks ({micro_batch} x "
+                         f"{dp_size})") if len(streams) == 1 else (1, "one sample"))
+        for source in self.sources:
+            drawn = any(weights.get(source.name, 0) > 0 for _, weights in stages)
+            if drawn and source.samples < needed:
+                raise DataError(
+                    f"the train split of {source.name} has {source.stream.n_tokens} tokens, "
+                    f"{source.samples} samples of seq_len={seq_len}: fewer than {what}; add "
+                    "data or lower training.seq_len")
+        self.schedule = MixSchedule(list(streams), stages)
         self.wait_s = 0.0  # time the trainer spent in next_batch since take_wait_s
         self.skips: list[tuple[int, int]] = []  # [start, end) windows never handed out
-        self.order = WindowedShuffle(self.samples_per_epoch,
-                                     max(1, shuffle_window_tokens // seq_len), seed)
-        self._window: tuple[int, int] | None = None
+
+    @property
+    def sample_index(self) -> int:
+        """The next global sample to hand out, across all ranks."""
+        return self.schedule.position
 
     def skip_windows(self, windows: list[tuple[int, int]]) -> None:
         """Never hand out global samples in these windows (each starts on a step boundary)."""
@@ -243,27 +411,34 @@ class DistributedSampleLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         started = time.perf_counter()
         for start, end in self.skips:
-            if start <= self.sample_index < end:
-                self.sample_index = end
-        first = self.sample_index + self.dp_rank * self.micro_batch
-        window = self.order.window_span(first)
-        if window != self._window:  # a new window: its shards are what the cache must keep
-            self._window = window
-            self.stream.focus(window[0] * self.seq_len, window[1] * self.seq_len + 1)
-        # The shards of the window after this one come ahead of use (when they need fetching).
-        coming, samples = self.order.window_span(first + self.order.window)
-        self.stream.prefetch(coming * self.seq_len, samples * self.seq_len + 1)
-        rows = [self.stream.window(self.order(first + i) * self.seq_len, self.seq_len + 1)
-                for i in range(self.micro_batch)]
-        self.sample_index += self.micro_batch * self.dp_size
+            if start <= self.sample_index < end:  # the window's samples are taken, unseen
+                self.schedule.take(end - self.sample_index)
+        sources, indexes = self.schedule.take(self.micro_batch * self.dp_size)
+        mine = slice(self.dp_rank * self.micro_batch, (self.dp_rank + 1) * self.micro_batch)
+        sources, indexes = sources[mine], indexes[mine]
+        for s in np.unique(sources):
+            self._read_ahead(self.sources[s], int(indexes[np.argmax(sources == s)]))
+        rows = []
+        for s, k in zip(sources.tolist(), indexes.tolist()):
+            source = self.sources[s]
+            rows.append(source.stream.window(source.order(k) * self.seq_len, self.seq_len + 1))
         batch = torch.from_numpy(np.stack(rows))
         inputs, targets = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()
         self.wait_s += time.perf_counter() - started
         return inputs, targets
 
+    def _read_ahead(self, source: _Source, index: int) -> None:
+        """Keep the window of `source`'s sample `index` in its cache; fetch the next ahead."""
+        window = source.order.window_span(index)
+        if window != source.window:  # a new window: its shards are what the cache must keep
+            source.window = window
+            source.stream.focus(window[0] * self.seq_len, window[1] * self.seq_len + 1)
+        coming, samples = source.order.window_span(index + source.order.window)
+        source.stream.prefetch(coming * self.seq_len, samples * self.seq_len + 1)
+
     def state_dict(self) -> dict:
         return {"sample_index": self.sample_index, "seed": self.seed, "seq_len": self.seq_len,
-                "shuffle_window_tokens": self.shuffle_window_tokens}
+                "shuffle_window_tokens": self.shuffle_window_tokens, **self.schedule.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         # Checkpoints from before the windowed shuffle have no window: their order differs.
@@ -274,7 +449,10 @@ class DistributedSampleLoader:
                 f"shuffle_window_tokens={window}, this run has seq_len={self.seq_len} "
                 f"seed={self.seed} shuffle_window_tokens={self.shuffle_window_tokens}; resuming "
                 "would change which samples are seen — start a new run id instead")
-        self.sample_index = int(state["sample_index"])
+        position = int(state["sample_index"])
+        if "taken" not in state:  # from before mixtures: one source, every sample its own
+            state = {"taken": {SINGLE_SOURCE: position}, "stage_base": {SINGLE_SOURCE: 0}}
+        self.schedule.load_state_dict(position, state)
 
 
 def sequential_batches(stream: TokenStream, seq_len: int, batch_size: int, max_batches: int):

@@ -16,10 +16,10 @@ from tokenizers import Tokenizer
 
 from core.files import write_atomic
 from core.protocol import copy_id
-from storage.manifests import DatasetManifest, EvalReport, EvalSample
+from storage.manifests import EvalReport, EvalSample
 from training.checkpoint.reader import load_model
-from training.data import TokenStream
-from training.held_out import held_out_loss
+from training.data import open_training_data
+from training.held_out import mix_held_out_loss
 from training.logs import get_logger, setup_worker_logging
 from training.model import Transformer
 from training.tokenizer import load_tokenizer
@@ -47,17 +47,18 @@ def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_c
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     evaluated_copy = copy_id(checkpoint)  # before loading: the copy the report speaks of
     model, ckpt = load_model(checkpoint, device)
-    dataset = DatasetManifest.load(dataset_dir)
-    stream = TokenStream(dataset_dir, dataset, "validation")
-    loss, tokens = held_out_loss(model, stream, seq_len, eval_cfg.batch_size, eval_cfg.max_batches, device)
-    tokenizer = load_tokenizer(dataset_dir / dataset.tokenizer)  # prompts encode as text, as documents did
+    data = open_training_data(dataset_dir)
+    loss, tokens, source_losses = mix_held_out_loss(model, data, seq_len, eval_cfg.batch_size,
+                                                    eval_cfg.max_batches, device)
+    tokenizer = load_tokenizer(data.tokenizer_path)  # prompts encode as text, as documents did
     samples = generate_samples(model, tokenizer, eval_cfg.prompts, eval_cfg.num_samples,
                                eval_cfg.sample_tokens, eval_cfg.temperature, eval_cfg.top_k, seed, device)
     return EvalReport(run_id=run_id, step=ckpt.step, checkpoint=str(checkpoint),
-                      dataset_id=dataset.dataset_id, loss=loss, perplexity=math.exp(loss),
+                      dataset_id=data.dataset_id, loss=loss, perplexity=math.exp(loss),
                       tokens_evaluated=tokens, samples=samples,
                       wall_time_s=time.perf_counter() - start, created_at=time.time(),
-                      copy_id=evaluated_copy)
+                      copy_id=evaluated_copy,
+                      source_losses=source_losses if len(data.sources) > 1 else {})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,8 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     report = report.model_copy(update={"eval_hash": config.eval_hash()})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, report.model_dump_json(indent=2).encode())
-    log.info("step %d: loss %.4f, perplexity %.2f over %s tokens", report.step, report.loss,
-             report.perplexity, f"{report.tokens_evaluated:,}")
+    log.info("step %d: loss %.4f, perplexity %.2f over %s tokens%s", report.step, report.loss,
+             report.perplexity, f"{report.tokens_evaluated:,}",
+             "".join(f", {name} {loss:.4f}" for name, loss in report.source_losses.items()))
     return 0
 
 

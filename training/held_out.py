@@ -1,14 +1,14 @@
 """The held-out loss: mean next-token cross-entropy over the start of the validation split.
 
 Used by the evaluation report, and by checkpoint validation to catch weights that are finite
-but wrong."""
+but wrong. A mix's is each source's, and theirs weighted by the mix's shares."""
 
 from __future__ import annotations
 
 import torch
 
 from core.errors import DataError
-from training.data import TokenStream, sequential_batches
+from training.data import TokenStream, TrainingData, sequential_batches
 from training.model import Transformer
 
 
@@ -26,3 +26,16 @@ def held_out_loss(model: Transformer, stream: TokenStream, seq_len: int, batch_s
         raise DataError(f"validation split has {stream.n_tokens} tokens, not enough for one "
                         f"sample of seq_len={seq_len}; add data or raise data.validation_fraction")
     return total / tokens, tokens
+
+
+def mix_held_out_loss(model: Transformer, data: TrainingData, seq_len: int, batch_size: int,
+                      max_batches: int, device: torch.device) -> tuple[float, int, dict[str, float]]:
+    """The held-out loss of each source (over its first `max_batches` validation batches),
+    the mix's (theirs weighted by data.sources' shares) and the tokens it covers."""
+    losses, tokens = {}, 0
+    for source in data.sources:
+        losses[source.name], covered = held_out_loss(model, source.stream("validation"), seq_len,
+                                                     batch_size, max_batches, device)
+        tokens += covered
+    shares = data.mix_weights()
+    return sum(shares[name] * loss for name, loss in losses.items()), tokens, losses

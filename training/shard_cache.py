@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from core.config import StorageConfig
-from core.errors import ConfigError
+from core.errors import ConfigError, DataError
 from core.files import sha256_file, write_atomic
 from storage.manifests import DatasetManifest, ShardInfo
 from storage.store import IntegrityError, store_from_config
@@ -136,7 +136,13 @@ class ShardCache:
         key = f"{self.prefix}/{shard.path}"
         partial = local.with_name(f".{shard.path}.{os.getpid()}.partial")
         try:
-            self.store.get_file(key, partial)
+            try:
+                self.store.get_file(key, partial)
+            except FileNotFoundError as gone:
+                raise DataError(
+                    f"shard {shard.path} of dataset {self.manifest.dataset_id} is gone from "
+                    f"{self.store.url(key)}: the dataset in the store is damaged; prepare it "
+                    "again (goodput prepare)") from gone
             size, sha256 = partial.stat().st_size, sha256_file(partial)
             if (size, sha256) != (shard.size, shard.sha256):
                 raise IntegrityError(
@@ -184,10 +190,12 @@ def _files(directory: Path, pattern: str) -> list[tuple[int, int, Path]]:
     return found
 
 
-def check_cache_limit(limit_bytes: int | None, manifest: DatasetManifest, window_tokens: int) -> None:
+def check_cache_limit(limit_bytes: int | None, manifest: DatasetManifest, window_tokens: int,
+                      sharers: int = 1) -> None:
     """A cache must hold what training reads at once: two shuffle windows' shards (the one
     being read and the next, fetched ahead; each may straddle a shard at either end), plus
-    the validation split's shard being read."""
+    the validation split's shard being read. `limit_bytes` is data.cache_limit's share when
+    `sharers` streamed sources of a mix share it."""
     if limit_bytes is None:
         return
     shards = [s for split in manifest.splits.values() for s in split]
@@ -195,11 +203,13 @@ def check_cache_limit(limit_bytes: int | None, manifest: DatasetManifest, window
     bytes_per_token = max(s.size / max(1, s.n_tokens) for s in shards)
     needed = int(2 * window_tokens * bytes_per_token) + 4 * largest
     if limit_bytes < needed:
+        shared = f" (a share of {sharers} streamed sources)" if sharers > 1 else ""
         raise ConfigError(
-            f"data.cache_limit={limit_bytes:,} bytes cannot hold what training reads at once "
-            f"(two windows of training.shuffle_window_tokens={window_tokens:,} and a few shards "
-            f"of up to {largest:,} bytes): raise data.cache_limit to at least {needed:,} bytes "
-            "or lower training.shuffle_window_tokens")
+            f"data.cache_limit={limit_bytes * sharers:,} bytes{shared} cannot hold what training "
+            f"reads at once (two windows of training.shuffle_window_tokens={window_tokens:,} and "
+            f"a few shards of up to {largest:,} bytes{' per source' if sharers > 1 else ''}): "
+            f"raise data.cache_limit to at least {needed * sharers:,} bytes or lower "
+            "training.shuffle_window_tokens")
 
 
 class _Pending:

@@ -25,10 +25,9 @@ from core.config import RunConfig
 from core.errors import ConfigError
 from core.layout import ParallelDims
 from core.protocol import ENV_MTBF_S, ENV_RESTART_WAIT_S, ResumeSpec, attempt_of_worker
-from storage.manifests import DATASET_MANIFEST, DatasetManifest
 from training.checkpoint.component import Checkpointer, Progress
 from training.checkpoint.resume import resolve_resume
-from training.data import DistributedSampleLoader, TokenStream
+from training.data import DistributedSampleLoader, open_training_data
 from training.distributed import Dist, init_distributed
 from training.logs import get_logger
 from training.metrics import MetricsWriter, StepMetrics, peak_flops
@@ -46,14 +45,16 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     dims = layout_dims(config, env)
     torch.manual_seed(tcfg.seed)
 
-    if not (dataset_dir / DATASET_MANIFEST).is_file():
-        raise ConfigError(f"--dataset {dataset_dir}: no prepared dataset there (no {DATASET_MANIFEST}); "
-                          "prepare it (goodput prepare) and pass its directory")
-    dataset = DatasetManifest.load(dataset_dir)
+    data = open_training_data(dataset_dir)
+    names = [source.name for source in config.data.mix()]
+    if [source.name for source in data.sources] != names:
+        raise ConfigError(f"--dataset {dataset_dir} holds the sources "
+                          f"{', '.join(s.name for s in data.sources)}, the config mixes {', '.join(names)}; "
+                          "pass the directory the train flow located for this config")
     # On the meta device: parallelize allocates and initialises only this rank's part of it
     # (the single-process model's weights in every layout, from training.seed).
     with torch.device("meta"):
-        model = Transformer(model_args_from_config(config.model, dataset.vocab_size))
+        model = Transformer(model_args_from_config(config.model, data.vocab_size))
     model_args, n_params = vars(model.args), model.num_params(non_embedding=False)
     flops_per_token = model.flops_per_token(tcfg.seq_len)
     start = resolve_resume(resume, config.run_dir, float(os.environ.get(ENV_RESTART_WAIT_S, "0")))
@@ -64,9 +65,9 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
                          seed=tcfg.seed if start is None else None)
     del model  # from here on the layout's parts are the model
     optimizers = [build_optimizer(part, tcfg, env.device) for part in layout.model_parts]
-    loader = DistributedSampleLoader(TokenStream(dataset_dir, dataset, "train"), tcfg.seq_len,
-                                     tcfg.micro_batch_size, layout.dp_rank, layout.dp_size, tcfg.seed,
-                                     tcfg.shuffle_window_tokens)
+    loader = DistributedSampleLoader({source.name: source.stream("train") for source in data.sources},
+                                     tcfg.seq_len, tcfg.micro_batch_size, layout.dp_rank, layout.dp_size,
+                                     tcfg.seed, tcfg.shuffle_window_tokens, config.mix_stages())
     tokens_per_step = tcfg.tokens_per_rank_step * layout.dp_size
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     metrics = StepMetrics(MetricsWriter(config.run_dir, enabled=env.is_main), attempt=attempt_of_worker(),
@@ -80,7 +81,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     checkpointer = Checkpointer(
         config, layout.model_parts, optimizers, progress, loader,
         {"world_size": env.world_size, "layout": dims.degrees, "config_hash": config.config_hash(),
-         "dataset_id": dataset.dataset_id, "model_args": model_args, "seq_len": tcfg.seq_len},
+         "dataset_id": data.dataset_id, "model_args": model_args, "seq_len": tcfg.seq_len},
         # The supervisor passes the run's MTBF so far; a plain run has only the configured one.
         mtbf_s=float(os.environ.get(ENV_MTBF_S) or (config.faults.mtbf_hours or 0) * 3600),
         fault_hook=faults.in_save,

@@ -20,6 +20,10 @@ are gone.
 Units that run on other machines (a Ray cluster) share no disk with this one: they write
 straight to the store (`to_store`), recording themselves done there, and the manifest is
 sealed there; nothing of the dataset stays on this machine.
+
+A mixture (data.sources) is a dataset per source, each prepared as above and reused by every
+mix that lists it; they share one tokenizer (`mix_plans`). Training reads a mixture.json that
+names where each source's dataset is (`dataset_for_training`).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel
 
-from core.config import DataConfig, RunConfig, StorageConfig, parse_bytes
+from core.config import SINGLE_SOURCE, DataConfig, RunConfig, SourceConfig, StorageConfig, parse_bytes
 from core.errors import ConfigError, DataError
 from core.files import canonical_json, sha256_bytes, sha256_file, write_atomic
 from goodput.data.corpus import BUILTIN, build_builtin_corpus, builtin_description
@@ -52,7 +56,7 @@ from goodput.data.sources import (
     read_documents,
     split_into_pieces,
 )
-from storage.manifests import DATASET_MANIFEST, DatasetManifest, ShardInfo
+from storage.manifests import DATASET_MANIFEST, DatasetManifest, MixSource, MixtureManifest, ShardInfo
 from storage.shards import ShardWriter, token_dtype
 from storage.store import Store, store_from_config, usable_anywhere
 from training.shard_cache import check_cache_limit, write_cache_settings
@@ -66,6 +70,7 @@ TOKENIZER_FILE = "tokenizer.json"
 UNITS_DIR = "units"
 BY_SETTINGS = "by-settings"
 CACHE_DIR = "cache"  # <data_dir>/cache/<dataset_id>: shards read from the store for training
+MIXES_DIR = "mixes"  # <data_dir>/mixes/<mix id>/mixture.json: where a mix's sources are read
 _BATCH_BYTES = 4 * 2**20  # text per encode_batch call: with one shard, all a unit holds
 _SAMPLE_UNITS = 64  # the tokenizer's sample comes from at most this many units, spread out
 _UNITS_AT_LEAST, _MIN_UNIT_BYTES = 32, 16 * 2**20  # see unit_target_bytes
@@ -81,6 +86,7 @@ class DatasetPlan(BaseModel):
     store_prefix: str
     settings_key: str  # names the data settings, whatever the files hold: the pointer's key
     files: list[SourceFile] = []  # the listing; empty when found through the pointer
+    tokenizer_from: str | None = None  # a mix's later source: the first source's dataset id
 
     @property
     def dir(self) -> Path:
@@ -157,8 +163,11 @@ def list_files(config: RunConfig) -> list[SourceFile]:
     return files
 
 
-def plan_dataset(config: RunConfig) -> DatasetPlan:
-    """Name the dataset by its inputs (the listing, not the bytes, unless asked) and place it."""
+def plan_dataset(config: RunConfig, tokenizer_from: str | None = None) -> DatasetPlan:
+    """Name the dataset by its inputs (the listing, not the bytes, unless asked) and place it.
+
+    `tokenizer_from`: the dataset whose tokenizer this one uses (a mix trains one tokenizer,
+    on its first source, unless tokenizer.path gives it)."""
     data = config.data
     files = list_files(config)
     if data.source == BUILTIN:  # its file's name holds what determines it; its place does not
@@ -169,23 +178,27 @@ def plan_dataset(config: RunConfig) -> DatasetPlan:
         listing = fingerprint(files)
     if any(f.format == "hub" for f in files):  # the listing names the dataset, not its part
         listing = [listing, data.hub_config, data.hub_split]
-    inputs = {"source": listing, "tokenizer": _tokenizer_settings(config),
+    inputs = {"source": listing, "tokenizer": _tokenizer_settings(config, tokenizer_from),
               "prep": _shard_settings(data) | {"version": PREPARE_VERSION}}
-    return _plan(config, sha256_bytes(canonical_json(inputs))[:16], files)
+    return _plan(config, sha256_bytes(canonical_json(inputs))[:16], files, tokenizer_from)
 
 
-def _plan(config: RunConfig, dataset_id: str, files: list[SourceFile]) -> DatasetPlan:
+def _plan(config: RunConfig, dataset_id: str, files: list[SourceFile],
+          tokenizer_from: str | None) -> DatasetPlan:
     source = builtin_description() if config.data.source == BUILTIN else config.data.source
     return DatasetPlan(dataset_id=dataset_id, source=source,
                        local_dir=str(Path(config.data.data_dir) / dataset_id),
-                       store_prefix=f"datasets/{dataset_id}", settings_key=settings_key(config),
-                       files=files)
+                       store_prefix=f"datasets/{dataset_id}",
+                       settings_key=settings_key(config, tokenizer_from), files=files,
+                       tokenizer_from=tokenizer_from)
 
 
-def _tokenizer_settings(config: RunConfig) -> dict:
+def _tokenizer_settings(config: RunConfig, tokenizer_from: str | None = None) -> dict:
     tok = config.tokenizer
     if tok.path is not None:
         return {"sha256": sha256_file(given_tokenizer_file(tok.path))}
+    if tokenizer_from is not None:  # that dataset's id names its tokenizer's inputs
+        return {"dataset": tokenizer_from}
     return {"vocab_size": tok.vocab_size, "min_frequency": tok.min_frequency,
             "sample_bytes": parse_bytes(tok.sample_bytes)}
 
@@ -197,9 +210,12 @@ def _shard_settings(data: DataConfig) -> dict:
             "on_bad_record": data.on_bad_record}
 
 
-def settings_key(config: RunConfig) -> str:
-    """The data and tokenizer settings as written (not what the files hold)."""
-    tree = config.model_dump(include={"data", "tokenizer"}, exclude={"data": {"data_dir", "cache_limit"}})
+def settings_key(config: RunConfig, tokenizer_from: str | None = None) -> str:
+    """The data and tokenizer settings of one source as written (not what the files hold)."""
+    tree = config.model_dump(include={"data", "tokenizer"},
+                             exclude={"data": {"data_dir", "cache_limit", "sources", "stages"}})
+    if tokenizer_from is not None:
+        tree["tokenizer_from"] = tokenizer_from
     return sha256_bytes(canonical_json(tree))[:16]
 
 
@@ -238,7 +254,7 @@ def unit_target_bytes(files: list[SourceFile], unit_bytes: int) -> int:
 
 # -- finding a prepared dataset -------------------------------------------------------------
 
-def locate(config: RunConfig, store: Store) -> DatasetPlan:
+def locate(config: RunConfig, store: Store, tokenizer_from: str | None = None) -> DatasetPlan:
     """The plan of the dataset `config` trains on, for training, evaluation and validation.
 
     From the listing where the sources are here; where they are not (deleted after
@@ -246,10 +262,11 @@ def locate(config: RunConfig, store: Store) -> DatasetPlan:
     these data settings to the dataset id, locally or in the store.
     """
     try:
-        return plan_dataset(config)
+        return plan_dataset(config, tokenizer_from)
     except DataError as unlisted:
-        pointer_key = f"datasets/{BY_SETTINGS}/{settings_key(config)}.json"
-        local = Path(config.data.data_dir) / BY_SETTINGS / f"{settings_key(config)}.json"
+        key = settings_key(config, tokenizer_from)
+        pointer_key = f"datasets/{BY_SETTINGS}/{key}.json"
+        local = Path(config.data.data_dir) / BY_SETTINGS / f"{key}.json"
         try:
             pointer = local.read_bytes() if local.is_file() else store.get_bytes(pointer_key)
         except FileNotFoundError:
@@ -258,7 +275,7 @@ def locate(config: RunConfig, store: Store) -> DatasetPlan:
         dataset_id = json.loads(pointer)["dataset_id"]
         log.info("the sources are not listable here (%s); using dataset %s, prepared from these "
                  "data settings", unlisted, dataset_id)
-        return _plan(config, dataset_id, [])
+        return _plan(config, dataset_id, [], tokenizer_from)
 
 
 def find_prepared(plan: DatasetPlan, store: Store, fetch: bool = True) -> DatasetManifest | None:
@@ -293,21 +310,83 @@ def require_prepared(plan: DatasetPlan, store: Store, fetch: bool = True) -> Dat
     return manifest
 
 
+def mix_plans(config: RunConfig, store: Store | None = None) -> list[tuple[SourceConfig, DatasetPlan]]:
+    """Each source of the mix (data.sources, or data.source alone) with its dataset's plan.
+
+    A mix shares one tokenizer: tokenizer.path, or else the one trained on its first source,
+    which the later sources' datasets name by that dataset's id (so a source prepared for one
+    mix is reused by every mix with the same first source). With `store`, sources not
+    listable here are found by their data settings (`locate`)."""
+    plans, tokenizer_from = [], None
+    for source in config.data.mix():
+        source_config = config.source_config(source)
+        plan = (plan_dataset(source_config, tokenizer_from) if store is None
+                else locate(source_config, store, tokenizer_from))
+        plans.append((source, plan))
+        tokenizer_from = mix_tokenizer_from(config, plans[0][1].dataset_id)
+    return plans
+
+
+def mix_tokenizer_from(config: RunConfig, first_dataset_id: str) -> str | None:
+    """The dataset whose tokenizer a mix's later sources use: the first source's, unless
+    tokenizer.path gives the tokenizer to all."""
+    return first_dataset_id if config.tokenizer.path is None else None
+
+
+def mixture_manifest(sources: list[tuple[SourceConfig, DatasetManifest]],
+                     dirs: dict[str, str] | None = None) -> MixtureManifest:
+    """The mix of these prepared datasets, refused unless they share one tokenizer."""
+    first = sources[0][1]
+    for source, manifest in sources[1:]:
+        if (manifest.tokenizer_sha256, manifest.vocab_size) != (first.tokenizer_sha256, first.vocab_size):
+            raise ConfigError(
+                f"data.sources: {source.name} (dataset {manifest.dataset_id}) was tokenized with "
+                f"another tokenizer than {sources[0][0].name} (dataset {first.dataset_id}): a mix "
+                "needs one; set tokenizer.path, or leave it unset to use the one trained on the "
+                "first source, and prepare again")
+    listed = [[source.name, source.weight, manifest.dataset_id] for source, manifest in sources]
+    return MixtureManifest(
+        dataset_id=sha256_bytes(canonical_json(listed))[:16], tokenizer_sha256=first.tokenizer_sha256,
+        vocab_size=first.vocab_size, eos_id=first.eos_id,
+        sources=[MixSource(name=source.name, weight=source.weight, dataset_id=manifest.dataset_id,
+                           dir=(dirs or {}).get(source.name)) for source, manifest in sources])
+
+
 def dataset_for_training(config: RunConfig, store: Store) -> Path:
-    """The dataset directory that training, checkpoint validation and evaluation read.
+    """The directory that training, checkpoint validation and evaluation read: the dataset's
+    (a mix of one) or, for data.sources, a mixture.json naming each source's.
 
     A complete copy on this machine is read in place. Otherwise nothing is downloaded whole:
     a cache directory (`<data_dir>/cache/<dataset_id>`) gets the manifest and tokenizer, and
     the readers fetch each shard from the store when they need it, keeping at most
-    data.cache_limit on disk (training.shard_cache). Never prepared or damaged beyond what
-    the store holds: a ConfigError that says which.
+    data.cache_limit on disk (training.shard_cache; a mix's sources share it evenly). Never
+    prepared or damaged beyond what the store holds: a ConfigError that says which.
     """
-    plan = locate(config, store)
-    manifest = require_prepared(plan, store, fetch=False)
+    found = [(source, plan, require_prepared(plan, store, fetch=False))
+             for source, plan in mix_plans(config, store)]
+    mix = mixture_manifest([(source, manifest) for source, _, manifest in found])  # before any fetch
+    limit = parse_bytes(config.data.cache_limit) if config.data.cache_limit is not None else None
+    streamed = [plan for _, plan, _ in found if not (plan.dir / DATASET_MANIFEST).is_file()]
+    share = limit // len(streamed) if limit is not None and streamed else limit
+    dirs = {source.name: str(_reading_dir(config, plan, manifest, store, share, len(streamed)).resolve())
+            for source, plan, manifest in found}
+    if not config.data.sources:
+        return Path(dirs[SINGLE_SOURCE])
+    mix = mix.model_copy(update={"sources": [s.model_copy(update={"dir": dirs[s.name]}) for s in mix.sources]})
+    directory = Path(config.data.data_dir) / MIXES_DIR / mix.dataset_id
+    mix.save(directory)
+    log.info("mix %s: %s", mix.dataset_id, ", ".join(f"{s.name} {s.weight:g} ({s.dataset_id})"
+                                                      for s in mix.sources))
+    return directory
+
+
+def _reading_dir(config: RunConfig, plan: DatasetPlan, manifest: DatasetManifest, store: Store,
+                 limit: int | None, sharers: int) -> Path:
+    """A prepared dataset's dir on this machine, or its shard cache of `limit` bytes (the
+    share of data.cache_limit of each of `sharers` streamed sources)."""
     if (plan.dir / DATASET_MANIFEST).is_file():  # complete and verified on this machine
         return plan.dir
-    limit = parse_bytes(config.data.cache_limit) if config.data.cache_limit is not None else None
-    check_cache_limit(limit, manifest, config.training.shuffle_window_tokens)
+    check_cache_limit(limit, manifest, config.training.shuffle_window_tokens, sharers)
     cache = Path(config.data.data_dir) / CACHE_DIR / plan.dataset_id
     tokenizer = cache / manifest.tokenizer
     if not tokenizer.is_file() or sha256_file(tokenizer) != manifest.tokenizer_sha256:
@@ -319,7 +398,7 @@ def dataset_for_training(config: RunConfig, store: Store) -> Path:
     manifest.save(cache)
     write_cache_settings(cache, usable_anywhere(config.storage), plan.store_prefix, limit)
     log.info("dataset %s streams from %s through %s (cache limit %s)", plan.dataset_id,
-             store.url(plan.store_prefix), cache, config.data.cache_limit or "none")
+             store.url(plan.store_prefix), cache, limit if limit is not None else "none")
     return cache
 
 
@@ -399,6 +478,13 @@ def build_tokenizer(plan: DatasetPlan, config: RunConfig, units: list[WorkUnit],
         given = given_tokenizer_file(config.tokenizer.path)
         load_tokenizer(given)  # validate before adopting it
         write_atomic(path, given.read_bytes())
+        return str(path)
+    if plan.tokenizer_from is not None:  # the mix's first source's, here or in the store
+        first = plan.dir.parent / plan.tokenizer_from / TOKENIZER_FILE
+        if first.is_file():
+            write_atomic(path, first.read_bytes())
+        else:
+            store_from_config(config.storage).get_file(f"datasets/{plan.tokenizer_from}/{TOKENIZER_FILE}", path)
         return str(path)
     start = time.perf_counter()
     texts = _sample_texts(units, config, parse_bytes(config.tokenizer.sample_bytes))
@@ -675,15 +761,19 @@ def publish(plan: DatasetPlan, manifest: DatasetManifest, store: Store) -> None:
 
 # -- the whole stage ------------------------------------------------------------------------
 
-def prepare_dataset(config: RunConfig) -> DatasetManifest:
-    """Prepare (or find) the dataset `config` describes, without Prefect, one unit at a time."""
-    plan = plan_dataset(config)
+def prepare_dataset(config: RunConfig) -> DatasetManifest | MixtureManifest:
+    """Prepare (or find) the dataset `config` describes, without Prefect, one unit at a time:
+    its manifest, or for data.sources the mixture of each source's dataset."""
     store = store_from_config(config.storage)
-    manifest = find_prepared(plan, store)
-    if manifest is None:
-        units = plan_units(plan, config)
-        tokenizer_path = build_tokenizer(plan, config, units)
-        results = [tokenize_unit(plan, unit, config.data, config.storage) for unit in units]
-        manifest = write_manifest(plan, results, tokenizer_path)
-    publish(plan, manifest, store)
-    return manifest
+    prepared = []
+    for source, plan in mix_plans(config):
+        source_config = config.source_config(source)
+        manifest = find_prepared(plan, store)
+        if manifest is None:
+            units = plan_units(plan, source_config)
+            tokenizer_path = build_tokenizer(plan, source_config, units)
+            results = [tokenize_unit(plan, unit, source_config.data, config.storage) for unit in units]
+            manifest = write_manifest(plan, results, tokenizer_path)
+        publish(plan, manifest, store)
+        prepared.append((source, manifest))
+    return prepared[0][1] if not config.data.sources else mixture_manifest(prepared)

@@ -143,13 +143,12 @@ def _load(path: Path, names: list[str]) -> dict:
 
 
 def _held_out_loss(model, dataset_dir: Path, batches: int, seq_len: int) -> float:
-    from storage.manifests import DatasetManifest
-    from training.data import TokenStream
-    from training.held_out import held_out_loss
+    from training.data import open_training_data
+    from training.held_out import mix_held_out_loss
 
-    stream = TokenStream(dataset_dir, DatasetManifest.load(dataset_dir), "validation")
     model.eval()
-    loss, _tokens = held_out_loss(model, stream, seq_len, 4, batches, torch.device("cpu"))
+    loss, _tokens, _per_source = mix_held_out_loss(model, open_training_data(dataset_dir), seq_len,
+                                                   4, batches, torch.device("cpu"))
     return loss
 
 
