@@ -179,6 +179,17 @@ def test_ranks_of_a_mix_together_see_what_one_rank_sees_and_resume_at_another_wo
         assert name in text and not any(other in text for other in WEIGHTS if other != name), text
 
 
+def test_a_rollback_skips_the_same_samples_of_every_source(mix):
+    config, _ = mix
+    directory = prep.dataset_for_training(config, store_from_config(config.storage))
+    straight = loader(directory, config)
+    batches = [straight.next_batch()[0] for _ in range(20)]
+    rolled = loader(directory, config)
+    rolled.skip_windows([(4 * 5, 4 * 9)])  # the samples of batches 5..8, never handed out
+    assert all(np.array_equal(rolled.next_batch()[0], batches[i]) for i in [*range(5), *range(9, 20)])
+    assert rolled.state_dict()["taken"] == straight.state_dict()["taken"]
+
+
 def test_a_mix_streams_from_the_store_within_its_cache_limit(mix, tmp_path):
     config, manifest = mix
     local = prep.dataset_for_training(config, store_from_config(config.storage))

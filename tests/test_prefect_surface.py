@@ -681,8 +681,9 @@ def test_work_pool_script_deploys_prefect_yaml_and_runs_it(prefect_api, base, da
                                   {"config_file": str(config_file)})
         finished = wait_final(run, timeout_s=180)
         assert finished.state.is_completed(), finished.state.message
-        wait_for(lambda: any(f"dataset {dataset.dataset_id}" in line for line in logs_of(run)),
-                 timeout_s=30, what="the prepare run's log")  # logs arrive in batches
+        wait_for(lambda: any(f"dataset {dataset.dataset_id}" in line for line in logs_of(
+            run, *[child.id for child in subflow_runs(run).values()])),  # its prepare-source's too
+            timeout_s=30, what="the prepare run's log")  # logs arrive in batches
     finally:
         stop_process_tree(proc)
         log.close()

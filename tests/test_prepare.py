@@ -518,7 +518,7 @@ def test_prefect_flow_runs_units_in_processes_and_writes_the_library_s_bytes(pre
 
 def test_prefect_flow_fails_bad_input_without_retries(prefect_api, tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
 
     from flows.prepare import prepare
 
@@ -531,9 +531,11 @@ def test_prefect_flow_fails_bad_input_without_retries(prefect_api, tmp_path):
 
     deadline = time.monotonic() + 30  # task states reach the server in the background
     while True:
-        with get_client(sync_client=True) as client:
+        with get_client(sync_client=True) as client:  # the tasks of its prepare-source subflow
+            source_run = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[state.state_details.flow_run_id])))
             runs = client.read_task_runs(flow_run_filter=FlowRunFilter(
-                id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+                id=FlowRunFilterId(any_=[run.id for run in source_run])))
         stage = [run for run in runs if run.name.startswith("build-tokenizer")]
         if (stage and stage[0].state.is_final()) or time.monotonic() > deadline:
             break
