@@ -79,11 +79,12 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     if missing:
         raise ConfigError(f"model.init_from: {where} lacks {missing}; a LlamaConfig saved by "
                           "transformers has them all")
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
     unsupported = [f"{key}={config.get(key)!r}" for key, ok in (
         ("hidden_act", config.get("hidden_act", "silu") == "silu"),
         ("attention_bias", not config.get("attention_bias", False)),
         ("mlp_bias", not config.get("mlp_bias", False)),
-        ("head_dim", config.get("head_dim") in (None, config["hidden_size"] // config["num_attention_heads"])),
+        ("head_dim", config.get("head_dim") in (None, head_dim)),
     ) if not ok]
     if unsupported:
         raise ConfigError(f"model.init_from: {where} has {', '.join(unsupported)}, which "

@@ -355,14 +355,17 @@ def local_device_memory(device: str, workers: int) -> tuple[int, str]:
 
 
 def run_vocab_size(config: RunConfig) -> int:
-    """The vocabulary the run's model gets: an existing tokenizer.path's own size, else
+    """The vocabulary the run's model gets: an existing tokenizer.path's own size (a
+    tokenizer.json, or the one in a directory such as model.init_from's), else
     tokenizer.vocab_size (what a trained tokenizer has, exactly: training.tokenizer)."""
-    path = config.tokenizer.path
-    if path and Path(path).is_file():
+    path = Path(config.tokenizer.path) if config.tokenizer.path else None
+    if path is not None and path.is_dir():
+        path = path / "tokenizer.json"
+    if path is not None and path.is_file():
         try:
             from tokenizers import Tokenizer
 
-            return Tokenizer.from_file(path).get_vocab_size()
+            return Tokenizer.from_file(str(path)).get_vocab_size()
         except Exception:  # the prepare stage reports a broken tokenizer file in its own words
             pass
     return config.tokenizer.vocab_size
