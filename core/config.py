@@ -217,8 +217,8 @@ class ModelConfig(_Section):
         conflicts = []
         for field in _FIXED_BY_CHECKPOINT:
             if field in values and _as_stated(field, values) != _as_stated(field, found):
-                hf_key = hf_llama.HF_FIELDS.get(field, "rope_parameters" if field.startswith("rope")
-                                                else field)
+                hf_key = hf_llama.HF_FIELDS.get(field, {"rope_scaling": "the rope scaling of "
+                                                        "rope_parameters"}.get(field, field))
                 conflicts.append(f"model.{field}={_as_stated(field, values)} but {hf_key} is "
                                  f"{_as_stated(field, found)}")
             values[field] = found[field]

@@ -139,7 +139,9 @@ def test_the_shape_and_tokenizer_come_from_the_checkpoint(checkpoints):
     ("model.tie_embeddings=false", "model.tie_embeddings=False but tie_word_embeddings is True"),
     ("model.ffn_dim_multiplier=1.3", "model.ffn_dim_multiplier=1.3 give a SwiGLU width of 224 but "
                                      "intermediate_size is 100"),
-    ("model.rope_theta=10000", "model.rope_theta=10000 but rope_parameters is 500000.0"),
+    ("model.rope_theta=10000", "model.rope_theta=10000 but rope_theta is 500000.0"),
+    ("model.rope_scaling=null", "model.rope_scaling=None but the rope scaling of rope_parameters is "
+                               "{'factor': 8.0"),
 ])
 def test_a_stated_shape_that_conflicts_names_the_field(checkpoints, override, message):
     with pytest.raises(ConfigError) as err:
