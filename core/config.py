@@ -236,20 +236,113 @@ class TokenizerConfig(_Section):
         return value
 
 
+class RopeScaling(_Section):
+    """Llama 3.1's RoPE scaling (Meta's apply_scaling; transformers' rope_type 'llama3'):
+    frequencies whose wavelength exceeds original_max_position_embeddings / low_freq_factor
+    are divided by factor, those below original / high_freq_factor are kept, the band between
+    is interpolated. Llama 3.1: factor 8, low 1, high 4, original 8192."""
+
+    factor: float = Field(gt=0, description="Divisor of the low frequencies.")
+    low_freq_factor: float = Field(gt=0)
+    high_freq_factor: float = Field(gt=0)
+    original_max_position_embeddings: int = Field(
+        ge=1, description="The context length the model was first trained at.")
+
+    @model_validator(mode="after")
+    def _band_is_ordered(self) -> "RopeScaling":
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor={self.high_freq_factor} must exceed "
+                             f"low_freq_factor={self.low_freq_factor} (Llama 3.1: 4 and 1)")
+        return self
+
+
+# The fields a model.init_from checkpoint's config.json fixes (core.hf_llama.HF_FIELDS,
+# plus RoPE). max_seq_len is not among them: a run may use a shorter or longer context.
+_FIXED_BY_CHECKPOINT = ("dim", "n_layers", "n_heads", "n_kv_heads", "norm_eps", "rope_theta",
+                        "rope_scaling", "vocab_size", "tie_embeddings")
+_FFN_FIELDS = ("ffn_hidden_dim", "ffn_multiple_of", "ffn_dim_multiplier")
+
+
 class ModelConfig(_Section):
+    init_from: str | None = Field(
+        None, description="A Hugging Face Llama checkpoint directory (config.json + "
+        "model.safetensors, or sharded with model.safetensors.index.json) to start from instead "
+        "of random weights: the shape comes from its config.json (fields stated here must "
+        "agree), tokenizer.path defaults to it (its tokenizer.json), and each worker reads only "
+        "its own part of the weights when training starts (a resume reads the checkpoint).")
     dim: int = Field(128, ge=8, description="Hidden size.")
     n_layers: int = Field(4, ge=1, description="Transformer blocks.")
     n_heads: int = Field(4, ge=1, description="Attention heads.")
     n_kv_heads: int | None = Field(None, ge=1, description="Key/value heads (GQA); None = n_heads.")
     ffn_multiple_of: int = Field(32, ge=1, description="SwiGLU hidden size is rounded up to this.")
+    ffn_dim_multiplier: float | None = Field(
+        None, gt=0, description="Llama 3's scale of the SwiGLU hidden size: int(2 x 4 x dim / 3), "
+        "times this, rounded up to ffn_multiple_of (Llama 3.1 8B: 1.3 with 1024 -> 14336). "
+        "None: no scaling (Llama 2).")
+    ffn_hidden_dim: int | None = Field(
+        None, ge=1, description="The SwiGLU hidden size exactly, instead of the formula of "
+        "ffn_multiple_of and ffn_dim_multiplier (model.init_from sets it to the checkpoint's "
+        "intermediate_size).")
     vocab_multiple_of: int = Field(
         128, ge=1, description="The embedding and output layers get the tokenizer's vocabulary "
         "rounded up to a multiple of this (GPT-2's 50,257 -> 50,304): tensor parallelism splits "
         "them, and GPU matmuls run fastest on such sizes. The extra ids never occur in data and "
         "are never sampled. 1 turns padding off.")
+    vocab_size: int | None = Field(
+        None, ge=1, description="Rows of the embedding and output layers, exactly (at least the "
+        "tokenizer's vocabulary); None: the tokenizer's vocabulary rounded up to "
+        "vocab_multiple_of. model.init_from sets it to the checkpoint's vocab_size.")
     norm_eps: float = Field(1e-5, gt=0)
     rope_theta: float = Field(10000.0, gt=0)
+    rope_scaling: RopeScaling | None = Field(
+        None, description="Llama 3.1's long-context RoPE scaling; None: plain RoPE.")
     max_seq_len: int = Field(256, ge=8, description="Longest sequence the RoPE cache covers.")
+    tie_embeddings: bool = Field(
+        False, description="The output layer uses the token embedding matrix (Llama 3.2 1B and "
+        "3B): one matrix fewer. Needs parallelism.pp=1 (the first and last pipeline stages would "
+        "each need it).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shape_from_checkpoint(cls, values: Any) -> Any:
+        """With init_from, the fields its config.json fixes: filled in where not stated, an
+        error naming the field where stated differently."""
+        if not isinstance(values, dict) or not values.get("init_from"):
+            return values
+        from core import hf_llama
+
+        directory = values["init_from"]
+        try:
+            found = hf_llama.model_fields(directory)
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        where = f"{Path(directory) / hf_llama.CONFIG_FILE} (model.init_from)"
+        values = dict(values)
+        conflicts = []
+        for field in _FIXED_BY_CHECKPOINT:
+            if field in values and _as_stated(field, values) != _as_stated(field, found):
+                hf_key = hf_llama.HF_FIELDS.get(field, {"rope_scaling": "the rope scaling of "
+                                                        "rope_parameters"}.get(field, field))
+                conflicts.append(f"model.{field}={_as_stated(field, values)} but {hf_key} is "
+                                 f"{_as_stated(field, found)}")
+            values[field] = found[field]
+        width = found["ffn_hidden_dim"]
+        stated = {f: values[f] for f in _FFN_FIELDS if f in values}
+        if stated:
+            from_stated = ffn_hidden_width(values["dim"], stated.get("ffn_multiple_of", 32),
+                                           stated.get("ffn_dim_multiplier"),
+                                           stated.get("ffn_hidden_dim"))
+            if from_stated != width:
+                conflicts.append(", ".join(f"model.{k}={v}" for k, v in stated.items())
+                                 + f" give a SwiGLU width of {from_stated} but intermediate_size "
+                                 f"is {width}")
+        values["ffn_hidden_dim"] = width
+        values.setdefault("max_seq_len", found["max_seq_len"])
+        if conflicts:
+            raise ValueError(f"{'; '.join(conflicts)} in {where}; leave these fields out (the "
+                             "checkpoint fixes them) or point init_from at a checkpoint of the "
+                             "shape you want")
+        return values
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
@@ -263,6 +356,33 @@ class ModelConfig(_Section):
         if self.n_heads % kv:
             raise ValueError(f"n_kv_heads={kv} does not divide n_heads={self.n_heads}")
         return self
+
+
+def _as_stated(field: str, values: dict) -> Any:
+    """A field's value for comparison: n_kv_heads None means n_heads, rope_scaling as a dict."""
+    value = values.get(field)
+    if field == "n_kv_heads" and value is None:
+        return values.get("n_heads")
+    if field == "rope_scaling" and isinstance(value, BaseModel):
+        return value.model_dump()
+    if field == "rope_scaling" and isinstance(value, dict):
+        return {k: float(v) if k != "original_max_position_embeddings" else int(v)
+                for k, v in value.items()}
+    return value
+
+
+def ffn_hidden_width(dim: int, multiple_of: int, multiplier: float | None = None,
+                     exact: int | None = None) -> int:
+    """The SwiGLU width as Meta's Llama (and torchtitan) compute it: 2/3 of 4 x dim (the
+    parameters of a 4 x dim MLP), scaled by Llama 3's ffn_dim_multiplier, rounded up to a
+    multiple of `multiple_of` so matmuls stay aligned; `exact` (a checkpoint's
+    intermediate_size) instead of the formula. Llama 3.1 8B: 4096, 1.3, 1024 -> 14336."""
+    if exact is not None:
+        return exact
+    hidden = int(2 * 4 * dim / 3)
+    if multiplier is not None:
+        hidden = int(multiplier * hidden)
+    return multiple_of * -(-hidden // multiple_of)
 
 
 def _size(value: str | int) -> int:
@@ -654,7 +774,8 @@ class RunConfig(_Section):
         problems = [p for p in self.parallelism.dims().problems(
             n_heads=model.n_heads, n_kv_heads=model.n_kv_heads or model.n_heads,
             n_layers=model.n_layers, seq_len=self.training.seq_len,
-            micro_batch_size=self.training.micro_batch_size) if not p.advice]
+            micro_batch_size=self.training.micro_batch_size,
+            tied_embeddings=model.tie_embeddings) if not p.advice]
         if problems:
             raise ValueError("; ".join(f"{p.reason}; {p.fix}" for p in problems))
         if self.launch.kind == "ssh" and len(self.launch.hosts) != self.parallelism.nnodes:
@@ -668,6 +789,10 @@ class RunConfig(_Section):
         if self.faults.crash_rank >= self.parallelism.world_size:
             raise ValueError(f"faults.crash_rank={self.faults.crash_rank} is not a rank of "
                              f"world size {self.parallelism.world_size}")
+        if self.model.init_from and self.tokenizer.path is None:
+            # A checkpoint's embeddings mean the ids of its own tokenizer (tokenizer.json,
+            # which save_pretrained of a tokenizer writes beside the model).
+            self.tokenizer.path = self.model.init_from
         return self
 
     # -- derived paths -----------------------------------------------------------------

@@ -145,7 +145,7 @@ class ParallelDims:
     # -- the rules ----------------------------------------------------------------------------
     def problems(self, *, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int,
                  micro_batch_size: int, vocab_size: int | None = None,
-                 gpus_per_node: int | None = None) -> list[Problem]:
+                 gpus_per_node: int | None = None, tied_embeddings: bool = False) -> list[Problem]:
         """Every rule this layout breaks for this model and batch, each with its fix.
         `vocab_size` and `gpus_per_node`, where known, add the vocabulary and TP-within-a-node
         rules. Problems marked `advice` are the planner's: the trainer would run the layout."""
@@ -176,6 +176,15 @@ class ParallelDims:
                 f"divisible by {tp}, e.g. {tp * -(-seq_len // tp)}"))
         if pp == 1:
             return problems
+        if tied_embeddings:
+            # One matrix would live on the first stage (embedding) and the last (output):
+            # its two gradients would have to be summed across stages every step, and its
+            # two copies kept equal; the pipeline split does not do that.
+            problems.append(Problem(
+                f"model.tie_embeddings=true shares the embedding matrix with the output layer, "
+                f"but pp={pp} puts them on different pipeline stages",
+                "set parallelism.pp=1 and split the model with parallelism.dp_shard or tp instead"
+                " (or model.tie_embeddings=false for a model not loaded with model.init_from)"))
         if n_layers < self.n_stages:
             problems.append(Problem(
                 f"{self.n_stages} pipeline stages (pp={pp}, {self.pp_schedule}) exceed "

@@ -61,8 +61,9 @@ class ParamCount:
     embedding: int  # vocab x dim (token embeddings, sharded over vocab by TP)
     block_matrix: int  # attention + SwiGLU projections of one block
     block_vector: int  # the two RMSNorm weights of one block
-    head_matrix: int  # output projection, vocab x dim
+    head_matrix: int  # output projection, vocab x dim; 0 when it is the embedding (tied)
     head_vector: int  # final RMSNorm
+    tied: bool = False  # the output projection multiplies by the embedding matrix
 
     @property
     def total(self) -> int:
@@ -74,6 +75,12 @@ class ParamCount:
         """As Transformer.num_params(): everything but the token embeddings."""
         return self.total - self.embedding
 
+    @property
+    def matmul(self) -> int:
+        """The parameters each token is multiplied by (6 FLOPs each in training): all but the
+        embedding lookup; a tied output layer is a matmul by the embedding matrix and counts."""
+        return self.non_embedding + (self.embedding if self.tied else 0)
+
 
 def count_params(args: ModelArgs) -> ParamCount:
     dim, kv_dim = args.dim, args.kv_heads * args.head_dim
@@ -81,7 +88,8 @@ def count_params(args: ModelArgs) -> ParamCount:
     ffn = 3 * dim * args.ffn_hidden  # w1, w3, w2
     return ParamCount(n_layers=args.n_layers, embedding=args.vocab_size * dim,
                       block_matrix=attention + ffn, block_vector=2 * dim,
-                      head_matrix=args.vocab_size * dim, head_vector=dim)
+                      head_matrix=0 if args.tie_embeddings else args.vocab_size * dim,
+                      head_vector=dim, tied=args.tie_embeddings)
 
 
 def model_args(config: RunConfig) -> ModelArgs:
@@ -233,7 +241,8 @@ def plan_layout(config: RunConfig, cluster: Cluster, degrees: dict[str, int]) ->
     plan.problems = dims.problems(
         n_heads=s.args.n_heads, n_kv_heads=s.args.kv_heads, n_layers=s.args.n_layers,
         seq_len=config.training.seq_len, micro_batch_size=config.training.micro_batch_size,
-        vocab_size=s.args.vocab_size, gpus_per_node=cluster.gpus_per_node)
+        vocab_size=s.args.vocab_size, gpus_per_node=cluster.gpus_per_node,
+        tied_embeddings=s.args.tie_embeddings)
     plan.bubble = dims.bubble
     plan.memory = _memory(s, dims, par.activation_checkpointing)
     plan.comm, plan.crosses_nodes = _communication(s, dims)
@@ -346,14 +355,17 @@ def local_device_memory(device: str, workers: int) -> tuple[int, str]:
 
 
 def run_vocab_size(config: RunConfig) -> int:
-    """The vocabulary the run's model gets: an existing tokenizer.path's own size, else
+    """The vocabulary the run's model gets: an existing tokenizer.path's own size (a
+    tokenizer.json, or the one in a directory such as model.init_from's), else
     tokenizer.vocab_size (what a trained tokenizer has, exactly: training.tokenizer)."""
-    path = config.tokenizer.path
-    if path and Path(path).is_file():
+    path = Path(config.tokenizer.path) if config.tokenizer.path else None
+    if path is not None and path.is_dir():
+        path = path / "tokenizer.json"
+    if path is not None and path.is_file():
         try:
             from tokenizers import Tokenizer
 
-            return Tokenizer.from_file(path).get_vocab_size()
+            return Tokenizer.from_file(str(path)).get_vocab_size()
         except Exception:  # the prepare stage reports a broken tokenizer file in its own words
             pass
     return config.tokenizer.vocab_size
@@ -497,7 +509,8 @@ def _rank_memory(s: _Setup, dims: ParallelDims, checkpointing: str, rank: _Rank)
         if ddp:
             buffers += MASTER_BYTES * local  # reducer buckets: a second gradient copy
         if s.bf16:  # bf16 copies of the matmul weights that autocast saves for backward
-            matrices = sum(rank.layers) * pc.block_matrix + (pc.head_matrix if rank.last else 0)
+            head = pc.embedding if pc.tied else pc.head_matrix  # the output matmul's weight
+            matrices = sum(rank.layers) * pc.block_matrix + (head if rank.last else 0)
             buffers += 2 * matrices / tp
 
     mb = tcfg.micro_batch_size // m
@@ -648,7 +661,7 @@ def _step_time(s: _Setup, plan: LayoutPlan) -> float | None:
         return None
     tcfg, args = s.config.training, s.args
     tokens = plan.tokens_per_step
-    flops_per_token = 6 * s.params.non_embedding + 12 * args.n_layers * args.dim * tcfg.seq_len
+    flops_per_token = 6 * s.params.matmul + 12 * args.n_layers * args.dim * tcfg.seq_len
     recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[s.config.parallelism.activation_checkpointing]
     flops = flops_per_token * tokens * (1 + recompute / 3) / s.cluster.world_size
     compute_s = flops / s.cluster.gpu_flops / (1 - plan.bubble)

@@ -39,6 +39,14 @@ def test_overrides_parse_as_yaml_values():
     ("parallelism.tp=2 training.seq_len=127", "(top level)",
      "tp=2 does not divide training.seq_len=127, which sequence parallelism splits over the TP "
      "ranks; choose tp in [1], or a seq_len divisible by 2, e.g. 128"),
+    ("model.rope_scaling.factor=8 model.rope_scaling.low_freq_factor=4 "
+     "model.rope_scaling.high_freq_factor=1 model.rope_scaling.original_max_position_embeddings=8192",
+     "model.rope_scaling", "high_freq_factor=1.0 must exceed low_freq_factor=4.0"),
+    ("model.rope_scaling.factor=8", "model.rope_scaling.low_freq_factor", "Field required"),
+    ("model.ffn_dim_multiplier=0", "model.ffn_dim_multiplier", "greater than 0"),
+    ("model.tie_embeddings=true parallelism.pp=2 training.micro_batch_size=4", "(top level)",
+     "model.tie_embeddings=true shares the embedding matrix with the output layer, but pp=2 puts "
+     "them on different pipeline stages; set parallelism.pp=1"),
     ("parallelism.pp=2 parallelism.pp_schedule=interleaved-1f1b parallelism.microbatches=5 "
      "training.micro_batch_size=5", "(top level)",
      "microbatches=5 do not split into equal rounds of interleaved-1f1b over pp=2"),
@@ -111,3 +119,18 @@ def test_data_settings_of_the_old_shape_say_what_replaced_them():
         load_config(None, ["data.num_shards=4"])
     with pytest.raises(ConfigError, match="data.unit_bytes: '12x' is not a memory size"):
         load_config(None, ["data.unit_bytes=12x"])
+
+
+def test_llama3_fields_default_to_llama2_behaviour():
+    """Configs and checkpoints written before ffn_dim_multiplier, rope_scaling and
+    tie_embeddings existed mean the same model: the defaults change nothing."""
+    from training.model import ModelArgs, model_args_from_config
+
+    model = RunConfig().model
+    assert (model.ffn_dim_multiplier, model.ffn_hidden_dim, model.rope_scaling, model.tie_embeddings,
+            model.vocab_size, model.init_from) == (None, None, None, False, None, None)
+    args = model_args_from_config(model, 4000)
+    assert args.vocab_size == 4096 and args.ffn_hidden == 352  # int(8 * 128 / 3) = 341 -> 352
+    old_manifest = {"vocab_size": 4096, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": None,
+                    "ffn_multiple_of": 32, "norm_eps": 1e-5, "rope_theta": 10000.0, "max_seq_len": 256}
+    assert ModelArgs(**old_manifest) == args

@@ -47,6 +47,28 @@ def trained(tmp_path_factory) -> tuple[Path, Path]:
     return config.run_dir.checkpoint(4), dataset / "tokenizer.json"
 
 
+# Llama 3's additions: a SwiGLU width from ffn_dim_multiplier, RoPE scaling whose three bands
+# (kept, interpolated, divided by factor) all occur at head_dim 16 with theta 500000 and an
+# "original context" of 64 positions, and the output layer tied to the embedding.
+LLAMA3 = ("model.n_kv_heads=2", "model.rope_theta=500000", "model.ffn_dim_multiplier=1.3",
+          "model.rope_scaling.factor=8", "model.rope_scaling.low_freq_factor=1",
+          "model.rope_scaling.high_freq_factor=4",
+          "model.rope_scaling.original_max_position_embeddings=64", "model.tie_embeddings=true")
+
+
+@pytest.fixture(scope="module")
+def trained_llama3(tmp_path_factory) -> Path:
+    """A checkpoint of a Llama 3-shaped model after 4 real training steps (FSDP, 2 workers)."""
+    tmp = tmp_path_factory.mktemp("export-llama3")
+    dataset = synthetic_dataset(tmp / "data", vocab_size=VOCAB)
+    config = small_config(tmp, *LLAMA3, "parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                          "training.micro_batch_size=2", "training.max_steps=4",
+                          "checkpoint.every_steps=4", "training.warmup_steps=2")
+    proc = torchrun_training(config, dataset)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return config.run_dir.checkpoint(4)
+
+
 def trainer_model(checkpoint: Path) -> Transformer:
     model = Transformer.with_weights(ModelArgs(**CheckpointManifest.load(checkpoint).model_args),
                                      model_state_from(load_all_tensors(checkpoint, prefix="model.")))
@@ -72,6 +94,28 @@ def test_exported_model_gives_the_trainers_logits(trained, tmp_path):
 
     ours, theirs = trainer_model(checkpoint), hf_model(tmp_path / "hf")
     assert theirs.config.num_key_value_heads == 2 < theirs.config.num_attention_heads
+    tokens = sample_tokens()
+    torch.testing.assert_close(theirs(tokens).logits, ours(tokens), **PARITY)
+
+
+@torch.no_grad()
+def test_llama3_shapes_export_with_their_config_fields_and_logits(trained_llama3, tmp_path):
+    """ffn_dim_multiplier, rope_scaling and tied embeddings reach config.json as transformers
+    names them (intermediate_size, rope_parameters of type llama3, tie_word_embeddings), the
+    tied matrix is stored once, and the model gives the trainer's logits."""
+    summary = export_hf(trained_llama3, tmp_path / "hf")
+    ours, theirs = trainer_model(trained_llama3), hf_model(tmp_path / "hf")
+    config = theirs.config
+    assert config.intermediate_size == ours.args.ffn_hidden == 224  # int(1.3 * int(8 * 64 / 3)) = 221
+    assert config.tie_word_embeddings and theirs.lm_head.weight is theirs.model.embed_tokens.weight
+    assert config.rope_parameters == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 64}
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    assert summary["parameters"] == ours.num_params(non_embedding=False)
     tokens = sample_tokens()
     torch.testing.assert_close(theirs(tokens).logits, ours(tokens), **PARITY)
 
@@ -107,20 +151,37 @@ def test_sharded_and_bfloat16_exports_load(trained, tmp_path):
     assert torch.equal(bf16.model.embed_tokens.weight, ours["tok_embeddings.weight"].bfloat16())
 
 
+SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 16}
+
+
 @torch.no_grad()
-def test_conversion_of_a_multi_head_model_with_large_weights():
+@pytest.mark.parametrize("llama3", [False, True], ids=["mha", "llama3-tied-scaled"])
+def test_conversion_of_a_multi_head_model_with_large_weights(llama3):
     """Plain multi-head attention, and weights far from init so attention is sharp: any
-    mismatch in RoPE or head layout would show."""
-    args = ModelArgs(vocab_size=64, dim=48, n_layers=2, n_heads=6, norm_eps=1e-6, max_seq_len=32)
+    mismatch in RoPE or head layout would show. The Llama 3 case adds RoPE scaling and tied
+    embeddings, and checks the scaling matters at these positions."""
+    extra = {"rope_theta": 500000.0, "rope_scaling": SCALING, "tie_embeddings": True,
+             "ffn_dim_multiplier": 1.5} if llama3 else {}
+    args = ModelArgs(vocab_size=64, dim=48, n_layers=2, n_heads=6, norm_eps=1e-6, max_seq_len=32,
+                     **extra)
     ours = Transformer(args).eval()
     for p in ours.parameters():
         p.normal_(0.0, 0.3)
     config = hf_config(args, torch.float32)
     config.pop("architectures"), config.pop("model_type")
     theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
-    theirs.load_state_dict(hf_state_dict(ours.state_dict(), torch.float32), strict=True)
+    loaded = theirs.load_state_dict(hf_state_dict(ours.state_dict(), torch.float32, args.tie_embeddings),
+                                    strict=False)
+    # Tied, the file holds the matrix once: lm_head.weight is embed_tokens.weight.
+    assert loaded.missing_keys == (["lm_head.weight"] if llama3 else []) and not loaded.unexpected_keys
+    assert (theirs.lm_head.weight is theirs.model.embed_tokens.weight) == llama3
     tokens = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(theirs(tokens).logits, ours(tokens), **PARITY)
+    if llama3:  # without the scaling the logits move far beyond the tolerance
+        plain = Transformer.with_weights(ModelArgs(**{**vars(args), "rope_scaling": None}),
+                                         ours.state_dict())
+        assert (plain(tokens) - ours(tokens)).abs().max() > 1e-2
 
 
 def test_cli_refuses_to_overwrite_unless_forced(trained, tmp_path, capsys):

@@ -126,6 +126,24 @@ def test_hsdp_matches_single_process_and_its_background_saves_resume_whole(tmp_p
         assert loss == pytest.approx(reference(STEPS_4)[step], rel=RTOL), (step, loss)
 
 
+def test_tied_embeddings_train_the_single_process_curve_under_fsdp_tp(tmp_path, dataset):
+    """model.tie_embeddings: the output layer shares the embedding's parameter, also after TP
+    gives each module a distributed copy (training.parallelize re-ties them) and FSDP shards
+    the one matrix; the checkpoint holds it under both names with equal values."""
+    import torch
+
+    from training.checkpoint.reader import load_all_tensors, model_state_from
+
+    tied = "model.tie_embeddings=true"
+    single = run_training(tmp_path / "single", dataset, 1, "training.micro_batch_size=4", tied,
+                          steps=STEPS_4)
+    layout = run_training(tmp_path / "fsdp-tp", dataset, 4, *LAYOUTS_4["fsdp-tp"], tied, steps=STEPS_4)
+    assert_same_curve(layout, single)
+    run_dir = small_config(tmp_path / "fsdp-tp", "run.run_id=layout").run_dir
+    state = model_state_from(load_all_tensors(RunDir.of(run_dir).checkpoint(STEPS_4), prefix="model."))
+    assert torch.equal(state["output.weight"], state["tok_embeddings.weight"])
+
+
 @pytest.mark.slow
 def test_eight_process_pp_tp_fsdp(tmp_path, dataset, reference):
     losses = run_training(tmp_path, dataset, 8, "parallelism.dp_replicate=1", "parallelism.dp_shard=2",

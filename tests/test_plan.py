@@ -39,13 +39,43 @@ def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1) -> dict[str, int]:
 
 # -- arithmetic -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kv_heads", [None, 2])
-def test_parameter_count_matches_the_model(kv_heads):
-    args = ModelArgs(vocab_size=512, dim=64, n_layers=3, n_heads=4, n_kv_heads=kv_heads)
+@pytest.mark.parametrize("kv_heads, tied, multiplier", [(None, False, None), (2, False, None),
+                                                     (2, True, 1.3)])
+def test_parameter_count_matches_the_model(kv_heads, tied, multiplier):
+    args = ModelArgs(vocab_size=512, dim=64, n_layers=3, n_heads=4, n_kv_heads=kv_heads,
+                     tie_embeddings=tied, ffn_dim_multiplier=multiplier)
     model = Transformer(args)
     count = planner.count_params(args)
     assert count.total == model.num_params(non_embedding=False)
     assert count.non_embedding == model.num_params()
+    # The FLOPs of a token: a tied output layer is still a matmul (seq_len 0: no attention).
+    assert 6 * count.matmul == model.flops_per_token(0)
+    assert count.matmul == count.total - 512 * 64 + (512 * 64 if tied else 0)
+
+
+@pytest.mark.parametrize("config, total, ffn_hidden", [
+    ("configs/llama3.2-1b.yaml", 1_235_814_400, 8192),   # tied embeddings
+    ("configs/llama3.1-8b.yaml", 8_030_261_248, 14336),
+    ("configs/llama3.1-70b.yaml", 70_553_706_496, 28672),
+    ("configs/llama2-7b.yaml", 6_738_415_616, 11008),
+])
+def test_llama_configs_have_the_published_parameter_counts(config, total, ffn_hidden):
+    """Meta's published sizes, exactly: ffn_dim_multiplier and ffn_multiple_of give Llama 3's
+    SwiGLU widths (Meta's and torchtitan's formula), the vocabulary is Llama 3's 128,256."""
+    args = planner.model_args(load_config(config))
+    assert args.ffn_hidden == ffn_hidden
+    assert planner.count_params(args).total == total
+
+
+def test_tied_embeddings_rule_out_pipeline_layouts():
+    """The 1B config ties its embeddings: the planner ranks no layout with pp > 1, and says why."""
+    plans = planner.search(load_config("configs/llama3.2-1b.yaml"), cluster())
+    assert all(p.degrees["pp"] == 1 for p in plans if p.ok)
+    pipelined = [p for p in plans if p.degrees["pp"] > 1]
+    assert pipelined and all(any("tie_embeddings" in str(problem) for problem in p.problems)
+                             for p in pipelined)
+    with pytest.raises(ConfigError, match="model.tie_embeddings=true .* pp=2 .* set parallelism.pp=1"):
+        load_config("configs/llama3.2-1b.yaml", ["parallelism.pp=2", "training.micro_batch_size=4"])
 
 
 def test_llama2_7b_parameters_and_16_bytes_per_parameter():
@@ -242,6 +272,12 @@ def test_search_ranks_valid_layouts_first_and_explains_the_rest():
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "flows.cli", "plan", *args], capture_output=True,
                           text=True, cwd=REPO, timeout=120)
+
+
+def test_cli_plans_llama_3_2_1b_with_its_published_size():
+    proc = run_cli("--config", "configs/llama3.2-1b.yaml", "--top", "3")
+    assert proc.returncode == 0, proc.stderr
+    assert "1,235,814,400 total" in proc.stdout
 
 
 def test_cli_prints_a_ranked_table():

@@ -7,6 +7,8 @@ The result loads with `transformers.LlamaForCausalLM.from_pretrained(out)` (and,
 tokenizer, `AutoTokenizer.from_pretrained(out)`). Our model already is a Llama: the same
 blocks, and rotary embeddings in Hugging Face's rotate-half convention, so export only
 renames tensors; no q/k permutation is needed (tests/test_export.py checks logit parity).
+The same names, read the other way (training/hf_weights.py), load a Hugging Face Llama
+into the trainer (model.init_from).
 
 Only the model weights are read (not the optimizer state), whatever layout saved them.
 The checkpoint's files are checked against its manifest first, so a corrupt checkpoint is
@@ -26,6 +28,7 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import save_file
 
+from core.hf_llama import SHARD_INDEX, SINGLE_FILE
 from core.protocol import CHECKPOINT_MANIFEST, is_committed
 from storage.manifests import CheckpointManifest, verify_files
 from training.checkpoint.reader import load_all_tensors, model_state_from
@@ -34,8 +37,6 @@ from training.model import ModelArgs, Transformer
 # Hugging Face's default shard size ("5GB"); smaller models are one model.safetensors.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SINGLE_FILE = "model.safetensors"
-SHARD_INDEX = "model.safetensors.index.json"
 
 _TOP_LEVEL_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -74,9 +75,13 @@ def hf_name(name: str) -> str:
                       "training.export knows only the tensors of training.model.Transformer")
 
 
-def hf_state_dict(model_state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def hf_state_dict(model_state: dict[str, torch.Tensor], dtype: torch.dtype,
+                  tied: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of a LlamaForCausalLM file. With tied embeddings the output layer is the
+    embedding matrix, which transformers stores once (as model.embed_tokens.weight)."""
     # contiguous(): safetensors stores raw buffers; clone-free when already contiguous.
-    return {hf_name(name): tensor.to(dtype).contiguous() for name, tensor in model_state.items()}
+    return {hf_name(name): tensor.to(dtype).contiguous() for name, tensor in model_state.items()
+            if not (tied and name == "output.weight")}
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, eos_id: int | None = None,
@@ -96,12 +101,13 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, eos_id: int | None = None,
         "hidden_act": "silu",
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
-        # transformers 4.x reads rope_theta; 5.x reads rope_parameters.
+        # transformers 4.x reads rope_theta and rope_scaling; 5.x reads rope_parameters.
         "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_parameters": {"rope_type": "llama3" if args.rope_scaling else "default",
+                            "rope_theta": args.rope_theta, **(args.rope_scaling or {})},
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_embeddings,
         "initializer_range": 0.02,
         "use_cache": True,
         "torch_dtype": dtype_name,  # transformers 4.x
@@ -112,6 +118,8 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, eos_id: int | None = None,
         "eos_token_id": eos_id,
         "pad_token_id": None,
     }
+    if args.rope_scaling:
+        config["rope_scaling"] = {"rope_type": "llama3", **args.rope_scaling}
     if provenance:
         config["goodput"] = provenance
     return config
@@ -235,6 +243,11 @@ def _check_out(out: Path, force: bool) -> None:
                           "to replace its contents")
 
 
+def _check_dtype(dtype: str | None) -> None:
+    if dtype is not None and dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+
+
 def _move_into_place(staging: Path, out: Path) -> None:
     """Swap the finished export in for `out`; an old `out` is removed only after the swap."""
     old = None
@@ -256,21 +269,32 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
     """
     out = Path(out).resolve()  # so the staging directory beside it has a name ("." has none)
     _check_out(out, force)  # fail fast, before reading a possibly large checkpoint
-    if dtype is not None and dtype not in DTYPES:
-        raise ExportError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
+    _check_dtype(dtype)
     manifest, state = read_checkpoint(checkpoint)
-    args = model_args_of(manifest)
-    target = DTYPES[dtype] if dtype else state["tok_embeddings.weight"].dtype
-    tok = _tokenizer_files(tokenizer, args.vocab_size) if tokenizer is not None else None
     provenance = {"checkpoint": str(Path(checkpoint).resolve()), "step": manifest.step,
                   "tokens_seen": manifest.tokens_seen, "dataset_id": manifest.dataset_id,
                   "config_hash": manifest.config_hash}
+    summary = write_hf(model_args_of(manifest), state, out, tokenizer=tokenizer, dtype=dtype,
+                       provenance=provenance, max_shard_bytes=max_shard_bytes)
+    return {**summary, "step": manifest.step}
 
+
+def write_hf(args: ModelArgs, state: dict[str, torch.Tensor], out: str | Path, *,
+             tokenizer: str | Path | None = None, dtype: str | None = None,
+             provenance: dict | None = None,
+             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+    """Write the model `state` (training.model names, whole tensors) of shape `args` to the
+    directory `out` (empty, or replaced by the caller's choice) as a LlamaForCausalLM."""
+    out = Path(out).resolve()
+    _check_dtype(dtype)
+    target = DTYPES[dtype] if dtype else state["tok_embeddings.weight"].dtype
+    tok = _tokenizer_files(tokenizer, args.vocab_size) if tokenizer is not None else None
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
     try:
-        files = write_safetensors(hf_state_dict(state, target), staging, max_shard_bytes)
+        files = write_safetensors(hf_state_dict(state, target, args.tie_embeddings), staging,
+                                  max_shard_bytes)
         _write_json(staging / "config.json",
                     hf_config(args, target, tok.eos_id if tok else None, provenance))
         files.append("config.json")
@@ -281,6 +305,8 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
         _move_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return {"out": str(out), "format": "hf", "step": manifest.step,
-            "dtype": str(target).removeprefix("torch."),
-            "parameters": sum(t.numel() for t in state.values()), "files": files}
+    # A tied matrix counts once, as the model holds it.
+    parameters = sum(t.numel() for k, t in state.items()
+                     if not (args.tie_embeddings and k == "output.weight"))
+    return {"out": str(out), "format": "hf", "dtype": str(target).removeprefix("torch."),
+            "parameters": parameters, "files": files}

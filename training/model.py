@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from core.config import ffn_hidden_width
+from core.errors import ConfigError
+
 
 @dataclass
 class ModelArgs:
@@ -24,9 +27,15 @@ class ModelArgs:
     n_heads: int = 4
     n_kv_heads: int | None = None
     ffn_multiple_of: int = 32
+    ffn_dim_multiplier: float | None = None
+    ffn_hidden_dim: int | None = None  # the SwiGLU width exactly (e.g. a checkpoint's); wins
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    # Llama 3.1's frequency-dependent RoPE scaling: {factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings}; None: plain RoPE.
+    rope_scaling: dict | None = None
     max_seq_len: int = 256
+    tie_embeddings: bool = False  # the output layer uses the embedding matrix (Llama 3.2 1B/3B)
 
     @property
     def head_dim(self) -> int:
@@ -38,9 +47,8 @@ class ModelArgs:
 
     @property
     def ffn_hidden(self) -> int:
-        # Llama's 2/3 * 4 * dim, rounded up so matmuls stay aligned.
-        hidden = int(2 * 4 * self.dim / 3)
-        return self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+        return ffn_hidden_width(self.dim, self.ffn_multiple_of, self.ffn_dim_multiplier,
+                                self.ffn_hidden_dim)
 
 
 class RMSNorm(nn.Module):
@@ -54,8 +62,33 @@ class RMSNorm(nn.Module):
         return normed.type_as(x) * self.weight
 
 
-def rope_cache(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """The rotation frequency of each pair of dimensions (head_dim / 2 of them).
+
+    With Llama 3.1's `scaling`, frequencies whose wavelength exceeds the original context
+    (original_max_position_embeddings / low_freq_factor) are divided by `factor`, those
+    shorter than original / high_freq_factor stay, and the band between is interpolated
+    smoothly. The operations and their order are those of Meta's apply_scaling and
+    transformers' _compute_llama3_parameters, so an exported model computes the same angles
+    to the bit.
+    """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cache(head_dim: int, max_seq_len: int, theta: float,
+               scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = rope_frequencies(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)  # (seq, head_dim), halves repeated
     return angles.cos(), angles.sin()
@@ -127,6 +160,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
         # Derived from args, so not part of the checkpoint.
         self.register_buffer("rope_cos", torch.empty(args.max_seq_len, args.head_dim), persistent=False)
         self.register_buffer("rope_sin", torch.empty(args.max_seq_len, args.head_dim), persistent=False)
@@ -136,10 +170,20 @@ class Transformer(nn.Module):
         if not self.rope_cos.is_meta:
             self.init_weights(seed)
 
+    def tie_weights(self) -> None:
+        """With args.tie_embeddings, make the output layer use the embedding's parameter.
+
+        Moving parameters to new storage (to_empty after building on the meta device, a
+        tensor-parallel layout distributing each module's weights) gives each module a
+        parameter of its own: whoever does that ties them again with this. A pipeline stage
+        holding only one of the two has nothing to tie."""
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         """The rotary tables, on `device` (default: where the buffers are)."""
         a = self.args
-        cos, sin = rope_cache(a.head_dim, a.max_seq_len, a.rope_theta)
+        cos, sin = rope_cache(a.head_dim, a.max_seq_len, a.rope_theta, a.rope_scaling)
         device = device if device is not None else self.rope_cos.device
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
@@ -173,7 +217,11 @@ class Transformer(nn.Module):
         without first drawing initial values it would overwrite."""
         with torch.device("meta"):
             model = cls(args)
+        if args.tie_embeddings:  # one matrix: a state that lists it twice holds it once here
+            state = {k: v for k, v in state.items() if k != "output.weight"}
+            model.output.weight = None  # so strict loading expects it once, as the embedding
         model.load_state_dict(state, strict=True, assign=True)
+        model.tie_weights()
         model.init_buffers(model.output.weight.device)
         return model
 
@@ -196,16 +244,19 @@ class Transformer(nn.Module):
         return cross_entropy(logits, targets)
 
     def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters (a tied embedding counted once); non_embedding leaves out the embedding
+        matrix."""
         n = sum(p.numel() for p in self.parameters())
         return n - self.args.vocab_size * self.args.dim if non_embedding else n
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus attention scores (PaLM appendix B):
-        6 x num_params() + 12 x layers x heads x head_dim x seq_len. N leaves out only the input
-        embedding table (a lookup); the output projection is a matmul and counts. Causal masking
-        is not discounted, as in PaLM's MFU."""
+        6 x N + 12 x layers x heads x head_dim x seq_len. N leaves out only the input
+        embedding table (a lookup); the output projection is a matmul and counts, also when it
+        shares the embedding's matrix. Causal masking is not discounted, as in PaLM's MFU."""
         a = self.args
-        return 6 * self.num_params() + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+        matmul_params = self.num_params() + (a.vocab_size * a.dim if a.tie_embeddings else 0)
+        return 6 * matmul_params + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
 
     @torch.no_grad()
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
@@ -240,7 +291,8 @@ def shape_differences(saved: dict, args: ModelArgs) -> list[str]:
     rope_theta and max_seq_len may change on resume: e.g. a longer context.)"""
     def facts(a: ModelArgs) -> dict:
         return {"vocab_size (padded)": a.vocab_size, "dim": a.dim, "n_layers": a.n_layers,
-                "n_heads": a.n_heads, "n_kv_heads": a.kv_heads, "SwiGLU width": a.ffn_hidden}
+                "n_heads": a.n_heads, "n_kv_heads": a.kv_heads, "SwiGLU width": a.ffn_hidden,
+                "tie_embeddings": a.tie_embeddings}
 
     before, now = facts(ModelArgs(**saved)), facts(args)
     return [f"{name} {before[name]} in the checkpoint, {now[name]} now"
@@ -248,8 +300,19 @@ def shape_differences(saved: dict, args: ModelArgs) -> list[str]:
 
 
 def model_args_from_config(model_cfg, vocab_size: int) -> ModelArgs:
-    """ModelConfig (core.config) + the tokenizer's vocabulary -> ModelArgs, the vocabulary
-    rounded up to a multiple of model.vocab_multiple_of."""
-    multiple = model_cfg.vocab_multiple_of
-    return ModelArgs(vocab_size=-(-vocab_size // multiple) * multiple,
-                     **model_cfg.model_dump(exclude={"vocab_multiple_of"}))
+    """ModelConfig (core.config) + the tokenizer's vocabulary -> ModelArgs: the vocabulary
+    rounded up to a multiple of model.vocab_multiple_of, or model.vocab_size where the config
+    fixes it (a model.init_from checkpoint's embedding rows)."""
+    fields = model_cfg.model_dump(exclude={"vocab_multiple_of", "vocab_size", "init_from"})
+    if model_cfg.vocab_size is None:
+        multiple = model_cfg.vocab_multiple_of
+        return ModelArgs(vocab_size=-(-vocab_size // multiple) * multiple, **fields)
+    if vocab_size > model_cfg.vocab_size:
+        source = (f"model.init_from={model_cfg.init_from} (its config.json)" if model_cfg.init_from
+                  else "the config")
+        raise ConfigError(
+            f"the tokenizer has {vocab_size} tokens but model.vocab_size={model_cfg.vocab_size} "
+            f"({source}) gives the model only that many embeddings; train on data tokenized "
+            "with the model's own tokenizer (leave tokenizer.path unset with model.init_from), "
+            "or raise model.vocab_size")
+    return ModelArgs(vocab_size=model_cfg.vocab_size, **fields)

@@ -114,6 +114,7 @@ def materialize(parts: list[nn.Module], seed: int | None, device: torch.device) 
 
     for part in parts:
         part.to_empty(device=device)
+        part.tie_weights()  # to_empty gave the output layer a parameter of its own
         part.init_buffers()
         if seed is None:
             continue
@@ -232,6 +233,9 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
     if top:
         parallelize_module(model, tp_mesh, top)
+        # Each module got its own distributed copy of a tied matrix; both are sharded by
+        # vocabulary rows (Shard(0)), so the embedding's serves the output layer as it is.
+        model.tie_weights()
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),

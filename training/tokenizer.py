@@ -14,8 +14,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from core.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
-# End-of-document tokens of common tokenizers, in order of preference.
-EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>")
+# End-of-document tokens of common tokenizers, in order of preference (Llama 3's is
+# <|end_of_text|>: a model.init_from checkpoint's tokenizer must be usable as it is).
+EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int) -> Tokenizer:

@@ -29,6 +29,7 @@ from training.checkpoint.component import Checkpointer, Progress
 from training.checkpoint.resume import resolve_resume
 from training.data import DistributedSampleLoader, open_training_data
 from training.distributed import Dist, init_distributed
+from training.hf_weights import load_hf_weights
 from training.logs import get_logger
 from training.metrics import MetricsWriter, StepMetrics, peak_flops
 from training.model import Transformer, cross_entropy, model_args_from_config
@@ -58,12 +59,16 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     model_args, n_params = vars(model.args), model.num_params(non_embedding=False)
     flops_per_token = model.flops_per_token(tcfg.seq_len)
     start = resolve_resume(resume, config.run_dir, float(os.environ.get(ENV_RESTART_WAIT_S, "0")))
-    # Resuming, every weight comes from the checkpoint: drawing initial values first would
-    # only lengthen the restart.
+    # Every weight comes from the checkpoint when resuming, and from model.init_from's files
+    # when starting from a Hugging Face model: drawing initial values first would only
+    # lengthen the start. A resumed run has moved on from init_from; its checkpoint wins.
+    init_from = config.model.init_from if start is None else None
     layout = parallelize(model, config.parallelism, dims, env.device,
                          pipeline_loss(tcfg.grad_accum_steps * dims.microbatches_per_step),
-                         seed=tcfg.seed if start is None else None)
+                         seed=tcfg.seed if start is None and init_from is None else None)
     del model  # from here on the layout's parts are the model
+    if init_from is not None:
+        load_hf_weights(layout.model_parts, init_from, config.model.tie_embeddings)
     optimizers = [build_optimizer(part, tcfg, env.device) for part in layout.model_parts]
     loader = DistributedSampleLoader({source.name: source.stream("train") for source in data.sources},
                                      tcfg.seq_len, tcfg.micro_batch_size, layout.dp_rank, layout.dp_size,

@@ -1,0 +1,119 @@
+"""A Hugging Face Llama checkpoint directory, in the config's terms (model.init_from).
+
+Such a directory holds config.json (LlamaConfig), the weights as model.safetensors or as
+model-0000i-of-0000n.safetensors with model.safetensors.index.json, and usually the
+tokenizer.json the model was trained with. `model_fields` reads config.json as ModelConfig
+fields; training/export.py writes the same mapping the other way (hf_config), and
+tests/test_init_from.py checks the two agree. The weights themselves are read by the
+workers (training/hf_weights.py), each rank only its own part.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from core.errors import ConfigError
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+SHARD_INDEX = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+
+# ModelConfig field <- config.json key, for the fields that carry over one to one.
+HF_FIELDS = {
+    "dim": "hidden_size",
+    "n_layers": "num_hidden_layers",
+    "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads",
+    "ffn_hidden_dim": "intermediate_size",
+    "norm_eps": "rms_norm_eps",
+    "vocab_size": "vocab_size",
+    "max_seq_len": "max_position_embeddings",
+    "tie_embeddings": "tie_word_embeddings",
+}
+ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                     "original_max_position_embeddings")
+
+
+def read_config(directory: str | Path) -> dict[str, Any]:
+    """config.json of a Llama checkpoint directory that also holds its weights; ConfigError
+    saying what is missing otherwise."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise ConfigError(f"model.init_from={directory}: no such directory; point it at a "
+                          "Hugging Face Llama checkpoint directory (config.json and "
+                          "*.safetensors, as save_pretrained writes them)")
+    config_file = path / CONFIG_FILE
+    if not config_file.is_file():
+        raise ConfigError(f"model.init_from={directory}: {config_file} not found; the directory "
+                          "must be a Hugging Face checkpoint (save_pretrained writes config.json "
+                          "beside the weights)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.init_from: {config_file} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"model.init_from: {config_file} must hold a JSON object")
+    architectures = config.get("architectures") or []
+    if config.get("model_type") != "llama" or (architectures and "LlamaForCausalLM" not in architectures):
+        found = config.get("model_type"), architectures
+        raise ConfigError(f"model.init_from: {config_file} describes model_type={found[0]!r} "
+                          f"{found[1]}, not a Llama (model_type 'llama', LlamaForCausalLM); "
+                          "Goodput's model is a Llama, so only Llama checkpoints load into it")
+    if not (path / SINGLE_FILE).is_file() and not (path / SHARD_INDEX).is_file():
+        raise ConfigError(f"model.init_from={directory}: neither {SINGLE_FILE} nor {SHARD_INDEX} "
+                          "is there; save the model with safetensors (save_pretrained does by "
+                          "default; convert .bin or Meta's .pth weights first)")
+    return config
+
+
+def model_fields(directory: str | Path) -> dict[str, Any]:
+    """The ModelConfig fields the checkpoint in `directory` fixes (its shape, RoPE, norm eps,
+    tied embeddings, vocabulary and context), from its config.json."""
+    config = read_config(directory)
+    where = Path(directory) / CONFIG_FILE
+    missing = [key for key in HF_FIELDS.values()
+               if key not in config and key not in ("num_key_value_heads", "tie_word_embeddings")]
+    if missing:
+        raise ConfigError(f"model.init_from: {where} lacks {missing}; a LlamaConfig saved by "
+                          "transformers has them all")
+    head_dim = config["hidden_size"] // config["num_attention_heads"]
+    unsupported = [f"{key}={config.get(key)!r}" for key, ok in (
+        ("hidden_act", config.get("hidden_act", "silu") == "silu"),
+        ("attention_bias", not config.get("attention_bias", False)),
+        ("mlp_bias", not config.get("mlp_bias", False)),
+        ("head_dim", config.get("head_dim") in (None, head_dim)),
+    ) if not ok]
+    if unsupported:
+        raise ConfigError(f"model.init_from: {where} has {', '.join(unsupported)}, which "
+                          "training/model.py does not implement (it is Llama's SwiGLU, "
+                          "bias-free, head_dim = hidden_size / num_attention_heads)")
+    fields = {field: config[key] for field, key in HF_FIELDS.items() if key in config}
+    fields["n_kv_heads"] = config.get("num_key_value_heads") or config["num_attention_heads"]
+    # Absent means LlamaConfig's default (untied), as transformers would build the model.
+    fields["tie_embeddings"] = bool(config.get("tie_word_embeddings", False))
+    fields["rope_theta"], fields["rope_scaling"] = _rope(config, where)
+    return fields
+
+
+def _rope(config: dict, where: Path) -> tuple[float, dict | None]:
+    """rope_theta and Llama 3 scaling from either spelling: transformers 5's rope_parameters,
+    or 4.x's top-level rope_theta with rope_scaling."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise ConfigError(f"model.init_from: {where} asks for rope_type={kind!r}; training/model.py "
+                          "implements plain RoPE and Llama 3's scaling ('llama3') only")
+    missing = [k for k in ROPE_SCALING_KEYS if k not in params]
+    if missing:
+        raise ConfigError(f"model.init_from: {where}'s llama3 rope scaling lacks {missing}")
+    scaling = {k: params[k] for k in ROPE_SCALING_KEYS}
+    scaling["original_max_position_embeddings"] = int(scaling["original_max_position_embeddings"])
+    for key in ("factor", "low_freq_factor", "high_freq_factor"):
+        scaling[key] = float(scaling[key])
+    return float(theta), scaling

@@ -1,0 +1,385 @@
+"""model.init_from: training starts from a Hugging Face Llama checkpoint.
+
+The checkpoints are small random `LlamaForCausalLM`s built here with transformers (offline),
+with what real Llama 3 checkpoints have: grouped-query attention, Llama 3.1 RoPE scaling
+(all three frequency bands occur at head_dim 16, theta 500000 and an original context of
+32), a SwiGLU width no formula gives (intermediate_size 100), tied or untied embeddings,
+one file or sharded with an index; a byte-level BPE of exactly the model's vocabulary
+beside it. Weights are drawn with std 0.3, far from init, so attention is sharp and any
+mismatch in names, RoPE or head layout moves the logits well beyond the tolerance.
+
+Tolerance: fp32 on CPU, torch.testing.assert_close with rtol=atol=1e-5 per logit.
+Measured: bit-identical logits (max |difference| 0.0) with transformers 5.24, one process;
+training losses equal to the single process within 1e-5 under FSDP and TP.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from core.config import ConfigError, ParallelismConfig, config_from_dict, load_config
+from core.layout import ParallelDims
+from goodput.runs import write_run_config
+from infra.torchrun import free_port
+from storage.manifests import DatasetManifest
+from tests.helpers import REPO, losses_by_step, small_config, synthetic_dataset
+from training.data import DistributedSampleLoader, TokenStream
+from training.export import write_hf
+from training.hf_weights import load_hf_weights
+from training.model import Transformer, model_args_from_config
+from training.parallelize import parallelize
+from training.tokenizer import train_tokenizer
+
+transformers = pytest.importorskip("transformers")
+from safetensors import safe_open  # noqa: E402  (transformers' dependency)
+from safetensors.torch import save_file  # noqa: E402
+
+PARITY = {"rtol": 1e-5, "atol": 1e-5}
+VOCAB = 320
+SEQ = 64
+SCALING = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+           "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+
+def save_llama(directory: Path, *, tied: bool, max_shard_size: str | None = None,
+               dtype: torch.dtype = torch.float32, seed: int = 0) -> Path:
+    """A random LlamaForCausalLM saved with save_pretrained, and its tokenizer.json."""
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=100, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        rms_norm_eps=1e-6, tie_word_embeddings=tied, rope_parameters=dict(SCALING))
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.to(dtype).save_pretrained(directory, **({"max_shard_size": max_shard_size}
+                                                  if max_shard_size else {}))
+    texts = ["the quick brown fox jumps over the lazy dog", "hello world, hello tokenizer"] * 20
+    train_tokenizer(texts, vocab_size=VOCAB, min_frequency=1).save(str(directory / "tokenizer.json"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {"tied": save_llama(root / "tied", tied=True),
+            "untied-sharded": save_llama(root / "untied-sharded", tied=False, max_shard_size="60KB"),
+            "bf16": save_llama(root / "bf16", tied=True, dtype=torch.bfloat16)}
+
+
+def hf_model(directory: Path):
+    model, info = transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32,
+                                                               output_loading_info=True)
+    assert not any(info.values()), info
+    return model.eval()
+
+
+def goodput_model(directory: Path, **overrides) -> Transformer:
+    """The model the trainer builds for model.init_from=directory in one process: on the meta
+    device, laid out without initial values, then loaded."""
+    config = load_config(None, [f"model.init_from={directory}", f"training.seq_len={SEQ}"])
+    with torch.device("meta"):
+        model = Transformer(model_args_from_config(config.model, VOCAB))
+    layout = parallelize(model, ParallelismConfig(device="cpu"), ParallelDims(), torch.device("cpu"),
+                         None, seed=None)
+    load_hf_weights(layout.model_parts, directory, config.model.tie_embeddings)
+    return layout.model_parts[0].eval()
+
+
+def stored(directory: Path) -> dict[str, torch.Tensor]:
+    tensors = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    return tensors
+
+
+def tokens(batch: int = 2) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+# -- the configuration ----------------------------------------------------------------------------
+
+def test_the_shape_and_tokenizer_come_from_the_checkpoint(checkpoints):
+    directory = checkpoints["tied"]
+    config = load_config(None, [f"model.init_from={directory}", f"training.seq_len={SEQ}"])
+    m = config.model
+    assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_hidden_dim, m.vocab_size,
+            m.max_seq_len, m.norm_eps, m.rope_theta, m.tie_embeddings) == \
+        (64, 2, 4, 2, 100, VOCAB, SEQ, 1e-6, 500000.0, True)
+    assert m.rope_scaling.model_dump() == {k: v for k, v in SCALING.items()
+                                           if k not in ("rope_type", "rope_theta")}
+    assert config.tokenizer.path == str(directory)
+    from goodput.data.prepare import given_tokenizer_file  # the file the prepare stage reads
+
+    assert given_tokenizer_file(config.tokenizer.path) == directory / "tokenizer.json"
+    # Fields stated in agreement pass; a shorter context is the run's choice.
+    agreeing = load_config(None, [f"model.init_from={directory}", "model.dim=64", "model.n_kv_heads=2",
+                                  "model.max_seq_len=32", "training.seq_len=32"])
+    assert agreeing.model.max_seq_len == 32 and agreeing.model.dim == 64
+    # The workers and a resumed run read the config back as written: the same config.
+    dumped = config_from_dict(config.model_dump(mode="json"))
+    assert dumped == config and dumped.config_hash() == config.config_hash()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.dim=128", "model.dim=128 but hidden_size is 64"),
+    ("model.n_kv_heads=4", "model.n_kv_heads=4 but num_key_value_heads is 2"),
+    ("model.tie_embeddings=false", "model.tie_embeddings=False but tie_word_embeddings is True"),
+    ("model.ffn_dim_multiplier=1.3", "model.ffn_dim_multiplier=1.3 give a SwiGLU width of 224 but "
+                                     "intermediate_size is 100"),
+    ("model.rope_theta=10000", "model.rope_theta=10000 but rope_theta is 500000.0"),
+    ("model.rope_scaling=null", "model.rope_scaling=None but the rope scaling of rope_parameters is "
+                               "{'factor': 8.0"),
+])
+def test_a_stated_shape_that_conflicts_names_the_field(checkpoints, override, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"model.init_from={checkpoints['tied']}", f"training.seq_len={SEQ}", override])
+    assert message in str(err.value)
+    assert "config.json (model.init_from)" in str(err.value) and "leave these fields out" in str(err.value)
+
+
+def test_tied_checkpoints_refuse_pipeline_parallelism(checkpoints):
+    with pytest.raises(ConfigError, match="tie_embeddings=true .* pp=2 .* set parallelism.pp=1"):
+        load_config(None, [f"model.init_from={checkpoints['tied']}", f"training.seq_len={SEQ}",
+                           "parallelism.pp=2", "training.micro_batch_size=4"])
+
+
+def test_directories_that_are_not_llama_checkpoints_are_config_errors(tmp_path, checkpoints):
+    def error(directory) -> str:
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"model.init_from={directory}"])
+        return str(err.value)
+
+    assert "no such directory" in error(tmp_path / "absent")
+    (tmp_path / "empty").mkdir()
+    assert f"{tmp_path / 'empty' / 'config.json'} not found" in error(tmp_path / "empty")
+    no_weights = tmp_path / "no-weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((checkpoints["tied"] / "config.json").read_text())
+    assert "neither model.safetensors nor model.safetensors.index.json" in error(no_weights)
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2",
+                                                  "architectures": ["GPT2LMHeadModel"]}))
+    (gpt2 / "model.safetensors").write_bytes(b"")
+    assert "model_type='gpt2' ['GPT2LMHeadModel'], not a Llama" in error(gpt2)
+    yarn = tmp_path / "yarn"
+    yarn.mkdir()
+    config = json.loads((checkpoints["tied"] / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}
+    (yarn / "config.json").write_text(json.dumps(config))
+    (yarn / "model.safetensors").write_bytes(b"")
+    assert "rope_type='yarn'" in error(yarn)
+
+
+def test_a_missing_tensor_or_shard_is_a_config_error_naming_it(tmp_path, checkpoints):
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (partial / name).write_text((checkpoints["tied"] / name).read_text())
+    tensors = stored(checkpoints["tied"])
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"lacks 1 tensor\(s\) the model needs, e\.g\. "
+                                          r"\['model\.layers\.1\.mlp\.down_proj\.weight'\] "
+                                          r"\(in model\.safetensors\).*re-save it"):
+        goodput_model(partial)
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    for path in checkpoints["untied-sharded"].iterdir():
+        (sharded / path.name).write_bytes(path.read_bytes())
+    gone = sorted(sharded.glob("model-*.safetensors"))[1]
+    gone.unlink()
+    with pytest.raises(ConfigError, match=f"{gone} is missing .*copy every shard"):
+        goodput_model(sharded)
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied-sharded"])
+def test_the_planner_plans_the_checkpoints_model(checkpoints, kind):
+    """What the train flow checks before launching: the checkpoint's model, its size exactly
+    (the vocabulary from its tokenizer.json, the embeddings from its config.json)."""
+    from goodput import planner
+
+    config = load_config(None, [f"model.init_from={checkpoints[kind]}", f"training.seq_len={SEQ}",
+                                "parallelism.device=cpu", "parallelism.device_memory=1GiB"])
+    result, _, _ = planner.check_run(config)
+    assert result.ok, result.problems
+    assert result.params.total == hf_model(checkpoints[kind]).num_parameters()
+
+
+def test_a_tokenizer_larger_than_the_checkpoints_vocabulary_is_refused(checkpoints):
+    config = load_config(None, [f"model.init_from={checkpoints['tied']}", f"training.seq_len={SEQ}"])
+    with pytest.raises(ConfigError, match=f"the tokenizer has 400 tokens but model.vocab_size={VOCAB}"):
+        model_args_from_config(config.model, 400)
+
+
+# -- the weights -----------------------------------------------------------------------------------
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["tied", "untied-sharded"])
+def test_the_loaded_model_gives_transformers_logits(checkpoints, kind):
+    ours, theirs = goodput_model(checkpoints[kind]), hf_model(checkpoints[kind])
+    assert (ours.output.weight is ours.tok_embeddings.weight) == (kind == "tied")
+    x = tokens()
+    torch.testing.assert_close(ours(x), theirs(x).logits, **PARITY)
+    # Without the checkpoint's RoPE scaling the same weights give other logits: it is used.
+    plain = Transformer.with_weights(type(ours.args)(**{**vars(ours.args), "rope_scaling": None}),
+                                     ours.state_dict())
+    assert (plain(x) - ours(x)).abs().max() > 1e-2
+
+
+@torch.no_grad()
+def test_bfloat16_weights_load_into_the_fp32_model_exactly(checkpoints):
+    ours = goodput_model(checkpoints["bf16"])
+    assert ours.tok_embeddings.weight.dtype == torch.float32
+    files = stored(checkpoints["bf16"])
+    assert files["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert torch.equal(ours.tok_embeddings.weight, files["model.embed_tokens.weight"].float())
+    assert torch.equal(ours.layers["1"].attention.wk.weight,
+                       files["model.layers.1.self_attn.k_proj.weight"].float())
+
+
+@pytest.mark.parametrize("kind", ["tied", "untied-sharded"])
+def test_export_after_zero_steps_gives_back_the_original_tensors(checkpoints, kind, tmp_path):
+    """Loaded and exported again (Goodput's names both ways): every stored tensor, bit for bit,
+    and no other; the exported config.json describes the same model."""
+    directory = checkpoints[kind]
+    model = goodput_model(directory)
+    write_hf(model.args, model.state_dict(), tmp_path / "out")
+    original, exported = stored(directory), stored(tmp_path / "out")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    again = load_config(None, [f"model.init_from={tmp_path / 'out'}", f"training.seq_len={SEQ}"])
+    first = load_config(None, [f"model.init_from={directory}", f"training.seq_len={SEQ}"])
+    assert again.model.model_dump(exclude={"init_from"}) == first.model.model_dump(exclude={"init_from"})
+
+
+# -- training from the checkpoint ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return synthetic_dataset(tmp_path_factory.mktemp("init-from-data") / "dataset", vocab_size=VOCAB)
+
+
+STEPS = 3
+
+
+def train(tmp_path: Path, dataset: Path, checkpoint: Path, nproc: int, *overrides: str):
+    """`python -m training` (one process) or torchrun from model.init_from; the config, the
+    per-step losses and the output."""
+    config = small_config(tmp_path, f"model.init_from={checkpoint}", f"training.max_steps={STEPS}",
+                          f"checkpoint.every_steps={STEPS}", "training.warmup_steps=1",
+                          f"parallelism.nproc_per_node={nproc}", *overrides)
+    module = ["-m", "training", "--config", str(write_run_config(config)), "--dataset", str(dataset)]
+    cmd = [sys.executable, *module] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", *module]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return config, losses_by_step(config.run_dir), proc.stdout
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, dataset, checkpoints):
+    """Three steps in one process from the tied checkpoint: the reference of the layouts."""
+    return train(tmp_path_factory.mktemp("single"), dataset, checkpoints["tied"], 1,
+                 "training.micro_batch_size=4")
+
+
+@torch.no_grad()
+def test_training_starts_from_the_checkpoints_weights(single, dataset, checkpoints):
+    """The first step's loss is the Hugging Face model's loss on the same batch (the trainer's
+    first batch, drawn again here), not that of initial weights."""
+    config, losses, stdout = single
+    assert "[init_from] initialised 20 tensors" in stdout  # tied: 2 x 9 + embedding + norm
+    manifest = DatasetManifest.load(dataset)
+    t = config.training
+    inputs, targets = DistributedSampleLoader(TokenStream(dataset, manifest, "train"), t.seq_len,
+                                              t.micro_batch_size, 0, 1, t.seed,
+                                              t.shuffle_window_tokens).next_batch()
+    logits = hf_model(checkpoints["tied"])(inputs).logits
+    hf_loss = F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)).item()
+    assert losses[1] == pytest.approx(hf_loss, rel=1e-5)
+    # Initial weights drawn from training.seed give another loss (measured 5.80 vs 6.14).
+    fresh = Transformer(model_args_from_config(config.model, VOCAB), seed=t.seed)
+    assert fresh(inputs, targets).item() != pytest.approx(hf_loss, rel=1e-2)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+
+
+LAYOUTS = {
+    "fsdp": ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "training.micro_batch_size=2"),
+    "tp": ("parallelism.dp_replicate=1", "parallelism.tp=2", "training.micro_batch_size=4"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_sharded_layouts_load_their_part_and_train_the_same_curve(layout, tmp_path, dataset,
+                                                                  single, checkpoints):
+    """Two workers load the tied checkpoint under FSDP (each rank reads its half of every
+    tensor: exactly half the bytes) or TP (its heads, vocabulary rows and SwiGLU units; the
+    norm weights whole): the single process's losses, step by step."""
+    _, losses, stdout = train(tmp_path, dataset, checkpoints["tied"], 2, *LAYOUTS[layout])
+    reference = single[1]
+    assert sorted(losses) == sorted(reference)
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), (step, loss, reference[step])
+    read = {int(rank): int(n) for rank, n in
+            re.findall(r"\[rank(\d)\] \[init_from\] initialised .* read (\d+) bytes", stdout)}
+    total = sum(t.numel() * t.element_size() for t in stored(checkpoints["tied"]).values())
+    assert sorted(read) == [0, 1]
+    if layout == "fsdp":
+        assert read[0] == read[1] == total // 2
+    else:
+        norms = 4 * 64 * (2 * 2 + 1)  # fp32, replicated under TP
+        assert read[0] == read[1] == (total - norms) // 2 + norms
+
+
+def test_pipeline_stages_read_only_their_layers(tmp_path, dataset, checkpoints):
+    """Untied and sharded over several files, under two pipeline stages: each stage reads its
+    own layers (and the embedding or the head), together the whole checkpoint once, and
+    trains the single process's curve."""
+    checkpoint = checkpoints["untied-sharded"]
+    _, reference, _ = train(tmp_path / "one", dataset, checkpoint, 1, "training.micro_batch_size=4")
+    _, losses, stdout = train(tmp_path / "pp", dataset, checkpoint, 2, "parallelism.dp_replicate=1",
+                              "parallelism.pp=2", "training.micro_batch_size=4")
+    assert sorted(losses) == sorted(reference)
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], rel=1e-5), (step, loss, reference[step])
+    read = re.findall(r"\[rank\d\] \[init_from\] initialised (\d+) tensors .* read (\d+) bytes", stdout)
+    total = sum(t.numel() * t.element_size() for t in stored(checkpoint).values())
+    assert sorted(int(n) for n, _ in read) == [10, 11]  # embedding + layer 0; layer 1 + norm + head
+    assert sum(int(b) for _, b in read) == total
+
+
+@pytest.mark.slow
+def test_the_pipeline_prepares_with_the_checkpoints_tokenizer_and_trains_from_it(
+        prefect_api, tmp_path, checkpoints):
+    """Real flow runs: prepare tokenizes the corpus with init_from's tokenizer.json (tokenizer.path
+    left unset), train starts from its weights, evaluate scores the result."""
+    from flows.pipeline import pipeline
+
+    checkpoint = checkpoints["tied"]
+    config = small_config(tmp_path, f"model.init_from={checkpoint}", "training.max_steps=4",
+                          "checkpoint.every_steps=4", "training.warmup_steps=1")
+    result = pipeline(config)
+    assert result["final_step"] == 4
+    manifest = DatasetManifest.load(Path(config.data.data_dir) / result["dataset_id"])
+    assert manifest.vocab_size == VOCAB
+    from core.files import sha256_file
+
+    assert manifest.tokenizer_sha256 == sha256_file(checkpoint / "tokenizer.json")
+    assert math.isfinite(result["eval_loss"])

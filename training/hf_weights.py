@@ -1,0 +1,122 @@
+"""Start training from a Hugging Face Llama checkpoint (model.init_from).
+
+The trainer builds the model on the meta device and lays it out (training.parallelize)
+without drawing initial values; `load_hf_weights` then fills each rank's parameters from
+the checkpoint's safetensors files with DCP's HuggingFaceStorageReader. DCP plans the read
+from what the rank holds: an FSDP or TP shard is read as a slice of the stored tensor
+(safetensors get_slice), a pipeline stage reads only its own layers, and no rank ever holds
+a full copy of a tensor it does not keep.
+
+Names are those of the Hugging Face export (training.export.hf_name) read the other way;
+Goodput's Llama already uses Hugging Face's rotate-half RoPE layout, so q and k need no
+permutation in either direction. A tied output layer is the embedding matrix: it is read
+once, as model.embed_tokens.weight.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+from core.errors import ConfigError
+from core.hf_llama import SHARD_INDEX, SINGLE_FILE
+from training.export import hf_name
+from training.logs import get_logger
+
+log = get_logger("init_from")
+
+
+def stored_tensors(directory: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor of the checkpoint in `directory`: HF name -> (file, shape), from the
+    safetensors headers only (no tensor data is read)."""
+    directory = Path(directory)
+    index = directory / SHARD_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"model.init_from: {index} is not a safetensors index with a "
+                              f"weight_map ({e}); re-save the model with save_pretrained") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = [SINGLE_FILE]
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name in files:
+        path = directory / name
+        if not path.is_file():
+            raise ConfigError(f"model.init_from: {path} is missing ({SHARD_INDEX} lists it); copy "
+                              "every shard of the checkpoint into the directory")
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                found[key] = (name, tuple(f.get_slice(key).get_shape()))
+    return found
+
+
+class _Reader(dcp.HuggingFaceStorageReader):
+    """DCP's safetensors reader, counting the bytes of this rank's read plan (the log says
+    how much of the checkpoint each rank read)."""
+
+    bytes_read = 0
+
+    def read_data(self, plan, planner):
+        for item in plan.items:
+            stored = self.storage_data[item.storage_index]
+            self.bytes_read += math.prod(item.lengths) * stored.dtype.itemsize
+        return super().read_data(plan, planner)
+
+
+def load_hf_weights(model_parts: list[torch.nn.Module], directory: str | Path,
+                    tie_embeddings: bool) -> int:
+    """Fill this rank's parameters (every model part: pipeline stages, FSDP/TP shards, DDP
+    replicas) from the Hugging Face checkpoint in `directory`, converting the stored dtype to
+    the parameters'. Collective: every rank calls it. Returns the bytes this rank read.
+    ConfigError when a tensor the model needs is missing or shaped differently."""
+    start = time.perf_counter()
+    directory = Path(directory)
+    states = [get_model_state_dict(part) for part in model_parts]
+    wanted = {}
+    for state in states:
+        for name, tensor in state.items():
+            if tie_embeddings and name == "output.weight":
+                continue  # the embedding's parameter: filled through model.embed_tokens.weight
+            wanted[hf_name(name)] = tensor
+    stored = stored_tensors(directory)
+    _check_complete(wanted, stored, directory)
+    reader = _Reader(str(directory))
+    with warnings.catch_warnings():  # a single process (no process group) loads alone: intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        # Loads in place into the parameters (DTensor shards included): the read plan asks
+        # each file only for the slices this rank holds.
+        dcp.load(wanted, storage_reader=reader)
+    for part, state in zip(model_parts, states):
+        set_model_state_dict(part, state)
+    log.info("initialised %d tensors from %s in %.1fs: read %d bytes (this rank's part)",
+             len(wanted), directory, time.perf_counter() - start, reader.bytes_read)
+    return reader.bytes_read
+
+
+def _check_complete(wanted: dict[str, torch.Tensor], stored: dict, directory: Path) -> None:
+    """Every tensor the model needs is stored with the model's (whole) shape: DCP's own
+    errors for a missing key or a size mismatch would not say which file or what to do."""
+    missing = sorted(set(wanted) - set(stored))
+    if missing:
+        listing = SHARD_INDEX if (directory / SHARD_INDEX).is_file() else SINGLE_FILE
+        raise ConfigError(
+            f"model.init_from={directory}: the checkpoint lacks {len(missing)} tensor(s) the model "
+            f"needs, e.g. {missing[:3]} (in {listing}); "
+            "its weights do not match its config.json (a partial copy, or another architecture "
+            "under a Llama config): re-save it with save_pretrained")
+    wrong = [f"{name} {stored[name][1]} in {stored[name][0]}, model {tuple(t.shape)}"
+             for name, t in wanted.items() if stored[name][1] != tuple(t.shape)]
+    if wrong:
+        raise ConfigError(f"model.init_from={directory}: tensor shapes differ from the model "
+                          f"its config.json describes: {'; '.join(wrong[:3])}; re-save the "
+                          "checkpoint with save_pretrained")
