@@ -591,6 +591,27 @@ class EvalConfig(_Section):
         default_factory=lambda: ["The ", "A function ", "In Python, "],
         description="Prompts for generated samples (cycled).",
     )
+    every_steps: int = Field(0, ge=0, description="In-loop validation: the held-out loss (of "
+                             "each source and the mix) every this many steps, inside training, "
+                             "logged with the training metrics; 0 = off.")
+    in_loop_batches: int = Field(4, ge=1, description="Validation batches (of "
+                                 "training.micro_batch_size samples, per source) that in-loop "
+                                 "validation reads, split over the data-parallel ranks.")
+
+
+class TrackingConfig(_Section):
+    """Where training and evaluation metrics also go, besides metrics.jsonl and Prefect."""
+
+    tensorboard: bool = Field(True, description="TensorBoard event files in the run directory "
+                              "(`tensorboard --logdir <runs_dir>`); no server needed.")
+    mlflow_uri: str | None = Field(None, description="An MLflow tracking server "
+                                   "(http://host:5000) or store URI: one MLflow run per run id.")
+    mlflow_experiment: str = Field("goodput", description="The MLflow experiment of the runs.")
+    wandb_project: str | None = Field(None, description="A Weights & Biases project: one W&B run "
+                                      "per run id (credentials: `wandb login` or WANDB_API_KEY).")
+    wandb_entity: str | None = Field(None, description="The W&B team or user (default: yours).")
+    wandb_mode: Literal["online", "offline"] = Field(
+        "online", description="'offline' writes W&B runs to the run directory for `wandb sync`.")
 
 
 class FaultsConfig(_Section):
@@ -757,6 +778,7 @@ class RunConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     storage: StorageConfig = Field(default_factory=StorageConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
@@ -841,7 +863,8 @@ class RunConfig(_Section):
     def eval_hash(self) -> str:
         """Hash of what decides an eval report besides the checkpoint and the dataset: the
         eval section, the sequence length it scores and the seed its samples draw from."""
-        tree = {"eval": self.eval.model_dump(), "seq_len": self.training.seq_len,
+        tree = {"eval": self.eval.model_dump(exclude={"every_steps", "in_loop_batches"}),
+                "seq_len": self.training.seq_len,
                 "seed": self.training.seed}
         return sha256_bytes(canonical_json(tree))[:16]
 

@@ -34,10 +34,12 @@ def goodput_breakdown(run_dir, train_wall_s: float, eval_wall_s: float = 0.0) ->
             last_run[step] = seconds
     productive = sum(last_run.values())
     checkpoint = sum(r.get("checkpoint_s", 0.0) for r in records)
-    restart = max(0.0, train_wall_s - productive - lost - checkpoint)
-    total = productive + lost + checkpoint + restart + eval_wall_s
+    validation = sum(r.get("val_time_s", 0.0) for r in records)  # in-loop, between steps
+    restart = max(0.0, train_wall_s - productive - lost - checkpoint - validation)
+    evaluation = eval_wall_s + validation
+    total = productive + lost + checkpoint + restart + evaluation
     return {"productive_s": productive, "lost_work_s": lost, "checkpoint_s": checkpoint,
-            "restart_s": restart, "evaluation_s": eval_wall_s, "total_s": total,
+            "restart_s": restart, "evaluation_s": evaluation, "total_s": total,
             "goodput": productive / total if total > 0 else None}
 
 

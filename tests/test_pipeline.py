@@ -48,6 +48,12 @@ def test_pipeline_completes_and_learns(finished):
                pytest.approx(r["data_wait_s"] / r["window_time_s"]) for r in records)
     assert summary["train"]["data_wait_share"] == pytest.approx(
         sum(r["data_wait_s"] for r in records) / sum(r["window_time_s"] for r in records))
+    # TensorBoard, by default: the training curves and the evaluation's scores.
+    from tests.test_tracking import tensorboard_scalars
+
+    scalars = tensorboard_scalars(config.run_dir.path / "tensorboard")
+    assert sorted(scalars["train/loss"]) == list(range(1, STEPS + 1))
+    assert scalars["eval/loss"] == pytest.approx({STEPS: result["eval_loss"]})
     goodput = summary["goodput"]
     parts = ("productive_s", "lost_work_s", "checkpoint_s", "restart_s", "evaluation_s")
     assert sum(goodput[p] for p in parts) == pytest.approx(goodput["total_s"])

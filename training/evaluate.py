@@ -23,6 +23,7 @@ from training.held_out import mix_held_out_loss
 from training.logs import get_logger, setup_worker_logging
 from training.model import Transformer
 from training.tokenizer import load_tokenizer
+from training.tracking import open_trackers
 
 log = get_logger("eval")
 
@@ -61,6 +62,13 @@ def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_c
                       source_losses=source_losses if len(data.sources) > 1 else {})
 
 
+def eval_curves(report: EvalReport) -> dict[str, float]:
+    """The report's scores as tracking records (eval/...), at its checkpoint's step."""
+    found = {"eval/loss": report.loss, "eval/perplexity": report.perplexity}
+    found.update({f"eval/loss/{name}": loss for name, loss in report.source_losses.items()})
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     report = report.model_copy(update={"eval_hash": config.eval_hash()})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, report.model_dump_json(indent=2).encode())
+    trackers = open_trackers(config.tracking, config.run_dir.path, config.run.run_id)
+    trackers.log(report.step, eval_curves(report))
+    trackers.close()
     log.info("step %d: loss %.4f, perplexity %.2f over %s tokens%s", report.step, report.loss,
              report.perplexity, f"{report.tokens_evaluated:,}",
              "".join(f", {name} {loss:.4f}" for name, loss in report.source_losses.items()))

@@ -21,11 +21,12 @@ def young_daly_interval_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
 
 
 class MetricsWriter:
-    """metrics.jsonl and the heartbeat, written by rank 0 (`enabled`) only."""
+    """metrics.jsonl and the heartbeat, written by rank 0 (`enabled`) only; every record also
+    goes to the tracking backends (training.tracking), when given."""
 
-    def __init__(self, run_dir: RunDir | str | Path, enabled: bool):
+    def __init__(self, run_dir: RunDir | str | Path, enabled: bool, trackers=None):
         self.run_dir = RunDir.of(run_dir)
-        self.enabled = enabled
+        self.enabled, self.trackers = enabled, trackers
         if enabled:
             self.run_dir.path.mkdir(parents=True, exist_ok=True)
             self._file = open(self.run_dir.metrics_file, "a", buffering=1)  # line-buffered: tail-able
@@ -33,6 +34,8 @@ class MetricsWriter:
     def log(self, record: dict) -> None:
         if self.enabled:
             self._file.write(json.dumps({**record, "time": time.time()}) + "\n")
+            if self.trackers is not None:
+                self.trackers.log(record["step"], record)
 
     def heartbeat(self, **fields) -> None:
         if self.enabled:
@@ -41,6 +44,8 @@ class MetricsWriter:
     def close(self) -> None:
         if self.enabled:
             self._file.close()
+            if self.trackers is not None:
+                self.trackers.close()
 
 
 class StepMetrics:
@@ -62,13 +67,15 @@ class StepMetrics:
 
     def step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens_seen: int,
              step_time_s: float, checkpoint_s: float, save_in_flight: bool,
-             data_wait_s: float = 0.0) -> None:
+             data_wait_s: float = 0.0, validation: dict | None = None) -> None:
+        """`validation`: the in-loop held-out losses measured after this step (and
+        `val_time_s`, outside the step's time); a step with them is always logged."""
         tokens_per_s = self.tokens_per_step / step_time_s
         self.window_steps += 1
         self.window_time_s += step_time_s
         self.window_checkpoint_s += checkpoint_s
         self.window_data_wait_s += data_wait_s
-        if step % self.log_every == 0 or step == self.max_steps:
+        if step % self.log_every == 0 or step == self.max_steps or validation:
             achieved = self.flops_per_token * tokens_per_s / self.world_size
             self.writer.log({
                 "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
@@ -83,7 +90,7 @@ class StepMetrics:
                 "data_wait_share": self.window_data_wait_s / self.window_time_s,
                 "flops_per_s_per_device": achieved,
                 "mfu": achieved / self.device_peak_flops if self.device_peak_flops else None,
-                "attempt": self.attempt, **self.device_memory()})
+                "attempt": self.attempt, **self.device_memory(), **(validation or {})})
             self.window_steps, self.window_time_s, self.window_checkpoint_s = 0, 0.0, 0.0
             self.window_data_wait_s = 0.0
         self.writer.heartbeat(step=step, loss=loss, tokens_per_s=tokens_per_s,

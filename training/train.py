@@ -18,11 +18,12 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from core.config import RunConfig
-from core.errors import ConfigError
+from core.errors import ConfigError, DataError
 from core.layout import ParallelDims
 from core.protocol import ENV_MTBF_S, ENV_RESTART_WAIT_S, ResumeSpec, attempt_of_worker
 from training.checkpoint.component import Checkpointer, Progress
@@ -31,10 +32,11 @@ from training.data import DistributedSampleLoader, open_training_data
 from training.distributed import Dist, init_distributed
 from training.hf_weights import load_hf_weights
 from training.logs import get_logger
-from training.metrics import MetricsWriter, StepMetrics, peak_flops
+from training.metrics import MetricsWriter, StepMetrics, peak_flops, read_metrics
 from training.model import Transformer, cross_entropy, model_args_from_config
 from training.parallelize import Layout, clip_grad_norm_, parallelize
 from training.resilience import FaultInjector, Resilience
+from training.tracking import open_trackers
 
 log = get_logger("train")
 
@@ -95,6 +97,13 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     if resumed_from and env.is_main:
         log.info("resumed from %s at step %d", resumed_from, progress.step)
     loader.skip_windows(skipped_data(config))
+    if env.is_main:  # the steps after progress.step are redone: the trackers mark or hide them
+        earlier = ({r["step"]: r for r in read_metrics(config.run_dir) if r["step"] <= progress.step}
+                   if config.tracking.mlflow_uri else {})  # what MLflow may lack of earlier attempts
+        metrics.writer.trackers = open_trackers(config.tracking, config.run_dir.path, config.run.run_id,
+                                                progress.step, flat_config(config),
+                                                [earlier[step] for step in sorted(earlier)])
+    validation = HeldOutInLoop(config, data, layout, env.device)
     resilience = Resilience(config, env.rank, checkpointer, faults)
     if env.is_main:
         log.info("%s parameters, world size %d, layout %s, %s tokens/step, steps %d..%d",
@@ -126,7 +135,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
         stall += checkpointer.maybe_save(loss, step_time)
         metrics.step(progress.step, loss=loss, lr=lr, grad_norm=grad_norm,
                      tokens_seen=progress.tokens_seen, step_time_s=step_time, checkpoint_s=stall,
-                     data_wait_s=loader.take_wait_s(), save_in_flight=checkpointer.in_flight)
+                     data_wait_s=loader.take_wait_s(), save_in_flight=checkpointer.in_flight,
+                     validation=validation.maybe_run(progress.step))
         resilience.after_step(progress.step, loss)
 
     checkpointer.close()  # the last checkpoint is committed before the job reports success
@@ -168,6 +178,75 @@ def build_optimizer(model: torch.nn.Module, cfg, device: torch.device) -> torch.
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              fused=device.type == "cuda")
+
+
+class HeldOutInLoop:
+    """In-loop validation (eval.every_steps): the held-out loss of each source and of the mix
+    over the first eval.in_loop_batches validation batches of each source, split over the
+    data-parallel ranks; every rank takes part (FSDP gathers, pipeline stages pass activations)."""
+
+    def __init__(self, config: RunConfig, data, layout: Layout, device: torch.device):
+        self.every, self.data, self.layout, self.device = config.eval.every_steps, data, layout, device
+        self.seq_len, self.micro_batch = config.training.seq_len, config.training.micro_batch_size
+        self.batches, self.accum = config.eval.in_loop_batches, config.training.grad_accum_steps
+        self.streams = None  # opened at the first validation
+
+    def maybe_run(self, step: int) -> dict | None:
+        if not self.every or step % self.every:
+            return None
+        started = time.perf_counter()
+        if self.streams is None:
+            self.streams = {s.name: s.stream("validation") for s in self.data.sources}
+        losses = {name: self._loss(stream) for name, stream in self.streams.items()}
+        shares = self.data.mix_weights()
+        found = {"val_loss": sum(shares[name] * loss for name, loss in losses.items())}
+        if len(losses) > 1:
+            found.update({f"val_loss/{name}": loss for name, loss in losses.items()})
+        return {**found, "val_time_s": time.perf_counter() - started}
+
+    @torch.no_grad()
+    def _loss(self, stream) -> float:
+        layout, dp = self.layout, self.layout.dp_size
+        # The same number of batches on every data-parallel rank: their forwards are collective.
+        per_rank = min(max(1, self.batches // dp), stream.num_samples(self.seq_len) // (self.micro_batch * dp))
+        if per_rank == 0:
+            raise DataError(f"the validation split has {stream.n_tokens} tokens: fewer than one "
+                            f"batch of {self.micro_batch} x {self.seq_len} per data-parallel rank "
+                            "for eval.every_steps; add data, raise data.validation_fraction or "
+                            "set eval.every_steps=0")
+        first = layout.dp_rank * per_rank * self.micro_batch
+        total = torch.zeros((), device=self.device)
+        for b in range(per_rank):
+            rows = [stream.window((first + b * self.micro_batch + i) * self.seq_len, self.seq_len + 1)
+                    for i in range(self.micro_batch)]
+            batch = torch.from_numpy(np.stack(rows)).to(self.device)
+            total += batch_loss(layout, batch[:, :-1], batch[:, 1:], self.device, self.accum)
+        return (global_loss(layout, total) / per_rank).item()
+
+
+def batch_loss(layout: Layout, inputs, targets, device, accum: int) -> torch.Tensor:
+    """The mean loss of one batch, forward only (the last pipeline stage's, or 0 elsewhere)."""
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=layout.autocast)
+    with autocast:
+        if layout.schedule is not None:
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if layout.first_stage else ()
+            kwargs = {"target": targets, "losses": losses} if layout.last_stage else {}
+            layout.schedule.eval(*args, **kwargs)
+            if not layout.last_stage:
+                return torch.zeros((), device=device)
+            # pipeline_loss gives each micro-batch its share of a step's mean: undo the steps'
+            return torch.stack(losses).sum().float() * accum
+        return layout.loss_fn(layout.model_parts[0](inputs), targets).float()
+
+
+def flat_config(config: RunConfig) -> dict:
+    """The config as `section.field` parameters, for a tracking backend's run."""
+    flat = {}
+    for section, fields in config.model_dump(mode="json").items():
+        for name, value in fields.items():
+            flat[f"{section}.{name}"] = value
+    return flat
 
 
 def pipeline_loss(share: int):

@@ -1,0 +1,200 @@
+"""Tracking backends and in-loop validation: TensorBoard event files read back, W&B in its
+offline mode read back from its run files, MLflow against a real tracking server, a server
+that is down, and the held-out loss measured inside training."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import losses_by_step, small_config, synthetic_dataset, torchrun_training
+from training.metrics import read_metrics
+from training.tracking import MLflowTracker, curves
+
+STEPS = 12
+TRACKED = ("training.max_steps=12", "checkpoint.every_steps=4", "eval.every_steps=4", "eval.in_loop_batches=2")
+
+
+def test_metrics_records_become_tagged_curves():
+    record = {"step": 3, "loss": 2.5, "lr": 1e-3, "tokens_per_s": 900.0, "mfu": None,
+              "save_in_flight": True, "attempt": "a1", "val_loss": 2.7, "val_loss/web": 2.6,
+              "data_wait_share": 0.01, "eval/hellaswag/acc": 0.3, "grad_norm": float("nan")}
+    assert curves(record) == {"train/loss": 2.5, "train/lr": 1e-3, "perf/tokens_per_s": 900.0,
+                              "val/loss": 2.7, "val/loss/web": 2.6, "perf/data_wait_share": 0.01,
+                              "eval/hellaswag/acc": 0.3}
+
+
+def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
+    """Every scalar TensorBoard shows for `directory`, by tag and step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    shown = EventAccumulator(str(directory), size_guidance={"scalars": 0})
+    shown.Reload()
+    return {tag: {e.step: e.value for e in shown.Scalars(tag)} for tag in shown.Tags()["scalars"]}
+
+
+def wandb_history(run_file: Path) -> list[dict]:
+    """The history rows of a W&B offline run file (its record log: 32 KiB blocks of records,
+    each with a 7-byte header of crc32, length and type; payloads are wandb's protobufs)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = run_file.read_bytes()[7:]  # the file header: "W&B" magic and version
+    rows, pending, offset = [], b"", 0
+    while offset + 7 <= len(data):
+        block_left = 32768 - (offset + 7) % 32768
+        if block_left < 7:  # a block's tail too short for a header is padding
+            offset += block_left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[offset:offset + 7])
+        if length == 0 and kind == 0:
+            break
+        pending += data[offset + 7:offset + 7 + length]
+        offset += 7 + length
+        if kind in (1, 4):  # a whole record, or the last piece of one
+            record = pb.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            if record.HasField("history"):
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+def test_training_logs_to_tensorboard_and_wandb_and_validates_in_the_loop(tmp_path):
+    dataset = synthetic_dataset(tmp_path / "dataset")
+    tracked = (*TRACKED, "tracking.wandb_project=goodput-test", "tracking.wandb_mode=offline")
+    crashing = small_config(tmp_path, *tracked, "faults.crash_at_step=10")
+    first = torchrun_training(crashing, dataset)
+    assert first.returncode != 0  # rank 0 died at step 10, after the checkpoint of step 8
+    config = small_config(tmp_path, *tracked)
+    resumed = torchrun_training(config, dataset)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+    # metrics.jsonl: the in-loop held-out loss every 4 steps, its time outside the step's.
+    records = read_metrics(config.run_dir)
+    assert [r["step"] for r in records if "val_loss" in r] == [4, 8, 12]
+    validated = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert all(r["val_time_s"] > 0 for r in records if "val_loss" in r)
+    assert validated[12] < validated[4]  # it learns
+    losses = losses_by_step(config.run_dir)  # the later of a step's runs
+
+    # TensorBoard shows each step once: the resumed attempt hid what the crashed one logged
+    # for steps 9 and 10, now redone.
+    scalars = tensorboard_scalars(config.run_dir.path / "tensorboard")
+    assert sorted(scalars["train/loss"]) == list(range(1, STEPS + 1))
+    assert scalars["train/loss"] == pytest.approx(losses, rel=1e-6)
+    assert scalars["val/loss"] == pytest.approx({s: validated[s] for s in (4, 8, 12)}, rel=1e-6)
+    for tag in ("train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/data_wait_share",
+                "checkpoint/stall_s", "train/resumed_at_step"):
+        assert tag in scalars, tag
+    assert scalars["train/resumed_at_step"] == {8: 8.0}
+
+    # W&B offline: both attempts are the same W&B run; the second continued at step 9.
+    runs = sorted((config.run_dir.path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 2 and len({r.name for r in runs}) == 1
+    second = wandb_history(runs[1])
+    steps = [row["_step"] for row in second if "train/loss" in row]
+    assert steps == list(range(9, STEPS + 1))
+    assert [row["train/loss"] for row in second if "train/loss" in row] == pytest.approx(
+        [losses[s] for s in steps], rel=1e-6)
+    assert any(row.get("val/loss") == pytest.approx(validated[12]) for row in second)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_tracking_server_that_is_down_never_slows_the_trainer(caplog):
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    tracker = MLflowTracker(down, "goodput", "run-down", None)
+    tracker.close_timeout_s = 2.0
+    started = time.perf_counter()
+    for step in range(1, 1001):
+        tracker.log(step, {"train/loss": 1.0 / step})
+    assert time.perf_counter() - started < 0.5  # 1000 records handed over without waiting
+    with caplog.at_level(logging.WARNING, logger="training.tracking"):
+        closing = time.perf_counter()
+        tracker.close()
+    assert time.perf_counter() - closing < 30
+    assert "never sent" in caplog.text and down in caplog.text
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    pytest.importorskip("mlflow.server", reason="the MLflow server (pip install mlflow)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+         "--default-artifact-root", str(tmp_path / "artifacts"), "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # ready: it answers an API call (its database is up)
+        try:
+            with urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/search?max_results=1",
+                                        timeout=5) as answer:
+                if answer.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("the MLflow server did not start within 90 s")
+    yield url
+    os.killpg(proc.pid, 9)
+    proc.wait()
+
+
+def test_training_logs_to_a_real_mlflow_server_and_a_resume_continues_its_run(tmp_path, mlflow_server):
+    from mlflow.tracking import MlflowClient
+
+    dataset = synthetic_dataset(tmp_path / "dataset")
+    tracked = (*TRACKED, f"tracking.mlflow_uri={mlflow_server}", "tracking.tensorboard=false")
+    assert torchrun_training(small_config(tmp_path, *tracked, "faults.crash_at_step=10"), dataset).returncode != 0
+    config = small_config(tmp_path, *tracked)
+    resumed = torchrun_training(config, dataset)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    client = MlflowClient(tracking_uri=mlflow_server)
+    runs = client.search_runs([client.get_experiment_by_name("goodput").experiment_id],
+                              "tags.`goodput.run_id` = 'test'")
+    assert len(runs) == 1  # both attempts logged into one MLflow run
+    run_id = runs[0].info.run_id
+    history = client.get_metric_history(run_id, "train/loss")
+    losses = losses_by_step(config.run_dir)
+    assert {m.step for m in history} == set(range(1, STEPS + 1))
+    latest = {}
+    for metric in sorted(history, key=lambda m: m.timestamp):
+        latest[metric.step] = metric.value
+    assert latest == pytest.approx(losses, rel=1e-6)
+    marker = client.get_metric_history(run_id, "train/resumed_at_step")
+    assert [(m.step, m.value) for m in marker] == [(8, 8.0)]  # the redone steps 9, 10 follow it
+    assert runs[0].data.params["training.max_steps"] == "12"
+
+
+def test_in_loop_validation_gives_the_same_loss_under_pipeline_and_fsdp_layouts(tmp_path):
+    """The same 4 validation samples: one batch of 4 through 2 pipeline stages, or two
+    batches of 2, one per FSDP rank."""
+    dataset = synthetic_dataset(tmp_path / "dataset")
+    found = []
+    for run, layout in (("pp", ("parallelism.pp=2", "training.micro_batch_size=4", "eval.in_loop_batches=1")),
+                        ("fsdp", ("parallelism.dp_shard=2", "training.micro_batch_size=2",
+                                  "eval.in_loop_batches=2"))):
+        config = small_config(tmp_path, f"run.run_id={run}", "training.max_steps=4", "eval.every_steps=2",
+                              "tracking.tensorboard=false", *layout)
+        done = torchrun_training(config, dataset)
+        assert done.returncode == 0, done.stderr[-3000:]
+        found.append({r["step"]: r["val_loss"] for r in read_metrics(config.run_dir) if "val_loss" in r})
+    assert sorted(found[0]) == [2, 4] and found[0] == pytest.approx(found[1], rel=1e-5)

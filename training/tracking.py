@@ -1,0 +1,273 @@
+"""Metrics where users already look: TensorBoard (by default), MLflow and W&B (opt-in).
+
+The one metrics writer (training.metrics) hands every record to these trackers; the evaluate
+stage hands them its scores. Each run of Goodput is one run in each backend, continued by
+every attempt:
+
+- TensorBoard: event files in `<run dir>/tensorboard/`. A resumed attempt starts its writer
+  with `purge_step`, so TensorBoard hides what an earlier attempt logged for the steps now
+  redone (after a crash or a rollback): nothing shows twice.
+- MLflow: the run tagged `goodput.run_id` in `tracking.mlflow_experiment`, found again by
+  each attempt. MLflow keeps every value it was sent, so a resume logs `resumed_at_step`
+  at the step it resumed from: the redone steps after it are marked.
+- W&B: the run id follows from the Goodput run id, resumed with `resume="allow"` (W&B itself
+  refuses a step below one it has, so a redone step keeps its first values; the
+  `resumed_at_step` marker says where).
+
+MLflow and W&B send from a background thread with a bounded buffer: a tracking server that
+is slow or down never stops or slows training; its records wait and are retried with backoff,
+and a warning says so (at the end, how many were never sent).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import queue
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+# metrics.jsonl's fields as tracking tags; numbers only (other fields are not curves).
+TAGS = {
+    "loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+    "tokens_seen": "train/tokens_seen",
+    "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
+    "flops_per_s_per_device": "perf/flops_per_s_per_device",
+    "data_wait_s": "perf/data_wait_s", "data_wait_share": "perf/data_wait_share",
+    "checkpoint_s": "checkpoint/stall_s", "max_memory_allocated_gb": "memory/max_allocated_gb",
+    "val_loss": "val/loss", "val_bits_per_byte": "val/bits_per_byte",
+    "resumed_at_step": "train/resumed_at_step",  # where an attempt resumed: later steps redone
+}
+_PREFIXES = {"val_loss/": "val/loss/", "eval/": "eval/"}  # per-source and evaluation scores
+
+
+def curves(record: dict) -> dict[str, float]:
+    """The record's numbers under their tracking tags."""
+    found = {}
+    for key, value in record.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue
+        tag = TAGS.get(key) or next((t + key[len(p):] for p, t in _PREFIXES.items()
+                                     if key.startswith(p)), None)
+        if tag is not None:
+            found[tag] = float(value)
+    return found
+
+
+class TensorBoardTracker:
+    def __init__(self, directory: Path, resumed_step: int | None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step: events an earlier attempt wrote at or after it are hidden. Written out
+        # every few seconds: a crash loses at most that much of the curves.
+        self.writer = SummaryWriter(str(directory), purge_step=resumed_step + 1 if resumed_step else None,
+                                    flush_secs=5)
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        for tag, value in values.items():
+            self.writer.add_scalar(tag, value, global_step=step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _Background:
+    """Sends records from a thread: `send(batch)` may fail or hang; the trainer never waits.
+
+    Records beyond `capacity` waiting are dropped, oldest first (and counted)."""
+
+    def __init__(self, name: str, send, capacity: int = 10_000, close_timeout_s: float = 10.0):
+        self.name, self.send, self.capacity, self.close_timeout_s = name, send, capacity, close_timeout_s
+        self.pending: queue.Queue = queue.Queue()
+        self.dropped, self.unsent = 0, 0
+        self._stopping = threading.Event()  # set when close gives up waiting
+        self.thread = threading.Thread(target=self._run, name=f"tracking-{name}", daemon=True)
+        self.thread.start()
+
+    def log(self, step: int, values: dict[str, float]) -> None:
+        if self.pending.qsize() >= self.capacity:
+            try:
+                self.pending.get_nowait()
+                self.dropped += 1
+            except queue.Empty:
+                pass
+        self.pending.put((step, values))
+
+    def _run(self) -> None:
+        delay, warned = 1.0, False
+        while True:
+            item = self.pending.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < 500:  # what queued meanwhile goes in the same request
+                try:
+                    more = self.pending.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    self.pending.put(None)
+                    break
+                batch.append(more)
+            while True:
+                try:
+                    self.send(batch)
+                    if warned:
+                        log.warning("%s is reachable again; the buffered metrics were sent", self.name)
+                    delay, warned = 1.0, False
+                    break
+                except Exception as e:  # the server is down or refuses: keep the records, retry
+                    if not warned:
+                        log.warning("%s: could not log metrics (%s); training goes on, the records "
+                                    "are kept and retried", self.name, e)
+                        warned = True
+                    if self._stopping.is_set():
+                        self.unsent = len(batch) + self.pending.qsize()
+                        return
+                    self._stopping.wait(delay)
+                    delay = min(delay * 2, 60.0)
+
+    def close(self) -> None:
+        self.pending.put(None)
+        self.thread.join(self.close_timeout_s)
+        if self.thread.is_alive() or self.unsent:
+            self._stopping.set()
+            self.thread.join(2.0)
+            left = self.unsent or self.pending.qsize()
+            log.warning("%s: %d metric records were never sent (the server did not answer within "
+                        "%.0f s of the end)", self.name, left, self.close_timeout_s)
+        if self.dropped:
+            log.warning("%s: %d metric records were dropped while the server was down (the "
+                        "buffer holds %d)", self.name, self.dropped, self.capacity)
+
+
+class MLflowTracker(_Background):
+    """One MLflow run per Goodput run id, found by its tag, continued by every attempt.
+
+    `earlier`: metrics.jsonl's records of the steps before this attempt; those the MLflow run
+    lacks (an attempt that crashed before its thread sent them) are sent first."""
+
+    def __init__(self, uri: str, experiment: str, run_id: str, config: dict | None,
+                 earlier: list[dict] = ()):
+        self.uri, self.experiment, self.goodput_run = uri, experiment, run_id
+        self.config, self.run, self.earlier = config, None, list(earlier)
+        super().__init__(f"MLflow at {uri}", self._send)
+
+    def _mlflow_run(self):
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=self.uri)
+        found = client.get_experiment_by_name(self.experiment)
+        experiment_id = found.experiment_id if found else client.create_experiment(self.experiment)
+        runs = client.search_runs([experiment_id], f"tags.`goodput.run_id` = '{self.goodput_run}'",
+                                  max_results=1)
+        if runs:
+            run_id = runs[0].info.run_id
+            have = {m.step for m in client.get_metric_history(run_id, TAGS["loss"])}
+        else:
+            run_id = client.create_run(experiment_id, run_name=self.goodput_run,
+                                       tags={"goodput.run_id": self.goodput_run}).info.run_id
+            have = set()
+            if self.config:
+                from mlflow.entities import Param
+
+                client.log_batch(run_id, params=[Param(k, str(v)[:6000]) for k, v in self.config.items()])
+        self._log(client, run_id, [(r["step"], curves(r)) for r in self.earlier if r["step"] not in have])
+        self.earlier = []
+        return client, run_id
+
+    def _send(self, batch: list[tuple[int, dict[str, float]]]) -> None:
+        from mlflow.entities import Metric
+
+        if self.run is None:
+            self.run = self._mlflow_run()
+        self._log(*self.run, batch)
+
+    @staticmethod
+    def _log(client, run_id: str, batch: list[tuple[int, dict[str, float]]]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        metrics = [Metric(tag, value, now, step) for step, values in batch for tag, value in values.items()]
+        for first in range(0, len(metrics), 1000):  # MLflow takes at most 1000 per batch
+            client.log_batch(run_id, metrics=metrics[first:first + 1000])
+
+
+class WandbTracker(_Background):
+    """The W&B run whose id follows from the Goodput run id, resumed by every attempt."""
+
+    def __init__(self, project: str, entity: str | None, mode: str, run_id: str, directory: Path,
+                 config: dict | None):
+        import wandb
+
+        wandb_id = hashlib.sha256(f"goodput:{project}:{run_id}".encode()).hexdigest()[:16]
+        directory.mkdir(parents=True, exist_ok=True)
+        # wandb.init starts W&B's own service process and returns at once in offline mode;
+        # online, it may wait for the server, so the background thread does it.
+        self._init = dict(project=project, entity=entity, mode=mode, id=wandb_id, name=run_id,
+                          resume="allow", dir=str(directory), config=config, reinit="create_new",
+                          settings=wandb.Settings(silent=True, console="off", init_timeout=30))
+        self.run = None
+        super().__init__(f"W&B project {project}", self._send)
+
+    def _send(self, batch: list[tuple[int, dict[str, float]]]) -> None:
+        import wandb
+
+        if self.run is None:
+            self.run = wandb.init(**self._init)
+        for step, values in batch:
+            self.run.log(values, step=step)
+
+    def close(self) -> None:
+        super().close()
+        if self.run is not None:
+            self.run.finish()
+
+
+class Trackers:
+    """Every configured tracker; `log` is what the metrics writer and evaluation call."""
+
+    def __init__(self, trackers: list):
+        self.trackers = trackers
+
+    def log(self, step: int, record: dict) -> None:
+        values = curves(record)
+        for tracker in list(self.trackers) if values else []:
+            try:
+                tracker.log(step, values)
+            except Exception as e:  # metrics never stop training: that backend is let go
+                log.warning("%s stopped logging: %s", type(tracker).__name__, e)
+                self.trackers.remove(tracker)
+
+    def close(self) -> None:
+        for tracker in self.trackers:
+            try:
+                tracker.close()
+            except Exception as e:
+                log.warning("%s did not close cleanly: %s", type(tracker).__name__, e)
+
+
+def open_trackers(tracking, run_dir: Path, run_id: str, resumed_step: int | None = None,
+                  config: dict | None = None, earlier: list[dict] = ()) -> Trackers:
+    """The trackers `tracking` (RunConfig.tracking) asks for, continuing run `run_id`.
+
+    `resumed_step`: the step this attempt resumed from (its later steps are redone);
+    `config`: flat parameters recorded once with a new MLflow or W&B run; `earlier`: the
+    metrics records of the steps before (for MLflow to fill in what it missed)."""
+    trackers = []
+    if tracking.tensorboard:
+        trackers.append(TensorBoardTracker(Path(run_dir) / "tensorboard", resumed_step))
+    if tracking.mlflow_uri:
+        trackers.append(MLflowTracker(tracking.mlflow_uri, tracking.mlflow_experiment, run_id, config,
+                                      earlier))
+    if tracking.wandb_project:
+        trackers.append(WandbTracker(tracking.wandb_project, tracking.wandb_entity, tracking.wandb_mode,
+                                     run_id, Path(run_dir), config))
+    opened = Trackers(trackers)
+    if resumed_step:
+        opened.log(resumed_step, {"resumed_at_step": resumed_step})
+    return opened
