@@ -597,6 +597,37 @@ class EvalConfig(_Section):
     in_loop_batches: int = Field(4, ge=1, description="Validation batches (of "
                                  "training.micro_batch_size samples, per source) that in-loop "
                                  "validation reads, split over the data-parallel ranks.")
+    # Downstream benchmarks, scored by EleutherAI's lm-evaluation-harness (training.downstream).
+    tasks: list[str] = Field(
+        default_factory=list, description="lm-eval task (or group) names, e.g. hellaswag, "
+        "arc_easy, piqa, lambada_openai, winogrande, or tasks of eval.task_dir; empty: none.")
+    limit: int | None = Field(
+        None, ge=1, description="Items per task (the first N); None: every item.")
+    num_fewshot: int | None = Field(
+        None, ge=0, description="Few-shot examples per item; None: each task's own default.")
+    task_dir: str | None = Field(
+        None, description="A folder of custom lm-eval task YAMLs (lm-eval's include_path); "
+        "its tasks may read local data: dataset_path: json, dataset_kwargs: {data_files: ...}.")
+    offline: bool = Field(
+        True, description="Read task data only from local files and the datasets cache, never "
+        "the network (fetch it once: python -m training.downstream --fetch TASK ...).")
+    datasets_cache: str | None = Field(
+        None, description="HF datasets cache holding the tasks' data (HF_DATASETS_CACHE); None: "
+        "the environment's or ~/.cache/huggingface/datasets.")
+    bootstrap_iters: int = Field(
+        1000, ge=0, description="lm-eval's bootstrap resamples for the stderr of metrics "
+        "without a closed form (perplexities); 0 leaves those stderrs out.")
+
+    @field_validator("tasks")
+    @classmethod
+    def _task_names(cls, tasks: list[str]) -> list[str]:
+        blank = [t for t in tasks if not t.strip()]
+        if blank:
+            raise ValueError("an empty task name; list lm-eval task names, e.g. [hellaswag, arc_easy]")
+        twice = sorted({t for t in tasks if tasks.count(t) > 1})
+        if twice:
+            raise ValueError(f"{', '.join(twice)} listed more than once; list each task once")
+        return tasks
 
 
 class TrackingConfig(_Section):
@@ -863,7 +894,9 @@ class RunConfig(_Section):
     def eval_hash(self) -> str:
         """Hash of what decides an eval report besides the checkpoint and the dataset: the
         eval section, the sequence length it scores and the seed its samples draw from."""
-        tree = {"eval": self.eval.model_dump(exclude={"every_steps", "in_loop_batches"}),
+        # Neither in-loop validation nor where task data is read from changes a report.
+        tree = {"eval": self.eval.model_dump(exclude={"every_steps", "in_loop_batches", "offline",
+                                                      "datasets_cache"}),
                 "seq_len": self.training.seq_len,
                 "seed": self.training.seed}
         return sha256_bytes(canonical_json(tree))[:16]

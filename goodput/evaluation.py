@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from core.config import RunConfig
+from core.errors import ConfigError
 from core.protocol import copy_id, is_committed, step_of
 from goodput.checkpoint_lifecycle import download_checkpoint, ledger_of, restore_ledger
 from goodput.runs import write_run_config
@@ -63,6 +64,9 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path) -> EvalRepo
         [sys.executable, "-m", "training.evaluate", "--checkpoint", str(checkpoint),
          "--dataset", str(dataset_dir), "--config", str(config_path), "--out", str(out)],
         capture_output=True, text=True)
+    if proc.returncode == 2:  # the exit code of a configuration error (core.protocol)
+        raise ConfigError(proc.stderr.strip().splitlines()[-1].removeprefix("[eval] ")
+                          if proc.stderr.strip() else f"evaluation of {checkpoint}: configuration error")
     if proc.returncode != 0:
         raise RuntimeError(f"evaluation of {checkpoint} failed (exit {proc.returncode}):\n"
                            f"{proc.stderr.strip()[-2000:]}")

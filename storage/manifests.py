@@ -195,3 +195,9 @@ class EvalReport(BaseModel):
     eval_hash: str | None = None
     # A mixture: the held-out loss of each source (`loss` is theirs, weighted as the mix).
     source_losses: dict[str, float] = Field(default_factory=dict)
+    # Bits per UTF-8 byte of the held-out text: comparable across tokenizers, unlike the
+    # loss (nats per token). A mix's is its sources', weighted as its loss is.
+    bits_per_byte: float | None = None
+    # lm-evaluation-harness scores of eval.tasks: task -> metric -> value (e.g.
+    # {"hellaswag": {"acc": 0.29, "acc_stderr": 0.01, "acc_norm": 0.31, ...}}).
+    downstream: dict[str, dict[str, float]] = Field(default_factory=dict)

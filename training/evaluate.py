@@ -1,4 +1,5 @@
-"""Held-out loss, perplexity and generated samples for one checkpoint, in one process.
+"""Held-out loss, perplexity, bits per byte, generated samples and downstream benchmarks
+(lm-evaluation-harness, eval.tasks) for one checkpoint, in one process.
 
     python -m training.evaluate --checkpoint DIR --dataset DIR --config run.yaml --out report.json
 """
@@ -14,11 +15,13 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer
 
+from core.errors import ConfigError
 from core.files import write_atomic
 from core.protocol import copy_id
 from storage.manifests import EvalReport, EvalSample
 from training.checkpoint.reader import load_model
-from training.data import open_training_data
+from training.data import TokenStream, TrainingData, open_training_data, sequential_batches
+from training.downstream import downstream_scores, load_tasks, use_datasets_cache
 from training.held_out import mix_held_out_loss
 from training.logs import get_logger, setup_worker_logging
 from training.model import Transformer
@@ -42,8 +45,36 @@ def generate_samples(model: Transformer, tokenizer: Tokenizer, prompts: list[str
     return samples
 
 
+def held_out_bits_per_byte(data: TrainingData, source_losses: dict[str, float], tokenizer: Tokenizer,
+                           seq_len: int, batch_size: int, max_batches: int) -> float | None:
+    """Bits per UTF-8 byte of the held-out text: each source's loss (nats per token) times
+    the tokens it covers, over ln 2 times their bytes; a mix's weighted by its shares, as its
+    loss is. None when the text decodes to no bytes."""
+    shares, total = data.mix_weights(), 0.0
+    for source in data.sources:
+        tokens, n_bytes = _target_bytes(source.stream("validation"), tokenizer, seq_len,
+                                        batch_size, max_batches)
+        if n_bytes == 0:
+            return None
+        total += shares[source.name] * source_losses[source.name] * tokens / (math.log(2) * n_bytes)
+    return total
+
+
+def _target_bytes(stream: TokenStream, tokenizer: Tokenizer, seq_len: int, batch_size: int,
+                  max_batches: int) -> tuple[int, int]:
+    """The tokens the held-out loss predicts (training.held_out: the same batches) and the
+    UTF-8 bytes they decode to. Validation rows are consecutive, so their targets are one
+    stretch of text, decoded at once (a character split over two rows stays whole); the
+    end-of-document token decodes to nothing."""
+    ids = [t.reshape(-1) for _, t in sequential_batches(stream, seq_len, batch_size, max_batches)]
+    ids = torch.cat(ids).tolist() if ids else []
+    return len(ids), len(tokenizer.decode(ids).encode("utf-8"))
+
+
 def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_cfg, seq_len: int,
-                        seed: int, device: torch.device | None = None) -> EvalReport:
+                        seed: int, device: torch.device | None = None,
+                        downstream_tasks: tuple | None = None) -> EvalReport:
+    """`downstream_tasks`: eval.tasks already loaded (training.downstream.load_tasks)."""
     start = time.perf_counter()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     evaluated_copy = copy_id(checkpoint)  # before loading: the copy the report speaks of
@@ -52,20 +83,31 @@ def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_c
     loss, tokens, source_losses = mix_held_out_loss(model, data, seq_len, eval_cfg.batch_size,
                                                     eval_cfg.max_batches, device)
     tokenizer = load_tokenizer(data.tokenizer_path)  # prompts encode as text, as documents did
+    bits_per_byte = held_out_bits_per_byte(data, source_losses, tokenizer, seq_len,
+                                           eval_cfg.batch_size, eval_cfg.max_batches)
     samples = generate_samples(model, tokenizer, eval_cfg.prompts, eval_cfg.num_samples,
                                eval_cfg.sample_tokens, eval_cfg.temperature, eval_cfg.top_k, seed, device)
+    downstream = {}
+    if eval_cfg.tasks:
+        downstream, _ = downstream_scores(model, tokenizer, eval_cfg, device, seed,
+                                          loaded=downstream_tasks)
     return EvalReport(run_id=run_id, step=ckpt.step, checkpoint=str(checkpoint),
                       dataset_id=data.dataset_id, loss=loss, perplexity=math.exp(loss),
                       tokens_evaluated=tokens, samples=samples,
                       wall_time_s=time.perf_counter() - start, created_at=time.time(),
                       copy_id=evaluated_copy,
-                      source_losses=source_losses if len(data.sources) > 1 else {})
+                      source_losses=source_losses if len(data.sources) > 1 else {},
+                      bits_per_byte=bits_per_byte, downstream=downstream)
 
 
 def eval_curves(report: EvalReport) -> dict[str, float]:
     """The report's scores as tracking records (eval/...), at its checkpoint's step."""
     found = {"eval/loss": report.loss, "eval/perplexity": report.perplexity}
+    if report.bits_per_byte is not None:
+        found["eval/bits_per_byte"] = report.bits_per_byte
     found.update({f"eval/loss/{name}": loss for name, loss in report.source_losses.items()})
+    found.update({f"eval/{task}/{metric}": value for task, scores in report.downstream.items()
+                  for metric, value in scores.items()})
     return found
 
 
@@ -81,16 +123,27 @@ def main(argv: list[str] | None = None) -> int:
 
     setup_worker_logging()
     config = load_config(args.config)
-    report = evaluate_checkpoint(Path(args.checkpoint), Path(args.dataset), config.run.run_id,
-                                 config.eval, config.training.seq_len, config.training.seed)
+    # Before `datasets` is imported (by lm-eval), so it reads only the cache.
+    use_datasets_cache(config.eval.offline, config.eval.datasets_cache)
+    try:
+        # A wrong task name or missing task data fails before the checkpoint is read.
+        tasks = load_tasks(config.eval.tasks, config.eval.task_dir) if config.eval.tasks else None
+        report = evaluate_checkpoint(Path(args.checkpoint), Path(args.dataset), config.run.run_id,
+                                     config.eval, config.training.seq_len, config.training.seed,
+                                     downstream_tasks=tasks)
+    except ConfigError as e:  # exit 2: a configuration error, never retried (core.protocol)
+        log.error("%s", e)
+        return 2
     report = report.model_copy(update={"eval_hash": config.eval_hash()})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, report.model_dump_json(indent=2).encode())
     trackers = open_trackers(config.tracking, config.run_dir.path, config.run.run_id)
     trackers.log(report.step, eval_curves(report))
     trackers.close()
-    log.info("step %d: loss %.4f, perplexity %.2f over %s tokens%s", report.step, report.loss,
-             report.perplexity, f"{report.tokens_evaluated:,}",
+    log.info("step %d: loss %.4f, perplexity %.2f, %s bits/byte over %s tokens%s", report.step,
+             report.loss, report.perplexity,
+             "?" if report.bits_per_byte is None else f"{report.bits_per_byte:.4f}",
+             f"{report.tokens_evaluated:,}",
              "".join(f", {name} {loss:.4f}" for name, loss in report.source_losses.items()))
     return 0
 

@@ -1,0 +1,281 @@
+"""Downstream benchmarks through lm-evaluation-harness (training.downstream).
+
+The tasks are real lm-eval task YAMLs the test writes, over local jsonl data: a multiple-
+choice task, a cloze task (lambada-style loglikelihood) and a rolling one (wikitext-style
+bits per byte). The model is a small Transformer trained here on the true sentences of half
+the items, saved as a committed checkpoint. Every score lm-eval reports is compared with the
+same quantity computed directly with the project's model, one item at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+
+pytest.importorskip("lm_eval")
+
+from core.config import load_config  # noqa: E402
+from core.errors import ConfigError  # noqa: E402
+from goodput.evaluation import evaluate  # noqa: E402
+from storage.manifests import CheckpointManifest, list_files  # noqa: E402
+from tests.helpers import small_config, synthetic_dataset  # noqa: E402
+from training.checkpoint.reader import load_model  # noqa: E402
+from training.data import open_training_data, sequential_batches  # noqa: E402
+from training.downstream import downstream_scores, load_tasks  # noqa: E402
+from training.model import ModelArgs, Transformer  # noqa: E402
+from training.tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
+
+VOCAB = 320
+COLORS = ["red", "green", "blue", "yellow"]
+THINGS = ["sky", "grass", "sun", "apple", "sea", "leaf", "lemon", "cherry", "river", "frog",
+          "banana", "tomato", "cloud", "moss", "corn", "rose"]
+# Each thing's colour; the model is trained on the first half of these sentences only.
+FACTS = [(thing, COLORS[(i * 7 + i // 4) % 4]) for i, thing in enumerate(THINGS)]
+TRAINED = FACTS[: len(FACTS) // 2]
+TASKS = ["colors_mc", "colors_cloze", "colors_text"]
+
+
+def sentence(thing: str, color: str) -> str:
+    return f"the color of the {thing} is {color}"
+
+
+def write_tasks(folder: Path) -> Path:
+    """Three lm-eval task YAMLs over one local jsonl file (absolute path: lm-eval reads
+    data_files from the working directory of the evaluation process)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / "colors.jsonl"
+    data.write_text("".join(json.dumps({
+        "context": f"the color of the {thing} is", "answer": color, "choices": COLORS,
+        "label": COLORS.index(color), "text": sentence(thing, color)}) + "\n" for thing, color in FACTS))
+    common = f"""dataset_path: json
+        dataset_kwargs:
+          data_files:
+            test: {data}
+        test_split: test
+        """
+    (folder / "colors_mc.yaml").write_text(textwrap.dedent(f"""\
+        task: colors_mc
+        {common}output_type: multiple_choice
+        doc_to_text: "{{{{context}}}}"
+        doc_to_choice: choices
+        doc_to_target: label
+        metric_list:
+          - metric: acc
+            aggregation: mean
+            higher_is_better: true
+          - metric: acc_norm
+            aggregation: mean
+            higher_is_better: true
+        """))
+    (folder / "colors_cloze.yaml").write_text(textwrap.dedent(f"""\
+        task: colors_cloze
+        {common}output_type: loglikelihood
+        doc_to_text: "{{{{context}}}}"
+        doc_to_target: "{{{{' ' + answer}}}}"
+        target_delimiter: ""
+        metric_list:
+          - metric: acc
+            aggregation: mean
+            higher_is_better: true
+          - metric: perplexity
+            aggregation: perplexity
+            higher_is_better: false
+        """))
+    (folder / "colors_text.yaml").write_text(textwrap.dedent(f"""\
+        task: colors_text
+        {common}output_type: loglikelihood_rolling
+        doc_to_text: ""
+        doc_to_target: "{{{{text}}}}"
+        metric_list:
+          - metric: word_perplexity
+            aggregation: weighted_perplexity
+            higher_is_better: false
+          - metric: byte_perplexity
+            aggregation: weighted_perplexity
+            higher_is_better: false
+          - metric: bits_per_byte
+            aggregation: bits_per_byte
+            higher_is_better: false
+        """))
+    return folder
+
+
+def train_model(tokenizer, seed: int = 0) -> Transformer:
+    """A small model that has learned the TRAINED sentences (each one document: EOS, the
+    sentence, EOS), about 2 s on 2 cores."""
+    torch.manual_seed(seed)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    docs = [[eos] + tokenizer.encode(sentence(*fact)).ids + [eos] for fact in TRAINED]
+    width = max(map(len, docs))
+    batch = torch.full((len(docs), width), eos)
+    for i, doc in enumerate(docs):
+        batch[i, :len(doc)] = torch.tensor(doc)
+    model = Transformer(ModelArgs(vocab_size=VOCAB, dim=64, n_layers=2, n_heads=4, max_seq_len=64), seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss = model(batch[:, :-1], batch[:, 1:])
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert loss.item() < 0.3, loss.item()
+    return model.eval()
+
+
+def save_checkpoint(model: Transformer, path: Path) -> Path:
+    """A committed checkpoint of `model`, as training writes one (DCP + manifest)."""
+    dcp.save({f"model.{k}": v for k, v in model.state_dict().items()}, checkpoint_id=str(path),
+             no_dist=True)
+    CheckpointManifest(step=150, tokens_seen=0, files=list_files(path), world_size=1, layout={},
+                       config_hash="", dataset_id="", model_args=vars(model.args),
+                       created_at=0).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("downstream")
+    texts = [sentence(*fact) for fact in FACTS] * 20
+    tokenizer_path = tmp / "tokenizer.json"
+    train_tokenizer(texts, vocab_size=VOCAB, min_frequency=1).save(str(tokenizer_path))
+    tokenizer = load_tokenizer(tokenizer_path)
+    checkpoint = save_checkpoint(train_model(tokenizer), tmp / "step-00000150")
+    return {"tmp": tmp, "tokenizer": tokenizer, "tokenizer_path": tokenizer_path,
+            "checkpoint": checkpoint, "task_dir": write_tasks(tmp / "tasks")}
+
+
+def eval_config(task_dir: Path, *more: str):
+    return load_config(None, [f"eval.tasks={TASKS}", f"eval.task_dir={task_dir}", *more]).eval
+
+
+@torch.no_grad()
+def logprob(model: Transformer, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+    """log p(continuation | context) summed, and whether greedy decoding gives it: one item,
+    one forward pass, no batching."""
+    tokens = torch.tensor([context + continuation])
+    logprobs = F.log_softmax(model(tokens[:, :-1]).float(), dim=-1)[0, len(context) - 1:]
+    target = torch.tensor(continuation)
+    return (logprobs.gather(1, target[:, None]).sum().item(),
+            bool((logprobs.argmax(-1) == target).all()))
+
+
+def test_scores_above_chance_and_equal_a_direct_computation(setup):
+    tokenizer = setup["tokenizer"]
+    model, _ = load_model(setup["checkpoint"], torch.device("cpu"))
+    scores, results = downstream_scores(model, tokenizer, eval_config(setup["task_dir"]),
+                                        torch.device("cpu"), log_samples=True)
+    assert set(scores) == set(TASKS)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+
+    def encode_pair(context: str, continuation: str) -> tuple[list[int], list[int]]:
+        whole, ctx = tokenizer.encode(context + continuation).ids, tokenizer.encode(context).ids
+        assert whole[:len(ctx)] == ctx
+        return ctx, whole[len(ctx):]
+
+    # Multiple choice: the choice with the highest summed log-probability, per item.
+    correct, correct_norm = [], []
+    for i, (thing, color) in enumerate(FACTS):
+        context = f"the color of the {thing} is"
+        lls = [logprob(model, *encode_pair(context, " " + c))[0] for c in COLORS]
+        chosen = max(range(4), key=lambda c: lls[c])
+        chosen_norm = max(range(4), key=lambda c: lls[c] / len(" " + COLORS[c]))  # per character
+        correct.append(chosen == COLORS.index(color))
+        correct_norm.append(chosen_norm == COLORS.index(color))
+        sample = next(s for s in results["samples"]["colors_mc"] if s["doc_id"] == i)
+        assert [r[0] for r in sample["filtered_resps"]] == pytest.approx(lls, abs=1e-4)
+    assert scores["colors_mc"]["acc"] == sum(correct) / len(FACTS)
+    assert scores["colors_mc"]["acc_norm"] == sum(correct_norm) / len(FACTS)
+    assert sum(correct[:len(TRAINED)]) == len(TRAINED)  # every trained fact
+    assert scores["colors_mc"]["acc"] > 0.25 + 0.2  # chance is 1/4
+    assert scores["colors_mc"]["acc_stderr"] > 0
+
+    # Cloze: whether greedy decoding gives the colour, and its perplexity.
+    greedy, lls = [], []
+    for thing, color in FACTS:
+        ll, is_greedy = logprob(model, *encode_pair(f"the color of the {thing} is", " " + color))
+        greedy.append(is_greedy)
+        lls.append(ll)
+    assert scores["colors_cloze"]["acc"] == sum(greedy) / len(FACTS) >= 0.5
+    assert scores["colors_cloze"]["perplexity"] == pytest.approx(math.exp(-sum(lls) / len(FACTS)), rel=1e-4)
+
+    # Rolling: bits per byte of whole sentences, each conditioned on EOS only.
+    total_ll = sum(logprob(model, [eos], tokenizer.encode(sentence(*fact)).ids)[0] for fact in FACTS)
+    n_bytes = sum(len(sentence(*fact).encode()) for fact in FACTS)
+    assert scores["colors_text"]["bits_per_byte"] == pytest.approx(-total_ll / n_bytes / math.log(2), rel=1e-4)
+
+    # eval.limit: the first N items of each task.
+    limited, _ = downstream_scores(model, tokenizer, eval_config(setup["task_dir"], "eval.limit=4"),
+                                   torch.device("cpu"))
+    assert limited["colors_mc"]["acc"] == sum(correct[:4]) / 4
+
+
+def test_the_evaluation_process_reports_scores_and_bits_per_byte(setup):
+    """python -m training.evaluate (goodput.evaluation.evaluate), as the evaluate flow runs it."""
+    tmp = setup["tmp"]
+    dataset = synthetic_dataset(tmp / "data", vocab_size=VOCAB)
+    (dataset / "tokenizer.json").write_bytes(setup["tokenizer_path"].read_bytes())
+    config = small_config(tmp, f"eval.tasks={TASKS}", f"eval.task_dir={setup['task_dir']}",
+                          "eval.limit=8", "eval.max_batches=2")
+    report = evaluate(config, setup["checkpoint"], dataset)
+
+    model, _ = load_model(setup["checkpoint"], torch.device("cpu"))
+    direct, _ = downstream_scores(model, setup["tokenizer"], config.eval, torch.device("cpu"))
+    assert report.downstream.keys() == direct.keys()
+    for task, metrics in direct.items():
+        assert report.downstream[task] == pytest.approx(metrics, rel=1e-6)
+    # bits/byte = loss (nats/token) x tokens / (ln 2 x the bytes those tokens decode to).
+    stream = open_training_data(dataset).sources[0].stream("validation")
+    targets = torch.cat([t.reshape(-1) for _, t in sequential_batches(stream, 64, 8, 2)]).tolist()
+    n_bytes = len(setup["tokenizer"].decode(targets).encode())
+    assert report.tokens_evaluated == len(targets)
+    assert report.bits_per_byte == pytest.approx(report.loss * len(targets) / (math.log(2) * n_bytes))
+
+
+def test_an_unknown_task_is_a_config_error_naming_it(setup):
+    with pytest.raises(ConfigError) as err:
+        load_tasks(["colors_mcq"], str(setup["task_dir"]))
+    message = str(err.value)
+    assert "eval.tasks" in message and "'colors_mcq'" in message and "did you mean colors_mc" in message
+    with pytest.raises(ConfigError, match="eval.tasks: 'hellaswagg' .*did you mean hellaswag"):
+        load_tasks(["hellaswagg"], None)
+
+
+def test_a_broken_task_folder_is_a_config_error_naming_the_file(setup, tmp_path):
+    folder = write_tasks(tmp_path / "tasks")
+    (folder / "broken.yaml").write_text("task: broken\ndoc_to_text: [unclosed\n")
+    with pytest.raises(ConfigError) as err:
+        load_tasks(["colors_mc"], str(folder))
+    assert "eval.task_dir" in str(err.value) and str(folder / "broken.yaml") in str(err.value)
+    assert "fix or remove the file" in str(err.value)
+
+    # A task whose data is not there: named, with how to provide it.
+    (folder / "broken.yaml").unlink()
+    (folder / "colors.jsonl").unlink()
+    with pytest.raises(ConfigError, match="task 'colors_mc' could not be loaded .*--fetch"):
+        load_tasks(["colors_mc"], str(folder))
+
+    with pytest.raises(ConfigError, match="eval.task_dir=.* is not a directory"):
+        load_tasks(["colors_mc"], str(tmp_path / "nowhere"))
+
+
+def test_the_evaluation_process_exits_with_a_config_error(setup, tmp_path):
+    """A typo in eval.tasks fails the evaluation as a configuration error (exit 2, not retried),
+    before the checkpoint is read."""
+    dataset = synthetic_dataset(tmp_path / "data", vocab_size=VOCAB)
+    (dataset / "tokenizer.json").write_bytes(setup["tokenizer_path"].read_bytes())
+    config = small_config(tmp_path, "eval.tasks=[colors_mcq]", f"eval.task_dir={setup['task_dir']}")
+    with pytest.raises(ConfigError, match="eval.tasks: 'colors_mcq'.*did you mean colors_mc"):
+        evaluate(config, setup["checkpoint"], dataset)
+
+
+def test_config_refuses_blank_and_repeated_task_names():
+    with pytest.raises(ConfigError, match="eval.tasks: hellaswag listed more than once"):
+        load_config(None, ["eval.tasks=[hellaswag, piqa, hellaswag]"])
+    with pytest.raises(ConfigError, match="eval.tasks: an empty task name"):
+        load_config(None, ["eval.tasks=['']"])

@@ -1,0 +1,299 @@
+"""Downstream benchmarks of a checkpoint through EleutherAI's lm-evaluation-harness.
+
+lm-eval scores the model; this file only gives it the model. `ProjectLM` wraps the
+project's own Transformer and dataset tokenizer as an lm-eval model, rather than exporting
+to Hugging Face and using lm-eval's `hf` model: no export to write and read back, no second
+implementation of the network (the logits are the ones training and the held-out loss
+see), and the tokenizer is the `tokenizers` object the documents were encoded with, not
+transformers' wrapper of it. Scores are the same quantities either way (sums of
+continuation log-probabilities); tests/test_downstream.py checks them against a direct
+computation with this model.
+
+Task data offline: lm-eval reads each task's dataset through `datasets`. With eval.offline
+the evaluation process sets HF_DATASETS_OFFLINE / HF_HUB_OFFLINE, so it reads only the
+datasets cache (eval.datasets_cache, filled once on a machine with network by
+`python -m training.downstream --fetch hellaswag ...`) or local files a task YAML in
+eval.task_dir names (`dataset_path: json` with `dataset_kwargs: {data_files: ...}`).
+
+    python -m training.downstream --fetch TASK [TASK ...] [--task-dir DIR] [--datasets-cache DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+
+from core.errors import ConfigError
+from training.logs import get_logger
+from training.model import Transformer
+from training.tokenizer import eos_id
+
+log = get_logger("eval")
+
+# lm-eval is imported inside the functions below: it is heavy (about 2 s), and a run
+# without eval.tasks never needs it.
+
+
+def use_datasets_cache(offline: bool, datasets_cache: str | None) -> None:
+    """Point `datasets` at the cache (and keep it off the network) before it is imported."""
+    if datasets_cache:
+        os.environ["HF_DATASETS_CACHE"] = str(datasets_cache)
+    if offline:
+        # Without these, a dataset missing from the cache is retried against the hub for
+        # minutes on a machine without network before it fails.
+        os.environ["HF_DATASETS_OFFLINE"] = "1"
+        os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+def _make_lm_class():
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    class ProjectLM(TemplateLM):
+        """lm-eval's view of a project Transformer: log-likelihoods and greedy generation.
+
+        Log-probabilities are over the model's whole (padded) vocabulary, the distribution
+        training's cross-entropy and the held-out loss use. Requests are scored in batches
+        padded on the right: causal attention keeps padding from changing earlier positions.
+        """
+
+        def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int,
+                     device: torch.device):
+            super().__init__()
+            self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
+            self._device = device
+            self.max_length = model.args.max_seq_len
+            self._eot = eos_id(tokenizer)
+
+        @property
+        def eot_token_id(self) -> int:
+            # Conditions an empty context and the first token of a rolling document, as
+            # the end of the previous document does in training.
+            return self._eot
+
+        def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+            return self.tokenizer.encode(string).ids
+
+        def tok_decode(self, tokens: list[int]) -> str:
+            return self.tokenizer.decode(tokens)
+
+        @torch.no_grad()
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+            """(context ids, continuation ids) -> (sum of the continuation's log-probs,
+            whether greedy decoding gives exactly the continuation)."""
+            results: list[tuple[float, bool] | None] = [None] * len(requests)
+            # Longest first, so a batch's rows have similar lengths.
+            order = sorted(range(len(requests)),
+                           key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+            for first in range(0, len(order), self.batch_size):
+                rows = []
+                for i in order[first:first + self.batch_size]:
+                    _, context, continuation = requests[i]
+                    # Keep the last max_length tokens that predict the continuation (the
+                    # start of a long context is cut, as in lm-eval's own models).
+                    whole = (context + continuation)[-(self.max_length + 1):]
+                    scored = continuation[-(len(whole) - 1):]  # all of it, unless longer
+                    rows.append((i, whole[:-1], scored))
+                width = max(len(inputs) for _, inputs, _ in rows)
+                batch = torch.zeros(len(rows), width, dtype=torch.long)
+                for r, (_, inputs, _) in enumerate(rows):
+                    batch[r, :len(inputs)] = torch.tensor(inputs)
+                logprobs = F.log_softmax(self.model(batch.to(self.device)).float(), dim=-1)
+                for r, (i, inputs, continuation) in enumerate(rows):
+                    n = len(continuation)
+                    scored = logprobs[r, len(inputs) - n:len(inputs)]
+                    target = torch.tensor(continuation, device=scored.device)
+                    total = scored.gather(1, target[:, None]).sum().item()
+                    greedy = bool((scored.argmax(dim=-1) == target).all())
+                    results[i] = (total, greedy)
+                    if requests[i][0] is not None:  # None: a window of a rolling request
+                        self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
+            return results
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+            """Each text's whole log-likelihood, in windows of max_length tokens (each token
+            predicted once; lm-eval's own windowing)."""
+            out = []
+            for request in requests:
+                (text,) = request.args
+                windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                    self.tok_encode(text), self.prefix_token_id, self.max_length, context_len=1)]
+                scores = self._loglikelihood_tokens([(None, c, t) for c, t in windows])
+                out.append(sum(score for score, _ in scores))
+                self.cache_hook.add_partial("loglikelihood_rolling", (text,), out[-1])
+            return out
+
+        @torch.no_grad()
+        def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+            """Greedy continuation, cut at the first stop string (gen_kwargs `until`) or after
+            `max_gen_toks` tokens (default 256). Sampling settings are ignored: benchmark
+            generation is greedy."""
+            out = []
+            n_tokens = self.tokenizer.get_vocab_size()
+            for request in requests:
+                context, gen_kwargs = request.args
+                until = gen_kwargs.get("until") or []
+                until = [until] if isinstance(until, str) else list(until)
+                max_new = int(gen_kwargs.get("max_gen_toks", 256))
+                tokens = torch.tensor([self.tok_encode(context) or [self.eot_token_id]], device=self.device)
+                start, text = tokens.shape[1], ""
+                for _ in range(max_new):
+                    tokens = self.model.generate(tokens, 1, temperature=0, n_tokens=n_tokens)
+                    if tokens[0, -1].item() == self.eot_token_id:
+                        break
+                    text = self.tok_decode(tokens[0, start:].tolist())
+                    if any(stop in text for stop in until):
+                        break
+                for stop in until:
+                    text = text.split(stop)[0]
+                out.append(text)
+                self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
+            return out
+
+    return ProjectLM
+
+
+def project_lm(model: Transformer, tokenizer: Tokenizer, batch_size: int, device: torch.device):
+    """An lm_eval.api.model.LM over the project's model and tokenizer."""
+    return _make_lm_class()(model, tokenizer, batch_size, device)
+
+
+def check_task_dir(task_dir: str | Path) -> Path:
+    """The folder of custom task YAMLs, every YAML in it readable. lm-eval itself skips a
+    YAML it cannot read without a word; here that is a ConfigError naming the file."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    path = Path(task_dir).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"eval.task_dir={task_dir} is not a directory; point it at a folder of "
+                          "lm-eval task YAMLs, or leave it unset for lm-eval's own tasks")
+    for yaml_path in sorted(path.rglob("*.yaml")):
+        try:
+            cfg = load_yaml(yaml_path, resolve_func=False, recursive=True)
+        except Exception as e:  # yaml errors, missing includes, non-mapping files
+            raise ConfigError(f"eval.task_dir: {yaml_path} is not a readable lm-eval task YAML "
+                              f"({type(e).__name__}: {e}); fix or remove the file") from e
+        if not any(key in cfg for key in ("task", "group", "class")):
+            log.warning("%s names no task or group; lm-eval skips it (fine if another YAML "
+                        "includes it)", yaml_path)
+    return path
+
+
+def task_manager_for(tasks: list[str], task_dir: str | None):
+    """lm-eval's TaskManager that knows every name in `tasks` (ConfigError otherwise).
+
+    Indexing lm-eval's own task library takes several seconds (thousands of YAMLs): when
+    eval.task_dir defines every requested task, that folder alone is indexed."""
+    from lm_eval.tasks import TaskManager
+
+    if task_dir is not None:
+        include = str(check_task_dir(task_dir))
+        manager = TaskManager(include_path=include, include_defaults=False)
+        if all(name in manager.all_tasks for name in tasks):
+            return manager
+    manager = TaskManager(include_path=str(Path(task_dir).expanduser()) if task_dir else None)
+    unknown = [name for name in tasks if name not in manager.all_tasks]
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, manager.all_tasks, n=3)
+            hints.append(f"'{name}'" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+        where = f"lm-eval {_lm_eval_version()}" + (f" or eval.task_dir={task_dir}" if task_dir else "")
+        raise ConfigError(f"eval.tasks: {', '.join(hints)} not a task, group or tag of {where}; "
+                          "use names `lm-eval ls tasks` lists, or add a task YAML to eval.task_dir")
+    return manager
+
+
+def load_tasks(tasks: list[str], task_dir: str | None) -> tuple[object, list]:
+    """The TaskManager and the built tasks. Building a task reads its data: a dataset that is
+    neither cached nor local fails here, as a ConfigError saying how to provide it."""
+    manager = task_manager_for(tasks, task_dir)
+    built = []
+    for name in tasks:
+        try:
+            loaded = manager.load([name])
+        except Exception as e:
+            raise ConfigError(
+                f"eval.tasks: task '{name}' could not be loaded ({type(e).__name__}: {e}). If its "
+                "data is missing: fetch it once on a machine with network (python -m "
+                "training.downstream --fetch TASK, with the same eval.datasets_cache), or point "
+                "the task's dataset_path at local files in a YAML under eval.task_dir") from e
+        built += list(loaded["tasks"].values()) + list(loaded["groups"].values())
+    return manager, built
+
+
+def downstream_scores(model: Transformer, tokenizer: Tokenizer, eval_cfg, device: torch.device,
+                      seed: int = 0, loaded: tuple | None = None,
+                      log_samples: bool = False) -> tuple[dict[str, dict[str, float]], dict]:
+    """Run lm-eval's tasks (eval.tasks; `loaded`: load_tasks' result, if already loaded) on the
+    model: task -> metric -> value, and lm-eval's whole results dict (per-item samples with
+    log_samples)."""
+    from lm_eval import evaluator
+
+    start = time.perf_counter()
+    manager, tasks = loaded or load_tasks(list(eval_cfg.tasks), eval_cfg.task_dir)
+    results = evaluator.simple_evaluate(
+        model=project_lm(model, tokenizer, eval_cfg.batch_size, device), tasks=tasks,
+        task_manager=manager, limit=eval_cfg.limit, num_fewshot=eval_cfg.num_fewshot,
+        bootstrap_iters=eval_cfg.bootstrap_iters, log_samples=log_samples,
+        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+    scores = {task: _metrics(values) for task, values in results["results"].items()}
+    log.info("downstream (%d items per task at most) in %.1f s: %s",
+             eval_cfg.limit or 0, time.perf_counter() - start,
+             "; ".join(f"{t} " + ", ".join(f"{m} {v:.4f}" for m, v in s.items() if "stderr" not in m)
+                       for t, s in scores.items()))
+    return scores, results
+
+
+def _metrics(values: dict) -> dict[str, float]:
+    """lm-eval's 'acc,none' -> 'acc' (the metric without a filter); a filtered one keeps its
+    filter name ('exact_match,strict-match' -> 'exact_match (strict-match)'). Non-numbers
+    (aliases, 'N/A' stderrs) are left out."""
+    out = {}
+    for key, value in values.items():
+        if "," not in key or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        metric, filter_name = key.split(",", 1)
+        if math.isfinite(value):
+            out[metric if filter_name == "none" else f"{metric} ({filter_name})"] = float(value)
+    return out
+
+
+def _lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.downstream", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--fetch", nargs="+", required=True, metavar="TASK",
+                        help="download these tasks' data into the datasets cache (needs network)")
+    parser.add_argument("--task-dir", default=None, help="eval.task_dir, for custom tasks")
+    parser.add_argument("--datasets-cache", default=None, help="eval.datasets_cache")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[%(name)s] %(message)s")
+    use_datasets_cache(offline=False, datasets_cache=args.datasets_cache)
+    try:
+        _, tasks = load_tasks(args.fetch, args.task_dir)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    log.info("fetched the data of %s into %s", ", ".join(args.fetch),
+             os.environ.get("HF_DATASETS_CACHE", "the default datasets cache (~/.cache/huggingface)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
