@@ -78,6 +78,101 @@ def test_tied_embeddings_rule_out_pipeline_layouts():
         load_config("configs/llama3.2-1b.yaml", ["parallelism.pp=2", "training.micro_batch_size=4"])
 
 
+def test_llama_3_1_405b_plans_on_16_uneven_pipeline_stages():
+    """Meta's 405B layout: 126 layers on pp=16 (not divisible), the first and last stages one
+    layer lighter; the planner counts Meta's published parameters and accepts the layout."""
+    config = load_config("configs/llama3.1-405b.yaml")
+    args = planner.model_args(config)
+    assert args.ffn_hidden == 53248
+    assert planner.count_params(args).total == 405_853_388_800
+    [plan] = planner.plan(config, cluster(nodes=64))
+    assert plan.ok, plan.problems
+    assert plan.degrees == layout(dp_shard=4, tp=8, pp=16)
+    assert plan.stage_layers == [7] + [8] * 14 + [7]
+    # The last rank also computes the output layer: it, not the even ranks, sets the pace.
+    assert 1.0 < plan.imbalance < 1.02
+    # A split of one's own, e.g. all the unevenness on the first stage.
+    own = [6] + [8] * 15
+    config = load_config("configs/llama3.1-405b.yaml", [f"parallelism.pp_layers_per_stage={own}"])
+    [plan] = planner.plan(config, cluster(nodes=64))
+    assert plan.ok and plan.stage_layers == own
+
+
+def test_one_stage_rule_for_the_config_the_planner_and_parallelize():
+    """core.layout's stage rule is the only one: the config refuses what the planner refuses
+    and what training.parallelize would refuse, in the same words; all split the same way."""
+    from core.layout import LayoutError, ParallelDims, default_split
+    from training.parallelize import split_pipeline
+
+    assert default_split(126, 16) == [7] + [8] * 14 + [7]
+    assert default_split(30, 4) == [7, 8, 8, 7]
+    assert default_split(5, 4) == [1, 1, 2, 1]
+    assert default_split(4, 2) == [2, 2]
+    assert ParallelDims(pp=2, layers_per_stage=(1, 3)).stage_bounds(4) == [0, 1, 4]
+
+    bad = ("parallelism.pp_layers_per_stage=[8,8,8,8]", "model.n_layers=30", "parallelism.pp=4",
+           "parallelism.nproc_per_node=4", "parallelism.dp_replicate=1", "training.micro_batch_size=8")
+    reason = ("parallelism.pp_layers_per_stage=[8, 8, 8, 8] must give every stage at least one "
+              "layer and sum to model.n_layers=30 (it sums to 32)")
+    fix = "list 4 counts of at least 1 summing to 30, e.g. [7, 8, 8, 7]"
+    with pytest.raises(ConfigError) as config_error:
+        load_config(None, list(bad))
+    assert reason in str(config_error.value) and fix in str(config_error.value)
+    valid = load_config(None, [o for o in bad if "pp_layers" not in o])
+    unchecked = valid.model_copy(update={"parallelism": valid.parallelism.model_copy(
+        update={"pp_layers_per_stage": [8, 8, 8, 8]})})
+    result = planner.plan_layout(unchecked, cluster(gpus=4), layout(pp=4))
+    assert [str(p) for p in result.problems] == [f"{reason}; fix: {fix}"]
+    dims = unchecked.parallelism.dims()
+    with pytest.raises(LayoutError):
+        dims.stage_layers(30)
+    with pytest.raises(ConfigError, match=re.escape(reason)):
+        split_pipeline(Transformer(ModelArgs(vocab_size=64, dim=16, n_layers=30, n_heads=2)),
+                       None, dims)
+    with pytest.raises(ConfigError, match="lists 3 stages, but pp=2, interleaved-1f1b has 4 "
+                                          r"\(2 per pipeline rank\); list 4 layer counts"):
+        load_config(None, ["parallelism.pp=2", "parallelism.pp_schedule=interleaved-1f1b",
+                           "parallelism.dp_replicate=1", "parallelism.pp_layers_per_stage=[1,2,1]",
+                           "training.micro_batch_size=4"])
+
+
+def test_few_microbatches_warn_with_their_bubble_unless_strict():
+    """microbatches < 2*pp runs (the config accepts it): the planner warns with the bubble it
+    costs, and refuses only when asked to be strict. What torch cannot run stays refused."""
+    config = load_config(None, list(LLAMA2_7B) + ["parallelism.microbatches=4",
+                                                   "training.micro_batch_size=4"])
+    plan = planner.plan_layout(config, cluster(nodes=2), layout(dp_shard=4, pp=4))
+    assert plan.ok
+    [warning] = plan.warnings
+    assert "microbatches=4 < 2*pp=8: the pipeline bubble (pp-1)/(microbatches+pp-1) = 42.9% " \
+           "of the step" in str(warning)
+    assert "set parallelism.microbatches=8" in str(warning) and "(bubble 27.3%)" in str(warning)
+    assert "warning: microbatches=4 < 2*pp=8" in planner.explain(plan, cluster(nodes=2))
+    strict = planner.plan_layout(config, cluster(nodes=2), layout(dp_shard=4, pp=4), strict=True)
+    assert not strict.ok and strict.problems == [warning] and not strict.warnings
+    by_config = config.model_copy(update={"parallelism": config.parallelism.model_copy(
+        update={"strict_layout": True})})
+    assert not planner.plan_layout(by_config, cluster(nodes=2), layout(dp_shard=4, pp=4)).ok
+    # GPipe runs any number of micro-batches; 1F1B (torch's Schedule1F1B) needs pp of them.
+    gpipe = load_config(None, list(LLAMA2_7B) + ["parallelism.microbatches=2", "parallelism.pp_schedule=gpipe",
+                                                  "training.micro_batch_size=2"])
+    assert planner.plan_layout(gpipe, cluster(nodes=2), layout(dp_shard=4, pp=4)).ok
+
+
+def test_cli_warns_about_few_microbatches_and_refuses_them_when_strict(capsys):
+    from flows.cli import main
+
+    args = ["plan", "--config", str(REPO / "configs/llama2-7b.yaml"), "--nodes", "2",
+            "parallelism.nnodes=2", "parallelism.dp_replicate=1", "parallelism.dp_shard=4",
+            "parallelism.pp=4", "parallelism.microbatches=4", "training.micro_batch_size=4"]
+    assert main(args) == 0
+    out, _ = capsys.readouterr()
+    assert "warning: microbatches=4 < 2*pp=8" in out and "42.9%" in out
+    assert main([*args, "--strict"]) == 2
+    _, err = capsys.readouterr()
+    assert "microbatches=4 < 2*pp=8" in err and "set parallelism.microbatches=8" in err
+
+
 def test_llama2_7b_parameters_and_16_bytes_per_parameter():
     config = load_config(None, list(LLAMA2_7B))
     assert planner.count_params(planner.model_args(config)).total == 6_738_415_616  # Llama 2 7B
@@ -177,10 +272,9 @@ def test_parse_bytes():
      "tp=8 does not divide n_heads=12", "choose tp in [1, 2, 3, 4, 6]"),
     (("tokenizer.vocab_size=32001", "model.vocab_multiple_of=1"), layout(dp_shard=8, tp=2),
      "does not divide the vocabulary (32001)", "choose tp in [1], or a model.vocab_multiple_of divisible by 2"),
-    (("model.n_layers=30",), layout(dp_shard=4, pp=4), "4 pipeline stages (pp=4, 1f1b) do not divide n_layers=30",
-     "choose pp in [2, 3, 5, 6, 10, 15, 30]"),
-    (("parallelism.microbatches=4", "training.micro_batch_size=4"), layout(dp_shard=4, pp=4),
-     "microbatches=4 < 2*pp=8", "set parallelism.microbatches=8"),
+    (("parallelism.microbatches=2", "training.micro_batch_size=2"), layout(dp_shard=4, pp=4),
+     "pp_schedule=1f1b needs at least as many micro-batches as stages: microbatches=2 < pp=4",
+     "set parallelism.microbatches=4 or more"),
     (("training.micro_batch_size=12",), layout(dp_shard=4, pp=4),
      "micro_batch_size=12 does not split into 8 pipeline micro-batches", "a multiple of 8"),
     (("training.micro_batch_size=4",), layout(dp_shard=16), "more than the 80 GiB it has",
