@@ -429,6 +429,14 @@ class ParallelismConfig(_Section):
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field("1f1b")
     microbatches: int | None = Field(None, ge=1, description="Pipeline micro-batches per step "
                                                              "(default 2 x pp).")
+    pp_layers_per_stage: list[int] | None = Field(
+        None, description="Transformer layers of each pipeline stage in order, e.g. [7, 8, ..., 8, "
+        "7]: one count per stage (pp, or 2 x pp with interleaved-1f1b), summing to "
+        "model.n_layers. None: as even as possible, the first and last stages (which also hold "
+        "the embedding and the output layer) lighter when uneven.")
+    strict_layout: bool = Field(
+        False, description="The layout check (train flow, goodput plan) refuses layouts it "
+        "would only warn about, e.g. fewer than 2 x pp pipeline micro-batches (a large bubble).")
     reshard_after_forward: bool = Field(
         True, description="FSDP2: free gathered weights after forward (ZeRO-3); False keeps "
                           "them until backward (ZeRO-2-like, more memory, less communication).")
@@ -453,7 +461,13 @@ class ParallelismConfig(_Section):
         if world_size is None:
             world_size, world = self.world_size, f"world size {self.world_size} (nnodes x nproc_per_node)"
         return ParallelDims.resolve({d: getattr(self, d) for d in DEGREES}, world_size, world,
-                                    pp_schedule=self.pp_schedule, microbatches=self.microbatches)
+                                    **self.pipeline())
+
+    def pipeline(self) -> dict:
+        """The pipeline settings ParallelDims takes beside the degrees."""
+        layers = tuple(self.pp_layers_per_stage) if self.pp_layers_per_stage is not None else None
+        return {"pp_schedule": self.pp_schedule, "microbatches": self.microbatches,
+                "layers_per_stage": layers}
 
     def degrees(self) -> dict[str, int]:
         """The four degrees with -1 resolved."""

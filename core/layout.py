@@ -3,9 +3,10 @@
 A layout is dp_replicate x dp_shard x tp x pp = world size, laid out on a device mesh named
 MESH_DIMS in row-major order with TP innermost, so TP groups are consecutive ranks on the
 fastest links. `ParallelDims` resolves a `-1` degree, says which data parallelism the trainer
-applies (DDP for pure replication, FSDP2 otherwise), how layers split into pipeline stages,
-and, in `problems`, every rule a layout must satisfy, each with its fix. The config's
-validation, the planner (goodput.planner) and training.parallelize all ask it.
+applies (DDP for pure replication, FSDP2 otherwise), how layers split into pipeline stages
+(`stage_layers`: the one stage rule), and, in `problems`, every rule a layout must satisfy,
+each with its fix. The config's validation, the planner (goodput.planner) and
+training.parallelize all ask it.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ class Problem:
 
     reason: str
     fix: str
-    # A planner rule only: the trainer runs such a layout, the planner advises against it.
+    # Advice: the trainer runs such a layout (the config accepts it); the planner warns about
+    # it, and refuses it only when asked to be strict (parallelism.strict_layout, --strict).
     advice: bool = field(default=False, compare=False)
 
     def __str__(self) -> str:
@@ -46,6 +48,9 @@ class ParallelDims:
     pp: int = 1
     pp_schedule: str = "1f1b"  # gpipe | 1f1b | interleaved-1f1b
     microbatches: int | None = None  # pipeline micro-batches per step; None: 2 x pp
+    # Layers of each pipeline stage, in stage order (parallelism.pp_layers_per_stage); None:
+    # the default split of stage_layers.
+    layers_per_stage: tuple[int, ...] | None = None
 
     @classmethod
     def resolve(cls, degrees: dict[str, int], world_size: int, world: str = "",
@@ -124,10 +129,44 @@ class ParallelDims:
         """The stages pipeline rank `pp_rank` holds (looping placement: r, r + pp, ...)."""
         return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
 
+    def stage_problem(self, n_layers: int) -> Problem | None:
+        """Why `n_layers` cannot be split into this layout's stages (stage_layers), if so."""
+        where = f"pp={self.pp}, {self.pp_schedule}"
+        given = self.layers_per_stage
+        if self.pp == 1 and given is None:
+            return None
+        if given is not None:
+            if len(given) != self.n_stages:
+                per_rank = " (2 per pipeline rank)" if self.stages_per_rank > 1 else ""
+                return Problem(f"parallelism.pp_layers_per_stage lists {len(given)} stages, but "
+                               f"{where} has {self.n_stages}{per_rank}",
+                               f"list {self.n_stages} layer counts, or drop the field for the "
+                               "default split")
+            if min(given) < 1 or sum(given) != n_layers:
+                example = (f", e.g. {default_split(n_layers, self.n_stages)}"
+                           if n_layers >= self.n_stages else "")
+                return Problem(f"parallelism.pp_layers_per_stage={list(given)} must give every "
+                               f"stage at least one layer and sum to model.n_layers={n_layers} "
+                               f"(it sums to {sum(given)})",
+                               f"list {self.n_stages} counts of at least 1 summing to {n_layers}"
+                               + example)
+            return None
+        if n_layers < self.n_stages:
+            return Problem(f"{self.n_stages} pipeline stages ({where}) exceed n_layers={n_layers}: "
+                           "each stage needs at least one layer",
+                           "lower parallelism.pp, or use a non-interleaved pp_schedule")
+        return None
+
     def stage_layers(self, n_layers: int) -> list[int]:
-        """Layers per stage: as even as possible, earlier stages taking the remainder."""
-        base, extra = divmod(n_layers, self.n_stages)
-        return [base + (1 if i < extra else 0) for i in range(self.n_stages)]
+        """Layers per pipeline stage: the one stage rule, which the config's validation, the
+        planner and training.parallelize all follow. parallelism.pp_layers_per_stage when
+        given, else default_split. Raises LayoutError when `n_layers` cannot fill the stages."""
+        problem = self.stage_problem(n_layers)
+        if problem is not None:
+            raise LayoutError(problem)
+        if self.layers_per_stage is not None:
+            return list(self.layers_per_stage)
+        return default_split(n_layers, self.n_stages)
 
     def stage_bounds(self, n_layers: int) -> list[int]:
         """Stage s holds layers [bounds[s], bounds[s + 1])."""
@@ -174,6 +213,9 @@ class ParallelDims:
                 "splits over the TP ranks",
                 f"choose tp in {_divisors(math.gcd(seq_len, head_tp), limit)}, or a seq_len "
                 f"divisible by {tp}, e.g. {tp * -(-seq_len // tp)}"))
+        stages = self.stage_problem(n_layers)
+        if stages is not None:
+            problems.append(stages)
         if pp == 1:
             return problems
         if tied_embeddings:
@@ -185,23 +227,22 @@ class ParallelDims:
                 f"but pp={pp} puts them on different pipeline stages",
                 "set parallelism.pp=1 and split the model with parallelism.dp_shard or tp instead"
                 " (or model.tie_embeddings=false for a model not loaded with model.init_from)"))
-        if n_layers < self.n_stages:
+        if self.pp_schedule == "1f1b" and m < pp:
+            # torch.distributed.pipelining.Schedule1F1B refuses fewer micro-batches than stages:
+            # its warm-up sends one micro-batch into every stage before the first backward.
             problems.append(Problem(
-                f"{self.n_stages} pipeline stages (pp={pp}, {self.pp_schedule}) exceed "
-                f"n_layers={n_layers}: each stage needs at least one layer",
-                "lower parallelism.pp, or use a non-interleaved pp_schedule"))
-        elif n_layers % self.n_stages:
-            fits = [d for d in range(2, n_layers // v + 1) if n_layers % (d * v) == 0]
+                f"pp_schedule=1f1b needs at least as many micro-batches as stages: "
+                f"microbatches={m} < pp={pp}",
+                f"set parallelism.microbatches={pp} or more (2*pp={2 * pp} keeps the bubble "
+                "small), or pp_schedule=gpipe"))
+        elif m < 2 * pp:
+            bubble = pipeline_bubble(pp, m, v)
             problems.append(Problem(
-                f"{self.n_stages} pipeline stages (pp={pp}, {self.pp_schedule}) do not divide "
-                f"n_layers={n_layers} evenly",
-                f"choose pp in {fits}" if fits else "change model.n_layers or use pp=1", advice=True))
-        if m < 2 * pp:
-            problems.append(Problem(
-                f"microbatches={m} < 2*pp={2 * pp}: the pipeline bubble would be "
-                f"{pipeline_bubble(pp, m):.0%} of the step",
+                f"microbatches={m} < 2*pp={2 * pp}: the pipeline bubble "
+                f"(pp-1)/({'2*' if v > 1 else ''}microbatches+pp-1) = {bubble:.1%} of the step "
+                "idles every GPU",
                 f"set parallelism.microbatches={2 * pp} (or more) and training.micro_batch_size "
-                f"to a multiple of it", advice=True))
+                f"to a multiple of it (bubble {pipeline_bubble(pp, 2 * pp, v):.1%})", advice=True))
         if micro_batch_size % m:
             problems.append(Problem(
                 f"training.micro_batch_size={micro_batch_size} does not split into {m} pipeline "
@@ -211,6 +252,20 @@ class ParallelDims:
                 f"microbatches={m} do not split into equal rounds of interleaved-1f1b over pp={pp}",
                 f"set parallelism.microbatches to a multiple of {pp}, or at most {pp}"))
         return problems
+
+
+def default_split(n_layers: int, n_stages: int) -> list[int]:
+    """As even as possible; when uneven, the lighter stages are the first and the last (then
+    the second and the second-to-last, ...): they also hold the embedding, and the output
+    layer with the loss. Llama 3 405B's 126 layers on 16 stages: [7, 8 x 14, 7], the split
+    Meta trained it with (The Llama 3 Herd of Models, section 3.3.2)."""
+    base, extra = divmod(n_layers, n_stages)
+    sizes = [base + 1] * n_stages
+    ends = [i for pair in zip(range(n_stages), reversed(range(n_stages))) for i in pair]
+    lighter = list(dict.fromkeys(ends))[:n_stages - extra]
+    for i in lighter:
+        sizes[i] = base
+    return sizes
 
 
 def pipeline_bubble(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:

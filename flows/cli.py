@@ -7,6 +7,7 @@
     goodput export CHECKPOINT_DIR --format hf --out DIR   # a transformers Llama model
     goodput plan --config FILE --nodes 4 --gpus-per-node 8 --gpu-memory 80GiB   # layouts
     goodput plan --config FILE                # the cluster the config names (parallelism.*)
+    goodput plan --config FILE --from-run runs/ID   # step time from a run's measured MFU
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import replace
 
 from core.config import ConfigError, load_config
 
@@ -73,6 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GB/s per GPU within a node (NVLink, one direction)")
     p.add_argument("--inter-node-gbps", type=float, default=50.0,
                    help="GB/s per GPU between nodes (400 Gb/s InfiniBand)")
+    p.add_argument("--compute-efficiency", type=float, metavar="SHARE",
+                   help="share of peak FLOP/s the GPUs sustain, for the step-time estimate "
+                        "(default: goodput/planner.py's COMPUTE_EFFICIENCY, calibrated on "
+                        "published torchtitan and llm.c runs)")
+    p.add_argument("--from-run", metavar="RUN_DIR",
+                   help="take the compute efficiency from a finished GPU run: the MFU its "
+                        "metrics.jsonl logged, on its own config and layout")
+    p.add_argument("--strict", action="store_true",
+                   help="refuse layouts the planner only warns about (e.g. fewer than 2 x pp "
+                        "pipeline micro-batches); also parallelism.strict_layout=true")
     p.add_argument("--search", action="store_true", help="rank all layouts even when the "
                                                          "config sets one")
     p.add_argument("--top", type=int, default=10, help="layouts shown in the ranking")
@@ -121,10 +133,19 @@ def _plan(args: argparse.Namespace) -> int:
                                   gpu_flops=flops, device=device,
                                   intra_node_bandwidth=args.intra_node_gbps * 1e9,
                                   inter_node_bandwidth=args.inter_node_gbps * 1e9)
+        if args.compute_efficiency is not None:
+            if not 0 < args.compute_efficiency <= 1:
+                raise ConfigError(f"--compute-efficiency {args.compute_efficiency}: give a share "
+                                  "of peak FLOP/s in (0, 1], e.g. 0.4")
+            cluster = replace(cluster, compute_efficiency=args.compute_efficiency,
+                              efficiency_source="--compute-efficiency")
+        elif args.from_run:
+            cluster = planner.efficiency_from_run(args.from_run, cluster)
     except ConfigError as e:
         print(f"goodput: {e}", file=sys.stderr)
         return 2
-    plans = planner.plan(config, cluster, force_search=args.search)
+    strict = args.strict or config.parallelism.strict_layout
+    plans = planner.plan(config, cluster, force_search=args.search, strict=strict)
     print(planner.format_table(plans, limit=args.top))
     print()
     print(planner.explain(plans[0], cluster))

@@ -25,14 +25,43 @@ from training.model import ModelArgs, model_args_from_config
 
 GiB = 1024**3
 H100_FLOPS = 989e12  # dense bf16
+A100_FLOPS = 312e12  # dense bf16
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MASTER_BYTES = 4  # fp32 weights and gradients
+
+# -- the step-time estimate's two assumptions, calibrated on published runs ---------------------
+#
+# COMPUTE_EFFICIENCY: the share of peak FLOP/s the GPUs sustain on the FLOPs a step does
+# (recomputation included; the bubble, an uneven pipeline and exposed communication are
+# accounted separately). One figure for all models, set between the two measurements below
+# (their geometric mean), which the planner then reproduces within 25%
+# (tests/test_plan.py::test_throughput_estimate_matches_published_runs):
+#   - torchtitan, Llama 3.1 8B, FSDP on 8 x H100 (power-limited to 500 W), seq 8192, local
+#     batch 2, selective activation checkpointing, bf16, no torch.compile: 5,762 tokens/s
+#     per GPU (33% MFU by their count). torchtitan benchmarks/llama3_h100_202412_torchtitan.md,
+#     Table 1, December 2024: https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md
+#     As the planner counts FLOPs (recomputing every other block), 0.395 of peak.
+#   - llm.c, GPT-2 124M on 8 x A100 80GB SXM, batch 64 x 1024 per GPU, ZeRO-1, no
+#     recomputation, bf16: 524,288 tokens per ~300 ms step, 218,453 tokens/s per GPU
+#     (Karpathy, "~60% MFU"). https://github.com/karpathy/llm.c/blob/master/scripts/run_gpt2_124M.sh
+#     and https://github.com/karpathy/llm.c/discussions/481 (May 2024). 0.60 of peak.
+# A run of your own measures it better: goodput plan --from-run RUN_DIR.
+COMPUTE_EFFICIENCY = 0.486
+# COMM_OVERLAP: the share of data-parallel communication (FSDP's prefetched all-gathers and
+# its reduce-scatters, DDP's bucketed all-reduce, all issued while backward computes) hidden
+# behind compute. Calibrated on torchtitan's same 8B run on 128 GPUs (Table 3, 16 nodes: the
+# FSDP collectives cross nodes at 50 GB/s): 5,605 tokens/s per GPU, only 2.7% below 8 GPUs,
+# though its FSDP traffic takes 1.23 s per step at link speed (0.12 s within one node), over
+# 40% of the 2.9 s step: 0.93 reproduces both (and gives the 8-GPU run's efficiency, 0.395).
+# TP's collectives and PP's transfers sit between dependent computations: never hidden.
+COMM_OVERLAP = 0.93
 
 
 @dataclass(frozen=True)
 class Cluster:
     """What the layout runs on. Defaults: H100 SXM (dense bf16 peak, NVLink) and one
-    400 Gb/s InfiniBand NIC per GPU; they only scale the step-time estimate used to rank."""
+    400 Gb/s InfiniBand NIC per GPU; with the compute efficiency and the communication overlap
+    (see COMPUTE_EFFICIENCY) they make the step-time estimate."""
 
     nodes: int
     gpus_per_node: int
@@ -41,6 +70,9 @@ class Cluster:
     intra_node_bandwidth: float = 450e9  # bytes/s per GPU, one direction
     inter_node_bandwidth: float = 50e9
     device: str = "cuda"  # "cpu" plans the fp32 layouts the test-suite measures
+    compute_efficiency: float = COMPUTE_EFFICIENCY  # share of gpu_flops sustained
+    comm_overlap: float = COMM_OVERLAP  # share of data-parallel communication hidden
+    efficiency_source: str = "default, calibrated on torchtitan and llm.c runs"
 
     @property
     def world_size(self) -> int:
@@ -182,7 +214,13 @@ class LayoutPlan:
     step_time_s: float | None = None
     # training.micro_batch_size is per data-parallel rank: layouts differ in work per step.
     tokens_per_step: int = 0
+    stage_layers: list[int] = field(default_factory=list)  # pipeline stages' layers, in order
+    imbalance: float = 1.0  # the busiest pipeline rank's compute over the mean rank's
+    compute_s: float | None = None  # compute part of the step (bubble and imbalance included)
+    exposed_comm_s: float | None = None  # communication not hidden behind compute
+    mfu: float | None = None  # model FLOPs (no recomputation) / peak, over the estimated step
     problems: list[Problem] = field(default_factory=list)  # why it cannot run
+    warnings: list[Problem] = field(default_factory=list)  # runs, but costs (parallelism.strict_layout refuses)
     departures: list[str] = field(default_factory=list)  # where it leaves DESIGN's defaults
 
     @property
@@ -226,29 +264,38 @@ def _setup(config: RunConfig, cluster: Cluster) -> _Setup:
     return _Setup(config, cluster, args, count_params(args), bf16)
 
 
-def plan_layout(config: RunConfig, cluster: Cluster, degrees: dict[str, int]) -> LayoutPlan:
+def plan_layout(config: RunConfig, cluster: Cluster, degrees: dict[str, int],
+                strict: bool | None = None) -> LayoutPlan:
     """Explain one layout (a -1 degree fills the cluster): memory, bubble, communication,
-    step time, or why it cannot run."""
+    step time, or why it cannot run. What the trainer runs at a cost (core.layout's advice,
+    e.g. a large pipeline bubble) is a warning, or a problem when `strict` (default:
+    parallelism.strict_layout)."""
     s = _setup(config, cluster)
     par = config.parallelism
+    strict = par.strict_layout if strict is None else strict
     try:
         dims = ParallelDims.resolve(degrees, cluster.world_size, f"the cluster's {cluster.world_size} GPUs",
-                                    pp_schedule=par.pp_schedule, microbatches=par.microbatches)
+                                    **par.pipeline())
     except LayoutError as e:
         return LayoutPlan(dict(degrees), s.params, 1, problems=[e.problem])  # nothing to estimate
     m = dims.microbatches_per_step
     plan = LayoutPlan(dims.degrees, s.params, m)
-    plan.problems = dims.problems(
+    found = dims.problems(
         n_heads=s.args.n_heads, n_kv_heads=s.args.kv_heads, n_layers=s.args.n_layers,
         seq_len=config.training.seq_len, micro_batch_size=config.training.micro_batch_size,
         vocab_size=s.args.vocab_size, gpus_per_node=cluster.gpus_per_node,
         tied_embeddings=s.args.tie_embeddings)
+    plan.problems = [p for p in found if strict or not p.advice]
+    plan.warnings = [p for p in found if p.advice and not strict]
     plan.bubble = dims.bubble
+    if dims.stage_problem(s.args.n_layers) is not None:
+        return plan  # no stages, nothing to estimate
+    plan.stage_layers = dims.stage_layers(s.args.n_layers)
     plan.memory = _memory(s, dims, par.activation_checkpointing)
     plan.comm, plan.crosses_nodes = _communication(s, dims)
     tcfg = config.training
     plan.tokens_per_step = tcfg.micro_batch_size * tcfg.grad_accum_steps * tcfg.seq_len * dims.dp_size
-    plan.step_time_s = _step_time(s, plan)
+    _estimate_step(s, dims, plan)
     if cluster.gpu_memory is not None and plan.memory.peak > cluster.gpu_memory:
         plan.problems.append(_out_of_memory(s, dims, plan.memory))
     plan.departures = _departures(plan, cluster)
@@ -267,22 +314,23 @@ def _departures(plan: LayoutPlan, cluster: Cluster) -> list[str]:
     return notes
 
 
-def search(config: RunConfig, cluster: Cluster) -> list[LayoutPlan]:
+def search(config: RunConfig, cluster: Cluster, strict: bool | None = None) -> list[LayoutPlan]:
     """Every factorisation of the world size: valid ones first -- those that follow DESIGN's
     default rules, highest estimated throughput (tokens/s) first, then the others -- and then
     the ones that cannot run. Throughput, not step time: the batch is per data-parallel rank,
     so a layout with less data parallelism has shorter steps only because it does less."""
-    plans = [plan_layout(config, cluster, d) for d in factorisations(cluster.world_size)]
+    plans = [plan_layout(config, cluster, d, strict) for d in factorisations(cluster.world_size)]
     valid = sorted((p for p in plans if p.ok),
                    key=lambda p: (bool(p.departures), -(p.tokens_per_s or 0.0), p.memory.peak))
     return valid + [p for p in plans if not p.ok]
 
 
-def plan(config: RunConfig, cluster: Cluster, force_search: bool = False) -> list[LayoutPlan]:
+def plan(config: RunConfig, cluster: Cluster, force_search: bool = False,
+         strict: bool | None = None) -> list[LayoutPlan]:
     """The config's own layout, or a ranked search when it leaves the degrees at defaults."""
     if force_search or layout_is_default(config):
-        return search(config, cluster)
-    return [plan_layout(config, cluster, configured_degrees(config))]
+        return search(config, cluster, strict)
+    return [plan_layout(config, cluster, configured_degrees(config), strict)]
 
 
 def check(config: RunConfig, cluster: Cluster) -> LayoutPlan:
@@ -292,6 +340,67 @@ def check(config: RunConfig, cluster: Cluster) -> LayoutPlan:
         raise ConfigError(f"layout {result.name} cannot run on {cluster.world_size} GPUs:\n"
                           + "\n".join(f"  - {p}" for p in result.problems))
     return result
+
+
+# -- a measured run's efficiency --------------------------------------------------------------
+
+def measured_mfu(run_dir: str | Path) -> tuple[float, int]:
+    """The MFU a run measured: the median of its metrics.jsonl records' `mfu` (the first
+    record left out when there are others: its window holds warm-up and compilation), and how
+    many records it comes from. ConfigError when the run logged none."""
+    from core.protocol import RunDir
+    from training.metrics import read_metrics
+
+    run = RunDir.of(run_dir)
+    if not run.metrics_file.is_file():
+        raise ConfigError(f"--from-run {run_dir}: no {run.metrics_file.name} there; give the "
+                          "directory of a run that trained (runs_dir/run_id)")
+    values = [r["mfu"] for r in read_metrics(run) if r.get("mfu")]
+    if not values:
+        raise ConfigError(f"--from-run {run_dir}: {run.metrics_file} records no MFU: a run on CPU "
+                          "logs none (no peak FLOP/s to divide by) unless training."
+                          "peak_flops_per_device is set; plan from a GPU run's directory, or "
+                          "give --compute-efficiency")
+    values = values[1:] if len(values) > 1 else values
+    values.sort()
+    middle = len(values) // 2
+    median = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+    return median, len(values)
+
+
+def efficiency_from_run(run_dir: str | Path, cluster: Cluster) -> Cluster:
+    """`cluster` with the compute efficiency a run measured: the efficiency at which the
+    planner's estimate of that run's own config and layout (on its own nodes, with this
+    cluster's links and overlap) gives the MFU it logged. The efficiency, not the MFU, carries
+    over: it leaves out the run's bubble, recomputation and exposed communication, which the
+    estimate of another layout has its own of."""
+    from core.config import load_config
+    from core.protocol import RunDir
+
+    mfu, n = measured_mfu(run_dir)
+    run_config = with_run_vocab(load_config(str(RunDir.of(run_dir).config_file)))
+    par = run_config.parallelism
+    own = replace(cluster, nodes=par.nnodes, gpus_per_node=par.nproc_per_node, gpu_memory=None,
+                  gpu_flops=cluster.gpu_flops or H100_FLOPS)
+
+    def estimated_mfu(efficiency: float) -> float:
+        return plan_layout(run_config, replace(own, compute_efficiency=efficiency),
+                           configured_degrees(run_config), strict=False).mfu
+
+    if estimated_mfu(1.0) is None:
+        raise ConfigError(f"--from-run {run_dir}: its layout cannot be estimated: "
+                          + failure_message(plan_layout(run_config, own, configured_degrees(run_config)),
+                                            own, "not checked"))
+    # The estimated MFU grows with the efficiency: bisect for the measured one.
+    low, high = 1e-4, 1.0
+    if estimated_mfu(high) <= mfu:
+        low = high  # the run beat the estimate even at peak: its links are faster than assumed
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if estimated_mfu(middle) < mfu else (low, middle)
+    return replace(cluster, compute_efficiency=low,
+                   efficiency_source=f"measured: run {Path(run_dir).name} logged MFU {mfu:.1%} "
+                                     f"(median of {n} metrics records)")
 
 
 # -- the run's own hardware -----------------------------------------------------------------
@@ -654,19 +763,51 @@ def _tp_bytes_per_microbatch(s: _Setup, rank: _Rank, mb: int, tp: int,
     return total
 
 
-def _step_time(s: _Setup, plan: LayoutPlan) -> float | None:
-    """Compute at peak FLOP/s stretched by the pipeline bubble, plus communication at link
-    bandwidth with no overlap: pessimistic, but it orders layouts by what they cost."""
-    if s.cluster.gpu_flops is None:
-        return None
-    tcfg, args = s.config.training, s.args
-    tokens = plan.tokens_per_step
-    flops_per_token = 6 * s.params.matmul + 12 * args.n_layers * args.dim * tcfg.seq_len
+def model_flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs of one token without recomputation, as training/metrics.py counts them
+    for its MFU (Transformer.flops_per_token): 6 per matmul parameter, and attention's
+    12 x layers x dim x seq_len."""
+    return 6 * count_params(args).matmul + 12 * args.n_layers * args.dim * seq_len
+
+
+def _rank_work(s: _Setup, dims: ParallelDims, layers: list[int]) -> list[float]:
+    """FLOPs per token of each pipeline rank: its blocks (matmuls and attention), and on the
+    last one the output layer. The busiest rank sets the pipeline's pace."""
+    seq, args = s.config.training.seq_len, s.args
+    block = 6 * s.params.block_matrix + 12 * args.dim * seq
+    head = 6 * args.vocab_size * args.dim
+    return [sum(layers[st] for st in dims.stages_of(r)) * block + (head if r == dims.pp - 1 else 0)
+            for r in range(dims.pp)]
+
+
+def _estimate_step(s: _Setup, dims: ParallelDims, plan: LayoutPlan) -> None:
+    """Step time = compute + the communication compute does not hide.
+
+    Compute: the step's FLOPs (recomputation included) at COMPUTE_EFFICIENCY of peak,
+    stretched by the pipeline bubble and by the busiest pipeline rank's share of the work
+    (uneven stages, the output layer on the last). Communication at link bandwidth: the
+    data-parallel part overlapped with compute up to COMM_OVERLAP (and never more than the
+    compute lasts), TP and PP transfers whole. Sets step_time_s, compute_s, exposed_comm_s,
+    imbalance and mfu."""
+    cluster = s.cluster
+    work = _rank_work(s, dims, plan.stage_layers)
+    plan.imbalance = max(work) / (sum(work) / len(work))
+    if cluster.gpu_flops is None:
+        return
+    tcfg = s.config.training
+    model_flops = model_flops_per_token(s.args, tcfg.seq_len) * plan.tokens_per_step / cluster.world_size
     recompute = {"none": 0.0, "selective": 0.5, "full": 1.0}[s.config.parallelism.activation_checkpointing]
-    flops = flops_per_token * tokens * (1 + recompute / 3) / s.cluster.world_size
-    compute_s = flops / s.cluster.gpu_flops / (1 - plan.bubble)
-    links = {True: s.cluster.inter_node_bandwidth, False: s.cluster.intra_node_bandwidth}
-    return compute_s + sum(v / links[plan.crosses_nodes[k]] for k, v in plan.comm.items())
+    flops = model_flops * (1 + recompute / 3)  # a recomputed forward is a third of forward + backward
+    compute_s = (flops / (cluster.gpu_flops * cluster.compute_efficiency)
+                 * plan.imbalance / (1 - plan.bubble))
+    links = {True: cluster.inter_node_bandwidth, False: cluster.intra_node_bandwidth}
+    seconds = {k: v / links[plan.crosses_nodes[k]] for k, v in plan.comm.items()}
+    data_parallel = sum(v for k, v in seconds.items() if k.startswith("dp_"))
+    hidden = min(cluster.comm_overlap * data_parallel, compute_s)
+    exposed = sum(seconds.values()) - hidden
+    plan.compute_s, plan.exposed_comm_s = compute_s, exposed
+    plan.step_time_s = compute_s + exposed
+    plan.mfu = model_flops / (cluster.gpu_flops * plan.step_time_s)
 
 
 # -- presentation ------------------------------------------------------------------------------------
@@ -707,7 +848,7 @@ def format_table(plans: list[LayoutPlan], limit: int | None = None) -> str:
 def _verdict(p: LayoutPlan) -> str:
     if not p.ok:
         return p.problems[0].reason
-    return "; ".join(["ok", *p.departures])
+    return "; ".join(["ok", *p.departures, *(f"warning: {w.reason}" for w in p.warnings)])
 
 
 def explain(p: LayoutPlan, cluster: Cluster) -> str:
@@ -727,10 +868,20 @@ def explain(p: LayoutPlan, cluster: Cluster) -> str:
                   f"  peak {_gib(mem.peak)} GiB = weights + optimizer + buffers + "
                   f"max({backward}, gradients + update workspace)"]
     if p.degrees["pp"] > 1:
-        lines.append(f"  pipeline: {p.microbatches} micro-batches, bubble {p.bubble:.1%}")
-    lines += [f"  {fact}" for fact in _step_facts(p, "GPU")]
+        lines.append(f"  pipeline: {_pipeline_facts(p)}")
+    lines += [f"  {fact}" for fact in _step_facts(p, "GPU", cluster)]
+    lines += [f"  warning: {warning}" for warning in p.warnings]
     lines += [f"  ruled out: {problem}" for problem in p.problems]
     return "\n".join(lines)
+
+
+def _pipeline_facts(p: LayoutPlan) -> str:
+    text = f"{p.microbatches} micro-batches, bubble {p.bubble:.1%}"
+    if p.stage_layers:
+        text += f"; layers per stage {p.stage_layers}"
+        if p.imbalance > 1.005:
+            text += f" (busiest rank {p.imbalance - 1:.1%} above the mean: it sets the pace)"
+    return text
 
 
 def explain_markdown(p: LayoutPlan, cluster: Cluster, source: str) -> str:
@@ -744,6 +895,10 @@ def explain_markdown(p: LayoutPlan, cluster: Cluster, source: str) -> str:
         lines += ["## Why it cannot run", ""]
         lines += [f"- {problem.reason}. **Fix:** {problem.fix}" for problem in p.problems]
         lines.append("")
+    if p.warnings:
+        lines += ["## Warnings", ""]
+        lines += [f"- {warning.reason}. **Fix:** {warning.fix}" for warning in p.warnings]
+        lines.append("")
     if mem is not None:
         rows = [("weights", mem.weights), ("gradients", mem.gradients),
                 ("optimizer state", mem.optimizer), ("buffers", mem.buffers),
@@ -752,18 +907,25 @@ def explain_markdown(p: LayoutPlan, cluster: Cluster, source: str) -> str:
         lines += [f"## Memory per {noun} (estimate)", "", "| part | GiB |", "|---|---|"]
         lines += [f"| {name} | {_gib(value)} |" for name, value in rows]
         lines.append("")
-    lines += ["## Step", "", f"- pipeline bubble: {p.bubble:.1%}"
-              + (f" ({p.microbatches} micro-batches)" if p.degrees["pp"] > 1 else "")]
-    lines += [f"- {fact}" for fact in _step_facts(p, noun)]
+    lines += ["## Step", "", (f"- pipeline: {_pipeline_facts(p)}" if p.degrees["pp"] > 1
+                              else f"- pipeline bubble: {p.bubble:.1%}")]
+    lines += [f"- {fact}" for fact in _step_facts(p, noun, cluster)]
     return "\n".join(lines) + "\n"
 
 
-def _step_facts(p: LayoutPlan, noun: str) -> list[str]:
-    """Communication per axis, the step-time estimate and the notes: both explanations."""
+def _step_facts(p: LayoutPlan, noun: str, cluster: Cluster) -> list[str]:
+    """Communication per axis, the step-time estimate with the assumptions it rests on, and
+    the notes: both explanations."""
     facts = [f"communication {axis}: {_size(volume)} per {noun} per step "
              f"({'inter-node' if p.crosses_nodes[axis] else 'intra-node'})"
              for axis, volume in p.comm.items()]
     if p.step_time_s is not None:
         facts.append(f"estimated step time: {p.step_time_s:.3f} s for {p.tokens_per_step:,} "
-                     f"tokens, {p.tokens_per_s:,.0f} tokens/s (no overlap assumed)")
+                     f"tokens, {p.tokens_per_s:,.0f} tokens/s ({p.tokens_per_s / cluster.world_size:,.0f}"
+                     f" per {noun}), MFU {p.mfu:.1%}")
+        facts.append(f"assumed: compute at {cluster.compute_efficiency:.1%} of "
+                     f"{cluster.gpu_flops / 1e12:,.0f} TFLOP/s peak ({cluster.efficiency_source}); "
+                     f"{cluster.comm_overlap:.0%} of data-parallel communication hidden behind "
+                     f"compute, TP and PP transfers not: compute {p.compute_s:.3f} s + exposed "
+                     f"communication {p.exposed_comm_s:.3f} s")
     return facts + [f"note: {note}" for note in p.departures]

@@ -28,6 +28,8 @@ def check_layout(config: RunConfig) -> dict:
     logger.info(f"{planner.explain(plan, cluster)}\n  device memory: {source}")
     if cluster.gpu_memory is None:
         logger.warning(f"memory per device not checked ({source})")
+    for warning in plan.warnings:  # runs, at a cost; parallelism.strict_layout refuses instead
+        logger.warning(f"layout {plan.name}: {warning}")
     try:
         create_markdown_artifact(planner.explain_markdown(plan, cluster, source),
                                  key=artifact_key("layout-plan", config.run.run_id),
@@ -39,4 +41,5 @@ def check_layout(config: RunConfig) -> dict:
         raise ConfigError(planner.failure_message(plan, cluster, source))
     return {"layout": plan.degrees, "device": cluster.device,
             "peak_bytes": plan.memory.peak, "device_memory_bytes": cluster.gpu_memory,
-            "memory_source": source, "bubble": plan.bubble, "comm_bytes": plan.comm}
+            "memory_source": source, "bubble": plan.bubble, "comm_bytes": plan.comm,
+            "warnings": [str(w) for w in plan.warnings]}

@@ -84,6 +84,9 @@ LAYOUTS_2 = {
                 "training.micro_batch_size=4"),
     "pp-interleaved": ("parallelism.dp_replicate=1", "parallelism.pp=2",
                        "parallelism.pp_schedule=interleaved-1f1b", "training.micro_batch_size=4"),
+    # Uneven stages (parallelism.pp_layers_per_stage): one layer on the first, three on the last.
+    "pp-uneven": ("parallelism.dp_replicate=1", "parallelism.pp=2", "parallelism.pp_layers_per_stage=[1,3]",
+                  "training.micro_batch_size=4"),
     "fsdp-ac": ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "training.micro_batch_size=2",
                 "parallelism.activation_checkpointing=full"),
 }

@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from core.errors import ConfigError
-from core.layout import MESH_DIMS, ParallelDims
+from core.layout import MESH_DIMS, LayoutError, ParallelDims
 from training.model import cross_entropy
 
 
@@ -162,13 +162,15 @@ def uses_bf16(par_cfg, device: torch.device) -> bool:
 # -- pipeline parallelism ---------------------------------------------------------------------
 
 def split_pipeline(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims):
-    """This rank's stages: copies of the model keeping a contiguous run of layers each
-    (ParallelDims.stage_bounds); with interleaving a rank holds stages r and r + pp."""
+    """This rank's stages: copies of the model keeping a contiguous run of layers each, as
+    many as core.layout's stage rule gives the stage (ParallelDims.stage_layers: the
+    configured parallelism.pp_layers_per_stage, or the default split); with interleaving a
+    rank holds stages r and r + pp."""
     layer_names = list(model.layers.keys())
-    if len(layer_names) < dims.n_stages:
-        raise ConfigError(f"{len(layer_names)} layers cannot fill {dims.n_stages} pipeline stages; "
-                          "lower parallelism.pp or use a non-interleaved pp_schedule")
-    bounds = dims.stage_bounds(len(layer_names))
+    try:
+        bounds = dims.stage_bounds(len(layer_names))
+    except LayoutError as e:  # the config's validation says so first; this is for callers without it
+        raise ConfigError(str(e.problem)) from None
     stage_ids = dims.stages_of(mesh.get_local_rank("pp"))
     parts = []
     for sid in stage_ids:
