@@ -181,8 +181,6 @@ class MLflowTracker(_Background):
         return client, run_id
 
     def _send(self, batch: list[tuple[int, dict[str, float]]]) -> None:
-        from mlflow.entities import Metric
-
         if self.run is None:
             self.run = self._mlflow_run()
         self._log(*self.run, batch)
