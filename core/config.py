@@ -611,6 +611,14 @@ class EvalConfig(_Section):
     in_loop_batches: int = Field(4, ge=1, description="Validation batches (of "
                                  "training.micro_batch_size samples, per source) that in-loop "
                                  "validation reads, split over the data-parallel ranks.")
+    every_validated: int = Field(0, ge=0, description="Evaluate every N-th checkpoint, once "
+                                 "validated, while training goes on (a process of its own, at the "
+                                 "lowest CPU priority); 0: only the evaluate stage evaluates.")
+    best_metric: str = Field(
+        "loss", description="What 'best by eval' means for store retention: 'loss', "
+        "'perplexity', 'bits_per_byte', 'loss/<source>' of a mix, or '<task>/<metric>' of "
+        "eval.tasks (e.g. hellaswag/acc_norm). Losses, perplexities and bits per byte are "
+        "better lower, other scores higher.")
     # Downstream benchmarks, scored by EleutherAI's lm-evaluation-harness (training.downstream).
     tasks: list[str] = Field(
         default_factory=list, description="lm-eval task (or group) names, e.g. hellaswag, "
@@ -910,7 +918,8 @@ class RunConfig(_Section):
         eval section, the sequence length it scores and the seed its samples draw from."""
         # Neither in-loop validation nor where task data is read from changes a report.
         tree = {"eval": self.eval.model_dump(exclude={"every_steps", "in_loop_batches", "offline",
-                                                      "datasets_cache"}),
+                                                      "datasets_cache", "every_validated",
+                                                      "best_metric"}),
                 "seq_len": self.training.seq_len,
                 "seed": self.training.seed}
         return sha256_bytes(canonical_json(tree))[:16]

@@ -11,6 +11,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from core.config import RunConfig
 from goodput.checkpoint_lifecycle import new_checkpoints
 from tasks.control import no_orphan_workers, resolve_config, training_slot
+from tasks.evaluate import evaluate_validated
 from tasks.layout import check_layout
 from tasks.reporting import (
     WorkerLogs,
@@ -66,13 +67,17 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
             training.wait(timeout=1.0)
             return not training.state.is_final()
 
-        secured = []
-        for step in new_checkpoints(config, still_running):
+        secured, evaluations, every = [], [], config.eval.every_validated
+        for n, step in enumerate(new_checkpoints(config, still_running), start=1):
             announce_committed(config, step)
             validated = validate_checkpoint.submit(config, step, dataset_dir)
+            evaluated = ([evaluate_validated.submit(config, step, dataset_dir, wait_for=[validated])]
+                         if every and n % every == 0 else [])
             uploaded = upload_checkpoint.submit(config, step, wait_for=[validated])
-            secured.append(apply_retention.submit(config, wait_for=[uploaded]))
-        wait(secured)
+            # retention after the evaluation: best-by-eval may keep this step
+            secured.append(apply_retention.submit(config, wait_for=[uploaded, *evaluated]))
+            evaluations += evaluated
+        wait(secured + evaluations)  # a failed evaluation shows in its task run, not as training's
     outcome = training.result()  # raises when the last attempt failed
     for future in secured:
         future.result()

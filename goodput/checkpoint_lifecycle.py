@@ -36,7 +36,7 @@ from storage.ledger import (
     local_copy_judged,
     unjudged_copies,
 )
-from storage.manifests import CheckpointManifest, verify_files
+from storage.manifests import CheckpointManifest, EvalReport, lower_is_better, verify_files
 
 log = logging.getLogger("goodput.checkpoints")
 
@@ -377,11 +377,22 @@ def prune_store(config: RunConfig, store) -> list[int]:
     return pruned
 
 
+def eval_history(config: RunConfig) -> list[EvalReport]:
+    """The reports of this run's checkpoints with the current eval settings, by step."""
+    directory = config.run_dir.eval_dir
+    reports = [EvalReport.model_validate_json(p.read_text())
+               for p in sorted(directory.glob("step-*.json"))] if directory.is_dir() else []
+    return [r for r in reports if r.eval_hash == config.eval_hash()]
+
+
 def best_by_eval(config: RunConfig) -> int | None:
-    """The step whose eval report has the lowest held-out loss, if any was evaluated."""
-    reports = sorted(config.run_dir.eval_dir.glob("step-*.json")) if config.run_dir.eval_dir.is_dir() else []
-    losses = {int(p.stem.split("-")[1]): json.loads(p.read_text())["loss"] for p in reports}
-    return min(losses, key=losses.get) if losses else None
+    """The step whose report is best by eval.best_metric, among the reports made with the
+    current eval settings (reports made otherwise are not compared with them)."""
+    metric = config.eval.best_metric
+    scored = {r.step: r.scores()[metric] for r in eval_history(config) if metric in r.scores()}
+    if not scored:
+        return None
+    return (min if lower_is_better(metric) else max)(scored, key=scored.get)
 
 
 def apply_retention(config: RunConfig, store) -> dict[str, list]:

@@ -12,6 +12,7 @@ from core.protocol import copy_id, is_committed, step_of
 from goodput.checkpoint_lifecycle import download_checkpoint, ledger_of, restore_ledger
 from goodput.runs import write_run_config
 from storage.ledger import choose_resume, readable_copy
+from core.files import sha256_bytes
 from storage.manifests import EvalReport, dataset_id_of
 
 
@@ -48,11 +49,22 @@ def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = N
     return point.local if point.local is not None else download_checkpoint(config, point.step, store)
 
 
-def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path) -> EvalReport:
-    """Run `python -m training.evaluate`. A report that exists is reused only if it was made
-    of this copy of the checkpoint, on this dataset, with these eval settings; otherwise the
-    checkpoint is evaluated again and the new report replaces it."""
-    out = config.run_dir.eval_report(step_of(checkpoint))
+def report_path(config: RunConfig, checkpoint: Path) -> Path:
+    """Where the report of `checkpoint` goes: eval/step-N.json for a checkpoint of this run;
+    a directory of another run gets a report of its own (eval/other/), never this run's."""
+    step = step_of(checkpoint)
+    if Path(checkpoint).resolve().parent == config.run_dir.checkpoints.resolve():
+        return config.run_dir.eval_report(step)
+    key = sha256_bytes(str(Path(checkpoint).resolve()).encode())[:12]
+    return config.run_dir.eval_dir / "other" / f"{key}-step-{step:08d}.json"
+
+
+def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background: bool = False) -> EvalReport:
+    """Run `python -m training.evaluate` (`background`: at the lowest CPU priority, beside
+    training). A report that exists is reused only if it was made of this copy of the
+    checkpoint, on this dataset, with these eval settings; otherwise the checkpoint is
+    evaluated again and the new report replaces it."""
+    out = report_path(config, checkpoint)
     if out.is_file():
         report = EvalReport.model_validate_json(out.read_text())
         if (report.checkpoint == str(checkpoint) and report.copy_id == copy_id(checkpoint)
@@ -62,7 +74,8 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path) -> EvalRepo
     config_path = write_run_config(config)
     proc = subprocess.run(
         [sys.executable, "-m", "training.evaluate", "--checkpoint", str(checkpoint),
-         "--dataset", str(dataset_dir), "--config", str(config_path), "--out", str(out)],
+         "--dataset", str(dataset_dir), "--config", str(config_path), "--out", str(out),
+         *(["--background"] if background else [])],
         capture_output=True, text=True)
     if proc.returncode == 2:  # the exit code of a configuration error (core.protocol)
         raise ConfigError(proc.stderr.strip().splitlines()[-1].removeprefix("[eval] ")
@@ -71,3 +84,4 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path) -> EvalRepo
         raise RuntimeError(f"evaluation of {checkpoint} failed (exit {proc.returncode}):\n"
                            f"{proc.stderr.strip()[-2000:]}")
     return EvalReport.model_validate_json(out.read_text())
+

@@ -44,6 +44,8 @@ class LedgerEntry(BaseModel):
     copy_id: str | None = Field(None, description="Identity of the copy judged (core.protocol."
                              "copy_id): a later save of the same step is another copy.")
     history: list[Transition] = Field(default_factory=list)
+    eval: dict[str, float] = Field(default_factory=dict, description="Scores of this checkpoint's "
+                                   "evaluation (storage.manifests.EvalReport.scores), when it had one.")
 
     def is_about(self, copy: str | None) -> bool:
         """Whether this entry speaks of the copy `copy` (core.protocol.copy_id of the
@@ -108,6 +110,12 @@ class Ledger:
             entry.history.append(Transition(state=state, at=time.time(), note=note))
             data.entries[step] = entry
             return entry.model_copy()
+
+    def record_eval(self, step: int, scores: dict[str, float]) -> None:
+        """Keep an evaluation's scores with checkpoint `step` (its state does not change)."""
+        with self.edit() as data:
+            if step in data.entries:
+                data.entries[step].eval = dict(scores)
 
     def add_data_skip(self, start: int, end: int, reason: str) -> DataSkip:
         skip = DataSkip(start=start, end=end, reason=reason, at=time.time())

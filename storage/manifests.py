@@ -201,3 +201,20 @@ class EvalReport(BaseModel):
     # lm-evaluation-harness scores of eval.tasks: task -> metric -> value (e.g.
     # {"hellaswag": {"acc": 0.29, "acc_stderr": 0.01, "acc_norm": 0.31, ...}}).
     downstream: dict[str, dict[str, float]] = Field(default_factory=dict)
+
+    def scores(self) -> dict[str, float]:
+        """Every score of the report by name: loss, perplexity, bits_per_byte, loss/<source>
+        and <task>/<metric> (the names eval.best_metric takes)."""
+        found = {"loss": self.loss, "perplexity": self.perplexity}
+        if self.bits_per_byte is not None:
+            found["bits_per_byte"] = self.bits_per_byte
+        found.update({f"loss/{name}": loss for name, loss in self.source_losses.items()})
+        found.update({f"{task}/{metric}": value for task, metrics in self.downstream.items()
+                      for metric, value in metrics.items()})
+        return found
+
+
+def lower_is_better(metric: str) -> bool:
+    """Losses, perplexities and bits per byte are better lower; accuracies and the like higher."""
+    name = metric.rsplit("/", 1)[-1]
+    return metric.split("/")[0] == "loss" or any(k in name for k in ("loss", "perplexity", "bits_per_byte"))

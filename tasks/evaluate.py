@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import time
 from pathlib import Path
 
 from prefect import task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
@@ -14,6 +16,7 @@ from core.config import RunConfig
 from core.errors import ConfigError
 from goodput import evaluation
 from goodput.accounting import summarize_goodput
+from goodput.checkpoint_lifecycle import eval_history, ledger_of
 from goodput.runs import update_summary
 from storage.manifests import EvalReport
 from storage.store import store_from_config
@@ -78,8 +81,82 @@ def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
               "bits_per_byte": report.bits_per_byte,
               "tokens_evaluated": report.tokens_evaluated, "source_losses": report.source_losses,
               "downstream": report.downstream,
-              "report": str(config.run_dir.eval_report(report.step)),
+              "report": str(evaluation.report_path(config, Path(report.checkpoint))),
               "wall_time_s": time.time() - started}
     update_summary(config.run_dir, "evaluate", values)
     summarize_goodput(config)
+    keep_in_ledger(config, report)
     return values
+
+
+def keep_in_ledger(config: RunConfig, report: EvalReport) -> None:
+    """A report of one of this run's checkpoints: its scores go into the ledger entry."""
+    if evaluation.report_path(config, Path(report.checkpoint)) == config.run_dir.eval_report(report.step):
+        ledger_of(config).record_eval(report.step, report.scores())
+
+
+@task(name="evaluate-validated", cache_policy=NO_CACHE, tags=["evaluate"],
+      task_run_name="evaluate-step-{step}")
+def evaluate_validated(config: RunConfig, step: int, dataset_dir: Path) -> EvalReport | None:
+    """Evaluate checkpoint `step` while training goes on (eval.every_validated), at the lowest
+    CPU priority, if validation passed it; its scores go into the ledger entry, the trackers
+    and the eval-history artifact. A failed evaluation is a warning: training goes on, and
+    the evaluate stage, which evaluates the final checkpoint, reports the error."""
+    logger = get_run_logger()
+    entry = ledger_of(config).read().entries.get(step)
+    if entry is None or entry.state not in ("validated", "uploaded"):
+        logger.info(f"checkpoint step {step} is {entry.state if entry else 'unknown'}: not evaluated")
+        return None
+    try:
+        report = evaluation.evaluate(config, config.run_dir.checkpoint(step), dataset_dir, background=True)
+    except Exception as e:  # noqa: BLE001 - reported, never a failure of training
+        logger.warning(f"evaluation of checkpoint step {step} failed: {e}")
+        return None
+    keep_in_ledger(config, report)
+    logger.info(f"step {step}: " + ", ".join(f"{name} {value:.4g}" for name, value in report.scores().items()))
+    publish_eval_history(config)
+    return report
+
+
+def publish_eval_history(config: RunConfig) -> Path | None:
+    """Every score of the run's evaluated checkpoints against step: a table artifact and a
+    plot (stored with the run as eval/history.png). None before any evaluation."""
+    reports = eval_history(config)
+    if not reports:
+        return None
+    run_id = config.run.run_id
+    names = sorted({name for r in reports for name in r.scores()}, key=lambda n: (n.count("/"), n))
+    rows = [{"step": r.step, **{n: f"{r.scores()[n]:.4f}" if n in r.scores() else "" for n in names}}
+            for r in reports]
+    create_table_artifact(table=rows, key=artifact_key("eval-history", run_id),
+                          description=f"Evaluation of every evaluated checkpoint of {run_id}")
+    plot = plot_eval_history(reports, [n for n in names if not n.endswith("_stderr")],
+                             config.run_dir.eval_dir / "history.png", run_id)
+    encoded = base64.b64encode(plot.read_bytes()).decode()
+    create_markdown_artifact(f"### Evaluation of `{run_id}` by step\n\n"
+                             f"![evaluation of {run_id}](data:image/png;base64,{encoded})\n\n"
+                             f"Stored with the run: `{plot.resolve()}`",
+                             key=artifact_key("eval-curves", run_id),
+                             description=f"Evaluation scores of {run_id} against step")
+    return plot
+
+
+def plot_eval_history(reports: list[EvalReport], names: list[str], path: Path, title: str) -> Path:
+    """One small plot per score against step (matplotlib's Agg canvas: no display)."""
+    from matplotlib.figure import Figure
+
+    columns = min(3, len(names))
+    rows = -(-len(names) // columns)
+    fig = Figure(figsize=(4 * columns, 2.6 * rows), dpi=100, layout="constrained")
+    for i, name in enumerate(names):
+        ax = fig.add_subplot(rows, columns, i + 1)
+        points = [(r.step, r.scores()[name]) for r in reports if name in r.scores()]
+        ax.plot([s for s, _ in points], [v for _, v in points], marker="o", linewidth=1.2)
+        ax.set(xlabel="step", title=name)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buffer.getvalue())
+    return path

@@ -198,3 +198,32 @@ def test_in_loop_validation_gives_the_same_loss_under_pipeline_and_fsdp_layouts(
         assert done.returncode == 0, done.stderr[-3000:]
         found.append({r["step"]: r["val_loss"] for r in read_metrics(config.run_dir) if "val_loss" in r})
     assert sorted(found[0]) == [2, 4] and found[0] == pytest.approx(found[1], rel=1e-5)
+
+
+def test_checkpoints_are_evaluated_while_training_goes_on(prefect_api, tmp_path):
+    from flows.train import train
+    from goodput.checkpoint_lifecycle import best_by_eval
+    from goodput.evaluation import report_path
+    from storage.ledger import Ledger
+    from storage.manifests import EvalReport
+
+    from goodput.data.prepare import prepare_dataset
+
+    config = small_config(tmp_path, "eval.every_validated=1", "eval.num_samples=0")
+    prepare_dataset(config)
+    train(config)
+    reports = {step: EvalReport.model_validate_json(config.run_dir.eval_report(step).read_text())
+               for step in (10, 20, 30)}
+    ledger = Ledger(config.run_dir).read()
+    assert all(ledger.entries[step].eval == report.scores() for step, report in reports.items())
+    losses = {step: report.loss for step, report in reports.items()}
+    assert best_by_eval(config) == min(losses, key=losses.get)
+    by_perplexity = config.model_copy(update={"eval": config.eval.model_copy(update={"best_metric": "perplexity"})})
+    assert best_by_eval(by_perplexity) == best_by_eval(config)
+    assert (config.run_dir.eval_dir / "history.png").stat().st_size > 0
+    scalars = tensorboard_scalars(config.run_dir.path / "tensorboard")
+    assert scalars["eval/loss"] == pytest.approx(losses)
+    # Another run's checkpoint gets a report of its own, never this run's step-N.json.
+    elsewhere = tmp_path / "other-run" / "checkpoints" / "step-00000010"
+    assert report_path(config, elsewhere).parent.name == "other"
+    assert report_path(config, config.run_dir.checkpoint(10)) == config.run_dir.eval_report(10)

@@ -16,6 +16,7 @@ import torch
 from tokenizers import Tokenizer
 
 from core.errors import ConfigError
+from core.cpu_priority import lower_thread_priority
 from core.files import write_atomic
 from core.protocol import copy_id
 from storage.manifests import EvalReport, EvalSample
@@ -102,13 +103,7 @@ def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_c
 
 def eval_curves(report: EvalReport) -> dict[str, float]:
     """The report's scores as tracking records (eval/...), at its checkpoint's step."""
-    found = {"eval/loss": report.loss, "eval/perplexity": report.perplexity}
-    if report.bits_per_byte is not None:
-        found["eval/bits_per_byte"] = report.bits_per_byte
-    found.update({f"eval/loss/{name}": loss for name, loss in report.source_losses.items()})
-    found.update({f"eval/{task}/{metric}": value for task, scores in report.downstream.items()
-                  for metric, value in scores.items()})
-    return found
+    return {f"eval/{name}": value for name, value in report.scores().items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -118,7 +113,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", required=True)
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--background", action="store_true",
+                        help="run at the lowest CPU priority (beside training)")
     args = parser.parse_args(argv)
+    if args.background:  # before torch starts its intra-op threads, which inherit it
+        lower_thread_priority()
     from core.config import load_config
 
     setup_worker_logging()
