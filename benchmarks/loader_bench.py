@@ -1,7 +1,7 @@
 """Training data from the store: the loader through a bounded cache against local files, and
 the memory of the sample order at a trillion tokens.
 
-    python benchmarks/loader_bench.py [--tokens 2^27] [--step-ms 50] [--workdir DIR]
+    python benchmarks/loader_bench.py [--tokens 2^27] [--step-ms 50] [--workdir DIR] [--trainer-steps N]
 
 It writes a dataset of random tokens (uint16 shards of 2^20 tokens), puts it in a local
 SeaweedFS (real S3, started here), and reads it with the trainer's loader (seq 2048, micro-batch 8, a shuffle window of 2^22
@@ -14,7 +14,9 @@ tokens):
 Each is timed twice: one epoch as fast as the loader goes (no training), and --step-batches
 batches with a simulated training step of --step-ms each (the loader then prefetches while
 the step runs), with the loader's own data-wait share. Last, the sample order's memory (tracemalloc peak) for a
-dataset of 1T tokens at seq 2048, against one of a thousand samples.
+dataset of 1T tokens at seq 2048, against one of a thousand samples. With --trainer-steps N,
+the trainer itself (`python -m training`, a ~113M-parameter model) trains N steps on the local
+files and N steps from S3 through the cache: median step time and data-wait share.
 """
 
 from __future__ import annotations
@@ -79,6 +81,32 @@ def read_epoch(dataset_dir: Path, manifest, step_s: float, max_batches: int,
             "data_wait_share": loader.take_wait_s() / wall, "peak_cache_bytes": peak_cache}
 
 
+def train_steps(dataset_dir: Path, work: Path, name: str, steps: int) -> dict:
+    """`python -m training` (one process) on a ~113M-parameter model for `steps` steps:
+    its median step time over the steps after the first two, and its data-wait share."""
+    import statistics
+    import subprocess
+
+    from core.config import load_config
+    from goodput.runs import write_run_config
+    from training.metrics import read_metrics
+
+    config = load_config(None, [
+        f"run.runs_dir={work / 'runs'}", f"run.run_id={name}", "model.dim=640", "model.n_layers=10",
+        "model.n_heads=10", f"model.max_seq_len={SEQ // 8}", f"training.seq_len={SEQ // 8}",
+        "training.micro_batch_size=4", f"training.max_steps={steps}", "training.warmup_steps=1",
+        f"training.shuffle_window_tokens={WINDOW}", "checkpoint.every_steps=100000",
+        "tracking.tensorboard=false", "parallelism.nproc_per_node=1"])
+    done = subprocess.run([sys.executable, "-m", "training", "--config", str(write_run_config(config)),
+                           "--dataset", str(dataset_dir), "--resume", "none"],
+                          capture_output=True, text=True, cwd=REPO)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr[-3000:])
+    records = read_metrics(config.run_dir)[2:]
+    return {"step_s": statistics.median(r["step_time_s"] for r in records),
+            "data_wait_share": sum(r["data_wait_s"] for r in records) / sum(r["window_time_s"] for r in records)}
+
+
 def order_memory(n: int) -> int:
     from training.data import WindowedShuffle
 
@@ -98,6 +126,8 @@ def main() -> int:
     parser.add_argument("--step-batches", type=int, default=1500,
                         help="batches read with the simulated step (unthrottled: a whole epoch)")
     parser.add_argument("--workdir", type=Path)
+    parser.add_argument("--trainer-steps", type=int, default=0,
+                        help="also train a ~113M model this many steps on local files and from S3")
     args = parser.parse_args()
 
     from core.config import StorageConfig
@@ -129,6 +159,14 @@ def main() -> int:
             manifest.save(cache)
             write_cache_settings(cache, storage, "datasets/loaderbench", limit)
             rows[f"S3 through a cache of 1/10, {label}"] = read_epoch(cache, manifest, step_s, batches, cache)
+        trained = {}
+        if args.trainer_steps:
+            trained["local"] = train_steps(local, work, "local", args.trainer_steps)
+            shutil.rmtree(cache, ignore_errors=True)
+            cache.mkdir()
+            manifest.save(cache)
+            write_cache_settings(cache, storage, "datasets/loaderbench", limit)
+            trained["S3 through a cache of 1/10"] = train_steps(cache, work, "s3", args.trainer_steps)
     print(f"dataset: {args.tokens:,} train tokens in {len(manifest.splits['train'])} shards, "
           f"{dataset_bytes / 2**20:.0f} MiB; cache limit {limit / 2**20:.1f} MiB; seq {SEQ}, "
           f"micro-batch {MICRO_BATCH}, shuffle window {WINDOW:,} tokens\n")
@@ -138,13 +176,21 @@ def main() -> int:
         base = rows[name.replace("S3 through a cache of 1/10", "local")]
         print(f"| {name} | {row['tokens_per_s']:,.0f} | {row['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
               f"{row['data_wait_share']:.1%} | {row['peak_cache_bytes'] / 2**20:.1f} |")
+    if trained:
+        print(f"\n~113M-parameter model, one process, seq {SEQ // 8}, micro-batch 4, "
+              f"{args.trainer_steps} steps (median step after the first two):\n")
+        print("| data | step time (s) | vs local | data-wait share |")
+        print("|---|---|---|---|")
+        for name, row in trained.items():
+            print(f"| {name} | {row['step_s']:.3f} | {trained['local']['step_s'] / row['step_s']:.3f}x | "
+                  f"{row['data_wait_share']:.2%} |")
     small, huge = order_memory(1000), order_memory(10**12 // SEQ)
     print(f"\nsample order memory (tracemalloc peak): {small:,} bytes for 1,000 samples, "
           f"{huge:,} bytes for 1T tokens ({10**12 // SEQ:,} samples); a permutation array would "
           f"be {8 * 10**12 // SEQ / 2**30:.1f} GiB")
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps({"rows": rows, "order_bytes": {"1000": small, "1T_tokens": huge}}))
+    print(json.dumps({"rows": rows, "trained": trained, "order_bytes": {"1000": small, "1T_tokens": huge}}))
     return 0
 
 
