@@ -6,6 +6,7 @@ validated before anything starts. Errors name the field and say what to do.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -24,6 +25,11 @@ from core.uris import parse_s3_uri
 class _Section(BaseModel):
     # Unknown keys are mistakes (a typo silently ignored would train the wrong model).
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _is_share(weight: float) -> bool:
+    """A mix weight: finite and >= 0 (NaN is neither)."""
+    return math.isfinite(weight) and weight >= 0
 
 
 class SourceConfig(_Section):
@@ -53,7 +59,7 @@ class SourceConfig(_Section):
     @field_validator("weight")
     @classmethod
     def _weight_is_a_share(cls, value: float) -> float:
-        if not value >= 0 or value == float("inf"):
+        if not _is_share(value):
             raise ValueError(f"weight {value} is not a share of tokens: give a finite weight "
                              ">= 0 (the weights are normalised to sum 1)")
         return value
@@ -74,7 +80,7 @@ class StageConfig(_Section):
         if (self.start_step is None) == (self.start_tokens is None):
             raise ValueError("give a stage exactly one of start_step and start_tokens")
         for name, weight in self.weights.items():
-            if not weight >= 0 or weight == float("inf"):
+            if not _is_share(weight):
                 raise ValueError(f"weights.{name}={weight} is not a share of tokens: give a "
                                  "finite weight >= 0")
         if not any(self.weights.values()):

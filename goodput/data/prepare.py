@@ -333,9 +333,9 @@ def mix_tokenizer_from(config: RunConfig, first_dataset_id: str) -> str | None:
     return first_dataset_id if config.tokenizer.path is None else None
 
 
-def mixture_manifest(sources: list[tuple[SourceConfig, DatasetManifest]],
-                     dirs: dict[str, str] | None = None) -> MixtureManifest:
-    """The mix of these prepared datasets, refused unless they share one tokenizer."""
+def mixture_manifest(sources: list[tuple[SourceConfig, DatasetManifest]]) -> MixtureManifest:
+    """The mix of these prepared datasets, refused unless they share one tokenizer (where
+    training reads each, MixSource.dir, is filled in by dataset_for_training)."""
     first = sources[0][1]
     for source, manifest in sources[1:]:
         if (manifest.tokenizer_sha256, manifest.vocab_size) != (first.tokenizer_sha256, first.vocab_size):
@@ -348,8 +348,8 @@ def mixture_manifest(sources: list[tuple[SourceConfig, DatasetManifest]],
     return MixtureManifest(
         dataset_id=sha256_bytes(canonical_json(listed))[:16], tokenizer_sha256=first.tokenizer_sha256,
         vocab_size=first.vocab_size, eos_id=first.eos_id,
-        sources=[MixSource(name=source.name, weight=source.weight, dataset_id=manifest.dataset_id,
-                           dir=(dirs or {}).get(source.name)) for source, manifest in sources])
+        sources=[MixSource(name=source.name, weight=source.weight, dataset_id=manifest.dataset_id)
+                 for source, manifest in sources])
 
 
 def dataset_for_training(config: RunConfig, store: Store) -> Path:
