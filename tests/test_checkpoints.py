@@ -886,3 +886,24 @@ def test_a_hashed_file_is_on_disk_before_dcp_fsyncs_it(tmp_path):
     fs.rename(tmp_path / ".metadata.tmp", tmp_path / ".metadata")
     entry = fs.written[".metadata"]
     assert (entry.path, entry.size, entry.sha256) == (".metadata", 1200, hashlib.sha256(b"x" * 1200).hexdigest())
+
+
+def test_the_stager_keeps_its_buffers_when_torch_closes_it_after_a_save():
+    """torch 2.11's DefaultStager closes its inner StateDictStager after every stage, which
+    emptied its type dispatch table (the run's second save failed with "KeyError: <class
+    'type'>", seen on an H100) and dropped its staging buffers. The trainer's stager stages
+    again into the same buffers, and frees them only when the checkpointer closes it."""
+    from training.checkpoint.writer import CpuStager
+
+    stager = CpuStager(shared_memory=False, before_copy=lambda: None)
+    state = {"w": torch.arange(6.0), "kind": torch.Tensor, "step": 3}  # a class object too
+    buffers = set()
+    for step in (1, 2):
+        state["w"] += 1
+        staged = stager.stage(state).result()
+        assert torch.equal(staged["w"], state["w"]) and staged["kind"] is torch.Tensor
+        buffers.add(staged["w"].untyped_storage().data_ptr())
+        stager._state_dict_stager.close()  # what torch 2.11 does at the end of each stage
+    assert len(buffers) == 1
+    stager.close()
+    assert not stager._state_dict_stager._cached_storage_mapping

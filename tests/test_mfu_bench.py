@@ -115,3 +115,20 @@ def test_a_size_that_fails_to_compile_is_measured_eagerly_and_says_so(tmp_path):
     assert tiny["status"] == "ok" and tiny["compile"] is False and tiny["mfu"] > 0
     assert "compiler" in tiny["failed_with_compile"].lower(), tiny["failed_with_compile"]
     assert "(eager: failed with compile)" in proc.stdout
+
+
+@pytest.mark.parametrize("check", ["init_from", pytest.param("checkpoint_resume", marks=pytest.mark.slow)])
+def test_the_cuda_paths_script_runs_its_checks_on_cpu(tmp_path, check):
+    """benchmarks/cuda_paths.py is run on lent GPUs only; on CPU its checks run the same code
+    so that the script does not rot between leases."""
+    out = tmp_path / "cuda_paths.json"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cuda_paths.py"), "--device",
+                           "cpu", "--checks", check, "--out", str(out)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())[check]
+    assert result["status"] == "ok", result
+    if check == "init_from":
+        assert result["max_logit_diff_tied"] <= 1e-5 and result["max_logit_diff_untied_sharded"] <= 1e-5
+    else:
+        assert result["max_loss_diff"] < 1e-3 and result["resumed_steps"][0] == 11
