@@ -67,6 +67,12 @@ class TrainingData:
         total = sum(s.weight for s in self.sources)
         return {s.name: s.weight / total for s in self.sources}
 
+    def weighted_by_mix(self, per_source: dict[str, float]) -> float:
+        """The mix's figure of a per-source held-out measure (loss, bits per byte): the
+        sources' figures weighted by their shares."""
+        shares = self.mix_weights()
+        return sum(shares[name] * value for name, value in per_source.items())
+
 
 def open_training_data(directory: str | Path) -> TrainingData:
     """The dataset or mixture in `directory` (a mixture.json lists its datasets' dirs)."""

@@ -51,14 +51,14 @@ def held_out_bits_per_byte(data: TrainingData, source_losses: dict[str, float], 
     """Bits per UTF-8 byte of the held-out text: each source's loss (nats per token) times
     the tokens it covers, over ln 2 times their bytes; a mix's weighted by its shares, as its
     loss is. None when the text decodes to no bytes."""
-    shares, total = data.mix_weights(), 0.0
+    per_source = {}
     for source in data.sources:
         tokens, n_bytes = _target_bytes(source.stream("validation"), tokenizer, seq_len,
                                         batch_size, max_batches)
         if n_bytes == 0:
             return None
-        total += shares[source.name] * source_losses[source.name] * tokens / (math.log(2) * n_bytes)
-    return total
+        per_source[source.name] = source_losses[source.name] * tokens / (math.log(2) * n_bytes)
+    return data.weighted_by_mix(per_source)
 
 
 def _target_bytes(stream: TokenStream, tokenizer: Tokenizer, seq_len: int, batch_size: int,

@@ -37,5 +37,4 @@ def mix_held_out_loss(model: Transformer, data: TrainingData, seq_len: int, batc
         losses[source.name], covered = held_out_loss(model, source.stream("validation"), seq_len,
                                                      batch_size, max_batches, device)
         tokens += covered
-    shares = data.mix_weights()
-    return sum(shares[name] * loss for name, loss in losses.items()), tokens, losses
+    return data.weighted_by_mix(losses), tokens, losses

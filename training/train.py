@@ -198,8 +198,7 @@ class HeldOutInLoop:
         if self.streams is None:
             self.streams = {s.name: s.stream("validation") for s in self.data.sources}
         losses = {name: self._loss(stream) for name, stream in self.streams.items()}
-        shares = self.data.mix_weights()
-        found = {"val_loss": sum(shares[name] * loss for name, loss in losses.items())}
+        found = {"val_loss": self.data.weighted_by_mix(losses)}
         if len(losses) > 1:
             found.update({f"val_loss/{name}": loss for name, loss in losses.items()})
         return {**found, "val_time_s": time.perf_counter() - started}
