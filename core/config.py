@@ -416,6 +416,21 @@ class ParallelismConfig(_Section):
     dp_shard may be -1, meaning "whatever the others leave"; both -1 (dp_replicate's
     default with dp_shard=-1) shard over the rest: dp_replicate is then 1. The mesh is named (dp_replicate, dp_shard,
     tp) per pipeline stage with TP innermost, so TP groups sit on the fastest links.
+
+    Pipeline stages split the layers by one rule (core.layout's ParallelDims.stage_layers):
+    pp_layers_per_stage lists them outright; otherwise they split as evenly as possible, the
+    first and last stages lightened by pp_first_stage_less_layers and
+    pp_last_stage_less_layers. Those weights are integers the user sets, not derived from the
+    model ("auto"), because what they should balance depends on the run: in time, the output
+    layer and loss cost 6 x vocab x dim FLOPs per token against a block's 6 x its parameters
+    plus attention (about 0.6 of a block for Llama 3.1 405B, 2.8 for Llama 3.2 1B) while the
+    embedding costs next to none (a lookup); in memory, the embedding's and the output
+    layer's weights, gradients and optimizer state and the fp32 logits weigh on the ends,
+    and under 1F1B the first stage also keeps the most micro-batches in flight. One derived
+    number would balance one of these and hide the choice; `goodput plan` shows the others
+    (the output layer's weight in blocks, each rank's pace and memory) and names a weight
+    that evens the pace, so the choice is made with the numbers in sight. 0 and 0 keep the
+    plain split.
     """
 
     nnodes: int = Field(1, ge=1, description="Nodes (one torchrun each).")
@@ -439,7 +454,17 @@ class ParallelismConfig(_Section):
         None, description="Transformer layers of each pipeline stage in order, e.g. [7, 8, ..., 8, "
         "7]: one count per stage (pp, or 2 x pp with interleaved-1f1b), summing to "
         "model.n_layers. None: as even as possible, the first and last stages (which also hold "
-        "the embedding and the output layer) lighter when uneven.")
+        "the embedding and the output layer) lighter when uneven. Not with "
+        "pp_first_stage_less_layers / pp_last_stage_less_layers.")
+    pp_first_stage_less_layers: int = Field(
+        0, ge=0, description="The default pipeline split counts the first stage, which also "
+        "holds the token embedding, as this many transformer layers heavier: it gets that many "
+        "fewer (as torchtitan's pipeline_parallel_first_stage_less_layers). 0: no weight. "
+        "Not with pp_layers_per_stage.")
+    pp_last_stage_less_layers: int = Field(
+        0, ge=0, description="The same for the last stage, which also holds the final norm, the "
+        "output layer and the loss. E.g. 16 layers on pp=4 with 3: [4, 5, 5, 2]; `goodput plan` "
+        "says how many blocks of compute the output layer weighs. Not with pp_layers_per_stage.")
     strict_layout: bool = Field(
         False, description="The layout check (train flow, goodput plan) refuses layouts it "
         "would only warn about, e.g. fewer than 2 x pp pipeline micro-batches (a large bubble).")
@@ -473,7 +498,9 @@ class ParallelismConfig(_Section):
         """The pipeline settings ParallelDims takes beside the degrees."""
         layers = tuple(self.pp_layers_per_stage) if self.pp_layers_per_stage is not None else None
         return {"pp_schedule": self.pp_schedule, "microbatches": self.microbatches,
-                "layers_per_stage": layers}
+                "layers_per_stage": layers,
+                "first_stage_less_layers": self.pp_first_stage_less_layers,
+                "last_stage_less_layers": self.pp_last_stage_less_layers}
 
     def degrees(self) -> dict[str, int]:
         """The four degrees with -1 resolved."""

@@ -4,7 +4,8 @@ A layout is dp_replicate x dp_shard x tp x pp = world size, laid out on a device
 MESH_DIMS in row-major order with TP innermost, so TP groups are consecutive ranks on the
 fastest links. `ParallelDims` resolves a `-1` degree, says which data parallelism the trainer
 applies (DDP for pure replication, FSDP2 otherwise), how layers split into pipeline stages
-(`stage_layers`: the one stage rule), and, in `problems`, every rule a layout must satisfy,
+(`stage_layers`: the one stage rule, an explicit list or default_split with the ends
+weighted), and, in `problems`, every rule a layout must satisfy,
 each with its fix. The config's validation, the planner (goodput.planner) and
 training.parallelize all ask it.
 """
@@ -15,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+LESS_FIRST, LESS_LAST = "pp_first_stage_less_layers", "pp_last_stage_less_layers"  # config fields
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # row-major: TP innermost
 
 
@@ -51,6 +53,11 @@ class ParallelDims:
     # Layers of each pipeline stage, in stage order (parallelism.pp_layers_per_stage); None:
     # the default split of stage_layers.
     layers_per_stage: tuple[int, ...] | None = None
+    # The default split counts the first stage (embedding) and the last (final norm, output
+    # layer, loss) as holding this many more layers (parallelism.pp_first_stage_less_layers,
+    # pp_last_stage_less_layers): they get that many fewer. 0 and 0: the plain even split.
+    first_stage_less_layers: int = 0
+    last_stage_less_layers: int = 0
 
     @classmethod
     def resolve(cls, degrees: dict[str, int], world_size: int, world: str = "",
@@ -133,8 +140,21 @@ class ParallelDims:
         """Why `n_layers` cannot be split into this layout's stages (stage_layers), if so."""
         where = f"pp={self.pp}, {self.pp_schedule}"
         given = self.layers_per_stage
+        first, last = self.first_stage_less_layers, self.last_stage_less_layers
+        weights = {f"parallelism.{LESS_FIRST}": first, f"parallelism.{LESS_LAST}": last}
+        weighted = {name: value for name, value in weights.items() if value}
+        if given is not None and weighted:
+            named = " and ".join(f"{name}={value}" for name, value in weighted.items())
+            return Problem(f"parallelism.pp_layers_per_stage={list(given)} and {named} both set "
+                           "the pipeline split: the list gives every stage's layers, the "
+                           "weights lighten the first and last stages of the default split",
+                           "keep one: drop parallelism.pp_layers_per_stage, or set "
+                           f"{' and '.join(f'{name}=0' for name in weighted)}")
+        if min(first, last) < 0:
+            return Problem(f"{' and '.join(f'{n}={v}' for n, v in weights.items() if v < 0)} "
+                           "must not be negative", "use 0 (no weight) or more")
         if self.pp == 1 and given is None:
-            return None
+            return None  # one stage holds the embedding, every layer and the output layer
         if given is not None:
             if len(given) != self.n_stages:
                 per_rank = " (2 per pipeline rank)" if self.stages_per_rank > 1 else ""
@@ -155,18 +175,35 @@ class ParallelDims:
             return Problem(f"{self.n_stages} pipeline stages ({where}) exceed n_layers={n_layers}: "
                            "each stage needs at least one layer",
                            "lower parallelism.pp, or use a non-interleaved pp_schedule")
-        return None
+        sizes = default_split(n_layers, self.n_stages, first_less=first, last_less=last)
+        if min(sizes) >= 1:
+            return None
+        # Only an end can run dry: the others get at least n_layers // n_stages >= 1.
+        fit = _weights_that_fit(n_layers, self.n_stages, first, last)
+        dry = [(name, value, end, fitted) for (name, value), end, size, fitted
+               in zip(weights.items(), ("first", "last"), (sizes[0], sizes[-1]), fit) if size < 1]
+        return Problem(
+            f"{' and '.join(f'{name}={value}' for name, value, _, _ in dry)} "
+            f"leave{'s' if len(dry) == 1 else ''} the "
+            f"{' and the '.join(end for _, _, end, _ in dry)} pipeline stage without a layer: "
+            f"model.n_layers={n_layers} on {self.n_stages} stages ({where}) would split {sizes}",
+            f"set {' and '.join(f'{name}={fitted}' for name, _, _, fitted in dry)} or less "
+            f"(split {default_split(n_layers, self.n_stages, first_less=fit[0], last_less=fit[1])})"
+            ", or lower parallelism.pp")
 
     def stage_layers(self, n_layers: int) -> list[int]:
         """Layers per pipeline stage: the one stage rule, which the config's validation, the
         planner and training.parallelize all follow. parallelism.pp_layers_per_stage when
-        given, else default_split. Raises LayoutError when `n_layers` cannot fill the stages."""
+        given, else default_split with the first and last stages lightened by
+        parallelism.pp_first_stage_less_layers and pp_last_stage_less_layers. Raises
+        LayoutError when `n_layers` cannot fill the stages."""
         problem = self.stage_problem(n_layers)
         if problem is not None:
             raise LayoutError(problem)
         if self.layers_per_stage is not None:
             return list(self.layers_per_stage)
-        return default_split(n_layers, self.n_stages)
+        return default_split(n_layers, self.n_stages, first_less=self.first_stage_less_layers,
+                             last_less=self.last_stage_less_layers)
 
     def stage_bounds(self, n_layers: int) -> list[int]:
         """Stage s holds layers [bounds[s], bounds[s + 1])."""
@@ -254,18 +291,43 @@ class ParallelDims:
         return problems
 
 
-def default_split(n_layers: int, n_stages: int) -> list[int]:
+def default_split(n_layers: int, n_stages: int, *, first_less: int = 0,
+                  last_less: int = 0) -> list[int]:
     """As even as possible; when uneven, the lighter stages are the first and the last (then
     the second and the second-to-last, ...): they also hold the embedding, and the output
     layer with the loss. Llama 3 405B's 126 layers on 16 stages: [7, 8 x 14, 7], the split
-    Meta trained it with (The Llama 3 Herd of Models, section 3.3.2)."""
-    base, extra = divmod(n_layers, n_stages)
+    Meta trained it with (The Llama 3 Herd of Models, section 3.3.2).
+
+    `first_less` and `last_less` weigh the ends: the first stage counts as holding that many
+    layers more (its embedding), the last that many more (final norm, output layer, loss).
+    n_layers + first_less + last_less layers are split as above, and the ends give up their
+    weight: 126 on 16 with 2 and 2 splits 130 as [8 x 7, 9, 9, 8 x 7], so [6, 8 x 6, 9, 9,
+    8 x 6, 6]. With interleaved stages the ends are the first stage of the first pipeline
+    rank and the last stage of the last rank. 0 and 0 is the plain split; the result may hold
+    stages without a layer (ParallelDims.stage_problem says so)."""
+    total = n_layers + first_less + last_less
+    base, extra = divmod(total, n_stages)
     sizes = [base + 1] * n_stages
     ends = [i for pair in zip(range(n_stages), reversed(range(n_stages))) for i in pair]
     lighter = list(dict.fromkeys(ends))[:n_stages - extra]
     for i in lighter:
         sizes[i] = base
+    sizes[0] -= first_less
+    sizes[-1] -= last_less
     return sizes
+
+
+def _weights_that_fit(n_layers: int, n_stages: int, first: int, last: int) -> tuple[int, int]:
+    """Weights at most `first` and `last` that leave every stage a layer: each lowered while
+    its end runs dry (with n_layers >= n_stages an end of weight 0 never does)."""
+    while True:
+        sizes = default_split(n_layers, n_stages, first_less=first, last_less=last)
+        if min(sizes) >= 1:
+            return first, last
+        if sizes[0] < 1 and first:
+            first -= 1
+        if sizes[-1] < 1 and last:
+            last -= 1
 
 
 def pipeline_bubble(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:

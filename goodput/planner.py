@@ -216,6 +216,10 @@ class LayoutPlan:
     tokens_per_step: int = 0
     stage_layers: list[int] = field(default_factory=list)  # pipeline stages' layers, in order
     imbalance: float = 1.0  # the busiest pipeline rank's compute over the mean rank's
+    output_blocks: float | None = None  # the output layer and loss's compute, in blocks (PP)
+    # parallelism.pp_last_stage_less_layers that would even the pace better than the config's:
+    # (weight, its split, its imbalance); None when the config's is as good.
+    balancing: tuple[int, list[int], float] | None = None
     compute_s: float | None = None  # compute part of the step (bubble and imbalance included)
     exposed_comm_s: float | None = None  # communication not hidden behind compute
     mfu: float | None = None  # model FLOPs (no recomputation) / peak, over the estimated step
@@ -291,6 +295,10 @@ def plan_layout(config: RunConfig, cluster: Cluster, degrees: dict[str, int],
     if dims.stage_problem(s.args.n_layers) is not None:
         return plan  # no stages, nothing to estimate
     plan.stage_layers = dims.stage_layers(s.args.n_layers)
+    if dims.pp > 1:
+        block, head = _block_and_head_flops(s)
+        plan.output_blocks = head / block
+        plan.balancing = _balancing_weight(s, dims)
     plan.memory = _memory(s, dims, par.activation_checkpointing)
     plan.comm, plan.crosses_nodes = _communication(s, dims)
     tcfg = config.training
@@ -770,14 +778,46 @@ def model_flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return 6 * count_params(args).matmul + 12 * args.n_layers * args.dim * seq_len
 
 
+def _block_and_head_flops(s: _Setup) -> tuple[float, float]:
+    """Training FLOPs per token of one block (matmuls and attention) and of the output layer
+    (the embedding is a lookup: next to none)."""
+    args = s.args
+    return (6 * s.params.block_matrix + 12 * args.dim * s.config.training.seq_len,
+            6 * args.vocab_size * args.dim)
+
+
 def _rank_work(s: _Setup, dims: ParallelDims, layers: list[int]) -> list[float]:
     """FLOPs per token of each pipeline rank: its blocks (matmuls and attention), and on the
     last one the output layer. The busiest rank sets the pipeline's pace."""
-    seq, args = s.config.training.seq_len, s.args
-    block = 6 * s.params.block_matrix + 12 * args.dim * seq
-    head = 6 * args.vocab_size * args.dim
+    block, head = _block_and_head_flops(s)
     return [sum(layers[st] for st in dims.stages_of(r)) * block + (head if r == dims.pp - 1 else 0)
             for r in range(dims.pp)]
+
+
+def _balancing_weight(s: _Setup, dims: ParallelDims) -> tuple[int, list[int], float] | None:
+    """The parallelism.pp_last_stage_less_layers (the first stage's weight kept) whose split
+    gives the busiest pipeline rank the least compute, when it beats the configured one by
+    more than 0.5%: (weight, split, imbalance). Ties go to the weight nearest the output
+    layer's compute in blocks. None with an explicit pp_layers_per_stage."""
+    if dims.layers_per_stage is not None:
+        return None
+    n_layers = s.args.n_layers
+    block, head = _block_and_head_flops(s)
+
+    def busiest(d: ParallelDims) -> float:
+        return max(_rank_work(s, d, d.stage_layers(n_layers)))
+
+    current = busiest(dims)
+    # A weight above n_layers / (n_stages - 1) leaves the last stage no layer.
+    options = [replace(dims, last_stage_less_layers=w)
+               for w in range(n_layers // (dims.n_stages - 1) + 2)]
+    options = [d for d in options if d.stage_problem(n_layers) is None]
+    best = min(options, key=lambda d: (busiest(d), abs(d.last_stage_less_layers - head / block)))
+    if busiest(best) >= current / 1.005:
+        return None
+    work = _rank_work(s, best, best.stage_layers(n_layers))
+    return (best.last_stage_less_layers, best.stage_layers(n_layers),
+            max(work) / (sum(work) / len(work)))
 
 
 def _estimate_step(s: _Setup, dims: ParallelDims, plan: LayoutPlan) -> None:
@@ -881,6 +921,12 @@ def _pipeline_facts(p: LayoutPlan) -> str:
         text += f"; layers per stage {p.stage_layers}"
         if p.imbalance > 1.005:
             text += f" (busiest rank {p.imbalance - 1:.1%} above the mean: it sets the pace)"
+    if p.output_blocks is not None:
+        text += f"; the output layer and loss compute as much as {p.output_blocks:.1f} blocks"
+    if p.balancing is not None:
+        weight, split, imbalance = p.balancing
+        text += (f"; parallelism.pp_last_stage_less_layers={weight} would split {split}, the "
+                 f"busiest rank {imbalance - 1:.1%} above the mean")
     return text
 
 

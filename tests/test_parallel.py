@@ -87,6 +87,10 @@ LAYOUTS_2 = {
     # Uneven stages (parallelism.pp_layers_per_stage): one layer on the first, three on the last.
     "pp-uneven": ("parallelism.dp_replicate=1", "parallelism.pp=2", "parallelism.pp_layers_per_stage=[1,3]",
                   "training.micro_batch_size=4"),
+    # The last stage lighter by the weight of the output layer and loss
+    # (parallelism.pp_last_stage_less_layers=2: 4 + 2 layers evenly, less 2 at the end): [3, 1].
+    "pp-lighter-last": ("parallelism.dp_replicate=1", "parallelism.pp=2",
+                        "parallelism.pp_last_stage_less_layers=2", "training.micro_batch_size=4"),
     "fsdp-ac": ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "training.micro_batch_size=2",
                 "parallelism.activation_checkpointing=full"),
 }

@@ -136,6 +136,161 @@ def test_one_stage_rule_for_the_config_the_planner_and_parallelize():
                            "training.micro_batch_size=4"])
 
 
+class _PipelineRank:
+    """The one thing split_pipeline asks of its mesh: this rank's place on the pp axis."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def get_local_rank(self, dim: str) -> int:
+        assert dim == "pp"
+        return self.rank
+
+
+def test_first_and_last_stages_lighter_by_the_weight_of_embedding_and_output():
+    """parallelism.pp_first/last_stage_less_layers: n_layers + the two weights split as
+    evenly as possible (the ends lighter when uneven), then the ends give up their weight.
+    0 and 0 is the plain split, so existing layouts keep theirs."""
+    from core.layout import ParallelDims, default_split
+    from training.parallelize import split_pipeline
+
+    for n_stages in range(1, 10):
+        for n_layers in range(n_stages, 40):
+            assert default_split(n_layers, n_stages, first_less=0, last_less=0) == \
+                default_split(n_layers, n_stages)
+            assert sum(default_split(n_layers, n_stages, first_less=2, last_less=3)) == n_layers
+    # Llama 3.1 405B: 126 layers on 16 stages. A weight of one each is Meta's split (128
+    # "layers" evenly, the ends one lighter), as the plain split already gives.
+    assert default_split(126, 16, first_less=1, last_less=1) == [7] + [8] * 14 + [7]
+    assert default_split(126, 16, first_less=0, last_less=2) == [8] * 15 + [6]
+    assert default_split(126, 16, first_less=2, last_less=2) == [6] + [8] * 6 + [9, 9] + [8] * 6 + [6]
+    dims = ParallelDims(pp=16, first_stage_less_layers=2, last_stage_less_layers=2)
+    assert dims.stage_layers(126) == [6] + [8] * 6 + [9, 9] + [8] * 6 + [6]
+    assert dims.stage_bounds(126)[:3] == [0, 6, 14] and dims.stage_bounds(126)[-2:] == [120, 126]
+    # One stage holds everything: the weights change nothing.
+    assert ParallelDims(pp=1, first_stage_less_layers=3, last_stage_less_layers=3).stage_layers(4) == [4]
+    # Interleaved 1F1B: 2 x pp virtual stages; the ends are stage 0 (on pipeline rank 0) and
+    # stage 2pp-1 (on the last rank); the middle stages take the layers the ends give up.
+    inter = ParallelDims(pp=2, pp_schedule="interleaved-1f1b", first_stage_less_layers=1,
+                         last_stage_less_layers=1)
+    assert inter.stage_layers(10) == [2, 3, 3, 2]
+    assert [inter.stages_of(r) for r in range(2)] == [[0, 2], [1, 3]]
+    assert [r.layers for r in planner._pipeline_ranks(10, inter)] == [(2, 3), (3, 2)]
+
+    # training.parallelize cuts the model the same way: the first stage keeps the embedding
+    # and one layer, the last the other three with the norm, the output layer and the loss.
+    model = Transformer(ModelArgs(vocab_size=64, dim=16, n_layers=4, n_heads=2))
+    dims = ParallelDims(pp=2, first_stage_less_layers=2)
+    assert dims.stage_layers(4) == [1, 3]
+    [(first_ids, [first])] = [split_pipeline(model, _PipelineRank(0), dims)]
+    [(last_ids, [last])] = [split_pipeline(model, _PipelineRank(1), dims)]
+    assert first_ids == [0] and last_ids == [1]
+    assert list(first.layers.keys()) == ["0"] and first.tok_embeddings is not None
+    assert first.output is None and first.norm is None
+    assert list(last.layers.keys()) == ["1", "2", "3"] and last.tok_embeddings is None
+    assert last.output is not None and last.norm is not None
+
+
+def test_stage_weights_that_empty_a_stage_or_clash_with_an_explicit_split_are_refused():
+    """The config, the planner and training.parallelize refuse the same weights in the same
+    words: a stage left without a layer (with the largest weights that fit), and weights
+    beside an explicit parallelism.pp_layers_per_stage (naming both fields)."""
+    from core.layout import LayoutError, ParallelDims
+    from training.parallelize import split_pipeline
+
+    pp4 = ("model.n_layers=8", "parallelism.pp=4", "parallelism.nproc_per_node=4",
+           "parallelism.dp_replicate=1", "training.micro_batch_size=8")
+    reason = ("parallelism.pp_last_stage_less_layers=5 leaves the last pipeline stage without a "
+              "layer: model.n_layers=8 on 4 stages (pp=4, 1f1b) would split [3, 3, 4, -2]")
+    fix = "set parallelism.pp_last_stage_less_layers=1 or less (split [2, 2, 3, 1]), or lower parallelism.pp"
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [*pp4, "parallelism.pp_last_stage_less_layers=5"])
+    assert f"{reason}; {fix}" in str(error.value)
+    valid = load_config(None, list(pp4))
+    unchecked = valid.model_copy(update={"parallelism": valid.parallelism.model_copy(
+        update={"pp_last_stage_less_layers": 5})})
+    result = planner.plan_layout(unchecked, cluster(gpus=4), layout(pp=4))
+    assert [str(p) for p in result.problems] == [f"{reason}; fix: {fix}"]
+    with pytest.raises(ConfigError, match=re.escape(reason)):
+        split_pipeline(Transformer(ModelArgs(vocab_size=64, dim=16, n_layers=8, n_heads=2)),
+                       _PipelineRank(0), unchecked.parallelism.dims())
+    # Weights larger than the layers: both ends run dry; the fix lowers both.
+    with pytest.raises(ConfigError, match=re.escape(
+            "parallelism.pp_first_stage_less_layers=9 and parallelism.pp_last_stage_less_layers=5 "
+            "leave the first and the last pipeline stage without a layer") + ".*" + re.escape(
+            "set parallelism.pp_first_stage_less_layers=2 and parallelism.pp_last_stage_less_layers=2"
+            " or less (split [1, 3, 3, 1])")):
+        load_config(None, [*pp4, "parallelism.pp_first_stage_less_layers=9",
+                           "parallelism.pp_last_stage_less_layers=5"])
+    # Interleaved: 4 layers on 2 x 2 stages leave no room for a weight.
+    with pytest.raises(ConfigError, match=re.escape(
+            "parallelism.pp_first_stage_less_layers=1 leaves the first pipeline stage without a "
+            "layer: model.n_layers=4 on 4 stages (pp=2, interleaved-1f1b) would split [0, 1, 2, 1]")):
+        load_config(None, ["model.n_layers=4", "parallelism.pp=2", "parallelism.dp_replicate=1",
+                           "parallelism.pp_schedule=interleaved-1f1b", "training.micro_batch_size=4",
+                           "parallelism.pp_first_stage_less_layers=1"])
+    with pytest.raises(ConfigError, match="greater than or equal to 0"):
+        load_config(None, [*pp4, "parallelism.pp_first_stage_less_layers=-1"])
+    with pytest.raises(LayoutError, match="must not be negative"):
+        ParallelDims(pp=2, first_stage_less_layers=-1).stage_layers(4)
+    # The explicit list and the weights are two ways to set one split: one at a time.
+    clash = ("parallelism.pp_layers_per_stage=[2, 2, 2, 2] and parallelism.pp_first_stage_less_layers=1"
+             " both set the pipeline split")
+    clash_fix = ("keep one: drop parallelism.pp_layers_per_stage, or set "
+                 "parallelism.pp_first_stage_less_layers=0")
+    with pytest.raises(ConfigError) as error:
+        load_config(None, [*pp4, "parallelism.pp_layers_per_stage=[2,2,2,2]",
+                           "parallelism.pp_first_stage_less_layers=1"])
+    assert clash in str(error.value) and clash_fix in str(error.value)
+    unchecked = valid.model_copy(update={"parallelism": valid.parallelism.model_copy(
+        update={"pp_layers_per_stage": [2, 2, 2, 2], "pp_first_stage_less_layers": 1})})
+    [problem] = planner.plan_layout(unchecked, cluster(gpus=4), layout(pp=4)).problems
+    assert clash in str(problem) and clash_fix in str(problem)
+
+
+def test_planner_accounts_for_lighter_end_stages():
+    """A small model with a large vocabulary (Llama 3.2 1B's shape, untied): its output layer
+    computes as much as 2.8 blocks, so 16 layers evenly on pp=4 leave the last rank the
+    slowest. The planner says so and names the weight that evens the pace; with it set, the
+    split, each rank's memory and the step time follow."""
+    base = ["model.tie_embeddings=false", "parallelism.pp=4", "parallelism.dp_replicate=1",
+            "parallelism.dp_shard=2", "training.micro_batch_size=8"]
+    [even] = planner.plan(load_config("configs/llama3.2-1b.yaml", base), cluster())
+    assert even.ok and even.stage_layers == [4, 4, 4, 4]
+    assert even.output_blocks == pytest.approx(2.79, abs=0.01)
+    assert even.imbalance == pytest.approx((4 + 2.79) / ((16 + 2.79) / 4), rel=1e-3)
+    weight, split, imbalance = even.balancing
+    assert (weight, split) == (3, [4, 5, 5, 2]) and imbalance < 1.07
+    text = planner.explain(even, cluster())
+    assert "the output layer and loss compute as much as 2.8 blocks" in text
+    assert "parallelism.pp_last_stage_less_layers=3 would split [4, 5, 5, 2]" in text
+
+    config = load_config("configs/llama3.2-1b.yaml", [*base, "parallelism.pp_last_stage_less_layers=3"])
+    [lighter] = planner.plan(config, cluster())
+    assert lighter.ok and lighter.stage_layers == [4, 5, 5, 2]
+    assert lighter.imbalance == pytest.approx(imbalance) and lighter.balancing is None
+    assert lighter.step_time_s < even.step_time_s * 0.8
+    # Memory per rank follows the split: the last rank holds 2 blocks, not 4; the second
+    # (5 blocks, 3 micro-batches in flight) now weighs more than before.
+    s = planner._setup(config, cluster())
+    ranks = {name: planner._pipeline_ranks(16, plan_dims)
+             for name, plan_dims in (("even", config.parallelism.model_copy(
+                 update={"pp_last_stage_less_layers": 0}).dims(8)), ("lighter", config.parallelism.dims(8)))}
+    assert [r.layers for r in ranks["lighter"]] == [(4,), (5,), (5,), (2,)]
+    memory = {name: [planner._rank_memory(s, config.parallelism.dims(8), "none", r) for r in rs]
+              for name, rs in ranks.items()}
+    assert memory["lighter"][3].weights < memory["even"][3].weights
+    assert memory["lighter"][3].activations < memory["even"][3].activations
+    assert memory["lighter"][1].activations > memory["even"][1].activations
+    # Meta's 405B: the output layer weighs 0.6 of a block; the plain split is already the best.
+    [big] = planner.plan(load_config("configs/llama3.1-405b.yaml"), cluster(nodes=64))
+    assert big.output_blocks == pytest.approx(0.61, abs=0.01) and big.balancing is None
+    config = load_config("configs/llama3.1-405b.yaml", ["parallelism.pp_first_stage_less_layers=1",
+                                                         "parallelism.pp_last_stage_less_layers=1"])
+    [weighted] = planner.plan(config, cluster(nodes=64))
+    assert weighted.ok and weighted.stage_layers == [7] + [8] * 14 + [7]
+
+
 def test_few_microbatches_warn_with_their_bubble_unless_strict():
     """microbatches < 2*pp runs (the config accepts it): the planner warns with the bubble it
     costs, and refuses only when asked to be strict. What torch cannot run stays refused."""

@@ -106,8 +106,10 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     validation = HeldOutInLoop(config, data, layout, env.device)
     resilience = Resilience(config, env.rank, checkpointer, faults)
     if env.is_main:
-        log.info("%s parameters, world size %d, layout %s, %s tokens/step, steps %d..%d",
-                 f"{n_params:,}", env.world_size, dims.name, f"{tokens_per_step:,}",
+        stages = (f" (layers per stage {dims.stage_layers(model_args['n_layers'])})"
+                  if dims.pp > 1 else "")
+        log.info("%s parameters, world size %d, layout %s%s, %s tokens/step, steps %d..%d",
+                 f"{n_params:,}", env.world_size, dims.name, stages, f"{tokens_per_step:,}",
                  progress.step + 1, tcfg.max_steps)
 
     loss = float("nan")
