@@ -122,9 +122,11 @@ def verify_in_fresh_process(path: Path, timeout_s: float = 600, held_out: list[s
     return verdict
 
 
-def held_out_check(config: RunConfig, dataset_dir: Path | None = None) -> list[str]:
-    """The verifier's arguments for the optional held-out loss check (checkpoint.validate_batches),
-    on `dataset_dir`, the dataset the run trains on (found from the config when not given)."""
+def held_out_check(config: RunConfig, dataset_dir: Path | None = None, step: int = 1) -> list[str]:
+    """The verifier's arguments for the optional held-out loss check (checkpoint.validate_batches)
+    of checkpoint `step`, on `dataset_dir`, the dataset the run trains on (found from the
+    config when not given). Under a curriculum the mix's held-out loss is weighted as the
+    step's training batch was drawn, by the stage in force: the loss it is compared with."""
     if not config.checkpoint.validate_batches:
         return []
     if dataset_dir is None:
@@ -132,9 +134,14 @@ def held_out_check(config: RunConfig, dataset_dir: Path | None = None) -> list[s
         from storage.store import store_from_config
 
         dataset_dir = dataset_for_training(config, store_from_config(config.storage))
-    return ["--dataset", str(dataset_dir),
+    args = ["--dataset", str(dataset_dir),
             "--eval-batches", str(config.checkpoint.validate_batches),
             "--loss-tolerance", str(config.checkpoint.validate_loss_tolerance)]
+    if config.data.stages:
+        first_sample = (step - 1) * config.global_batch  # the step's batch starts here
+        weights = [w for start, w in config.mix_stages() if start <= first_sample][-1]
+        args += ["--mix-weights", json.dumps(weights)]
+    return args
 
 
 def validate_checkpoint(config: RunConfig, step: int, dataset_dir: Path | None = None) -> LedgerEntry:
@@ -157,7 +164,7 @@ def validate_checkpoint(config: RunConfig, step: int, dataset_dir: Path | None =
         ledger.record(step, "committed", note=f"saved again after a {entry.state} copy" if saved_again else "",
                       loss=manifest.loss, tokens_seen=manifest.tokens_seen, copy_id=copy)
         result = verify_in_fresh_process(path, verify_timeout_s(config, path),
-                                         held_out_check(config, dataset_dir))
+                                         held_out_check(config, dataset_dir, step))
         if result["ok"]:
             note = f"{result['tensors']} tensors finite"
             if "held_out_loss" in result:

@@ -251,3 +251,37 @@ def test_a_mix_of_three_sources_through_the_pipeline_and_a_resume_at_another_lay
     train(one_rank)
     expected, resumed = losses_by_step(config.run_dir), losses_by_step(one_rank.run_dir)
     assert [resumed[s] for s in range(21, 31)] == pytest.approx([expected[s] for s in range(21, 31)], rel=1e-3)
+
+
+def test_checkpoint_validation_weighs_the_mix_as_the_checkpoints_step_was_trained(mix):
+    """After a curriculum stage the training loss is drawn under the stage's weights; the
+    held-out loss the validator compares it with is weighted the same, not by data.sources'
+    (which rejected every checkpoint after a stage that moved the mix to an easier source)."""
+    import torch
+
+    from core.config import StageConfig
+    from goodput.checkpoint_lifecycle import held_out_check
+    from training.held_out import mix_held_out_loss
+    from training.model import Transformer, model_args_from_config
+
+    config, _ = mix
+    stage = StageConfig(start_step=5, weights={"code": 1.0})
+    staged = config.model_copy(update={
+        "data": config.data.model_copy(update={"stages": [stage]}),
+        "checkpoint": config.checkpoint.model_copy(update={"validate_batches": 2})})
+    directory = prep.dataset_for_training(config, store_from_config(config.storage))
+
+    def weights(step):
+        args = held_out_check(staged, directory, step)
+        return json.loads(args[args.index("--mix-weights") + 1])
+
+    assert weights(4) == WEIGHTS and weights(5) == {"web": 0.0, "code": 1.0, "books": 0.0}
+    assert "--mix-weights" not in held_out_check(config, directory, 5)  # no stages: the sources' weights
+
+    data = open_training_data(directory)
+    torch.manual_seed(0)
+    model = Transformer(model_args_from_config(config.model, load_tokenizer(data.tokenizer_path).get_vocab_size())).eval()
+    first, _, per_source = mix_held_out_loss(model, data, 32, 4, 2, torch.device("cpu"))
+    after, _, _ = mix_held_out_loss(model, data, 32, 4, 2, torch.device("cpu"), weights(5))
+    assert after == pytest.approx(per_source["code"]) and after != pytest.approx(first)
+    assert first == pytest.approx(sum(WEIGHTS[name] * loss for name, loss in per_source.items()))

@@ -67,10 +67,16 @@ class TrainingData:
         total = sum(s.weight for s in self.sources)
         return {s.name: s.weight / total for s in self.sources}
 
-    def weighted_by_mix(self, per_source: dict[str, float]) -> float:
+    def weighted_by_mix(self, per_source: dict[str, float],
+                        weights: dict[str, float] | None = None) -> float:
         """The mix's figure of a per-source held-out measure (loss, bits per byte): the
-        sources' figures weighted by their shares."""
-        shares = self.mix_weights()
+        sources' figures weighted by their shares, or by `weights` (those of a curriculum
+        stage: a source they leave out counts for nothing)."""
+        if weights is None:
+            shares = self.mix_weights()
+        else:
+            total = sum(weights.values())
+            shares = {name: weights.get(name, 0.0) / total for name in per_source}
         return sum(shares[name] * value for name, value in per_source.items())
 
 

@@ -29,12 +29,14 @@ def held_out_loss(model: Transformer, stream: TokenStream, seq_len: int, batch_s
 
 
 def mix_held_out_loss(model: Transformer, data: TrainingData, seq_len: int, batch_size: int,
-                      max_batches: int, device: torch.device) -> tuple[float, int, dict[str, float]]:
+                      max_batches: int, device: torch.device,
+                      weights: dict[str, float] | None = None) -> tuple[float, int, dict[str, float]]:
     """The held-out loss of each source (over its first `max_batches` validation batches),
-    the mix's (theirs weighted by data.sources' shares) and the tokens it covers."""
+    the mix's (theirs weighted by data.sources' shares, or by `weights`) and the tokens it
+    covers."""
     losses, tokens = {}, 0
     for source in data.sources:
         losses[source.name], covered = held_out_loss(model, source.stream("validation"), seq_len,
                                                      batch_size, max_batches, device)
         tokens += covered
-    return data.weighted_by_mix(losses), tokens, losses
+    return data.weighted_by_mix(losses, weights), tokens, losses

@@ -39,8 +39,11 @@ DEFAULT_MAX_BYTES = 256 * 2**20
 
 def verify_checkpoint(path: str | Path, dataset_dir: str | Path | None = None,
                       eval_batches: int = 0, loss_tolerance: float = 0.5,
-                      max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
-    """The verdict on the committed checkpoint at `path` (see the module docstring)."""
+                      max_bytes: int = DEFAULT_MAX_BYTES,
+                      mix_weights: dict[str, float] | None = None) -> dict:
+    """The verdict on the committed checkpoint at `path` (see the module docstring).
+    `mix_weights`: the mix's weights at the checkpoint's step (a curriculum stage's), which
+    the held-out loss of a mixture is weighted by to compare with the training loss."""
     from training.model import ModelArgs, Transformer
 
     path = Path(path)
@@ -86,7 +89,7 @@ def verify_checkpoint(path: str | Path, dataset_dir: str | Path | None = None,
                                          model_state_from(load_all_tensors(path, prefix="model.")))
         # At the length training measured its loss at: positions past it were never trained.
         held_out = _held_out_loss(model, Path(dataset_dir), eval_batches,
-                                  manifest.seq_len or model.args.max_seq_len)
+                                  manifest.seq_len or model.args.max_seq_len, mix_weights)
         result["held_out_loss"] = held_out
         if not held_out <= loss * (1 + loss_tolerance):
             return {**result, "ok": False, "reason":
@@ -142,13 +145,14 @@ def _load(path: Path, names: list[str]) -> dict:
     return state
 
 
-def _held_out_loss(model, dataset_dir: Path, batches: int, seq_len: int) -> float:
+def _held_out_loss(model, dataset_dir: Path, batches: int, seq_len: int,
+                   mix_weights: dict[str, float] | None) -> float:
     from training.data import open_training_data
     from training.held_out import mix_held_out_loss
 
     model.eval()
     loss, _tokens, _per_source = mix_held_out_loss(model, open_training_data(dataset_dir), seq_len,
-                                                   4, batches, torch.device("cpu"))
+                                                   4, batches, torch.device("cpu"), mix_weights)
     return loss
 
 
@@ -161,6 +165,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="validation batches for the held-out loss check (0: off)")
     parser.add_argument("--loss-tolerance", type=float, default=0.5,
                         help="held-out loss may exceed the training loss by this fraction")
+    parser.add_argument("--mix-weights", type=json.loads, metavar="JSON",
+                        help='a mixture\'s weights at the checkpoint\'s step, e.g. {"web": 0.1, '
+                        '"code": 0.9} (default: data.sources\' weights)')
     parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
                         help="tensor bytes read at once (a larger tensor is read alone)")
     parser.add_argument("--background", action="store_true",
@@ -169,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.background:  # before torch starts its intra-op threads, which inherit it
         lower_thread_priority()
     result = verify_checkpoint(args.path, args.dataset, args.eval_batches, args.loss_tolerance,
-                               args.max_bytes)
+                               args.max_bytes, args.mix_weights)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 
