@@ -647,6 +647,11 @@ class EvalConfig(_Section):
     every_validated: int = Field(0, ge=0, description="Evaluate every N-th checkpoint, once "
                                  "validated, while training goes on (a process of its own, at the "
                                  "lowest CPU priority); 0: only the evaluate stage evaluates.")
+    background_device: Literal["cpu", "cuda"] = Field(
+        "cpu", description="Where the evaluations of eval.every_validated run: 'cpu' keeps them "
+        "off the GPUs that training uses; 'cuda' puts them on the flow host's first visible "
+        "GPU (beside training's rank 0 on a training node: its memory and time; for a host "
+        "with a GPU to spare, give the flow CUDA_VISIBLE_DEVICES).")
     best_metric: str = Field(
         "loss", description="What 'best by eval' means for store retention: 'loss', "
         "'perplexity', 'bits_per_byte', 'loss/<source>' of a mix, or '<task>/<metric>' of "

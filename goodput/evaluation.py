@@ -60,8 +60,8 @@ def report_path(config: RunConfig, checkpoint: Path) -> Path:
 
 
 def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background: bool = False) -> EvalReport:
-    """Run `python -m training.evaluate` (`background`: at the lowest CPU priority, beside
-    training). A report that exists is reused only if it was made of this copy of the
+    """Run `python -m training.evaluate` (`background`: beside training, at the lowest CPU
+    priority, on eval.background_device). A report that exists is reused only if it was made of this copy of the
     checkpoint, on this dataset, with these eval settings; otherwise the checkpoint is
     evaluated again and the new report replaces it."""
     out = report_path(config, checkpoint)
@@ -75,7 +75,7 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
     proc = subprocess.run(
         [sys.executable, "-m", "training.evaluate", "--checkpoint", str(checkpoint),
          "--dataset", str(dataset_dir), "--config", str(config_path), "--out", str(out),
-         *(["--background"] if background else [])],
+         *(["--background", "--device", config.eval.background_device] if background else [])],
         capture_output=True, text=True)
     if proc.returncode == 2:  # the exit code of a configuration error (core.protocol)
         raise ConfigError(proc.stderr.strip().splitlines()[-1].removeprefix("[eval] ")

@@ -110,6 +110,24 @@ def test_training_logs_to_tensorboard_and_wandb_and_validates_in_the_loop(tmp_pa
     assert any(row.get("val/loss") == pytest.approx(validated[12]) for row in second)
 
 
+def test_scores_of_checkpoints_training_has_passed_reach_wandb(tmp_path):
+    """W&B ignores values logged at a step below its run's current step, and training is past
+    a checkpoint's step by the time it is evaluated: an evaluation logs to a W&B run of its
+    own in the training run's group, against a trainer/step axis, in any order."""
+    from training.tracking import TRAINER_STEP, WandbTracker
+
+    tracker = WandbTracker("goodput-test", None, "offline", "run-x", tmp_path, None, job="eval")
+    tracker.log(30, {"eval/loss": 2.0})
+    tracker.log(10, {"eval/loss": 3.0})  # an earlier checkpoint evaluated later
+    tracker.close()
+    train = WandbTracker("goodput-test", None, "offline", "run-x", tmp_path, None)
+    assert train._init["id"] != tracker._init["id"] and train._init["group"] == tracker._init["group"] == "run-x"
+    train.close()
+    (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = [row for row in wandb_history(run) if "eval/loss" in row]
+    assert [(row[TRAINER_STEP], row["eval/loss"]) for row in rows] == [(30, 2.0), (10, 3.0)]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

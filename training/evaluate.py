@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True)
     parser.add_argument("--background", action="store_true",
                         help="run at the lowest CPU priority (beside training)")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto: the first visible GPU if there is one, else the CPU")
     args = parser.parse_args(argv)
     if args.background:  # before torch starts its intra-op threads, which inherit it
         lower_thread_priority()
@@ -127,18 +129,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # A wrong task name or missing task data fails before the checkpoint is read.
         tasks = load_tasks(config.eval.tasks, config.eval.task_dir) if config.eval.tasks else None
+        device = None if args.device == "auto" else torch.device(args.device)
         report = evaluate_checkpoint(Path(args.checkpoint), Path(args.dataset), config.run.run_id,
                                      config.eval, config.training.seq_len, config.training.seed,
-                                     downstream_tasks=tasks)
+                                     device=device, downstream_tasks=tasks)
     except ConfigError as e:  # exit 2: a configuration error, never retried (core.protocol)
         log.error("%s", e)
         return 2
     report = report.model_copy(update={"eval_hash": config.eval_hash()})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, report.model_dump_json(indent=2).encode())
-    trackers = open_trackers(config.tracking, config.run_dir.path, config.run.run_id)
-    trackers.log(report.step, eval_curves(report))
-    trackers.close()
+    # Scores of this run's checkpoints go to its trackers; another run's checkpoint (its
+    # report kept under eval/other/) is not this run's curve.
+    if Path(args.checkpoint).resolve().parent == config.run_dir.checkpoints.resolve():
+        trackers = open_trackers(config.tracking, config.run_dir.path, config.run.run_id, job="eval")
+        trackers.log(report.step, eval_curves(report))
+        trackers.close()
     log.info("step %d: loss %.4f, perplexity %.2f, %s bits/byte over %s tokens%s", report.step,
              report.loss, report.perplexity,
              "?" if report.bits_per_byte is None else f"{report.bits_per_byte:.4f}",

@@ -43,6 +43,7 @@ TAGS = {
     "resumed_at_step": "train/resumed_at_step",  # where an attempt resumed: later steps redone
 }
 _PREFIXES = {"val_loss/": "val/loss/", "eval/": "eval/"}  # per-source and evaluation scores
+TRAINER_STEP = "trainer/step"  # the x axis of a W&B evaluation run (WandbTracker)
 
 
 def curves(record: dict) -> dict[str, float]:
@@ -200,20 +201,28 @@ class MLflowTracker(_Background):
 
 
 class WandbTracker(_Background):
-    """The W&B run whose id follows from the Goodput run id, resumed by every attempt."""
+    """The W&B run whose id follows from the Goodput run id, resumed by every attempt.
+
+    `job="eval"` (evaluation processes): a run of its own in the training run's group. W&B
+    ignores values logged at a step below the run's current one, and training is past a
+    checkpoint's step when it is evaluated, so scores are plotted against their own
+    `trainer/step` axis instead of W&B's step."""
 
     def __init__(self, project: str, entity: str | None, mode: str, run_id: str, directory: Path,
-                 config: dict | None):
+                 config: dict | None, job: str = "train"):
         import wandb
 
-        wandb_id = hashlib.sha256(f"goodput:{project}:{run_id}".encode()).hexdigest()[:16]
+        key = f"goodput:{project}:{run_id}" + (f":{job}" if job != "train" else "")
         directory.mkdir(parents=True, exist_ok=True)
         # wandb.init starts W&B's own service process and returns at once in offline mode;
         # online, it may wait for the server, so the background thread does it.
-        self._init = dict(project=project, entity=entity, mode=mode, id=wandb_id, name=run_id,
-                          resume="allow", dir=str(directory), config=config, reinit="create_new",
+        self._init = dict(project=project, entity=entity, mode=mode,
+                          id=hashlib.sha256(key.encode()).hexdigest()[:16],
+                          name=run_id if job == "train" else f"{run_id}-{job}", group=run_id,
+                          job_type=job, resume="allow", dir=str(directory), config=config,
+                          reinit="create_new",
                           settings=wandb.Settings(silent=True, console="off", init_timeout=30))
-        self.run = None
+        self.job, self.run = job, None
         super().__init__(f"W&B project {project}", self._send)
 
     def _send(self, batch: list[tuple[int, dict[str, float]]]) -> None:
@@ -221,8 +230,14 @@ class WandbTracker(_Background):
 
         if self.run is None:
             self.run = wandb.init(**self._init)
+            if self.job != "train":
+                self.run.define_metric(TRAINER_STEP)
+                self.run.define_metric("*", step_metric=TRAINER_STEP)
         for step, values in batch:
-            self.run.log(values, step=step)
+            if self.job == "train":
+                self.run.log(values, step=step)
+            else:
+                self.run.log({**values, TRAINER_STEP: step})
 
     def close(self) -> None:
         super().close()
@@ -254,12 +269,13 @@ class Trackers:
 
 
 def open_trackers(tracking, run_dir: Path, run_id: str, resumed_step: int | None = None,
-                  config: dict | None = None, earlier: list[dict] = ()) -> Trackers:
+                  config: dict | None = None, earlier: list[dict] = (), job: str = "train") -> Trackers:
     """The trackers `tracking` (RunConfig.tracking) asks for, continuing run `run_id`.
 
     `resumed_step`: the step this attempt resumed from (its later steps are redone);
     `config`: flat parameters recorded once with a new MLflow or W&B run; `earlier`: the
-    metrics records of the steps before (for MLflow to fill in what it missed)."""
+    metrics records of the steps before (for MLflow to fill in what it missed); `job`:
+    "eval" for an evaluation process (W&B: a run of its own, see WandbTracker)."""
     trackers = []
     if tracking.tensorboard:
         trackers.append(TensorBoardTracker(Path(run_dir) / "tensorboard", resumed_step))
@@ -268,7 +284,7 @@ def open_trackers(tracking, run_dir: Path, run_id: str, resumed_step: int | None
                                       earlier))
     if tracking.wandb_project:
         trackers.append(WandbTracker(tracking.wandb_project, tracking.wandb_entity, tracking.wandb_mode,
-                                     run_id, Path(run_dir), config))
+                                     run_id, Path(run_dir), config, job))
     opened = Trackers(trackers)
     if resumed_step:
         opened.log(resumed_step, {"resumed_at_step": resumed_step})
