@@ -110,6 +110,22 @@ def test_training_logs_to_tensorboard_and_wandb_and_validates_in_the_loop(tmp_pa
     assert any(row.get("val/loss") == pytest.approx(validated[12]) for row in second)
 
 
+def test_an_attempt_that_fails_before_its_first_checkpoint_flushes_and_is_hidden_by_the_retry(tmp_path):
+    """The failing attempt's trackers are closed on its way out (TensorBoard flushes every 5 s:
+    without it its last steps were lost); the retry, from scratch, hides them and marks 0."""
+    dataset = synthetic_dataset(tmp_path / "dataset")
+    failing = small_config(tmp_path, "training.max_steps=6", "faults.nan_at_step=3")
+    first = torchrun_training(failing, dataset)
+    assert first.returncode != 0
+    assert sorted(tensorboard_scalars(failing.run_dir.path / "tensorboard")["train/loss"]) == [1, 2]
+    config = small_config(tmp_path, "training.max_steps=6")
+    resumed = torchrun_training(config, dataset)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    scalars = tensorboard_scalars(config.run_dir.path / "tensorboard")
+    assert scalars["train/loss"] == pytest.approx(losses_by_step(config.run_dir), rel=1e-6)
+    assert sorted(scalars["train/loss"]) == list(range(1, 7)) and scalars["train/resumed_at_step"] == {0: 0.0}
+
+
 def test_scores_of_checkpoints_training_has_passed_reach_wandb(tmp_path):
     """W&B ignores values logged at a step below its run's current step, and training is past
     a checkpoint's step by the time it is evaluated: an evaluation logs to a W&B run of its

@@ -42,7 +42,8 @@ class MetricsWriter:
             write_heartbeat(self.run_dir, **fields)
 
     def close(self) -> None:
-        if self.enabled:
+        """Idempotent: the trainer closes it at its end, and on its way out of a failure."""
+        if self.enabled and not self._file.closed:
             self._file.close()
             if self.trackers is not None:
                 self.trackers.close()

@@ -65,8 +65,8 @@ class TensorBoardTracker:
 
         # purge_step: events an earlier attempt wrote at or after it are hidden. Written out
         # every few seconds: a crash loses at most that much of the curves.
-        self.writer = SummaryWriter(str(directory), purge_step=resumed_step + 1 if resumed_step else None,
-                                    flush_secs=5)
+        self.writer = SummaryWriter(str(directory), flush_secs=5,
+                                    purge_step=None if resumed_step is None else resumed_step + 1)
 
     def log(self, step: int, values: dict[str, float]) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
@@ -272,7 +272,8 @@ def open_trackers(tracking, run_dir: Path, run_id: str, resumed_step: int | None
                   config: dict | None = None, earlier: list[dict] = (), job: str = "train") -> Trackers:
     """The trackers `tracking` (RunConfig.tracking) asks for, continuing run `run_id`.
 
-    `resumed_step`: the step this attempt resumed from (its later steps are redone);
+    `resumed_step`: on a retried run, the step this attempt resumed from (0: from scratch;
+    the later steps are redone); None for a first attempt;
     `config`: flat parameters recorded once with a new MLflow or W&B run; `earlier`: the
     metrics records of the steps before (for MLflow to fill in what it missed); `job`:
     "eval" for an evaluation process (W&B: a run of its own, see WandbTracker)."""
@@ -286,6 +287,6 @@ def open_trackers(tracking, run_dir: Path, run_id: str, resumed_step: int | None
         trackers.append(WandbTracker(tracking.wandb_project, tracking.wandb_entity, tracking.wandb_mode,
                                      run_id, Path(run_dir), config, job))
     opened = Trackers(trackers)
-    if resumed_step:
+    if resumed_step is not None:
         opened.log(resumed_step, {"resumed_at_step": resumed_step})
     return opened

@@ -11,6 +11,7 @@ Prefect.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import os
@@ -100,8 +101,10 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     if env.is_main:  # the steps after progress.step are redone: the trackers mark or hide them
         earlier = ({r["step"]: r for r in read_metrics(config.run_dir) if r["step"] <= progress.step}
                    if config.tracking.mlflow_uri else {})  # what MLflow may lack of earlier attempts
+        metrics_file = config.run_dir.metrics_file
+        retried = metrics_file.is_file() and metrics_file.stat().st_size > 0  # an attempt logged before
         metrics.writer.trackers = open_trackers(config.tracking, config.run_dir.path, config.run.run_id,
-                                                progress.step, flat_config(config),
+                                                progress.step if retried else None, flat_config(config),
                                                 [earlier[step] for step in sorted(earlier)])
     validation = HeldOutInLoop(config, data, layout, env.device)
     resilience = Resilience(config, env.rank, checkpointer, faults)
@@ -113,35 +116,40 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
                  progress.step + 1, tcfg.max_steps)
 
     loss = float("nan")
-    while progress.step < tcfg.max_steps:
-        step_start = time.perf_counter()
-        lr = set_lr(optimizers, lr_at(progress.step + 1, tcfg))
-        loss_sum = torch.zeros((), device=env.device)
-        for micro in range(tcfg.grad_accum_steps):
-            inputs, targets = to_device(loader.next_batch(), env.device)
-            loss_sum += forward_backward(layout, inputs, targets, env.device,
-                                         last_micro=micro == tcfg.grad_accum_steps - 1,
-                                         accum=tcfg.grad_accum_steps)
-        mean_loss = global_loss(layout, faults.poison_loss(progress.step + 1, loss_sum))
-        norm = clip_grad_norm_(layout, tcfg.grad_clip)
-        # The step's one host read: loss and norm together (each read waits for the device).
-        loss, grad_norm = torch.stack([mean_loss, norm.to(mean_loss)]).tolist()
-        resilience.check(progress.step + 1, loss, grad_norm, loader.sample_index)
-        stall = checkpointer.before_update()  # a background save may still be copying the weights
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        progress.step += 1
-        progress.tokens_seen += tokens_per_step
-        step_time = time.perf_counter() - step_start - stall  # checkpoint stall kept out
-        stall += checkpointer.maybe_save(loss, step_time)
-        metrics.step(progress.step, loss=loss, lr=lr, grad_norm=grad_norm,
-                     tokens_seen=progress.tokens_seen, step_time_s=step_time, checkpoint_s=stall,
-                     data_wait_s=loader.take_wait_s(), save_in_flight=checkpointer.in_flight,
-                     validation=validation.maybe_run(progress.step))
-        resilience.after_step(progress.step, loss)
+    try:
+        while progress.step < tcfg.max_steps:
+            step_start = time.perf_counter()
+            lr = set_lr(optimizers, lr_at(progress.step + 1, tcfg))
+            loss_sum = torch.zeros((), device=env.device)
+            for micro in range(tcfg.grad_accum_steps):
+                inputs, targets = to_device(loader.next_batch(), env.device)
+                loss_sum += forward_backward(layout, inputs, targets, env.device,
+                                             last_micro=micro == tcfg.grad_accum_steps - 1,
+                                             accum=tcfg.grad_accum_steps)
+            mean_loss = global_loss(layout, faults.poison_loss(progress.step + 1, loss_sum))
+            norm = clip_grad_norm_(layout, tcfg.grad_clip)
+            # The step's one host read: loss and norm together (each read waits for the device).
+            loss, grad_norm = torch.stack([mean_loss, norm.to(mean_loss)]).tolist()
+            resilience.check(progress.step + 1, loss, grad_norm, loader.sample_index)
+            stall = checkpointer.before_update()  # a background save may still be copying the weights
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            progress.step += 1
+            progress.tokens_seen += tokens_per_step
+            step_time = time.perf_counter() - step_start - stall  # checkpoint stall kept out
+            stall += checkpointer.maybe_save(loss, step_time)
+            metrics.step(progress.step, loss=loss, lr=lr, grad_norm=grad_norm,
+                         tokens_seen=progress.tokens_seen, step_time_s=step_time, checkpoint_s=stall,
+                         data_wait_s=loader.take_wait_s(), save_in_flight=checkpointer.in_flight,
+                         validation=validation.maybe_run(progress.step))
+            resilience.after_step(progress.step, loss)
 
-    checkpointer.close()  # the last checkpoint is committed before the job reports success
+        checkpointer.close()  # the last checkpoint is committed before the job reports success
+    except BaseException:  # the trackers still send or flush what they hold of the steps done
+        with contextlib.suppress(Exception):  # never in place of the failure itself
+            metrics.writer.close()
+        raise
     metrics.writer.close()
     summary = {"final_step": progress.step, "tokens_seen": progress.tokens_seen, "final_loss": loss}
     # Clean shutdown: without it gloo workers sometimes abort at exit (STACK_NOTES).
