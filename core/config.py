@@ -908,6 +908,24 @@ class RunConfig(_Section):
             self.tokenizer.path = self.model.init_from
         return self
 
+    @model_validator(mode="after")
+    def _best_metric_is_scored(self) -> "RunConfig":
+        """eval.best_metric must name a score the reports will have: a typo would leave
+        best-by-eval retention with nothing to compare, and it would keep no checkpoint for it."""
+        metric, sources = self.eval.best_metric, [s.name for s in self.data.mix()]
+        known = ["loss", "perplexity", "bits_per_byte"] + (
+            [f"loss/{name}" for name in sources] if len(sources) > 1 else [])  # a mix's sources
+        if metric in known:
+            return self
+        task, _, score = metric.partition("/")
+        if metric.startswith("loss/") or not score or not self.eval.tasks:
+            raise ValueError(
+                f"eval.best_metric={metric!r} is not a score the evaluation reports; use one of "
+                f"{', '.join(known)}" + (", or '<task>/<metric>' of eval.tasks (e.g. "
+                f"{self.eval.tasks[0]}/acc)" if self.eval.tasks else
+                ", or set eval.tasks and name '<task>/<metric>' (e.g. hellaswag/acc_norm)"))
+        return self
+
     # -- derived paths -----------------------------------------------------------------
     @property
     def run_dir(self) -> RunDir:

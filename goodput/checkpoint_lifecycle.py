@@ -396,10 +396,11 @@ def best_by_eval(config: RunConfig) -> int | None:
     """The step whose report is best by eval.best_metric, among the reports made with the
     current eval settings (reports made otherwise are not compared with them)."""
     metric = config.eval.best_metric
-    scored = {r.step: r.scores()[metric] for r in eval_history(config) if metric in r.scores()}
-    if not scored:
+    reports = [r for r in eval_history(config) if metric in r.scores()]
+    if not reports:
         return None
-    return (min if lower_is_better(metric) else max)(scored, key=scored.get)
+    scored = {r.step: r.scores()[metric] for r in reports}
+    return (min if lower_is_better(metric, reports) else max)(scored, key=scored.get)
 
 
 def apply_retention(config: RunConfig, store) -> dict[str, list]:

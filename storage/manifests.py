@@ -201,6 +201,8 @@ class EvalReport(BaseModel):
     # lm-evaluation-harness scores of eval.tasks: task -> metric -> value (e.g.
     # {"hellaswag": {"acc": 0.29, "acc_stderr": 0.01, "acc_norm": 0.31, ...}}).
     downstream: dict[str, dict[str, float]] = Field(default_factory=dict)
+    # The downstream scores ('<task>/<metric>') that lm-eval says are better lower.
+    downstream_lower_is_better: list[str] = Field(default_factory=list)
 
     def scores(self) -> dict[str, float]:
         """Every score of the report by name: loss, perplexity, bits_per_byte, loss/<source>
@@ -214,7 +216,10 @@ class EvalReport(BaseModel):
         return found
 
 
-def lower_is_better(metric: str) -> bool:
-    """Losses, perplexities and bits per byte are better lower; accuracies and the like higher."""
+def lower_is_better(metric: str, reports: list[EvalReport] = ()) -> bool:
+    """Losses, perplexities and bits per byte are better lower, and so is a downstream score
+    that lm-eval marks so in `reports` (e.g. brier_score); accuracies and the like higher."""
+    if any(metric in r.downstream_lower_is_better for r in reports):
+        return True
     name = metric.rsplit("/", 1)[-1]
     return metric.split("/")[0] == "loss" or any(k in name for k in ("loss", "perplexity", "bits_per_byte"))

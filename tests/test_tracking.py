@@ -261,3 +261,33 @@ def test_checkpoints_are_evaluated_while_training_goes_on(prefect_api, tmp_path)
     elsewhere = tmp_path / "other-run" / "checkpoints" / "step-00000010"
     assert report_path(config, elsewhere).parent.name == "other"
     assert report_path(config, config.run_dir.checkpoint(10)) == config.run_dir.eval_report(10)
+
+
+@pytest.mark.parametrize("metric, message", [
+    ("loss/wbe", "use one of loss, perplexity, bits_per_byte, or set eval.tasks"),
+    ("hellaswag/acc", "or set eval.tasks and name '<task>/<metric>'"),
+    ("accuracy", "is not a score the evaluation reports"),
+])
+def test_a_best_metric_no_report_has_is_refused_naming_the_field(metric, message):
+    from core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="eval.best_metric") as raised:
+        load_config(None, [f"eval.best_metric={metric}"])
+    assert message in str(raised.value)
+    assert load_config(None, ["eval.best_metric=hellaswag/acc_norm", "eval.tasks=[hellaswag]"])
+    mixed = ["data.sources=[{name: web, weight: 1, source: a}, {name: code, weight: 1, source: b}]"]
+    assert load_config(None, [*mixed, "eval.best_metric=loss/code"])
+
+
+def test_scores_lm_eval_marks_lower_is_better_are_ranked_so():
+    from storage.manifests import EvalReport, lower_is_better
+    from training.downstream import lower_is_better_scores
+
+    results = {"higher_is_better": {"mytask": {"acc": True, "brier_score": False}}}
+    assert lower_is_better_scores(results) == ["mytask/brier_score"]
+    report = EvalReport(run_id="r", step=1, checkpoint="c", dataset_id="d", loss=1.0, perplexity=2.7,
+                        tokens_evaluated=1, samples=[], wall_time_s=0.0, created_at=0.0,
+                        downstream={"mytask": {"acc": 0.5, "brier_score": 0.2}},
+                        downstream_lower_is_better=["mytask/brier_score"])
+    assert lower_is_better("mytask/brier_score", [report]) and not lower_is_better("mytask/acc", [report])
+    assert lower_is_better("loss") and lower_is_better("mytask/word_perplexity")

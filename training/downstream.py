@@ -269,6 +269,17 @@ def _metrics(values: dict) -> dict[str, float]:
     return out
 
 
+def lower_is_better_scores(results: dict) -> list[str]:
+    """The '<task>/<metric>' scores that lm-eval says are better lower (its results'
+    higher_is_better, e.g. brier_score, word_perplexity), named as _metrics names them."""
+    found = []
+    for task, metrics in (results.get("higher_is_better") or {}).items():
+        for metric, higher in metrics.items():
+            if higher is False:
+                found.append(f"{task}/{metric}")
+    return sorted(found)
+
+
 def _lm_eval_version() -> str:
     from importlib.metadata import version
 

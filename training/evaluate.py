@@ -22,7 +22,7 @@ from core.protocol import copy_id
 from storage.manifests import EvalReport, EvalSample
 from training.checkpoint.reader import load_model
 from training.data import TokenStream, TrainingData, open_training_data, sequential_batches
-from training.downstream import downstream_scores, load_tasks, use_datasets_cache
+from training.downstream import downstream_scores, load_tasks, lower_is_better_scores, use_datasets_cache
 from training.held_out import mix_held_out_loss
 from training.logs import get_logger, setup_worker_logging
 from training.model import Transformer
@@ -88,17 +88,19 @@ def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_c
                                            eval_cfg.batch_size, eval_cfg.max_batches)
     samples = generate_samples(model, tokenizer, eval_cfg.prompts, eval_cfg.num_samples,
                                eval_cfg.sample_tokens, eval_cfg.temperature, eval_cfg.top_k, seed, device)
-    downstream = {}
+    downstream, lower_better = {}, []
     if eval_cfg.tasks:
-        downstream, _ = downstream_scores(model, tokenizer, eval_cfg, device, seed,
-                                          loaded=downstream_tasks)
+        downstream, results = downstream_scores(model, tokenizer, eval_cfg, device, seed,
+                                                loaded=downstream_tasks)
+        lower_better = lower_is_better_scores(results)
     return EvalReport(run_id=run_id, step=ckpt.step, checkpoint=str(checkpoint),
                       dataset_id=data.dataset_id, loss=loss, perplexity=math.exp(loss),
                       tokens_evaluated=tokens, samples=samples,
                       wall_time_s=time.perf_counter() - start, created_at=time.time(),
                       copy_id=evaluated_copy,
                       source_losses=source_losses if len(data.sources) > 1 else {},
-                      bits_per_byte=bits_per_byte, downstream=downstream)
+                      bits_per_byte=bits_per_byte, downstream=downstream,
+                      downstream_lower_is_better=lower_better)
 
 
 def eval_curves(report: EvalReport) -> dict[str, float]:
