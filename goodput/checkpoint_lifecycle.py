@@ -385,11 +385,14 @@ def prune_store(config: RunConfig, store) -> list[int]:
 
 
 def eval_history(config: RunConfig) -> list[EvalReport]:
-    """The reports of this run's checkpoints with the current eval settings, by step."""
+    """The reports of this run's checkpoints with the current eval settings, by step; a
+    report of a copy the ledger no longer holds (the step was saved again) is left out."""
     directory = config.run_dir.eval_dir
     reports = [EvalReport.model_validate_json(p.read_text())
                for p in sorted(directory.glob("step-*.json"))] if directory.is_dir() else []
-    return [r for r in reports if r.eval_hash == config.eval_hash()]
+    entries = Ledger(config.run_dir).read().entries
+    return [r for r in reports if r.eval_hash == config.eval_hash()
+            and (r.step not in entries or entries[r.step].copy_id in (None, r.copy_id))]
 
 
 def best_by_eval(config: RunConfig) -> int | None:

@@ -105,6 +105,8 @@ class Ledger:
                                  f"it cannot become {state}")
             entry.state = state
             entry.reason = note if state == "rejected" else ""
+            if "copy_id" in fields and fields["copy_id"] != entry.copy_id:
+                entry.eval = {}  # another copy of the step (saved again): its own scores, later
             for key, value in fields.items():
                 setattr(entry, key, value)
             entry.history.append(Transition(state=state, at=time.time(), note=note))

@@ -291,3 +291,27 @@ def test_scores_lm_eval_marks_lower_is_better_are_ranked_so():
                         downstream_lower_is_better=["mytask/brier_score"])
     assert lower_is_better("mytask/brier_score", [report]) and not lower_is_better("mytask/acc", [report])
     assert lower_is_better("loss") and lower_is_better("mytask/word_perplexity")
+
+
+def test_scores_of_a_copy_saved_over_do_not_outlive_it(tmp_path):
+    """A step saved again (after a rollback the old copy is set aside) is another checkpoint:
+    the ledger drops the old copy's scores, and best-by-eval no longer counts its report."""
+    from goodput.checkpoint_lifecycle import best_by_eval, eval_history
+    from storage.ledger import Ledger
+    from storage.manifests import EvalReport
+
+    config = small_config(tmp_path)
+    ledger = Ledger(config.run_dir)
+    for step, copy in ((10, "a"), (20, "old")):
+        ledger.record(step, "committed", copy_id=copy)
+        ledger.record_eval(step, {"loss": 1.0})
+    config.run_dir.eval_dir.mkdir(parents=True)
+    for step, copy, loss in ((10, "a", 2.0), (20, "old", 1.0)):
+        report = EvalReport(run_id="test", step=step, checkpoint="c", dataset_id="d", loss=loss,
+                            perplexity=2.7, tokens_evaluated=1, samples=[], wall_time_s=0.0,
+                            created_at=0.0, copy_id=copy, eval_hash=config.eval_hash())
+        config.run_dir.eval_report(step).write_text(report.model_dump_json())
+    assert best_by_eval(config) == 20
+    ledger.record(20, "committed", note="saved again", copy_id="new")
+    assert ledger.read().entries[20].eval == {} and ledger.read().entries[10].eval == {"loss": 1.0}
+    assert [r.step for r in eval_history(config)] == [10] and best_by_eval(config) == 10
