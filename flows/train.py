@@ -10,6 +10,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from core.config import RunConfig
 from goodput.checkpoint_lifecycle import new_checkpoints
+from goodput.evaluation import evaluation_due
 from tasks.control import no_orphan_workers, resolve_config, training_slot
 from tasks.evaluate import evaluate_validated
 from tasks.layout import check_layout
@@ -67,17 +68,23 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
             training.wait(timeout=1.0)
             return not training.state.is_final()
 
-        secured, evaluations, every = [], [], config.eval.every_validated
-        for n, step in enumerate(new_checkpoints(config, still_running), start=1):
-            announce_committed(config, step)
-            validated = validate_checkpoint.submit(config, step, dataset_dir)
-            evaluated = ([evaluate_validated.submit(config, step, dataset_dir, wait_for=[validated])]
-                         if every and n % every == 0 else [])
-            uploaded = upload_checkpoint.submit(config, step, wait_for=[validated])
-            # retention after the evaluation: best-by-eval may keep this step
-            secured.append(apply_retention.submit(config, wait_for=[uploaded, *evaluated]))
-            evaluations += evaluated
-        wait(secured + evaluations)  # a failed evaluation shows in its task run, not as training's
+        secured, evaluations = [], []
+        # Evaluations (eval.every_validated) queue on a thread of their own, one at a time:
+        # however long they take, they never hold the threads that validate and upload.
+        with ThreadPoolTaskRunner(max_workers=1) as evaluating:
+            for step in new_checkpoints(config, still_running):
+                announce_committed(config, step)
+                validated = validate_checkpoint.submit(config, step, dataset_dir)
+                uploaded = upload_checkpoint.submit(config, step, wait_for=[validated])
+                secured.append(apply_retention.submit(config, wait_for=[uploaded]))
+                if evaluation_due(config, step):
+                    evaluated = evaluating.submit(evaluate_validated, {
+                        "config": config, "step": step, "dataset_dir": dataset_dir}, wait_for=[validated])
+                    # Retention again once the score is in (best-by-eval may keep this step),
+                    # on the evaluations' thread.
+                    evaluations.append(evaluating.submit(apply_retention, {"config": config},
+                                                         wait_for=[evaluated]))
+            wait(secured + evaluations)  # a failed evaluation shows in its task run, not as training's
     outcome = training.result()  # raises when the last attempt failed
     for future in secured:
         future.result()

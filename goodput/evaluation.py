@@ -8,11 +8,11 @@ from pathlib import Path
 
 from core.config import RunConfig
 from core.errors import ConfigError
+from core.files import sha256_bytes
 from core.protocol import copy_id, is_committed, step_of
 from goodput.checkpoint_lifecycle import download_checkpoint, ledger_of, restore_ledger
 from goodput.runs import write_run_config
 from storage.ledger import choose_resume, readable_copy
-from core.files import sha256_bytes
 from storage.manifests import EvalReport, dataset_id_of
 
 
@@ -47,6 +47,18 @@ def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = N
                 f"uploaded yet, and this machine has no copy; evaluate it where it was trained, "
                 f"or one of the uploaded steps {ledger.steps('uploaded')}")
     return point.local if point.local is not None else download_checkpoint(config, point.step, store)
+
+
+def evaluation_due(config: RunConfig, step: int) -> bool:
+    """Whether checkpoint `step` is one eval.every_validated asks to evaluate: the N-th, 2N-th,
+    ... checkpoint of the run by the ledger (rejected copies not counted), so that the
+    choice holds across retries and flow runs."""
+    every = config.eval.every_validated
+    if not every:
+        return False
+    earlier = [s for s, entry in ledger_of(config).read().entries.items()
+               if s < step and entry.state != "rejected"]
+    return (len(earlier) + 1) % every == 0
 
 
 def report_path(config: RunConfig, checkpoint: Path) -> Path:

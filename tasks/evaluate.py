@@ -16,8 +16,9 @@ from core.config import RunConfig
 from core.errors import ConfigError
 from goodput import evaluation
 from goodput.accounting import summarize_goodput
-from goodput.checkpoint_lifecycle import eval_history, ledger_of
+from goodput.checkpoint_lifecycle import download_checkpoint, eval_history, ledger_of
 from goodput.runs import update_summary
+from storage.ledger import readable_copy
 from storage.manifests import EvalReport
 from storage.store import store_from_config
 from tasks.reporting import artifact_key
@@ -104,11 +105,13 @@ def evaluate_validated(config: RunConfig, step: int, dataset_dir: Path) -> EvalR
     the evaluate stage, which evaluates the final checkpoint, reports the error."""
     logger = get_run_logger()
     entry = ledger_of(config).read().entries.get(step)
-    if entry is None or entry.state not in ("validated", "uploaded"):
+    point = readable_copy(config.run_dir, entry) if entry is not None else None
+    if point is None:
         logger.info(f"checkpoint step {step} is {entry.state if entry else 'unknown'}: not evaluated")
         return None
-    try:
-        report = evaluation.evaluate(config, config.run_dir.checkpoint(step), dataset_dir, background=True)
+    try:  # retention may have pruned the local copy while earlier evaluations ran: the store's
+        checkpoint = point.local or download_checkpoint(config, step, store_from_config(config.storage))
+        report = evaluation.evaluate(config, checkpoint, dataset_dir, background=True)
     except Exception as e:  # noqa: BLE001 - reported, never a failure of training
         logger.warning(f"evaluation of checkpoint step {step} failed: {e}")
         return None

@@ -315,3 +315,20 @@ def test_scores_of_a_copy_saved_over_do_not_outlive_it(tmp_path):
     ledger.record(20, "committed", note="saved again", copy_id="new")
     assert ledger.read().entries[20].eval == {} and ledger.read().entries[10].eval == {"loss": 1.0}
     assert [r.step for r in eval_history(config)] == [10] and best_by_eval(config) == 10
+
+
+def test_every_nth_checkpoint_is_chosen_by_the_ledger_across_flow_runs(tmp_path):
+    """eval.every_validated=2 evaluates the 2nd, 4th, ... checkpoint of the run, counted in
+    the ledger (a rejected copy does not count), not by a counter each flow run restarts."""
+    from goodput.evaluation import evaluation_due
+    from storage.ledger import Ledger
+
+    config = small_config(tmp_path, "eval.every_validated=2")
+    ledger = Ledger(config.run_dir)
+    ledger.record(10, "validated")
+    assert evaluation_due(config, 20)  # the 2nd
+    ledger.record(20, "rejected", note="bad")
+    assert evaluation_due(config, 30)  # a retried flow run's first: the run's 2nd good one
+    ledger.record(30, "validated")
+    assert not evaluation_due(config, 40) and evaluation_due(config, 50)
+    assert not evaluation_due(small_config(tmp_path), 30)  # every_validated=0: never
