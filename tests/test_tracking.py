@@ -330,5 +330,7 @@ def test_every_nth_checkpoint_is_chosen_by_the_ledger_across_flow_runs(tmp_path)
     ledger.record(20, "rejected", note="bad")
     assert evaluation_due(config, 30)  # a retried flow run's first: the run's 2nd good one
     ledger.record(30, "validated")
-    assert not evaluation_due(config, 40) and evaluation_due(config, 50)
+    assert not evaluation_due(config, 40)  # the 3rd
+    ledger.record(40, "validated")
+    assert evaluation_due(config, 50)
     assert not evaluation_due(small_config(tmp_path), 30)  # every_validated=0: never
