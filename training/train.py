@@ -199,23 +199,22 @@ class HeldOutInLoop:
         self.every, self.data, self.layout, self.device = config.eval.every_steps, data, layout, device
         self.seq_len, self.micro_batch = config.training.seq_len, config.training.micro_batch_size
         self.batches, self.accum = config.eval.in_loop_batches, config.training.grad_accum_steps
-        self.streams = None  # opened at the first validation
+        # Opened and sized now: a split too small fails before training, not at step every_steps.
+        self.streams = ({s.name: s.stream("validation") for s in data.sources} if self.every else {})
+        self.per_rank = {name: self._batches_per_rank(stream) for name, stream in self.streams.items()}
 
     def maybe_run(self, step: int) -> dict | None:
         if not self.every or step % self.every:
             return None
         started = time.perf_counter()
-        if self.streams is None:
-            self.streams = {s.name: s.stream("validation") for s in self.data.sources}
-        losses = {name: self._loss(stream) for name, stream in self.streams.items()}
+        losses = {name: self._loss(stream, self.per_rank[name]) for name, stream in self.streams.items()}
         found = {"val_loss": self.data.weighted_by_mix(losses)}
         if len(losses) > 1:
             found.update({f"val_loss/{name}": loss for name, loss in losses.items()})
         return {**found, "val_time_s": time.perf_counter() - started}
 
-    @torch.no_grad()
-    def _loss(self, stream) -> float:
-        layout, dp = self.layout, self.layout.dp_size
+    def _batches_per_rank(self, stream) -> int:
+        dp = self.layout.dp_size
         # The same number of batches on every data-parallel rank: their forwards are collective.
         per_rank = min(max(1, self.batches // dp), stream.num_samples(self.seq_len) // (self.micro_batch * dp))
         if per_rank == 0:
@@ -223,6 +222,11 @@ class HeldOutInLoop:
                             f"batch of {self.micro_batch} x {self.seq_len} per data-parallel rank "
                             "for eval.every_steps; add data, raise data.validation_fraction or "
                             "set eval.every_steps=0")
+        return per_rank
+
+    @torch.no_grad()
+    def _loss(self, stream, per_rank: int) -> float:
+        layout = self.layout
         first = layout.dp_rank * per_rank * self.micro_batch
         total = torch.zeros((), device=self.device)
         for b in range(per_rank):
