@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,29 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
                            f"{proc.stderr.strip()[-2000:]}")
     return EvalReport.model_validate_json(out.read_text())
 
+
+def keep_in_ledger(config: RunConfig, report: EvalReport) -> None:
+    """A report of one of this run's checkpoints: its scores go into the ledger entry."""
+    if report_path(config, Path(report.checkpoint)) == config.run_dir.eval_report(report.step):
+        ledger_of(config).record_eval(report.step, report.scores())
+
+
+def plot_eval_history(reports: list[EvalReport], names: list[str], path: Path, title: str) -> Path:
+    """One small plot per score against step (matplotlib's Agg canvas: no display)."""
+    from matplotlib.figure import Figure
+
+    columns = min(3, len(names))
+    rows = -(-len(names) // columns)
+    fig = Figure(figsize=(4 * columns, 2.6 * rows), dpi=100, layout="constrained")
+    for i, name in enumerate(names):
+        ax = fig.add_subplot(rows, columns, i + 1)
+        points = [(r.step, r.scores()[name]) for r in reports if name in r.scores()]
+        ax.plot([s for s, _ in points], [v for _, v in points], marker="o", linewidth=1.2)
+        ax.set(xlabel="step", title=name)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(buffer.getvalue())
+    return path

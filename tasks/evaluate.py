@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import io
 import time
 from pathlib import Path
 
@@ -86,14 +85,8 @@ def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
               "wall_time_s": time.time() - started}
     update_summary(config.run_dir, "evaluate", values)
     summarize_goodput(config)
-    keep_in_ledger(config, report)
+    evaluation.keep_in_ledger(config, report)
     return values
-
-
-def keep_in_ledger(config: RunConfig, report: EvalReport) -> None:
-    """A report of one of this run's checkpoints: its scores go into the ledger entry."""
-    if evaluation.report_path(config, Path(report.checkpoint)) == config.run_dir.eval_report(report.step):
-        ledger_of(config).record_eval(report.step, report.scores())
 
 
 @task(name="evaluate-validated", cache_policy=NO_CACHE, tags=["evaluate"],
@@ -115,7 +108,7 @@ def evaluate_validated(config: RunConfig, step: int, dataset_dir: Path) -> EvalR
     except Exception as e:  # noqa: BLE001 - reported, never a failure of training
         logger.warning(f"evaluation of checkpoint step {step} failed: {e}")
         return None
-    keep_in_ledger(config, report)
+    evaluation.keep_in_ledger(config, report)
     logger.info(f"step {step}: " + ", ".join(f"{name} {value:.4g}" for name, value in report.scores().items()))
     publish_eval_history(config)
     return report
@@ -133,7 +126,7 @@ def publish_eval_history(config: RunConfig) -> Path | None:
             for r in reports]
     create_table_artifact(table=rows, key=artifact_key("eval-history", run_id),
                           description=f"Evaluation of every evaluated checkpoint of {run_id}")
-    plot = plot_eval_history(reports, [n for n in names if not n.endswith("_stderr")],
+    plot = evaluation.plot_eval_history(reports, [n for n in names if not n.endswith("_stderr")],
                              config.run_dir.eval_dir / "history.png", run_id)
     encoded = base64.b64encode(plot.read_bytes()).decode()
     create_markdown_artifact(f"### Evaluation of `{run_id}` by step\n\n"
@@ -142,24 +135,3 @@ def publish_eval_history(config: RunConfig) -> Path | None:
                              key=artifact_key("eval-curves", run_id),
                              description=f"Evaluation scores of {run_id} against step")
     return plot
-
-
-def plot_eval_history(reports: list[EvalReport], names: list[str], path: Path, title: str) -> Path:
-    """One small plot per score against step (matplotlib's Agg canvas: no display)."""
-    from matplotlib.figure import Figure
-
-    columns = min(3, len(names))
-    rows = -(-len(names) // columns)
-    fig = Figure(figsize=(4 * columns, 2.6 * rows), dpi=100, layout="constrained")
-    for i, name in enumerate(names):
-        ax = fig.add_subplot(rows, columns, i + 1)
-        points = [(r.step, r.scores()[name]) for r in reports if name in r.scores()]
-        ax.plot([s for s, _ in points], [v for _, v in points], marker="o", linewidth=1.2)
-        ax.set(xlabel="step", title=name)
-        ax.grid(alpha=0.3)
-    fig.suptitle(title)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(buffer.getvalue())
-    return path
