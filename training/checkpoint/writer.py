@@ -30,11 +30,9 @@ from storage.manifests import FileEntry
 
 
 class _KeptStateDictStager(StateDictStager):
-    """DCP's state-dict stager, closed only when the checkpointer is done with it. torch 2.11's
-    DefaultStager closes its stager after every stage: that empties its type dispatch table (the
-    run's second save then failed with "KeyError: <class 'type'>", seen on an H100) and drops the
-    cached pinned buffers, so every save pinned ~1 GB afresh (2.1 s of stall per save of a
-    ~100M model instead of ~0.01 s). torch 2.13 no longer closes it there."""
+    """DCP's state-dict stager, kept open across saves so its (pinned) buffers are reused, and
+    released only when the checkpointer closes. Some torch versions (2.11) close it after
+    every stage, which empties its type dispatch table and fails the next save (STACK_NOTES)."""
 
     def close(self):
         pass  # DefaultStager._stage's close, on torch 2.11
