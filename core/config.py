@@ -70,7 +70,7 @@ class StageConfig(_Section):
 
     start_step: int | None = Field(None, ge=1, description="The first optimizer step of the "
                                    "stage (steps count from 1).")
-    start_tokens: int | None = Field(None, ge=1, description="Or: the stage starts at the "
+    start_tokens: int | None = Field(None, ge=0, description="Or: the stage starts at the "
                                      "first step after this many training tokens.")
     weights: dict[str, float] = Field(description="Weight per source name; a source left out "
                                       "gets 0 in this stage.")
@@ -889,11 +889,7 @@ class RunConfig(_Section):
         if self.launch.kind == "ssh" and len(self.launch.hosts) != self.parallelism.nnodes:
             raise ValueError(f"launch.kind=ssh needs one host per node: {len(self.launch.hosts)} "
                              f"launch.hosts for parallelism.nnodes={self.parallelism.nnodes}")
-        starts = [start for start, _ in self.mix_stages()]
-        if starts != sorted(set(starts)) or (len(starts) > 1 and starts[1] == 0):
-            raise ValueError(f"data.stages start at samples {starts[1:]} (steps of "
-                             f"{self.global_batch} samples): give the stages in order, each "
-                             "starting at a later step than the one before")
+        self._stages_in_order()
         if self.faults.crash_rank >= self.parallelism.world_size:
             raise ValueError(f"faults.crash_rank={self.faults.crash_rank} is not a rank of "
                              f"world size {self.parallelism.world_size}")
@@ -902,6 +898,31 @@ class RunConfig(_Section):
             # which save_pretrained of a tokenizer writes beside the model).
             self.tokenizer.path = self.model.init_from
         return self
+
+    def _stages_in_order(self) -> None:
+        """Each stage of data.stages starts at a later step than the one before, and none at
+        the first step (data.sources' weights hold there), named as the user wrote them."""
+        starts = [start for start, _ in self.mix_stages()[1:]]
+
+        def stated(i: int) -> str:
+            stage = self.data.stages[i]
+            if stage.start_step is not None:
+                return f"data.stages[{i}].start_step={stage.start_step}"
+            if starts[i] == 0:
+                return f"data.stages[{i}].start_tokens={stage.start_tokens}"
+            return (f"data.stages[{i}].start_tokens={stage.start_tokens} (step "
+                    f"{starts[i] // self.global_batch + 1}: the first after them, at "
+                    f"{self.global_batch * self.training.seq_len} tokens a step)")
+
+        for i, start in enumerate(starts):
+            if start == 0:
+                raise ValueError(f"{stated(i)} starts the stage at the run's first step, so "
+                                 "data.sources' weights would never be used: put these weights "
+                                 "in data.sources instead")
+            if i and start <= starts[i - 1]:
+                raise ValueError(f"{stated(i)} does not start after {stated(i - 1)}: give the "
+                                 "stages in order, each starting at a later step than the one "
+                                 "before")
 
     # -- derived paths -----------------------------------------------------------------
     @property

@@ -4,6 +4,7 @@ datasets (local and streamed from the store), and the pipeline end to end."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -51,14 +52,25 @@ def write_sources(root: Path, names, docs: int = 400) -> None:
      "exactly one of start_step and start_tokens"),
     (["data.sources=[{name: a, weight: 1, source: x}]",
       "data.stages=[{start_step: 9, weights: {a: 1}}, {start_step: 5, weights: {a: 1}}]"],
-     "give the stages in order"),
+     "data.stages[1].start_step=5 does not start after data.stages[0].start_step=9: give the "
+     "stages in order"),
+    # Named as written (steps, tokens), not in samples; a token count by the step it gives.
+    (["data.sources=[{name: a, weight: 1, source: x}]",
+      "data.stages=[{start_step: 5, weights: {a: 1}}, {start_tokens: 8000, weights: {a: 1}}]"],
+     "data.stages[1].start_tokens=8000 (step 5: the first after them, at 2048 tokens a step) "
+     "does not start after data.stages[0].start_step=5"),
+    (["data.sources=[{name: a, weight: 1, source: x}]", "data.stages=[{start_step: 1, weights: {a: 1}}]"],
+     "data.stages[0].start_step=1 starts the stage at the run's first step, so data.sources' "
+     "weights would never be used: put these weights in data.sources instead"),
+    (["data.sources=[{name: a, weight: 1, source: x}]", "data.stages=[{start_tokens: 0, weights: {a: 1}}]"],
+     "data.stages[0].start_tokens=0 starts the stage at the run's first step"),
     (["data.stages=[{start_step: 5, weights: {a: 1}}]"], "list the sources with their weights"),
     (["data.source=/corpus", "data.sources=[{name: a, weight: 1, source: x}]"],
      "data.source='/corpus' and data.sources are both set"),
     (["data.sources=[{name: 'a b', weight: 1, source: x}]"], "name a source with letters"),
 ])
 def test_a_mix_that_cannot_be_drawn_is_refused_naming_the_field(overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, overrides)
 
 
