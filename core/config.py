@@ -6,9 +6,11 @@ validated before anything starts. Errors name the field and say what to do.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -698,6 +700,28 @@ class TrackingConfig(_Section):
     wandb_entity: str | None = Field(None, description="The W&B team or user (default: yours).")
     wandb_mode: Literal["online", "offline"] = Field(
         "online", description="'offline' writes W&B runs to the run directory for `wandb sync`.")
+
+    @field_validator("mlflow_uri", "wandb_project")
+    @classmethod
+    def _client_installed(cls, value: str | None, info) -> str | None:
+        # Checked here, not when rank 0 first logs: a missing package fails every retry alike.
+        package = {"mlflow_uri": "mlflow", "wandb_project": "wandb"}[info.field_name]
+        if value and not _installed(package):
+            raise ValueError(f"{info.field_name}={value!r} needs the {package} package, which is "
+                             "not installed here; install the tracking extra, pip install "
+                             f"'goodput[tracking]', on every node (or leave {info.field_name} "
+                             "unset)")
+        return value
+
+
+def _installed(package: str) -> bool:
+    """Whether `package` can be imported, without importing it (both are slow to import)."""
+    if package in sys.modules:
+        return sys.modules[package] is not None
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 class FaultsConfig(_Section):

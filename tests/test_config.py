@@ -1,5 +1,8 @@
 """RunConfig: YAML + overrides, and errors that name the field and the fix."""
 
+import importlib.util
+import sys
+
 import pytest
 
 from core.config import ConfigError, RunConfig, config_from_dict, load_config
@@ -112,6 +115,29 @@ def test_config_hash_ignores_paths_and_faults():
     changed = load_config(None, ["training.lr=1e-4"])
     assert base.config_hash() == moved.config_hash()
     assert base.config_hash() != changed.config_hash()
+
+
+@pytest.mark.parametrize("override, package", [("tracking.wandb_project=pretrain", "wandb"),
+                                               ("tracking.mlflow_uri=http://mlflow:5000", "mlflow")])
+def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(monkeypatch, override, package):
+    """Not a ModuleNotFoundError on rank 0 after the model is built, retried to no end."""
+    field = override.split("=")[0]
+    monkeypatch.setitem(sys.modules, package, None)  # `import <package>` fails, as uninstalled
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert f"{field}: {field.split('.')[1]}=" in str(err.value)
+    assert f"needs the {package} package" in str(err.value)
+    assert "pip install 'goodput[tracking]'" in str(err.value)
+    monkeypatch.delitem(sys.modules, package)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == package else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install 'goodput\[tracking\]'"):
+        load_config(None, [override])
+    # Installed (whether or not it is on this machine): accepted.
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == package else find_spec(name, *a))
+    load_config(None, [override])
 
 
 def test_data_settings_of_the_old_shape_say_what_replaced_them():
