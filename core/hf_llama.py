@@ -5,7 +5,8 @@ model-0000i-of-0000n.safetensors with model.safetensors.index.json, and usually 
 tokenizer.json the model was trained with. `model_fields` reads config.json as ModelConfig
 fields; training/export.py writes the same mapping the other way (hf_config), and
 tests/test_init_from.py checks the two agree. The weights themselves are read by the
-workers (training/hf_weights.py), each rank only its own part.
+workers (training/hf_weights.py), each rank only its own part. `given_tokenizer_file` finds
+the tokenizer.json of such a directory (or of tokenizer.path).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from core.errors import ConfigError
+from core.errors import ConfigError, DataError
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -67,6 +68,19 @@ def read_config(directory: str | Path) -> dict[str, Any]:
                           "is there; save the model with safetensors (save_pretrained does by "
                           "default; convert .bin or Meta's .pth weights first)")
     return config
+
+
+def given_tokenizer_file(path: str | Path) -> Path:
+    """tokenizer.path as a file: a tokenizer.json, or the one in a Hugging Face tokenizer
+    directory (save_pretrained of a fast tokenizer writes it, as beside a checkpoint)."""
+    found = Path(path).expanduser()
+    if found.is_dir():
+        found = found / TOKENIZER_FILE
+    if not found.is_file():
+        raise DataError(f"tokenizer.path={path}: no {TOKENIZER_FILE} there; point it at a "
+                        f"{TOKENIZER_FILE} or a directory saved by save_pretrained (a fast "
+                        "tokenizer), or leave it unset to train one")
+    return found
 
 
 def model_fields(directory: str | Path) -> dict[str, Any]:

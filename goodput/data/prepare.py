@@ -46,6 +46,7 @@ from pydantic import BaseModel
 from core.config import SINGLE_SOURCE, DataConfig, RunConfig, SourceConfig, StorageConfig, parse_bytes
 from core.errors import ConfigError, DataError
 from core.files import canonical_json, sha256_bytes, sha256_file, write_atomic
+from core.hf_llama import given_tokenizer_file
 from goodput.data.corpus import BUILTIN, build_builtin_corpus, builtin_description
 from goodput.data.sources import (
     Piece,
@@ -217,18 +218,6 @@ def settings_key(config: RunConfig, tokenizer_from: str | None = None) -> str:
     if tokenizer_from is not None:
         tree["tokenizer_from"] = tokenizer_from
     return sha256_bytes(canonical_json(tree))[:16]
-
-
-def given_tokenizer_file(path: str) -> Path:
-    """tokenizer.path as a file: a tokenizer.json, or the one in an HF tokenizer directory."""
-    found = Path(path).expanduser()
-    if found.is_dir():
-        found = found / TOKENIZER_FILE
-    if not found.is_file():
-        raise DataError(f"tokenizer.path={path}: no tokenizer.json there; point it at a "
-                        "tokenizer.json or a directory saved by save_pretrained (a fast "
-                        "tokenizer), or leave it unset to train one")
-    return found
 
 
 def plan_units(plan: DatasetPlan, config: RunConfig) -> list[WorkUnit]:
