@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
 
 from core.errors import ConfigError
 from core.files import canonical_json, sha256_bytes
@@ -187,6 +188,16 @@ class DataConfig(_Section):
                                  f"source of data.sources ({', '.join(names)}); fix the name or "
                                  "add the source")
         return self
+
+    # Set by RunConfig.source_config on the data of one source of data.sources: errors about
+    # its source, format, text column... then name that source's fields, which the user set.
+    _source_name: str | None = PrivateAttr(None)
+
+    @property
+    def field_prefix(self) -> str:
+        """How messages name this data's per-source fields (SOURCE_FIELDS): 'data' (data.source,
+        data.text_column, ...), or 'data.sources[<name>]' for a source of a mix."""
+        return "data" if self._source_name is None else f"data.sources[{self._source_name}]"
 
     def mix(self) -> list[SourceConfig]:
         """The sources training draws from: data.sources, or data.source as a mix of one."""
@@ -976,6 +987,8 @@ class RunConfig(_Section):
         """This config as if `source` were its data.source alone: what prepares it."""
         fields = {f: getattr(source, f) for f in SOURCE_FIELDS if getattr(source, f) is not None}
         data = self.data.model_copy(update={**fields, "sources": [], "stages": []})
+        if self.data.sources:
+            data._source_name = source.name
         return self.model_copy(update={"data": data})
 
     def config_hash(self) -> str:

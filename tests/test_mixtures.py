@@ -126,6 +126,30 @@ def test_the_schedule_is_the_same_however_it_is_cut_and_follows_its_stages():
         MixSchedule(["a", "b", "c"], stages).load_state_dict(15, first.state_dict())
 
 
+def test_errors_about_a_source_of_the_mix_name_its_fields(tmp_path):
+    """Not `data.source=...`, a field a mix leaves unset: data.sources[<name>].source, or the
+    source's own field to set, also for what is found while its documents are read."""
+    write_sources(tmp_path, ["web"])
+    web = f"{{name: web, weight: 1, source: {tmp_path / 'src' / 'web'}}}"
+
+    def error(source: str) -> str:
+        with pytest.raises(DataError) as err:
+            prep.prepare_dataset(make_config(tmp_path, f"data.sources=[{source}, {web}]"))
+        assert "data.source=" not in str(err.value)
+        return str(err.value)
+
+    nothing = error(f"{{name: code, weight: 1, source: '{tmp_path / 'nothing'}/*.jsonl'}}")
+    assert f"(data.sources[code].source='{tmp_path / 'nothing'}/*.jsonl'" in nothing
+    assert "or use data.sources[code].source=builtin" in nothing
+    blank = write_source(tmp_path / "src" / "blank", "jsonl", ["", "  "])
+    empty = error(f"{{name: blank, weight: 1, source: {blank}}}")
+    assert f"data.sources[blank].source='{blank}' holds no text" in empty
+    assert "check data.sources[blank].text_column" in empty
+    body = write_source(tmp_path / "src" / "body", "jsonl", ["some text"] * 20, column="body")
+    column = error(f"{{name: body, weight: 1, source: {body}}}")
+    assert "set data.sources[body].text_column if the text is in another field" in column
+
+
 # -- real prepared sources ------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
