@@ -931,6 +931,7 @@ class RunConfig(_Section):
         if self.model.init_from and self.tokenizer.path is None:
             # A checkpoint's embeddings mean the ids of its own tokenizer (tokenizer.json,
             # which save_pretrained of a tokenizer writes beside the model).
+            self._init_from_has_a_tokenizer()
             self.tokenizer.path = self.model.init_from
         return self
 
@@ -958,6 +959,23 @@ class RunConfig(_Section):
                 raise ValueError(f"{stated(i)} does not start after {stated(i - 1)}: give the "
                                  "stages in order, each starting at a later step than the one "
                                  "before")
+
+    def _init_from_has_a_tokenizer(self) -> None:
+        """model.init_from holds the tokenizer.json that tokenizer.path defaults to (checked
+        where the directory is: a saved config states tokenizer.path)."""
+        from core import hf_llama
+
+        directory = Path(self.model.init_from)
+        if directory.is_dir() and not (directory / hf_llama.TOKENIZER_FILE).is_file():
+            slow = [p.name for p in directory.glob("tokenizer*") if p.is_file()]
+            raise ValueError(
+                f"model.init_from={directory} has no {hf_llama.TOKENIZER_FILE}"
+                + (f" (only {', '.join(sorted(slow))})" if slow else "")
+                + ", the file the checkpoint's own tokenizer is read from (its embeddings mean "
+                "that tokenizer's ids): write it with transformers, "
+                f"`AutoTokenizer.from_pretrained('{directory}').save_pretrained('{directory}')` "
+                f"(a fast tokenizer saves {hf_llama.TOKENIZER_FILE}), or set tokenizer.path to "
+                f"a {hf_llama.TOKENIZER_FILE} of the same tokenizer")
 
     # -- derived paths -----------------------------------------------------------------
     @property

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -207,6 +208,26 @@ def test_a_missing_tensor_or_shard_is_a_config_error_naming_it(tmp_path, checkpo
         goodput_model(sharded)
 
 
+def test_a_checkpoint_without_tokenizer_json_is_refused_when_the_config_is_read(tmp_path, checkpoints):
+    """Not late in prepare as "tokenizer.path=...", a field the user never set: model.init_from
+    is named, with tokenizer.json and how to get one."""
+    directory = tmp_path / "slow-tokenizer"
+    shutil.copytree(checkpoints["tied"], directory)
+    (directory / "tokenizer.json").unlink()
+    (directory / "tokenizer.model").write_bytes(b"sentencepiece")  # a slow tokenizer only
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"model.init_from={directory}", f"training.seq_len={SEQ}"])
+    message = str(err.value)
+    assert f"model.init_from={directory} has no tokenizer.json (only tokenizer.model)" in message
+    assert f"AutoTokenizer.from_pretrained('{directory}').save_pretrained('{directory}')" in message
+    assert "or set tokenizer.path to a tokenizer.json" in message
+    assert "tokenizer.path=" not in message
+    given = checkpoints["tied"] / "tokenizer.json"
+    config = load_config(None, [f"model.init_from={directory}", f"training.seq_len={SEQ}",
+                                f"tokenizer.path={given}"])
+    assert config.tokenizer.path == str(given)
+
+
 @pytest.mark.parametrize("kind", ["tied", "untied-sharded"])
 def test_the_planner_plans_the_checkpoints_model(checkpoints, kind):
     """What the train flow checks before launching: the checkpoint's model, its size exactly
@@ -262,7 +283,9 @@ def test_export_after_zero_steps_gives_back_the_original_tensors(checkpoints, ki
     original, exported = stored(directory), stored(tmp_path / "out")
     assert exported.keys() == original.keys()
     assert all(torch.equal(exported[k], original[k]) for k in original)
-    again = load_config(None, [f"model.init_from={tmp_path / 'out'}", f"training.seq_len={SEQ}"])
+    # (written without a tokenizer: the original's, given, as a run from it would need)
+    again = load_config(None, [f"model.init_from={tmp_path / 'out'}", f"training.seq_len={SEQ}",
+                               f"tokenizer.path={directory / 'tokenizer.json'}"])
     first = load_config(None, [f"model.init_from={directory}", f"training.seq_len={SEQ}"])
     assert again.model.model_dump(exclude={"init_from"}) == first.model.model_dump(exclude={"init_from"})
 
