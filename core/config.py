@@ -18,8 +18,8 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
                       model_validator)
 
-from core.errors import ConfigError
-from core.files import canonical_json, sha256_bytes
+from core.errors import ConfigError, DataError
+from core.files import canonical_json, sha256_bytes, sha256_file
 from core.layout import DEGREES, ParallelDims
 from core.protocol import DEFAULT_RETRY_BUDGETS, RunDir
 from core.uris import parse_s3_uri
@@ -247,6 +247,17 @@ class TokenizerConfig(_Section):
     sample_bytes: str | int = Field(
         "64MiB", description="Text the tokenizer is trained on: a deterministic sample of the "
         "train split this large, taken from the start of work units spread over the corpus.")
+    sha256: str | None = Field(
+        None, description="Filled in from tokenizer.path's tokenizer.json when the config is "
+        "validated (leave it unset): the run's config hash names the tokenizer by it, not by "
+        "its path, and a saved run config keeps it for when the file has moved.")
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_absolute(cls, value: str | None) -> str | None:
+        # As given, a relative path would mean another file on a node, or in a later command,
+        # that runs from another working directory.
+        return _absolute(value)
 
     @field_validator("sample_bytes")
     @classmethod
@@ -280,6 +291,8 @@ class RopeScaling(_Section):
 _FIXED_BY_CHECKPOINT = ("dim", "n_layers", "n_heads", "n_kv_heads", "norm_eps", "rope_theta",
                         "rope_scaling", "vocab_size", "tie_embeddings")
 _FFN_FIELDS = ("ffn_hidden_dim", "ffn_multiple_of", "ffn_dim_multiplier")
+# What a config read from the checkpoint states, so that it stands without the checkpoint.
+_SAVED_FROM_CHECKPOINT = (*_FIXED_BY_CHECKPOINT, "ffn_hidden_dim", "max_seq_len")
 
 
 class ModelConfig(_Section):
@@ -288,7 +301,14 @@ class ModelConfig(_Section):
         "model.safetensors, or sharded with model.safetensors.index.json) to start from instead "
         "of random weights: the shape comes from its config.json (fields stated here must "
         "agree), tokenizer.path defaults to it (its tokenizer.json), and each worker reads only "
-        "its own part of the weights when training starts (a resume reads the checkpoint).")
+        "its own part of the weights when training starts (a resume reads the checkpoint). A "
+        "relative path is made absolute when the config is read. The run is tied to the "
+        "checkpoint, not to where it lies: it may move once training has saved a checkpoint.")
+    init_from_fingerprint: str | None = Field(
+        None, description="Filled in from model.init_from when the config is validated (leave "
+        "it unset): names the checkpoint by its config.json, tokenizer.json and weights files, "
+        "for the run's config hash; a saved run config keeps it, so it loads after the "
+        "checkpoint's directory has moved.")
     dim: int = Field(128, ge=8, description="Hidden size.")
     n_layers: int = Field(4, ge=1, description="Transformer blocks.")
     n_heads: int = Field(4, ge=1, description="Attention heads.")
@@ -326,17 +346,22 @@ class ModelConfig(_Section):
     def _shape_from_checkpoint(cls, values: Any) -> Any:
         """With init_from, the fields its config.json fixes: filled in where not stated, an
         error naming the field where stated differently."""
-        if not isinstance(values, dict) or not values.get("init_from"):
+        if not isinstance(values, dict):
             return values
+        if not values.get("init_from"):
+            return {k: v for k, v in values.items() if k != "init_from_fingerprint"}
         from core import hf_llama
 
-        directory = values["init_from"]
+        values = dict(values)
+        directory = values["init_from"] = _absolute(values["init_from"])
+        if not Path(directory).is_dir():
+            return _saved_from_checkpoint(values)
         try:
             found = hf_llama.model_fields(directory)
+            values["init_from_fingerprint"] = hf_llama.fingerprint(directory)
         except ConfigError as e:
             raise ValueError(str(e)) from None
         where = f"{Path(directory) / hf_llama.CONFIG_FILE} (model.init_from)"
-        values = dict(values)
         conflicts = []
         for field in _FIXED_BY_CHECKPOINT:
             if field in values and _as_stated(field, values) != _as_stated(field, found):
@@ -375,6 +400,27 @@ class ModelConfig(_Section):
         if self.n_heads % kv:
             raise ValueError(f"n_kv_heads={kv} does not divide n_heads={self.n_heads}")
         return self
+
+
+def _saved_from_checkpoint(values: dict) -> dict:
+    """ModelConfig's fields where model.init_from's directory is not (or no longer) there:
+    those of a config that was read from the checkpoint and saved (a run's config.yaml, which
+    a resume, a worker or `goodput evaluate` reads after the checkpoint may have moved) stand
+    as they are, as the checkpoint is read again only by a run with no checkpoint of its own;
+    anything else is an error that says what to do."""
+    if values.get("init_from_fingerprint") and all(f in values for f in _SAVED_FROM_CHECKPOINT):
+        return values
+    raise ValueError(
+        f"model.init_from={values['init_from']}: no such directory; point it at the Hugging "
+        "Face Llama checkpoint directory (config.json and *.safetensors, as save_pretrained "
+        "writes them), e.g. where the checkpoint has moved to. A run that has saved a "
+        "checkpoint of its own no longer reads it: the config.yaml in its run directory states "
+        "the checkpoint's shape and loads without it.")
+
+
+def _absolute(path: str | None) -> str | None:
+    """A local path made absolute against this process's working directory (~ expanded)."""
+    return None if path is None else os.path.abspath(os.path.expanduser(str(path)))
 
 
 def _as_stated(field: str, values: dict) -> Any:
@@ -933,6 +979,7 @@ class RunConfig(_Section):
             # which save_pretrained of a tokenizer writes beside the model).
             self._init_from_has_a_tokenizer()
             self.tokenizer.path = self.model.init_from
+        self._name_the_tokenizer()
         return self
 
     def _stages_in_order(self) -> None:
@@ -977,6 +1024,18 @@ class RunConfig(_Section):
                 f"(a fast tokenizer saves {hf_llama.TOKENIZER_FILE}), or set tokenizer.path to "
                 f"a {hf_llama.TOKENIZER_FILE} of the same tokenizer")
 
+    def _name_the_tokenizer(self) -> None:
+        """tokenizer.sha256 from the file tokenizer.path names, where it is there."""
+        from core import hf_llama
+
+        if self.tokenizer.path is None:
+            self.tokenizer.sha256 = None
+            return
+        try:
+            self.tokenizer.sha256 = sha256_file(hf_llama.given_tokenizer_file(self.tokenizer.path))
+        except DataError:  # not there (any more): a saved config keeps the sha256 it had
+            pass
+
     # -- derived paths -----------------------------------------------------------------
     @property
     def run_dir(self) -> RunDir:
@@ -1018,8 +1077,15 @@ class RunConfig(_Section):
         # A mix of one hashes as before mixtures existed: its runs resume.
         unset = {f for f in ("sources", "stages") if not getattr(self.data, f)}
         tree = self.model_dump(include=set(keys), exclude={"data": {"data_dir", "cache_limit", *unset},
-                                                           "training": per_rank})
+                                                           "training": per_rank,
+                                                           "model": {"init_from_fingerprint"},
+                                                           "tokenizer": {"sha256"}})
         tree["training"]["global_batch"] = self.global_batch
+        # The checkpoint and the tokenizer by what they hold, not where they lie: moved or
+        # mounted elsewhere, they continue the run (and a run without them hashes as before).
+        tree["model"]["init_from"] = self.model.init_from_fingerprint
+        if self.tokenizer.path is not None:
+            tree["tokenizer"]["path"] = self.tokenizer.sha256 or self.tokenizer.path
         return sha256_bytes(canonical_json(tree))[:16]
 
     def eval_hash(self) -> str:

@@ -1,11 +1,15 @@
 """RunConfig: YAML + overrides, and errors that name the field and the fix."""
 
 import importlib.util
+import shutil
 import sys
 
 import pytest
+import yaml
 
-from core.config import ConfigError, RunConfig, config_from_dict, load_config
+from core.config import ConfigError, RunConfig, config_from_dict, dump_config, load_config
+from core.files import sha256_file
+from goodput.runs import write_run_config
 from storage.store import store_from_config
 
 
@@ -115,6 +119,39 @@ def test_config_hash_ignores_paths_and_faults():
     changed = load_config(None, ["training.lr=1e-4"])
     assert base.config_hash() == moved.config_hash()
     assert base.config_hash() != changed.config_hash()
+
+
+def test_tokenizer_path_is_made_absolute_and_the_hash_follows_its_file_not_its_place(tmp_path, monkeypatch):
+    """A relative tokenizer.path means the file from where the config was read, for every node
+    and later command; the run is tied to the tokenizer's bytes, so it may move."""
+    given = tmp_path / "here" / "tok.json"
+    given.parent.mkdir()
+    given.write_text('{"model": "one"}')
+    monkeypatch.chdir(given.parent)
+    config = load_config(None, ["tokenizer.path=tok.json"])
+    assert config.tokenizer.path == str(given) and config.tokenizer.sha256 == sha256_file(given)
+    saved = dump_config(config)
+    monkeypatch.chdir(tmp_path)
+    moved = tmp_path / "there" / "tok.json"
+    moved.parent.mkdir()
+    shutil.move(given, moved)
+    # The saved config loads without the file (it keeps the sha256), as the same run.
+    again = config_from_dict(yaml.safe_load(saved))
+    assert again == config and again.config_hash() == config.config_hash()
+    assert load_config(None, [f"tokenizer.path={moved}"]).config_hash() == config.config_hash()
+    moved.write_text('{"model": "another"}')
+    assert load_config(None, [f"tokenizer.path={moved}"]).config_hash() != config.config_hash()
+
+
+def test_a_saved_run_config_that_no_longer_loads_is_a_config_error(tmp_path):
+    """write_run_config compares with the run's config.yaml: one that does not validate (edited,
+    or written by another version) is a ConfigError naming the file and the field."""
+    config = load_config(None, [f"run.runs_dir={tmp_path}"])
+    path = write_run_config(config)
+    path.write_text(path.read_text().replace("max_steps: 300", "max_steps: 0"))
+    with pytest.raises(ConfigError, match=r"(?s)its saved config no longer loads.*"
+                                          r"training.max_steps: Input should be greater.*Fix that in"):
+        write_run_config(config)
 
 
 @pytest.mark.parametrize("override, package", [("tracking.wandb_project=pretrain", "wandb"),

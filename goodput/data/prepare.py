@@ -216,7 +216,8 @@ def _shard_settings(data: DataConfig) -> dict:
 def settings_key(config: RunConfig, tokenizer_from: str | None = None) -> str:
     """The data and tokenizer settings of one source as written (not what the files hold)."""
     tree = config.model_dump(include={"data", "tokenizer"},
-                             exclude={"data": {"data_dir", "cache_limit", "sources", "stages"}})
+                             exclude={"data": {"data_dir", "cache_limit", "sources", "stages"},
+                                      "tokenizer": {"sha256"}})
     if tokenizer_from is not None:
         tree["tokenizer_from"] = tokenizer_from
     return sha256_bytes(canonical_json(tree))[:16]
