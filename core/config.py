@@ -6,17 +6,20 @@ validated before anything starts. Errors name the field and say what to do.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
+                      model_validator)
 
-from core.errors import ConfigError
-from core.files import canonical_json, sha256_bytes
+from core.errors import ConfigError, DataError
+from core.files import canonical_json, sha256_bytes, sha256_file
 from core.layout import DEGREES, ParallelDims
 from core.protocol import DEFAULT_RETRY_BUDGETS, RunDir
 from core.uris import parse_s3_uri
@@ -70,7 +73,7 @@ class StageConfig(_Section):
 
     start_step: int | None = Field(None, ge=1, description="The first optimizer step of the "
                                    "stage (steps count from 1).")
-    start_tokens: int | None = Field(None, ge=1, description="Or: the stage starts at the "
+    start_tokens: int | None = Field(None, ge=0, description="Or: the stage starts at the "
                                      "first step after this many training tokens.")
     weights: dict[str, float] = Field(description="Weight per source name; a source left out "
                                       "gets 0 in this stage.")
@@ -186,6 +189,16 @@ class DataConfig(_Section):
                                  "add the source")
         return self
 
+    # Set by RunConfig.source_config on the data of one source of data.sources: errors about
+    # its source, format, text column... then name that source's fields, which the user set.
+    _source_name: str | None = PrivateAttr(None)
+
+    @property
+    def field_prefix(self) -> str:
+        """How messages name this data's per-source fields (SOURCE_FIELDS): 'data' (data.source,
+        data.text_column, ...), or 'data.sources[<name>]' for a source of a mix."""
+        return "data" if self._source_name is None else f"data.sources[{self._source_name}]"
+
     def mix(self) -> list[SourceConfig]:
         """The sources training draws from: data.sources, or data.source as a mix of one."""
         if self.sources:
@@ -234,6 +247,17 @@ class TokenizerConfig(_Section):
     sample_bytes: str | int = Field(
         "64MiB", description="Text the tokenizer is trained on: a deterministic sample of the "
         "train split this large, taken from the start of work units spread over the corpus.")
+    sha256: str | None = Field(
+        None, description="Filled in from tokenizer.path's tokenizer.json when the config is "
+        "validated (leave it unset): the run's config hash names the tokenizer by it, not by "
+        "its path, and a saved run config keeps it for when the file has moved.")
+
+    @field_validator("path")
+    @classmethod
+    def _path_is_absolute(cls, value: str | None) -> str | None:
+        # As given, a relative path would mean another file on a node, or in a later command,
+        # that runs from another working directory.
+        return _absolute(value)
 
     @field_validator("sample_bytes")
     @classmethod
@@ -267,6 +291,8 @@ class RopeScaling(_Section):
 _FIXED_BY_CHECKPOINT = ("dim", "n_layers", "n_heads", "n_kv_heads", "norm_eps", "rope_theta",
                         "rope_scaling", "vocab_size", "tie_embeddings")
 _FFN_FIELDS = ("ffn_hidden_dim", "ffn_multiple_of", "ffn_dim_multiplier")
+# What a config read from the checkpoint states, so that it stands without the checkpoint.
+_SAVED_FROM_CHECKPOINT = (*_FIXED_BY_CHECKPOINT, "ffn_hidden_dim", "max_seq_len")
 
 
 class ModelConfig(_Section):
@@ -275,7 +301,14 @@ class ModelConfig(_Section):
         "model.safetensors, or sharded with model.safetensors.index.json) to start from instead "
         "of random weights: the shape comes from its config.json (fields stated here must "
         "agree), tokenizer.path defaults to it (its tokenizer.json), and each worker reads only "
-        "its own part of the weights when training starts (a resume reads the checkpoint).")
+        "its own part of the weights when training starts (a resume reads the checkpoint). A "
+        "relative path is made absolute when the config is read. The run is tied to the "
+        "checkpoint, not to where it lies: it may move once training has saved a checkpoint.")
+    init_from_fingerprint: str | None = Field(
+        None, description="Filled in from model.init_from when the config is validated (leave "
+        "it unset): names the checkpoint by its config.json, tokenizer.json and weights files, "
+        "for the run's config hash; a saved run config keeps it, so it loads after the "
+        "checkpoint's directory has moved.")
     dim: int = Field(128, ge=8, description="Hidden size.")
     n_layers: int = Field(4, ge=1, description="Transformer blocks.")
     n_heads: int = Field(4, ge=1, description="Attention heads.")
@@ -313,17 +346,22 @@ class ModelConfig(_Section):
     def _shape_from_checkpoint(cls, values: Any) -> Any:
         """With init_from, the fields its config.json fixes: filled in where not stated, an
         error naming the field where stated differently."""
-        if not isinstance(values, dict) or not values.get("init_from"):
+        if not isinstance(values, dict):
             return values
+        if not values.get("init_from"):
+            return {k: v for k, v in values.items() if k != "init_from_fingerprint"}
         from core import hf_llama
 
-        directory = values["init_from"]
+        values = dict(values)
+        directory = values["init_from"] = _absolute(values["init_from"])
+        if not Path(directory).is_dir():
+            return _saved_from_checkpoint(values)
         try:
             found = hf_llama.model_fields(directory)
+            values["init_from_fingerprint"] = hf_llama.fingerprint(directory)
         except ConfigError as e:
             raise ValueError(str(e)) from None
         where = f"{Path(directory) / hf_llama.CONFIG_FILE} (model.init_from)"
-        values = dict(values)
         conflicts = []
         for field in _FIXED_BY_CHECKPOINT:
             if field in values and _as_stated(field, values) != _as_stated(field, found):
@@ -362,6 +400,27 @@ class ModelConfig(_Section):
         if self.n_heads % kv:
             raise ValueError(f"n_kv_heads={kv} does not divide n_heads={self.n_heads}")
         return self
+
+
+def _saved_from_checkpoint(values: dict) -> dict:
+    """ModelConfig's fields where model.init_from's directory is not (or no longer) there:
+    those of a config that was read from the checkpoint and saved (a run's config.yaml, which
+    a resume, a worker or `goodput evaluate` reads after the checkpoint may have moved) stand
+    as they are, as the checkpoint is read again only by a run with no checkpoint of its own;
+    anything else is an error that says what to do."""
+    if values.get("init_from_fingerprint") and all(f in values for f in _SAVED_FROM_CHECKPOINT):
+        return values
+    raise ValueError(
+        f"model.init_from={values['init_from']}: no such directory; point it at the Hugging "
+        "Face Llama checkpoint directory (config.json and *.safetensors, as save_pretrained "
+        "writes them), e.g. where the checkpoint has moved to. A run that has saved a "
+        "checkpoint of its own no longer reads it: the config.yaml in its run directory states "
+        "the checkpoint's shape and loads without it.")
+
+
+def _absolute(path: str | None) -> str | None:
+    """A local path made absolute against this process's working directory (~ expanded)."""
+    return None if path is None else os.path.abspath(os.path.expanduser(str(path)))
 
 
 def _as_stated(field: str, values: dict) -> Any:
@@ -704,6 +763,28 @@ class TrackingConfig(_Section):
     wandb_mode: Literal["online", "offline"] = Field(
         "online", description="'offline' writes W&B runs to the run directory for `wandb sync`.")
 
+    @field_validator("mlflow_uri", "wandb_project")
+    @classmethod
+    def _client_installed(cls, value: str | None, info) -> str | None:
+        # Checked here, not when rank 0 first logs: a missing package fails every retry alike.
+        package = {"mlflow_uri": "mlflow", "wandb_project": "wandb"}[info.field_name]
+        if value and not _installed(package):
+            raise ValueError(f"{info.field_name}={value!r} needs the {package} package, which is "
+                             "not installed here; install the tracking extra, pip install "
+                             f"'goodput[tracking]', on every node (or leave {info.field_name} "
+                             "unset)")
+        return value
+
+
+def _installed(package: str) -> bool:
+    """Whether `package` can be imported, without importing it (both are slow to import)."""
+    if package in sys.modules:
+        return sys.modules[package] is not None
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
 
 class FaultsConfig(_Section):
     """How training reacts to bad steps, and faults to inject (each injection fires once per run)."""
@@ -894,18 +975,16 @@ class RunConfig(_Section):
         if self.launch.kind == "ssh" and len(self.launch.hosts) != self.parallelism.nnodes:
             raise ValueError(f"launch.kind=ssh needs one host per node: {len(self.launch.hosts)} "
                              f"launch.hosts for parallelism.nnodes={self.parallelism.nnodes}")
-        starts = [start for start, _ in self.mix_stages()]
-        if starts != sorted(set(starts)) or (len(starts) > 1 and starts[1] == 0):
-            raise ValueError(f"data.stages start at samples {starts[1:]} (steps of "
-                             f"{self.global_batch} samples): give the stages in order, each "
-                             "starting at a later step than the one before")
+        self._stages_in_order()
         if self.faults.crash_rank >= self.parallelism.world_size:
             raise ValueError(f"faults.crash_rank={self.faults.crash_rank} is not a rank of "
                              f"world size {self.parallelism.world_size}")
         if self.model.init_from and self.tokenizer.path is None:
             # A checkpoint's embeddings mean the ids of its own tokenizer (tokenizer.json,
             # which save_pretrained of a tokenizer writes beside the model).
+            self._init_from_has_a_tokenizer()
             self.tokenizer.path = self.model.init_from
+        self._name_the_tokenizer()
         return self
 
     @model_validator(mode="after")
@@ -925,6 +1004,60 @@ class RunConfig(_Section):
                 f"{self.eval.tasks[0]}/acc)" if self.eval.tasks else
                 ", or set eval.tasks and name '<task>/<metric>' (e.g. hellaswag/acc_norm)"))
         return self
+
+    def _stages_in_order(self) -> None:
+        """Each stage of data.stages starts at a later step than the one before, and none at
+        the first step (data.sources' weights hold there), named as the user wrote them."""
+        starts = [start for start, _ in self.mix_stages()[1:]]
+
+        def stated(i: int) -> str:
+            stage = self.data.stages[i]
+            if stage.start_step is not None:
+                return f"data.stages[{i}].start_step={stage.start_step}"
+            if starts[i] == 0:
+                return f"data.stages[{i}].start_tokens={stage.start_tokens}"
+            return (f"data.stages[{i}].start_tokens={stage.start_tokens} (step "
+                    f"{starts[i] // self.global_batch + 1}: the first after them, at "
+                    f"{self.global_batch * self.training.seq_len} tokens a step)")
+
+        for i, start in enumerate(starts):
+            if start == 0:
+                raise ValueError(f"{stated(i)} starts the stage at the run's first step, so "
+                                 "data.sources' weights would never be used: put these weights "
+                                 "in data.sources instead")
+            if i and start <= starts[i - 1]:
+                raise ValueError(f"{stated(i)} does not start after {stated(i - 1)}: give the "
+                                 "stages in order, each starting at a later step than the one "
+                                 "before")
+
+    def _init_from_has_a_tokenizer(self) -> None:
+        """model.init_from holds the tokenizer.json that tokenizer.path defaults to (checked
+        where the directory is: a saved config states tokenizer.path)."""
+        from core import hf_llama
+
+        directory = Path(self.model.init_from)
+        if directory.is_dir() and not (directory / hf_llama.TOKENIZER_FILE).is_file():
+            slow = [p.name for p in directory.glob("tokenizer*") if p.is_file()]
+            raise ValueError(
+                f"model.init_from={directory} has no {hf_llama.TOKENIZER_FILE}"
+                + (f" (only {', '.join(sorted(slow))})" if slow else "")
+                + ", the file the checkpoint's own tokenizer is read from (its embeddings mean "
+                "that tokenizer's ids): write it with transformers, "
+                f"`AutoTokenizer.from_pretrained('{directory}').save_pretrained('{directory}')` "
+                f"(a fast tokenizer saves {hf_llama.TOKENIZER_FILE}), or set tokenizer.path to "
+                f"a {hf_llama.TOKENIZER_FILE} of the same tokenizer")
+
+    def _name_the_tokenizer(self) -> None:
+        """tokenizer.sha256 from the file tokenizer.path names, where it is there."""
+        from core import hf_llama
+
+        if self.tokenizer.path is None:
+            self.tokenizer.sha256 = None
+            return
+        try:
+            self.tokenizer.sha256 = sha256_file(hf_llama.given_tokenizer_file(self.tokenizer.path))
+        except DataError:  # not there (any more): a saved config keeps the sha256 it had
+            pass
 
     # -- derived paths -----------------------------------------------------------------
     @property
@@ -954,6 +1087,8 @@ class RunConfig(_Section):
         """This config as if `source` were its data.source alone: what prepares it."""
         fields = {f: getattr(source, f) for f in SOURCE_FIELDS if getattr(source, f) is not None}
         data = self.data.model_copy(update={**fields, "sources": [], "stages": []})
+        if self.data.sources:
+            data._source_name = source.name
         return self.model_copy(update={"data": data})
 
     def config_hash(self) -> str:
@@ -965,8 +1100,15 @@ class RunConfig(_Section):
         # A mix of one hashes as before mixtures existed: its runs resume.
         unset = {f for f in ("sources", "stages") if not getattr(self.data, f)}
         tree = self.model_dump(include=set(keys), exclude={"data": {"data_dir", "cache_limit", *unset},
-                                                           "training": per_rank})
+                                                           "training": per_rank,
+                                                           "model": {"init_from_fingerprint"},
+                                                           "tokenizer": {"sha256"}})
         tree["training"]["global_batch"] = self.global_batch
+        # The checkpoint and the tokenizer by what they hold, not where they lie: moved or
+        # mounted elsewhere, they continue the run (and a run without them hashes as before).
+        tree["model"]["init_from"] = self.model.init_from_fingerprint
+        if self.tokenizer.path is not None:
+            tree["tokenizer"]["path"] = self.tokenizer.sha256 or self.tokenizer.path
         return sha256_bytes(canonical_json(tree))[:16]
 
     def eval_hash(self) -> str:

@@ -5,21 +5,26 @@ model-0000i-of-0000n.safetensors with model.safetensors.index.json, and usually 
 tokenizer.json the model was trained with. `model_fields` reads config.json as ModelConfig
 fields; training/export.py writes the same mapping the other way (hf_config), and
 tests/test_init_from.py checks the two agree. The weights themselves are read by the
-workers (training/hf_weights.py), each rank only its own part.
+workers (training/hf_weights.py), each rank only its own part. `fingerprint` names the
+checkpoint by what it holds (the run's config hash uses it, not the directory's path), and
+`given_tokenizer_file` finds the tokenizer.json of such a directory (or of tokenizer.path).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
-from core.errors import ConfigError
+from core.errors import ConfigError, DataError
+from core.files import canonical_json, sha256_bytes, sha256_file
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
+_SAMPLE_BYTES = 64 * 1024  # of each weights file, twice, in its fingerprint
 
 # ModelConfig field <- config.json key, for the fields that carry over one to one.
 HF_FIELDS = {
@@ -67,6 +72,43 @@ def read_config(directory: str | Path) -> dict[str, Any]:
                           "is there; save the model with safetensors (save_pretrained does by "
                           "default; convert .bin or Meta's .pth weights first)")
     return config
+
+
+def fingerprint(directory: str | Path) -> str:
+    """What identifies the checkpoint in `directory` wherever it lies: config.json's and
+    tokenizer.json's sha256, and each safetensors file's name, size and a sample of its
+    weights (64 KiB from the middle and from the end: a fine-tune of the same model has the
+    same names and sizes, not the same weights). Milliseconds for any size of model; moving,
+    copying or re-mounting the directory keeps it, another checkpoint changes it."""
+    path = Path(directory)
+    tokenizer = path / TOKENIZER_FILE
+    weights = []
+    for file in sorted(path.glob("*.safetensors")):
+        size = file.stat().st_size
+        sample = hashlib.sha256()
+        with open(file, "rb") as f:
+            for offset in (size // 2, max(0, size - _SAMPLE_BYTES)):
+                f.seek(offset)
+                sample.update(f.read(_SAMPLE_BYTES))
+        weights.append([file.name, size, sample.hexdigest()])
+    return sha256_bytes(canonical_json({
+        CONFIG_FILE: sha256_file(path / CONFIG_FILE),
+        TOKENIZER_FILE: sha256_file(tokenizer) if tokenizer.is_file() else None,
+        "safetensors": weights,
+    }))[:16]
+
+
+def given_tokenizer_file(path: str | Path) -> Path:
+    """tokenizer.path as a file: a tokenizer.json, or the one in a Hugging Face tokenizer
+    directory (save_pretrained of a fast tokenizer writes it, as beside a checkpoint)."""
+    found = Path(path).expanduser()
+    if found.is_dir():
+        found = found / TOKENIZER_FILE
+    if not found.is_file():
+        raise DataError(f"tokenizer.path={path}: no {TOKENIZER_FILE} there; point it at a "
+                        f"{TOKENIZER_FILE} or a directory saved by save_pretrained (a fast "
+                        "tokenizer), or leave it unset to train one")
+    return found
 
 
 def model_fields(directory: str | Path) -> dict[str, Any]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from core.config import ConfigError, RunConfig, parse_bytes  # noqa: F401 (parse_bytes: API)
+from core.hf_llama import given_tokenizer_file
 from core.layout import DEGREES, MESH_DIMS, LayoutError, ParallelDims, Problem, pipeline_bubble  # noqa: F401 (API)
 from training.model import ModelArgs, model_args_from_config
 
@@ -475,15 +476,13 @@ def run_vocab_size(config: RunConfig) -> int:
     """The vocabulary the run's model gets: an existing tokenizer.path's own size (a
     tokenizer.json, or the one in a directory such as model.init_from's), else
     tokenizer.vocab_size (what a trained tokenizer has, exactly: training.tokenizer)."""
-    path = Path(config.tokenizer.path) if config.tokenizer.path else None
-    if path is not None and path.is_dir():
-        path = path / "tokenizer.json"
-    if path is not None and path.is_file():
+    if config.tokenizer.path is not None:
         try:
             from tokenizers import Tokenizer
 
+            path = given_tokenizer_file(config.tokenizer.path)
             return Tokenizer.from_file(str(path)).get_vocab_size()
-        except Exception:  # the prepare stage reports a broken tokenizer file in its own words
+        except Exception:  # the prepare stage reports a missing or broken tokenizer file
             pass
     return config.tokenizer.vocab_size
 

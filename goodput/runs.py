@@ -11,9 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import yaml
-
-from core.config import ConfigError, RunConfig, dump_config
+from core.config import ConfigError, RunConfig, dump_config, load_config
 from core.files import exclusive_lock, write_atomic
 from core.protocol import FailureClass, RunDir, step_of
 from goodput.checkpoint_lifecycle import resume_point, resume_position, set_aside_damaged
@@ -25,7 +23,14 @@ def write_run_config(config: RunConfig) -> Path:
     """Write config.yaml; refuse to continue a run whose trajectory-defining config changed."""
     path = config.run_dir.config_file
     if path.is_file():
-        previous = RunConfig.model_validate(yaml.safe_load(path.read_text()))
+        try:
+            previous = load_config(path)
+        except ConfigError as e:
+            raise ConfigError(
+                f"run '{config.run.run_id}' already exists at {config.run_dir}, and its saved "
+                f"config no longer loads, so whether this config continues it cannot be told: "
+                f"{e}\nFix that in {path} (or choose a new run.run_id, or delete the run "
+                "directory to start over).") from None
         if previous.config_hash() != config.config_hash():
             raise ConfigError(
                 f"run '{config.run.run_id}' already exists at {config.run_dir} with a different "
@@ -52,6 +57,12 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
             "finished, so every rerun would train its tail again. Leave it true.")
     config_path = write_run_config(config)
     resume = resume_point(config, store)
+    if resume is None and config.model.init_from and not Path(config.model.init_from).is_dir():
+        # Once the run has a checkpoint, init_from is not read again and may have moved.
+        raise ConfigError(f"model.init_from={config.model.init_from}: no such directory, and run "
+                          f"'{config.run.run_id}' has no checkpoint to resume from yet, so training "
+                          "starts from its weights; point model.init_from at the checkpoint's "
+                          "directory")
     if resume is not None and resume.step >= config.training.max_steps:
         log(f"checkpoint {resume} already reached max_steps={config.training.max_steps}")
         return AttemptResult(0, FailureClass.DONE, "already complete", resume.step, 0.0)

@@ -1,8 +1,15 @@
 """RunConfig: YAML + overrides, and errors that name the field and the fix."""
 
-import pytest
+import importlib.util
+import shutil
+import sys
 
-from core.config import ConfigError, RunConfig, config_from_dict, load_config
+import pytest
+import yaml
+
+from core.config import ConfigError, RunConfig, config_from_dict, dump_config, load_config
+from core.files import sha256_file
+from goodput.runs import write_run_config
 from storage.store import store_from_config
 
 
@@ -112,6 +119,62 @@ def test_config_hash_ignores_paths_and_faults():
     changed = load_config(None, ["training.lr=1e-4"])
     assert base.config_hash() == moved.config_hash()
     assert base.config_hash() != changed.config_hash()
+
+
+def test_tokenizer_path_is_made_absolute_and_the_hash_follows_its_file_not_its_place(tmp_path, monkeypatch):
+    """A relative tokenizer.path means the file from where the config was read, for every node
+    and later command; the run is tied to the tokenizer's bytes, so it may move."""
+    given = tmp_path / "here" / "tok.json"
+    given.parent.mkdir()
+    given.write_text('{"model": "one"}')
+    monkeypatch.chdir(given.parent)
+    config = load_config(None, ["tokenizer.path=tok.json"])
+    assert config.tokenizer.path == str(given) and config.tokenizer.sha256 == sha256_file(given)
+    saved = dump_config(config)
+    monkeypatch.chdir(tmp_path)
+    moved = tmp_path / "there" / "tok.json"
+    moved.parent.mkdir()
+    shutil.move(given, moved)
+    # The saved config loads without the file (it keeps the sha256), as the same run.
+    again = config_from_dict(yaml.safe_load(saved))
+    assert again == config and again.config_hash() == config.config_hash()
+    assert load_config(None, [f"tokenizer.path={moved}"]).config_hash() == config.config_hash()
+    moved.write_text('{"model": "another"}')
+    assert load_config(None, [f"tokenizer.path={moved}"]).config_hash() != config.config_hash()
+
+
+def test_a_saved_run_config_that_no_longer_loads_is_a_config_error(tmp_path):
+    """write_run_config compares with the run's config.yaml: one that does not validate (edited,
+    or written by another version) is a ConfigError naming the file and the field."""
+    config = load_config(None, [f"run.runs_dir={tmp_path}"])
+    path = write_run_config(config)
+    path.write_text(path.read_text().replace("max_steps: 300", "max_steps: 0"))
+    with pytest.raises(ConfigError, match=r"(?s)its saved config no longer loads.*"
+                                          r"training.max_steps: Input should be greater.*Fix that in"):
+        write_run_config(config)
+
+
+@pytest.mark.parametrize("override, package", [("tracking.wandb_project=pretrain", "wandb"),
+                                               ("tracking.mlflow_uri=http://mlflow:5000", "mlflow")])
+def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(monkeypatch, override, package):
+    """Not a ModuleNotFoundError on rank 0 after the model is built, retried to no end."""
+    field = override.split("=")[0]
+    monkeypatch.setitem(sys.modules, package, None)  # `import <package>` fails, as uninstalled
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert f"{field}: {field.split('.')[1]}=" in str(err.value)
+    assert f"needs the {package} package" in str(err.value)
+    assert "pip install 'goodput[tracking]'" in str(err.value)
+    monkeypatch.delitem(sys.modules, package)
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == package else find_spec(name, *a))
+    with pytest.raises(ConfigError, match=r"pip install 'goodput\[tracking\]'"):
+        load_config(None, [override])
+    # Installed (whether or not it is on this machine): accepted.
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == package else find_spec(name, *a))
+    load_config(None, [override])
 
 
 def test_data_settings_of_the_old_shape_say_what_replaced_them():

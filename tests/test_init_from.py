@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +27,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 
 from core.config import ConfigError, ParallelismConfig, config_from_dict, load_config
 from core.layout import ParallelDims
-from goodput.runs import write_run_config
+from goodput.runs import train_attempt, write_run_config
 from infra.torchrun import free_port
 from storage.manifests import DatasetManifest
+from storage.store import store_from_config
 from tests.helpers import REPO, losses_by_step, small_config, synthetic_dataset
 from training.data import DistributedSampleLoader, TokenStream
 from training.export import write_hf
@@ -207,6 +210,84 @@ def test_a_missing_tensor_or_shard_is_a_config_error_naming_it(tmp_path, checkpo
         goodput_model(sharded)
 
 
+def test_a_checkpoint_without_tokenizer_json_is_refused_when_the_config_is_read(tmp_path, checkpoints):
+    """Not late in prepare as "tokenizer.path=...", a field the user never set: model.init_from
+    is named, with tokenizer.json and how to get one."""
+    directory = tmp_path / "slow-tokenizer"
+    shutil.copytree(checkpoints["tied"], directory)
+    (directory / "tokenizer.json").unlink()
+    (directory / "tokenizer.model").write_bytes(b"sentencepiece")  # a slow tokenizer only
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"model.init_from={directory}", f"training.seq_len={SEQ}"])
+    message = str(err.value)
+    assert f"model.init_from={directory} has no tokenizer.json (only tokenizer.model)" in message
+    assert f"AutoTokenizer.from_pretrained('{directory}').save_pretrained('{directory}')" in message
+    assert "or set tokenizer.path to a tokenizer.json" in message
+    assert "tokenizer.path=" not in message
+    given = checkpoints["tied"] / "tokenizer.json"
+    config = load_config(None, [f"model.init_from={directory}", f"training.seq_len={SEQ}",
+                                f"tokenizer.path={given}"])
+    assert config.tokenizer.path == str(given)
+
+
+# -- where the checkpoint lies -----------------------------------------------------------------------
+
+def test_a_run_is_tied_to_the_checkpoint_not_to_where_it_lies(tmp_path, monkeypatch, checkpoints):
+    """init_from is made absolute and fingerprinted when the config is built. The run's
+    config.yaml (write_run_config's, which the workers, a resume and `goodput evaluate` read)
+    loads after the directory moved, as the same config; the same checkpoint at its new place
+    continues the run; another one (same shape and tokenizer, other weights) does not."""
+    original = tmp_path / "hf"
+    shutil.copytree(checkpoints["tied"], original)
+    monkeypatch.chdir(tmp_path)
+    run = [f"training.seq_len={SEQ}", f"run.runs_dir={tmp_path / 'runs'}"]
+    config = load_config(None, ["model.init_from=hf", *run])  # relative, as in the README
+    assert config.model.init_from == config.tokenizer.path == str(original)
+    saved = write_run_config(config)
+    moved = tmp_path / "mounted" / "elsewhere"
+    shutil.move(original, moved)
+    monkeypatch.chdir(moved)
+    reread = load_config(saved)
+    assert reread == config and reread.config_hash() == config.config_hash()
+    at_new_place = load_config(None, [f"model.init_from={moved}", *run])
+    assert at_new_place.model.init_from_fingerprint == config.model.init_from_fingerprint
+    assert at_new_place.config_hash() == config.config_hash()
+    assert write_run_config(at_new_place) == saved  # the same run
+    other = save_llama(tmp_path / "other", tied=True, seed=1)
+    with pytest.raises(ConfigError, match="with a different data/tokenizer/model/training config"):
+        write_run_config(load_config(None, [f"model.init_from={other}", *run]))
+
+
+def test_a_checkpoint_directory_that_is_gone_is_a_config_error_saying_what_to_do(tmp_path, checkpoints):
+    original = tmp_path / "hf"
+    shutil.copytree(checkpoints["tied"], original)
+    config = load_config(None, [f"model.init_from={original}", f"training.seq_len={SEQ}",
+                                f"run.runs_dir={tmp_path / 'runs'}", f"storage.uri={tmp_path / 'store'}"])
+    saved = write_run_config(config)
+    tree = yaml.safe_load(saved.read_text())
+    shutil.rmtree(original)
+    what_to_do = (rf"model.init_from={original}: no such directory; point it at the Hugging Face "
+                  r"Llama checkpoint directory .* where the checkpoint has moved to\. A run that "
+                  r"has saved a checkpoint of its own no longer reads it: the config.yaml in its "
+                  r"run directory states the checkpoint's shape")
+    # Unless a config states all the checkpoint gave it (as a saved one does), it needs it.
+    unsaved = {k: v for k, v in tree["model"].items() if k != "init_from_fingerprint"}
+    no_dim = {k: v for k, v in tree["model"].items() if k != "dim"}
+    for model in ({"init_from": str(original)}, unsaved, no_dim):
+        with pytest.raises(ConfigError, match=what_to_do):
+            config_from_dict({**tree, "model": model})
+    # The saved config loads; a run with no checkpoint yet would start from the weights, and
+    # is told before any worker starts.
+    with pytest.raises(ConfigError, match=rf"model.init_from={original}: no such directory, and "
+                                          "run 'tiny' has no checkpoint to resume from yet"):
+        train_attempt(load_config(saved), tmp_path, store_from_config(config.storage), "a-1", print)
+    # A run's config.yaml written before fingerprints, whose checkpoint has moved: which file.
+    saved.write_text(yaml.safe_dump({**tree, "model": unsaved}))
+    with pytest.raises(ConfigError, match=rf"(?s)run 'tiny' already exists .* its saved config no "
+                                          rf"longer loads.*{what_to_do}.*Fix that in {saved}"):
+        write_run_config(config)
+
+
 @pytest.mark.parametrize("kind", ["tied", "untied-sharded"])
 def test_the_planner_plans_the_checkpoints_model(checkpoints, kind):
     """What the train flow checks before launching: the checkpoint's model, its size exactly
@@ -262,9 +343,12 @@ def test_export_after_zero_steps_gives_back_the_original_tensors(checkpoints, ki
     original, exported = stored(directory), stored(tmp_path / "out")
     assert exported.keys() == original.keys()
     assert all(torch.equal(exported[k], original[k]) for k in original)
-    again = load_config(None, [f"model.init_from={tmp_path / 'out'}", f"training.seq_len={SEQ}"])
+    # (written without a tokenizer: the original's, given, as a run from it would need)
+    again = load_config(None, [f"model.init_from={tmp_path / 'out'}", f"training.seq_len={SEQ}",
+                               f"tokenizer.path={directory / 'tokenizer.json'}"])
     first = load_config(None, [f"model.init_from={directory}", f"training.seq_len={SEQ}"])
-    assert again.model.model_dump(exclude={"init_from"}) == first.model.model_dump(exclude={"init_from"})
+    where = {"init_from", "init_from_fingerprint"}  # another directory, files other than the weights
+    assert again.model.model_dump(exclude=where) == first.model.model_dump(exclude=where)
 
 
 # -- training from the checkpoint ------------------------------------------------------------------
@@ -318,6 +402,25 @@ def test_training_starts_from_the_checkpoints_weights(single, dataset, checkpoin
     fresh = Transformer(model_args_from_config(config.model, VOCAB), seed=t.seed)
     assert fresh(inputs, targets).item() != pytest.approx(hf_loss, rel=1e-2)
     assert sorted(losses) == list(range(1, STEPS + 1))
+
+
+def test_a_run_resumes_after_its_checkpoint_directory_moved(tmp_path, dataset, checkpoints):
+    """After the run's first checkpoint init_from is never read: the workers load the run's
+    config.yaml without it and resume from the run's own checkpoint."""
+    original = tmp_path / "hf"
+    shutil.copytree(checkpoints["tied"], original)
+    config, losses, _ = train(tmp_path, dataset, original, 1, "training.micro_batch_size=4")
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    shutil.move(original, tmp_path / "moved")
+    proc = subprocess.run([sys.executable, "-m", "training", "--config", str(config.run_dir.config_file),
+                           "--dataset", str(dataset), f"training.max_steps={STEPS + 2}"],
+                          capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[init_from]" not in proc.stdout
+    resumed = losses_by_step(config.run_dir)
+    assert sorted(resumed) == list(range(1, STEPS + 3))
+    assert all(resumed[step] == losses[step] for step in losses)  # steps 1-3 not trained again
 
 
 LAYOUTS = {

@@ -4,6 +4,7 @@ datasets (local and streamed from the store), and the pipeline end to end."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -51,14 +52,25 @@ def write_sources(root: Path, names, docs: int = 400) -> None:
      "exactly one of start_step and start_tokens"),
     (["data.sources=[{name: a, weight: 1, source: x}]",
       "data.stages=[{start_step: 9, weights: {a: 1}}, {start_step: 5, weights: {a: 1}}]"],
-     "give the stages in order"),
+     "data.stages[1].start_step=5 does not start after data.stages[0].start_step=9: give the "
+     "stages in order"),
+    # Named as written (steps, tokens), not in samples; a token count by the step it gives.
+    (["data.sources=[{name: a, weight: 1, source: x}]",
+      "data.stages=[{start_step: 5, weights: {a: 1}}, {start_tokens: 8000, weights: {a: 1}}]"],
+     "data.stages[1].start_tokens=8000 (step 5: the first after them, at 2048 tokens a step) "
+     "does not start after data.stages[0].start_step=5"),
+    (["data.sources=[{name: a, weight: 1, source: x}]", "data.stages=[{start_step: 1, weights: {a: 1}}]"],
+     "data.stages[0].start_step=1 starts the stage at the run's first step, so data.sources' "
+     "weights would never be used: put these weights in data.sources instead"),
+    (["data.sources=[{name: a, weight: 1, source: x}]", "data.stages=[{start_tokens: 0, weights: {a: 1}}]"],
+     "data.stages[0].start_tokens=0 starts the stage at the run's first step"),
     (["data.stages=[{start_step: 5, weights: {a: 1}}]"], "list the sources with their weights"),
     (["data.source=/corpus", "data.sources=[{name: a, weight: 1, source: x}]"],
      "data.source='/corpus' and data.sources are both set"),
     (["data.sources=[{name: 'a b', weight: 1, source: x}]"], "name a source with letters"),
 ])
 def test_a_mix_that_cannot_be_drawn_is_refused_naming_the_field(overrides, message):
-    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(None, overrides)
 
 
@@ -112,6 +124,30 @@ def test_the_schedule_is_the_same_however_it_is_cut_and_follows_its_stages():
     assert np.array_equal(np.concatenate([sources[:15], resumed.take(25)[0]]), sources)
     with pytest.raises(ConfigError, match="checkpoint data mix was a, b"):
         MixSchedule(["a", "b", "c"], stages).load_state_dict(15, first.state_dict())
+
+
+def test_errors_about_a_source_of_the_mix_name_its_fields(tmp_path):
+    """Not `data.source=...`, a field a mix leaves unset: data.sources[<name>].source, or the
+    source's own field to set, also for what is found while its documents are read."""
+    write_sources(tmp_path, ["web"])
+    web = f"{{name: web, weight: 1, source: {tmp_path / 'src' / 'web'}}}"
+
+    def error(source: str) -> str:
+        with pytest.raises(DataError) as err:
+            prep.prepare_dataset(make_config(tmp_path, f"data.sources=[{source}, {web}]"))
+        assert "data.source=" not in str(err.value)
+        return str(err.value)
+
+    nothing = error(f"{{name: code, weight: 1, source: '{tmp_path / 'nothing'}/*.jsonl'}}")
+    assert f"(data.sources[code].source='{tmp_path / 'nothing'}/*.jsonl'" in nothing
+    assert "or use data.sources[code].source=builtin" in nothing
+    blank = write_source(tmp_path / "src" / "blank", "jsonl", ["", "  "])
+    empty = error(f"{{name: blank, weight: 1, source: {blank}}}")
+    assert f"data.sources[blank].source='{blank}' holds no text" in empty
+    assert "check data.sources[blank].text_column" in empty
+    body = write_source(tmp_path / "src" / "body", "jsonl", ["some text"] * 20, column="body")
+    column = error(f"{{name: body, weight: 1, source: {body}}}")
+    assert "set data.sources[body].text_column if the text is in another field" in column
 
 
 # -- real prepared sources ------------------------------------------------------------------

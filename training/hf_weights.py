@@ -38,6 +38,10 @@ def stored_tensors(directory: str | Path) -> dict[str, tuple[str, tuple[int, ...
     """Every tensor of the checkpoint in `directory`: HF name -> (file, shape), from the
     safetensors headers only (no tensor data is read)."""
     directory = Path(directory)
+    if not directory.is_dir():  # moved since the config was read
+        raise ConfigError(f"model.init_from={directory}: no such directory; the run has no "
+                          "checkpoint of its own yet, so it starts from these weights: point "
+                          "model.init_from at the Hugging Face checkpoint's directory")
     index = directory / SHARD_INDEX
     if index.is_file():
         try:

@@ -303,7 +303,8 @@ def model_args_from_config(model_cfg, vocab_size: int) -> ModelArgs:
     """ModelConfig (core.config) + the tokenizer's vocabulary -> ModelArgs: the vocabulary
     rounded up to a multiple of model.vocab_multiple_of, or model.vocab_size where the config
     fixes it (a model.init_from checkpoint's embedding rows)."""
-    fields = model_cfg.model_dump(exclude={"vocab_multiple_of", "vocab_size", "init_from"})
+    fields = model_cfg.model_dump(exclude={"vocab_multiple_of", "vocab_size", "init_from",
+                                           "init_from_fingerprint"})
     if model_cfg.vocab_size is None:
         multiple = model_cfg.vocab_multiple_of
         return ModelArgs(vocab_size=-(-vocab_size // multiple) * multiple, **fields)

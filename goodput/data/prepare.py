@@ -46,6 +46,7 @@ from pydantic import BaseModel
 from core.config import SINGLE_SOURCE, DataConfig, RunConfig, SourceConfig, StorageConfig, parse_bytes
 from core.errors import ConfigError, DataError
 from core.files import canonical_json, sha256_bytes, sha256_file, write_atomic
+from core.hf_llama import given_tokenizer_file
 from goodput.data.corpus import BUILTIN, build_builtin_corpus, builtin_description
 from goodput.data.sources import (
     Piece,
@@ -87,6 +88,7 @@ class DatasetPlan(BaseModel):
     settings_key: str  # names the data settings, whatever the files hold: the pointer's key
     files: list[SourceFile] = []  # the listing; empty when found through the pointer
     tokenizer_from: str | None = None  # a mix's later source: the first source's dataset id
+    field_prefix: str = "data"  # how errors name the source's fields (DataConfig.field_prefix)
 
     @property
     def dir(self) -> Path:
@@ -156,10 +158,11 @@ def list_files(config: RunConfig) -> list[SourceFile]:
     data = config.data
     source = str(build_builtin_corpus(sources_dir(config))) if data.source == BUILTIN else data.source
     files = list_source(source, data.format, storage=config.storage, hub_config=data.hub_config,
-                        hub_split=data.hub_split, revision=data.revision)
+                        hub_split=data.hub_split, revision=data.revision,
+                        field_prefix=data.field_prefix)
     if not files:
-        raise DataError(f"data.source={data.source!r} lists no files of a known format "
-                        "(.jsonl/.json/.parquet/.txt, also .gz/.zst); point it at your corpus")
+        raise DataError(f"{data.field_prefix}.source={data.source!r} lists no files of a known "
+                        "format (.jsonl/.json/.parquet/.txt, also .gz/.zst); point it at your corpus")
     return files
 
 
@@ -190,7 +193,7 @@ def _plan(config: RunConfig, dataset_id: str, files: list[SourceFile],
                        local_dir=str(Path(config.data.data_dir) / dataset_id),
                        store_prefix=f"datasets/{dataset_id}",
                        settings_key=settings_key(config, tokenizer_from), files=files,
-                       tokenizer_from=tokenizer_from)
+                       tokenizer_from=tokenizer_from, field_prefix=config.data.field_prefix)
 
 
 def _tokenizer_settings(config: RunConfig, tokenizer_from: str | None = None) -> dict:
@@ -213,22 +216,11 @@ def _shard_settings(data: DataConfig) -> dict:
 def settings_key(config: RunConfig, tokenizer_from: str | None = None) -> str:
     """The data and tokenizer settings of one source as written (not what the files hold)."""
     tree = config.model_dump(include={"data", "tokenizer"},
-                             exclude={"data": {"data_dir", "cache_limit", "sources", "stages"}})
+                             exclude={"data": {"data_dir", "cache_limit", "sources", "stages"},
+                                      "tokenizer": {"sha256"}})
     if tokenizer_from is not None:
         tree["tokenizer_from"] = tokenizer_from
     return sha256_bytes(canonical_json(tree))[:16]
-
-
-def given_tokenizer_file(path: str) -> Path:
-    """tokenizer.path as a file: a tokenizer.json, or the one in an HF tokenizer directory."""
-    found = Path(path).expanduser()
-    if found.is_dir():
-        found = found / TOKENIZER_FILE
-    if not found.is_file():
-        raise DataError(f"tokenizer.path={path}: no tokenizer.json there; point it at a "
-                        "tokenizer.json or a directory saved by save_pretrained (a fast "
-                        "tokenizer), or leave it unset to train one")
-    return found
 
 
 def plan_units(plan: DatasetPlan, config: RunConfig) -> list[WorkUnit]:
@@ -536,7 +528,8 @@ def _unit_batches(unit: WorkUnit, data: DataConfig, storage: StorageConfig, coun
     left = unit.max_docs
     for piece in unit.pieces:
         reader = read_documents(piece, data.text_column, on_bad_record=data.on_bad_record,
-                                storage=storage, batch_bytes=_BATCH_BYTES)
+                                storage=storage, batch_bytes=_BATCH_BYTES,
+                                field_prefix=data.field_prefix)
         try:
             for batch in reader:
                 if left is not None:
@@ -674,13 +667,14 @@ def write_manifest(plan: DatasetPlan, results: list[UnitResult], tokenizer_path:
     results = sorted(results, key=lambda r: r.index)
     splits = {split: [s for r in results for s in r.shards[split]] for split in SPLITS}
     docs, skipped = sum(r.docs for r in results), sum(r.skipped for r in results)
+    field = plan.field_prefix
     if docs == 0:
-        raise DataError(f"data.source={plan.source!r} holds no text: none of its documents has "
-                        f"any ({skipped} bad records skipped); point data.source at files with "
-                        "text, or check data.text_column")
+        raise DataError(f"{field}.source={plan.source!r} holds no text: none of its documents has "
+                        f"any ({skipped} bad records skipped); point {field}.source at files with "
+                        f"text, or check {field}.text_column")
     for split, shards in splits.items():
         if not shards:
-            raise DataError(f"data.source={plan.source!r}: its {docs} document(s) (after "
+            raise DataError(f"{field}.source={plan.source!r}: its {docs} document(s) (after "
                             f"{skipped} bad records skipped) leave the {split} split empty; add "
                             "documents or change data.validation_fraction")
     manifest = DatasetManifest(

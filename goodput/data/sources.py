@@ -91,22 +91,26 @@ class Piece(BaseModel):
 # -- listing ---------------------------------------------------------------------------------
 
 def list_source(source: str, fmt: str = "auto", *, storage=None, hub_config: str | None = None,
-                hub_split: str = "train", revision: str | None = None) -> list[SourceFile]:
+                hub_split: str = "train", revision: str | None = None,
+                field_prefix: str = "data") -> list[SourceFile]:
     """The files `source` names, sorted by URI; one `hub:` entry for a hub dataset.
 
     `storage` (a StorageConfig) gives the endpoint and region for s3:// sources. Reads no
     file content: the listing is the dataset's fingerprint and must stay cheap at 100 TB.
+    `field_prefix` is how errors name the fields of the source (DataConfig.field_prefix):
+    `data` (data.source, data.format) or, for a source of a mix, `data.sources[<name>]`.
     """
     if fmt not in ("auto", "json", "parquet", "text"):
         raise ValueError(f"unknown format {fmt!r}: use auto, json, parquet or text")
     parts = [p.strip() for p in source.split(",") if p.strip()]
     if not parts:
-        raise DataError("data.source is empty; name files, an s3:// prefix or a hub dataset")
+        raise DataError(f"{field_prefix}.source is empty; name files, an s3:// prefix or a hub dataset")
     if len(parts) == 1 and not parts[0].startswith("s3://") and not _looks_local(parts[0]):
-        return [list_hub(parts[0], hub_config, hub_split, revision)]
+        return [list_hub(parts[0], hub_config, hub_split, revision, field_prefix=field_prefix)]
     files: dict[str, SourceFile] = {}
     for part in parts:
-        found = _list_s3(part, source, fmt, storage) if part.startswith("s3://") else _list_local(part, source, fmt)
+        found = (_list_s3(part, source, fmt, storage, field_prefix) if part.startswith("s3://")
+                 else _list_local(part, source, fmt, field_prefix))
         files.update((f.uri, f) for f in found)
     return [files[uri] for uri in sorted(files)]
 
@@ -127,15 +131,16 @@ def _kind(name: str) -> tuple[str | None, Compression]:
     return FORMAT_OF_EXTENSION.get(ext), compression
 
 
-def _list_local(part: str, source: str, fmt: str) -> list[SourceFile]:
+def _list_local(part: str, source: str, fmt: str, field_prefix: str) -> list[SourceFile]:
     paths = _expand(part)
     if not paths:
-        raise DataError(f"no files match {part!r} (data.source={source!r}, looked from "
-                        f"{os.getcwd()}); fix the path or glob, or use data.source=builtin")
+        raise DataError(f"no files match {part!r} ({field_prefix}.source={source!r}, looked from "
+                        f"{os.getcwd()}); fix the path or glob, or use {field_prefix}.source=builtin")
     files = []
     for path in paths:
         stat = path.stat()
-        files.append(_source_file(str(path), stat.st_size, str(stat.st_mtime_ns), fmt, source))
+        files.append(_source_file(str(path), stat.st_size, str(stat.st_mtime_ns), fmt, source,
+                                  field_prefix))
     return files
 
 
@@ -156,26 +161,27 @@ def _expand(part: str) -> list[Path]:
     return [p.resolve() for p in files]
 
 
-def _source_file(uri: str, size: int, version: str, fmt: str, source: str) -> SourceFile:
+def _source_file(uri: str, size: int, version: str, fmt: str, source: str,
+                 field_prefix: str) -> SourceFile:
     detected, compression = _kind(uri)
     file_format = detected if fmt == "auto" else fmt
     if file_format is None:
-        raise DataError(f"cannot tell the format of {uri} (data.source={source!r}) from its "
-                        "extension; rename it (.jsonl, .json, .parquet, .txt, each optionally "
-                        "with .gz or .zst) or set data.format=json|parquet|text")
+        raise DataError(f"cannot tell the format of {uri} ({field_prefix}.source={source!r}) from "
+                        "its extension; rename it (.jsonl, .json, .parquet, .txt, each optionally "
+                        f"with .gz or .zst) or set {field_prefix}.format=json|parquet|text")
     if file_format == "parquet" and compression:
-        raise DataError(f"{uri} (data.source={source!r}) is a {compression}-compressed parquet "
+        raise DataError(f"{uri} ({field_prefix}.source={source!r}) is a {compression}-compressed parquet "
                         "file, which cannot be read by row groups; parquet compresses inside: "
                         "decompress it (or write it with compression='zstd')")
     return SourceFile(uri=uri, size=size, version=version, format=file_format, compression=compression)
 
 
-def _list_s3(uri: str, source: str, fmt: str, storage) -> list[SourceFile]:
+def _list_s3(uri: str, source: str, fmt: str, storage, field_prefix: str) -> list[SourceFile]:
     """The objects of a known format under the folder `uri`, or the one object it names."""
     try:
         bucket, prefix = parse_s3_uri(uri)
     except ValueError as e:
-        raise DataError(f"data.source={source!r}: {e}") from None
+        raise DataError(f"{field_prefix}.source={source!r}: {e}") from None
     store = _s3_store(bucket, storage)
     try:
         objects = [o for o in store.list_objects(f"{prefix}/" if prefix else "")
@@ -183,11 +189,12 @@ def _list_s3(uri: str, source: str, fmt: str, storage) -> list[SourceFile]:
         if not objects and prefix:  # no folder: maybe the key of one object
             objects = [o for o in store.list_objects(prefix) if o[0] == prefix]
     except FileNotFoundError as e:  # no such bucket
-        raise DataError(f"data.source={source!r}: {e}; fix the bucket name") from None
+        raise DataError(f"{field_prefix}.source={source!r}: {e}; fix the bucket name") from None
     if not objects:
         raise DataError(f"no objects of a known format (.jsonl, .json, .parquet, .txt, also .gz "
-                        f"or .zst) under {uri} (data.source={source!r}); fix the prefix")
-    return [_source_file(f"s3://{bucket}/{key}", size, etag, fmt, source) for key, size, etag in objects]
+                        f"or .zst) under {uri} ({field_prefix}.source={source!r}); fix the prefix")
+    return [_source_file(f"s3://{bucket}/{key}", size, etag, fmt, source, field_prefix)
+            for key, size, etag in objects]
 
 
 def _s3_store(bucket: str, storage):
@@ -206,27 +213,29 @@ def _s3_store(bucket: str, storage):
 
 
 def list_hub(name: str, hub_config: str | None = None, hub_split: str = "train",
-             revision: str | None = None) -> SourceFile:
+             revision: str | None = None, *, field_prefix: str = "data") -> SourceFile:
     """A hub dataset (or a local dataset folder, which `datasets` streams the same way) as one
     entry; its shards (data files) are what work units split."""
-    ds = _load_hub(name, hub_config, hub_split, revision)
+    ds = _load_hub(name, hub_config, hub_split, revision, field_prefix)
     return SourceFile(uri=f"hub:{name}", size=0, version=revision or "latest", format="hub",
                       hub_config=hub_config, hub_split=hub_split, n_shards=ds.n_shards)
 
 
-def _load_hub(name: str, hub_config: str | None, hub_split: str, revision: str | None):
+def _load_hub(name: str, hub_config: str | None, hub_split: str, revision: str | None,
+              field_prefix: str):
     import datasets  # slow to import; only hub sources need it
 
+    f = field_prefix
     try:
         return datasets.load_dataset(name, hub_config, split=hub_split, revision=revision, streaming=True)
     except ConnectionError as e:
         raise DataError(
-            f"data.source={name!r} is no local file or s3:// URI, so it was read as a Hugging Face "
+            f"{f}.source={name!r} is no local file or s3:// URI, so it was read as a Hugging Face "
             f"hub dataset, but the hub is unreachable from here ({e}); use local files "
-            "(data.source=path/to/*.jsonl) or s3://bucket/prefix, or data.source=builtin") from e
+            f"({f}.source=path/to/*.jsonl) or s3://bucket/prefix, or {f}.source=builtin") from e
     except Exception as e:  # unknown name, config or split: the hub said no
-        raise DataError(f"cannot open hub dataset {name!r} (data.hub_config={hub_config}, "
-                        f"data.hub_split={hub_split}, data.revision={revision}): {e}") from e
+        raise DataError(f"cannot open hub dataset {name!r} ({f}.hub_config={hub_config}, "
+                        f"{f}.hub_split={hub_split}, {f}.revision={revision}): {e}") from e
 
 
 def fingerprint(files: list[SourceFile]) -> list[list]:
@@ -320,11 +329,13 @@ def _row_group_bytes(row_group) -> int:
 # -- reading ---------------------------------------------------------------------------------
 
 def read_documents(piece: Piece, text_column: str = "text", *, on_bad_record: str = "error",
-                   storage=None, batch_bytes: int = 8 * MiB) -> DocumentBatches:
-    """The non-empty documents of `piece`, as batches (lists) of about `batch_bytes` of text."""
+                   storage=None, batch_bytes: int = 8 * MiB,
+                   field_prefix: str = "data") -> DocumentBatches:
+    """The non-empty documents of `piece`, as batches (lists) of about `batch_bytes` of text
+    (`field_prefix`: as list_source's)."""
     if piece.file.compression and (piece.start or piece.stop is not None):
         raise ValueError(f"{piece.describe()}: a compressed file can only be read whole")
-    return DocumentBatches(piece, text_column, on_bad_record, storage, batch_bytes)
+    return DocumentBatches(piece, text_column, on_bad_record, storage, batch_bytes, field_prefix)
 
 
 class DocumentBatches:
@@ -338,11 +349,12 @@ class DocumentBatches:
     empty, whitespace or null are dropped without counting, as before.
     """
 
-    def __init__(self, piece: Piece, text_column: str, on_bad_record: str, storage, batch_bytes: int):
+    def __init__(self, piece: Piece, text_column: str, on_bad_record: str, storage, batch_bytes: int,
+                 field_prefix: str = "data"):
         if on_bad_record not in ("error", "skip"):
             raise ValueError(f"on_bad_record must be 'error' or 'skip', not {on_bad_record!r}")
         self.piece, self.text_column, self.on_bad_record = piece, text_column, on_bad_record
-        self.storage, self.batch_bytes = storage, batch_bytes
+        self.storage, self.batch_bytes, self.field_prefix = storage, batch_bytes, field_prefix
         self.docs = self.skipped = self.bytes_read = 0
 
     def __iter__(self) -> Iterator[list[str]]:
@@ -423,8 +435,8 @@ class DocumentBatches:
         file, column = self.piece.file, self.text_column
         with _open_binary(file, 0, self.storage) as f:
             raw = _Counted(f)
-            pf = _parquet_file(raw, file)
-            _check_text_column(pf.schema_arrow, column, file.uri)
+            pf = _parquet_file(raw, file, self.field_prefix)
+            _check_text_column(pf.schema_arrow, column, file.uri, self.field_prefix)
             meta = pf.metadata
             stop = meta.num_row_groups if self.piece.stop is None else min(self.piece.stop, meta.num_row_groups)
             for i in range(self.piece.start, stop):
@@ -443,14 +455,16 @@ class DocumentBatches:
     def _hub_texts(self) -> Iterator[str | None]:
         file, column = self.piece.file, self.text_column
         name = file.uri.removeprefix("hub:")
-        ds = _load_hub(name, file.hub_config, file.hub_split, None if file.version == "latest" else file.version)
+        ds = _load_hub(name, file.hub_config, file.hub_split,
+                       None if file.version == "latest" else file.version, self.field_prefix)
         if ds.n_shards != file.n_shards:
             raise DataError(f"hub dataset {name!r} has {ds.n_shards} shards now, {file.n_shards} "
-                            "when listed; pin data.revision so the data cannot change under a run")
+                            f"when listed; pin {self.field_prefix}.revision so the data cannot "
+                            "change under a run")
         if ds.column_names is not None:
             if column not in ds.column_names:
                 raise DataError(f"hub dataset {name!r} has no column {column!r}; its columns are "
-                                f"{ds.column_names}: set data.text_column=<one of them>")
+                                f"{ds.column_names}: set {self.field_prefix}.text_column=<one of them>")
             ds = ds.select_columns([column])
         stop = file.n_shards if self.piece.stop is None else self.piece.stop
         for shard in range(self.piece.start, stop):
@@ -470,7 +484,7 @@ class DocumentBatches:
         `where` names the line for errors: its number from the file's start, else its offset.
         """
         file, start, stop = self.piece.file, self.piece.start, self.piece.stop
-        lines = _lines(read, max(start - 1, 0), file.uri)
+        lines = _lines(read, max(start - 1, 0), file.uri, self.field_prefix)
         if start > 0:
             next(lines, None)
         first = None
@@ -491,7 +505,7 @@ class DocumentBatches:
         if self.text_column not in obj:
             fields = ", ".join(list(obj)[:10])
             return self._bad(where(), f"has no field {self.text_column!r} (it has: {fields}); set "
-                             "data.text_column if the text is in another field")
+                             f"{self.field_prefix}.text_column if the text is in another field")
         value = obj[self.text_column]
         if value is not None and not isinstance(value, str):
             return self._bad(where(), f"holds {type(value).__name__} in {self.text_column!r}, not text")
@@ -591,7 +605,8 @@ def _peek(read: Callable[[int], bytes]) -> tuple[bytes, Callable[[int], bytes]]:
     return head.lstrip()[:1], lambda n: pending.pop() if pending else read(n)
 
 
-def _lines(read: Callable[[int], bytes], offset: int, uri: str) -> Iterator[tuple[int, bytes]]:
+def _lines(read: Callable[[int], bytes], offset: int, uri: str,
+           field_prefix: str = "data") -> Iterator[tuple[int, bytes]]:
     """(offset, line without b"\\n") for each line of a stream that begins at `offset`."""
     parts: list[bytes] = []  # the line read so far, joined once its end arrives
     pending = 0
@@ -602,7 +617,8 @@ def _lines(read: Callable[[int], bytes], offset: int, uri: str) -> Iterator[tupl
             pending += len(chunk)
             if pending > MAX_LINE:
                 raise DataError(f"{uri} has a line over {MAX_LINE // MiB} MiB at byte {offset}: "
-                                "not JSON Lines or text with one document per line; fix data.format")
+                                "not JSON Lines or text with one document per line; fix "
+                                f"{field_prefix}.format")
             continue
         lines = b"".join([*parts, chunk[:cut]]).split(b"\n")
         parts = [chunk[cut + 1 :]]
@@ -614,24 +630,24 @@ def _lines(read: Callable[[int], bytes], offset: int, uri: str) -> Iterator[tupl
         yield offset, tail
 
 
-def _parquet_file(raw: _Counted, file: SourceFile) -> pq.ParquetFile:
+def _parquet_file(raw: _Counted, file: SourceFile, field_prefix: str = "data") -> pq.ParquetFile:
     try:  # buffer_size: read column chunks page by page, so memory stays bounded
         return pq.ParquetFile(raw, buffer_size=8 * MiB)
     except (pa.ArrowException, OSError) as e:
         if raw.error is not None:
             raise
         raise DataError(f"{file.uri} is not a readable parquet file ({e}); fix or replace it, or "
-                        "set data.format if its extension is misleading") from e
+                        f"set {field_prefix}.format if its extension is misleading") from e
 
 
-def _check_text_column(schema: pa.Schema, column: str, uri: str) -> None:
+def _check_text_column(schema: pa.Schema, column: str, uri: str, field_prefix: str = "data") -> None:
     if column not in schema.names:
         raise DataError(f"{uri} has no column {column!r}; its columns are {schema.names}: set "
-                        "data.text_column=<one of them>")
+                        f"{field_prefix}.text_column=<one of them>")
     kind = schema.field(column).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
-        raise DataError(f"column {column!r} of {uri} holds {kind}, not text; set data.text_column "
-                        "to a text column")
+        raise DataError(f"column {column!r} of {uri} holds {kind}, not text; set "
+                        f"{field_prefix}.text_column to a text column")
 
 
 def _rows_per_batch(row_group, column: str, batch_bytes: int) -> int:
