@@ -365,7 +365,8 @@ def train_once(args, workdir: Path, task_dir: Path, every: int) -> dict:
         f"eval.batch_size={args.batch_size}", "eval.max_batches=1", "eval.num_samples=0"])
     load_before = os.getloadavg()[0]
     state = train(config, return_state=True)
-    state.result()  # raises when training failed
+    if not state.is_completed():  # (its result is not read back: under load, the ephemeral
+        state.result()            # API once handed back a Completed state without its data)
     load_after = os.getloadavg()[0]
     records = sorted((r for r in read_metrics(config.run_dir) if "step_time_s" in r), key=lambda r: r["step"])
     intervals = eval_intervals(state.state_details.flow_run_id) if every else []
