@@ -9,7 +9,13 @@ from prefect import flow
 from core.config import RunConfig
 from storage.manifests import EvalReport
 from tasks.control import resolve_config
-from tasks.evaluate import evaluate_checkpoint, locate_checkpoint, publish_eval_report, record_eval
+from tasks.evaluate import (
+    check_eval_tasks,
+    evaluate_checkpoint,
+    locate_checkpoint,
+    publish_eval_report,
+    record_eval,
+)
 from tasks.train import locate_dataset
 
 
@@ -29,7 +35,12 @@ def evaluate(config: RunConfig = RunConfig(), checkpoint: str | None = None,
     """
     started = time.time()
     config = resolve_config(config, config_file, overrides)
-    dataset_dir = locate_dataset(config)
+    # A misspelt eval.tasks name fails here, before a checkpoint is downloaded or evaluated.
+    eval_tasks = check_eval_tasks.submit(config) if config.eval.tasks else None
+    dataset = locate_dataset.submit(config)
+    if eval_tasks is not None:
+        eval_tasks.result()
+    dataset_dir = dataset.result()
     path = locate_checkpoint(config, checkpoint)
     report = evaluate_checkpoint(config, path, dataset_dir)
     publish_eval_report(report)

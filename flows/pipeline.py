@@ -13,6 +13,7 @@ from flows.evaluate import evaluate
 from flows.prepare import prepare
 from flows.train import train
 from tasks.control import resolve_config
+from tasks.evaluate import check_eval_tasks
 from tasks.layout import check_layout
 from tasks.reporting import WorkerLogs
 
@@ -22,8 +23,10 @@ def pipeline(config: RunConfig = RunConfig(), config_file: str | None = None,
              overrides: tuple[str, ...] = (), worker_logs: WorkerLogs = "rank0") -> dict:
     """Prepare the dataset, train on it, evaluate the newest checkpoint.
 
-    The layout is checked first, so that one that cannot run fails in seconds, before the
-    dataset is prepared (the train stage checks it again, as it does on its own).
+    The layout and the names of eval.tasks are checked first, so that a layout that cannot
+    run or a misspelt task fails in seconds, before the dataset is prepared (the train and
+    evaluate stages check again, as they do on their own; the task names are kept, so
+    that costs little).
 
     Args:
         config: The run's configuration (the form); used unless `config_file` is set.
@@ -34,7 +37,10 @@ def pipeline(config: RunConfig = RunConfig(), config_file: str | None = None,
             rank ("all").
     """
     config = resolve_config(config, config_file, overrides)
+    eval_tasks = check_eval_tasks.submit(config) if config.eval.tasks else None
     check_layout(config)
+    if eval_tasks is not None:
+        eval_tasks.result()
     dataset = prepare(config)
     trained = train(config, worker_logs=worker_logs)
     report = evaluate(config)

@@ -12,7 +12,7 @@ from core.config import RunConfig
 from goodput.checkpoint_lifecycle import new_checkpoints
 from goodput.evaluation import evaluation_due
 from tasks.control import no_orphan_workers, resolve_config, training_slot
-from tasks.evaluate import evaluate_validated
+from tasks.evaluate import check_eval_tasks, evaluate_validated
 from tasks.layout import check_layout
 from tasks.reporting import (
     WorkerLogs,
@@ -39,7 +39,8 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
     """Train to `training.max_steps`, resuming from the newest validated checkpoint.
 
     The layout is checked against the hardware first (check-layout): one that cannot run,
-    out of memory say, fails the flow with the fix before any worker starts.
+    out of memory say, fails the flow with the fix before any worker starts; so does a name
+    in eval.tasks that no task index knows (check-eval-tasks).
 
     While torchrun runs, every checkpoint it commits is validated in a fresh process and
     uploaded to the store; a failed attempt is retried by Prefect and resumes from there.
@@ -57,8 +58,14 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
     """
     started = time.time()
     config = resolve_config(config, config_file, overrides)
+    # Configuration checks before anything launches: eval.tasks' names (lm-eval's task index,
+    # seconds when not cached) beside the layout check and finding the dataset.
+    eval_tasks = check_eval_tasks.submit(config) if config.eval.tasks else None
     check_layout(config)  # a layout that cannot run fails here, before anything launches
-    dataset_dir = locate_dataset(config)
+    dataset = locate_dataset.submit(config)
+    if eval_tasks is not None:
+        eval_tasks.result()  # a misspelt task fails the run here, not after training
+    dataset_dir = dataset.result()
     with training_slot(config), no_orphan_workers():
         training = launch_training.with_options(
             retries=config.run.max_attempts - 1, retry_delay_seconds=config.run.retry_delay_s,

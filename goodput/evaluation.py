@@ -17,6 +17,17 @@ from storage.ledger import choose_resume, readable_copy
 from storage.manifests import EvalReport, dataset_id_of
 
 
+def check_tasks(config: RunConfig) -> dict[str, str]:
+    """The names of eval.tasks resolved before anything launches: each one's source
+    ('eval.task_dir' or 'lm-eval'), or a ConfigError naming the unknown ones and their closest
+    names. Names only: whether a task's data is there shows when the evaluation loads it."""
+    if not config.eval.tasks:
+        return {}
+    from training.downstream import check_task_names  # imports lm-eval only when asked
+
+    return check_task_names(list(config.eval.tasks), config.eval.task_dir)
+
+
 def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = None) -> Path:
     """A validated checkpoint of the run: the newest, or the given step, or a directory.
 

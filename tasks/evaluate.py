@@ -40,6 +40,20 @@ def _retry_unless_config_error(task, task_run, state) -> bool:
     return True
 
 
+@task(name="check-eval-tasks", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2,
+      retry_condition_fn=_retry_unless_config_error, tags=["config", "evaluate"])
+def check_eval_tasks(config: RunConfig) -> dict[str, str]:
+    """Resolve the names of eval.tasks (lm-eval's task index and eval.task_dir) so that a
+    misspelt one fails the flow before anything launches, not at the first evaluation after
+    training. Flows submit it first, beside their other start-up work. A ConfigError (the
+    unknown name, its closest names, how to list tasks) is not retried."""
+    started = time.perf_counter()
+    found = evaluation.check_tasks(config)
+    get_run_logger().info(f"eval.tasks resolved in {time.perf_counter() - started:.2f} s: "
+                          + ", ".join(f"{name} ({source})" for name, source in found.items()))
+    return found
+
+
 @task(name="evaluate-checkpoint", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=5,
       retry_condition_fn=_retry_unless_config_error, tags=["evaluate"])
 def evaluate_checkpoint(config: RunConfig, checkpoint: Path, dataset_dir: Path) -> EvalReport:

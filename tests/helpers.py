@@ -132,3 +132,13 @@ class Watcher(threading.Thread):
 def thread_nice() -> int:
     """The calling thread's nice value (Linux keeps one per thread; core.cpu_priority)."""
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+
+def task_runs_of(flow_run_id) -> dict[str, object]:
+    """The flow run's task runs by task name (names are `<task>-<suffix>`)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name.rsplit("-", 1)[0]: run for run in runs}

@@ -279,3 +279,111 @@ def test_config_refuses_blank_and_repeated_task_names():
         load_config(None, ["eval.tasks=[hellaswag, piqa, hellaswag]"])
     with pytest.raises(ConfigError, match="eval.tasks: an empty task name"):
         load_config(None, ["eval.tasks=['']"])
+
+
+# --- eval.tasks resolved before anything launches (training.downstream.check_task_names, the
+# check-eval-tasks task the train, pipeline and evaluate flows run first) ---
+
+@pytest.fixture
+def names_cache(tmp_path, monkeypatch):
+    """lm-eval's task names kept in a fresh folder, none kept in this process."""
+    import training.downstream as downstream
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(downstream, "_LIBRARY_NAMES", {})
+    return tmp_path / "cache" / "goodput"
+
+
+def test_task_names_are_checked_without_loading_tasks(setup, names_cache):
+    from training.downstream import check_task_names
+
+    task_dir = str(setup["task_dir"])
+    # Custom tasks only: lm-eval's own library is not indexed at all.
+    assert check_task_names(TASKS, task_dir) == dict.fromkeys(TASKS, "eval.task_dir")
+    assert not names_cache.exists()
+    assert check_task_names(["colors_mc", "hellaswag", "ai2_arc"], task_dir) == {
+        "colors_mc": "eval.task_dir", "hellaswag": "lm-eval", "ai2_arc": "lm-eval"}
+
+    with pytest.raises(ConfigError) as err:  # a typo in a custom task's name
+        check_task_names(["colors_mc", "colors_clozee"], task_dir)
+    message = str(err.value)
+    assert message.startswith("eval.tasks: 'colors_clozee' (did you mean colors_cloze")
+    assert f"is not a task, group or tag of lm-eval" in message and f"or of eval.task_dir={task_dir}" in message
+    assert f"`lm-eval ls tasks --include_path {task_dir}`" in message
+
+    with pytest.raises(ConfigError) as err:  # and in a built-in one, two at once
+        check_task_names(["hellaswg", "colors_mc", "arc_esy"], None)
+    message = str(err.value)
+    assert "eval.tasks: 'hellaswg' (did you mean hellaswag" in message
+    assert "'arc_esy' (did you mean arc_easy" in message and "are not a task" in message
+    assert "`lm-eval ls tasks`" in message  # colors_mc is unknown without the task folder
+    assert "'colors_mc'" in message
+
+
+def test_lm_eval_task_names_are_kept_per_lm_eval_version_and_task_files(names_cache):
+    import training.downstream as downstream
+    from training.downstream import check_task_names, library_task_names
+
+    names = library_task_names()  # indexed (seconds) and kept on disk
+    assert {"hellaswag", "arc_easy", "piqa", "lambada_openai", "winogrande"} <= names
+    (kept,) = names_cache.glob("lm-eval-*-task-names.json")
+    record = json.loads(kept.read_text())
+    assert set(record["names"]) == names
+
+    def keep(names: list[str], signature: list | None = None) -> None:
+        kept.write_text(json.dumps({"signature": signature or record["signature"], "names": names}))
+        downstream._LIBRARY_NAMES.clear()
+
+    keep(["hellaswag", "made_up_task"])  # the kept names are what a new process reads
+    assert library_task_names() == {"hellaswag", "made_up_task"}
+    # A name missing from kept names is looked up in a fresh index before it is refused.
+    keep(["made_up_task"])
+    assert check_task_names(["hellaswag"], None) == {"hellaswag": "lm-eval"}
+    assert set(json.loads(kept.read_text())["names"]) == names
+    # Names kept for other task files (lm-eval upgraded, a task edited) are not used.
+    keep(["made_up_task"], signature=[*record["signature"][:2], record["signature"][2] + 1,
+                                      *record["signature"][3:]])
+    assert library_task_names() == names
+
+
+def test_flows_refuse_an_unknown_task_before_anything_launches(prefect_api, setup, tmp_path, names_cache):
+    from flows.evaluate import evaluate as evaluate_flow
+    from flows.pipeline import pipeline
+    from flows.train import train
+    from tests.helpers import task_runs_of
+
+    task_dir = setup["task_dir"]
+    # train: a typo in a custom task's name; no dataset either, but the config error comes first.
+    config = small_config(tmp_path, "run.run_id=typo", "eval.tasks=[colors_mc, colors_mcq]",
+                          f"eval.task_dir={task_dir}", "eval.every_validated=1")
+    state = train(config, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ConfigError, match=r"^eval.tasks: 'colors_mcq' \(did you mean colors_mc, .*\) is "
+                                          r"not a task, group or tag of lm-eval .* or of eval.task_dir="):
+        state.result()
+    runs = task_runs_of(state.state_details.flow_run_id)
+    assert "launch-training" not in runs and runs["check-eval-tasks"].state.is_failed()
+    assert runs["check-eval-tasks"].run_count == 1  # a configuration error is not retried
+    assert not config.run_dir.checkpoints.exists()
+
+    # pipeline: a typo in a built-in name fails before the dataset is prepared.
+    config = small_config(tmp_path / "pipeline", "run.run_id=typo-pipeline", "eval.tasks=[colors_mc, hellaswg]",
+                          f"eval.task_dir={task_dir}")
+    state = pipeline(config, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ConfigError) as err:
+        state.result()
+    assert "eval.tasks: 'hellaswg' (did you mean hellaswag" in str(err.value)
+    assert f"`lm-eval ls tasks --include_path {task_dir}`" in str(err.value)
+    assert set(task_runs_of(state.state_details.flow_run_id)) == {
+        "resolve-config", "check-eval-tasks", "check-layout"}
+    assert not (tmp_path / "pipeline" / "data").exists()
+
+    # evaluate (`goodput evaluate`): before a checkpoint is located, downloaded or read.
+    config = small_config(tmp_path / "evaluate", "run.run_id=typo", "eval.tasks=[colors_texts]",
+                          f"eval.task_dir={task_dir}")
+    state = evaluate_flow(config, checkpoint=str(setup["checkpoint"]), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ConfigError, match="eval.tasks: 'colors_texts' \\(did you mean colors_text"):
+        state.result()
+    assert "locate-checkpoint" not in task_runs_of(state.state_details.flow_run_id)

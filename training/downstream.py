@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 import logging
 import math
 import os
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from core.errors import ConfigError
+from core.files import write_atomic
 from training.logs import get_logger
 from training.model import Transformer
 from training.tokenizer import eos_id
@@ -204,14 +206,96 @@ def task_manager_for(tasks: list[str], task_dir: str | None):
     manager = TaskManager(include_path=str(Path(task_dir).expanduser()) if task_dir else None)
     unknown = [name for name in tasks if name not in manager.all_tasks]
     if unknown:
-        hints = []
-        for name in unknown:
-            close = difflib.get_close_matches(name, manager.all_tasks, n=3)
-            hints.append(f"'{name}'" + (f" (did you mean {', '.join(close)}?)" if close else ""))
-        where = f"lm-eval {_lm_eval_version()}" + (f" or eval.task_dir={task_dir}" if task_dir else "")
-        raise ConfigError(f"eval.tasks: {', '.join(hints)} not a task, group or tag of {where}; "
-                          "use names `lm-eval ls tasks` lists, or add a task YAML to eval.task_dir")
+        raise unknown_tasks_error(unknown, manager.all_tasks, task_dir)
     return manager
+
+
+def unknown_tasks_error(unknown: list[str], known, task_dir: str | None) -> ConfigError:
+    """The ConfigError for task names no index knows: each name with its closest known names,
+    and how to list the known ones."""
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, known, n=3)
+        hints.append(f"'{name}'" + (f" (did you mean {', '.join(close)}?)" if close else ""))
+    where = f"lm-eval {_lm_eval_version()}" + (f" or of eval.task_dir={task_dir}" if task_dir else "")
+    listing = "`lm-eval ls tasks`" if task_dir is None else f"`lm-eval ls tasks --include_path {task_dir}`"
+    return ConfigError(f"eval.tasks: {', '.join(hints)} {'is' if len(unknown) == 1 else 'are'} not a "
+                       f"task, group or tag of {where}; use names {listing} lists, or add a task "
+                       "YAML to eval.task_dir")
+
+
+def check_task_names(tasks: list[str], task_dir: str | None) -> dict[str, str]:
+    """Where each name of eval.tasks is defined ('eval.task_dir' or 'lm-eval'); ConfigError
+    for a name neither defines, or an unreadable eval.task_dir. Reads no task data.
+
+    The check the flows make before anything launches. It answers what task_manager_for
+    does, cheaply: eval.task_dir is indexed (a few YAMLs), and lm-eval's own library only
+    when a name is not there, from library_task_names (cached per installed lm-eval)."""
+    custom: set[str] = set()
+    if task_dir is not None:
+        from lm_eval.tasks import TaskManager
+
+        include = str(check_task_dir(task_dir))
+        custom = set(TaskManager(include_path=include, include_defaults=False).all_tasks)
+    library: frozenset[str] = frozenset()
+    if any(name not in custom for name in tasks):
+        library, indexed = _library_task_names()
+        if not indexed and any(name not in custom | library for name in tasks):
+            library, _ = _library_task_names(refresh=True)  # refuse on a fresh index only
+    unknown = [name for name in tasks if name not in custom and name not in library]
+    if unknown:
+        raise unknown_tasks_error(unknown, sorted(custom | library), task_dir)
+    return {name: "eval.task_dir" if name in custom else "lm-eval" for name in tasks}
+
+
+_LIBRARY_NAMES: dict[tuple, frozenset[str]] = {}  # per process: signature -> names indexed here
+
+
+def library_task_names(refresh: bool = False) -> frozenset[str]:
+    """Every task, group and tag name of the installed lm-eval's own task library.
+
+    Building lm-eval's index reads about 14,000 YAMLs (about 7 s); the names are kept per
+    process and on disk ($XDG_CACHE_HOME/goodput, else ~/.cache/goodput), keyed by lm-eval's
+    version and its task folder's YAML files (count, newest mtime, total size: a 0.1 s walk),
+    so an upgrade or an edited task is indexed again. `refresh`: index now, whatever is kept.
+    """
+    return _library_task_names(refresh)[0]
+
+
+def _library_task_names(refresh: bool = False) -> tuple[frozenset[str], bool]:
+    """library_task_names, and whether this process indexed them (rather than read them)."""
+    from importlib.util import find_spec
+
+    root = Path(find_spec("lm_eval").origin).parent / "tasks"
+    count = newest = size = 0
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in ("__pycache__", ".ipynb_checkpoints")]
+        for file in files:
+            if file.endswith(".yaml"):
+                stat = os.stat(os.path.join(folder, file))
+                count, newest, size = count + 1, max(newest, stat.st_mtime_ns), size + stat.st_size
+    signature = (_lm_eval_version(), str(root), count, newest, size)
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "goodput" / (
+        f"lm-eval-{signature[0]}-task-names.json")
+    if not refresh:
+        if signature in _LIBRARY_NAMES:
+            return _LIBRARY_NAMES[signature], True
+        try:
+            kept = json.loads(cache.read_text())
+            if tuple(kept["signature"]) == signature:
+                return frozenset(kept["names"]), False
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # none kept, or unreadable: index
+    from lm_eval.tasks import TaskManager
+
+    names = frozenset(TaskManager(include_defaults=True).all_tasks)
+    _LIBRARY_NAMES[signature] = names
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(cache, json.dumps({"signature": signature, "names": sorted(names)}).encode())
+    except OSError as e:  # a read-only home: every process indexes for itself
+        log.warning("lm-eval's task names not kept in %s (%s)", cache, e)
+    return names, True
 
 
 def load_tasks(tasks: list[str], task_dir: str | None) -> tuple[object, list]:
