@@ -308,7 +308,7 @@ def test_task_names_are_checked_without_loading_tasks(setup, names_cache):
         check_task_names(["colors_mc", "colors_clozee"], task_dir)
     message = str(err.value)
     assert message.startswith("eval.tasks: 'colors_clozee' (did you mean colors_cloze")
-    assert f"is not a task, group or tag of lm-eval" in message and f"or of eval.task_dir={task_dir}" in message
+    assert "is not a task, group or tag of lm-eval" in message and f"or of eval.task_dir={task_dir}" in message
     assert f"`lm-eval ls tasks --include_path {task_dir}`" in message
 
     with pytest.raises(ConfigError) as err:  # and in a built-in one, two at once
