@@ -138,7 +138,7 @@ def test_a_verifier_that_ends_without_a_verdict_leaves_the_checkpoint_unjudged(r
     for the task's retry, and is judged once the verifier can run."""
     config, dataset = run
     missing = ["--dataset", str(dataset.parent / "gone"), "--eval-batches", "2"]
-    monkeypatch.setattr(checkpoints, "held_out_check", lambda config, dataset_dir=None: missing)
+    monkeypatch.setattr(checkpoints, "held_out_check", lambda config, dataset_dir=None, step=1: missing)
     with pytest.raises(checkpoints.VerifierCrashed, match=r"step-00000020 ended without a verdict"):
         checkpoints.validate_checkpoint(config, 20)
     assert checkpoints.ledger_of(config).read().entries[20].state == "committed"
@@ -620,7 +620,9 @@ def test_the_emergency_save_survives_the_sigterm_that_asks_for_it(trained, tmp_p
     proc = torchrun_training(config, dataset)
     assert "emergency save failed" not in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
     committed = [p.name for p in config.run_dir.committed_checkpoints()]
-    assert committed[0] == "step-00000010" and committed[1] in ("step-00000013", "step-00000014"), \
+    # The save at the step the workers learn of the signal: 13, or a step or two later when
+    # torchrun's forwarding of it is slow (a loaded machine), always before the 20th.
+    assert committed[0] == "step-00000010" and 13 <= int(committed[1].removeprefix("step-")) < 20, \
         (committed, proc.stdout[-3000:], proc.stderr[-3000:])
     assert all(verify_checkpoint(p)["ok"] for p in config.run_dir.committed_checkpoints())
     # What the supervisor saw last: a save under way (its allowance), not a stalled step.

@@ -19,7 +19,7 @@ import pytest
 
 from core.config import ConfigError, load_config
 from goodput import planner
-from tests.helpers import REPO
+from tests.helpers import REPO, task_runs_of
 from training.model import ModelArgs, Transformer
 
 GB = 1e9
@@ -711,16 +711,6 @@ def test_cli_plans_what_the_train_flow_checks(tmp_path, capsys):
 
 
 # -- the train flow checks the run's layout before it launches ----------------------------------
-
-def task_runs_of(flow_run_id) -> dict[str, object]:
-    """The flow run's task runs by task name (names are `<task>-<suffix>`)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {run.name.rsplit("-", 1)[0]: run for run in runs}
-
 
 def layout_artifact(flow_run_id) -> str:
     from prefect.client.orchestration import get_client
