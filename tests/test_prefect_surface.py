@@ -533,8 +533,9 @@ class TestServedDeployments:
         wait_for(lambda: any("switched off the schedule of deployment 'goodput-train-continue'"
                              in line for line in logs_of(*[r.id for r in completed])),
                  timeout_s=30, what="the log line of the switch")  # logs arrive in batches
-        finished = events(prefect_api.api_url, "goodput.run.finished", "served")
-        assert finished and {e["payload"]["final_step"] for e in finished} == {60}
+        finished = wait_for(lambda: events(prefect_api.api_url, "goodput.run.finished", "served"),
+                            timeout_s=30, what="goodput.run.finished event")  # events come in batches too
+        assert {e["payload"]["final_step"] for e in finished} == {60}
 
 
     # -- cancellation and the per-run training slot ----------------------------------
