@@ -1,11 +1,12 @@
 """Goodput accounting: where every second of a run's wall time went.
 
     productive   steps whose result the final model contains (the last run of each step)
-    lost work    steps computed and then thrown away (redone after a crash or rollback)
+    lost work    steps computed and then thrown away (redone after a crash or rollback), and
+                 the in-loop validations that ran at them
     checkpoint   time training was blocked saving checkpoints
     restart      everything else in the train stage: process start, rendezvous, loading a
                  checkpoint, in-job (torchrun) restarts, retry delays, teardown
-    evaluation   the evaluate stage
+    evaluation   the evaluate stage, and in-loop validation at steps the model keeps
 
 goodput = productive / total. The parts add up to the total exactly.
 """
@@ -27,14 +28,18 @@ def step_times(record: dict) -> dict[int, float]:
 def goodput_breakdown(run_dir, train_wall_s: float, eval_wall_s: float = 0.0) -> dict:
     records = read_metrics(run_dir)
     last_run: dict[int, float] = {}
+    last_validation: dict[int, float] = {}  # in-loop validation, between steps
     lost = 0.0
     for record in records:  # metrics.jsonl is in time order
         for step, seconds in step_times(record).items():
             lost += last_run.get(step, 0.0)  # that step ran before: its earlier run was lost
             last_run[step] = seconds
+        if "val_time_s" in record:  # a validation redone with its step was lost work too
+            lost += last_validation.get(record["step"], 0.0)
+            last_validation[record["step"]] = record["val_time_s"]
     productive = sum(last_run.values())
     checkpoint = sum(r.get("checkpoint_s", 0.0) for r in records)
-    validation = sum(r.get("val_time_s", 0.0) for r in records)  # in-loop, between steps
+    validation = sum(last_validation.values())
     restart = max(0.0, train_wall_s - productive - lost - checkpoint - validation)
     evaluation = eval_wall_s + validation
     total = productive + lost + checkpoint + restart + evaluation

@@ -39,6 +39,22 @@ def test_records_without_windows_count_one_step_each(tmp_path):
     assert result["productive_s"] == pytest.approx(1.5) and result["lost_work_s"] == pytest.approx(1.0)
 
 
+def test_in_loop_validation_of_a_redone_step_is_lost_work(tmp_path):
+    """eval.every_steps=2: the validation at step 2 ran twice (a crash after step 3, a resume
+    from step 1). Its first run is lost work like the steps', the last counts as evaluation."""
+    first = [{"step": 1, "step_time_s": 1.0}, {"step": 2, "step_time_s": 1.0, "val_time_s": 0.4},
+             {"step": 3, "step_time_s": 1.0}]
+    resumed = [{"step": 2, "step_time_s": 1.0, "val_time_s": 0.3}, {"step": 3, "step_time_s": 1.0},
+               {"step": 4, "step_time_s": 1.0, "val_time_s": 0.5}]
+    write_metrics(tmp_path, first + resumed)
+    result = goodput_breakdown(tmp_path, train_wall_s=10.0)
+    assert result["productive_s"] == pytest.approx(4.0)
+    assert result["lost_work_s"] == pytest.approx(2.0 + 0.4)  # steps 2-3 and step 2's validation
+    assert result["evaluation_s"] == pytest.approx(0.3 + 0.5)
+    assert result["restart_s"] == pytest.approx(10.0 - 4.0 - 2.4 - 0.8)
+    assert result["total_s"] == pytest.approx(10.0)
+
+
 def test_flows_updating_summary_at_once_lose_no_section(tmp_path):
     """A scheduled evaluation writes its section while the train flow writes its own (and adds
     up its wall time): every write lands."""
