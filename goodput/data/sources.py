@@ -304,7 +304,12 @@ def _cut(file: SourceFile, target_bytes: int, storage) -> list[Piece]:
         return [Piece(file=file)]
     if file.format == "parquet":
         return _row_group_pieces(file, target_bytes, storage)
-    n = -(-file.size // target_bytes)
+    # The nearest whole number of pieces, not the next: a file just over a multiple of the
+    # target (64 MiB + a line, at 16 MiB) would otherwise end in a sliver, one more task
+    # run and one more unit at the tail.
+    n = max(1, round(file.size / target_bytes))
+    if n == 1:
+        return [Piece(file=file)]
     bounds = [file.size * k // n for k in range(n + 1)]
     return [Piece(file=file, start=a, stop=b) for a, b in zip(bounds, bounds[1:])]
 
