@@ -9,7 +9,10 @@ included) and reports:
 
 - peak RSS of the whole process tree (sampled every 0.25 s, all processes summed);
 - disk written by the tree (its block writes, getrusage of the reaped children) beyond the
-  output (the dataset dir plus its copy in the local store), as a share of the input;
+  output (the dataset dir plus its copy in the local store), as a share of the input. The
+  Prefect home exists already, as on any machine that ran a flow before: what creating it
+  (Prefect's SQLite database) writes, once per machine, is measured by a flow run that does
+  nothing, and reported apart;
 - tokenizing throughput (tokens / wall time of the work units, from summary.json) against
   raw `tokenizers` `encode_batch` on the same texts, tokenizer and cores (one process per
   core, each on its share of the files) and against `datasets.map(batched=True,
@@ -200,6 +203,10 @@ print(json.dumps({{"tokens": tokens, "wall_s": time.perf_counter() - start}}))
     return measured | {"tokens_per_s": measured["tokens"] / measured["wall_s"]}
 
 
+# A flow run that does nothing: Prefect's temporary server creates its database.
+_EMPTY_FLOW_RUN = "from prefect import flow\nflow(name='create-prefect-home')(lambda: None)()\n"
+
+
 # -- one size -------------------------------------------------------------------------------
 
 def bench_size(label: str, size: int, work: Path, cores: int, map_max: int, ray: bool) -> dict:
@@ -223,6 +230,7 @@ def bench_size(label: str, size: int, work: Path, cores: int, map_max: int, ray:
     env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(REPO),
                PREFECT_HOME=str(root / "prefect"))
     goodput = str(Path(sys.executable).with_name("goodput"))
+    home_created = run_measured([sys.executable, "-c", _EMPTY_FLOW_RUN], env, REPO)["written"]
     first = run_measured([goodput, "prepare", *overrides], env, REPO)
     summary = json.loads((root / "runs" / f"bench-{label}" / "summary.json").read_text())["prepare"]
     config = load_config(None, overrides)
@@ -234,12 +242,13 @@ def bench_size(label: str, size: int, work: Path, cores: int, map_max: int, ray:
            "tokens": tokens, "wall_s": first["wall_s"], "tokenize_s": summary["tokenize_s"],
            "tokens_per_s": tokens / summary["tokenize_s"], "peak_rss": first["peak_rss"],
            "written": first["written"], "output_bytes": output, "at_peak": first["at_peak"],
-           "prefect_home_bytes": prefect_home,
+           "prefect_home_bytes": prefect_home, "prefect_home_created_bytes": home_created,
            "written_beyond_output": max(0, first["written"] - output)}
     print(f"[{label}] prepare: {first['wall_s']:.0f}s, {tokens:,} tokens, "
           f"{row['tokens_per_s']:,.0f} tokens/s, peak RSS {first['peak_rss'] / 2**20:.0f} MiB, "
           f"written {first['written'] / 1e6:.0f} MB (output {output / 1e6:.0f} MB, Prefect's "
-          f"home {prefect_home / 1e6:.0f} MB); at the peak: "
+          f"home {prefect_home / 1e6:.0f} MB, creating it wrote {home_created / 1e6:.0f} MB "
+          f"before); at the peak: "
           f"{'; '.join(first['at_peak'])}", flush=True)
 
     # The no-op rerun: the library's decision, then the whole command.
@@ -306,14 +315,16 @@ def bench_ray(label: str, overrides: list[str], env: dict, root: Path, cores: in
 
 def print_table(rows: list[dict]) -> None:
     print("\n| corpus | files | tokens | prepare wall (s) | tokens/s | vs raw encode_batch | vs datasets.map "
-          "| peak RSS (MiB) | written beyond output (% of input) | no-op decision (s) | no-op command (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| peak RSS (MiB) | written beyond output (% of input) | creating Prefect's home (MB, once) "
+          "| no-op decision (s) | no-op command (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = lambda key: f"{r[key]:.2f}x" if key in r else "–"  # noqa: E731
         print(f"| {r['size']} | {r['files']} | {r['tokens']:,} | {r['wall_s']:.0f} | "
               f"{r['tokens_per_s']:,.0f} | {ratio('vs_raw')} | {ratio('vs_map')} | "
               f"{r['peak_rss'] / 2**20:,.0f} | "
               f"{100 * r['written_beyond_output'] / r['input_bytes']:.1f}% | "
+              f"{r['prefect_home_created_bytes'] / 1e6:.1f} | "
               f"{r['noop_decide_s']:.2f} | {r['noop_command_s']:.1f} |")
     if any("ray_tokenize_s" in r for r in rows):
         print("\n| corpus | Ray (2 local nodes) tokenizing (s) | process pool (s) | Ray / pool | nodes used "

@@ -64,8 +64,10 @@ def _form_default() -> RunConfig:
     if deployment.id:
         with get_client(sync_client=True) as client:
             defaults = client.read_deployment(UUID(deployment.id)).parameters
-        if "config" in defaults:
-            return RunConfig.model_validate(defaults["config"])
+        if "config" in defaults:  # written by an older Goodput, it may no longer validate
+            return config_from_dict(defaults["config"],
+                                    f"the config parameter of deployment {deployment.name!r}; "
+                                    "redeploy it (prefect deploy) or edit its defaults")
     return RunConfig()
 
 
