@@ -202,6 +202,29 @@ def test_units_of_any_size_give_the_same_documents_in_the_same_splits(tmp_path):
     assert splits["1KiB"] == splits["256MiB"] == split_by_hash(DOCS, 0.05)
 
 
+def test_a_process_loads_a_datasets_tokenizer_once_for_all_its_units(tmp_path, monkeypatch):
+    """A pool process tokenizes unit after unit: the tokenizer is loaded once (its BPE cache
+    stays warm); another dataset's tokenizer (another sha256) is loaded anew."""
+    source = write_source(tmp_path / "in", "jsonl", DOCS)
+    config = make_config(tmp_path, f"data.source={source}", "data.max_docs=null",
+                         "tokenizer.vocab_size=300", "data.unit_bytes=1KiB",
+                         f"tokenizer.path={given_tokenizer(tmp_path)}")
+    loads = []
+    monkeypatch.setattr(prep, "load_tokenizer", lambda path: loads.append(path) or load_tokenizer(path))
+    monkeypatch.setattr(prep, "_loaded_tokenizers", {})
+    plan = prep.plan_dataset(config)
+    units = prep.plan_units(plan, config)
+    prep.build_tokenizer(plan, config, units)
+    loads.clear()
+    for unit in units:
+        prep.tokenize_unit(plan, unit, config.data, config.storage)
+    assert len(units) >= 3 and loads == [plan.tokenizer_path]
+    other = tmp_path / "other-tokenizer.json"
+    train_tokenizer(DOCS[::-1], 280, 2).save(str(other))
+    prep._unit_tokenizer(other, sha256_file(other))
+    assert loads == [plan.tokenizer_path, other]
+
+
 def given_tokenizer(tmp_path: Path) -> Path:
     path = tmp_path / "given-tokenizer.json"
     if not path.exists():
