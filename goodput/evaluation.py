@@ -13,7 +13,7 @@ from core.files import sha256_bytes
 from core.protocol import copy_id, is_committed, step_of
 from goodput.checkpoint_lifecycle import download_checkpoint, ledger_of, restore_ledger
 from goodput.runs import write_run_config
-from storage.ledger import choose_resume, readable_copy
+from storage.ledger import ResumePoint, choose_resume, readable_copy
 from storage.manifests import EvalReport, dataset_id_of
 
 
@@ -58,6 +58,12 @@ def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = N
                 f"checkpoint step {checkpoint} of run '{config.run.run_id}' is validated but not "
                 f"uploaded yet, and this machine has no copy; evaluate it where it was trained, "
                 f"or one of the uploaded steps {ledger.steps('uploaded')}")
+    return on_this_machine(config, point, store)
+
+
+def on_this_machine(config: RunConfig, point: ResumePoint, store) -> Path:
+    """Where a readable copy (storage.ledger.readable_copy) is on this machine: its local
+    copy, or the store's, downloaded first."""
     return point.local if point.local is not None else download_checkpoint(config, point.step, store)
 
 

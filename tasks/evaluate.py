@@ -15,7 +15,7 @@ from core.config import RunConfig
 from core.errors import ConfigError
 from goodput import evaluation
 from goodput.accounting import summarize_goodput
-from goodput.checkpoint_lifecycle import download_checkpoint, eval_history, ledger_of
+from goodput.checkpoint_lifecycle import eval_history, ledger_of
 from goodput.runs import update_summary
 from storage.ledger import readable_copy
 from storage.manifests import EvalReport
@@ -117,7 +117,7 @@ def evaluate_validated(config: RunConfig, step: int, dataset_dir: Path) -> EvalR
         logger.info(f"checkpoint step {step} is {entry.state if entry else 'unknown'}: not evaluated")
         return None
     try:  # retention may have pruned the local copy while earlier evaluations ran: the store's
-        checkpoint = point.local or download_checkpoint(config, step, store_from_config(config.storage))
+        checkpoint = evaluation.on_this_machine(config, point, store_from_config(config.storage))
         report = evaluation.evaluate(config, checkpoint, dataset_dir, background=True)
     except Exception as e:  # noqa: BLE001 - reported, never a failure of training
         logger.warning(f"evaluation of checkpoint step {step} failed: {e}")
