@@ -365,3 +365,13 @@ def test_an_s3_object_deleted_or_replaced_after_listing_is_reported(s3_corpus):
 def test_an_empty_s3_prefix_is_a_data_error(s3_uri):
     with pytest.raises(DataError, match=f"no objects of a known format .* under {s3_uri}/nothing"):
         list_source(f"{s3_uri}/nothing", storage=StorageConfig(uri=s3_uri))
+
+
+@pytest.mark.s3
+def test_s3_objects_with_hashes_and_question_marks_in_their_keys_are_read(s3_corpus):
+    _, storage, client, bucket, prefix = s3_corpus
+    client.put_object(Bucket=bucket, Key=f"{prefix}/odd/part#1.jsonl", Body=jsonl_bytes(DOCS[:5]))
+    client.put_object(Bucket=bucket, Key=f"{prefix}/odd/part?2.jsonl", Body=jsonl_bytes(DOCS[5:9]))
+    files = list_source(f"s3://{bucket}/{prefix}/odd", storage=storage)
+    assert [f.uri.rsplit("/", 1)[1] for f in files] == ["part#1.jsonl", "part?2.jsonl"]
+    assert read_all([Piece(file=f) for f in files], storage=storage) == DOCS[:9]
