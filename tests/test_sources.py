@@ -409,3 +409,13 @@ def test_s3_objects_with_hashes_and_question_marks_in_their_keys_are_read(s3_cor
     files = list_source(f"s3://{bucket}/{prefix}/odd", storage=storage)
     assert [f.uri.rsplit("/", 1)[1] for f in files] == ["part#1.jsonl", "part?2.jsonl"]
     assert read_all([Piece(file=f) for f in files], storage=storage) == DOCS[:9]
+
+
+def test_ndjson_files_are_json_lines_not_silently_left_out_of_a_directory(tmp_path):
+    # .ndjson is a common name for JSON Lines; a directory listing used to skip such files.
+    write(tmp_path / "a.ndjson", jsonl_bytes(DOCS[:3]))
+    write(tmp_path / "b.ndjson.gz", gzip.compress(jsonl_bytes(DOCS[3:5])))
+    files = list_source(str(tmp_path))
+    assert [(Path(f.uri).name, f.format, f.compression) for f in files] == [
+        ("a.ndjson", "json", ""), ("b.ndjson.gz", "json", "gzip")]
+    assert read_all([Piece(file=f) for f in files]) == DOCS[:5]

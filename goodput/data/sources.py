@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 Format = Literal["json", "parquet", "text", "hub"]
 Compression = Literal["", "gzip", "zstd"]
-FORMAT_OF_EXTENSION = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+FORMAT_OF_EXTENSION = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 COMPRESSION_OF_EXTENSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 MiB = 2**20
 MAX_WHOLE_JSON = 256 * MiB  # a JSON array is parsed in one piece; larger ones must be JSON Lines
