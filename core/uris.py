@@ -4,7 +4,6 @@ like, checked without sending any request (servers answer bad names in different
 from __future__ import annotations
 
 import re
-from urllib.parse import urlparse
 
 
 def check_key(key: str) -> str:
@@ -20,14 +19,18 @@ _BUCKET_NAME = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
 def parse_s3_uri(uri: str) -> tuple[str, str]:
-    """The bucket and prefix of `s3://bucket[/prefix]`, checked (no request is sent)."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "s3" or not parsed.netloc:
+    """The bucket and prefix of `s3://bucket[/prefix]`, checked (no request is sent).
+
+    Not parsed as a URL: '?' and '#' are ordinary characters of S3 keys (and '?' a glob
+    character of data.source), not the start of a query or fragment."""
+    scheme, sep, rest = uri.partition("://")
+    bucket, _, path = rest.partition("/")
+    if scheme.lower() != "s3" or not sep or not bucket:
         raise ValueError(f"not an S3 URI: {uri!r}; expected s3://bucket[/prefix]")
-    prefix = parsed.path.strip("/")
+    prefix = path.strip("/")
     if prefix:
         check_key(prefix)
-    return check_bucket(parsed.netloc), prefix
+    return check_bucket(bucket), prefix
 
 
 def check_bucket(name: str) -> str:

@@ -365,3 +365,57 @@ def test_an_s3_object_deleted_or_replaced_after_listing_is_reported(s3_corpus):
 def test_an_empty_s3_prefix_is_a_data_error(s3_uri):
     with pytest.raises(DataError, match=f"no objects of a known format .* under {s3_uri}/nothing"):
         list_source(f"{s3_uri}/nothing", storage=StorageConfig(uri=s3_uri))
+
+
+@pytest.mark.s3
+def test_an_s3_glob_lists_the_matching_objects(s3_corpus):
+    source, storage, _, bucket, prefix = s3_corpus
+    base = f"s3://{bucket}/{prefix}/"
+
+    def listed(pattern):
+        return [f.uri.removeprefix(base) for f in list_source(base + pattern, storage=storage)]
+
+    assert listed("corpus/*.zst") == ["corpus/a.jsonl.zst"]
+    assert listed("corpus/**/*.txt") == ["corpus/sub/c.txt"]
+    assert listed("corpus*/*.jsonl") == ["corpus-old/e.jsonl"]  # not the hidden .staging/d.jsonl
+    assert listed("corpus/s?b") == ["corpus/sub/c.txt"]  # a matched folder: its files
+    assert [f.uri.removeprefix(base) for f in list_source(
+        f"{base}corpus/*.parquet,{base}corpus/*.zst", storage=storage)] == ["corpus/a.jsonl.zst", "corpus/b.parquet"]
+    with pytest.raises(DataError, match=r"no objects of a known format .* match .*corpus/\*\.gz.*fix the glob"):
+        list_source(base + "corpus/*.gz", storage=storage)
+
+
+def test_s3_globs_name_what_local_globs_name(tmp_path):
+    keys = ["c/a.jsonl.zst", "c/b.jsonl.gz", "c/sub/c.txt", "c/sub/deep/d.jsonl", "c/.hidden/e.jsonl",
+            "c/.f.jsonl", "c2/g.jsonl", "c/sub2/h.parquet", "x.jsonl", "c/[x].txt", "c/sub/notes.md"]
+    for key in keys:
+        write(tmp_path / key, b'{"text": "x"}\n')
+
+    class Store:  # what list_objects of a bucket holding `keys` answers
+        def list_objects(self, prefix):
+            return [(k, 1, "etag") for k in sorted(keys) if k.startswith(prefix)]
+
+    for pattern in ["c/*.zst", "c*/*.jsonl", "c/**/*.jsonl", "**/*.jsonl", "c/**", "c/sub*",
+                    "c/s?b/*.txt", "c/[ab].*", "c/[!a]*.gz", "*.jsonl", "c/**/d.jsonl", "**", "c/.*"]:
+        local = {str(p.relative_to(tmp_path)) for p in sources._expand(str(tmp_path / pattern))}
+        assert {k for k, _, _ in sources._glob_s3(Store(), pattern)} == local, pattern
+
+
+@pytest.mark.s3
+def test_s3_objects_with_hashes_and_question_marks_in_their_keys_are_read(s3_corpus):
+    _, storage, client, bucket, prefix = s3_corpus
+    client.put_object(Bucket=bucket, Key=f"{prefix}/odd/part#1.jsonl", Body=jsonl_bytes(DOCS[:5]))
+    client.put_object(Bucket=bucket, Key=f"{prefix}/odd/part?2.jsonl", Body=jsonl_bytes(DOCS[5:9]))
+    files = list_source(f"s3://{bucket}/{prefix}/odd", storage=storage)
+    assert [f.uri.rsplit("/", 1)[1] for f in files] == ["part#1.jsonl", "part?2.jsonl"]
+    assert read_all([Piece(file=f) for f in files], storage=storage) == DOCS[:9]
+
+
+def test_ndjson_files_are_json_lines_not_silently_left_out_of_a_directory(tmp_path):
+    # .ndjson is a common name for JSON Lines; a directory listing used to skip such files.
+    write(tmp_path / "a.ndjson", jsonl_bytes(DOCS[:3]))
+    write(tmp_path / "b.ndjson.gz", gzip.compress(jsonl_bytes(DOCS[3:5])))
+    files = list_source(str(tmp_path))
+    assert [(Path(f.uri).name, f.format, f.compression) for f in files] == [
+        ("a.ndjson", "json", ""), ("b.ndjson.gz", "json", "gzip")]
+    assert read_all([Piece(file=f) for f in files]) == DOCS[:5]

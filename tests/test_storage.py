@@ -422,6 +422,14 @@ def test_open_store_accepts_paths_file_uris_and_s3(tmp_path):
     assert s3.url("step-1/m.json") == "s3://bucket/runs/one/step-1/m.json"
 
 
+def test_s3_uris_keep_question_marks_and_hashes_in_keys():
+    # Legal in S3 keys; read as a URL's query or fragment they would name another key.
+    from core.uris import parse_s3_uri
+    assert parse_s3_uri("s3://bucket/a/part#1.jsonl") == ("bucket", "a/part#1.jsonl")
+    assert parse_s3_uri("s3://bucket/a/b?c/*.jsonl") == ("bucket", "a/b?c/*.jsonl")
+    assert parse_s3_uri("s3://bucket") == ("bucket", "")
+
+
 @pytest.mark.parametrize(
     "uri", ["http://host/x", "gs://bucket/x", "s3://", "s3:///nobucket", "file://otherhost/x"]
 )

@@ -22,6 +22,7 @@ import io
 import json
 import logging
 import os
+import re
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -46,7 +47,7 @@ log = logging.getLogger(__name__)
 
 Format = Literal["json", "parquet", "text", "hub"]
 Compression = Literal["", "gzip", "zstd"]
-FORMAT_OF_EXTENSION = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+FORMAT_OF_EXTENSION = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 COMPRESSION_OF_EXTENSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 MiB = 2**20
 MAX_WHOLE_JSON = 256 * MiB  # a JSON array is parsed in one piece; larger ones must be JSON Lines
@@ -184,17 +185,83 @@ def _list_s3(uri: str, source: str, fmt: str, storage, field_prefix: str) -> lis
         raise DataError(f"{field_prefix}.source={source!r}: {e}") from None
     store = _s3_store(bucket, storage)
     try:
-        objects = [o for o in store.list_objects(f"{prefix}/" if prefix else "")
-                   if _kind(o[0])[0] and not any(s.startswith(".") for s in o[0][len(prefix):].split("/"))]
-        if not objects and prefix:  # no folder: maybe the key of one object
-            objects = [o for o in store.list_objects(prefix) if o[0] == prefix]
+        if glob.has_magic(prefix):
+            objects = _glob_s3(store, prefix)
+        else:
+            objects = [o for o in store.list_objects(f"{prefix}/" if prefix else "")
+                       if _kind(o[0])[0] and not _hidden(o[0][len(prefix):])]
+            if not objects and prefix:  # no folder: maybe the key of one object
+                objects = [o for o in store.list_objects(prefix) if o[0] == prefix]
     except FileNotFoundError as e:  # no such bucket
         raise DataError(f"{field_prefix}.source={source!r}: {e}; fix the bucket name") from None
     if not objects:
+        what = "match" if glob.has_magic(prefix) else "under"
         raise DataError(f"no objects of a known format (.jsonl, .json, .parquet, .txt, also .gz "
-                        f"or .zst) under {uri} ({field_prefix}.source={source!r}); fix the prefix")
+                        f"or .zst) {what} {uri} ({field_prefix}.source={source!r}); fix the "
+                        f"{'glob' if what == 'match' else 'prefix'}")
     return [_source_file(f"s3://{bucket}/{key}", size, etag, fmt, source, field_prefix)
             for key, size, etag in objects]
+
+
+def _hidden(relative_key: str) -> bool:
+    # As for local folders: hidden files and folders (.staging, .cache) hold no corpus.
+    return any(part.startswith(".") for part in relative_key.split("/"))
+
+
+def _glob_s3(store, pattern: str) -> list[tuple[str, int, str]]:
+    """The objects (key, size, ETag) a glob over keys names, as glob.glob(recursive=True)
+    names local files: `*`, `?` and `[...]` stay within one folder level, a `**` level spans
+    any number of them, wildcards match no hidden names, and a matched folder gives the
+    objects of known formats below it. Lists only below the part before the first wildcard."""
+    fixed = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
+    list_prefix = fixed[:fixed.rfind("/") + 1]
+    matches = re.compile(_glob_regex(pattern.rstrip("/")) + r"(/.*)?").fullmatch
+    objects = []
+    for key, size, etag in store.list_objects(list_prefix):
+        m = matches(key)
+        if m is None:
+            continue
+        below = m.group(1) or ""
+        if below and (not _kind(key)[0] or _hidden(below[1:])):
+            continue  # under a matched folder: only files of known formats, none hidden
+        objects.append((key, size, etag))
+    return objects
+
+
+def _glob_regex(pattern: str) -> str:
+    parts, out, sep = pattern.split("/"), [], ""
+    for i, part in enumerate(parts):
+        if part == "**" and i < len(parts) - 1:  # zero or more folder levels, none hidden
+            out.append(sep + "(?:[^/.][^/]*/)*")
+            sep = ""
+            continue
+        if part == "**":  # last: everything below, none hidden
+            out.append("(?:/[^/.][^/]*)*" if sep else "(?:[^/.][^/]*(?:/[^/.][^/]*)*)?")
+            continue
+        # like glob, a wildcard matches no leading dot
+        out.append(sep + ("" if part.startswith(".") else r"(?!\.)") + _segment_regex(part))
+        sep = "/"
+    return "".join(out)
+
+
+def _segment_regex(part: str) -> str:
+    regex, j = [], 0
+    while j < len(part):
+        c = part[j]
+        end = part.find("]", j + 2) if c == "[" else -1
+        if c == "*":
+            regex.append("[^/]*")
+        elif c == "?":
+            regex.append("[^/]")
+        elif end != -1:  # a character class; [!...] negates, as in glob
+            body = part[j + 1:end]
+            body = "^" + body[1:] if body.startswith("!") else body
+            regex.append("[" + body.replace("\\", "\\\\") + "]")
+            j = end
+        else:
+            regex.append(re.escape(c))
+        j += 1
+    return "".join(regex)
 
 
 def _s3_store(bucket: str, storage):
