@@ -240,6 +240,11 @@ class TokenizerConfig(_Section):
         None, description="An existing tokenizer to use instead of training one: a "
         "tokenizer.json, or a Hugging Face tokenizer directory (save_pretrained) holding one.",
     )
+    eos_token: str | None = Field(
+        None, description="The end-of-document token of the tokenizer at tokenizer.path, put "
+        "after every document. Unset: the eos_token its directory's tokenizer_config.json "
+        "declares (save_pretrained writes it), else the first of <|endoftext|>, </s>, <eos>, "
+        "<|end_of_text|> in its vocabulary. A trained tokenizer's is <|endoftext|>.")
     vocab_size: int = Field(
         4096, ge=260, le=1_000_000, description="BPE vocabulary size to train, exactly: ids the "
         "corpus has no merges for are reserved tokens.")
@@ -984,6 +989,11 @@ class RunConfig(_Section):
             # which save_pretrained of a tokenizer writes beside the model).
             self._init_from_has_a_tokenizer()
             self.tokenizer.path = self.model.init_from
+        if self.tokenizer.eos_token is not None and self.tokenizer.path is None:
+            raise ValueError(f"tokenizer.eos_token={self.tokenizer.eos_token!r} names the "
+                             "end-of-document token of a given tokenizer (tokenizer.path or "
+                             "model.init_from's); a trained one's is <|endoftext|>: set "
+                             "tokenizer.path, or unset tokenizer.eos_token")
         self._name_the_tokenizer()
         return self
 
@@ -1099,10 +1109,12 @@ class RunConfig(_Section):
         per_rank = {"micro_batch_size", "grad_accum_steps", "log_every", "peak_flops_per_device"}
         # A mix of one hashes as before mixtures existed: its runs resume.
         unset = {f for f in ("sources", "stages") if not getattr(self.data, f)}
+        # Likewise a tokenizer without tokenizer.eos_token (its end-of-document token found).
+        tok_unset = {"eos_token"} if self.tokenizer.eos_token is None else set()
         tree = self.model_dump(include=set(keys), exclude={"data": {"data_dir", "cache_limit", *unset},
                                                            "training": per_rank,
                                                            "model": {"init_from_fingerprint"},
-                                                           "tokenizer": {"sha256"}})
+                                                           "tokenizer": {"sha256", *tok_unset}})
         tree["training"]["global_batch"] = self.global_batch
         # The checkpoint and the tokenizer by what they hold, not where they lie: moved or
         # mounted elsewhere, they continue the run (and a run without them hashes as before).

@@ -47,6 +47,8 @@ class DatasetManifest(BaseModel):
     dtype: Literal["uint8", "uint16", "uint32"]
     splits: dict[str, list[ShardInfo]]
     skipped_records: int = Field(0, description="Bad records skipped (data.on_bad_record=skip).")
+    empty_records: int = Field(0, description="Records whose text is empty, whitespace or null: "
+                               "not documents, dropped.")
     source_bytes: int = Field(0, description="Input bytes read to make the shards.")
     created_at: float
 

@@ -213,7 +213,8 @@ def record_prepare(config: RunConfig, prepared: list[tuple[str, DatasetManifest,
             "dataset_id": manifest.dataset_id, "source": manifest.source,
             "vocab_size": manifest.vocab_size,
             "tokens": {split: manifest.n_tokens(split) for split in manifest.splits},
-            "skipped_records": manifest.skipped_records, "tokenize_s": tokenize_s, "workers": workers}
+            "skipped_records": manifest.skipped_records, "empty_records": manifest.empty_records,
+            "tokenize_s": tokenize_s, "workers": workers}
     if mix is None:  # a mix of one: its dataset is the stage's
         values = next(iter(per_source.values()))
     else:

@@ -168,10 +168,10 @@ def logprob(model: Transformer, context: list[int], continuation: list[int]) -> 
 def test_scores_above_chance_and_equal_a_direct_computation(setup):
     tokenizer = setup["tokenizer"]
     model, _ = load_model(setup["checkpoint"], torch.device("cpu"))
-    scores, results = downstream_scores(model, tokenizer, eval_config(setup["task_dir"]),
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    scores, results = downstream_scores(model, tokenizer, eos, eval_config(setup["task_dir"]),
                                         torch.device("cpu"), log_samples=True)
     assert set(scores) == set(TASKS)
-    eos = tokenizer.token_to_id("<|endoftext|>")
 
     def encode_pair(context: str, continuation: str) -> tuple[list[int], list[int]]:
         whole, ctx = tokenizer.encode(context + continuation).ids, tokenizer.encode(context).ids
@@ -210,7 +210,7 @@ def test_scores_above_chance_and_equal_a_direct_computation(setup):
     assert scores["colors_text"]["bits_per_byte"] == pytest.approx(-total_ll / n_bytes / math.log(2), rel=1e-4)
 
     # eval.limit: the first N items of each task.
-    limited, _ = downstream_scores(model, tokenizer, eval_config(setup["task_dir"], "eval.limit=4"),
+    limited, _ = downstream_scores(model, tokenizer, eos, eval_config(setup["task_dir"], "eval.limit=4"),
                                    torch.device("cpu"))
     assert limited["colors_mc"]["acc"] == sum(correct[:4]) / 4
 
@@ -225,7 +225,7 @@ def test_the_evaluation_process_reports_scores_and_bits_per_byte(setup):
     report = evaluate(config, setup["checkpoint"], dataset)
 
     model, _ = load_model(setup["checkpoint"], torch.device("cpu"))
-    direct, _ = downstream_scores(model, setup["tokenizer"], config.eval, torch.device("cpu"))
+    direct, _ = downstream_scores(model, setup["tokenizer"], 0, config.eval, torch.device("cpu"))
     assert report.downstream.keys() == direct.keys()
     for task, metrics in direct.items():
         assert report.downstream[task] == pytest.approx(metrics, rel=1e-6)

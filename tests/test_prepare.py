@@ -21,7 +21,7 @@ from goodput.data.corpus import build_builtin_corpus
 from storage.manifests import DatasetManifest
 from storage.shards import read_documents, read_tokens, shard_size, token_dtype, write_shard
 from tests.helpers import flip_bytes
-from training.tokenizer import load_tokenizer, train_tokenizer
+from training.tokenizer import load_tokenizer, read_tokenizer, train_tokenizer
 
 
 def make_config(root: Path, *overrides: str) -> RunConfig:
@@ -35,7 +35,7 @@ def make_config(root: Path, *overrides: str) -> RunConfig:
 def decoded_splits(config: RunConfig, manifest: DatasetManifest) -> dict[str, list[str]]:
     """Every document of every shard, decoded, checking that each ends with one EOS."""
     directory = prep.plan_dataset(config).dir
-    tokenizer = load_tokenizer(directory / manifest.tokenizer)
+    tokenizer = read_tokenizer(directory / manifest.tokenizer)
     texts = {}
     for split, shards in manifest.splits.items():
         texts[split] = []
@@ -210,7 +210,8 @@ def test_a_process_loads_a_datasets_tokenizer_once_for_all_its_units(tmp_path, m
                          "tokenizer.vocab_size=300", "data.unit_bytes=1KiB",
                          f"tokenizer.path={given_tokenizer(tmp_path)}")
     loads = []
-    monkeypatch.setattr(prep, "load_tokenizer", lambda path: loads.append(path) or load_tokenizer(path))
+    monkeypatch.setattr(prep, "load_tokenizer",
+                        lambda path, eos=None: loads.append(path) or load_tokenizer(path, eos))
     monkeypatch.setattr(prep, "_loaded_tokenizers", {})
     plan = prep.plan_dataset(config)
     units = prep.plan_units(plan, config)
@@ -349,6 +350,68 @@ def test_given_tokenizer_is_used(tmp_path):
     assert [s.n_tokens for s in from_dir.splits["train"]] == [s.n_tokens for s in manifest.splits["train"]]
 
 
+def _tokenizer_with(special_tokens: list[str]) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=290, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(DOCS, trainer)
+    return tokenizer
+
+
+def test_the_eos_token_a_tokenizer_directory_declares_ends_documents(tmp_path):
+    """A save_pretrained directory's tokenizer_config.json names its end-of-document token,
+    whatever else the vocabulary holds; tokenizer.eos_token names it for a bare file."""
+    from transformers import PreTrainedTokenizerFast
+
+    from training.export import _tokenizer_files
+
+    source = write_source(tmp_path / "in", "jsonl", DOCS)
+    # Both <|endoftext|> and </s> in the vocabulary; the directory declares </s>.
+    both = tmp_path / "both"
+    PreTrainedTokenizerFast(tokenizer_object=_tokenizer_with(["<|endoftext|>", "</s>"]),
+                            eos_token="</s>").save_pretrained(str(both))
+    config = make_config(tmp_path / "a", f"data.source={source}", f"tokenizer.path={both}")
+    manifest = prep.prepare_dataset(config)
+    assert manifest.eos_id == 1  # </s>, not <|endoftext|> (0)
+    assert sorted(sum(decoded_splits(config, manifest).values(), [])) == sorted(DOCS)
+
+    # DeepSeek's: none of the usual names, declared as an AddedToken object.
+    eos = "<｜end▁of▁sentence｜>"
+    bare = _tokenizer_with(["<｜begin▁of▁sentence｜>", eos])
+    deepseek = tmp_path / "deepseek"
+    deepseek.mkdir()
+    bare.save(str(deepseek / "tokenizer.json"))
+    (deepseek / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": {"__type": "AddedToken", "content": eos, "special": True},
+         "tokenizer_class": "LlamaTokenizerFast"}))
+    config = make_config(tmp_path / "b", f"data.source={source}", f"tokenizer.path={deepseek}")
+    manifest = prep.prepare_dataset(config)
+    assert manifest.eos_id == bare.token_to_id(eos) == 1
+    assert sorted(sum(decoded_splits(config, manifest).values(), [])) == sorted(DOCS)
+    # Export's tokenizer_config.json names it too (from the dataset's manifest).
+    assert _tokenizer_files(prep.plan_dataset(config).dir, 290)[1:] == (eos, 1)
+
+    # The bare file states none: refused, naming the setting that gives it ...
+    bare_file = tmp_path / "bare.json"
+    bare.save(str(bare_file))
+    message = prepare_error(make_config(tmp_path / "c", f"data.source={source}",
+                                        f"tokenizer.path={bare_file}"))
+    assert "no end-of-document token" in message and "tokenizer.eos_token" in message
+    # ... which then gives it: the same shards as the declaring directory's.
+    named = make_config(tmp_path / "d", f"data.source={source}", f"tokenizer.path={bare_file}",
+                        f"tokenizer.eos_token={eos}")
+    assert [s.sha256 for s in prep.prepare_dataset(named).splits["train"]] == \
+        [s.sha256 for s in manifest.splits["train"]]
+    # A token it does not have, or one without a given tokenizer: errors naming the field.
+    wrong = make_config(tmp_path / "e", f"data.source={source}", f"tokenizer.path={bare_file}",
+                        "tokenizer.eos_token=</s>")
+    assert "'</s>' is not in its vocabulary" in prepare_error(wrong)
+    with pytest.raises(ValueError, match="tokenizer.eos_token='</s>' names the end-of-document"):
+        make_config(tmp_path / "f", f"data.source={source}", "tokenizer.eos_token=</s>")
+
+
 def test_tokenizer_is_trained_on_a_bounded_sample(tmp_path):
     source = write_source(tmp_path / "in", "jsonl", DOCS)
     small = make_config(tmp_path / "small", f"data.source={source}", "tokenizer.vocab_size=400",
@@ -379,7 +442,24 @@ def prepare_error(config: RunConfig) -> str:
 
 def test_empty_corpus_is_an_error(tmp_path):
     source = write_source(tmp_path / "in", "jsonl", ["", "   ", "\n\t"])
-    assert "holds no text" in prepare_error(make_config(tmp_path, f"data.source={source}"))
+    message = prepare_error(make_config(tmp_path, f"data.source={source}"))
+    assert "holds no text" in message and "3 records without text" in message
+
+
+def test_records_without_text_are_dropped_and_counted(tmp_path):
+    """Empty, whitespace and null texts (common in exported tables) are not documents, and
+    not bad records either: dropped, counted in the manifest apart from skipped ones."""
+    source = tmp_path / "in" / "nulls.jsonl"
+    source.parent.mkdir()
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in [*DOCS, None, "", " \n", None])
+                      + '{"text": 7}\n')
+    table = tmp_path / "in" / "nulls.parquet"
+    pq.write_table(pa.table({"text": [*DOCS, None, ""]}), table)
+    config = make_config(tmp_path, f"data.source={source},{table}", "data.on_bad_record=skip",
+                         "tokenizer.vocab_size=300")
+    manifest = prep.prepare_dataset(config)
+    assert (manifest.empty_records, manifest.skipped_records) == (6, 1)
+    assert sorted(sum(decoded_splits(config, manifest).values(), [])) == sorted(DOCS + DOCS)
 
 
 def test_missing_text_column_names_the_file_and_the_fix(tmp_path):
@@ -521,9 +601,9 @@ def test_prefect_flow_matches_the_library_and_reruns_for_free(prefect_api, built
     assert file_times(Path(config.data.data_dir), Path(config.storage.uri)) == before
 
 
-def test_prefect_flow_runs_units_in_processes_and_writes_the_library_s_bytes(prefect_api, tmp_path):
+def test_prefect_flow_runs_units_in_processes_and_writes_the_library_s_bytes(prefect_api, tmp_path, capfd):
     """Many work units through the flow's process pool: the same shards, byte for byte, as
-    the library's one-at-a-time run; the second run finds it all done."""
+    the library's one-at-a-time run; the second run finds it all done, and says so."""
     from flows.prepare import prepare
 
     source = write_source(tmp_path / "in", "jsonl", DOCS * 20)
@@ -536,7 +616,9 @@ def test_prefect_flow_runs_units_in_processes_and_writes_the_library_s_bytes(pre
     assert len({s.path.split("-")[1] for s in manifest.splits["train"]}) >= 4  # units
     summary = json.loads(config.run_dir.summary_file.read_text())["prepare"]
     assert summary["tokens"]["train"] == manifest.n_tokens("train") and summary["tokenize_s"] > 0
+    capfd.readouterr()
     assert prepare(config) == manifest
+    assert f"dataset {manifest.dataset_id} is already prepared" in capfd.readouterr().err
 
 
 def test_prefect_flow_fails_bad_input_without_retries(prefect_api, tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import builtins
 import gzip
 import io
+import logging
 import json
 import os
 import random
@@ -419,3 +420,18 @@ def test_ndjson_files_are_json_lines_not_silently_left_out_of_a_directory(tmp_pa
     assert [(Path(f.uri).name, f.format, f.compression) for f in files] == [
         ("a.ndjson", "json", ""), ("b.ndjson.gz", "json", "gzip")]
     assert read_all([Piece(file=f) for f in files]) == DOCS[:5]
+
+
+def test_a_folders_files_of_no_known_format_are_named_when_left_out(tmp_path, caplog):
+    write(tmp_path / "corpus.jsonl", jsonl_bytes(DOCS[:3]))
+    write(tmp_path / "more" / "notes.csv", b"text\nhello\n")
+    write(tmp_path / "README.md", b"# about this corpus\n")
+    write(tmp_path / ".cache" / "x.bin", b"\0")  # hidden: no corpus, no word
+    with caplog.at_level(logging.WARNING, logger="goodput.data.sources"):
+        files = list_source(str(tmp_path))
+    assert [Path(f.uri).name for f in files] == ["corpus.jsonl"]
+    warned = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+    assert len(warned) == 1 and "2 file(s)" in warned[0] and "README.md, more/notes.csv" in warned[0]
+    # Named with data.format, such a file is read.
+    assert read_all([Piece(file=f) for f in list_source(str(tmp_path / "README.md"), "text")]) == [
+        "# about this corpus"]

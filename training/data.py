@@ -58,6 +58,11 @@ class TrainingData:
         return self.sources[0].manifest.vocab_size
 
     @property
+    def eos_id(self) -> int:
+        """The token that ends every document of the shards."""
+        return self.sources[0].manifest.eos_id
+
+    @property
     def tokenizer_path(self) -> Path:
         first = self.sources[0]
         return first.dir / first.manifest.tokenizer

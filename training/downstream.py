@@ -38,7 +38,6 @@ from core.errors import ConfigError
 from core.files import write_atomic
 from training.logs import get_logger
 from training.model import Transformer
-from training.tokenizer import eos_id
 
 log = get_logger("eval")
 
@@ -69,13 +68,13 @@ def _make_lm_class():
         padded on the right: causal attention keeps padding from changing earlier positions.
         """
 
-        def __init__(self, model: Transformer, tokenizer: Tokenizer, batch_size: int,
+        def __init__(self, model: Transformer, tokenizer: Tokenizer, eos_id: int, batch_size: int,
                      device: torch.device):
             super().__init__()
             self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
             self._device = device
             self.max_length = model.args.max_seq_len
-            self._eot = eos_id(tokenizer)
+            self._eot = eos_id
 
         @property
         def eot_token_id(self) -> int:
@@ -165,9 +164,11 @@ def _make_lm_class():
     return ProjectLM
 
 
-def project_lm(model: Transformer, tokenizer: Tokenizer, batch_size: int, device: torch.device):
-    """An lm_eval.api.model.LM over the project's model and tokenizer."""
-    return _make_lm_class()(model, tokenizer, batch_size, device)
+def project_lm(model: Transformer, tokenizer: Tokenizer, eos_id: int, batch_size: int,
+               device: torch.device):
+    """An lm_eval.api.model.LM over the project's model and tokenizer (`eos_id`: the token
+    that ended every document in training, the dataset manifest's)."""
+    return _make_lm_class()(model, tokenizer, eos_id, batch_size, device)
 
 
 def check_task_dir(task_dir: str | Path) -> Path:
@@ -316,7 +317,7 @@ def load_tasks(tasks: list[str], task_dir: str | None) -> tuple[object, list]:
     return manager, built
 
 
-def downstream_scores(model: Transformer, tokenizer: Tokenizer, eval_cfg, device: torch.device,
+def downstream_scores(model: Transformer, tokenizer: Tokenizer, eos_id: int, eval_cfg, device: torch.device,
                       seed: int = 0, loaded: tuple | None = None,
                       log_samples: bool = False) -> tuple[dict[str, dict[str, float]], dict]:
     """Run lm-eval's tasks (eval.tasks; `loaded`: load_tasks' result, if already loaded) on the
@@ -327,7 +328,7 @@ def downstream_scores(model: Transformer, tokenizer: Tokenizer, eval_cfg, device
     start = time.perf_counter()
     manager, tasks = loaded or load_tasks(list(eval_cfg.tasks), eval_cfg.task_dir)
     results = evaluator.simple_evaluate(
-        model=project_lm(model, tokenizer, eval_cfg.batch_size, device), tasks=tasks,
+        model=project_lm(model, tokenizer, eos_id, eval_cfg.batch_size, device), tasks=tasks,
         task_manager=manager, limit=eval_cfg.limit, num_fewshot=eval_cfg.num_fewshot,
         bootstrap_iters=eval_cfg.bootstrap_iters, log_samples=log_samples,
         random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)

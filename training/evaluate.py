@@ -26,20 +26,20 @@ from training.downstream import downstream_scores, load_tasks, lower_is_better_s
 from training.held_out import mix_held_out_loss
 from training.logs import get_logger, setup_worker_logging
 from training.model import Transformer
-from training.tokenizer import load_tokenizer
+from training.tokenizer import read_tokenizer
 from training.tracking import open_trackers
 
 log = get_logger("eval")
 
 
-def generate_samples(model: Transformer, tokenizer: Tokenizer, prompts: list[str], count: int,
-                     max_new_tokens: int, temperature: float, top_k: int | None, seed: int,
-                     device: torch.device) -> list[EvalSample]:
+def generate_samples(model: Transformer, tokenizer: Tokenizer, eos_id: int, prompts: list[str],
+                     count: int, max_new_tokens: int, temperature: float, top_k: int | None,
+                     seed: int, device: torch.device) -> list[EvalSample]:
     generator = torch.Generator(device=device).manual_seed(seed)
     samples = []
     for i in range(count):
         prompt = prompts[i % len(prompts)]
-        ids = tokenizer.encode(prompt).ids or [0]
+        ids = tokenizer.encode(prompt).ids or [eos_id]  # an empty prompt: a document's start
         out = model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature,
                              top_k, generator, n_tokens=tokenizer.get_vocab_size())
         samples.append(EvalSample(prompt=prompt, completion=tokenizer.decode(out[0, len(ids):].tolist())))
@@ -83,14 +83,14 @@ def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_c
     data = open_training_data(dataset_dir)
     loss, tokens, source_losses = mix_held_out_loss(model, data, seq_len, eval_cfg.batch_size,
                                                     eval_cfg.max_batches, device)
-    tokenizer = load_tokenizer(data.tokenizer_path)  # prompts encode as text, as documents did
+    tokenizer = read_tokenizer(data.tokenizer_path)  # prompts encode as text, as documents did
     bits_per_byte = held_out_bits_per_byte(data, source_losses, tokenizer, seq_len,
                                            eval_cfg.batch_size, eval_cfg.max_batches)
-    samples = generate_samples(model, tokenizer, eval_cfg.prompts, eval_cfg.num_samples,
+    samples = generate_samples(model, tokenizer, data.eos_id, eval_cfg.prompts, eval_cfg.num_samples,
                                eval_cfg.sample_tokens, eval_cfg.temperature, eval_cfg.top_k, seed, device)
     downstream, lower_better = {}, []
     if eval_cfg.tasks:
-        downstream, results = downstream_scores(model, tokenizer, eval_cfg, device, seed,
+        downstream, results = downstream_scores(model, tokenizer, data.eos_id, eval_cfg, device, seed,
                                                 loaded=downstream_tasks)
         lower_better = lower_is_better_scores(results)
     return EvalReport(run_id=run_id, step=ckpt.step, checkpoint=str(checkpoint),

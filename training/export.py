@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from core.hf_llama import SHARD_INDEX, SINGLE_FILE
 from core.protocol import CHECKPOINT_MANIFEST, is_committed
-from storage.manifests import CheckpointManifest, verify_files
+from storage.manifests import DATASET_MANIFEST, CheckpointManifest, DatasetManifest, verify_files
 from training.checkpoint.reader import load_all_tensors, model_state_from
 from training.model import ModelArgs, Transformer
 
@@ -206,16 +206,22 @@ class TokenizerFiles(NamedTuple):
 
 
 def _tokenizer_files(tokenizer: str | Path, vocab_size: int) -> TokenizerFiles:
-    """A tokenizer.json, given itself or the dataset directory holding it, checked against the model."""
+    """A tokenizer.json, given itself or the directory holding it (a prepared dataset, whose
+    manifest states the end-of-document id, or a Hugging Face tokenizer directory, whose
+    tokenizer_config.json may), checked against the model."""
     from core.errors import DataError
-    from training.tokenizer import eos_id, load_tokenizer
+    from training.tokenizer import declared_eos_token, eos_id, load_tokenizer, read_tokenizer
 
     path = Path(tokenizer)
     if path.is_dir():
         path = path / "tokenizer.json"
     try:
-        loaded = load_tokenizer(path)
-        eos = eos_id(loaded)
+        if (path.parent / DATASET_MANIFEST).is_file():
+            loaded, eos = read_tokenizer(path), DatasetManifest.load(path.parent).eos_id
+        else:
+            declared = declared_eos_token(path.parent)
+            loaded = load_tokenizer(path, declared)
+            eos = eos_id(loaded, declared)
     except DataError as e:
         raise ExportError(f"--tokenizer: {e}") from None
     if loaded.get_vocab_size() > vocab_size:

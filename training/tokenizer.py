@@ -6,6 +6,7 @@ the vocabulary, so any text encodes without unknown tokens and decodes back exac
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -44,8 +45,20 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int) -
     return _as_text_encoder(tokenizer)
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
-    """A tokenizer.json that has an end-of-document token (`DataError` otherwise)."""
+def load_tokenizer(path: str | Path, eos_token: str | None = None) -> Tokenizer:
+    """A tokenizer.json that has an end-of-document token (`DataError` otherwise): `eos_token`
+    where given, else one of EOS_CANDIDATES."""
+    tokenizer = read_tokenizer(path)
+    try:
+        eos_id(tokenizer, eos_token)
+    except DataError as e:
+        raise DataError(f"tokenizer {path}: {e}") from None
+    return tokenizer
+
+
+def read_tokenizer(path: str | Path) -> Tokenizer:
+    """A tokenizer.json, to encode documents' text (where its end-of-document id is known:
+    a dataset manifest states it)."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"tokenizer file {path} not found; set tokenizer.path to an existing "
@@ -55,24 +68,44 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     except Exception as e:  # the Rust side raises plain Exception
         raise DataError(f"{path} is not a valid tokenizer.json ({e}); save it with "
                         "`tokenizers` (Tokenizer.save) or leave tokenizer.path unset") from e
-    if _find_eos(tokenizer) is None:
-        raise DataError(f"tokenizer {path} has no end-of-document token: none of "
-                        f"{', '.join(EOS_CANDIDATES)} is in its vocabulary; add one as a "
-                        "special token, or leave tokenizer.path unset to train a tokenizer")
     return _as_text_encoder(tokenizer)
 
 
-def eos_id(tokenizer: Tokenizer) -> int:
-    """The id that ends every document in the token shards."""
-    found = _find_eos(tokenizer)
+def eos_id(tokenizer: Tokenizer, eos_token: str | None = None) -> int:
+    """The id that ends every document in the token shards: that of `eos_token` (a given
+    tokenizer's own, see `declared_eos_token`), else of the first of EOS_CANDIDATES it has."""
+    if eos_token is not None:
+        found = tokenizer.token_to_id(eos_token)
+        if found is None:
+            raise DataError(f"its end-of-document token {eos_token!r} is not in its vocabulary; "
+                            "set tokenizer.eos_token to a token it has")
+        return found
+    ids = (tokenizer.token_to_id(token) for token in EOS_CANDIDATES)
+    found = next((i for i in ids if i is not None), None)
     if found is None:
-        raise DataError(f"tokenizer has none of the end-of-document tokens {EOS_CANDIDATES}")
+        raise DataError(f"it has no end-of-document token: none of {', '.join(EOS_CANDIDATES)} "
+                        "is in its vocabulary; set tokenizer.eos_token to the one it uses, or "
+                        "leave tokenizer.path unset to train a tokenizer")
     return found
 
 
-def _find_eos(tokenizer: Tokenizer) -> int | None:
-    ids = (tokenizer.token_to_id(token) for token in EOS_CANDIDATES)
-    return next((i for i in ids if i is not None), None)
+def declared_eos_token(directory: str | Path) -> str | None:
+    """The end-of-document token a Hugging Face tokenizer directory declares: `eos_token` of
+    its tokenizer_config.json (save_pretrained writes it), else of special_tokens_map.json."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        path = Path(directory) / name
+        if not path.is_file():
+            continue
+        try:
+            token = json.loads(path.read_text()).get("eos_token")
+        except (ValueError, AttributeError) as e:
+            raise DataError(f"{path} is not a JSON object ({e}); save the tokenizer again with "
+                            "save_pretrained, or set tokenizer.eos_token") from None
+        if isinstance(token, dict):  # an AddedToken written out: {"content": ..., ...}
+            token = token.get("content")
+        if isinstance(token, str) and token:
+            return token
+    return None
 
 
 def _as_text_encoder(tokenizer: Tokenizer) -> Tokenizer:

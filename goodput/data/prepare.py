@@ -62,7 +62,7 @@ from storage.manifests import DATASET_MANIFEST, DatasetManifest, MixSource, Mixt
 from storage.shards import ShardWriter, token_dtype
 from storage.store import Store, store_from_config, usable_anywhere
 from training.shard_cache import check_cache_limit, write_cache_settings
-from training.tokenizer import eos_id, load_tokenizer, train_tokenizer
+from training.tokenizer import declared_eos_token, eos_id, load_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,9 @@ class DatasetPlan(BaseModel):
     files: list[SourceFile] = []  # the listing; empty when found through the pointer
     tokenizer_from: str | None = None  # a mix's later source: the first source's dataset id
     field_prefix: str = "data"  # how errors name the source's fields (DataConfig.field_prefix)
+    # A given tokenizer's end-of-document token (given_eos_token); None: the first of
+    # EOS_CANDIDATES it has. Set where the plan comes from the listing, as prepare's does.
+    eos_token: str | None = None
 
     @property
     def dir(self) -> Path:
@@ -140,6 +143,7 @@ class UnitResult(BaseModel):
     skipped: int
     bytes_read: int
     seconds: float
+    empty: int = 0  # records without text (empty, whitespace, null), dropped
     worker: str = ""  # host:pid where the unit ran, for the log of a cluster run
 
     @property
@@ -182,19 +186,34 @@ def plan_dataset(config: RunConfig, tokenizer_from: str | None = None) -> Datase
         listing = fingerprint(files)
     if any(f.format == "hub" for f in files):  # the listing names the dataset, not its part
         listing = [listing, data.hub_config, data.hub_split]
-    inputs = {"source": listing, "tokenizer": _tokenizer_settings(config, tokenizer_from),
+    eos_token = given_eos_token(config)
+    tokenizer = _tokenizer_settings(config, tokenizer_from)
+    if eos_token is not None:  # (a dataset whose tokenizer's EOS is found keeps its id)
+        tokenizer["eos_token"] = eos_token
+    inputs = {"source": listing, "tokenizer": tokenizer,
               "prep": _shard_settings(data) | {"version": PREPARE_VERSION}}
-    return _plan(config, sha256_bytes(canonical_json(inputs))[:16], files, tokenizer_from)
+    return _plan(config, sha256_bytes(canonical_json(inputs))[:16], files, tokenizer_from, eos_token)
 
 
 def _plan(config: RunConfig, dataset_id: str, files: list[SourceFile],
-          tokenizer_from: str | None) -> DatasetPlan:
+          tokenizer_from: str | None, eos_token: str | None = None) -> DatasetPlan:
     source = builtin_description() if config.data.source == BUILTIN else config.data.source
     return DatasetPlan(dataset_id=dataset_id, source=source,
                        local_dir=str(Path(config.data.data_dir) / dataset_id),
                        store_prefix=f"datasets/{dataset_id}",
                        settings_key=settings_key(config, tokenizer_from), files=files,
-                       tokenizer_from=tokenizer_from, field_prefix=config.data.field_prefix)
+                       tokenizer_from=tokenizer_from, field_prefix=config.data.field_prefix,
+                       eos_token=eos_token)
+
+
+def given_eos_token(config: RunConfig) -> str | None:
+    """The end-of-document token the given tokenizer states: tokenizer.eos_token, else the
+    eos_token of its Hugging Face directory (tokenizer_config.json). None: none is stated
+    (or the tokenizer is trained), and the first of EOS_CANDIDATES it has ends documents."""
+    tok = config.tokenizer
+    if tok.eos_token is not None or tok.path is None:
+        return tok.eos_token
+    return declared_eos_token(given_tokenizer_file(tok.path).parent)
 
 
 def _tokenizer_settings(config: RunConfig, tokenizer_from: str | None = None) -> dict:
@@ -216,9 +235,10 @@ def _shard_settings(data: DataConfig) -> dict:
 
 def settings_key(config: RunConfig, tokenizer_from: str | None = None) -> str:
     """The data and tokenizer settings of one source as written (not what the files hold)."""
+    unset = {"eos_token"} if config.tokenizer.eos_token is None else set()  # as before it was
     tree = config.model_dump(include={"data", "tokenizer"},
                              exclude={"data": {"data_dir", "cache_limit", "sources", "stages"},
-                                      "tokenizer": {"sha256"}})
+                                      "tokenizer": {"sha256", *unset}})
     if tokenizer_from is not None:
         tree["tokenizer_from"] = tokenizer_from
     return sha256_bytes(canonical_json(tree))[:16]
@@ -469,7 +489,7 @@ def build_tokenizer(plan: DatasetPlan, config: RunConfig, units: list[WorkUnit],
     plan.dir.mkdir(parents=True, exist_ok=True)
     if config.tokenizer.path is not None:
         given = given_tokenizer_file(config.tokenizer.path)
-        load_tokenizer(given)  # validate before adopting it
+        load_tokenizer(given, plan.eos_token)  # validate before adopting it
         write_atomic(path, given.read_bytes())
         return str(path)
     if plan.tokenizer_from is not None:  # the mix's first source's, here or in the store
@@ -512,9 +532,10 @@ def _sample_texts(units: list[WorkUnit], config: RunConfig, sample_bytes: int) -
 
 @dataclass
 class _Counts:
-    """What a unit's readers counted: bad records skipped, input bytes read."""
+    """What a unit's readers counted: bad records skipped, records without text, input bytes read."""
 
     skipped: int = 0
+    empty: int = 0
     bytes_read: int = 0
 
 
@@ -541,6 +562,7 @@ def _unit_batches(unit: WorkUnit, data: DataConfig, storage: StorageConfig, coun
                     return
         finally:
             counts.skipped += reader.skipped
+            counts.empty += reader.empty
             counts.bytes_read += reader.bytes_read
 
 
@@ -571,7 +593,7 @@ def tokenize_unit(plan: DatasetPlan, unit: WorkUnit, data: DataConfig, storage: 
                           lambda s: _has_size(plan.dir / s.path, s.size))
     if done is not None:
         return done
-    result = _tokenize(plan.dir, plan.tokenizer_path, tokenizer_sha256, unit, data, storage)
+    result = _tokenize(plan.dir, plan.tokenizer_path, tokenizer_sha256, plan.eos_token, unit, data, storage)
     record.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(record, result.model_dump_json(indent=1).encode())
     return result
@@ -590,7 +612,8 @@ def _tokenize_unit_to_store(plan: DatasetPlan, unit: WorkUnit, data: DataConfig,
                               lambda s: store.exists(plan.store_key(s.path)))
         if done is not None:
             return done
-        result = _tokenize(Path(scratch), tokenizer_path, tokenizer_sha256, unit, data, storage)
+        result = _tokenize(Path(scratch), tokenizer_path, tokenizer_sha256, plan.eos_token, unit,
+                           data, storage)
         for shards in result.shards.values():
             for shard in shards:
                 store.put_file(Path(scratch) / shard.path, plan.store_key(shard.path),
@@ -599,14 +622,14 @@ def _tokenize_unit_to_store(plan: DatasetPlan, unit: WorkUnit, data: DataConfig,
     return result
 
 
-def _tokenize(directory: Path, tokenizer_path: Path, tokenizer_sha256: str, unit: WorkUnit,
-              data: DataConfig, storage: StorageConfig) -> UnitResult:
+def _tokenize(directory: Path, tokenizer_path: Path, tokenizer_sha256: str, eos_token: str | None,
+              unit: WorkUnit, data: DataConfig, storage: StorageConfig) -> UnitResult:
     """The unit's shards, written into `directory` (partial ones of an earlier try replaced)."""
     for stale in directory.glob(f"*-{unit.index:05d}-*.arrow"):
         stale.unlink()
     started = time.perf_counter()
-    tokenizer = _unit_tokenizer(tokenizer_path, tokenizer_sha256)
-    eos, dtype = eos_id(tokenizer), token_dtype(tokenizer.get_vocab_size())
+    tokenizer = _unit_tokenizer(tokenizer_path, tokenizer_sha256, eos_token)
+    eos, dtype = eos_id(tokenizer, eos_token), token_dtype(tokenizer.get_vocab_size())
     made_from = {"tokenizer_sha256": tokenizer_sha256}  # not where the text was: bytes follow content
     writers = {split: ShardWriter(directory, lambda k, s=split: f"{s}-{unit.index:05d}-{k:04d}.arrow",
                                   dtype, data.shard_tokens, made_from) for split in SPLITS}
@@ -624,7 +647,7 @@ def _tokenize(directory: Path, tokenizer_path: Path, tokenizer_sha256: str, unit
     shards = {split: [_shard_info(directory, name, n_tokens, n_docs)
                       for name, n_tokens, n_docs in writer.close()] for split, writer in writers.items()}
     return UnitResult(index=unit.index, key=unit.key(data, tokenizer_sha256), shards=shards,
-                      docs=docs, skipped=counts.skipped, bytes_read=counts.bytes_read,
+                      docs=docs, skipped=counts.skipped, empty=counts.empty, bytes_read=counts.bytes_read,
                       seconds=time.perf_counter() - started,
                       worker=f"{socket.gethostname()}:{os.getpid()}")
 
@@ -632,12 +655,12 @@ def _tokenize(directory: Path, tokenizer_path: Path, tokenizer_sha256: str, unit
 _loaded_tokenizers: dict[str, Tokenizer] = {}
 
 
-def _unit_tokenizer(path: Path, sha256: str) -> Tokenizer:
+def _unit_tokenizer(path: Path, sha256: str, eos_token: str | None = None) -> Tokenizer:
     """The tokenizer with this content, loaded once per process: a pool's process tokenizes
     unit after unit, and loading a 16k-vocabulary tokenizer.json takes ~70 ms each time."""
     if sha256 not in _loaded_tokenizers:
         _loaded_tokenizers.clear()  # one dataset's at a time
-        _loaded_tokenizers[sha256] = load_tokenizer(path)
+        _loaded_tokenizers[sha256] = load_tokenizer(path, eos_token)
     return _loaded_tokenizers[sha256]
 
 
@@ -676,15 +699,16 @@ def write_manifest(plan: DatasetPlan, results: list[UnitResult], tokenizer_path:
     With `store` (units that wrote to the store), the dataset is sealed there: the manifest
     goes up once every file it lists is there, and this machine keeps none of it.
     """
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = load_tokenizer(tokenizer_path, plan.eos_token)
     results = sorted(results, key=lambda r: r.index)
     splits = {split: [s for r in results for s in r.shards[split]] for split in SPLITS}
     docs, skipped = sum(r.docs for r in results), sum(r.skipped for r in results)
+    empty = sum(r.empty for r in results)
     field = plan.field_prefix
     if docs == 0:
         raise DataError(f"{field}.source={plan.source!r} holds no text: none of its documents has "
-                        f"any ({skipped} bad records skipped); point {field}.source at files with "
-                        f"text, or check {field}.text_column")
+                        f"any ({empty} records without text, {skipped} bad records skipped); "
+                        f"point {field}.source at files with text, or check {field}.text_column")
     for split, shards in splits.items():
         if not shards:
             raise DataError(f"{field}.source={plan.source!r}: its {docs} document(s) (after "
@@ -696,10 +720,11 @@ def write_manifest(plan: DatasetPlan, results: list[UnitResult], tokenizer_path:
         tokenizer=Path(tokenizer_path).name,
         tokenizer_sha256=sha256_file(tokenizer_path),
         vocab_size=tokenizer.get_vocab_size(),
-        eos_id=eos_id(tokenizer),
+        eos_id=eos_id(tokenizer, plan.eos_token),
         dtype=token_dtype(tokenizer.get_vocab_size()),
         splits=splits,
         skipped_records=skipped,
+        empty_records=empty,
         source_bytes=sum(r.bytes_read for r in results),
         created_at=time.time(),
     )

@@ -50,6 +50,7 @@ Compression = Literal["", "gzip", "zstd"]
 FORMAT_OF_EXTENSION = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 COMPRESSION_OF_EXTENSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 MiB = 2**20
+_ONE_LINE, _COLUMN = re.compile(r"line 1 column (\d+)(?: \(char \d+\))?"), r"column \1"
 MAX_WHOLE_JSON = 256 * MiB  # a JSON array is parsed in one piece; larger ones must be JSON Lines
 MAX_LINE = 256 * MiB  # a longer "line" is no JSON Lines or text file: stop before memory runs out
 MAX_HUB_UNITS = 4096
@@ -155,11 +156,24 @@ def _expand(part: str) -> list[Path]:
     files = []
     for path in matches:
         if path.is_dir():  # hidden files and folders (.git, .cache) hold no corpus
-            files += [p for p in path.rglob("*") if p.is_file() and _kind(p.name)[0]
-                      and not any(s.startswith(".") for s in p.relative_to(path).parts)]
+            below = [p for p in path.rglob("*") if p.is_file()
+                     and not any(s.startswith(".") for s in p.relative_to(path).parts)]
+            files += [p for p in below if _kind(p.name)[0]]
+            _warn_left_out(str(path), [str(p.relative_to(path)) for p in below if not _kind(p.name)[0]])
         elif path.is_file():
             files.append(path)
     return [p.resolve() for p in files]
+
+
+def _warn_left_out(folder: str, names: list[str]) -> None:
+    """A folder's files of no known format are not read: say so, lest a corpus of .csv or .md
+    files train on nothing but the folder's README."""
+    if names:
+        shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
+        log.warning("%s: left out %d file(s) of no known format (%s); only .jsonl, .ndjson, "
+                    ".json, .parquet and .txt files (also .gz or .zst) of a folder are read: "
+                    "rename the others, or name them (a file or glob) with data.format",
+                    folder, len(names), shown)
 
 
 def _source_file(uri: str, size: int, version: str, fmt: str, source: str,
@@ -188,8 +202,10 @@ def _list_s3(uri: str, source: str, fmt: str, storage, field_prefix: str) -> lis
         if glob.has_magic(prefix):
             objects = _glob_s3(store, prefix)
         else:
-            objects = [o for o in store.list_objects(f"{prefix}/" if prefix else "")
-                       if _kind(o[0])[0] and not _hidden(o[0][len(prefix):])]
+            below = [o for o in store.list_objects(f"{prefix}/" if prefix else "")
+                     if not _hidden(o[0][len(prefix):])]
+            objects = [o for o in below if _kind(o[0])[0]]
+            _warn_left_out(uri, [o[0][len(prefix):].lstrip("/") for o in below if not _kind(o[0])[0]])
             if not objects and prefix:  # no folder: maybe the key of one object
                 objects = [o for o in store.list_objects(prefix) if o[0] == prefix]
     except FileNotFoundError as e:  # no such bucket
@@ -400,6 +416,13 @@ def _row_group_bytes(row_group) -> int:
 
 # -- reading ---------------------------------------------------------------------------------
 
+class _Skipped:
+    """What a reader yields for a bad record it skipped (data.on_bad_record=skip)."""
+
+
+_SKIPPED = _Skipped()
+
+
 def read_documents(piece: Piece, text_column: str = "text", *, on_bad_record: str = "error",
                    storage=None, batch_bytes: int = 8 * MiB,
                    field_prefix: str = "data") -> DocumentBatches:
@@ -414,11 +437,11 @@ class DocumentBatches:
     """The documents of one piece in batches of about `batch_bytes` characters of text.
 
     Each iteration reads the piece anew and keeps counts as it goes: `docs` (documents
-    yielded), `skipped` (bad records skipped, with on_bad_record="skip") and `bytes_read`:
+    yielded), `skipped` (bad records skipped, with on_bad_record="skip"), `empty` (records
+    whose text is empty, whitespace or null: dropped, as they hold nothing to learn) and `bytes_read`:
     the input consumed, as stored (compressed bytes for .gz/.zst; for uncompressed byte
     ranges the bytes of the lines the piece owns, so pieces add up to the file; parquet: the
-    compressed size of the row groups done; hub: characters of text). Documents that are
-    empty, whitespace or null are dropped without counting, as before.
+    compressed size of the row groups done; hub: characters of text).
     """
 
     def __init__(self, piece: Piece, text_column: str, on_bad_record: str, storage, batch_bytes: int,
@@ -427,10 +450,10 @@ class DocumentBatches:
             raise ValueError(f"on_bad_record must be 'error' or 'skip', not {on_bad_record!r}")
         self.piece, self.text_column, self.on_bad_record = piece, text_column, on_bad_record
         self.storage, self.batch_bytes, self.field_prefix = storage, batch_bytes, field_prefix
-        self.docs = self.skipped = self.bytes_read = 0
+        self.docs = self.skipped = self.empty = self.bytes_read = 0
 
     def __iter__(self) -> Iterator[list[str]]:
-        self.docs = self.skipped = self.bytes_read = 0
+        self.docs = self.skipped = self.empty = self.bytes_read = 0
         uri = self.piece.file.uri
         texts = {"json": self._json_texts, "text": self._text_texts, "parquet": self._parquet_texts,
                  "hub": self._hub_texts}[self.piece.file.format]()
@@ -438,7 +461,10 @@ class DocumentBatches:
         size = 0
         try:
             for text in texts:
+                if text is _SKIPPED:  # counted in self.skipped
+                    continue
                 if not text or text.isspace():
+                    self.empty += 1
                     continue
                 batch.append(text)
                 size += len(text)
@@ -475,7 +501,8 @@ class DocumentBatches:
                 try:
                     obj = _loads(line)
                 except ValueError as e:  # also bytes that are no UTF-8
-                    self._bad(where(), f"is not valid JSON ({e})")
+                    # The parser's "line 1 column N" counts within this one line.
+                    self._bad(where(), f"is not valid JSON ({_ONE_LINE.sub(_COLUMN, str(e))})")
                     continue
                 yield self._field(obj, where)
 
@@ -570,8 +597,8 @@ class DocumentBatches:
             else:
                 yield (lambda o=offset: f"{file.uri} line at byte {o}"), line
 
-    def _field(self, obj, where: Callable[[], str]) -> str | None:
-        """The text of one record, None if it is null or bad (and skipped)."""
+    def _field(self, obj, where: Callable[[], str]) -> str | None | _Skipped:
+        """The text of one record (None if null), _SKIPPED if it is bad and skipped."""
         if not isinstance(obj, dict):
             return self._bad(where(), f"is a JSON {type(obj).__name__}, not an object")
         if self.text_column not in obj:
@@ -583,13 +610,14 @@ class DocumentBatches:
             return self._bad(where(), f"holds {type(value).__name__} in {self.text_column!r}, not text")
         return value
 
-    def _bad(self, where: str, what: str) -> None:
+    def _bad(self, where: str, what: str) -> _Skipped:
         if self.on_bad_record == "error":
             raise DataError(f"{where} {what}; {_BAD_RECORD_FIX}")
         if not self.skipped:  # the first says what is skipped; the count says how many
             log.warning("skipping bad records in %s (data.on_bad_record=skip), the first: %s %s",
                         self.piece.describe(), where, what)
         self.skipped += 1
+        return _SKIPPED
 
     @contextmanager
     def _stream(self, start: int, buffer_size: int = 8 * MiB
