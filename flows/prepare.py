@@ -70,21 +70,33 @@ def prepare_source(config: RunConfig, tokenizer_from: str | None = None,
     logger.info("dataset %s from %s (%d files)", plan.dataset_id, plan.source, len(plan.files))
     to_store = config.prepare.runner == "ray"  # a cluster's machines share the store, not a disk
     manifest, tokenize_s, workers = find_prepared(plan, config.storage, fetch=not to_store), None, None
-    if manifest is None:
+    if manifest is not None:
+        logger.info("dataset %s is already prepared (from the same listing and settings): "
+                    "nothing to tokenize", plan.dataset_id)
+    else:
         units = plan_units(plan, config)
         tokenizer_path = build_tokenizer(plan, config, units, to_store)
         tokenizing_since = time.time()
-        with api_shared_with_unit_processes() as api_url:
-            runner = unit_runner(config.prepare, len(units), api_url, config.storage.uri)
-            results = tokenize_units.with_options(task_runner=runner)(plan, units, config, to_store)
+        try:
+            with api_shared_with_unit_processes() as api_url:
+                runner = unit_runner(config.prepare, len(units), api_url, config.storage.uri)
+                results = tokenize_units.with_options(task_runner=runner)(plan, units, config, to_store)
+        except BaseException:
+            logger.warning("the finished units of dataset %s stay in %s: a rerun with the same "
+                           "sources and settings redoes only the others. If you change them (a "
+                           "fixed file, other settings), that is another dataset: delete this one",
+                           plan.dataset_id, plan.store_key("") if to_store else plan.dir)
+            raise
         tokenize_s = time.time() - tokenizing_since
         workers = sorted({result.worker for result in results})
         manifest = write_manifest(plan, results, tokenizer_path, config.storage if to_store else None)
     # Also when found: a dataset prepared here while the store was down still gets uploaded.
     publish(plan, manifest, config.storage)
-    logger.info("dataset %s: %d train tokens in %d shards, %d validation tokens (%s)",
+    logger.info("dataset %s: %d train tokens in %d shards, %d validation tokens (%s); "
+                "%d records without text dropped, %d bad records skipped",
                 manifest.dataset_id, manifest.n_tokens("train"), len(manifest.splits["train"]),
-                manifest.n_tokens("validation"), manifest.dtype)
+                manifest.n_tokens("validation"), manifest.dtype, manifest.empty_records,
+                manifest.skipped_records)
     return manifest, tokenize_s, workers
 
 
