@@ -82,8 +82,10 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
         return {"attempt": attempt, "step": None, "wall_time_s": 0.0, "stopped": "time limit"}
 
     def on_progress(beat: dict) -> None:
-        progress(beat)
+        # The deadline first: stopping right after a checkpoint must not wait on the API call
+        # that updates the progress artifact (seconds on a busy Prefect server).
         deadline(beat)
+        progress(beat)
 
     started = time.monotonic()
     try:
