@@ -16,7 +16,9 @@ included) and reports:
 - tokenizing throughput (tokens / wall time of the work units, from summary.json) against
   raw `tokenizers` `encode_batch` on the same texts, tokenizer and cores (one process per
   core, each on its share of the files) and against `datasets.map(batched=True,
-  num_proc=cores)` doing the same (only for sizes up to --map-max, it copies the corpus);
+  num_proc=cores)` doing the same (only for sizes up to --map-max, it copies the corpus),
+  twice: mapping `tokenizers`' encode_batch, and mapping a `transformers` fast tokenizer's
+  `tokenizer(batch["text"])` as transformers' run_clm.py example does;
 - a no-op rerun: the library's decision that there is no work (plan + find + publish
   check) and the whole command's wall time;
 - with --ray: the same prepare with prepare.runner=ray on a Ray cluster of two nodes on this
@@ -179,22 +181,46 @@ def raw_encode_batch(tokenizer_path: Path, corpus: Path, cores: int) -> dict:
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
 
 
-def datasets_map(tokenizer_path: Path, corpus: Path, cores: int, cache: Path) -> dict:
-    """`datasets.load_dataset` + `map(batched=True, num_proc=cores)`, the usual recipe."""
+# The function datasets.map runs on each batch. "tokenizers": the lean one, `tokenizers`'
+# encode_batch with the EOS appended; "transformers": the recipe of transformers'
+# examples/pytorch/language-modeling/run_clm.py, `tokenizer(examples["text"])` through a fast
+# tokenizer (input_ids and attention_mask; the EOS is counted, not stored).
+_MAP_ENCODE = {
+    "tokenizers": """
+from tokenizers import Tokenizer
+tok = Tokenizer.from_file({path!r})
+def encode(batch):
+    return {{"ids": [e.ids + [0] for e in tok.encode_batch(batch["text"], add_special_tokens=False)]}}
+def count(ids):
+    return len(ids)
+""",
+    "transformers": """
+from transformers import PreTrainedTokenizerFast
+tok = PreTrainedTokenizerFast(tokenizer_file={path!r})
+def encode(batch):
+    return tok(batch["text"])
+def count(ids):
+    return len(ids) + 1
+""",
+}
+
+
+def datasets_map(tokenizer_path: Path, corpus: Path, cores: int, cache: Path,
+                 encoder: str = "tokenizers") -> dict:
+    """`datasets.load_dataset` + `map(batched=True, num_proc=cores)`, the usual recipe, with
+    the batch function `_MAP_ENCODE[encoder]`."""
+    column = "ids" if encoder == "tokenizers" else "input_ids"
     code = f"""
 import os, time, json
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 import datasets
-from tokenizers import Tokenizer
 datasets.disable_progress_bars()
-tok = Tokenizer.from_file({str(tokenizer_path)!r})
+{_MAP_ENCODE[encoder].format(path=str(tokenizer_path))}
 files = sorted(str(p) for p in __import__("pathlib").Path({str(corpus)!r}).glob("*.jsonl"))
 start = time.perf_counter()
 ds = datasets.load_dataset("json", data_files=files, split="train", cache_dir={str(cache)!r})
-def encode(batch):
-    return {{"ids": [e.ids + [0] for e in tok.encode_batch(batch["text"], add_special_tokens=False)]}}
 out = ds.map(encode, batched=True, num_proc={cores}, remove_columns=ds.column_names)
-tokens = sum(len(x) for batch in out.iter(batch_size=10000) for x in batch["ids"])
+tokens = sum(count(x) for batch in out.iter(batch_size=10000) for x in batch[{column!r}])
 print(json.dumps({{"tokens": tokens, "wall_s": time.perf_counter() - start}}))
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -269,9 +295,17 @@ def bench_size(label: str, size: int, work: Path, cores: int, map_max: int, ray:
         mapped = datasets_map(plan.tokenizer_path, corpus, cores, work / "hf-cache")
         row["map_tokens_per_s"] = mapped["tokens_per_s"]
         row["vs_map"] = row["tokens_per_s"] / mapped["tokens_per_s"]
+        recipe = datasets_map(plan.tokenizer_path, corpus, cores, work / "hf-cache", "transformers")
+        row["recipe_tokens_per_s"] = recipe["tokens_per_s"]
+        row["vs_recipe"] = row["tokens_per_s"] / recipe["tokens_per_s"]
+        if not raw["tokens"] == mapped["tokens"] == recipe["tokens"] == tokens:
+            print(f"[{label}] NOT THE SAME WORK: tokens {tokens:,} (prepare), {raw['tokens']:,} "
+                  f"(raw), {mapped['tokens']:,} (map), {recipe['tokens']:,} (run_clm.py's map)")
         print(f"[{label}] raw encode_batch {raw['tokens_per_s']:,.0f} tokens/s "
-              f"({raw['tokens']:,} tokens), datasets.map {mapped['tokens_per_s']:,.0f}: goodput "
-              f"{row['vs_raw']:.2f}x raw, {row['vs_map']:.2f}x map", flush=True)
+              f"({raw['tokens']:,} tokens), datasets.map {mapped['tokens_per_s']:,.0f}, "
+              f"datasets.map as run_clm.py {recipe['tokens_per_s']:,.0f}: goodput "
+              f"{row['vs_raw']:.2f}x raw, {row['vs_map']:.2f}x map, {row['vs_recipe']:.2f}x "
+              "run_clm.py's map", flush=True)
     if ray:
         row |= bench_ray(label, overrides, env, root, cores, plan, manifest, summary["tokenize_s"])
     shutil.rmtree(root, ignore_errors=True)
@@ -315,13 +349,13 @@ def bench_ray(label: str, overrides: list[str], env: dict, root: Path, cores: in
 
 def print_table(rows: list[dict]) -> None:
     print("\n| corpus | files | tokens | prepare wall (s) | tokens/s | vs raw encode_batch | vs datasets.map "
-          "| peak RSS (MiB) | written beyond output (% of input) | creating Prefect's home (MB, once) "
-          "| no-op decision (s) | no-op command (s) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| vs run_clm.py's map | peak RSS (MiB) | written beyond output (% of input) "
+          "| creating Prefect's home (MB, once) | no-op decision (s) | no-op command (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = lambda key: f"{r[key]:.2f}x" if key in r else "–"  # noqa: E731
         print(f"| {r['size']} | {r['files']} | {r['tokens']:,} | {r['wall_s']:.0f} | "
-              f"{r['tokens_per_s']:,.0f} | {ratio('vs_raw')} | {ratio('vs_map')} | "
+              f"{r['tokens_per_s']:,.0f} | {ratio('vs_raw')} | {ratio('vs_map')} | {ratio('vs_recipe')} | "
               f"{r['peak_rss'] / 2**20:,.0f} | "
               f"{100 * r['written_beyond_output'] / r['input_bytes']:.1f}% | "
               f"{r['prefect_home_created_bytes'] / 1e6:.1f} | "
