@@ -9,6 +9,7 @@ logits by 2e-3 to 5e-3, hundreds of times the tolerance.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -216,3 +217,30 @@ def test_rejects_what_is_not_a_committed_intact_checkpoint(trained, tmp_path):
     with pytest.raises(ExportError, match="does not match its manifest"):
         export_hf(corrupt, tmp_path / "c")
     assert not any(tmp_path.glob("[abc]")) and not any(tmp_path.glob(".[abc].*"))
+
+
+def test_a_tokenizer_without_a_known_eos_names_the_dataset_directory_to_give(tmp_path):
+    """Export has no tokenizer.eos_token: a --tokenizer whose end-of-document token it cannot
+    tell is refused with export's fix (the dataset's directory), not prepare's."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from training.export import _tokenizer_files
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.train_from_iterator(["the quick brown fox"] * 4, trainers.BpeTrainer(
+        vocab_size=270, special_tokens=["[END]"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bare = tmp_path / "bare" / "tokenizer.json"
+    bare.parent.mkdir()
+    tokenizer.save(str(bare))
+    with pytest.raises(ExportError, match=r"none of the end-of-document tokens .* give the "
+                                          r"directory of the dataset the run trained on "
+                                          r"\(data.data_dir/0123abcd\)") as e:
+        _tokenizer_files(bare, 512, "0123abcd")
+    assert "tokenizer.eos_token" not in str(e.value) and "tokenizer.path" not in str(e.value)
+    (bare.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(ExportError, match="the eos_token '<|im_end|>' its directory declares is "
+                                          "not in its vocabulary; give the directory"):
+        _tokenizer_files(bare.parent, 512)
+    (bare.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[END]"}))
+    assert _tokenizer_files(bare.parent, 512)[1:] == ("[END]", 0)

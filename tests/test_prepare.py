@@ -412,6 +412,38 @@ def test_the_eos_token_a_tokenizer_directory_declares_ends_documents(tmp_path):
         make_config(tmp_path / "f", f"data.source={source}", "tokenizer.eos_token=</s>")
 
 
+def test_a_declared_eos_token_changes_the_dataset_id_only_where_it_changes_the_shards(tmp_path):
+    """Before declared tokens were read, the first of EOS_CANDIDATES ended documents: a
+    directory declaring that same token (</s>, as save_pretrained of most tokenizers writes)
+    names the same dataset as before, lest every such dataset be prepared again; one that
+    declares another token names another dataset."""
+    from transformers import PreTrainedTokenizerFast
+
+    source = write_source(tmp_path / "in", "jsonl", DOCS)
+    tokenizer = _tokenizer_with(["<|endoftext|>", "</s>", "<eos>"])
+    declaring = {}
+    for eos in ["<|endoftext|>", "</s>", "<eos>"]:
+        declaring[eos] = tmp_path / f"declares-{eos.strip('<|>/')}"
+        PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=eos).save_pretrained(
+            str(declaring[eos]))
+    bare = tmp_path / "bare" / "tokenizer.json"  # states nothing: <|endoftext|> (0), as before
+    bare.parent.mkdir()
+    bare.write_bytes((declaring["</s>"] / "tokenizer.json").read_bytes())
+
+    def plan(path: Path, *overrides: str) -> prep.DatasetPlan:
+        return prep.plan_dataset(make_config(tmp_path, f"data.source={source}",
+                                             f"tokenizer.path={path}", *overrides))
+
+    before = plan(bare).dataset_id
+    for eos, same in [("<|endoftext|>", True), ("</s>", False), ("<eos>", False)]:
+        assert (declaring[eos] / "tokenizer.json").read_bytes() == bare.read_bytes()
+        declared = plan(declaring[eos])
+        assert declared.eos_token == eos
+        assert (declared.dataset_id == before) is same, eos
+        assert (plan(bare, f"tokenizer.eos_token={eos}").dataset_id == before) is same, eos
+    assert plan(declaring["</s>"]).dataset_id != plan(declaring["<eos>"]).dataset_id
+
+
 def test_tokenizer_is_trained_on_a_bounded_sample(tmp_path):
     source = write_source(tmp_path / "in", "jsonl", DOCS)
     small = make_config(tmp_path / "small", f"data.source={source}", "tokenizer.vocab_size=400",

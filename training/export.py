@@ -205,23 +205,34 @@ class TokenizerFiles(NamedTuple):
     eos_id: int
 
 
-def _tokenizer_files(tokenizer: str | Path, vocab_size: int) -> TokenizerFiles:
+def _tokenizer_files(tokenizer: str | Path, vocab_size: int,
+                     dataset_id: str | None = None) -> TokenizerFiles:
     """A tokenizer.json, given itself or the directory holding it (a prepared dataset, whose
     manifest states the end-of-document id, or a Hugging Face tokenizer directory, whose
-    tokenizer_config.json may), checked against the model."""
+    tokenizer_config.json may), checked against the model (trained on `dataset_id`)."""
     from core.errors import DataError
-    from training.tokenizer import declared_eos_token, eos_id, load_tokenizer, read_tokenizer
+    from training.tokenizer import EOS_CANDIDATES, declared_eos_token, eos_id, read_tokenizer
 
     path = Path(tokenizer)
     if path.is_dir():
         path = path / "tokenizer.json"
     try:
+        loaded = read_tokenizer(path)
         if (path.parent / DATASET_MANIFEST).is_file():
-            loaded, eos = read_tokenizer(path), DatasetManifest.load(path.parent).eos_id
+            eos = DatasetManifest.load(path.parent).eos_id
         else:
             declared = declared_eos_token(path.parent)
-            loaded = load_tokenizer(path, declared)
-            eos = eos_id(loaded, declared)
+            try:
+                eos = eos_id(loaded, declared)
+            except DataError:  # its advice is prepare's (tokenizer.eos_token): not export's
+                what = (f"the eos_token {declared!r} its directory declares is not in its "
+                        "vocabulary" if declared is not None else "it has none of the "
+                        f"end-of-document tokens {', '.join(EOS_CANDIDATES)} and its directory "
+                        "declares none (tokenizer_config.json)")
+                raise ExportError(
+                    f"--tokenizer {path}: {what}; give the directory of the dataset the run "
+                    f"trained on (data.data_dir/{dataset_id or '<dataset_id>'}): its manifest "
+                    "states the end-of-document id") from None
     except DataError as e:
         raise ExportError(f"--tokenizer: {e}") from None
     if loaded.get_vocab_size() > vocab_size:
@@ -294,7 +305,8 @@ def write_hf(args: ModelArgs, state: dict[str, torch.Tensor], out: str | Path, *
     out = Path(out).resolve()
     _check_dtype(dtype)
     target = DTYPES[dtype] if dtype else state["tok_embeddings.weight"].dtype
-    tok = _tokenizer_files(tokenizer, args.vocab_size) if tokenizer is not None else None
+    tok = (_tokenizer_files(tokenizer, args.vocab_size, (provenance or {}).get("dataset_id"))
+           if tokenizer is not None else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
