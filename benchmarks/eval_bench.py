@@ -275,7 +275,7 @@ def evaluate_once(config, checkpoint: Path, dataset_dir: Path) -> dict:
 
 def eval_cost(args, workdir: Path, dataset_dir: Path, task_dir: Path) -> dict:
     from core.config import load_config
-    from training.tokenizer import load_tokenizer
+    from training.tokenizer import read_tokenizer
 
     tasks = args.tasks
     overrides = [*base_overrides(workdir, args.model), "run.run_id=evalbench",
@@ -289,7 +289,7 @@ def eval_cost(args, workdir: Path, dataset_dir: Path, task_dir: Path) -> dict:
     config = config_for([])
     checkpoint = workdir / f"checkpoint-{args.model}" / "step-00000001"
     params = write_checkpoint(config, dataset_dir, checkpoint)
-    counts = request_counts(task_dir, tasks, args.limit, load_tokenizer(dataset_dir / "tokenizer.json"))
+    counts = request_counts(task_dir, tasks, args.limit, read_tokenizer(dataset_dir / "tokenizer.json"))
     threads = os.environ.get("OMP_NUM_THREADS") or f"{os.cpu_count()} (OMP_NUM_THREADS unset)"
     print(f"\n## eval: {args.model} ({params / 1e6:.1f}M parameters), eval.limit={args.limit}, "
           f"eval.batch_size={args.batch_size}; load before {os.getloadavg()[0]:.2f}", flush=True)

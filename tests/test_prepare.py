@@ -392,6 +392,15 @@ def test_the_eos_token_a_tokenizer_directory_declares_ends_documents(tmp_path):
     assert sorted(sum(decoded_splits(config, manifest).values(), [])) == sorted(DOCS)
     # Export's tokenizer_config.json names it too (from the dataset's manifest).
     assert _tokenizer_files(prep.plan_dataset(config).dir, 290)[1:] == (eos, 1)
+    # The prepared dataset's tokenizer.json, given for another corpus: the manifest says its EOS.
+    reused = make_config(tmp_path / "b2", f"data.source={source}",
+                         f"tokenizer.path={prep.plan_dataset(config).tokenizer_path}")
+    assert prep.prepare_dataset(reused).eos_id == 1
+    # A directory declaring a token its tokenizer.json lacks: the error names the file.
+    (deepseek / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    message = prepare_error(make_config(tmp_path / "b3", f"data.source={source}",
+                                        f"tokenizer.path={deepseek}"))
+    assert "tokenizer_config.json" in message and "'</s>'" in message and "tokenizer.eos_token" in message
 
     # The bare file states none: refused, naming the setting that gives it ...
     bare_file = tmp_path / "bare.json"
@@ -633,7 +642,7 @@ def test_prefect_flow_matches_the_library_and_reruns_for_free(prefect_api, built
     assert file_times(Path(config.data.data_dir), Path(config.storage.uri)) == before
 
 
-def test_prefect_flow_runs_units_in_processes_and_writes_the_library_s_bytes(prefect_api, tmp_path, capfd):
+def test_prefect_flow_runs_units_in_processes_and_writes_the_library_s_bytes(prefect_api, tmp_path):
     """Many work units through the flow's process pool: the same shards, byte for byte, as
     the library's one-at-a-time run; the second run finds it all done, and says so."""
     from flows.prepare import prepare
@@ -648,9 +657,33 @@ def test_prefect_flow_runs_units_in_processes_and_writes_the_library_s_bytes(pre
     assert len({s.path.split("-")[1] for s in manifest.splits["train"]}) >= 4  # units
     summary = json.loads(config.run_dir.summary_file.read_text())["prepare"]
     assert summary["tokens"]["train"] == manifest.n_tokens("train") and summary["tokenize_s"] > 0
-    capfd.readouterr()
-    assert prepare(config) == manifest
-    assert f"dataset {manifest.dataset_id} is already prepared" in capfd.readouterr().err
+    again = prepare(config, return_state=True)
+    assert again.result() == manifest
+    said = f"dataset {manifest.dataset_id} is already prepared"
+    assert any(said in line for line in wait_for_flow_logs(again, said))
+
+
+def wait_for_flow_logs(state, text: str, timeout_s: float = 30) -> list[str]:
+    """The log lines of the flow run of `state` and its subflows, once one holds `text`
+    (logs reach the API in batches), or as they are at the timeout."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterParentFlowRunId,
+                                                LogFilter, LogFilterFlowRunId)
+
+    parent = state.state_details.flow_run_id
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with get_client(sync_client=True) as client:
+            children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent])))
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(
+                any_=[parent, *(run.id for run in children)])), limit=200)
+        lines = [log.message for log in logs]
+        if any(text in line for line in lines) or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.5)
 
 
 def test_prefect_flow_fails_bad_input_without_retries(prefect_api, tmp_path):

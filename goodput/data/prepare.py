@@ -209,12 +209,21 @@ def _plan(config: RunConfig, dataset_id: str, files: list[SourceFile],
 
 def given_eos_token(config: RunConfig) -> str | None:
     """The end-of-document token the given tokenizer states: tokenizer.eos_token, else the
-    eos_token of its Hugging Face directory (tokenizer_config.json). None: none is stated
-    (or the tokenizer is trained), and the first of EOS_CANDIDATES it has ends documents."""
+    eos_token of its Hugging Face directory (tokenizer_config.json), or, for the tokenizer of
+    a prepared dataset, the one its manifest records. None: none is stated (or the tokenizer
+    is trained), and the first of EOS_CANDIDATES it has ends documents."""
     tok = config.tokenizer
     if tok.eos_token is not None or tok.path is None:
         return tok.eos_token
-    return declared_eos_token(given_tokenizer_file(tok.path).parent)
+    path = given_tokenizer_file(tok.path)
+    if (path.parent / DATASET_MANIFEST).is_file():  # another dataset's tokenizer, reused
+        return read_tokenizer(path).id_to_token(DatasetManifest.load(path.parent).eos_id)
+    declared = declared_eos_token(path.parent)
+    if declared is not None and read_tokenizer(path).token_to_id(declared) is None:
+        raise DataError(f"{path.parent} declares the end-of-document token {declared!r} (eos_token "
+                        f"of its tokenizer_config.json), which its {path.name} does not have; "
+                        "set tokenizer.eos_token to the token that ends its documents")
+    return declared
 
 
 _eos_changes: dict[tuple[str, str], bool] = {}
@@ -372,10 +381,12 @@ def mixture_manifest(sources: list[tuple[SourceConfig, DatasetManifest]]) -> Mix
     training reads each, MixSource.dir, is filled in by dataset_for_training)."""
     first = sources[0][1]
     for source, manifest in sources[1:]:
-        if (manifest.tokenizer_sha256, manifest.vocab_size) != (first.tokenizer_sha256, first.vocab_size):
+        if (manifest.tokenizer_sha256, manifest.vocab_size, manifest.eos_id) != (
+                first.tokenizer_sha256, first.vocab_size, first.eos_id):
             raise ConfigError(
                 f"data.sources: {source.name} (dataset {manifest.dataset_id}) was tokenized with "
-                f"another tokenizer than {sources[0][0].name} (dataset {first.dataset_id}): a mix "
+                f"another tokenizer (or end-of-document token) than {sources[0][0].name} (dataset "
+                f"{first.dataset_id}): a mix "
                 "needs one; set tokenizer.path, or leave it unset to use the one trained on the "
                 "first source, and prepare again")
     listed = [[source.name, source.weight, manifest.dataset_id] for source, manifest in sources]
