@@ -385,8 +385,8 @@ def mixture_manifest(sources: list[tuple[SourceConfig, DatasetManifest]]) -> Mix
                 first.tokenizer_sha256, first.vocab_size, first.eos_id):
             raise ConfigError(
                 f"data.sources: {source.name} (dataset {manifest.dataset_id}) was tokenized with "
-                f"another tokenizer (or end-of-document token) than {sources[0][0].name} (dataset "
-                f"{first.dataset_id}): a mix "
+                f"another tokenizer than {sources[0][0].name} (dataset {first.dataset_id}), or ends "
+                "its documents with another token: a mix "
                 "needs one; set tokenizer.path, or leave it unset to use the one trained on the "
                 "first source, and prepare again")
     listed = [[source.name, source.weight, manifest.dataset_id] for source, manifest in sources]
