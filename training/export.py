@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 
 from core.hf_llama import SHARD_INDEX, SINGLE_FILE
 from core.protocol import CHECKPOINT_MANIFEST, is_committed
-from storage.manifests import DATASET_MANIFEST, CheckpointManifest, DatasetManifest, verify_files
+from storage.manifests import CheckpointManifest, verify_files
 from training.checkpoint.reader import load_all_tensors, model_state_from
 from training.model import ModelArgs, Transformer
 
@@ -211,28 +211,25 @@ def _tokenizer_files(tokenizer: str | Path, vocab_size: int,
     manifest states the end-of-document id, or a Hugging Face tokenizer directory, whose
     tokenizer_config.json may), checked against the model (trained on `dataset_id`)."""
     from core.errors import DataError
-    from training.tokenizer import EOS_CANDIDATES, declared_eos_token, eos_id, read_tokenizer
+    from training.tokenizer import EOS_CANDIDATES, eos_id, read_tokenizer, stated_eos_token
 
     path = Path(tokenizer)
     if path.is_dir():
         path = path / "tokenizer.json"
     try:
         loaded = read_tokenizer(path)
-        if (path.parent / DATASET_MANIFEST).is_file():
-            eos = DatasetManifest.load(path.parent).eos_id
-        else:
-            declared = declared_eos_token(path.parent)
-            try:
-                eos = eos_id(loaded, declared)
-            except DataError:  # its advice is prepare's (tokenizer.eos_token): not export's
-                what = (f"the eos_token {declared!r} its directory declares is not in its "
-                        "vocabulary" if declared is not None else "it has none of the "
-                        f"end-of-document tokens {', '.join(EOS_CANDIDATES)} and its directory "
-                        "declares none (tokenizer_config.json)")
-                raise ExportError(
-                    f"--tokenizer {path}: {what}; give the directory of the dataset the run "
-                    f"trained on (data.data_dir/{dataset_id or '<dataset_id>'}): its manifest "
-                    "states the end-of-document id") from None
+        declared = stated_eos_token(path)
+        try:
+            eos = eos_id(loaded, declared)
+        except DataError:  # its advice is prepare's (tokenizer.eos_token): not export's
+            what = (f"the eos_token {declared!r} its directory declares is not in its "
+                    "vocabulary" if declared is not None else "it has none of the "
+                    f"end-of-document tokens {', '.join(EOS_CANDIDATES)} and its directory "
+                    "declares none (tokenizer_config.json)")
+            raise ExportError(
+                f"--tokenizer {path}: {what}; give the directory of the dataset the run "
+                f"trained on (data.data_dir/{dataset_id or '<dataset_id>'}): its manifest "
+                "states the end-of-document id") from None
     except DataError as e:
         raise ExportError(f"--tokenizer: {e}") from None
     if loaded.get_vocab_size() > vocab_size:

@@ -13,6 +13,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from core.errors import DataError
+from storage.manifests import DATASET_MANIFEST, DatasetManifest
 
 EOS_TOKEN = "<|endoftext|>"
 # End-of-document tokens of common tokenizers, in order of preference (Llama 3's is
@@ -87,6 +88,17 @@ def eos_id(tokenizer: Tokenizer, eos_token: str | None = None) -> int:
                         "is in its vocabulary; set tokenizer.eos_token to the one it uses, or "
                         "leave tokenizer.path unset to train a tokenizer")
     return found
+
+
+def stated_eos_token(path: str | Path) -> str | None:
+    """The end-of-document token the files beside the tokenizer.json at `path` state: a
+    prepared dataset's manifest (the id its shards end with), else a Hugging Face directory's
+    (declared_eos_token). None: they state none, and the first of EOS_CANDIDATES serves."""
+    directory = Path(path).parent
+    if (directory / DATASET_MANIFEST).is_file():
+        manifest = DatasetManifest.load(directory)
+        return read_tokenizer(directory / manifest.tokenizer).id_to_token(manifest.eos_id)
+    return declared_eos_token(directory)
 
 
 def declared_eos_token(directory: str | Path) -> str | None:

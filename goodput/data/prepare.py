@@ -62,7 +62,7 @@ from storage.manifests import DATASET_MANIFEST, DatasetManifest, MixSource, Mixt
 from storage.shards import ShardWriter, token_dtype
 from storage.store import Store, store_from_config, usable_anywhere
 from training.shard_cache import check_cache_limit, write_cache_settings
-from training.tokenizer import (declared_eos_token, eos_id, load_tokenizer, read_tokenizer,
+from training.tokenizer import (eos_id, load_tokenizer, read_tokenizer, stated_eos_token,
                                 train_tokenizer)
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,7 @@ def plan_dataset(config: RunConfig, tokenizer_from: str | None = None) -> Datase
         listing = [listing, data.hub_config, data.hub_split]
     eos_token = given_eos_token(config)
     tokenizer = _tokenizer_settings(config, tokenizer_from)
-    if eos_token is not None and _eos_changes_shards(config, tokenizer["sha256"], eos_token):
+    if eos_token is not None and _eos_changes_shards(config, eos_token):
         tokenizer["eos_token"] = eos_token
     inputs = {"source": listing, "tokenizer": tokenizer,
               "prep": _shard_settings(data) | {"version": PREPARE_VERSION}}
@@ -216,9 +216,7 @@ def given_eos_token(config: RunConfig) -> str | None:
     if tok.eos_token is not None or tok.path is None:
         return tok.eos_token
     path = given_tokenizer_file(tok.path)
-    if (path.parent / DATASET_MANIFEST).is_file():  # another dataset's tokenizer, reused
-        return read_tokenizer(path).id_to_token(DatasetManifest.load(path.parent).eos_id)
-    declared = declared_eos_token(path.parent)
+    declared = stated_eos_token(path)
     if declared is not None and read_tokenizer(path).token_to_id(declared) is None:
         raise DataError(f"{path.parent} declares the end-of-document token {declared!r} (eos_token "
                         f"of its tokenizer_config.json), which its {path.name} does not have; "
@@ -226,24 +224,18 @@ def given_eos_token(config: RunConfig) -> str | None:
     return declared
 
 
-_eos_changes: dict[tuple[str, str], bool] = {}
-
-
-def _eos_changes_shards(config: RunConfig, tokenizer_sha256: str, eos_token: str) -> bool:
+def _eos_changes_shards(config: RunConfig, eos_token: str) -> bool:
     """Whether `eos_token` ends documents with another id than the first of EOS_CANDIDATES
     the given tokenizer has, which ended them before a declared one was read. Only then is
     it part of the dataset id: a dataset whose shards stay the same (a directory declaring
     </s> or <|end_of_text|>, as most do) keeps its id, so it is neither prepared again nor,
     where only its id is known, missing."""
-    key = (tokenizer_sha256, eos_token)
-    if key not in _eos_changes:
-        tokenizer = read_tokenizer(given_tokenizer_file(config.tokenizer.path))
-        try:
-            found = eos_id(tokenizer)
-        except DataError:  # none of EOS_CANDIDATES: such a tokenizer was refused before
-            found = None
-        _eos_changes[key] = found is None or tokenizer.token_to_id(eos_token) != found
-    return _eos_changes[key]
+    tokenizer = read_tokenizer(given_tokenizer_file(config.tokenizer.path))
+    try:
+        found = eos_id(tokenizer)
+    except DataError:  # none of EOS_CANDIDATES: such a tokenizer was refused before
+        return True
+    return tokenizer.token_to_id(eos_token) != found
 
 
 def _tokenizer_settings(config: RunConfig, tokenizer_from: str | None = None) -> dict:
