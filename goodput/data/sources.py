@@ -228,7 +228,9 @@ def _glob_s3(store, pattern: str) -> list[tuple[str, int, str]]:
     """The objects (key, size, ETag) a glob over keys names, as glob.glob(recursive=True)
     names local files: `*`, `?` and `[...]` stay within one folder level, a `**` level spans
     any number of them, wildcards match no hidden names, and a matched folder gives the
-    objects of known formats below it. Lists only below the part before the first wildcard."""
+    objects of known formats below it. Lists only below the part before the first wildcard.
+    (Written here: glob.translate is Python 3.13's, and fsspec's glob_translate lets a
+    wildcard match hidden names, which local globs here do not.)"""
     fixed = re.split(r"[*?\[]", pattern, maxsplit=1)[0]
     list_prefix = fixed[:fixed.rfind("/") + 1]
     matches = re.compile(_glob_regex(pattern.rstrip("/")) + r"(/.*)?").fullmatch
