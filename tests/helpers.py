@@ -142,3 +142,38 @@ def task_runs_of(flow_run_id) -> dict[str, object]:
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
     return {run.name.rsplit("-", 1)[0]: run for run in runs}
+
+
+def wait_for(probe, timeout_s: float, what: str, every_s: float = 1.0):
+    """`probe()`'s first truthy value, asked every `every_s` (TimeoutError after `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = probe()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise TimeoutError(f"no {what} after {timeout_s:.0f}s")
+
+
+def logs_of(*flow_run_ids) -> list[str]:
+    """The log lines the API has of these flow runs (logs arrive in batches: wait_for them)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    runs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(flow_run_ids)))
+    lines: list[str] = []
+    with get_client(sync_client=True) as client:
+        while page := client.read_logs(runs, limit=200, offset=len(lines)):
+            lines += [log.message for log in page]
+    return lines
+
+
+def subflow_runs(parent) -> dict[str, object]:
+    """The child flow runs of `parent` by flow name (prepare, train, evaluate)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent])))
+        return {client.read_flow(run.flow_id).name: run for run in runs}

@@ -22,14 +22,7 @@ import httpx
 import psutil
 import pytest
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import (
-    DeploymentFilter,
-    DeploymentFilterId,
-    FlowRunFilter,
-    FlowRunFilterParentFlowRunId,
-    LogFilter,
-    LogFilterFlowRunId,
-)
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 from prefect.client.schemas.objects import FlowRun
 from prefect.exceptions import ObjectNotFound
 
@@ -39,7 +32,7 @@ from flows.train import train
 from storage.ledger import Ledger
 from tasks.control import StopAtCheckpointAfter, TimeLimitReached
 from tasks.reporting import TrainingProgress, worker_log
-from tests.helpers import REPO, small_config
+from tests.helpers import REPO, logs_of, small_config, subflow_runs, wait_for
 from training.metrics import read_metrics
 
 SERVE_CRON = "* * * * *"  # the continuation schedule: a run every minute
@@ -115,16 +108,6 @@ def stop_process_tree(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def wait_for(probe, timeout_s: float, what: str, every_s: float = 1.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = probe()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise TimeoutError(f"no {what} after {timeout_s:.0f}s")
-
-
 def api_post(url: str, body: dict, expect: tuple[int, ...] = (200, 201)) -> httpx.Response:
     """POST to the REST API as the UI does; like Prefect's own client (60 s per request),
     retry while the server is busy: SQLite answers 503 when a busy moment outlasts its lock
@@ -166,22 +149,6 @@ def wait_final(flow_run_id: UUID, timeout_s: float = 300) -> FlowRun:
         return run if run.state and run.state.is_final() else None
     return wait_for(final, timeout_s, f"final state of flow run {flow_run_id}")
 
-
-def logs_of(*flow_run_ids: UUID) -> list[str]:
-    runs = LogFilter(flow_run_id=LogFilterFlowRunId(any_=list(flow_run_ids)))
-    lines: list[str] = []
-    with get_client(sync_client=True) as client:
-        while page := client.read_logs(runs, limit=200, offset=len(lines)):
-            lines += [log.message for log in page]
-    return lines
-
-
-def subflow_runs(parent: UUID) -> dict[str, FlowRun]:
-    """The child flow runs of `parent` by flow name (prepare, train, evaluate)."""
-    with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent])))
-        return {client.read_flow(run.flow_id).name: run for run in runs}
 
 
 def artifacts(api_url: str, key: str) -> list[dict]:

@@ -20,7 +20,7 @@ from goodput.data import prepare as prep
 from goodput.data.corpus import build_builtin_corpus
 from storage.manifests import DatasetManifest
 from storage.shards import read_documents, read_tokens, shard_size, token_dtype, write_shard
-from tests.helpers import flip_bytes
+from tests.helpers import flip_bytes, logs_of, subflow_runs, wait_for
 from training.tokenizer import load_tokenizer, read_tokenizer, train_tokenizer
 
 
@@ -660,30 +660,9 @@ def test_prefect_flow_runs_units_in_processes_and_writes_the_library_s_bytes(pre
     again = prepare(config, return_state=True)
     assert again.result() == manifest
     said = f"dataset {manifest.dataset_id} is already prepared"
-    assert any(said in line for line in wait_for_flow_logs(again, said))
-
-
-def wait_for_flow_logs(state, text: str, timeout_s: float = 30) -> list[str]:
-    """The log lines of the flow run of `state` and its subflows, once one holds `text`
-    (logs reach the API in batches), or as they are at the timeout."""
-    import time
-
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterParentFlowRunId,
-                                                LogFilter, LogFilterFlowRunId)
-
-    parent = state.state_details.flow_run_id
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with get_client(sync_client=True) as client:
-            children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent])))
-            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(
-                any_=[parent, *(run.id for run in children)])), limit=200)
-        lines = [log.message for log in logs]
-        if any(text in line for line in lines) or time.monotonic() > deadline:
-            return lines
-        time.sleep(0.5)
+    parent = again.state_details.flow_run_id
+    wait_for(lambda: any(said in line for line in logs_of(parent, *(
+        run.id for run in subflow_runs(parent).values()))), timeout_s=30, what=repr(said), every_s=0.5)
 
 
 def test_prefect_flow_fails_bad_input_without_retries(prefect_api, tmp_path):
