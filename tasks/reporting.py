@@ -53,7 +53,9 @@ class TrainingProgress:
     """The heartbeat callback of one attempt: keeps a progress artifact up to date.
 
     Updates are throttled (the heartbeat changes every step; the API needs no more than a
-    refresh every few seconds), and the final heartbeat is always shown.
+    refresh every few seconds), and the final heartbeat is always shown: the supervisor
+    polls the heartbeat, so a job can end between two polls, and `show_last` is then given
+    the heartbeat it left.
     """
 
     def __init__(self, config: RunConfig, attempt: str, every_s: float = 2.0):
@@ -64,6 +66,7 @@ class TrainingProgress:
         self.attempt, self.every_s = attempt, every_s
         self.artifact_id = None
         self.first: dict | None = None
+        self.shown: dict | None = None
         self.shown_at = 0.0
 
     def __call__(self, beat: dict) -> None:
@@ -71,7 +74,17 @@ class TrainingProgress:
         last_step = beat["step"] >= self.max_steps
         if not last_step and time.monotonic() - self.shown_at < self.every_s:
             return
-        self.shown_at = time.monotonic()
+        self.show(beat)
+
+    def show_last(self, beat: dict | None) -> None:
+        """The attempt's last heartbeat (read after its job ended), unless already shown."""
+        if (beat is not None and beat.get("attempt") == self.attempt
+                and beat.get("step") is not None and beat != self.shown):
+            self.first = self.first or beat
+            self.show(beat)
+
+    def show(self, beat: dict) -> None:
+        self.shown, self.shown_at = beat, time.monotonic()
         try:
             progress = 100.0 * min(beat["step"], self.max_steps) / self.max_steps
             if self.artifact_id is None:

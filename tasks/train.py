@@ -17,7 +17,7 @@ from prefect.runtime import flow_run, task_run
 
 from core.config import ConfigError, RunConfig
 from core.errors import DataError
-from core.protocol import FailureClass
+from core.protocol import FailureClass, read_heartbeat
 from goodput import checkpoint_lifecycle as lifecycle
 from goodput.accounting import data_wait_share, summarize_goodput
 from goodput.data.prepare import dataset_for_training
@@ -99,6 +99,8 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
         if failure.failure_class != FailureClass.CANCELLED:  # a cancel is no failure to act on
             attempt_failed_event(config, attempt, failure.failure_class, str(failure), failure.step)
         raise
+    finally:  # the job may have ended between two polls of its heartbeat: show where it ended
+        progress.show_last(read_heartbeat(config.run_dir))
     return {"attempt": attempt, "step": result.step, "wall_time_s": result.wall_time_s}
 
 

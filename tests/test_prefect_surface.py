@@ -21,6 +21,7 @@ from uuid import UUID, uuid4
 import httpx
 import psutil
 import pytest
+from prefect import flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 from prefect.client.schemas.objects import FlowRun
@@ -253,6 +254,28 @@ def test_progress_text_from_step_and_checkpoint_heartbeats(tmp_path):
         "step 20 / 30 · 10,240 tokens · loss 3.5000 · 512 tokens/s · ETA 0m10s · attempt abc-1")
     assert progress.describe({"step": 30, "time": 120.0, "loss": 3.0, "phase": "checkpoint"}) == (
         "step 30 / 30 · 15,360 tokens · loss 3.0000 · saving a checkpoint · attempt abc-1")
+
+
+def test_the_progress_artifact_shows_where_a_job_ended_between_two_polls(tmp_path, prefect_api):
+    """Throttled updates skip most steps; the heartbeat the job left when it ended (read
+    after it, as launch-training does) is shown whatever the throttle, once."""
+    config = small_config(tmp_path)  # 30 steps
+    config.run.run_id = "between-polls"
+
+    @flow(name="progress-between-polls")
+    def watch() -> None:
+        progress = TrainingProgress(config, "abc-1", every_s=3600.0)
+        for step in range(1, 13):
+            progress({"attempt": "abc-1", "step": step, "time": 100.0 + step, "phase": "step"})
+        progress.show_last({"attempt": "other-1", "step": 29, "time": 140.0, "phase": "step"})
+        progress.show_last({"attempt": "abc-1", "step": None, "time": 140.0, "phase": "startup"})
+        shown_before = progress.shown
+        progress.show_last({"attempt": "abc-1", "step": 30, "time": 150.0, "phase": "step"})
+        assert shown_before["step"] == 1 and progress.shown["step"] == 30
+
+    watch()
+    progress = artifacts(prefect_api.api_url, "training-progress-between-polls")[0]
+    assert progress["data"] == 100.0 and progress["description"].startswith("step 30 / 30")
 
 
 def test_time_limit_stops_after_the_next_committed_checkpoint(tmp_path):
