@@ -43,8 +43,11 @@ def write_run_config(config: RunConfig) -> Path:
 
 def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
                   log: Callable[[str], None],
-                  on_progress: Callable[[dict], None] | None = None) -> AttemptResult:
-    """One attempt: resume from the newest validated checkpoint and train to max_steps.
+                  on_progress: Callable[[dict], None] | None = None,
+                  stop_after: float | None = None) -> AttemptResult:
+    """One attempt: resume from the newest validated checkpoint and train to max_steps, or
+    to the first checkpoint saved after `stop_after` (Unix time; the result's step is then
+    below max_steps).
 
     Raises TrainingFailed with the failure class and the retry policy's verdict when the
     attempt does not finish (a cancelled attempt: class cancelled, never retried). A rollback
@@ -69,7 +72,7 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
     log(f"attempt {attempt}: resuming from {resume}" if resume else
         f"attempt {attempt}: starting from scratch")
     result = run_attempt(config, config_path, dataset_dir, attempt, log, on_progress=on_progress,
-                         mtbf_s=observed_mtbf_s(config))
+                         mtbf_s=observed_mtbf_s(config), stop_after=stop_after)
     outcome = record_outcome(config, attempt, result, resume)
     if result.restarts:
         log(f"attempt {attempt}: torchrun restarted the workers {result.restarts} time(s) in-job")

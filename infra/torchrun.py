@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Callable
 
 from core.config import RunConfig
-from core.protocol import (ENV_ATTEMPT, ENV_MTBF_S, ENV_RESTART_WAIT_S, ENV_RUN_DIR, FailureClass,
-                           ResumeSpec, in_job_restarts, read_exit_records, read_heartbeat)
+from core.protocol import (ENV_ATTEMPT, ENV_MTBF_S, ENV_RESTART_WAIT_S, ENV_RUN_DIR, ENV_STOP_AFTER,
+                           FailureClass, ResumeSpec, in_job_restarts, read_exit_records,
+                           read_heartbeat)
 from infra.launchers import NodeLaunch, free_port, make_launcher  # noqa: F401 (free_port: API)
 
 
@@ -86,10 +87,11 @@ def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path, at
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
-def worker_env(config: RunConfig, attempt: str, mtbf_s: float = 0.0) -> dict[str, str]:
+def worker_env(config: RunConfig, attempt: str, mtbf_s: float = 0.0,
+               stop_after: float | None = None) -> dict[str, str]:
     """What every worker needs on top of its node's own environment (core.protocol names
     the variables of the contract). `mtbf_s`: the run's mean time between failures so far,
-    for checkpoint.interval=auto."""
+    for checkpoint.interval=auto; `stop_after`: the flow run's deadline (Unix time)."""
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # workers share the cores
            "PYTHONUNBUFFERED": "1", ENV_ATTEMPT: attempt, ENV_MTBF_S: str(mtbf_s),
            # Where to leave the exit record even when the config file fails to load there.
@@ -106,6 +108,8 @@ def worker_env(config: RunConfig, attempt: str, mtbf_s: float = 0.0) -> dict[str
            # After an in-job restart: how long to wait for the verdict on recent checkpoints.
            ENV_RESTART_WAIT_S: str(config.launch.restart_verdict_wait_s),
            **ALLOCATOR_ENV}  # launch.env may override it
+    if stop_after is not None:
+        env[ENV_STOP_AFTER] = repr(stop_after)
     if config.launch.network_interface:  # which NIC the collectives use between hosts
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = config.launch.network_interface
     return {**env, **config.launch.env}
@@ -114,8 +118,12 @@ def worker_env(config: RunConfig, attempt: str, mtbf_s: float = 0.0) -> dict[str
 def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, attempt: str,
                 log: Callable[[str], None], poll_s: float = 0.5,
                 on_progress: Callable[[dict], None] | None = None, mtbf_s: float = 0.0,
-                start: ResumeSpec = ResumeSpec.validated()) -> AttemptResult:
+                start: ResumeSpec = ResumeSpec.validated(),
+                stop_after: float | None = None) -> AttemptResult:
     """Run one training attempt on every node to its end; never leaves a worker behind.
+
+    `stop_after` (Unix time): the workers end the attempt, as done, right after the first
+    checkpoint they save from then on.
 
     `on_progress` receives every new heartbeat (step, loss, tokens/s, ...) as it appears.
     While it runs, `stop_live_attempts` (another thread: a cancelled flow) can end it: the
@@ -123,7 +131,7 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, attempt
     """
     launcher = make_launcher(NodeLaunch.of(
         config, torchrun_command(config, config_path, dataset_dir, attempt, start),
-        worker_env(config, attempt, mtbf_s), config.run_dir.attempt(attempt),
+        worker_env(config, attempt, mtbf_s, stop_after), config.run_dir.attempt(attempt),
         name=f"goodput-{config.run.run_id}-{attempt}"))
     log(f"launch attempt {attempt}: {config.parallelism.nnodes} node(s) x "
         f"{config.parallelism.nproc_per_node} worker(s), launcher {config.launch.kind}")

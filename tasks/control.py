@@ -6,8 +6,8 @@ when to stop, and that no worker outlives it.
 - `training_slot`: a Prefect global concurrency limit of one slot per run id, so a
   schedule, a manual trigger and a pipeline never train the same run at once. A second
   flow run waits for the slot, then resumes from the ledger (or finds nothing to do).
-- `StopAtCheckpointAfter`: a per-flow-run wall-clock budget that ends training right after
-  the first checkpoint committed past it; the next run continues from that checkpoint.
+- `TimeLimit`: a per-flow-run wall-clock budget; the workers end training right after the
+  first checkpoint they save past it, and the next run continues from that checkpoint.
 - `switch_off_own_schedule`: a scheduled flow run that finds the run finished switches off
   the schedule that created it, so a continuation schedule stops creating flow runs once
   the token budget is spent.
@@ -31,7 +31,6 @@ from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run
 
 from core.config import ConfigError, RunConfig, apply_overrides, config_from_dict, load_config
-from core.protocol import CHECKPOINT_MANIFEST, step_of
 from infra.torchrun import stop_live_attempts
 
 
@@ -99,59 +98,29 @@ def training_slot(config: RunConfig) -> Iterator[None]:
         yield
 
 
-class TimeLimitReached(Exception):
-    """Training stopped at a checkpoint because the flow run's time budget is spent."""
+class TimeLimit:
+    """A flow run's wall-clock budget: `limit_s` from `started` (the flow run's start, so a
+    Prefect retry of the launch task spends what is left of it rather than a fresh one;
+    default now). `limit_s=None` is no limit.
 
-    def __init__(self, step: int, limit_s: float):
-        super().__init__(f"time limit of {limit_s:.0f}s reached: stopped after checkpoint "
-                         f"step {step}; the next run continues from it")
-        self.step = step
-
-
-class StopAtCheckpointAfter:
-    """Heartbeat callback: once `limit_s` has passed, stop after the next committed checkpoint.
-
-    Stopping right after a checkpoint loses at most the steps since it (about one), unlike
-    killing the job at the deadline. "Next" is the first checkpoint committed after the
-    deadline (by its manifest's time), whatever its step: the trainer's cadence is not
-    predictable from here (it counts from the step it resumed at, which an emergency save
-    leaves anywhere, and `checkpoint.interval: auto` re-plans it), and a checkpoint that
-    commits between two heartbeat polls still counts. Checkpoints before this attempt's
-    first step (the resume point) never do. `limit_s=None` never stops.
-
-    `started`: when the budget began (the flow run's start), so a Prefect retry of the
-    launch task spends what is left of it rather than a fresh one; default now.
+    The workers themselves stop at it (GOODPUT_STOP_AFTER = `deadline`): right after the
+    first checkpoint they save past it, whatever its step (their cadence counts from the step
+    they resumed at, which an emergency save leaves anywhere, and `checkpoint.interval:
+    auto` re-plans it). Stopping right after a checkpoint loses no step, unlike killing the
+    job at the deadline, and depends on no polling here.
     """
 
-    def __init__(self, config: RunConfig, limit_s: float | None, started: float | None = None):
-        self.config, self.limit_s = config, limit_s
+    def __init__(self, limit_s: float | None, started: float | None = None):
+        self.limit_s = limit_s
         began = time.time() if started is None else started
         self.deadline = None if limit_s is None else began + limit_s
-        self.first_step: int | None = None
 
     def passed(self) -> bool:
         return self.deadline is not None and time.time() >= self.deadline
 
-    def __call__(self, beat: dict) -> None:
-        if self.first_step is None:
-            self.first_step = beat["step"]
-        if self.deadline is None or time.time() < self.deadline:
-            return
-        # Rank 0 writes step N+1's heartbeat after step N's checkpoint save returned; the
-        # manifest also covers saves that complete asynchronously (it is written last).
-        since = [step_of(path) for path in self.config.run_dir.committed_checkpoints()
-                 if step_of(path) >= self.first_step and _committed_at(path) >= self.deadline]
-        if since:
-            raise TimeLimitReached(max(since), self.limit_s)
-
-
-def _committed_at(path) -> float:
-    """When the checkpoint's manifest was written; 0 when it is gone (rejected and moved
-    aside, or pruned, since it was listed)."""
-    try:
-        return (path / CHECKPOINT_MANIFEST).stat().st_mtime
-    except OSError:
-        return 0.0
+    def reached_at(self, step: int) -> str:
+        return (f"time limit of {self.limit_s:.0f}s reached: stopped after checkpoint step "
+                f"{step}; the next run continues from it")
 
 
 def switch_off_own_schedule() -> str | None:

@@ -25,7 +25,7 @@ from goodput.runs import train_attempt, update_summary
 from infra.torchrun import TrainingFailed
 from storage.ledger import LedgerEntry, choose_resume
 from storage.store import store_from_config
-from tasks.control import StopAtCheckpointAfter, TimeLimitReached
+from tasks.control import TimeLimit
 from tasks.reporting import (
     TrainingProgress,
     WorkerLogs,
@@ -65,43 +65,37 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
                     worker_logs: WorkerLogs = "rank0", started: float | None = None) -> dict:
     """Run torchrun to max_steps (one attempt per Prefect try), worker output in this log.
 
-    Each heartbeat updates the progress artifact; `time_limit_s` after `started` (the flow
-    run's start; retries share the budget) the attempt stops at the next checkpoint and
-    returns normally (the next flow run continues from there). The first try always
-    launches (it stops at its first checkpoint past the deadline); a retry that begins
-    after the deadline does not.
+    Each heartbeat updates the progress artifact. `time_limit_s` after `started` (the flow
+    run's start; retries share the budget) the workers stop right after the next checkpoint
+    they save, and the task returns normally with `stopped: "time limit"` (the next flow run
+    continues from there). The first try always launches (it stops at its first checkpoint
+    past the deadline); a retry that begins after the deadline does not.
     """
     logger = get_run_logger()
     # The random tail of the run id: scheduled runs' ids (uuid7) share their time-ordered head.
     attempt = f"{str(flow_run.id or 'local')[-8:]}-{task_run.run_count}"
     progress = TrainingProgress(config, attempt)
-    deadline = StopAtCheckpointAfter(config, time_limit_s, started)
-    if task_run.run_count > 1 and deadline.passed():
+    limit = TimeLimit(time_limit_s, started)
+    if task_run.run_count > 1 and limit.passed():
         logger.info(f"the flow run's time limit ({time_limit_s} s) passed before this retry: not "
                     "launching; the next run resumes from the newest validated checkpoint")
         return {"attempt": attempt, "step": None, "wall_time_s": 0.0, "stopped": "time limit"}
 
-    def on_progress(beat: dict) -> None:
-        # The deadline first: stopping right after a checkpoint must not wait on the API call
-        # that updates the progress artifact (seconds on a busy Prefect server).
-        deadline(beat)
-        progress(beat)
-
-    started = time.monotonic()
     try:
         result = train_attempt(config, dataset_dir, store_from_config(config.storage), attempt,
-                               worker_log(logger.info, worker_logs), on_progress=on_progress)
-    except TimeLimitReached as stop:
-        logger.info(str(stop))
-        return {"attempt": attempt, "step": stop.step, "wall_time_s": time.monotonic() - started,
-                "stopped": "time limit"}
+                               worker_log(logger.info, worker_logs), on_progress=progress,
+                               stop_after=limit.deadline)
     except TrainingFailed as failure:
         if failure.failure_class != FailureClass.CANCELLED:  # a cancel is no failure to act on
             attempt_failed_event(config, attempt, failure.failure_class, str(failure), failure.step)
         raise
     finally:  # the job may have ended between two polls of its heartbeat: show where it ended
         progress.show_last(read_heartbeat(config.run_dir))
-    return {"attempt": attempt, "step": result.step, "wall_time_s": result.wall_time_s}
+    outcome = {"attempt": attempt, "step": result.step, "wall_time_s": result.wall_time_s}
+    if result.step is not None and result.step < config.training.max_steps:  # done before the end
+        logger.info(limit.reached_at(result.step))
+        outcome["stopped"] = "time limit"
+    return outcome
 
 
 @task(name="validate-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,

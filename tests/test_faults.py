@@ -2,12 +2,13 @@
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
 
 from core.config import load_config
-from core.protocol import RunDir, read_exit_records, read_starts
+from core.protocol import ResumeSpec, RunDir, read_exit_records, read_starts, step_of
 from flows.prepare import prepare
 from flows.train import train
 from goodput.runs import read_outcomes, read_summary, retry_decision
@@ -295,6 +296,38 @@ def test_a_config_file_the_workers_cannot_load_ends_the_attempt_as_a_config_erro
     assert result.failure_class == "config", "\n".join(lines[-20:])
     assert "bad.yaml" in result.reason and "model.dim" in result.reason
     assert result.restarts <= 1
+
+
+def test_the_workers_stop_right_after_the_first_checkpoint_they_save_past_the_deadline(tmp_path):
+    """A flow run's time limit reaches the workers (GOODPUT_STOP_AFTER): both ranks stop
+    together after the first checkpoint saved past it, whatever its step, and the attempt
+    ends as done before max_steps with nothing lost; a deadline still ahead stops nothing."""
+    from goodput.runs import write_run_config
+    from infra.torchrun import run_attempt
+    from tests.helpers import synthetic_dataset
+
+    dataset = synthetic_dataset(tmp_path / "dataset")
+    config = small_config(tmp_path, "training.max_steps=30", "checkpoint.every_steps=7")
+    config_path = write_run_config(config)
+    lines: list[str] = []
+
+    def attempt(name: str, stop_after: float, resume: ResumeSpec):
+        result = run_attempt(config, config_path, dataset, name, lines.append, start=resume,
+                             stop_after=stop_after)
+        assert result.failure_class == "done", "\n".join(lines[-30:])
+        [record] = [r for r in read_exit_records(config.run_dir, name) if r["rank"] == 0]
+        return result, record
+
+    result, record = attempt("limit-1", time.time(), ResumeSpec.scratch())  # already past
+    assert (result.step, record["reason"]) == (7, "time limit")
+    assert [step_of(p) for p in config.run_dir.committed_checkpoints()] == [7]
+    # Resumed at 7, its first save is 14, though the deadline passed long before.
+    result, record = attempt("limit-2", time.time() - 3600, ResumeSpec.newest_committed())
+    assert (result.step, record["reason"]) == (14, "time limit")
+    result, record = attempt("limit-3", time.time() + 3600, ResumeSpec.newest_committed())
+    assert (result.step, record["reason"]) == (30, "done")
+    steps = [m["step"] for m in read_metrics(config.run_dir)]
+    assert steps == list(range(1, 31)), "no step trained twice, none skipped"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])

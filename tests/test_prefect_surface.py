@@ -31,7 +31,7 @@ from core.config import config_from_dict, dump_config
 from flows.prepare import prepare
 from flows.train import train
 from storage.ledger import Ledger
-from tasks.control import StopAtCheckpointAfter, TimeLimitReached
+from tasks.control import TimeLimit
 from tasks.reporting import TrainingProgress, worker_log
 from tests.helpers import REPO, logs_of, small_config, subflow_runs, wait_for
 from training.metrics import read_metrics
@@ -278,37 +278,10 @@ def test_the_progress_artifact_shows_where_a_job_ended_between_two_polls(tmp_pat
     assert progress["data"] == 100.0 and progress["description"].startswith("step 30 / 30")
 
 
-def test_time_limit_stops_after_the_next_committed_checkpoint(tmp_path):
-    """The first checkpoint committed after the deadline ends the attempt, whatever its step
-    (after resuming from an emergency save at 978, the trainer saves at 1178, 1378, ...)."""
-    config = small_config(tmp_path)
-
-    def commit(step: int) -> None:
-        manifest = config.run_dir.checkpoint(step) / "manifest.json"
-        manifest.parent.mkdir(parents=True)
-        manifest.write_text("{}")
-
-    commit(978)  # the resume point
-    stop = StopAtCheckpointAfter(config, limit_s=3600)
-    stop({"step": 979})
-    commit(1178)
-    stop({"step": 1179})  # the deadline is far
-    stop.deadline = time.time()  # now it has passed
-    time.sleep(0.05)  # (file times come from a coarser clock)
-    stop({"step": 1200})  # 1178 was committed before the deadline
-    commit(1378)
-    with pytest.raises(TimeLimitReached, match="stopped after checkpoint step 1378"):
-        stop({"step": 1379})
-
-    late = StopAtCheckpointAfter(config, limit_s=0)  # a resume point fetched after the deadline
-    time.sleep(0.05)
-    commit(1578)
-    late({"step": 1579})  # is no progress: go on
-    StopAtCheckpointAfter(config, limit_s=None)({"step": 1579})  # no limit, no stop
-    # A Prefect retry of the launch task spends what is left of the flow run's budget.
-    assert StopAtCheckpointAfter(config, limit_s=60, started=time.time() - 61).passed()
-    assert not StopAtCheckpointAfter(config, limit_s=60, started=time.time() - 30).passed()
-    assert not StopAtCheckpointAfter(config, limit_s=None, started=0).passed()
+def test_a_retry_spends_what_is_left_of_the_flow_runs_time_limit():
+    assert TimeLimit(60, started=time.time() - 61).passed()
+    assert not TimeLimit(60, started=time.time() - 30).passed()
+    assert not TimeLimit(None, started=0).passed() and TimeLimit(None).deadline is None
 
 
 # -- served deployments (one `goodput serve` for the class) -----------------------------------
@@ -569,8 +542,8 @@ class TestServedDeployments:
         assert b_steps[0]["time"] > a_steps[-1]["time"], "B trained while A still did"
         summary = json.loads((run_dir / "summary.json").read_text())["train"]
         assert summary["last_attempt"]["stopped"] == "time limit"
-        # B stopped at the first checkpoint it committed (the workers may add an emergency one
-        # as they stop), not a checkpoint interval later.
+        # B's workers stopped right after the first checkpoint they saved (past the deadline
+        # before they started), not a checkpoint interval later.
         assert b_steps[0]["step"] < summary["final_step"] < b_steps[0]["step"] + 2 * 200
         with get_client(sync_client=True) as client:
             assert client.read_global_concurrency_limit_by_name("goodput-train-long").limit == 1

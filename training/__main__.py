@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a crash, a communication error, a file a shared filesystem lost
         log.exception("training failed")
         return ended(FailureClass.RETRYABLE, f"{type(e).__name__}: {e}", None)
-    log.info("done: step %d, loss %.4f", summary["final_step"], summary["final_loss"])
-    return ended(FailureClass.DONE, "done", summary["final_step"])
+    log.info("%s: step %d, loss %.4f", summary["stopped"] or "done", summary["final_step"],
+             summary["final_loss"])
+    return ended(FailureClass.DONE, summary["stopped"] or "done", summary["final_step"])
 
 
 def die_with_agent() -> None:

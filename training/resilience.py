@@ -6,6 +6,9 @@
   (Preempted); the ranks agree on it at a step boundary, so they save together.
 - A save that failed on any rank stops the run (a run that cannot checkpoint must not go on
   losing its progress).
+- A flow run's time limit (GOODPUT_STOP_AFTER) ends the run, as done, right after the first
+  checkpoint saved past it: at most the steps since that checkpoint are lost (none, unless
+  the next run resumes elsewhere), and the stop waits on no supervisor polling.
 - FaultInjector: `faults.*_at_step`, each firing once per run, to watch all this recover.
   With no fault configured the loop gets `NO_FAULTS`, which does nothing.
 """
@@ -83,13 +86,17 @@ class PreemptionFlag:
 class Resilience:
     """The loop's two calls: `check(step, loss, grad_norm)` before the update is applied,
     `after_step(step, loss)` after it. Holds the guard, the preemption flag, the vote on
-    failed saves and the fault hooks."""
+    failed saves and on the time limit, and the fault hooks.
 
-    def __init__(self, config, rank: int, checkpointer, faults: FaultInjector | None = None):
+    `stop_after`: the flow run's deadline (Unix time), or None for none."""
+
+    def __init__(self, config, rank: int, checkpointer, faults: FaultInjector | None = None,
+                 stop_after: float | None = None):
         self.guard = LossGuard(config.faults.spike_factor, config.faults.spike_window)
         self.preemption = PreemptionFlag()
         self.checkpointer = checkpointer
         self.faults = faults or FaultInjector.for_config(config, rank)
+        self.stop_after = stop_after
 
     def check(self, step: int, loss: float, grad_norm: float, sample_end: int) -> None:
         """Raises RollbackRequested for a bad step `step` (not applied; its data ends before
@@ -99,16 +106,22 @@ class Resilience:
             self.checkpointer.wait(loss)  # the checkpoint to roll back to may still be in flight
             raise RollbackRequested(step, sample_end, problem)
 
-    def after_step(self, step: int, loss: float) -> None:
-        """Fault hooks, then one vote of the ranks: stop on a failed save or a preemption."""
+    def after_step(self, step: int, loss: float) -> bool:
+        """Fault hooks, then one vote of the ranks: stop on a failed save or a preemption
+        (raising), or at the time limit (returns True: this step's checkpoint is the last)."""
         self.faults.after_step(step)
-        preempted, save_failed = any_rank(self.preemption.received, self.checkpointer.failed)
+        # Every rank saves the same steps; one rank's clock past the deadline is enough.
+        past_deadline = (self.stop_after is not None and self.checkpointer.saved_step == step
+                         and time.time() >= self.stop_after)
+        preempted, save_failed, time_up = any_rank(self.preemption.received,
+                                                    self.checkpointer.failed, past_deadline)
         if save_failed:
             self.checkpointer.raise_failure()
         if preempted:
             # (a job the scheduler signalled stays RUNNING meanwhile, and the supervisor polls)
             self.checkpointer.emergency_save(loss)
             raise Preempted(step)
+        return time_up
 
 
 class FaultInjector:

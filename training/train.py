@@ -26,7 +26,7 @@ import torch.distributed as dist
 from core.config import RunConfig
 from core.errors import ConfigError, DataError
 from core.layout import ParallelDims
-from core.protocol import ENV_MTBF_S, ENV_RESTART_WAIT_S, ResumeSpec, attempt_of_worker
+from core.protocol import ENV_MTBF_S, ENV_RESTART_WAIT_S, ENV_STOP_AFTER, ResumeSpec, attempt_of_worker
 from training.checkpoint.component import Checkpointer, Progress
 from training.checkpoint.resume import resolve_resume
 from training.data import DistributedSampleLoader, open_training_data
@@ -43,7 +43,8 @@ log = get_logger("train")
 
 
 def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.newest_committed()) -> dict:
-    """Run (or continue) training to config.training.max_steps. Returns a small summary."""
+    """Run (or continue) training to config.training.max_steps, or to the first checkpoint
+    saved past the flow run's deadline (GOODPUT_STOP_AFTER). Returns a small summary."""
     tcfg = config.training
     env = init_distributed(config.parallelism)
     dims = layout_dims(config, env)
@@ -107,7 +108,9 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
                                                 progress.step if retried else None, flat_config(config),
                                                 [earlier[step] for step in sorted(earlier)])
     validation = HeldOutInLoop(config, data, layout, env.device)
-    resilience = Resilience(config, env.rank, checkpointer, faults)
+    stop_after = os.environ.get(ENV_STOP_AFTER)
+    resilience = Resilience(config, env.rank, checkpointer, faults,
+                            stop_after=float(stop_after) if stop_after else None)
     if env.is_main:
         stages = (f" (layers per stage {dims.stage_layers(model_args['n_layers'])})"
                   if dims.pp > 1 else "")
@@ -143,7 +146,10 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
                          tokens_seen=progress.tokens_seen, step_time_s=step_time, checkpoint_s=stall,
                          data_wait_s=loader.take_wait_s(), save_in_flight=checkpointer.in_flight,
                          validation=validation.maybe_run(progress.step))
-            resilience.after_step(progress.step, loss)
+            if resilience.after_step(progress.step, loss):
+                if env.is_main:
+                    log.info("time limit: stopping after the checkpoint of step %d", progress.step)
+                break
 
         checkpointer.close()  # the last checkpoint is committed before the job reports success
     except BaseException:  # the trackers still send or flush what they hold of the steps done
@@ -151,7 +157,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
             metrics.writer.close()
         raise
     metrics.writer.close()
-    summary = {"final_step": progress.step, "tokens_seen": progress.tokens_seen, "final_loss": loss}
+    summary = {"final_step": progress.step, "tokens_seen": progress.tokens_seen, "final_loss": loss,
+               "stopped": "time limit" if progress.step < tcfg.max_steps else None}
     # Clean shutdown: without it gloo workers sometimes abort at exit (STACK_NOTES).
     del layout, optimizers, checkpointer, resilience
     gc.collect()
