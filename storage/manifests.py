@@ -119,6 +119,8 @@ class CheckpointManifest(BaseModel):
     loss: float | None = None
     seq_len: int | None = Field(None, description="Tokens per sample the loss was measured at "
                                 "(training.seq_len); the held-out check uses the same.")
+    eos_id: int | None = Field(None, description="The end-of-document id of the data the model "
+                               "trained on (its dataset manifest's); export writes it.")
     created_at: float
 
     def save(self, directory: str | os.PathLike) -> Path:

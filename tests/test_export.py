@@ -107,6 +107,7 @@ def test_llama3_shapes_export_with_their_config_fields_and_logits(trained_llama3
     summary = export_hf(trained_llama3, tmp_path / "hf")
     ours, theirs = trainer_model(trained_llama3), hf_model(tmp_path / "hf")
     config = theirs.config
+    assert config.eos_token_id == 0  # the checkpoint's: its dataset's, with no --tokenizer
     assert config.intermediate_size == ours.args.ffn_hidden == 224  # int(1.3 * int(8 * 64 / 3)) = 221
     assert config.tie_word_embeddings and theirs.lm_head.weight is theirs.model.embed_tokens.weight
     assert config.rope_parameters == {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
@@ -244,3 +245,10 @@ def test_a_tokenizer_without_a_known_eos_names_the_dataset_directory_to_give(tmp
         _tokenizer_files(bare.parent, 512)
     (bare.parent / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[END]"}))
     assert _tokenizer_files(bare.parent, 512)[1:] == ("[END]", 0)
+    # A checkpoint records the id its model trained on (a run's tokenizer.eos_token included):
+    # that id wins over what any file beside the tokenizer states.
+    assert _tokenizer_files(bare, 512, trained_eos_id=5)[1:] == (tokenizer.id_to_token(5), 5)
+    assert _tokenizer_files(bare.parent, 512, trained_eos_id=5)[2] == 5
+    with pytest.raises(ExportError, match="has no token of id 400, the end-of-document id the "
+                                          "model trained on"):
+        _tokenizer_files(bare, 512, trained_eos_id=400)

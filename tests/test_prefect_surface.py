@@ -478,17 +478,19 @@ class TestServedDeployments:
                         what="the continuation schedule switched off")
         scheduled = [r for r in runs if r.auto_scheduled]
         completed = [r for r in scheduled if r.state.is_completed()]
+        metrics = read_metrics(base.run_dir)
+        seen = ([(r.name, r.auto_scheduled, r.state.name, str(r.start_time), str(r.end_time))
+                 for r in runs], sorted({(m["attempt"], m["step"] // 10 * 10) for m in metrics}))
         assert completed and all(r.parameters["time_limit_s"] == SERVE_TIME_LIMIT_S
-                                 for r in completed)
+                                 for r in completed), seen
         uploaded = Ledger(base.run_dir, "served").read().steps("uploaded")
         assert uploaded[0] == 10 and uploaded[-1] == 60, uploaded
         # What the scheduled runs trained (by time: runs the scheduler creates together have
         # uuid7 ids sharing their first 8 characters, which attempt ids are made of).
-        metrics = read_metrics(base.run_dir)
         by_schedule = [m["step"] for m in metrics for r in completed
                        if r.start_time.timestamp() <= m["time"] <= r.end_time.timestamp()]
         assert by_schedule and min(by_schedule) > 10 and max(by_schedule) == 60, (
-            "a scheduled run resumes from the ledger and trains to the budget")
+            f"a scheduled run resumes from the ledger and trains to the budget: {seen}")
         # No scheduled run is left waiting, and the run that finished the budget said why.
         now = time.time()
         assert not [r for r in scheduled if r.state.is_scheduled()

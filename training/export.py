@@ -205,11 +205,13 @@ class TokenizerFiles(NamedTuple):
     eos_id: int
 
 
-def _tokenizer_files(tokenizer: str | Path, vocab_size: int,
-                     dataset_id: str | None = None) -> TokenizerFiles:
-    """A tokenizer.json, given itself or the directory holding it (a prepared dataset, whose
-    manifest states the end-of-document id, or a Hugging Face tokenizer directory, whose
-    tokenizer_config.json may), checked against the model (trained on `dataset_id`)."""
+def _tokenizer_files(tokenizer: str | Path, vocab_size: int, dataset_id: str | None = None,
+                     trained_eos_id: int | None = None) -> TokenizerFiles:
+    """A tokenizer.json, given itself or the directory holding it, checked against the model
+    (trained on `dataset_id`). The end-of-document id is the one the model trained on
+    (`trained_eos_id`, from the checkpoint); for a checkpoint that does not record it, the
+    one the directory states (a prepared dataset's manifest, or a Hugging Face tokenizer
+    directory's tokenizer_config.json), else a known end-of-text token."""
     from core.errors import DataError
     from training.tokenizer import EOS_CANDIDATES, eos_id, read_tokenizer, stated_eos_token
 
@@ -218,6 +220,13 @@ def _tokenizer_files(tokenizer: str | Path, vocab_size: int,
         path = path / "tokenizer.json"
     try:
         loaded = read_tokenizer(path)
+        if trained_eos_id is not None:
+            _check_vocab(loaded, path, vocab_size)
+            if loaded.id_to_token(trained_eos_id) is None:
+                raise ExportError(f"--tokenizer {path} has no token of id {trained_eos_id}, the "
+                                  "end-of-document id the model trained on; give the tokenizer of "
+                                  "the dataset this run trained on")
+            return TokenizerFiles(path, loaded.id_to_token(trained_eos_id), trained_eos_id)
         declared = stated_eos_token(path)
         try:
             eos = eos_id(loaded, declared)
@@ -232,10 +241,14 @@ def _tokenizer_files(tokenizer: str | Path, vocab_size: int,
                 "states the end-of-document id") from None
     except DataError as e:
         raise ExportError(f"--tokenizer: {e}") from None
+    _check_vocab(loaded, path, vocab_size)
+    return TokenizerFiles(path, loaded.id_to_token(eos), eos)
+
+
+def _check_vocab(loaded, path: Path, vocab_size: int) -> None:
     if loaded.get_vocab_size() > vocab_size:
         raise ExportError(f"tokenizer {path} has {loaded.get_vocab_size()} tokens but the model only "
                           f"{vocab_size}; give the tokenizer of the dataset this run trained on")
-    return TokenizerFiles(path, loaded.id_to_token(eos), eos)
 
 
 def _tokenizer_config(eos_token: str, max_len: int) -> dict:
@@ -289,21 +302,23 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
                   "tokens_seen": manifest.tokens_seen, "dataset_id": manifest.dataset_id,
                   "config_hash": manifest.config_hash}
     summary = write_hf(model_args_of(manifest), state, out, tokenizer=tokenizer, dtype=dtype,
-                       provenance=provenance, max_shard_bytes=max_shard_bytes)
+                       provenance=provenance, max_shard_bytes=max_shard_bytes,
+                       eos_id=manifest.eos_id)
     return {**summary, "step": manifest.step}
 
 
 def write_hf(args: ModelArgs, state: dict[str, torch.Tensor], out: str | Path, *,
              tokenizer: str | Path | None = None, dtype: str | None = None,
              provenance: dict | None = None,
-             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, eos_id: int | None = None) -> dict:
     """Write the model `state` (training.model names, whole tensors) of shape `args` to the
-    directory `out` (empty, or replaced by the caller's choice) as a LlamaForCausalLM."""
+    directory `out` (empty, or replaced by the caller's choice) as a LlamaForCausalLM.
+    `eos_id`: the end-of-document id the model trained on, where known."""
     out = Path(out).resolve()
     _check_dtype(dtype)
     target = DTYPES[dtype] if dtype else state["tok_embeddings.weight"].dtype
-    tok = (_tokenizer_files(tokenizer, args.vocab_size, (provenance or {}).get("dataset_id"))
-           if tokenizer is not None else None)
+    tok = (_tokenizer_files(tokenizer, args.vocab_size, (provenance or {}).get("dataset_id"),
+                            eos_id) if tokenizer is not None else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
@@ -311,7 +326,7 @@ def write_hf(args: ModelArgs, state: dict[str, torch.Tensor], out: str | Path, *
         files = write_safetensors(hf_state_dict(state, target, args.tie_embeddings), staging,
                                   max_shard_bytes)
         _write_json(staging / "config.json",
-                    hf_config(args, target, tok.eos_id if tok else None, provenance))
+                    hf_config(args, target, tok.eos_id if tok else eos_id, provenance))
         files.append("config.json")
         if tok:
             shutil.copyfile(tok.path, staging / "tokenizer.json")
