@@ -57,6 +57,7 @@ def test_training_commits_checkpoints_that_verify(run):
     manifest = CheckpointManifest.load(committed[-1])
     assert manifest.step == 20 and manifest.world_size == 2
     assert manifest.seq_len == config.training.seq_len  # what the held-out check evaluates at
+    assert (manifest.dataset_id, manifest.eos_id) == ("synthetic", 0)  # export writes the eos id
     assert ".metadata" in {f.path for f in manifest.files}
     result = verify_checkpoint(committed[-1])
     assert result["ok"], result
@@ -75,6 +76,26 @@ def test_checkpoint_without_manifest_is_never_resumed(run, tmp_path):
     assert "resumed from" in proc.stdout and "step-00000010" in proc.stdout
     assert "in-job restart" not in proc.stdout  # a second plain run is no restart of the first
     assert verify_checkpoint(config.run_dir.checkpoint(20))["ok"]
+
+
+def test_resuming_on_data_prepared_anew_says_so(run, tmp_path):
+    """The same config can prepare other data (changed sources or tokenizer files): the run
+    resumes on it, and the log says which dataset and end-of-document token it left."""
+    from storage.manifests import DatasetManifest
+
+    config, dataset = run
+    (config.run_dir.checkpoint(20) / "manifest.json").unlink()
+    reprepared = shutil.copytree(dataset, tmp_path / "reprepared")
+    manifest = DatasetManifest.load(reprepared)
+    manifest.dataset_id, manifest.eos_id = "reprepared", 1
+    manifest.save(reprepared)
+    proc = torchrun_training(config, reprepared, resume="auto")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"step-00000010 was trained on dataset synthetic; this attempt reads dataset "
+                     r"reprepared, whose documents end with token 1 where the checkpoint's ended "
+                     r"with 0 .* continues at sample \d+ of the new data", proc.stdout + proc.stderr)
+    resumed = CheckpointManifest.load(config.run_dir.checkpoint(20))
+    assert (resumed.dataset_id, resumed.eos_id) == ("reprepared", 1)
 
 
 def test_flipped_byte_is_rejected_and_kept_aside(run, tmp_path):

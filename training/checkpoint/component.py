@@ -115,6 +115,16 @@ class Checkpointer:
                 f"{reader} holds another model than this config builds ({'; '.join(differences)}); "
                 "resume with the model settings it was saved with (a vocabulary saved unpadded: "
                 "model.vocab_multiple_of=1), or train from scratch under a new run.run_id")
+        saved, now = reader.manifest, self.manifest_fields
+        if saved.dataset_id != now["dataset_id"] and self.saver.rank == 0:
+            # The same config can prepare other data (its sources or tokenizer files changed):
+            # allowed, the run goes on, but nobody should learn it from the loss curve.
+            eos = (f", whose documents end with token {now['eos_id']} where the checkpoint's "
+                   f"ended with {saved.eos_id}" if saved.eos_id not in (None, now["eos_id"]) else "")
+            log.warning("%s was trained on dataset %s; this attempt reads dataset %s%s (the run's "
+                        "sources, tokenizer files or data settings changed since): the data "
+                        "order continues at sample %d of the new data", reader, saved.dataset_id,
+                        now["dataset_id"], eos, saved.data_position)
         extras = load_into(reader, self.model_parts, self.optimizers, self._extras())
         self.progress.step = extras["progress"]["step"]
         self.progress.tokens_seen = extras["progress"]["tokens_seen"]
