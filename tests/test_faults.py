@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from core.config import load_config
-from core.protocol import ResumeSpec, RunDir, read_exit_records, read_starts, step_of
+from core.protocol import (ResumeSpec, RunDir, read_exit_records, read_heartbeat, read_starts,
+                           step_of)
 from flows.prepare import prepare
 from flows.train import train
 from goodput.runs import read_outcomes, read_summary, retry_decision
@@ -321,6 +322,8 @@ def test_the_workers_stop_right_after_the_first_checkpoint_they_save_past_the_de
     result, record = attempt("limit-1", time.time(), ResumeSpec.scratch())  # already past
     assert (result.step, record["reason"]) == (7, "time limit")
     assert [step_of(p) for p in config.run_dir.committed_checkpoints()] == [7]
+    # Its last word to the supervisor: a save to wait for (a save's allowance, not a step's).
+    assert read_heartbeat(config.run_dir)["phase"] == "checkpoint"
     # Resumed at 7, its first save is 14, though the deadline passed long before.
     result, record = attempt("limit-2", time.time() - 3600, ResumeSpec.newest_committed())
     assert (result.step, record["reason"]) == (14, "time limit")

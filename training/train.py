@@ -150,6 +150,9 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
             if resilience.after_step(progress.step, loss):
                 if env.is_main:
                     log.info("time limit: stopping after the checkpoint of step %d", progress.step)
+                # Announced: the supervisor then allows a save's time (checkpoint_timeout_s),
+                # not a step's, for a background save still committing.
+                checkpointer.wait(loss)
                 break
 
         checkpointer.close()  # the last checkpoint is committed before the job reports success
