@@ -333,6 +333,54 @@ def test_the_workers_stop_right_after_the_first_checkpoint_they_save_past_the_de
     assert steps == list(range(1, 31)), "no step trained twice, none skipped"
 
 
+def test_an_attempt_the_time_limit_stops_logs_the_steps_since_its_last_metrics_record(tmp_path):
+    """training.log_every=5 and a checkpoint every 7 steps: the attempt stopped after step 7
+    logs steps 6-7 as it stops (no later step of it would; the next attempt resumes after
+    them), so the loss curve and the goodput accounting hold every step the model holds."""
+    from goodput.accounting import step_times
+    from goodput.runs import write_run_config
+    from infra.torchrun import run_attempt
+    from tests.helpers import synthetic_dataset
+
+    dataset = synthetic_dataset(tmp_path / "dataset")
+    config = small_config(tmp_path, "training.max_steps=10", "checkpoint.every_steps=7",
+                          "training.log_every=5")
+    lines: list[str] = []
+    result = run_attempt(config, write_run_config(config), dataset, "limit", lines.append,
+                         start=ResumeSpec.scratch(), stop_after=time.time())
+    assert (result.failure_class, result.step) == ("done", 7), "\n".join(lines[-30:])
+    records = read_metrics(config.run_dir)
+    assert [(r["step"], r["window_steps"]) for r in records] == [(5, 5), (7, 2)]
+    assert sorted(step for r in records for step in step_times(r)) == list(range(1, 8))
+    assert records[-1]["checkpoint_s"] > 0  # the save of step 7 blocked training
+
+
+def test_pipeline_stages_on_two_nodes_stop_together_at_the_time_limit(tmp_path):
+    """A stage per node (PP across nodes, as the planner lays it out), saves in the
+    background: both nodes' workers stop after the first checkpoint past the deadline, which
+    is committed and whole before they exit as done."""
+    from goodput.runs import write_run_config
+    from infra.torchrun import run_attempt
+    from tests.helpers import synthetic_dataset
+    from training.checkpoint.verify import verify_checkpoint
+
+    dataset = synthetic_dataset(tmp_path / "dataset")
+    config = small_config(tmp_path, "training.max_steps=10", "checkpoint.every_steps=7",
+                          "parallelism.nnodes=2", "parallelism.nproc_per_node=1",
+                          "parallelism.dp_replicate=1", "parallelism.pp=2",
+                          "checkpoint.async_mode=thread")
+    lines: list[str] = []
+    result = run_attempt(config, write_run_config(config), dataset, "limit", lines.append,
+                         start=ResumeSpec.scratch(), stop_after=time.time())
+    assert (result.failure_class, result.exit_code, result.step) == ("done", 0, 7), \
+        "\n".join(lines[-30:])
+    records = read_exit_records(config.run_dir, "limit")
+    assert [(r["rank"], r["reason"], r["step"]) for r in records] == [(0, "time limit", 7),
+                                                                      (1, "time limit", 7)]
+    [checkpoint] = config.run_dir.committed_checkpoints()
+    assert step_of(checkpoint) == 7 and verify_checkpoint(checkpoint)["ok"]
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_sigterm_and_sighup_ask_for_an_emergency_checkpoint(signum):
     """SIGTERM (a scheduler preempting or cancelling) and SIGHUP (an ssh node's connection

@@ -65,6 +65,7 @@ class StepMetrics:
         self.device_memory = device_memory
         self.window_steps, self.window_time_s, self.window_checkpoint_s = 0, 0.0, 0.0
         self.window_data_wait_s = 0.0
+        self.last_step: dict = {}  # the newest step's own numbers, for the record of its window
 
     def step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens_seen: int,
              step_time_s: float, checkpoint_s: float, save_in_flight: bool,
@@ -76,28 +77,40 @@ class StepMetrics:
         self.window_time_s += step_time_s
         self.window_checkpoint_s += checkpoint_s
         self.window_data_wait_s += data_wait_s
+        self.last_step = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                          "tokens_seen": tokens_seen, "tokens_per_s": tokens_per_s,
+                          "step_time_s": step_time_s,
+                          # rank 0's background save was still writing or hashing when this
+                          # step ended: the step shared the CPU with it (benchmarks/ measures it)
+                          "save_in_flight": save_in_flight}
         if step % self.log_every == 0 or step == self.max_steps or validation:
-            achieved = self.flops_per_token * tokens_per_s / self.world_size
-            self.writer.log({
-                "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "tokens_seen": tokens_seen, "tokens_per_s": tokens_per_s, "step_time_s": step_time_s,
-                "checkpoint_s": self.window_checkpoint_s,
-                # rank 0's background save was still writing or hashing when this step ended:
-                # the step shared the CPU with it (benchmarks/ measures it)
-                "save_in_flight": save_in_flight,
-                # this record stands for steps (step - window_steps, step]
-                "window_steps": self.window_steps, "window_time_s": self.window_time_s,
-                "data_wait_s": self.window_data_wait_s,
-                "data_wait_share": self.window_data_wait_s / self.window_time_s,
-                "flops_per_s_per_device": achieved,
-                "mfu": achieved / self.device_peak_flops if self.device_peak_flops else None,
-                "attempt": self.attempt, **self.device_memory(), **(validation or {})})
-            self.window_steps, self.window_time_s, self.window_checkpoint_s = 0, 0.0, 0.0
-            self.window_data_wait_s = 0.0
+            self._log(validation or {})
         self.writer.heartbeat(step=step, loss=loss, tokens_per_s=tokens_per_s,
                               step_time_s=step_time_s, data_wait_share=data_wait_s / step_time_s,
                               max_steps=self.max_steps,
                               attempt=self.attempt, phase="step")
+
+    def log_window(self) -> None:
+        """Log the steps since the last record now: an attempt that stops before max_steps
+        (the time limit) takes no later step whose record would stand for them, and its last
+        checkpoint keeps them (the next attempt does not train them again)."""
+        if self.window_steps:
+            self._log({})
+
+    def _log(self, validation: dict) -> None:
+        """The record of the last step, standing for the window of steps up to it."""
+        achieved = self.flops_per_token * self.last_step["tokens_per_s"] / self.world_size
+        self.writer.log({
+            **self.last_step, "checkpoint_s": self.window_checkpoint_s,
+            # this record stands for steps (step - window_steps, step]
+            "window_steps": self.window_steps, "window_time_s": self.window_time_s,
+            "data_wait_s": self.window_data_wait_s,
+            "data_wait_share": self.window_data_wait_s / self.window_time_s,
+            "flops_per_s_per_device": achieved,
+            "mfu": achieved / self.device_peak_flops if self.device_peak_flops else None,
+            "attempt": self.attempt, **self.device_memory(), **validation})
+        self.window_steps, self.window_time_s, self.window_checkpoint_s = 0, 0.0, 0.0
+        self.window_data_wait_s = 0.0
 
     def saving(self, step: int, loss: float) -> None:
         """A save, or a wait for one, is under way: the supervisor allows it a save's time."""

@@ -150,6 +150,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
             if resilience.after_step(progress.step, loss):
                 if env.is_main:
                     log.info("time limit: stopping after the checkpoint of step %d", progress.step)
+                metrics.log_window()  # the steps since the last record: no later step logs them
                 # Announced: the supervisor then allows a save's time (checkpoint_timeout_s),
                 # not a step's, for a background save still committing.
                 checkpointer.wait(loss)
