@@ -355,6 +355,26 @@ def test_an_attempt_the_time_limit_stops_logs_the_steps_since_its_last_metrics_r
     assert records[-1]["checkpoint_s"] > 0  # the save of step 7 blocked training
 
 
+def test_a_preempted_attempt_logs_the_steps_its_emergency_checkpoint_keeps(tmp_path):
+    """As at the time limit: the steps since the last metrics record are in the emergency
+    checkpoint, and the next attempt resumes after them, so this attempt logs them."""
+    from goodput.runs import write_run_config
+    from infra.torchrun import run_attempt
+    from tests.helpers import synthetic_dataset
+
+    dataset = synthetic_dataset(tmp_path / "dataset")
+    config = small_config(tmp_path, "training.max_steps=10", "training.log_every=5",
+                          "faults.sigterm_at_step=7")
+    lines: list[str] = []
+    result = run_attempt(config, write_run_config(config), dataset, "preempt", lines.append,
+                         start=ResumeSpec.scratch())
+    assert result.failure_class == "retryable", "\n".join(lines[-30:])
+    saved_at = step_of(config.run_dir.committed_checkpoints()[-1])  # the signal lands in 7 or 8
+    assert saved_at in (7, 8)
+    records = read_metrics(config.run_dir)
+    assert [(r["step"], r["window_steps"]) for r in records] == [(5, 5), (saved_at, saved_at - 5)]
+
+
 def test_pipeline_stages_on_two_nodes_stop_together_at_the_time_limit(tmp_path):
     """A stage per node (PP across nodes, as the planner lays it out), saves in the
     background: both nodes' workers stop after the first checkpoint past the deadline, which

@@ -92,8 +92,8 @@ class StepMetrics:
 
     def log_window(self) -> None:
         """Log the steps since the last record now: an attempt that stops before max_steps
-        (the time limit) takes no later step whose record would stand for them, and its last
-        checkpoint keeps them (the next attempt does not train them again)."""
+        (the time limit, a preemption) takes no later step whose record would stand for
+        them, and its last checkpoint keeps them (the next attempt does not train them again)."""
         if self.window_steps:
             self._log({})
 

@@ -36,7 +36,7 @@ from training.logs import get_logger
 from training.metrics import MetricsWriter, StepMetrics, peak_flops, read_metrics
 from training.model import Transformer, cross_entropy, model_args_from_config
 from training.parallelize import Layout, clip_grad_norm_, parallelize
-from training.resilience import FaultInjector, Resilience
+from training.resilience import FaultInjector, Preempted, Resilience
 from training.tracking import open_trackers
 
 log = get_logger("train")
@@ -157,8 +157,10 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
                 break
 
         checkpointer.close()  # the last checkpoint is committed before the job reports success
-    except BaseException:  # the trackers still send or flush what they hold of the steps done
+    except BaseException as stop:  # the trackers still send or flush what they hold of the steps done
         with contextlib.suppress(Exception):  # never in place of the failure itself
+            if isinstance(stop, Preempted):  # its emergency checkpoint keeps the unlogged steps
+                metrics.log_window()
             metrics.writer.close()
         raise
     metrics.writer.close()
