@@ -337,6 +337,7 @@ ENV_MTBF_S = "GOODPUT_MTBF_S"  # the run's MTBF so far, for checkpoint.interval=
 # A flow run's time limit (Unix time): the trainer stops after the first checkpoint it saves
 # from then on, exiting as done before max_steps (the next flow run continues from it).
 ENV_STOP_AFTER = "GOODPUT_STOP_AFTER"
+TIME_LIMIT = "time limit"  # the reason in such an attempt's exit records and outcome
 
 
 def attempt_of_worker() -> str:

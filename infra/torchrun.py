@@ -93,7 +93,7 @@ def worker_env(config: RunConfig, attempt: str, mtbf_s: float = 0.0,
     the variables of the contract). `mtbf_s`: the run's mean time between failures so far,
     for checkpoint.interval=auto; `stop_after`: the flow run's deadline (Unix time)."""
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # workers share the cores
-           "PYTHONUNBUFFERED": "1", ENV_ATTEMPT: attempt, ENV_MTBF_S: str(mtbf_s),
+           "PYTHONUNBUFFERED": "1", ENV_ATTEMPT: attempt,
            # Where to leave the exit record even when the config file fails to load there.
            ENV_RUN_DIR: str(config.run_dir.path.resolve()),
            # A shared rendezvous TCP store made restarts flaky (STACK_NOTES): rank 0's node
@@ -108,6 +108,8 @@ def worker_env(config: RunConfig, attempt: str, mtbf_s: float = 0.0,
            # After an in-job restart: how long to wait for the verdict on recent checkpoints.
            ENV_RESTART_WAIT_S: str(config.launch.restart_verdict_wait_s),
            **ALLOCATOR_ENV}  # launch.env may override it
+    if mtbf_s:  # else the workers take faults.mtbf_hours (0 here would override it)
+        env[ENV_MTBF_S] = str(mtbf_s)
     if stop_after is not None:
         env[ENV_STOP_AFTER] = repr(stop_after)
     if config.launch.network_interface:  # which NIC the collectives use between hosts
@@ -292,8 +294,9 @@ def classify(run_dir, attempt: str, returncode: int, hung: bool, wall: float) ->
 
     if hung:
         return result(FailureClass.HANG, "heartbeat stalled")
-    if returncode == 0:
-        return result(FailureClass.DONE, "done")
+    if returncode == 0:  # "done", or why the workers ended early ("time limit")
+        return result(FailureClass.DONE, next((r["reason"] for r in records
+                                               if r["class"] == FailureClass.DONE), "done"))
     for failure in (FailureClass.CONFIG, FailureClass.OOM, FailureClass.DISK_FULL,
                     FailureClass.CORRUPT_CHECKPOINT, FailureClass.ROLLBACK):
         reason = next((r["reason"] for r in records if r["class"] == failure), None)

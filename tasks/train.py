@@ -17,7 +17,7 @@ from prefect.runtime import flow_run, task_run
 
 from core.config import ConfigError, RunConfig
 from core.errors import DataError
-from core.protocol import FailureClass, read_heartbeat
+from core.protocol import TIME_LIMIT, FailureClass, read_heartbeat
 from goodput import checkpoint_lifecycle as lifecycle
 from goodput.accounting import data_wait_share, summarize_goodput
 from goodput.data.prepare import dataset_for_training
@@ -79,7 +79,7 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
     if task_run.run_count > 1 and limit.passed():
         logger.info(f"the flow run's time limit ({time_limit_s} s) passed before this retry: not "
                     "launching; the next run resumes from the newest validated checkpoint")
-        return {"attempt": attempt, "step": None, "wall_time_s": 0.0, "stopped": "time limit"}
+        return {"attempt": attempt, "step": None, "wall_time_s": 0.0, "stopped": TIME_LIMIT}
 
     try:
         result = train_attempt(config, dataset_dir, store_from_config(config.storage), attempt,
@@ -92,9 +92,9 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
     finally:  # the job may have ended between two polls of its heartbeat: show where it ended
         progress.show_last(read_heartbeat(config.run_dir))
     outcome = {"attempt": attempt, "step": result.step, "wall_time_s": result.wall_time_s}
-    if result.step is not None and result.step < config.training.max_steps:  # done before the end
+    if result.reason == TIME_LIMIT:  # the workers stopped themselves at a checkpoint
         logger.info(limit.reached_at(result.step))
-        outcome["stopped"] = "time limit"
+        outcome["stopped"] = TIME_LIMIT
     return outcome
 
 

@@ -320,7 +320,7 @@ def test_the_workers_stop_right_after_the_first_checkpoint_they_save_past_the_de
         return result, record
 
     result, record = attempt("limit-1", time.time(), ResumeSpec.scratch())  # already past
-    assert (result.step, record["reason"]) == (7, "time limit")
+    assert (result.step, result.reason, record["reason"]) == (7, "time limit", "time limit")
     assert [step_of(p) for p in config.run_dir.committed_checkpoints()] == [7]
     # Its last word to the supervisor: a save to wait for (a save's allowance, not a step's).
     assert read_heartbeat(config.run_dir)["phase"] == "checkpoint"

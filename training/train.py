@@ -26,7 +26,8 @@ import torch.distributed as dist
 from core.config import RunConfig
 from core.errors import ConfigError, DataError
 from core.layout import ParallelDims
-from core.protocol import ENV_MTBF_S, ENV_RESTART_WAIT_S, ENV_STOP_AFTER, ResumeSpec, attempt_of_worker
+from core.protocol import (ENV_MTBF_S, ENV_RESTART_WAIT_S, ENV_STOP_AFTER, TIME_LIMIT, ResumeSpec,
+                           attempt_of_worker)
 from training.checkpoint.component import Checkpointer, Progress
 from training.checkpoint.resume import resolve_resume
 from training.data import DistributedSampleLoader, open_training_data
@@ -165,7 +166,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
         raise
     metrics.writer.close()
     summary = {"final_step": progress.step, "tokens_seen": progress.tokens_seen, "final_loss": loss,
-               "stopped": "time limit" if progress.step < tcfg.max_steps else None}
+               "stopped": TIME_LIMIT if progress.step < tcfg.max_steps else None}
     # Clean shutdown: without it gloo workers sometimes abort at exit (STACK_NOTES).
     del layout, optimizers, checkpointer, resilience
     gc.collect()
