@@ -76,32 +76,34 @@ class TrainingProgress:
             return
         self.show(beat)
 
-    def show_last(self, beat: dict | None) -> None:
-        """The attempt's last heartbeat (read after its job ended), unless already shown."""
-        if (beat is not None and beat.get("attempt") == self.attempt
-                and beat.get("step") is not None and beat != self.shown):
+    def show_last(self, beat: dict | None, ended: str) -> None:
+        """The attempt's last heartbeat (read after its job ended) and how it `ended`."""
+        if beat is not None and beat.get("attempt") == self.attempt and beat.get("step") is not None:
             self.first = self.first or beat
-            self.show(beat)
+            self.show(beat, ended)
 
-    def show(self, beat: dict) -> None:
+    def show(self, beat: dict, ended: str | None = None) -> None:
         self.shown, self.shown_at = beat, time.monotonic()
         try:
             progress = 100.0 * min(beat["step"], self.max_steps) / self.max_steps
+            description = self.describe(beat, ended)
             if self.artifact_id is None:
                 self.artifact_id = create_progress_artifact(progress, key=self.key,
-                                                            description=self.describe(beat))
+                                                            description=description)
             else:
-                update_progress_artifact(self.artifact_id, progress,
-                                         description=self.describe(beat))
+                update_progress_artifact(self.artifact_id, progress, description=description)
         except Exception as e:  # a view of the run: it must never stop training
             get_run_logger().warning(f"progress artifact not updated: {e!r}")
 
-    def describe(self, beat: dict) -> str:
-        """E.g. "step 120 / 300 · 61,440 tokens · loss 3.2101 · 2,900 tokens/s · ETA 1m02s"."""
+    def describe(self, beat: dict, ended: str | None = None) -> str:
+        """E.g. "step 120 / 300 · 61,440 tokens · loss 3.2101 · 2,900 tokens/s · ETA 1m02s";
+        once the attempt `ended`, "step 140 / 300 · ... · loss 3.1002 · ended: time limit"."""
         step = beat["step"]
         parts = [f"step {step:,} / {self.max_steps:,}", f"{step * self.tokens_per_step:,} tokens"]
         if beat.get("loss") is not None:
             parts.append(f"loss {beat['loss']:.4f}")
+        if ended is not None:
+            return " · ".join([*parts, f"ended: {ended}", f"attempt {self.attempt}"])
         if beat.get("phase") == "checkpoint":
             parts.append("saving a checkpoint")
         elif beat.get("tokens_per_s"):

@@ -81,16 +81,19 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
                     "launching; the next run resumes from the newest validated checkpoint")
         return {"attempt": attempt, "step": None, "wall_time_s": 0.0, "stopped": TIME_LIMIT}
 
+    ended = "failed"
     try:
         result = train_attempt(config, dataset_dir, store_from_config(config.storage), attempt,
                                worker_log(logger.info, worker_logs), on_progress=progress,
                                stop_after=limit.deadline)
+        ended = result.reason  # done, time limit
     except TrainingFailed as failure:
+        ended = str(failure.failure_class)
         if failure.failure_class != FailureClass.CANCELLED:  # a cancel is no failure to act on
             attempt_failed_event(config, attempt, failure.failure_class, str(failure), failure.step)
         raise
     finally:  # the job may have ended between two polls of its heartbeat: show where it ended
-        progress.show_last(read_heartbeat(config.run_dir))
+        progress.show_last(read_heartbeat(config.run_dir), ended)
     outcome = {"attempt": attempt, "step": result.step, "wall_time_s": result.wall_time_s}
     if result.reason == TIME_LIMIT:  # the workers stopped themselves at a checkpoint
         logger.info(limit.reached_at(result.step))

@@ -258,7 +258,7 @@ def test_progress_text_from_step_and_checkpoint_heartbeats(tmp_path):
 
 def test_the_progress_artifact_shows_where_a_job_ended_between_two_polls(tmp_path, prefect_api):
     """Throttled updates skip most steps; the heartbeat the job left when it ended (read
-    after it, as launch-training does) is shown whatever the throttle, once."""
+    after it, as launch-training does) is shown whatever the throttle, with how it ended."""
     config = small_config(tmp_path)  # 30 steps
     config.run.run_id = "between-polls"
 
@@ -267,15 +267,20 @@ def test_the_progress_artifact_shows_where_a_job_ended_between_two_polls(tmp_pat
         progress = TrainingProgress(config, "abc-1", every_s=3600.0)
         for step in range(1, 13):
             progress({"attempt": "abc-1", "step": step, "time": 100.0 + step, "phase": "step"})
-        progress.show_last({"attempt": "other-1", "step": 29, "time": 140.0, "phase": "step"})
-        progress.show_last({"attempt": "abc-1", "step": None, "time": 140.0, "phase": "startup"})
+        progress.show_last({"attempt": "other-1", "step": 29, "time": 140.0, "phase": "step"},
+                           "done")
+        progress.show_last({"attempt": "abc-1", "step": None, "time": 140.0, "phase": "startup"},
+                           "done")
         shown_before = progress.shown
-        progress.show_last({"attempt": "abc-1", "step": 30, "time": 150.0, "phase": "step"})
+        progress.show_last({"attempt": "abc-1", "step": 30, "time": 150.0, "loss": 2.5,
+                            "phase": "checkpoint"}, "done")
         assert shown_before["step"] == 1 and progress.shown["step"] == 30
 
     watch()
     progress = artifacts(prefect_api.api_url, "training-progress-between-polls")[0]
-    assert progress["data"] == 100.0 and progress["description"].startswith("step 30 / 30")
+    assert progress["data"] == 100.0
+    assert progress["description"] == ("step 30 / 30 · 15,360 tokens · loss 2.5000 · ended: done · "
+                                       "attempt abc-1")  # no longer "saving a checkpoint"
 
 
 def test_a_retry_spends_what_is_left_of_the_flow_runs_time_limit():
