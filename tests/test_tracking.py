@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import losses_by_step, small_config, synthetic_dataset, torchrun_training
+from tests.helpers import losses_by_step, small_config, synthetic_dataset, torchrun_training, wait_for
 from training.metrics import read_metrics
 from training.tracking import MLflowTracker, curves
 
@@ -140,7 +140,12 @@ def test_scores_of_checkpoints_training_has_passed_reach_wandb(tmp_path):
     assert train._init["id"] != tracker._init["id"] and train._init["group"] == tracker._init["group"] == "run-x"
     train.close()
     (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    rows = [row for row in wandb_history(run) if "eval/loss" in row]
+    # W&B's service process writes the file: under load, after finish() has returned.
+    def scores() -> list[dict] | None:
+        rows = [row for row in wandb_history(run) if "eval/loss" in row]
+        return rows if len(rows) >= 2 else None
+
+    rows = wait_for(scores, timeout_s=60, what="both scores in the W&B run file")
     assert [(row[TRAINER_STEP], row["eval/loss"]) for row in rows] == [(30, 2.0), (10, 3.0)]
 
 
