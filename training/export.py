@@ -221,34 +221,30 @@ def _tokenizer_files(tokenizer: str | Path, vocab_size: int, dataset_id: str | N
     try:
         loaded = read_tokenizer(path)
         if trained_eos_id is not None:
-            _check_vocab(loaded, path, vocab_size)
             if loaded.id_to_token(trained_eos_id) is None:
                 raise ExportError(f"--tokenizer {path} has no token of id {trained_eos_id}, the "
                                   "end-of-document id the model trained on; give the tokenizer of "
                                   "the dataset this run trained on")
-            return TokenizerFiles(path, loaded.id_to_token(trained_eos_id), trained_eos_id)
-        declared = stated_eos_token(path)
-        try:
-            eos = eos_id(loaded, declared)
-        except DataError:  # its advice is prepare's (tokenizer.eos_token): not export's
-            what = (f"the eos_token {declared!r} its directory declares is not in its "
-                    "vocabulary" if declared is not None else "it has none of the "
-                    f"end-of-document tokens {', '.join(EOS_CANDIDATES)} and its directory "
-                    "declares none (tokenizer_config.json)")
-            raise ExportError(
-                f"--tokenizer {path}: {what}; give the directory of the dataset the run "
-                f"trained on (data.data_dir/{dataset_id or '<dataset_id>'}): its manifest "
-                "states the end-of-document id") from None
+            eos = trained_eos_id
+        else:
+            declared = stated_eos_token(path)
+            try:
+                eos = eos_id(loaded, declared)
+            except DataError:  # its advice is prepare's (tokenizer.eos_token): not export's
+                what = (f"the eos_token {declared!r} its directory declares is not in its "
+                        "vocabulary" if declared is not None else "it has none of the "
+                        f"end-of-document tokens {', '.join(EOS_CANDIDATES)} and its directory "
+                        "declares none (tokenizer_config.json)")
+                raise ExportError(
+                    f"--tokenizer {path}: {what}; give the directory of the dataset the run "
+                    f"trained on (data.data_dir/{dataset_id or '<dataset_id>'}): its manifest "
+                    "states the end-of-document id") from None
     except DataError as e:
         raise ExportError(f"--tokenizer: {e}") from None
-    _check_vocab(loaded, path, vocab_size)
-    return TokenizerFiles(path, loaded.id_to_token(eos), eos)
-
-
-def _check_vocab(loaded, path: Path, vocab_size: int) -> None:
     if loaded.get_vocab_size() > vocab_size:
         raise ExportError(f"tokenizer {path} has {loaded.get_vocab_size()} tokens but the model only "
                           f"{vocab_size}; give the tokenizer of the dataset this run trained on")
+    return TokenizerFiles(path, loaded.id_to_token(eos), eos)
 
 
 def _tokenizer_config(eos_token: str, max_len: int) -> dict:
