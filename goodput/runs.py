@@ -46,8 +46,8 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
                   on_progress: Callable[[dict], None] | None = None,
                   stop_after: float | None = None) -> AttemptResult:
     """One attempt: resume from the newest validated checkpoint and train to max_steps, or
-    to the first checkpoint saved after `stop_after` (Unix time; the result's step is then
-    below max_steps).
+    to the first checkpoint saved after `stop_after` (Unix time; the result's reason is then
+    core.protocol.TIME_LIMIT).
 
     Raises TrainingFailed with the failure class and the retry policy's verdict when the
     attempt does not finish (a cancelled attempt: class cancelled, never retried). A rollback

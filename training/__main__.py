@@ -111,9 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a crash, a communication error, a file a shared filesystem lost
         log.exception("training failed")
         return ended(FailureClass.RETRYABLE, f"{type(e).__name__}: {e}", None)
-    log.info("%s: step %d, loss %.4f", summary["stopped"] or "done", summary["final_step"],
-             summary["final_loss"])
-    return ended(FailureClass.DONE, summary["stopped"] or "done", summary["final_step"])
+    reason = summary["stopped"] or "done"  # "time limit": stopped at a checkpoint before the end
+    log.info("%s: step %d, loss %.4f", reason, summary["final_step"], summary["final_loss"])
+    return ended(FailureClass.DONE, reason, summary["final_step"])
 
 
 def die_with_agent() -> None:
