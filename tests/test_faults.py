@@ -12,9 +12,10 @@ from core.protocol import (ResumeSpec, RunDir, read_exit_records, read_heartbeat
                            step_of)
 from flows.prepare import prepare
 from flows.train import train
-from goodput.runs import read_outcomes, read_summary, retry_decision
+from goodput.runs import read_outcomes, read_summary, retry_decision, write_run_config
+from infra.torchrun import run_attempt
 from storage.ledger import Ledger
-from tests.helpers import losses_by_step, small_config
+from tests.helpers import losses_by_step, small_config, synthetic_dataset
 from training.data import DistributedSampleLoader, TokenStream
 from training.metrics import read_metrics
 from training.resilience import LossGuard
@@ -140,7 +141,6 @@ def test_failures_a_restart_cannot_fix_block_in_job_restarts(tmp_path):
 
 def test_loader_skips_windows_deterministically(tmp_path):
     from storage.manifests import DatasetManifest
-    from tests.helpers import synthetic_dataset
 
     directory = synthetic_dataset(tmp_path / "ds")
     stream = TokenStream(directory, DatasetManifest.load(directory), "train")
@@ -261,8 +261,7 @@ def test_a_file_missing_in_a_worker_is_a_crash_to_retry_not_a_config_error(tmp_p
     import subprocess
     import sys
 
-    from goodput.runs import write_run_config
-    from tests.helpers import REPO, synthetic_dataset
+    from tests.helpers import REPO
 
     dataset = synthetic_dataset(tmp_path / "dataset")
     config = small_config(tmp_path)
@@ -287,8 +286,6 @@ def test_a_config_file_the_workers_cannot_load_ends_the_attempt_as_a_config_erro
     """The flow loaded the config; a node's copy of the file does not load (edited, another
     version): the workers still leave the record that makes it a config error, not a crash
     to retry, and restarted workers do not try again."""
-    from infra.torchrun import run_attempt
-
     config = small_config(tmp_path, "launch.max_restarts=1")
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  dim: lots\n")
@@ -303,10 +300,6 @@ def test_the_workers_stop_right_after_the_first_checkpoint_they_save_past_the_de
     """A flow run's time limit reaches the workers (GOODPUT_STOP_AFTER): both ranks stop
     together after the first checkpoint saved past it, whatever its step, and the attempt
     ends as done before max_steps with nothing lost; a deadline still ahead stops nothing."""
-    from goodput.runs import write_run_config
-    from infra.torchrun import run_attempt
-    from tests.helpers import synthetic_dataset
-
     dataset = synthetic_dataset(tmp_path / "dataset")
     config = small_config(tmp_path, "training.max_steps=30", "checkpoint.every_steps=7")
     config_path = write_run_config(config)
@@ -338,9 +331,6 @@ def test_an_attempt_the_time_limit_stops_logs_the_steps_since_its_last_metrics_r
     logs steps 6-7 as it stops (no later step of it would; the next attempt resumes after
     them), so the loss curve and the goodput accounting hold every step the model holds."""
     from goodput.accounting import step_times
-    from goodput.runs import write_run_config
-    from infra.torchrun import run_attempt
-    from tests.helpers import synthetic_dataset
 
     dataset = synthetic_dataset(tmp_path / "dataset")
     config = small_config(tmp_path, "training.max_steps=10", "checkpoint.every_steps=7",
@@ -358,10 +348,6 @@ def test_an_attempt_the_time_limit_stops_logs_the_steps_since_its_last_metrics_r
 def test_a_preempted_attempt_logs_the_steps_its_emergency_checkpoint_keeps(tmp_path):
     """As at the time limit: the steps since the last metrics record are in the emergency
     checkpoint, and the next attempt resumes after them, so this attempt logs them."""
-    from goodput.runs import write_run_config
-    from infra.torchrun import run_attempt
-    from tests.helpers import synthetic_dataset
-
     dataset = synthetic_dataset(tmp_path / "dataset")
     config = small_config(tmp_path, "training.max_steps=10", "training.log_every=5",
                           "faults.sigterm_at_step=7")
@@ -379,9 +365,6 @@ def test_pipeline_stages_on_two_nodes_stop_together_at_the_time_limit(tmp_path):
     """A stage per node (PP across nodes, as the planner lays it out), saves in the
     background: both nodes' workers stop after the first checkpoint past the deadline, which
     is committed and whole before they exit as done."""
-    from goodput.runs import write_run_config
-    from infra.torchrun import run_attempt
-    from tests.helpers import synthetic_dataset
     from training.checkpoint.verify import verify_checkpoint
 
     dataset = synthetic_dataset(tmp_path / "dataset")
