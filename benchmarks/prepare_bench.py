@@ -15,7 +15,7 @@ included) and reports:
   nothing, and reported apart;
 - tokenizing throughput (tokens / wall time of the work units, from summary.json) against
   raw `tokenizers` `encode_batch` on the same texts, tokenizer and cores (one process per
-  core, each on its share of the files) and against `datasets.map(batched=True,
+  core, each on an equal byte share of the files) and against `datasets.map(batched=True,
   num_proc=cores)` doing the same (only for sizes up to --map-max, it copies the corpus),
   twice: mapping `tokenizers`' encode_batch, and mapping a `transformers` fast tokenizer's
   `tokenizer(batch["text"])` as transformers' run_clm.py example does;
@@ -151,32 +151,62 @@ def dir_bytes(path: Path) -> int:
 
 # -- baselines ------------------------------------------------------------------------------
 
-def _encode_files(args: tuple[str, list[str]]) -> int:
+def _lines_in(path: str, start: int, end: int):
+    """The lines of `path` that begin in bytes [start, end)."""
+    with open(path, "rb") as f:
+        if start > 0:
+            f.seek(start - 1)
+            f.readline()  # the line under way at `start` belongs to the range before
+        while f.tell() < end:
+            line = f.readline()
+            if not line:
+                return
+            yield line
+
+
+def _encode_ranges(args: tuple[str, list[tuple[str, int, int]]]) -> int:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
-    tokenizer_path, files = args
+    tokenizer_path, ranges = args
     tokenizer = Tokenizer.from_file(tokenizer_path)
     n, batch = 0, []
-    for path in files:
-        with open(path) as f:
-            for line in f:
-                batch.append(json.loads(line)["text"])
-                if len(batch) == 1024:
-                    n += sum(len(e.ids) + 1 for e in tokenizer.encode_batch(batch, add_special_tokens=False))
-                    batch = []
+    for path, start, end in ranges:
+        for line in _lines_in(path, start, end):
+            batch.append(json.loads(line)["text"])
+            if len(batch) == 1024:
+                n += sum(len(e.ids) + 1 for e in tokenizer.encode_batch(batch, add_special_tokens=False))
+                batch = []
     if batch:
         n += sum(len(e.ids) + 1 for e in tokenizer.encode_batch(batch, add_special_tokens=False))
     return n
 
 
+def equal_byte_shares(files: list[str], parts: int) -> list[list[tuple[str, int, int]]]:
+    """The files cut into `parts` shares of equal bytes, as (path, start, end) ranges: every
+    core gets the same work however few files there are (8 files of 64 MB on 16 cores would
+    leave half the cores idle if files were dealt whole)."""
+    sizes = [os.path.getsize(f) for f in files]
+    total = sum(sizes)
+    shares: list[list[tuple[str, int, int]]] = [[] for _ in range(parts)]
+    offset = 0
+    for path, size in zip(files, sizes):
+        for i in range(parts):
+            lo, hi = total * i // parts, total * (i + 1) // parts
+            start, end = max(lo, offset), min(hi, offset + size)
+            if start < end:
+                shares[i].append((path, start - offset, end - offset))
+        offset += size
+    return shares
+
+
 def raw_encode_batch(tokenizer_path: Path, corpus: Path, cores: int) -> dict:
-    """encode_batch on every document, one process per core, files dealt out round robin."""
+    """encode_batch on every document, one process per core, each on an equal byte share."""
     files = sorted(str(p) for p in corpus.glob("*.jsonl"))
-    shares = [(str(tokenizer_path), files[i::cores]) for i in range(cores)]
+    shares = [(str(tokenizer_path), ranges) for ranges in equal_byte_shares(files, cores)]
     start = time.perf_counter()
     with multiprocessing.get_context("spawn").Pool(cores) as pool:
-        tokens = sum(pool.map(_encode_files, shares))
+        tokens = sum(pool.map(_encode_ranges, shares))
     wall = time.perf_counter() - start
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
 
