@@ -72,9 +72,10 @@ class TensorBoardTracker:
         from tensorboard.compat.proto.summary_pb2 import Summary
 
         # One event holding every value of the step (add_scalar writes an event per tag:
-        # ten times the cost, a millisecond a step).
+        # ten times the cost, a millisecond a step), through the writer's public FileWriter
+        # (SummaryWriter opens it, with the purge_step events, when it is made).
         summary = Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in values.items()])
-        self.writer._get_file_writer().add_summary(summary, global_step=step)
+        self.writer.file_writer.add_summary(summary, global_step=step)
 
     def close(self) -> None:
         self.writer.close()
