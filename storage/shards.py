@@ -22,6 +22,7 @@ from core.files import atomic_file
 
 COLUMN = "tokens"
 _MAX_LIST_OFFSET = 2**31 - 1  # `list` (not `large_list`) offsets are int32
+_SLACK_TOKENS = 2**20  # see ShardWriter
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -42,16 +43,26 @@ def write_shard(path: str | os.PathLike, docs: Sequence[Sequence[int] | np.ndarr
     """
     arrays = [np.asarray(doc) for doc in docs]
     lengths = np.array([len(a) for a in arrays], dtype=np.int64)
-    n_tokens = int(lengths.sum())
-    if n_tokens > _MAX_LIST_OFFSET:
-        raise ValueError(f"{n_tokens} tokens do not fit in one shard (limit {_MAX_LIST_OFFSET}); "
-                         "write more, smaller shards (lower data.shard_tokens)")
     values = np.concatenate(arrays) if arrays else np.empty(0)
     del arrays
     if values.size and (values.min() < 0 or values.max() > np.iinfo(dtype).max):
         raise ValueError(f"token ids range {values.min()}..{values.max()} does not fit {dtype}")
+    return write_packed_shard(path, values.astype(dtype, copy=False), lengths, metadata)
+
+
+def write_packed_shard(path: str | os.PathLike, values: np.ndarray, lengths: Sequence[int] | np.ndarray,
+                       metadata: dict[str, str] | None = None) -> tuple[int, int]:
+    """`write_shard` of documents already packed: their ids back to back in `values` (of the
+    shard's dtype, written as they are, not copied) and each one's length in `lengths`."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n_tokens = int(lengths.sum())
+    if n_tokens != len(values):
+        raise ValueError(f"the documents' lengths add up to {n_tokens} tokens, not {len(values)}")
+    if n_tokens > _MAX_LIST_OFFSET:
+        raise ValueError(f"{n_tokens} tokens do not fit in one shard (limit {_MAX_LIST_OFFSET}); "
+                         "write more, smaller shards (lower data.shard_tokens)")
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    tokens = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values.astype(dtype, copy=False)))
+    tokens = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))  # a view of `values`
     batch = pa.record_batch([tokens], names=[COLUMN], metadata=metadata)
 
     # Streamed into the file, not built in memory first: a shard of hundreds of MB then
@@ -65,9 +76,10 @@ class ShardWriter:
     """Writes a stream of documents as shards of about `shard_tokens` tokens each.
 
     Documents are never split: a shard closes at the first document that brings it to
-    `shard_tokens` or beyond. Memory is bounded by one shard's tokens. Each shard is written
-    whole (`write_shard`) and named `name_of(k)` for the k-th; `written` lists
-    (name, n_tokens, n_docs) of those written so far.
+    `shard_tokens` or beyond. Each document's ids are copied, as they come, into one buffer
+    that the shard is written from (`write_packed_shard`), so memory is one shard's tokens,
+    not twice that for a copy made at the end. Shards are named `name_of(k)` for the k-th;
+    `written` lists (name, n_tokens, n_docs) of those written so far.
     """
 
     def __init__(self, directory: str | os.PathLike, name_of, dtype: str, shard_tokens: int,
@@ -75,27 +87,43 @@ class ShardWriter:
         self.directory, self.name_of, self.dtype = os.fspath(directory), name_of, dtype
         self.shard_tokens, self.metadata = shard_tokens, metadata
         self.written: list[tuple[str, int, int]] = []
-        self._docs: list[np.ndarray] = []
+        # Room for a shard and the document that closes it, reserved, not touched: pages the
+        # ids never reach take no memory (a validation split's writer fills a sliver of its
+        # buffer). Only a closing document of over _SLACK_TOKENS needs more.
+        self._values = np.empty(shard_tokens + _SLACK_TOKENS, dtype)
+        self._lengths: list[int] = []
         self._tokens = 0
 
-    def add(self, docs: Sequence[np.ndarray]) -> None:
+    def add(self, docs: Sequence[Sequence[int] | np.ndarray]) -> None:
+        """Append documents (token ids, EOS already appended; out-of-range ids for the dtype
+        are refused, never wrapped)."""
         for doc in docs:
-            self._docs.append(doc)
-            self._tokens += len(doc)
+            doc = np.asarray(doc)
+            if doc.dtype != self._values.dtype and doc.size and (
+                    doc.min() < 0 or doc.max() > np.iinfo(self.dtype).max):
+                raise ValueError(f"token ids range {doc.min()}..{doc.max()} does not fit {self.dtype}")
+            end = self._tokens + len(doc)
+            if end > len(self._values):
+                grown = np.empty(end, self.dtype)
+                grown[:self._tokens] = self._values[:self._tokens]
+                self._values = grown
+            self._values[self._tokens:end] = doc
+            self._lengths.append(len(doc))
+            self._tokens = end
             if self._tokens >= self.shard_tokens:
                 self._flush()
 
     def close(self) -> list[tuple[str, int, int]]:
-        if self._docs:
+        if self._lengths:
             self._flush()
         return self.written
 
     def _flush(self) -> None:
         name = self.name_of(len(self.written))
-        n_tokens, n_docs = write_shard(os.path.join(self.directory, name), self._docs, self.dtype,
-                                       self.metadata)
+        n_tokens, n_docs = write_packed_shard(os.path.join(self.directory, name),
+                                              self._values[:self._tokens], self._lengths, self.metadata)
         self.written.append((name, n_tokens, n_docs))
-        self._docs, self._tokens = [], 0
+        self._lengths, self._tokens = [], 0
 
 
 def read_metadata(path: str | os.PathLike) -> dict[str, str]:

@@ -95,6 +95,29 @@ def test_shard_round_trip_is_a_view_of_the_mapped_file(tmp_path):
     assert tokens.tolist() == [5, 6, 7, 0, 70000, 0, 1, 2, 0] and not tokens.flags.writeable
 
 
+def test_shard_writer_packs_documents_as_they_come_into_the_shards_write_shard_makes(tmp_path, monkeypatch):
+    import storage.shards as shards
+
+    monkeypatch.setattr(shards, "_SLACK_TOKENS", 8)  # a closing document longer than that: room is made
+    rng = np.random.default_rng(0)
+    docs = [rng.integers(0, 60000, size=n, dtype=np.uint16) for n in (5, 700, 3, 1200, 40, 9, 2000, 1)]
+    writer = shards.ShardWriter(tmp_path, lambda k: f"w-{k}.arrow", "uint16", 1024, {"made": "here"})
+    writer.add(docs[:3])
+    writer.add([d.tolist() for d in docs[3:]])  # lists of ids as well as arrays
+    written = writer.close()
+    # Each shard closes at the first document that brings it to 1024 tokens or beyond.
+    expected = [docs[0:4], docs[4:7], docs[7:]]
+    assert [(n_tokens, n_docs) for _, n_tokens, n_docs in written] == [
+        (sum(map(len, group)), len(group)) for group in expected]
+    for (name, _, _), group in zip(written, expected):
+        write_shard(tmp_path / "reference.arrow", group, "uint16", {"made": "here"})
+        assert (tmp_path / name).read_bytes() == (tmp_path / "reference.arrow").read_bytes()
+
+    for out_of_range in (np.array([1, 70000]), [1, -1]):  # refused, never wrapped
+        with pytest.raises(ValueError, match="does not fit uint16"):
+            writer.add([out_of_range])
+
+
 # -- the builtin corpus, end to end ---------------------------------------------------------
 
 def test_shards_decode_to_the_original_documents(builtin):
