@@ -435,3 +435,17 @@ def test_a_folders_files_of_no_known_format_are_named_when_left_out(tmp_path, ca
     # Named with data.format, such a file is read.
     assert read_all([Piece(file=f) for f in list_source(str(tmp_path / "README.md"), "text")]) == [
         "# about this corpus"]
+
+
+def test_a_folder_saved_by_datasets_save_to_disk_is_named_with_how_to_convert_it(tmp_path):
+    # save_to_disk writes Arrow files beside dataset_info.json and state.json; those JSON files
+    # used to be read as JSON Lines, failing on "dataset_info.json line 1 is not valid JSON".
+    import datasets
+
+    datasets.Dataset.from_dict({"text": DOCS[:5]}).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS[:5]})}).save_to_disk(
+        str(tmp_path / "saved_dict"))
+    for folder, marker in (("saved", "state.json"), ("saved_dict", "dataset_dict.json")):
+        with pytest.raises(DataError, match=rf"{tmp_path / folder} holds a dataset saved by datasets' "
+                           rf"save_to_disk \({marker}\).*load_from_disk.*to_parquet"):
+            list_source(str(tmp_path / folder))

@@ -158,11 +158,28 @@ def _expand(part: str) -> list[Path]:
         if path.is_dir():  # hidden files and folders (.git, .cache) hold no corpus
             below = [p for p in path.rglob("*") if p.is_file()
                      and not any(s.startswith(".") for s in p.relative_to(path).parts)]
+            _refuse_saved_dataset(str(path), [p.relative_to(path).as_posix() for p in below])
             files += [p for p in below if _kind(p.name)[0]]
             _warn_left_out(str(path), [str(p.relative_to(path)) for p in below if not _kind(p.name)[0]])
         elif path.is_file():
             files.append(path)
     return [p.resolve() for p in files]
+
+
+def _refuse_saved_dataset(folder: str, names: list[str]) -> None:
+    """A folder that `datasets`' save_to_disk wrote (`names`: its files, relative) holds Arrow
+    files and their JSON metadata, which would be read as JSON Lines and fail on line 1: say
+    what it is and how to make a corpus of it."""
+    found = set(names)
+    marks = sorted(n for n in found if n.rsplit("/", 1)[-1] == "dataset_dict.json"
+                   or (n.rsplit("/", 1)[-1] == "state.json"
+                       and n.removesuffix("state.json") + "dataset_info.json" in found))
+    if marks:
+        raise DataError(f"{folder} holds a dataset saved by datasets' save_to_disk ({marks[0]}): "
+                        "Arrow files, which are not read here; write it as parquet and point "
+                        f"data.source there, e.g. datasets.load_from_disk({folder!r})"
+                        ".to_parquet('corpus.parquet') (a DatasetDict: one split of it, "
+                        "load_from_disk(...)['train'].to_parquet(...))")
 
 
 def _warn_left_out(folder: str, names: list[str]) -> None:
@@ -204,6 +221,7 @@ def _list_s3(uri: str, source: str, fmt: str, storage, field_prefix: str) -> lis
         else:
             below = [o for o in store.list_objects(f"{prefix}/" if prefix else "")
                      if not _hidden(o[0][len(prefix):])]
+            _refuse_saved_dataset(uri, [o[0][len(prefix):].lstrip("/") for o in below])
             objects = [o for o in below if _kind(o[0])[0]]
             _warn_left_out(uri, [o[0][len(prefix):].lstrip("/") for o in below if not _kind(o[0])[0]])
             if not objects and prefix:  # no folder: maybe the key of one object
