@@ -449,3 +449,12 @@ def test_a_folder_saved_by_datasets_save_to_disk_is_named_with_how_to_convert_it
         with pytest.raises(DataError, match=rf"{tmp_path / folder} holds a dataset saved by datasets' "
                            rf"save_to_disk \({marker}\).*load_from_disk.*to_parquet"):
             list_source(str(tmp_path / folder))
+
+
+def test_a_folder_without_files_of_a_known_format_says_so_not_that_nothing_matches(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "xz" / "a.jsonl.xz", b"\xfd7zXZ\0")
+    known = r"'xz' \(data.source='xz'\) holds no files of a known format"
+    with pytest.raises(DataError, match=known) as error:
+        list_source("xz")
+    assert "no files match" not in str(error.value)

@@ -135,6 +135,11 @@ def _kind(name: str) -> tuple[str | None, Compression]:
 
 def _list_local(part: str, source: str, fmt: str, field_prefix: str) -> list[SourceFile]:
     paths = _expand(part)
+    if not paths and os.path.isdir(os.path.expanduser(part)):
+        raise DataError(f"{part!r} ({field_prefix}.source={source!r}) holds no files of a known "
+                        "format (.jsonl, .ndjson, .json, .parquet, .txt, also .gz or .zst; the "
+                        "others are named above); convert them, or name them (a file or glob) "
+                        f"with {field_prefix}.format")
     if not paths:
         raise DataError(f"no files match {part!r} ({field_prefix}.source={source!r}, looked from "
                         f"{os.getcwd()}); fix the path or glob, or use {field_prefix}.source=builtin")
