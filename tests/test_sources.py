@@ -458,3 +458,14 @@ def test_a_folder_without_files_of_a_known_format_says_so_not_that_nothing_match
     with pytest.raises(DataError, match=known) as error:
         list_source("xz")
     assert "no files match" not in str(error.value)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "txt"])
+def test_a_utf8_byte_order_mark_is_no_part_of_the_first_record(tmp_path, kind):
+    # Windows tools (Notepad, PowerShell's Out-File) start UTF-8 files with a BOM; JSON parsers
+    # refuse it, and in text it would become the first document's first character.
+    path = write(tmp_path / f"bom.{kind}", b"\xef\xbb\xbf" + file_bytes(kind, DOCS[:20]))
+    [file] = list_source(str(path))
+    assert read_all([Piece(file=file)]) == DOCS[:20]
+    middle = path.stat().st_size // 2  # pieces after the first still read each line once
+    assert read_all([Piece(file=file, stop=middle), Piece(file=file, start=middle)]) == DOCS[:20]

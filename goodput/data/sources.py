@@ -60,6 +60,7 @@ _AWS_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AW
 _STORES: dict[str, object] = {}  # see _s3_store
 _STORES_LOCK = threading.Lock()
 _BAD_RECORD_FIX = "fix or remove the file, or set data.on_bad_record=skip to skip such records"
+_BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, which Windows tools write first: no text
 
 
 class SourceFile(BaseModel):
@@ -540,7 +541,7 @@ class DocumentBatches:
                 raise DataError(f"{uri} is a JSON array over {MAX_WHOLE_JSON // MiB} MiB, too large "
                                 "to parse whole; convert it to JSON Lines (one object per line, .jsonl)")
         try:
-            items = _loads(data)
+            items = _loads(data.removeprefix(_BOM))
         except ValueError as e:  # one broken array: no record can be skipped on its own
             raise DataError(f"{uri} is not valid JSON ({e}); fix or replace the file") from None
         self.bytes_read = raw.count
@@ -616,6 +617,8 @@ class DocumentBatches:
             if stop is not None and offset >= stop:
                 break
             first = offset if first is None else first
+            if offset == 0:
+                line = line.removeprefix(_BOM)
             self.bytes_read = raw.count if file.compression else min(offset + len(line) + 1, file.size) - first
             if start == 0:
                 yield (lambda n=n: f"{file.uri} line {n}"), line
@@ -721,13 +724,13 @@ def _decompressed(raw: _Counted, file: SourceFile) -> Callable[[int], bytes]:
 
 
 def _peek(read: Callable[[int], bytes]) -> tuple[bytes, Callable[[int], bytes]]:
-    """The first non-whitespace byte of a stream (b"" if none early on), and a `read` that
-    still returns the stream from its start."""
+    """The first non-whitespace byte of a stream, after any BOM (b"" if none early on), and a
+    `read` that still returns the stream from its start."""
     head = b""
     while len(head) < _CHUNK and not head.strip() and (chunk := read(64 * 1024)):
         head += chunk
     pending = [head] if head else []
-    return head.lstrip()[:1], lambda n: pending.pop() if pending else read(n)
+    return head.removeprefix(_BOM).lstrip()[:1], lambda n: pending.pop() if pending else read(n)
 
 
 def _lines(read: Callable[[int], bytes], offset: int, uri: str,
