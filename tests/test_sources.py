@@ -435,3 +435,37 @@ def test_a_folders_files_of_no_known_format_are_named_when_left_out(tmp_path, ca
     # Named with data.format, such a file is read.
     assert read_all([Piece(file=f) for f in list_source(str(tmp_path / "README.md"), "text")]) == [
         "# about this corpus"]
+
+
+def test_a_folder_saved_by_datasets_save_to_disk_is_named_with_how_to_convert_it(tmp_path):
+    # save_to_disk writes Arrow files beside dataset_info.json and state.json; those JSON files
+    # used to be read as JSON Lines, failing on "dataset_info.json line 1 is not valid JSON".
+    import datasets
+
+    datasets.Dataset.from_dict({"text": DOCS[:5]}).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS[:5]})}).save_to_disk(
+        str(tmp_path / "saved_dict"))
+    for folder, marker in (("saved", "state.json"), ("saved_dict", "dataset_dict.json")):
+        with pytest.raises(DataError, match=rf"{tmp_path / folder} holds a dataset saved by datasets' "
+                           rf"save_to_disk \({marker}\).*load_from_disk.*to_parquet"):
+            list_source(str(tmp_path / folder))
+
+
+def test_a_folder_without_files_of_a_known_format_says_so_not_that_nothing_matches(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "xz" / "a.jsonl.xz", b"\xfd7zXZ\0")
+    known = r"'xz' \(data.source='xz'\) holds no files of a known format"
+    with pytest.raises(DataError, match=known) as error:
+        list_source("xz")
+    assert "no files match" not in str(error.value)
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "txt"])
+def test_a_utf8_byte_order_mark_is_no_part_of_the_first_record(tmp_path, kind):
+    # Windows tools (Notepad, PowerShell's Out-File) start UTF-8 files with a BOM; JSON parsers
+    # refuse it, and in text it would become the first document's first character.
+    path = write(tmp_path / f"bom.{kind}", b"\xef\xbb\xbf" + file_bytes(kind, DOCS[:20]))
+    [file] = list_source(str(path))
+    assert read_all([Piece(file=file)]) == DOCS[:20]
+    middle = path.stat().st_size // 2  # pieces after the first still read each line once
+    assert read_all([Piece(file=file, stop=middle), Piece(file=file, start=middle)]) == DOCS[:20]

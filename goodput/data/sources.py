@@ -60,6 +60,7 @@ _AWS_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION", "AW
 _STORES: dict[str, object] = {}  # see _s3_store
 _STORES_LOCK = threading.Lock()
 _BAD_RECORD_FIX = "fix or remove the file, or set data.on_bad_record=skip to skip such records"
+_BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, which Windows tools write first: no text
 
 
 class SourceFile(BaseModel):
@@ -135,6 +136,11 @@ def _kind(name: str) -> tuple[str | None, Compression]:
 
 def _list_local(part: str, source: str, fmt: str, field_prefix: str) -> list[SourceFile]:
     paths = _expand(part)
+    if not paths and os.path.isdir(os.path.expanduser(part)):
+        raise DataError(f"{part!r} ({field_prefix}.source={source!r}) holds no files of a known "
+                        "format (.jsonl, .ndjson, .json, .parquet, .txt, also .gz or .zst; the "
+                        "others are named above); convert them, or name them (a file or glob) "
+                        f"with {field_prefix}.format")
     if not paths:
         raise DataError(f"no files match {part!r} ({field_prefix}.source={source!r}, looked from "
                         f"{os.getcwd()}); fix the path or glob, or use {field_prefix}.source=builtin")
@@ -158,11 +164,28 @@ def _expand(part: str) -> list[Path]:
         if path.is_dir():  # hidden files and folders (.git, .cache) hold no corpus
             below = [p for p in path.rglob("*") if p.is_file()
                      and not any(s.startswith(".") for s in p.relative_to(path).parts)]
+            _refuse_saved_dataset(str(path), [p.relative_to(path).as_posix() for p in below])
             files += [p for p in below if _kind(p.name)[0]]
             _warn_left_out(str(path), [str(p.relative_to(path)) for p in below if not _kind(p.name)[0]])
         elif path.is_file():
             files.append(path)
     return [p.resolve() for p in files]
+
+
+def _refuse_saved_dataset(folder: str, names: list[str]) -> None:
+    """A folder that `datasets`' save_to_disk wrote (`names`: its files, relative) holds Arrow
+    files and their JSON metadata, which would be read as JSON Lines and fail on line 1: say
+    what it is and how to make a corpus of it."""
+    found = set(names)
+    marks = sorted(n for n in found if n.rsplit("/", 1)[-1] == "dataset_dict.json"
+                   or (n.rsplit("/", 1)[-1] == "state.json"
+                       and n.removesuffix("state.json") + "dataset_info.json" in found))
+    if marks:
+        raise DataError(f"{folder} holds a dataset saved by datasets' save_to_disk ({marks[0]}): "
+                        "Arrow files, which are not read here; write it as parquet and point "
+                        f"data.source there, e.g. datasets.load_from_disk({folder!r})"
+                        ".to_parquet('corpus.parquet') (a DatasetDict: one split of it, "
+                        "load_from_disk(...)['train'].to_parquet(...))")
 
 
 def _warn_left_out(folder: str, names: list[str]) -> None:
@@ -204,6 +227,7 @@ def _list_s3(uri: str, source: str, fmt: str, storage, field_prefix: str) -> lis
         else:
             below = [o for o in store.list_objects(f"{prefix}/" if prefix else "")
                      if not _hidden(o[0][len(prefix):])]
+            _refuse_saved_dataset(uri, [o[0][len(prefix):].lstrip("/") for o in below])
             objects = [o for o in below if _kind(o[0])[0]]
             _warn_left_out(uri, [o[0][len(prefix):].lstrip("/") for o in below if not _kind(o[0])[0]])
             if not objects and prefix:  # no folder: maybe the key of one object
@@ -517,7 +541,7 @@ class DocumentBatches:
                 raise DataError(f"{uri} is a JSON array over {MAX_WHOLE_JSON // MiB} MiB, too large "
                                 "to parse whole; convert it to JSON Lines (one object per line, .jsonl)")
         try:
-            items = _loads(data)
+            items = _loads(data.removeprefix(_BOM))
         except ValueError as e:  # one broken array: no record can be skipped on its own
             raise DataError(f"{uri} is not valid JSON ({e}); fix or replace the file") from None
         self.bytes_read = raw.count
@@ -593,6 +617,8 @@ class DocumentBatches:
             if stop is not None and offset >= stop:
                 break
             first = offset if first is None else first
+            if offset == 0:
+                line = line.removeprefix(_BOM)
             self.bytes_read = raw.count if file.compression else min(offset + len(line) + 1, file.size) - first
             if start == 0:
                 yield (lambda n=n: f"{file.uri} line {n}"), line
@@ -698,13 +724,13 @@ def _decompressed(raw: _Counted, file: SourceFile) -> Callable[[int], bytes]:
 
 
 def _peek(read: Callable[[int], bytes]) -> tuple[bytes, Callable[[int], bytes]]:
-    """The first non-whitespace byte of a stream (b"" if none early on), and a `read` that
-    still returns the stream from its start."""
+    """The first non-whitespace byte of a stream, after any BOM (b"" if none early on), and a
+    `read` that still returns the stream from its start."""
     head = b""
     while len(head) < _CHUNK and not head.strip() and (chunk := read(64 * 1024)):
         head += chunk
     pending = [head] if head else []
-    return head.lstrip()[:1], lambda n: pending.pop() if pending else read(n)
+    return head.removeprefix(_BOM).lstrip()[:1], lambda n: pending.pop() if pending else read(n)
 
 
 def _lines(read: Callable[[int], bytes], offset: int, uri: str,
