@@ -13,7 +13,7 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
 from core.config import RunConfig
-from goodput.data.prepare import DatasetPlan, UnitResult, WorkUnit, mix_tokenizer_from
+from goodput.data.prepare import DatasetPlan, UnitResult, WorkUnit, mix_tokenizer_from, require_sources
 from storage.manifests import DatasetManifest, MixtureManifest
 from storage.store import usable_anywhere
 from tasks.control import resolve_config
@@ -67,13 +67,18 @@ def prepare_source(config: RunConfig, tokenizer_from: str | None = None,
     work units' wall time and where they ran (None, None when found prepared)."""
     logger = get_run_logger()
     plan = plan_dataset(config, tokenizer_from)
-    logger.info("dataset %s from %s (%d files)", plan.dataset_id, plan.source, len(plan.files))
+    if plan.files:
+        logger.info("dataset %s from %s (%d files)", plan.dataset_id, plan.source, len(plan.files))
+    else:
+        logger.warning("the sources (%s) are not listable here: using dataset %s, prepared from "
+                       "these data settings before", plan.source, plan.dataset_id)
     to_store = config.prepare.runner == "ray"  # a cluster's machines share the store, not a disk
     manifest, tokenize_s, workers = find_prepared(plan, config.storage, fetch=not to_store), None, None
     if manifest is not None:
         logger.info("dataset %s is already prepared (from the same listing and settings): "
                     "nothing to tokenize", plan.dataset_id)
     else:
+        require_sources(plan)
         units = plan_units(plan, config)
         tokenizer_path = build_tokenizer(plan, config, units, to_store)
         tokenizing_since = time.time()

@@ -148,7 +148,10 @@ def _one_thread_per_process() -> None:
 
 @task(name="plan-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
 def plan_dataset(config: RunConfig, tokenizer_from: str | None = None) -> lib.DatasetPlan:
-    return lib.plan_dataset(config, tokenizer_from)
+    """The plan from the source listing; where the sources are not listable here (deleted
+    after prepare, a worker that never had them), that of the dataset prepared from these
+    data settings, as training finds it (lib.locate)."""
+    return lib.locate(config, store_from_config(config.storage), tokenizer_from)
 
 
 @task(name="mix-datasets", cache_policy=NO_CACHE, tags=TAGS)

@@ -147,6 +147,8 @@ def test_training_needs_only_the_store_once_the_data_is_prepared(prefect_api, tm
     assert not (tmp_path / "data" / manifest.dataset_id).exists()  # nothing downloaded whole
     cache = tmp_path / "data" / "cache" / manifest.dataset_id
     assert 0 < sum(p.stat().st_size for p in cache.glob("*.arrow")) <= 420 * 2**10
+    # The pipeline's prepare stage on such a host finds it the same way: nothing to tokenize.
+    assert prepare(config) == manifest
 
 
 def test_cli_reports_config_errors_before_starting_anything():

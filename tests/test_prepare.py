@@ -280,6 +280,12 @@ def test_training_finds_the_dataset_when_the_sources_are_gone(tmp_path):
     plan = prep.locate(config, store)
     assert plan.dataset_id == manifest.dataset_id
     assert prep.require_prepared(plan, store) == manifest
+    # Preparing again (the pipeline's first stage) finds it the same way, restored from the store.
+    assert prep.prepare_dataset(config) == manifest
+    shutil.rmtree(config.data.data_dir)
+    store.delete_prefix(f"datasets/{manifest.dataset_id}")
+    with pytest.raises(DataError, match="not listable here, and the dataset.*neither in"):
+        prep.prepare_dataset(config)
     # Another data setting was never prepared: it says so and what it looked for.
     other = make_config(tmp_path, f"data.source={source}", "data.validation_fraction=0.2")
     with pytest.raises(DataError, match="no files match.*no dataset was prepared from these"):

@@ -313,6 +313,17 @@ def locate(config: RunConfig, store: Store, tokenizer_from: str | None = None) -
         return _plan(config, dataset_id, [], tokenizer_from)
 
 
+def require_sources(plan: DatasetPlan) -> None:
+    """Refuse to prepare from a plan `locate` found by its data settings alone (no listing):
+    its dataset is gone from here and from the store, and there is nothing to tokenize."""
+    if not plan.files:
+        raise DataError(f"the sources of dataset {plan.dataset_id} ({plan.source}) are not "
+                        "listable here, and the dataset, prepared from these data settings "
+                        f"before, is neither in {plan.dir} nor in the store any more: make the "
+                        "sources reachable from this machine, or point storage.uri at the "
+                        "store that holds the dataset")
+
+
 def find_prepared(plan: DatasetPlan, store: Store, fetch: bool = True) -> DatasetManifest | None:
     """The complete dataset of `plan`, found locally or in the store (and restored from it
     unless `fetch` is False); else None."""
@@ -822,10 +833,11 @@ def prepare_dataset(config: RunConfig) -> DatasetManifest | MixtureManifest:
     its manifest, or for data.sources the mixture of each source's dataset."""
     store = store_from_config(config.storage)
     prepared = []
-    for source, plan in mix_plans(config):
+    for source, plan in mix_plans(config, store):
         source_config = config.source_config(source)
         manifest = find_prepared(plan, store)
         if manifest is None:
+            require_sources(plan)
             units = plan_units(plan, source_config)
             tokenizer_path = build_tokenizer(plan, source_config, units)
             results = [tokenize_unit(plan, unit, source_config.data, config.storage) for unit in units]
