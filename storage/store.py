@@ -698,7 +698,9 @@ class S3Store(Store):
             raise error
         elapsed = time.monotonic() - start
         raise ConnectionError(
-            f"{what} {url} failed after {attempt} attempts in {elapsed:.1f}s: {error}"
+            f"{what} {url} failed after {attempt} attempts in {elapsed:.1f}s: {error}; check that "
+            f"{self._client.meta.endpoint_url} is the store's endpoint (storage.endpoint_url or "
+            "AWS_ENDPOINT_URL name another than AWS) and that it is reachable from here"
         ) from error
 
     def _translate(self, exc: Exception, what: str, url: str) -> Exception:

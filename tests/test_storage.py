@@ -401,7 +401,8 @@ def test_transient_errors_are_retried_with_backoff_then_reported(monkeypatch):
     policy = RetryPolicy(attempts=3, initial_delay=0.1, max_delay=1.0, max_total=10.0)
     store = S3Store("s3://bucket/x", endpoint_url=dead, region="us-east-1", request_attempts=1, retry=policy)
     start = time.monotonic()
-    with pytest.raises(ConnectionError, match="after 3 attempts"):
+    with pytest.raises(ConnectionError, match=f"after 3 attempts.*check that {dead} is the store's "
+                       "endpoint \\(storage.endpoint_url"):
         store.put_bytes("k", b"1")
     assert time.monotonic() - start >= 0.15  # two backoffs: >= 0.05 + 0.1 with jitter
 
