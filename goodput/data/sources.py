@@ -195,7 +195,9 @@ def _warn_left_out(folder: str, names: list[str]) -> None:
         shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
         log.warning("%s: left out %d file(s) of no known format (%s); only .jsonl, .ndjson, "
                     ".json, .parquet and .txt files (also .gz or .zst) of a folder are read: "
-                    "rename the others, or name them (a file or glob) with data.format",
+                    "rename the others, or name them (a file or glob) with data.format; files "
+                    "compressed otherwise (.xz, .bz2, ...) are read by neither: recompress them "
+                    "as .gz or .zst",
                     folder, len(names), shown)
 
 
