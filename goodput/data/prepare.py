@@ -74,7 +74,10 @@ UNITS_DIR = "units"
 BY_SETTINGS = "by-settings"
 CACHE_DIR = "cache"  # <data_dir>/cache/<dataset_id>: shards read from the store for training
 MIXES_DIR = "mixes"  # <data_dir>/mixes/<mix id>/mixture.json: where a mix's sources are read
-_BATCH_BYTES = 4 * 2**20  # text per encode_batch call: with one shard, all a unit holds
+# Text per encode_batch call. With one shard, all a unit holds; the batch's encodings (tens of
+# bytes a token while they live) are most of it: 4 MiB cost a unit process 58 MiB more at
+# its peak than 1 MiB, for the same speed (benchmarks/RESULTS.md, session 33).
+_BATCH_BYTES = 2**20
 _SAMPLE_UNITS = 64  # the tokenizer's sample comes from at most this many units, spread out
 _UNITS_AT_LEAST, _MIN_UNIT_BYTES = 32, 16 * 2**20  # see unit_target_bytes
 _SPLIT_KEY = b"goodput-split-v1"
