@@ -1103,6 +1103,10 @@ class RunConfig(_Section):
 
     def config_hash(self) -> str:
         """Hash of what determines the training trajectory (not paths, faults or eval)."""
+        return sha256_bytes(canonical_json(self.trajectory()))[:16]
+
+    def trajectory(self) -> dict:
+        """The tree config_hash hashes: what determines the training trajectory."""
         keys = ("data", "tokenizer", "model", "training")
         # The global batch, not how it is split over ranks and micro-steps: a run may resume
         # under another layout (checkpoints reshard) and keep its trajectory.
@@ -1121,7 +1125,7 @@ class RunConfig(_Section):
         tree["model"]["init_from"] = self.model.init_from_fingerprint
         if self.tokenizer.path is not None:
             tree["tokenizer"]["path"] = self.tokenizer.sha256 or self.tokenizer.path
-        return sha256_bytes(canonical_json(tree))[:16]
+        return tree
 
     def eval_hash(self) -> str:
         """Hash of what decides an eval report besides the checkpoint and the dataset: the

@@ -154,6 +154,17 @@ def test_a_saved_run_config_that_no_longer_loads_is_a_config_error(tmp_path):
         write_run_config(config)
 
 
+def test_a_run_with_another_trajectory_names_what_differs_and_how_to_reuse_its_config(tmp_path):
+    """`goodput train training.max_steps=600` (or evaluate) on a run trained to 300: the error
+    names the field and says how to continue or evaluate that run, not only to start another."""
+    run = [f"run.runs_dir={tmp_path}"]
+    saved = write_run_config(load_config(None, [*run, "training.max_steps=600"]))
+    with pytest.raises(ConfigError) as err:
+        write_run_config(load_config(None, run))
+    assert "training.max_steps: 600 in the run, 300 here" in str(err.value)
+    assert f"--config {saved}" in str(err.value)
+
+
 @pytest.mark.parametrize("override, package", [("tracking.wandb_project=pretrain", "wandb"),
                                                ("tracking.mlflow_uri=http://mlflow:5000", "mlflow")])
 def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(monkeypatch, override, package):
