@@ -78,6 +78,15 @@ def test_checkpoint_without_manifest_is_never_resumed(run, tmp_path):
     assert verify_checkpoint(config.run_dir.checkpoint(20))["ok"]
 
 
+def test_rerunning_a_finished_run_says_there_is_nothing_to_train(run):
+    config, dataset = run
+    proc = torchrun_training(config, dataset, resume="auto")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    assert "step 20 is training.max_steps: nothing to train (raise it to train on)" in out
+    assert "done: step 20 (no step to train)" in out and "loss nan" not in out
+
+
 def test_resuming_on_data_prepared_anew_says_so(run, tmp_path):
     """The same config can prepare other data (changed sources or tokenizer files): the run
     resumes on it, and the log says which dataset and end-of-document token it left."""

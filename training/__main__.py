@@ -112,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("training failed")
         return ended(FailureClass.RETRYABLE, f"{type(e).__name__}: {e}", None)
     reason = summary["stopped"] or "done"  # "time limit": stopped at a checkpoint before the end
-    log.info("%s: step %d, loss %.4f", reason, summary["final_step"], summary["final_loss"])
+    trained = summary["final_loss"] == summary["final_loss"]  # NaN: no step ran in this attempt
+    log.info("%s: step %d%s", reason, summary["final_step"],
+             f", loss {summary['final_loss']:.4f}" if trained else " (no step to train)")
     return ended(FailureClass.DONE, reason, summary["final_step"])
 
 

@@ -119,6 +119,9 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
         log.info("%s parameters, world size %d, layout %s%s, %s tokens/step, steps %d..%d",
                  f"{n_params:,}", env.world_size, dims.name, stages, f"{tokens_per_step:,}",
                  progress.step + 1, tcfg.max_steps)
+        if progress.step >= tcfg.max_steps:
+            log.info("step %d is training.max_steps: nothing to train (raise it to train on)",
+                     progress.step)
 
     loss = float("nan")
     try:
