@@ -15,10 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from dataclasses import replace
-from unittest import mock
 
 from core.config import ConfigError, load_config
 
@@ -159,39 +157,6 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _die_with_parent() -> None:
-    """In a child, before exec: the kernel ends it with SIGTERM when its parent dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
-def _start_temporary_api() -> None:
-    """With no Prefect server configured, start Prefect's temporary API in a session of its own.
-
-    Prefect starts it on first use as a child in our process group, so Ctrl-C in a terminal
-    killed it along with the flow, and the command then hung for minutes retrying the dead API
-    instead of stopping. Started here first, it is the one Prefect uses (one per process):
-    Ctrl-C reaches the flow and torchrun only, the flow records the interruption, and the
-    server stops at exit (Prefect's own atexit hook), or with us if we are killed outright.
-    """
-    from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return
-    popen = subprocess.Popen
-
-    def own_session(*args, **kwargs):
-        return popen(*args, start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
-
-    with mock.patch.object(subprocess, "Popen", own_session):  # only while it starts
-        SubprocessASGIServer().start()
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -222,7 +187,6 @@ def main(argv: list[str] | None = None) -> int:
     from flows.prepare import prepare
     from flows.train import train
 
-    _start_temporary_api()
     try:
         if args.command == "prepare":
             result = prepare(config).model_dump(include={"dataset_id", "vocab_size"})
