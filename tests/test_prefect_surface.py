@@ -467,20 +467,32 @@ class TestServedDeployments:
         the `* * * * *` schedule resumes it from the ledger and trains to max_steps. The run
         that reaches it switches the schedule off, so no more runs are created."""
         deployment = served["goodput-train-continue"]
+        last_seen = {}  # what the last probe found: said if the wait times out
 
         def switched_off():
             with get_client(sync_client=True) as client:
                 current = client.read_deployment(deployment.id)
                 runs = client.read_flow_runs(deployment_filter=DeploymentFilter(
                     id=DeploymentFilterId(any_=[deployment.id])))
+            last_seen.update(active=[s.active for s in current.schedules], runs=[
+                (r.name, r.auto_scheduled, r.state.name, str(r.expected_start_time),
+                 str(r.start_time), str(r.end_time)) for r in runs])
             # Off, and done: every run it created has ended or is (was) still to come.
             if any(s.active for s in current.schedules) or not all(
                     r.state.is_final() or r.state.is_scheduled() for r in runs):
                 return None
             return runs
 
-        runs = wait_for(switched_off, timeout_s=300, every_s=3,
-                        what="the continuation schedule switched off")
+        # A scheduled run trains 50 steps in seconds; the rest is the scheduler's minute
+        # cadence and, on a loaded machine (the full suite on 2 cores), much slower starts:
+        # the wait once ran out at 300 s there.
+        try:
+            runs = wait_for(switched_off, timeout_s=540, every_s=3,
+                            what="the continuation schedule switched off")
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; last seen: schedules active {last_seen.get('active')}, "
+                               f"runs (name, auto-scheduled, state, expected start, start, end) "
+                               f"{last_seen.get('runs')}") from None
         scheduled = [r for r in runs if r.auto_scheduled]
         completed = [r for r in scheduled if r.state.is_completed()]
         metrics = read_metrics(base.run_dir)
