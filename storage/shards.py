@@ -45,9 +45,14 @@ def write_shard(path: str | os.PathLike, docs: Sequence[Sequence[int] | np.ndarr
     lengths = np.array([len(a) for a in arrays], dtype=np.int64)
     values = np.concatenate(arrays) if arrays else np.empty(0)
     del arrays
-    if values.size and (values.min() < 0 or values.max() > np.iinfo(dtype).max):
-        raise ValueError(f"token ids range {values.min()}..{values.max()} does not fit {dtype}")
+    _check_ids_fit(values, dtype)
     return write_packed_shard(path, values.astype(dtype, copy=False), lengths, metadata)
+
+
+def _check_ids_fit(ids: np.ndarray, dtype: str) -> None:
+    """Refuse ids that `dtype` cannot hold (a cast would wrap them silently)."""
+    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(dtype).max):
+        raise ValueError(f"token ids range {ids.min()}..{ids.max()} does not fit {dtype}")
 
 
 def write_packed_shard(path: str | os.PathLike, values: np.ndarray, lengths: Sequence[int] | np.ndarray,
@@ -99,9 +104,8 @@ class ShardWriter:
         are refused, never wrapped)."""
         for doc in docs:
             doc = np.asarray(doc)
-            if doc.dtype != self._values.dtype and doc.size and (
-                    doc.min() < 0 or doc.max() > np.iinfo(self.dtype).max):
-                raise ValueError(f"token ids range {doc.min()}..{doc.max()} does not fit {self.dtype}")
+            if doc.dtype != self._values.dtype:
+                _check_ids_fit(doc, self.dtype)
             end = self._tokens + len(doc)
             if end > len(self._values):
                 grown = np.empty(end, self.dtype)
