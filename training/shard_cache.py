@@ -174,8 +174,19 @@ class ShardCache:
 
 
 def disk_usage(directory: Path) -> int:
-    """Bytes of a cache directory's shards, those being fetched included."""
-    return sum(size for _, size, _ in _files(directory, "*.arrow") + _files(directory, ".*.partial"))
+    """Bytes of a cache directory's shards, those being fetched included.
+
+    One listing of the directory, taken while a fetch may be under way: two listings (the
+    shards, then the partial files) could count a shard evicted before the first and the
+    partial file of the fetch that made room for it after, which never lay on disk together."""
+    total = 0
+    for entry in list(os.scandir(directory)):
+        if entry.name.endswith(".arrow") or (entry.name.startswith(".") and entry.name.endswith(".partial")):
+            try:
+                total += entry.stat().st_size
+            except FileNotFoundError:  # evicted, or renamed into the cache, since the listing
+                pass
+    return total
 
 
 def _files(directory: Path, pattern: str) -> list[tuple[int, int, Path]]:
