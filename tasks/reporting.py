@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 import re
 import time
 from pathlib import Path
@@ -67,7 +68,7 @@ class TrainingProgress:
         self.artifact_id = None
         self.first: dict | None = None
         self.shown: dict | None = None
-        self.shown_at = 0.0
+        self.shown_at = -math.inf  # the first heartbeat is shown (monotonic time starts at boot)
 
     def __call__(self, beat: dict) -> None:
         self.first = self.first or beat
