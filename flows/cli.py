@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # With no server configured, Prefect starts a temporary one and gives up on it after 20 s
+    # by default: a busy machine (2 cores, tests or a data preparation beside) took longer.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     if args.command == "export":  # works on a checkpoint alone, no run configuration
         return _export(args)
     if args.command == "plan":
