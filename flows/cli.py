@@ -8,15 +8,24 @@
     goodput plan --config FILE --nodes 4 --gpus-per-node 8 --gpu-memory 80GiB   # layouts
     goodput plan --config FILE                # the cluster the config names (parallelism.*)
     goodput plan --config FILE --from-run runs/ID   # step time from a run's measured MFU
+
+Ctrl-C stops training (the workers save an emergency checkpoint first) and the command;
+`kill -USR1 PID` prints where each of the command's threads is, should it seem stuck.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
+import signal
+import subprocess
 import sys
+import threading
+from contextlib import nullcontext
 from dataclasses import replace
+from unittest import mock
 
 from core.config import ConfigError, load_config
 
@@ -157,8 +166,89 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _die_with_parent() -> None:
+    """In a child, before exec: the kernel ends it with SIGTERM when its parent dies (Linux)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def _start_temporary_api() -> None:
+    """With no Prefect server configured, start Prefect's temporary API in a session of its own.
+
+    Prefect starts it on first use as a child in our process group, so Ctrl-C in a terminal
+    killed it along with the flow, and the command then hung for minutes retrying the dead API
+    instead of stopping. Started here first, it is the one Prefect uses (one per process):
+    Ctrl-C reaches the flow only, the flow records the interruption, and the server stops at
+    exit (Prefect's own atexit hook), or with us if we are killed outright (the kernel's
+    parent-death signal; it follows the thread that started the server: the main thread).
+    """
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return
+    popen = subprocess.Popen
+
+    def own_session(*args, **kwargs):
+        return popen(*args, start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
+
+    with mock.patch.object(subprocess, "Popen", own_session):  # only while it starts
+        SubprocessASGIServer().start()
+
+
+class _CtrlCStopsTraining:
+    """While a flow runs here, Ctrl-C itself stops this process's training attempts, then
+    interrupts the flow as usual (KeyboardInterrupt).
+
+    The workers run in sessions of their own, out of Ctrl-C's reach. tasks.control's
+    no_orphan_workers stops them only when the KeyboardInterrupt leaves the train flow's body,
+    and in one full test suite run training went on after Ctrl-C with nothing stopping it.
+    Started from the signal, the stop depends on no path the exception may take through
+    Prefect's engine: the workers get CANCEL_GRACE_S for an emergency checkpoint and the
+    attempt ends as cancelled (never retried). Until the flow is out, an attempt that the
+    launch task starts after Ctrl-C (it was about to) is stopped as well. A second Ctrl-C
+    interrupts again, without waiting for the flow's tasks.
+    """
+
+    POLL_S = 0.25
+
+    def __enter__(self) -> "_CtrlCStopsTraining":
+        self.interrupted = False
+        self.done = threading.Event()
+        # A daemon: it never holds the process up. The stop threads it starts are not.
+        self.watcher = threading.Thread(target=self._stop_training, name="ctrl-c-stops-training",
+                                        daemon=True)
+        self.watcher.start()
+        self.previous = signal.signal(signal.SIGINT, self._on_ctrl_c)
+        return self
+
+    def _on_ctrl_c(self, signum, frame) -> None:
+        # Runs in the main thread, between any two of its bytecodes: only a flag here, as
+        # taking a lock that the interrupted code holds would deadlock; the watcher stops.
+        self.interrupted = True
+        raise KeyboardInterrupt
+
+    def _stop_training(self) -> None:
+        from infra.torchrun import stop_live_attempts
+        from tasks.control import CANCEL_GRACE_S
+
+        while not self.done.wait(self.POLL_S):
+            if self.interrupted:
+                stop_live_attempts(grace_s=CANCEL_GRACE_S)  # each attempt once
+
+    def __exit__(self, *exc_info) -> None:
+        signal.signal(signal.SIGINT, self.previous)
+        self.done.set()
+        self.watcher.join()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack to stderr
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # With no server configured, Prefect starts a temporary one and gives up on it after 20 s
@@ -190,18 +280,27 @@ def main(argv: list[str] | None = None) -> int:
     from flows.prepare import prepare
     from flows.train import train
 
+    _start_temporary_api()
+    # Only the main thread may set a signal handler (main() may be called from another).
+    ctrl_c = (_CtrlCStopsTraining() if threading.current_thread() is threading.main_thread()
+              else nullcontext())
     try:
-        if args.command == "prepare":
-            result = prepare(config).model_dump(include={"dataset_id", "vocab_size"})
-        elif args.command == "train":
-            result = train(config)
-        elif args.command == "evaluate":
-            result = evaluate(config, args.checkpoint).model_dump(exclude={"samples"})
-        else:
-            result = pipeline(config)
+        with ctrl_c:
+            if args.command == "prepare":
+                result = prepare(config).model_dump(include={"dataset_id", "vocab_size"})
+            elif args.command == "train":
+                result = train(config)
+            elif args.command == "evaluate":
+                result = evaluate(config, args.checkpoint).model_dump(exclude={"samples"})
+            else:
+                result = pipeline(config)
     except ConfigError as e:
         print(f"goodput: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"goodput: {args.command} interrupted", file=sys.stderr)
+        print(f"run directory: {config.run_dir.path.resolve()}")
+        return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
     except Exception as e:
         print(f"goodput: {args.command} failed: {e}", file=sys.stderr)
         print(f"run directory: {config.run_dir.path.resolve()}")

@@ -222,11 +222,16 @@ def stop_live_attempts(grace_s: float | None = None) -> list[threading.Thread]:
     then SIGKILL, Slurm jobs SIGTERM then scancel, Kubernetes jobs are deleted. Workers get
     `grace_s` for an emergency checkpoint (default: each attempt's own allowance, from
     faults.emergency_save_s). Returns at once with the threads doing it (not daemons: a
-    process on its way out still waits for them)."""
+    process on its way out still waits for them). An attempt already being stopped by an
+    earlier call is left to that call's thread, so that calling again, to catch an attempt
+    started meanwhile, adds no thread per attempt."""
     threads = []
     for attempt in _LiveAttempt.live():
+        if attempt.cancelled:
+            continue
         attempt.cancelled = True
-        thread = threading.Thread(target=attempt.stop, args=(grace_s,), name="stop-training-attempt")
+        thread = threading.Thread(target=attempt.stop, args=(grace_s,), name="stop-training-attempt",
+                                  daemon=False)  # also when called from a daemon thread
         thread.start()
         threads.append(thread)
     return threads

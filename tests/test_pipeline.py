@@ -2,14 +2,19 @@
 
 import json
 import math
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from core.config import dump_config
 from flows.pipeline import pipeline
 from flows.train import train
+from infra.launchers import descendants
 from storage import open_store
 from storage.ledger import Ledger
 from storage.manifests import CheckpointManifest
@@ -156,6 +161,66 @@ def test_cli_reports_config_errors_before_starting_anything():
                           capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.returncode == 2
     assert "model: n_heads=3 does not divide dim=128" in proc.stderr
+
+
+def kill_cli(proc: subprocess.Popen) -> None:
+    """SIGKILL the CLI's group and everything below it (torchrun and its workers have
+    sessions of their own, and the temporary API server ends with the CLI)."""
+    tree = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
+    """No server configured: Ctrl-C in a terminal signals the whole foreground process group.
+    It used to kill Prefect's temporary API server too, and the command then hung for minutes
+    retrying the dead API instead of stopping. The workers, in sessions of their own, are
+    stopped by the command (attempt cancelled, not retried); their checkpoints are kept."""
+    config = small_config(tmp_path, "training.max_steps=2000", "launch.max_restarts=1")
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(dump_config(config))
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    # Prefect gives its temporary server 20 s to answer; on 2 busy cores it took longer.
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "pipeline", "--config", str(config_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=env, start_new_session=True)  # a terminal's foreground group
+    output = []
+    try:
+        for line in proc.stdout:
+            output.append(line)
+            if "committed step-00000010" in line:
+                break
+        else:
+            pytest.fail("the CLI ended before its first checkpoint:\n" + "".join(output)[-5000:])
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does
+        started = time.monotonic()
+        try:
+            output.append(proc.communicate(timeout=40)[0])
+        except subprocess.TimeoutExpired:  # where is it stuck? (the CLI dumps its threads on SIGUSR1)
+            os.kill(proc.pid, signal.SIGUSR1)
+            try:
+                output.append(proc.communicate(timeout=25)[0])
+            except subprocess.TimeoutExpired:
+                kill_cli(proc)
+                output.append(proc.communicate()[0])
+        text = "".join(output)
+        dump = re.search(r"^(Current thread|Thread) 0x", text, re.MULTILINE)
+        assert time.monotonic() - started < 60, (text[dump.start():dump.start() + 12000] if dump
+                                                  else text[-3000:])
+    finally:
+        if proc.poll() is None:
+            kill_cli(proc)
+            proc.communicate()
+    assert proc.returncode == 130, text[-3000:]
+    assert "goodput: pipeline interrupted" in text
+    assert re.search(r"attempt \S+ cancelled at step \d+: not retrying", text), text[-3000:]
+    assert (config.run_dir.path / "checkpoints" / "step-00000010").is_dir()
 
 
 def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
