@@ -280,11 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     from flows.prepare import prepare
     from flows.train import train
 
-    _start_temporary_api()
     # Only the main thread may set a signal handler (main() may be called from another).
     ctrl_c = (_CtrlCStopsTraining() if threading.current_thread() is threading.main_thread()
               else nullcontext())
     try:
+        _start_temporary_api()  # one that does not start in time fails the command here
         with ctrl_c:
             if args.command == "prepare":
                 result = prepare(config).model_dump(include={"dataset_id", "vocab_size"})
