@@ -245,10 +245,21 @@ class _CtrlCStopsTraining:
         self.watcher.join()
 
 
+def _dump_stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID`: every thread's stack to the process's stderr (a command that seems
+    stuck). faulthandler writes to a file descriptor: with none (stderr captured in memory,
+    as when main() is called in-process), there is no dump."""
+    if not hasattr(signal, "SIGUSR1") or sys.__stderr__ is None:
+        return
+    try:
+        faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True)
+    except (OSError, ValueError):  # io.UnsupportedOperation: stderr has no file descriptor
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if hasattr(signal, "SIGUSR1"):  # `kill -USR1 PID`: every thread's stack to stderr
-        faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _dump_stacks_on_sigusr1()
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     # With no server configured, Prefect starts a temporary one and gives up on it after 20 s
