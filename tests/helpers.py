@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -177,3 +178,18 @@ def subflow_runs(parent) -> dict[str, object]:
         runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
             parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[parent])))
         return {client.read_flow(run.flow_id).name: run for run in runs}
+
+
+def stop_process_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a CLI's process group and every process below it, wherever it went (`serve`
+    ignores SIGTERM; torchrun and its workers run in sessions of their own), then reap it."""
+    from infra.launchers import descendants
+
+    tree = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    for pid in tree:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()

@@ -14,11 +14,10 @@ import pytest
 from core.config import dump_config
 from flows.pipeline import pipeline
 from flows.train import train
-from infra.launchers import descendants
 from storage import open_store
 from storage.ledger import Ledger
 from storage.manifests import CheckpointManifest
-from tests.helpers import REPO, losses_by_step, small_config
+from tests.helpers import REPO, losses_by_step, small_config, stop_process_tree
 from training.metrics import read_metrics
 
 STEPS = 30
@@ -163,18 +162,6 @@ def test_cli_reports_config_errors_before_starting_anything():
     assert "model: n_heads=3 does not divide dim=128" in proc.stderr
 
 
-def kill_cli(proc: subprocess.Popen) -> None:
-    """SIGKILL the CLI's group and everything below it (torchrun and its workers have
-    sessions of their own, and the temporary API server ends with the CLI)."""
-    tree = descendants(proc.pid)
-    os.killpg(proc.pid, signal.SIGKILL)
-    for pid in tree:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
     """No server configured: Ctrl-C in a terminal signals the whole foreground process group.
     It used to kill Prefect's temporary API server too, and the command then hung for minutes
@@ -185,8 +172,6 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
     config_file.write_text(dump_config(config))
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(tmp_path / "prefect")
-    # Prefect gives its temporary server 20 s to answer; on 2 busy cores it took longer.
-    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "120"
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "pipeline", "--config", str(config_file)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             env=env, start_new_session=True)  # a terminal's foreground group
@@ -207,7 +192,7 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
             try:
                 output.append(proc.communicate(timeout=25)[0])
             except subprocess.TimeoutExpired:
-                kill_cli(proc)
+                stop_process_tree(proc)
                 output.append(proc.communicate()[0])
         text = "".join(output)
         dump = re.search(r"^(Current thread|Thread) 0x", text, re.MULTILINE)
@@ -215,7 +200,7 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
                                                   else text[-3000:])
     finally:
         if proc.poll() is None:
-            kill_cli(proc)
+            stop_process_tree(proc)
             proc.communicate()
     assert proc.returncode == 130, text[-3000:]
     assert "goodput: pipeline interrupted" in text

@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from flows.train import train
 from storage.ledger import Ledger
 from tasks.control import TimeLimit
 from tasks.reporting import TrainingProgress, worker_log
-from tests.helpers import REPO, logs_of, small_config, subflow_runs, wait_for
+from tests.helpers import REPO, logs_of, small_config, stop_process_tree, subflow_runs, wait_for
 from training.metrics import read_metrics
 
 SERVE_CRON = "* * * * *"  # the continuation schedule: a run every minute
@@ -95,18 +94,6 @@ def read_deployments(names: list[str]) -> dict | None:
             return {name.split("/")[1]: client.read_deployment_by_name(name) for name in names}
         except ObjectNotFound:  # not all registered yet
             return None
-
-
-def stop_process_tree(proc: subprocess.Popen) -> None:
-    """Kill a `serve` or worker process and everything it started (`serve` ignores SIGTERM)."""
-    descendants = psutil.Process(proc.pid).children(recursive=True)
-    os.killpg(proc.pid, signal.SIGKILL)
-    for child in descendants:
-        try:
-            child.kill()
-        except psutil.Error:
-            pass
-    proc.wait()
 
 
 def api_post(url: str, body: dict, expect: tuple[int, ...] = (200, 201)) -> httpx.Response:
