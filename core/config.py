@@ -921,6 +921,9 @@ class LaunchConfig(_Section):
     python: str | None = Field(None, description="Python on the nodes; None: this interpreter.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra worker environment.")
     poll_s: float = Field(10.0, gt=0, description="How often slurm/kubernetes job state is queried.")
+    scheduler_unreachable_s: float = Field(
+        600.0, gt=0, description="How long slurm/kubernetes queries may keep failing (a controller "
+        "restarting or failing over; the job runs on meanwhile) before the attempt is given up.")
     max_restarts: int = Field(
         1, ge=0, description="In-job restarts (torchrun --max-restarts): when a worker dies (kill "
         "-9, crash, lost peer), torchrun restarts the workers up to this many times within the "

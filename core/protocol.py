@@ -197,6 +197,7 @@ class FailureClass(str, Enum):
     DISK_FULL = "disk_full"  # a checkpoint write hit ENOSPC
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # the checkpoint to resume from fails its checksums
     CANCELLED = "cancelled"  # a user or the orchestrator stopped the attempt: not a failure
+    NODE_LOST = "node_lost"  # the scheduler lost a node (Slurm NODE_FAIL): a new allocation helps
 
     def __str__(self) -> str:
         return self.value
@@ -256,6 +257,9 @@ _FACTS = {
     # The launch task sets the damaged copy aside before the retry, which resumes elsewhere.
     FailureClass.CORRUPT_CHECKPOINT: _ClassFacts(_RETRYABLE_CODE, False, 2, ""),
     FailureClass.CANCELLED: _ClassFacts(None, False, 0, ""),
+    FailureClass.NODE_LOST: _ClassFacts(None, False, 4, (
+        "nodes keep failing under the job: look at the scheduler's reasons (Slurm: sinfo -R) "
+        "and keep the bad nodes out (launch.slurm.extra_sbatch=['--exclude=NODE'])")),
 }
 
 # The classes a retry budget applies to (run.retry_budgets); "unknown" is the budget of a

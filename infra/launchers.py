@@ -298,23 +298,27 @@ def _run(argv: list[str], timeout: float = 120.0) -> str:
     return proc.stdout
 
 
-# A scheduler query that fails (slurmctld or the API server busy) is retried at the next poll;
-# only this many failures in a row end the attempt.
-QUERY_FAILURES_TOLERATED = 5
 # After a forced cancel: how long the scheduler may take to end the job's processes.
 SCHEDULER_KILL_WAIT_S = 60.0
 
 
 class SchedulerJob:
-    """A job the scheduler runs: submitted once, queried every launch.poll_s."""
+    """A job the scheduler runs: submitted once, queried every launch.poll_s.
+
+    A query that fails (slurmctld restarting or failing over, the API server busy) is tried
+    again at the next poll: the job runs on without its controller. Only queries failing for
+    launch.scheduler_unreachable_s in a row end the attempt."""
 
     def __init__(self, spec: NodeLaunch):
         self.spec = spec
         self.started = False
         self.code: int | None = None
+        # How the scheduler says the job ended (Slurm: COMPLETED, FAILED, TIMEOUT, NODE_FAIL,
+        # OUT_OF_MEMORY, CANCELLED, ...): infra.torchrun.classify reads it.
+        self.final_state: str | None = None
         self._log: Log = print
         self._next_query = 0.0
-        self._query_failures = 0
+        self._failing_since: float | None = None
 
     def poll(self) -> int | None:
         self.follow_logs()
@@ -322,13 +326,19 @@ class SchedulerJob:
             self._next_query = time.monotonic() + self.spec.launch.poll_s
             try:
                 self.code = self.query()
-                self._query_failures = 0
+                if self._failing_since is not None:
+                    self._log(f"scheduler answers again after "
+                              f"{time.monotonic() - self._failing_since:.0f}s")
+                self._failing_since = None
             except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
-                self._query_failures += 1
-                if self._query_failures > QUERY_FAILURES_TOLERATED:
-                    raise
-                self._log(f"scheduler query failed ({self._query_failures} in a row; the attempt "
-                          f"ends after {QUERY_FAILURES_TOLERATED + 1}): {e}")
+                now = time.monotonic()
+                self._failing_since = self._failing_since or now
+                limit = self.spec.launch.scheduler_unreachable_s
+                if now - self._failing_since > limit:
+                    raise RuntimeError(f"the scheduler has not answered for {limit:.0f}s "
+                                       f"(launch.scheduler_unreachable_s): {e}") from e
+                self._log(f"scheduler query failed ({now - self._failing_since:.0f}s so far; "
+                          f"the attempt ends after {limit:.0f}s): {e}")
             if self.code is not None:
                 self.follow_logs()
         return self.code
@@ -429,17 +439,45 @@ class SlurmLauncher(SchedulerJob):
         if state:  # still queued or running
             self.started = self.started or state in ("RUNNING", "COMPLETING")
             return None
-        # Gone from the queue: accounting has the verdict (it may lag a moment behind).
-        record = _run(["sacct", "-j", self.job_id, "-X", "-n", "-P", "-o", "State,ExitCode"]).strip()
-        if not record:
+        verdict = self._verdict()
+        if verdict is None:  # not recorded yet: ask again at the next poll
             return None
-        state, exit_code = record.splitlines()[0].split("|")
-        if state.startswith(("PENDING", "RUNNING", "COMPLETING")):
+        state, exit_code = verdict
+        if state.startswith(("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED")):
             return None
+        self.final_state = state.split()[0]  # "CANCELLED by 0" -> CANCELLED
         code, sig = (int(x) for x in exit_code.split(":"))
-        if state == "COMPLETED":
+        if self.final_state == "COMPLETED":
             return 0
         return code or (128 + sig if sig else 1)  # CANCELLED, TIMEOUT, NODE_FAIL... by signal
+
+    def _verdict(self) -> tuple[str, str] | None:
+        """(state, "exit:signal") of a job that has left the queue, from what this cluster
+        keeps: the controller's job record (for MinJobAge after the end, 300 s by default),
+        else accounting (slurmdbd), else the job-completion file (jobcomp/filetxt, `sacct
+        -c`). None while none of them has it yet; raises when none can be asked."""
+        try:
+            record = _run(["scontrol", "show", "job", "-o", self.job_id])
+            fields = dict(f.split("=", 1) for f in record.split() if "=" in f)
+            if "JobState" in fields and "ExitCode" in fields:
+                return fields["JobState"], fields["ExitCode"]
+        except RuntimeError as e:
+            if "Invalid job id" not in str(e):
+                raise
+        errors = []
+        for source in (["sacct", "-X"], ["sacct", "-c"]):  # accounting, then the jobcomp file
+            try:
+                out = _run([*source, "-j", self.job_id, "-n", "-P", "-o", "JobID,State,ExitCode"])
+            except RuntimeError as e:  # "Slurm accounting storage is disabled", no jobcomp file
+                errors.append(str(e))
+                continue
+            for line in out.splitlines():
+                job, state, exit_code = line.split("|")[:3]
+                if job == self.job_id:
+                    return state, exit_code
+            return None
+        raise RuntimeError(f"Slurm job {self.job_id} left the queue and no record of how it "
+                           f"ended can be read: {'; '.join(errors)}")
 
     def follow_logs(self) -> None:
         if self.output is None or not self.output.is_file():

@@ -168,7 +168,8 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, attempt
         # survives. Workers that can still run get time for an emergency checkpoint; hung
         # ones do not deserve the wait.
         returncode = live.stop(grace_s=5.0 if hung else None)
-    result = classify(config.run_dir, attempt, returncode, hung, time.monotonic() - started)
+    result = classify(config.run_dir, attempt, returncode, hung, time.monotonic() - started,
+                      scheduler_state=getattr(launcher, "final_state", None))
     if live.cancelled and result.failure_class != FailureClass.DONE:
         result.failure_class, result.reason = FailureClass.CANCELLED, "stopped by a cancellation"
     return result
@@ -286,9 +287,22 @@ class HangWatch:
         return f"{what} for {waited:.0f}s (limit {limit:.0f}s)" if waited > limit else ""
 
 
-def classify(run_dir, attempt: str, returncode: int, hung: bool, wall: float) -> AttemptResult:
-    """The attempt's failure class from how it ended and the ranks' exit records: the most
-    specific record wins; an exit no record explains is a crash, retried."""
+# How a scheduler says it ended a job, when that explains the attempt's end better than the
+# workers can (they saw only a SIGTERM, or nothing: killed with their node).
+SCHEDULER_ENDINGS = {
+    "NODE_FAIL": (FailureClass.NODE_LOST, "the scheduler lost a node of the job (NODE_FAIL)"),
+    "OUT_OF_MEMORY": (FailureClass.OOM, "the scheduler killed the job out of memory"),
+    "TIMEOUT": (FailureClass.RETRYABLE, "the job reached its time limit (launch.slurm.time)"),
+    "PREEMPTED": (FailureClass.RETRYABLE, "the scheduler preempted the job"),
+    "BOOT_FAIL": (FailureClass.NODE_LOST, "a node of the job failed to boot (BOOT_FAIL)"),
+}
+
+
+def classify(run_dir, attempt: str, returncode: int, hung: bool, wall: float,
+             scheduler_state: str | None = None) -> AttemptResult:
+    """The attempt's failure class from how it ended, what the scheduler says of it (Slurm's
+    job state) and the ranks' exit records: the most specific record wins, then the
+    scheduler's word; an exit nothing explains is a crash, retried."""
     records = read_exit_records(run_dir, attempt)
     restarts = in_job_restarts(run_dir, attempt)
     beat = read_heartbeat(run_dir)
@@ -307,6 +321,8 @@ def classify(run_dir, attempt: str, returncode: int, hung: bool, wall: float) ->
         reason = next((r["reason"] for r in records if r["class"] == failure), None)
         if reason is not None:
             return result(failure, reason)
+    if scheduler_state in SCHEDULER_ENDINGS:
+        return result(*SCHEDULER_ENDINGS[scheduler_state])
     return result(FailureClass.RETRYABLE,
                   next((r["reason"] for r in records if r["class"] == FailureClass.RETRYABLE),
                        f"a worker died (torchrun exit {returncode})"))

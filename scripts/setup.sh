@@ -15,9 +15,19 @@ if ! python -c "import torch" 2>/dev/null; then
   fi
 fi
 pip install -q -e ".[test]"
-# Headless Chromium for the test that screenshots the Prefect UI (it skips without it).
-# Installed only where that is possible without asking: as root with apt (CI).
-if ! command -v chromedriver >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+# System packages the tests start for real, installed only where that is possible without
+# asking: as root with apt (CI). Elsewhere the tests that need them are skipped, saying why.
+#   chromium, chromium-driver: the test that screenshots the Prefect UI
+#   slurm-wlm (with munge):    the two-node Slurm cluster of tests/test_slurm.py
+#   postgresql:                the production Prefect stack (server on PostgreSQL)
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  wanted=()
+  command -v chromedriver >/dev/null 2>&1 || wanted+=(chromium chromium-driver)
+  command -v slurmctld >/dev/null 2>&1 || [ -x /usr/sbin/slurmctld ] || wanted+=(slurm-wlm)
+  command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
+    || wanted+=(postgresql)
+  if [ ${#wanted[@]} -gt 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${wanted[@]}" >/dev/null
+  fi
 fi

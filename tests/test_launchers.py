@@ -139,15 +139,26 @@ def squeue():
     queried.touch()
 
 
-def sacct():
-    job = args[args.index("-j") + 1]
+def job_state(job):
+    """(state, exit code) of an ended job as slurmctld records it; None while it runs."""
     if job_file(job, "cancelled").exists():
-        print("CANCELLED by 0|0:15")
-    elif job_file(job, "exit").exists():
+        return "CANCELLED", "0:15"
+    if job_file(job, "exit").exists():
         code = int(job_file(job, "exit").read_text())
-        print("COMPLETED|0:0" if code == 0 else f"FAILED|{code}:0")
-    elif not alive(job):
-        print("FAILED|0:15")
+        return ("COMPLETED", "0:0") if code == 0 else ("FAILED", f"{code}:0")
+    if not alive(job):
+        return "FAILED", "0:15"
+    return None
+
+
+def sacct():
+    """As on a cluster without slurmdbd: only `sacct -c` (the job-completion file) answers."""
+    if "-c" not in args:
+        sys.exit("Slurm accounting storage is disabled")
+    job = args[args.index("-j") + 1]
+    ended = job_state(job)
+    if ended:
+        print(f"{job}|{ended[0]}|{ended[1]}")
 
 
 def scancel():
@@ -170,8 +181,15 @@ def srun():
 
 
 def scontrol():
-    assert args[:2] == ["show", "hostnames"]
-    print("\n".join(args[2].split(",")))
+    if args[:2] == ["show", "hostnames"]:
+        print("\n".join(args[2].split(",")))
+        return
+    assert args[:3] == ["show", "job", "-o"], args
+    job = args[3]
+    if os.environ.get("FAKE_SCONTROL_FORGETS"):  # the record is gone (MinJobAge passed)
+        sys.exit("slurm_load_jobs error: Invalid job id specified")
+    state, code = job_state(job) or ("RUNNING", "0:0")
+    print(f"JobId={job} JobName=fake UserId=root(0) JobState={state} Reason=None ExitCode={code}")
 
 
 def kubectl():
@@ -382,7 +400,9 @@ def test_slurm_job_is_submitted_watched_and_its_output_streamed(tmp_path, fakes)
                                        str(attempt_dir / "sbatch.sh")]]
     queries = calls(fakes, "squeue")
     assert len(queries) >= 2 and set(map(tuple, queries)) == {("-h", "-j", "1", "-o", "%T")}
-    assert calls(fakes, "sacct")[-1] == ["-j", "1", "-X", "-n", "-P", "-o", "State,ExitCode"]
+    # Gone from the queue (real squeue then prints nothing): the controller's record says how.
+    assert calls(fakes, "scontrol")[-1] == ["show", "job", "-o", "1"]
+    assert calls(fakes, "sacct") == []
     assert calls(fakes, "scancel") == []  # it finished by itself
     assert calls(fakes, "srun")[0][:3] == ["--kill-on-bad-exit=1", "--nodes=2", "--ntasks-per-node=1"]
     # The script ran: each node's torchrun got the head node as endpoint and its own name.
@@ -395,6 +415,19 @@ def test_slurm_job_failure_is_classified(tmp_path, fakes, monkeypatch):
     config = launch_config(tmp_path, fakes, *SLURM)
     result = attempt(config)
     assert result.exit_code == 75 and result.failure_class == "retryable"
+
+
+def test_a_job_the_controller_forgot_is_read_from_the_job_completion_file(tmp_path, fakes,
+                                                                           monkeypatch):
+    """Past MinJobAge, `scontrol show job` no longer knows the job; without slurmdbd plain
+    sacct fails ("accounting storage is disabled"): `sacct -c` has the verdict."""
+    monkeypatch.setenv("FAKE_EXIT", "75")
+    monkeypatch.setenv("FAKE_SCONTROL_FORGETS", "1")
+    config = launch_config(tmp_path, fakes, *SLURM)
+    result = attempt(config)
+    assert result.exit_code == 75 and result.failure_class == "retryable"
+    tries = calls(fakes, "sacct")[-2:]
+    assert [call[:2] for call in tries] == [["-X", "-j"], ["-c", "-j"]]
 
 
 def test_slurm_job_gets_sigterm_when_the_attempt_stops(tmp_path, fakes, monkeypatch):
@@ -463,7 +496,7 @@ def test_a_failing_scheduler_query_is_retried_at_the_next_poll(tmp_path, fakes, 
     lines: list[str] = []
     result = attempt(config, lines=lines)
     assert result.failure_class == "done" and result.exit_code == 0
-    assert any("scheduler query failed (1 in a row" in line and "Socket timed out" in line
+    assert any("scheduler query failed (0s so far" in line and "Socket timed out" in line
                for line in lines)
 
 

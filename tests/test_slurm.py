@@ -1,0 +1,190 @@
+"""Training on a real Slurm cluster: slurmctld and two slurmd (n1, n2) on this machine
+(tests/slurm_fixtures.py), driven by the production launcher (infra/launchers.py,
+launch.kind=slurm) through run_attempt and the train flow.
+
+What real Slurm does that fakes never did: `squeue -j ID` prints nothing once a job has
+ended, plain `sacct` fails without slurmdbd, time limits and lost nodes end jobs as TIMEOUT
+and NODE_FAIL, and the controller can go away while its jobs run on. The exact command
+lines are checked against fakes in tests/test_launchers.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+
+import pytest
+
+from core.protocol import read_heartbeat
+from flows.prepare import prepare
+from flows.train import train
+from goodput.runs import read_outcomes, write_run_config
+from infra.launchers import free_port
+from infra.torchrun import run_attempt, stop_live_attempts
+from storage.ledger import Ledger
+from tests.helpers import losses_by_step, small_config, synthetic_dataset, wait_for
+from tests.test_multinode import WORKER_LINE, processes_mentioning
+
+pytestmark = pytest.mark.slurm
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return synthetic_dataset(tmp_path_factory.mktemp("slurm-data") / "dataset")
+
+
+def slurm_config(tmp_path, *overrides: str):
+    """Two Slurm nodes, one torchrun each, the job's state asked every half second."""
+    return small_config(tmp_path, "launch.kind=slurm", "launch.poll_s=0.5",
+                        f"launch.rdzv_port={free_port()}", "parallelism.nnodes=2",
+                        "parallelism.nproc_per_node=1", *overrides)
+
+
+def attempt(config, dataset, lines: list[str], attempt_id: str = "a1"):
+    return run_attempt(config, write_run_config(config), dataset, attempt_id, lines.append,
+                       poll_s=0.2)
+
+
+def in_background(function, *args):
+    """Run `function(*args)` in a thread; returns the thread and the list its result lands in."""
+    results: list = []
+    thread = threading.Thread(target=lambda: results.append(function(*args)), daemon=True)
+    thread.start()
+    return thread, results
+
+
+def trained_to(config) -> int:
+    """The step rank 0's heartbeat is at (0 before the first)."""
+    return (read_heartbeat(config.run_dir) or {}).get("step") or 0
+
+
+def job_id(lines: list[str]) -> str:
+    return next(line.split()[3].rstrip(":") for line in lines
+                if line.startswith("submitted Slurm job"))
+
+
+def test_two_slurm_nodes_train_as_two_local_nodes_do(tmp_path, dataset, slurm):
+    """srun starts one torchrun on n1 and one on n2, 2 workers each; they meet at n1's
+    rendezvous (the endpoint the script derives from the allocation), train, and the job's
+    output streams into the log as it comes. The losses are the local launcher's."""
+    steps = ("training.max_steps=4", "training.warmup_steps=1", "checkpoint.every_steps=4",
+             "parallelism.nproc_per_node=2")
+    config = slurm_config(tmp_path / "slurm", *steps)
+    lines: list[str] = []
+    result = attempt(config, dataset, lines)
+    assert result.failure_class == "done" and result.step == 4, "\n".join(lines[-40:])
+    assert sorted(r["rank"] for r in result.records) == [0, 1, 2, 3]
+    assert {WORKER_LINE.match(line)["node"] for line in lines if WORKER_LINE.match(line)} == {"0", "1"}
+    assert any("[train] done" in line for line in lines)
+    job = job_id(lines)
+    assert slurm.run("squeue", "-h", "-j", job).strip() == ""  # gone, as real squeue says it
+    assert "JobState=COMPLETED" in slurm.run("scontrol", "show", "job", "-o", job)
+    manifest = json.loads((config.run_dir.checkpoint(4) / "manifest.json").read_text())
+    assert manifest["world_size"] == 4
+
+    local = small_config(tmp_path / "local", *steps, "parallelism.nnodes=2")
+    assert attempt(local, dataset, []).failure_class == "done"
+    assert losses_by_step(config.run_dir) == pytest.approx(losses_by_step(local.run_dir), rel=1e-6)
+    assert processes_mentioning(str(tmp_path)) == []
+
+
+def test_stopping_an_attempt_signals_the_workers_and_waits_for_the_job_to_end(tmp_path, dataset,
+                                                                              slurm):
+    """What a cancelled flow run does: SIGTERM reaches every node's workers through
+    `scancel --signal=TERM`, they commit an emergency checkpoint, and the attempt returns
+    only once the job has left the queue."""
+    config = slurm_config(tmp_path, "training.max_steps=100000", "checkpoint.every_steps=1000")
+    lines: list[str] = []
+    thread, results = in_background(attempt, config, dataset, lines)
+    wait_for(lambda: trained_to(config) >= 3, timeout_s=180,
+             what="training on Slurm", every_s=0.2)
+    for stopping in stop_live_attempts(grace_s=60):
+        stopping.join(timeout=120)
+    thread.join(timeout=60)
+    [result] = results
+    assert result.failure_class == "cancelled", "\n".join(lines[-40:])
+    assert slurm.queue() == []  # the job is gone before the attempt returned
+    [emergency] = config.run_dir.committed_checkpoints()  # step 1000 was never reached
+    assert 3 <= int(emergency.name.removeprefix("step-")) < 1000
+    assert any("sent SIGTERM to Slurm job" in line for line in lines)
+    assert processes_mentioning(str(config.run_dir)) == []
+
+
+def test_a_pending_job_is_cancelled_at_once(tmp_path, dataset, slurm):
+    """Both nodes busy with another job: the attempt's job waits in the queue, and stopping
+    it cancels it there and then (no SIGTERM to send, no grace to wait)."""
+    blocker = slurm.run("sbatch", "--parsable", "--nodes=2", "--exclusive", "--output=/dev/null",
+                        "--wrap", "sleep 600").strip()
+    config = slurm_config(tmp_path)
+    lines: list[str] = []
+    thread, results = in_background(attempt, config, dataset, lines)
+    wait_for(lambda: any(line.startswith("submitted Slurm job") for line in lines), timeout_s=60,
+             what="the attempt's job submitted", every_s=0.2)
+    job = job_id(lines)
+    wait_for(lambda: slurm.run("squeue", "-h", "-j", job, "-o", "%T").strip() == "PENDING",
+             timeout_s=30, what="the job pending")
+    started = time.monotonic()
+    for stopping in stop_live_attempts(grace_s=60):
+        stopping.join(timeout=60)
+    thread.join(timeout=30)
+    assert time.monotonic() - started < 20
+    assert results[0].failure_class == "cancelled"
+    assert slurm.queue() == [blocker]
+    assert "cancelled Slurm job" in "\n".join(lines)
+
+
+def test_the_controller_restarting_mid_job_does_not_end_the_attempt(tmp_path, dataset, slurm):
+    """slurmctld stopped while the job trains: squeue fails for a while (the job runs on
+    without its controller), the launcher keeps asking, and the attempt finishes."""
+    config = slurm_config(tmp_path, "training.max_steps=40", "checkpoint.every_steps=20")
+    lines: list[str] = []
+    thread, results = in_background(attempt, config, dataset, lines)
+    wait_for(lambda: trained_to(config) >= 2, timeout_s=180,
+             what="training on Slurm", every_s=0.2)
+    slurm.stop_controller()
+    wait_for(lambda: any("scheduler query failed" in line for line in lines), timeout_s=30,
+             what="a failed query", every_s=0.2)
+    time.sleep(3)
+    slurm.start_controller()
+    thread.join(timeout=300)
+    [result] = results
+    assert result.failure_class == "done" and result.step == 40, "\n".join(lines[-40:])
+    assert any("scheduler answers again" in line for line in lines)
+    assert processes_mentioning(str(config.run_dir)) == []
+
+
+def test_failures_on_slurm_are_classed_from_what_slurm_reports_and_each_retry_resumes(
+        tmp_path, dataset, slurm, prefect_api):
+    """The train flow on Slurm, through three failures in one flow run:
+    1. a worker crashes (the job FAILED) -> retryable;
+    2. a worker freezes and the job reaches its time limit (TIMEOUT) -> retryable;
+    3. node n2 is set DOWN mid-job (NODE_FAIL) -> node_lost;
+    and the fourth attempt finishes. Each retry resumes from the newest validated checkpoint."""
+    prepare(small_config(tmp_path))  # the train flow finds the dataset its data settings name
+    config = slurm_config(
+        tmp_path, "training.max_steps=12", "checkpoint.every_steps=2", "faults.crash_at_step=3",
+        "faults.hang_at_step=6", "launch.slurm.time=0:30",  # Slurm rounds it up to a minute
+        "run.hang_timeout_s=900")
+    run_dir = config.run_dir
+
+    def set_n2_down_in_the_third_attempt():
+        beat = read_heartbeat(run_dir) or {}
+        if str(beat.get("attempt", "")).endswith("-3") and (beat.get("step") or 0) >= 9:
+            slurm.set_node_state("n2", "down", "goodput test: node lost")
+            return True
+        return False
+
+    watcher, _ = in_background(wait_for, set_n2_down_in_the_third_attempt, 600,
+                               "the third attempt at step 9", 0.2)
+    trained = train(config)
+    watcher.join(timeout=10)
+    assert trained["final_step"] == 12
+    outcomes = read_outcomes(config)
+    assert [o["class"] for o in outcomes] == ["retryable", "retryable", "node_lost", "done"], outcomes
+    assert "time limit" in outcomes[1]["reason"] and "NODE_FAIL" in outcomes[2]["reason"]
+    for before, retry in zip(outcomes, outcomes[1:]):
+        assert retry["resumed_from"] > 0 and retry["resumed_from"] >= before["resumed_from"]
+    assert Ledger(run_dir).read().steps("uploaded")[-1] == 12
+    assert processes_mentioning(str(run_dir)) == []
