@@ -921,6 +921,11 @@ class LaunchConfig(_Section):
     python: str | None = Field(None, description="Python on the nodes; None: this interpreter.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra worker environment.")
     poll_s: float = Field(10.0, gt=0, description="How often slurm/kubernetes job state is queried.")
+    orphan_timeout_s: float = Field(
+        120.0, gt=0, description="Workers whose supervisor (the launch task) has not renewed "
+        "the run's lease for this long stop by themselves, after an emergency checkpoint: a "
+        "killed flow process or worker leaves no training running on; a new attempt waits for "
+        "them.")
     scheduler_unreachable_s: float = Field(
         600.0, gt=0, description="How long slurm/kubernetes queries may keep failing (a controller "
         "restarting or failing over; the job runs on meanwhile) before the attempt is given up.")

@@ -44,6 +44,7 @@ class RunDir:
                          .from-store/ (files fetched to resume from the store)
         ledger.json      checkpoint states (mirrored to the store)
         metrics.jsonl    rank 0, one line per logged step;  heartbeat.json  its latest step
+        lease.json       who supervises the run (a flow run), renewed while it lives
         attempts/        per attempt: exit records, starts, outcome, torchrun's logs
         faults/          markers of injected faults that fired (each fires once per run)
         eval/            step-XXXXXXXX.json reports
@@ -84,6 +85,11 @@ class RunDir:
     @property
     def heartbeat_file(self) -> Path:
         return self.path / "heartbeat.json"
+
+    @property
+    def lease_file(self) -> Path:
+        """Who is in charge of the run (a flow run, or an attempt), renewed while it lives."""
+        return self.path / "lease.json"
 
     @property
     def summary_file(self) -> Path:
@@ -198,6 +204,7 @@ class FailureClass(str, Enum):
     CORRUPT_CHECKPOINT = "corrupt_checkpoint"  # the checkpoint to resume from fails its checksums
     CANCELLED = "cancelled"  # a user or the orchestrator stopped the attempt: not a failure
     NODE_LOST = "node_lost"  # the scheduler lost a node (Slurm NODE_FAIL): a new allocation helps
+    ORPHANED = "orphaned"  # the supervisor is gone: the workers saved and stopped by themselves
 
     def __str__(self) -> str:
         return self.value
@@ -257,6 +264,8 @@ _FACTS = {
     # The launch task sets the damaged copy aside before the retry, which resumes elsewhere.
     FailureClass.CORRUPT_CHECKPOINT: _ClassFacts(_RETRYABLE_CODE, False, 2, ""),
     FailureClass.CANCELLED: _ClassFacts(None, False, 0, ""),
+    # Not restartable: workers restarted in-job would train on unwatched.
+    FailureClass.ORPHANED: _ClassFacts(_RETRYABLE_CODE, False, 4, ""),
     FailureClass.NODE_LOST: _ClassFacts(None, False, 4, (
         "nodes keep failing under the job: look at the scheduler's reasons (Slurm: sinfo -R) "
         "and keep the bad nodes out (launch.slurm.extra_sbatch=['--exclude=NODE'])")),
@@ -341,6 +350,10 @@ ENV_MTBF_S = "GOODPUT_MTBF_S"  # the run's MTBF so far, for checkpoint.interval=
 # A flow run's time limit (Unix time): the trainer stops after the first checkpoint it saves
 # from then on, exiting as done before max_steps (the next flow run continues from it).
 ENV_STOP_AFTER = "GOODPUT_STOP_AFTER"
+# Who holds the run's lease for these workers (a flow run, or the attempt itself), and how
+# long without a renewal of it before they stop by themselves: their supervisor is gone.
+ENV_LEASE_HOLDER = "GOODPUT_LEASE_HOLDER"
+ENV_ORPHAN_AFTER_S = "GOODPUT_ORPHAN_AFTER_S"
 TIME_LIMIT = "time limit"  # the reason in such an attempt's exit records and outcome
 
 
@@ -438,3 +451,51 @@ def read_heartbeat(run_dir: RunDir | Path) -> dict | None:
         return json.loads(RunDir.of(run_dir).heartbeat_file.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+# -- the run's lease: one supervisor, and no workers without one ------------------------------
+
+def write_lease(run_dir: RunDir | Path, holder: str, released: bool = False) -> None:
+    """`holder` (a flow run, or an attempt) is in charge of the run: renewed while it lives,
+    or let go of (`released`)."""
+    import socket
+
+    _write_json_atomically(RunDir.of(run_dir).lease_file,
+                           {"holder": holder, "pid": os.getpid(), "host": socket.gethostname(),
+                            "time": time.time(), "released": released})
+
+
+def read_lease(run_dir: RunDir | Path) -> dict | None:
+    try:
+        return json.loads(RunDir.of(run_dir).lease_file.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+class LeaseWatch:
+    """A worker's view of its supervisor, the run lease's `holder`: `orphaned()` says why
+    the workers should stop — the lease not renewed for `after_s` (the supervisor died: a
+    killed flow process or worker), or held by someone else — else "".
+
+    A renewal is seen as the lease changing, timed by this process's own clock, so the
+    supervisor's clock (maybe another host's) does not matter. Reads at most every
+    `every_s`."""
+
+    def __init__(self, run_dir: RunDir | Path, holder: str, after_s: float, every_s: float = 2.0):
+        self.run_dir, self.holder, self.after_s, self.every_s = run_dir, holder, after_s, every_s
+        self.seen: dict | None = None
+        self.renewed_at = self.read_at = time.monotonic()
+
+    def orphaned(self) -> str:
+        now = time.monotonic()
+        if now - self.read_at >= self.every_s:
+            self.read_at = now
+            lease = read_lease(self.run_dir)
+            if lease is not None and lease != self.seen:
+                self.seen, self.renewed_at = lease, now
+            if lease is not None and lease["holder"] != self.holder:
+                return f"{lease['holder']} took charge of the run"
+        if now - self.renewed_at > self.after_s:
+            return (f"no word from the supervisor for {now - self.renewed_at:.0f}s "
+                    "(launch.orphan_timeout_s): it is gone")
+        return ""

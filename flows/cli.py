@@ -4,6 +4,8 @@
     goodput prepare|train|evaluate|pipeline --config configs/tiny.yaml training.max_steps=50
     goodput evaluate --checkpoint 100         # a given step (or a checkpoint directory)
     goodput serve                             # deployments for the Prefect UI and schedules
+    goodput server                            # the production stack: PostgreSQL, Prefect
+                                              # server (auth on), work pool, worker, deployments
     goodput export CHECKPOINT_DIR --format hf --out DIR   # a transformers Llama model
     goodput plan --config FILE --nodes 4 --gpus-per-node 8 --gpu-memory 80GiB   # layouts
     goodput plan --config FILE                # the cluster the config names (parallelism.*)
@@ -23,11 +25,13 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from contextlib import nullcontext
 from dataclasses import replace
 from unittest import mock
 
 from core.config import ConfigError, load_config
+from infra.prefect_stack import LEASES_ON_DISK
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-time-limit", type=float, metavar="SECONDS",
                    help="wall-clock budget of each scheduled training run; it stops after the "
                         "next checkpoint and the next run continues")
+    p = sub.add_parser("server", help="the production Prefect stack on this machine: PostgreSQL, "
+                                      "a Prefect server on it (API auth on), the work pool "
+                                      "'goodput', a worker and prefect.yaml's deployments")
+    p.add_argument("--dir", default=".goodput/server",
+                   help="where the database, the Prefect home, the logs and the generated "
+                        "secrets live (default: .goodput/server)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address the server listens on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=4200)
+    p.add_argument("--no-worker", action="store_true",
+                   help="no worker here (workers run on other machines)")
     p = sub.add_parser("show-config", help="print the resolved configuration")
     _config_args(p)
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama model")
@@ -166,6 +181,51 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _server(args: argparse.Namespace) -> int:
+    """Start the stack, say how to reach it, keep it up (a server or worker that dies is
+    started again) until Ctrl-C or SIGTERM, then stop it; its data stays in --dir."""
+    from infra.prefect_stack import PrefectStack, missing_postgres
+
+    missing = missing_postgres()
+    if missing:
+        print(f"goodput: server: PostgreSQL not found ({', '.join(missing)}): install it "
+              "(Debian: apt-get install postgresql)", file=sys.stderr)
+        return 2
+    stack = PrefectStack(args.dir, host=args.host, port=args.port, worker=not args.no_worker)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C
+    try:
+        stack.start()
+        auth_file = stack.directory / "api-auth-string"
+        print(f"Prefect server on PostgreSQL: {stack.url} (the UI asks for the auth string)\n"
+              f"Clients (goodput commands, prefect CLI, flow runs on other workers):\n"
+              f"  export PREFECT_API_URL={stack.api_url}\n"
+              f"  export PREFECT_API_AUTH_STRING=\"$(cat {auth_file})\"\n"
+              f"Work pool '{stack.pool}'" + (" with a worker" if stack.with_worker else "")
+              + "; deployments from prefect.yaml. Ctrl-C stops it all; the data stays in "
+              f"{stack.directory}.", flush=True)
+        if args.host not in ("127.0.0.1", "localhost", "::1"):
+            print(f"goodput: server: listening on {args.host}: anyone who can reach it and has "
+                  "the auth string can start training; serve it over TLS (a reverse proxy)",
+                  file=sys.stderr)
+        while True:
+            time.sleep(5)
+            if stack.server.poll() is not None:
+                print(f"goodput: server: the Prefect server exited ({stack.server.returncode}); "
+                      f"starting it again (log: {stack.log('server')})", file=sys.stderr)
+                stack.start_server()
+            if stack.with_worker and stack.worker.poll() is not None:
+                print(f"goodput: server: the worker exited ({stack.worker.returncode}); starting "
+                      f"it again (log: {stack.log('worker')})", file=sys.stderr)
+                stack.start_worker()
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, TimeoutError, OSError) as e:
+        print(f"goodput: server: {e}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+
+
 def _die_with_parent() -> None:
     """In a child, before exec: the kernel ends it with SIGTERM when its parent dies (Linux)."""
     if sys.platform.startswith("linux"):
@@ -197,6 +257,51 @@ def _start_temporary_api() -> None:
 
     with mock.patch.object(subprocess, "Popen", own_session):  # only while it starts
         SubprocessASGIServer().start()
+
+
+def _let_the_api_record(since: float, timeout_s: float = 60.0, quiet_s: float = 2.0) -> None:
+    """Before Prefect's temporary API stops with this process: wait until it has recorded
+    every task run of the flow runs started since `since` (Unix time).
+
+    Task-run states reach the server as events, which its recorder writes to the database
+    behind the API; the server stops at exit while the recorder still has a backlog (a flow
+    of 200 quick tasks kept 43 of them, most not final). Here the client's event and log
+    queues are sent first, then the task runs' states are counted until they stop changing
+    for `quiet_s`. A dedicated server (`goodput server`, PREFECT_API_URL) needs none of it.
+    """
+    import httpx
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL
+
+    if PREFECT_API_URL.value():
+        return
+    EventsWorker.drain_all()
+    APILogWorker.drain_all()
+    url = SubprocessASGIServer().api_url
+    after = {"flow_runs": {"start_time": {"after_": time.strftime(
+        "%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))}}}
+
+    def recorded() -> tuple[int, ...]:
+        counts = [httpx.post(f"{url}/task_runs/count", timeout=30, json={
+            **after, "task_runs": {"state": {"type": {"any_": [state]}}}}).json()
+                  for state in ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED",
+                                "CRASHED")]
+        return tuple(counts)
+
+    deadline = time.monotonic() + timeout_s
+    seen, seen_since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        try:
+            now = recorded()
+        except (httpx.HTTPError, ValueError):
+            return  # the server is gone already: nothing more can be recorded
+        if now != seen:
+            seen, seen_since = now, time.monotonic()
+        elif time.monotonic() - seen_since >= quiet_s:
+            return
+        time.sleep(0.25)
 
 
 class _CtrlCStopsTraining:
@@ -265,10 +370,19 @@ def main(argv: list[str] | None = None) -> int:
     # With no server configured, Prefect starts a temporary one and gives up on it after 20 s
     # by default: a busy machine (2 cores, tests or a data preparation beside) took longer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    # Concurrency leases (a run's training slot) on disk, not in the server's memory: the
+    # temporary server of a command that was killed would otherwise take its lease with it
+    # and leave the slot taken for good (every later command of the run waiting on it).
+    os.environ.setdefault("PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE", LEASES_ON_DISK)
+    # The temporary server's SQLite file: a write waits up to a minute for the lock (10 s by
+    # default), not failing with "database is locked" on a busy machine.
+    os.environ.setdefault("PREFECT_API_DATABASE_TIMEOUT", "60")
     if args.command == "export":  # works on a checkpoint alone, no run configuration
         return _export(args)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "server":
+        return _server(args)
     try:
         config = load_config(args.config, args.overrides)
     except ConfigError as e:
@@ -294,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     # Only the main thread may set a signal handler (main() may be called from another).
     ctrl_c = (_CtrlCStopsTraining() if threading.current_thread() is threading.main_thread()
               else nullcontext())
+    began = time.time()
     try:
         _start_temporary_api()  # one that does not start in time fails the command here
         with ctrl_c:
@@ -306,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 result = pipeline(config)
     except ConfigError as e:
+        _let_the_api_record(began)
         print(f"goodput: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -313,9 +429,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run directory: {config.run_dir.path.resolve()}")
         return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
     except Exception as e:
+        _let_the_api_record(began)
         print(f"goodput: {args.command} failed: {e}", file=sys.stderr)
         print(f"run directory: {config.run_dir.path.resolve()}")
         return 1
+    _let_the_api_record(began)
     print(json.dumps(result, indent=2, default=str))
     print(f"run directory: {config.run_dir.path.resolve()}")
     return 0

@@ -9,7 +9,7 @@ from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from core.config import RunConfig
-from goodput.checkpoint_lifecycle import new_checkpoints
+from goodput.checkpoint_lifecycle import new_checkpoints, unsecured_steps
 from goodput.evaluation import evaluation_due
 from tasks.control import no_orphan_workers, resolve_config, training_slot
 from tasks.evaluate import check_eval_tasks, evaluate_validated
@@ -44,7 +44,8 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
 
     While torchrun runs, every checkpoint it commits is validated in a fresh process and
     uploaded to the store; a failed attempt is retried by Prefect and resumes from there.
-    One flow run at a time trains a given run id; others wait for it.
+    One flow run at a time trains a given run id (it holds the run's lease); others wait
+    for it. Workers whose flow run's process dies stop by themselves (launch.orphan_timeout_s).
 
     Args:
         config: The run's configuration (the form); used unless `config_file` is set.
@@ -66,14 +67,19 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
     if eval_tasks is not None:
         eval_tasks.result()  # a misspelt task fails the run here, not after training
     dataset_dir = dataset.result()
-    with training_slot(config), no_orphan_workers():
+    with training_slot(config) as lease_holder, no_orphan_workers():
         training = launch_training.with_options(
             retries=config.run.max_attempts - 1, retry_delay_seconds=config.run.retry_delay_s,
-        ).submit(config, dataset_dir, time_limit_s, worker_logs, started)
+        ).submit(config, dataset_dir, time_limit_s, worker_logs, started, lease_holder)
 
         def still_running() -> bool:
             training.wait(timeout=1.0)
             return not training.state.is_final()
+
+        def secure(step: int):
+            validated = validate_checkpoint.submit(config, step, dataset_dir)
+            uploaded = upload_checkpoint.submit(config, step, wait_for=[validated])
+            return validated, apply_retention.submit(config, wait_for=[uploaded])
 
         secured, evaluations = [], []
         # Evaluations (eval.every_validated) queue on a thread of their own, one at a time:
@@ -81,9 +87,8 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
         with ThreadPoolTaskRunner(max_workers=1) as evaluating:
             for step in new_checkpoints(config, still_running):
                 announce_committed(config, step)
-                validated = validate_checkpoint.submit(config, step, dataset_dir)
-                uploaded = upload_checkpoint.submit(config, step, wait_for=[validated])
-                secured.append(apply_retention.submit(config, wait_for=[uploaded]))
+                validated, retained = secure(step)
+                secured.append(retained)
                 if evaluation_due(config, step):
                     evaluated = evaluating.submit(evaluate_validated, {
                         "config": config, "step": step, "dataset_dir": dataset_dir}, wait_for=[validated])
@@ -92,6 +97,11 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
                     evaluations.append(evaluating.submit(apply_retention, {"config": config},
                                                          wait_for=[evaluated]))
             wait(secured + evaluations)  # a failed evaluation shows in its task run, not as training's
+            # A task cannot start while the Prefect API is away (a server restart): the
+            # checkpoints it left unjudged or not uploaded are secured now, and their outcome
+            # is the one that counts.
+            secured = [secure(step)[1] for step in unsecured_steps(config)]
+            wait(secured)
     outcome = training.result()  # raises when the last attempt failed
     for future in secured:
         future.result()

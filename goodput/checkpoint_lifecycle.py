@@ -35,6 +35,7 @@ from storage.ledger import (
     ledger_key,
     local_copy_judged,
     unjudged_copies,
+    unsecured_copies,
 )
 from storage.manifests import CheckpointManifest, EvalReport, lower_is_better, verify_files
 
@@ -78,6 +79,12 @@ def new_checkpoints(config: RunConfig, still_running: Callable[[], bool]) -> Ite
                 yield step
         if not running:
             return
+
+
+def unsecured_steps(config: RunConfig) -> list[int]:
+    """Committed checkpoints on local disk not yet validated and uploaded (nor rejected):
+    those whose tasks could not run, e.g. while the Prefect API was away."""
+    return unsecured_copies(config.run_dir, ledger_of(config).read())
 
 
 def unjudged_steps(config: RunConfig) -> list[int]:

@@ -62,10 +62,11 @@ def _differences(run: dict, here: dict, most: int = 4) -> str:
 def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
                   log: Callable[[str], None],
                   on_progress: Callable[[dict], None] | None = None,
-                  stop_after: float | None = None) -> AttemptResult:
+                  stop_after: float | None = None, lease_holder: str | None = None) -> AttemptResult:
     """One attempt: resume from the newest validated checkpoint and train to max_steps, or
     to the first checkpoint saved after `stop_after` (Unix time; the result's reason is then
-    core.protocol.TIME_LIMIT).
+    core.protocol.TIME_LIMIT). `lease_holder`: who holds the run's lease (infra.torchrun's
+    RunLease) for it; None: the attempt takes it.
 
     Raises TrainingFailed with the failure class and the retry policy's verdict when the
     attempt does not finish (a cancelled attempt: class cancelled, never retried). A rollback
@@ -90,7 +91,8 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
     log(f"attempt {attempt}: resuming from {resume}" if resume else
         f"attempt {attempt}: starting from scratch")
     result = run_attempt(config, config_path, dataset_dir, attempt, log, on_progress=on_progress,
-                         mtbf_s=observed_mtbf_s(config), stop_after=stop_after)
+                         mtbf_s=observed_mtbf_s(config), stop_after=stop_after,
+                         lease_holder=lease_holder)
     outcome = record_outcome(config, attempt, result, resume)
     if result.restarts:
         log(f"attempt {attempt}: torchrun restarted the workers {result.restarts} time(s) in-job")

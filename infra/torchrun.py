@@ -14,19 +14,23 @@ A node that dies as a whole (its torchrun agent gone) ends the attempt at once.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import os
 import sys
 import threading
 import time
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from core.config import RunConfig
-from core.protocol import (ENV_ATTEMPT, ENV_MTBF_S, ENV_RESTART_WAIT_S, ENV_RUN_DIR, ENV_STOP_AFTER,
-                           FailureClass, ResumeSpec, in_job_restarts, read_exit_records,
-                           read_heartbeat)
+from core.files import exclusive_lock
+from core.protocol import (ENV_ATTEMPT, ENV_LEASE_HOLDER, ENV_MTBF_S, ENV_ORPHAN_AFTER_S,
+                           ENV_RESTART_WAIT_S,
+                           ENV_RUN_DIR, ENV_STOP_AFTER, FailureClass, ResumeSpec, in_job_restarts,
+                           read_exit_records, read_heartbeat, read_lease, write_lease)
 from infra.launchers import NodeLaunch, free_port, make_launcher  # noqa: F401 (free_port: API)
 
 
@@ -88,10 +92,11 @@ ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_
 
 
 def worker_env(config: RunConfig, attempt: str, mtbf_s: float = 0.0,
-               stop_after: float | None = None) -> dict[str, str]:
+               stop_after: float | None = None, lease_holder: str | None = None) -> dict[str, str]:
     """What every worker needs on top of its node's own environment (core.protocol names
     the variables of the contract). `mtbf_s`: the run's mean time between failures so far,
-    for checkpoint.interval=auto; `stop_after`: the flow run's deadline (Unix time)."""
+    for checkpoint.interval=auto; `stop_after`: the flow run's deadline (Unix time);
+    `lease_holder`: their supervisor, whose lease they watch (without one, they watch none)."""
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),  # workers share the cores
            "PYTHONUNBUFFERED": "1", ENV_ATTEMPT: attempt,
            # Where to leave the exit record even when the config file fails to load there.
@@ -108,6 +113,9 @@ def worker_env(config: RunConfig, attempt: str, mtbf_s: float = 0.0,
            # After an in-job restart: how long to wait for the verdict on recent checkpoints.
            ENV_RESTART_WAIT_S: str(config.launch.restart_verdict_wait_s),
            **ALLOCATOR_ENV}  # launch.env may override it
+    if lease_holder is not None:  # without a renewal of its lease, the workers stop by themselves
+        env[ENV_LEASE_HOLDER] = lease_holder
+        env[ENV_ORPHAN_AFTER_S] = str(config.launch.orphan_timeout_s)
     if mtbf_s:  # else the workers take faults.mtbf_hours (0 here would override it)
         env[ENV_MTBF_S] = str(mtbf_s)
     if stop_after is not None:
@@ -121,8 +129,12 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, attempt
                 log: Callable[[str], None], poll_s: float = 0.5,
                 on_progress: Callable[[dict], None] | None = None, mtbf_s: float = 0.0,
                 start: ResumeSpec = ResumeSpec.validated(),
-                stop_after: float | None = None) -> AttemptResult:
+                stop_after: float | None = None, lease_holder: str | None = None) -> AttemptResult:
     """Run one training attempt on every node to its end; never leaves a worker behind.
+
+    `lease_holder`: who holds the run's lease (RunLease) for this attempt, e.g. the flow run
+    that makes it; None: the attempt takes the lease itself, waiting while another holder or
+    orphaned workers train the run.
 
     `stop_after` (Unix time): the workers end the attempt, as done, right after the first
     checkpoint they save from then on.
@@ -131,15 +143,28 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, attempt
     While it runs, `stop_live_attempts` (another thread: a cancelled flow) can end it: the
     attempt then ends as cancelled, whatever the workers' exit records say.
     """
+    with ExitStack() as stack:
+        if lease_holder is None:  # nobody holds the run's lease for this attempt: it does
+            lease_holder = f"attempt {attempt}"
+            stack.enter_context(RunLease(config, lease_holder).held(log))
+        return _supervise(config, config_path, dataset_dir, attempt, log, poll_s, on_progress,
+                          mtbf_s, start, stop_after, lease_holder)
+
+
+def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt: str,
+               log: Callable[[str], None], poll_s: float,
+               on_progress: Callable[[dict], None] | None, mtbf_s: float, start: ResumeSpec,
+               stop_after: float | None, lease_holder: str) -> AttemptResult:
     launcher = make_launcher(NodeLaunch.of(
         config, torchrun_command(config, config_path, dataset_dir, attempt, start),
-        worker_env(config, attempt, mtbf_s, stop_after), config.run_dir.attempt(attempt),
-        name=f"goodput-{config.run.run_id}-{attempt}"))
+        worker_env(config, attempt, mtbf_s, stop_after, lease_holder),
+        config.run_dir.attempt(attempt), name=f"goodput-{config.run.run_id}-{attempt}"))
     log(f"launch attempt {attempt}: {config.parallelism.nnodes} node(s) x "
         f"{config.parallelism.nproc_per_node} worker(s), launcher {config.launch.kind}")
     started = time.monotonic()
     hung = False
     watch = HangWatch(config.run, attempt)
+    progress = _NewestOnly(on_progress) if on_progress is not None else None
     # The launcher's grace and torchrun's (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, worker_env) are
     # both faults.emergency_save_s: whichever ends first, the workers had that long.
     live = _LiveAttempt(launcher, grace_s=config.faults.emergency_save_s)
@@ -156,8 +181,8 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, attempt
                     log(f"workers restarted in-job (restart {beat['start']} of this attempt; "
                         f"launch.max_restarts={config.launch.max_restarts} per node): resuming "
                         "from the newest validated checkpoint")
-            elif beat is not None and on_progress is not None:
-                on_progress(beat)
+            elif beat is not None and progress is not None:
+                progress.put(beat)
             stalled = watch.stalled()
             if stalled:
                 log(f"{stalled}: killing the job")
@@ -168,11 +193,127 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, attempt
         # survives. Workers that can still run get time for an emergency checkpoint; hung
         # ones do not deserve the wait.
         returncode = live.stop(grace_s=5.0 if hung else None)
+        if progress is not None:
+            progress.close()
     result = classify(config.run_dir, attempt, returncode, hung, time.monotonic() - started,
                       scheduler_state=getattr(launcher, "final_state", None))
     if live.cancelled and result.failure_class != FailureClass.DONE:
         result.failure_class, result.reason = FailureClass.CANCELLED, "stopped by a cancellation"
     return result
+
+
+class _NewestOnly:
+    """Hands heartbeats to a callback (the progress artifact) on a thread of its own, the
+    newest one only: a slow callback, e.g. the Prefect API away during a server restart,
+    never holds up supervision (a supervisor blocked there saw no heartbeat for a minute
+    and killed a healthy job as hung)."""
+
+    def __init__(self, callback: Callable[[dict], None]):
+        self.callback = callback
+        self.newest: dict | None = None
+        self.closed = False
+        self.ready = threading.Condition()
+        # In this thread's context (a Prefect task run's): the callback reports to that run.
+        context = contextvars.copy_context()
+        self.thread = threading.Thread(target=context.run, args=(self._run,),
+                                       name="training-progress", daemon=True)
+        self.thread.start()
+
+    def put(self, beat: dict) -> None:
+        with self.ready:
+            self.newest = beat
+            self.ready.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.ready:
+                self.ready.wait_for(lambda: self.newest is not None or self.closed)
+                beat, self.newest = self.newest, None
+            if beat is None:
+                return
+            self.callback(beat)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Deliver what is pending (for at most `timeout_s`), then stop."""
+        with self.ready:
+            self.closed = True
+            self.ready.notify()
+        self.thread.join(timeout=timeout_s)
+
+
+class RunLease:
+    """One supervisor per run, and no workers without one (core.protocol's lease file).
+
+    The holder is whoever supervises: a flow run for all its attempts, or an attempt of its
+    own. `acquire` waits while someone else holds a live lease (another flow run training
+    this run: two trainers would overwrite each other's checkpoints) or while the workers of
+    an attempt still train with no supervisor left (its flow process or worker was killed:
+    they stop by themselves within launch.orphan_timeout_s of their supervisor's last
+    renewal, after an emergency checkpoint). `held` acquires, renews every few seconds on a
+    thread while the caller works, and lets go at the end.
+    """
+
+    def __init__(self, config: RunConfig, holder: str):
+        self.run_dir, self.holder = config.run_dir, holder
+        self.orphan_after_s = config.launch.orphan_timeout_s
+        self.save_s = config.faults.emergency_save_s
+        self.renew_every_s = min(5.0, self.orphan_after_s / 4)
+
+    def blocker(self) -> str:
+        """Why the lease cannot be taken yet ("" when it can)."""
+        now = time.time()
+        lease = read_lease(self.run_dir)
+        if (lease is not None and lease["holder"] != self.holder and not lease["released"]
+                and now - lease["time"] < self.orphan_after_s):
+            return (f"run {self.run_dir.run_id} is being trained by {lease['holder']} (pid "
+                    f"{lease['pid']} on {lease['host']}, lease renewed {now - lease['time']:.0f}s "
+                    "ago)")
+        beat = read_heartbeat(self.run_dir)
+        if beat is None or beat.get("attempt") is None:
+            return ""
+        other = beat["attempt"]
+        if (self.run_dir.attempt(other) / "outcome.json").exists():
+            return ""  # its supervisor saw it end
+        if any(r["rank"] == 0 and r["time"] >= beat["time"]
+               for r in read_exit_records(self.run_dir, other)):
+            return ""  # its workers have stopped
+        age = now - beat["time"]
+        if age < self.orphan_after_s + self.save_s:
+            return (f"the workers of attempt {other} still train with no supervisor (heartbeat "
+                    f"{age:.0f}s ago); they stop by themselves once launch.orphan_timeout_s="
+                    f"{self.orphan_after_s:.0f}s passes without one")
+        return ""
+
+    def acquire(self, log: Callable[[str], None], every_s: float = 1.0) -> None:
+        told = ""
+        while True:
+            with exclusive_lock(self.run_dir / ".lease.lock"):
+                blocker = self.blocker()
+                if not blocker:
+                    write_lease(self.run_dir, self.holder)
+                    return
+            if blocker.split(" (")[0] != told:
+                log(f"waiting: {blocker}")
+                told = blocker.split(" (")[0]
+            time.sleep(every_s)
+
+    @contextmanager
+    def held(self, log: Callable[[str], None]) -> Iterator[None]:
+        self.acquire(log)
+        done = threading.Event()
+
+        def keep_renewing():
+            while not done.wait(self.renew_every_s):
+                write_lease(self.run_dir, self.holder)
+
+        thread = threading.Thread(target=keep_renewing, name="run-lease", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+            write_lease(self.run_dir, self.holder, released=True)
 
 
 class _LiveAttempt:
@@ -317,7 +458,7 @@ def classify(run_dir, attempt: str, returncode: int, hung: bool, wall: float,
         return result(FailureClass.DONE, next((r["reason"] for r in records
                                                if r["class"] == FailureClass.DONE), "done"))
     for failure in (FailureClass.CONFIG, FailureClass.OOM, FailureClass.DISK_FULL,
-                    FailureClass.CORRUPT_CHECKPOINT, FailureClass.ROLLBACK):
+                    FailureClass.CORRUPT_CHECKPOINT, FailureClass.ROLLBACK, FailureClass.ORPHANED):
         reason = next((r["reason"] for r in records if r["class"] == failure), None)
         if reason is not None:
             return result(failure, reason)

@@ -216,6 +216,19 @@ def choose_resume(run_dir: RunDir | str | Path, ledger: LedgerData) -> ResumePoi
     return None
 
 
+def unsecured_copies(run_dir: RunDir | str | Path, ledger: LedgerData) -> list[int]:
+    """Steps of committed local copies that are not in the store yet and not rejected: no
+    verdict on them yet, or validated but not uploaded."""
+    run_dir = RunDir.of(run_dir)
+    steps = []
+    for path in run_dir.committed_checkpoints():
+        entry = ledger.entries.get(step_of(path))
+        if (entry is None or not entry.is_about(copy_id(path))
+                or entry.state in ("committed", "validated")):
+            steps.append(step_of(path))
+    return steps
+
+
 def unjudged_copies(run_dir: RunDir | str | Path, ledger: LedgerData) -> list[int]:
     """Steps of committed local copies that the ledger has no verdict on yet: never judged,
     or saved again after the copy that was (a rejected copy was moved aside first)."""

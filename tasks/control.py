@@ -3,9 +3,10 @@ when to stop, and that no worker outlives it.
 
 - `resolve_config`: a deployment is started with the RunConfig form, or with a config
   file; `overrides` (`training.max_steps=600`) apply to either.
-- `training_slot`: a Prefect global concurrency limit of one slot per run id, so a
-  schedule, a manual trigger and a pipeline never train the same run at once. A second
-  flow run waits for the slot, then resumes from the ledger (or finds nothing to do).
+- `training_slot`: the run's lease (a file in its directory, renewed while the flow process
+  lives), so a schedule, a manual trigger and a pipeline never train the same run at once,
+  and workers whose flow process died stop by themselves. A second flow run waits for the
+  lease, then resumes from the ledger (or finds nothing to do).
 - `TimeLimit`: a per-flow-run wall-clock budget; the workers end training right after the
   first checkpoint they save past it, and the next run continues from that checkpoint.
 - `switch_off_own_schedule`: a scheduled flow run that finds the run finished switches off
@@ -18,20 +19,20 @@ when to stop, and that no worker outlives it.
 
 from __future__ import annotations
 
+import os
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from typing import Iterator
 from uuid import UUID
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
-from prefect.concurrency.sync import concurrency
 from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run
 
 from core.config import ConfigError, RunConfig, apply_overrides, config_from_dict, load_config
-from infra.torchrun import stop_live_attempts
+from infra.torchrun import RunLease, stop_live_attempts
 
 
 @task(name="resolve-config", cache_policy=NO_CACHE, tags=["config"])
@@ -70,32 +71,26 @@ def _form_default() -> RunConfig:
     return RunConfig()
 
 
-@task(name="ensure-run-limit", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
-      tags=["training"])
-def ensure_run_limit(run_id: str) -> str:
-    """Create the run's one-slot global concurrency limit if it does not exist yet."""
-    name = f"goodput-train-{run_id}"
-    with get_client(sync_client=True) as client:
-        client.upsert_global_concurrency_limit_by_name(name, limit=1)
-    return name
+def lease_holder() -> str:
+    """Who holds a run's lease while this flow run trains it."""
+    return f"flow run {flow_run.id}" if flow_run.id else f"process {os.getpid()}"
 
 
 @contextmanager
-def training_slot(config: RunConfig) -> Iterator[None]:
-    """Hold the run's training slot; wait (saying so in the log) while another flow run has it.
+def training_slot(config: RunConfig) -> Iterator[str]:
+    """Hold the run's lease (infra.torchrun.RunLease) while training; wait, saying so in the
+    log, while another flow run trains the run, or while workers whose flow process was
+    killed still train it (they stop by themselves). Yields the holder's name, which every
+    attempt's workers watch: if this process dies, they stop within
+    launch.orphan_timeout_s.
 
-    The slot is a lease the holder renews; if its process dies, the lease lapses after
-    `lease_duration` and the slot frees itself.
+    A file in the run directory rather than a Prefect concurrency slot: a slot's lease
+    lives in the server's memory, so a restarted server forgot it (and killed the flow run
+    holding it), and Prefect's temporary server never frees the slot of a killed command.
     """
-    name = ensure_run_limit(config.run.run_id)
-    with ExitStack() as stack:
-        try:
-            stack.enter_context(concurrency(name, timeout_seconds=2, strict=True))
-        except TimeoutError:
-            get_run_logger().info(f"run {config.run.run_id} is being trained by another flow run "
-                                  f"(concurrency limit {name!r}); waiting for it to finish")
-            stack.enter_context(concurrency(name, strict=True))
-        yield
+    holder = lease_holder()
+    with RunLease(config, holder).held(get_run_logger().info):
+        yield holder
 
 
 class TimeLimit:

@@ -62,14 +62,16 @@ def retry_unless_config_error(task, task_run, state) -> bool:
 @task(name="launch-training", cache_policy=NO_CACHE, retry_condition_fn=retry_per_policy,
       tags=["training"])
 def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | None = None,
-                    worker_logs: WorkerLogs = "rank0", started: float | None = None) -> dict:
+                    worker_logs: WorkerLogs = "rank0", started: float | None = None,
+                    lease_holder: str | None = None) -> dict:
     """Run torchrun to max_steps (one attempt per Prefect try), worker output in this log.
 
     Each heartbeat updates the progress artifact. `time_limit_s` after `started` (the flow
     run's start; retries share the budget) the workers stop right after the next checkpoint
     they save, and the task returns normally with `stopped: "time limit"` (the next flow run
     continues from there). The first try always launches (it stops at its first checkpoint
-    past the deadline); a retry that begins after the deadline does not.
+    past the deadline); a retry that begins after the deadline does not. `lease_holder`:
+    who holds the run's lease (the flow run), watched by the workers.
     """
     logger = get_run_logger()
     # The random tail of the run id: scheduled runs' ids (uuid7) share their time-ordered head.
@@ -85,7 +87,7 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
     try:
         result = train_attempt(config, dataset_dir, store_from_config(config.storage), attempt,
                                worker_log(logger.info, worker_logs), on_progress=progress,
-                               stop_after=limit.deadline)
+                               stop_after=limit.deadline, lease_holder=lease_holder)
         ended = result.reason  # done, time limit
     except TrainingFailed as failure:
         ended = str(failure.failure_class)

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from infra.prefect_stack import LEASES_ON_DISK
 from infra.torchrun import free_port
 
 PREFECT = str(Path(sys.executable).with_name("prefect"))
@@ -50,6 +51,7 @@ def prefect_server(tmp_path_factory) -> PrefectServer:
         # A `* * * * *` schedule gets 5 runs ahead, not an hour's worth (60 rows to write, and
         # to delete when it is switched off, on a SQLite file that every test shares).
         PREFECT_SERVER_SERVICES_SCHEDULER_MAX_RUNS="5",
+        PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=LEASES_ON_DISK,  # as goodput's CLI and stack do
     )
     host, port = url.removeprefix("http://").split(":")
     with open(server.log, "w") as log:

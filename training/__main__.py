@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from training.checkpoint.errors import CheckpointCorrupt, CheckpointFailed
-    from training.resilience import Preempted, RollbackRequested
+    from training.resilience import Orphaned, Preempted, RollbackRequested
     from training.train import train
 
     def ended(failure: FailureClass, reason: str, step: int | None, **details) -> int:
@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     except RollbackRequested as e:
         log.warning("rollback: %s", e)
         return ended(FailureClass.ROLLBACK, e.reason, e.step, sample_end=e.sample_end)
+    except Orphaned as e:  # not restarted in-job: nobody would watch the restarted workers
+        return ended(FailureClass.ORPHANED, str(e), e.step)
     except Preempted as e:
         log.info("%s", e)
         return ended(FailureClass.RETRYABLE, str(e), e.step)

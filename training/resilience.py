@@ -48,6 +48,15 @@ class Preempted(Exception):
         self.step = step
 
 
+class Orphaned(Preempted):
+    """The supervisor is gone (no renewal of the run's lease): an emergency checkpoint at
+    `step` is committed and the workers stop rather than train on unwatched."""
+
+    def __init__(self, step: int, why: str):
+        Exception.__init__(self, f"orphaned ({why}): emergency checkpoint at step {step}")
+        self.step = step
+
+
 class LossGuard:
     """Flags a step whose loss or gradient norm is non-finite, or whose loss spikes above
     `factor` x the mean of the last `window` good steps (in the spirit of llm-foundry's
@@ -88,15 +97,17 @@ class Resilience:
     `after_step(step, loss)` after it. Holds the guard, the preemption flag, the vote on
     failed saves and on the time limit, and the fault hooks.
 
-    `stop_after`: the flow run's deadline (Unix time), or None for none."""
+    `stop_after`: the flow run's deadline (Unix time), or None for none. `lease`: rank 0's
+    watch on the supervisor (core.protocol.LeaseWatch), None on other ranks and unsupervised."""
 
     def __init__(self, config, rank: int, checkpointer, faults: FaultInjector | None = None,
-                 stop_after: float | None = None):
+                 stop_after: float | None = None, lease=None):
         self.guard = LossGuard(config.faults.spike_factor, config.faults.spike_window)
         self.preemption = PreemptionFlag()
         self.checkpointer = checkpointer
         self.faults = faults or FaultInjector.for_config(config, rank)
         self.stop_after = stop_after
+        self.lease = lease
 
     def check(self, step: int, loss: float, grad_norm: float, sample_end: int) -> None:
         """Raises RollbackRequested for a bad step `step` (not applied; its data ends before
@@ -113,14 +124,18 @@ class Resilience:
         # Every rank saves the same steps; one rank's clock past the deadline is enough.
         past_deadline = (self.stop_after is not None and self.checkpointer.saved_step == step
                          and time.time() >= self.stop_after)
-        preempted, save_failed, time_up = any_rank(self.preemption.received,
-                                                    self.checkpointer.failed, past_deadline)
+        orphaned = self.lease.orphaned() if self.lease is not None else ""
+        preempted, save_failed, time_up, unsupervised = any_rank(
+            self.preemption.received, self.checkpointer.failed, past_deadline, bool(orphaned))
         if save_failed:
             self.checkpointer.raise_failure()
-        if preempted:
+        if preempted or unsupervised:
             # (a job the scheduler signalled stays RUNNING meanwhile, and the supervisor polls)
             self.checkpointer.emergency_save(loss)
-            raise Preempted(step)
+            if preempted:
+                raise Preempted(step)
+            log.warning("stopping: %s", orphaned or "rank 0 found the supervisor gone")
+            raise Orphaned(step, orphaned or "rank 0 found the supervisor gone")
         return time_up
 
 

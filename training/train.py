@@ -26,8 +26,8 @@ import torch.distributed as dist
 from core.config import RunConfig
 from core.errors import ConfigError, DataError
 from core.layout import ParallelDims
-from core.protocol import (ENV_MTBF_S, ENV_RESTART_WAIT_S, ENV_STOP_AFTER, TIME_LIMIT, ResumeSpec,
-                           attempt_of_worker)
+from core.protocol import (ENV_LEASE_HOLDER, ENV_MTBF_S, ENV_ORPHAN_AFTER_S, ENV_RESTART_WAIT_S,
+                           ENV_STOP_AFTER, TIME_LIMIT, LeaseWatch, ResumeSpec, attempt_of_worker)
 from training.checkpoint.component import Checkpointer, Progress
 from training.checkpoint.resume import resolve_resume
 from training.data import DistributedSampleLoader, open_training_data
@@ -111,8 +111,11 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
                                                 [earlier[step] for step in sorted(earlier)])
     validation = HeldOutInLoop(config, data, layout, env.device)
     stop_after = os.environ.get(ENV_STOP_AFTER)
+    holder, orphan_after = os.environ.get(ENV_LEASE_HOLDER), os.environ.get(ENV_ORPHAN_AFTER_S)
+    lease = (LeaseWatch(config.run_dir, holder, float(orphan_after))
+             if holder and orphan_after and env.is_main else None)
     resilience = Resilience(config, env.rank, checkpointer, faults,
-                            stop_after=float(stop_after) if stop_after else None)
+                            stop_after=float(stop_after) if stop_after else None, lease=lease)
     if env.is_main:
         stages = (f" (layers per stage {dims.stage_layers(model_args['n_layers'])})"
                   if dims.pp > 1 else "")

@@ -1,0 +1,288 @@
+"""The production Prefect stack on one machine, as Prefect documents it: a server on
+PostgreSQL, a process work pool, a worker, and the deployments of prefect.yaml.
+
+`goodput server` runs it in the foreground (Ctrl-C stops it); the tests start the same
+stack. Everything it keeps lives under one directory (default `.goodput/server`): the
+database cluster, the Prefect home, the logs and two secrets it generates on first start
+and reuses after:
+
+    postgres-password   the database user's password (the server's connection URL)
+    api-auth-string     `goodput:<token>`: Prefect's API auth (PREFECT_SERVER_API_AUTH_STRING)
+
+A server that can start training on a GPU cluster lets no one in unasked: the API asks for
+the auth string (clients set PREFECT_API_AUTH_STRING; the UI prompts for it), the server and
+the database listen on 127.0.0.1 unless told otherwise, and the database wants its password.
+
+    with PrefectStack(".goodput/server") as stack:
+        env = {**os.environ, **stack.client_env()}   # PREFECT_API_URL, PREFECT_API_AUTH_STRING
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from infra.launchers import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+POOL = "goodput"  # the work pool prefect.yaml's deployments name
+# Where a server keeps concurrency leases (a run's training slot): on disk, under its
+# PREFECT_HOME. Prefect's default keeps them in memory, so a restarted server forgets them:
+# their holders' renewals fail, and the slots they held stay taken.
+LEASES_ON_DISK = "prefect.server.concurrency.lease_storage.filesystem"
+_PG_TOOLS = ("initdb", "pg_ctl", "psql")
+
+
+def _postgres_bin(tool: str) -> str:
+    """A PostgreSQL program: on PATH, else Debian's /usr/lib/postgresql/<version>/bin."""
+    found = shutil.which(tool)
+    if found:
+        return found
+    for version_dir in sorted(Path("/usr/lib/postgresql").glob("*/bin"), reverse=True):
+        if (version_dir / tool).is_file():
+            return str(version_dir / tool)
+    raise FileNotFoundError(f"PostgreSQL's {tool} not found: install PostgreSQL "
+                            "(Debian: apt-get install postgresql)")
+
+
+def missing_postgres() -> list[str]:
+    missing = []
+    for tool in _PG_TOOLS:
+        try:
+            _postgres_bin(tool)
+        except FileNotFoundError:
+            missing.append(tool)
+    return missing
+
+
+def _secret(path: Path, make) -> str:
+    """The secret kept at `path` (0600), made on first use."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(make())
+    return path.read_text().strip()
+
+
+class Postgres:
+    """A PostgreSQL cluster in `directory`, on 127.0.0.1:`port`, one password-protected user.
+
+    PostgreSQL refuses to run as root: as root, its files belong to the `postgres` user and
+    its programs run as that user (runuser)."""
+
+    USER = "goodput"
+
+    def __init__(self, directory: Path, port: int, password: str):
+        self.directory, self.port, self.password = directory, port, password
+        self.data = directory / "data"
+        self.log = directory / "postgres.log"
+
+    @property
+    def url(self) -> str:
+        return (f"postgresql+asyncpg://{self.USER}:{self.password}@127.0.0.1:{self.port}/prefect")
+
+    def _as_owner(self, argv: list[str]) -> list[str]:
+        return ["runuser", "-u", "postgres", "--", *argv] if os.geteuid() == 0 else argv
+
+    def _chown(self, path: Path) -> None:
+        if os.geteuid() == 0:
+            owner = pwd.getpwnam("postgres")
+            os.chown(path, owner.pw_uid, owner.pw_gid)
+
+    def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._chown(self.directory)
+        if not (self.data / "PG_VERSION").exists():
+            password_file = self.directory / ".initdb-password"
+            password_file.write_text(self.password)
+            self._chown(password_file)
+            try:
+                proc = subprocess.run(self._as_owner([
+                    _postgres_bin("initdb"), "-D", str(self.data), "-U", self.USER,
+                    "--auth=scram-sha-256", f"--pwfile={password_file}", "--locale=C.UTF-8",
+                    "--encoding=UTF8"]), capture_output=True, text=True)
+            finally:
+                password_file.unlink()
+            if proc.returncode != 0:
+                raise RuntimeError(f"initdb failed: {proc.stderr.strip()}")
+        options = (f"-p {self.port} -k {self.directory} -c listen_addresses=127.0.0.1 "
+                   "-c max_connections=200")
+        proc = subprocess.run(self._as_owner([
+            _postgres_bin("pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-o", options,
+            "-w", "-t", "60", "start"]), capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"PostgreSQL did not start: {proc.stderr.strip()}\n"
+                               f"{self.log.read_text()[-2000:] if self.log.exists() else ''}")
+        if "prefect" not in self.sql("SELECT datname FROM pg_database").split():
+            self.sql("CREATE DATABASE prefect")
+
+    def sql(self, query: str, database: str = "postgres") -> str:
+        """One statement through psql; its rows, `|`-separated."""
+        proc = subprocess.run(
+            [_postgres_bin("psql"), "-h", "127.0.0.1", "-p", str(self.port), "-U", self.USER,
+             "-d", database, "-A", "-t", "-c", query],
+            env={**os.environ, "PGPASSWORD": self.password}, capture_output=True, text=True,
+            timeout=60)
+        if proc.returncode != 0:
+            raise RuntimeError(f"psql: {proc.stderr.strip()}")
+        return proc.stdout
+
+    def stop(self) -> None:
+        if (self.data / "postmaster.pid").exists():
+            subprocess.run(self._as_owner([_postgres_bin("pg_ctl"), "-D", str(self.data),
+                                           "-m", "fast", "-w", "stop"]), capture_output=True)
+
+
+class PrefectStack:
+    """PostgreSQL, `prefect server start` on it, the work pool, the deployments, a worker."""
+
+    def __init__(self, directory: str | os.PathLike = ".goodput/server", host: str = "127.0.0.1",
+                 port: int = 4200, pool: str = POOL, worker: bool = True,
+                 repo: str | os.PathLike = REPO, pg_port: int | None = None,
+                 extra_env: dict[str, str] | None = None):
+        self.directory = Path(directory).absolute()
+        self.host, self.port, self.pool, self.with_worker = host, port, pool, worker
+        self.repo = Path(repo).absolute()
+        self.extra_env = extra_env or {}
+        self.directory.mkdir(parents=True, exist_ok=True)
+        # Its secrets are files of mode 0600; the postgres user must be able to pass through.
+        os.chmod(self.directory, 0o711)
+        self.auth_string = _secret(self.directory / "api-auth-string",
+                                   lambda: f"goodput:{secrets.token_urlsafe(24)}")
+        self.postgres = Postgres(self.directory / "postgres", pg_port or free_port(),
+                                 _secret(self.directory / "postgres-password",
+                                         lambda: secrets.token_hex(16)))
+        self.server: subprocess.Popen | None = None
+        self.worker: subprocess.Popen | None = None
+
+    # -- addresses and environments -----------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        shown = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{shown}:{self.port}"
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.url}/api"
+
+    def client_env(self) -> dict[str, str]:
+        """What a client (a CLI, a flow run, a worker) needs to reach the API."""
+        return {"PREFECT_API_URL": self.api_url, "PREFECT_API_AUTH_STRING": self.auth_string}
+
+    def _env(self, **extra: str) -> dict[str, str]:
+        env = {key: value for key, value in os.environ.items()
+               if not key.startswith(("PREFECT_API_", "PREFECT_SERVER_API_"))}
+        return {**env, "PREFECT_HOME": str(self.directory / "prefect"),
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", **self.client_env(),
+                **self.extra_env, **extra}
+
+    def log(self, name: str) -> Path:
+        return self.directory / f"{name}.log"
+
+    # -- start and stop -----------------------------------------------------------------------
+
+    def __enter__(self) -> PrefectStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self, timeout_s: float = 180.0) -> None:
+        self.postgres.start()
+        self.start_server(timeout_s)
+        self.prefect("work-pool", "inspect", self.pool, check=False) \
+            or self.prefect("work-pool", "create", self.pool, "--type", "process")
+        self.prefect("--no-prompt", "deploy", "--all", cwd=self.repo, timeout=600)
+        if self.with_worker:
+            self.start_worker()
+
+    def start_server(self, timeout_s: float = 180.0) -> None:
+        self.server = self._spawn("server", [_prefect(), "server", "start", "--host", self.host,
+                                             "--port", str(self.port)],
+                                  PREFECT_API_DATABASE_CONNECTION_URL=self.postgres.url,
+                                  PREFECT_SERVER_API_AUTH_STRING=self.auth_string,
+                                  PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE=LEASES_ON_DISK)
+        deadline = time.monotonic() + timeout_s
+        while not self.healthy():
+            if self.server.poll() is not None:
+                raise RuntimeError(f"prefect server exited ({self.server.returncode}): "
+                                   f"{self.log('server').read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"prefect server not healthy after {timeout_s:.0f}s: "
+                                   f"{self.log('server').read_text()[-3000:]}")
+            time.sleep(0.5)
+
+    def healthy(self) -> bool:
+        try:
+            return httpx.get(f"{self.api_url}/health", timeout=2,
+                             auth=tuple(self.auth_string.split(":", 1))).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def start_worker(self) -> None:
+        """A process worker on the pool; its flow runs start in the repository
+        (GOODPUT_REPO, prefect.yaml's pull step) with this stack's client environment."""
+        self.worker = self._spawn("worker", [_prefect(), "worker", "start", "--pool", self.pool,
+                                             "--type", "process"],
+                                  GOODPUT_REPO=str(self.repo))
+
+    def kill_server(self) -> None:
+        """The server dies at once (SIGKILL), as in a crash; PostgreSQL keeps its data."""
+        _end(self.server, signal.SIGKILL)
+
+    def kill_worker(self) -> None:
+        _end(self.worker, signal.SIGKILL, group=False)  # only the worker: its flow runs go on
+
+    def stop(self) -> None:
+        # A worker ignores SIGTERM while flow runs are under way and can leave a child
+        # behind (STACK_NOTES): its whole group goes, then the server, then the database.
+        _end(self.worker, signal.SIGKILL)
+        _end(self.server, signal.SIGTERM)
+        self.postgres.stop()
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def prefect(self, *args: str, cwd: Path | None = None, check: bool = True,
+                timeout: float = 120) -> bool:
+        """A `prefect` CLI command against this stack; True when it succeeded."""
+        proc = subprocess.run([_prefect(), *args], env=self._env(), cwd=cwd, capture_output=True,
+                              text=True, timeout=timeout)
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"prefect {' '.join(args)} failed ({proc.returncode}):\n"
+                               f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        return proc.returncode == 0
+
+    def _spawn(self, name: str, argv: list[str], **env: str) -> subprocess.Popen:
+        with open(self.log(name), "ab") as log:
+            return subprocess.Popen(argv, env=self._env(**env), stdin=subprocess.DEVNULL,
+                                    stdout=log, stderr=subprocess.STDOUT, cwd=self.directory,
+                                    start_new_session=True)
+
+
+def _prefect() -> str:
+    return str(Path(sys.executable).with_name("prefect"))
+
+
+def _end(proc: subprocess.Popen | None, sig: int, group: bool = True, grace_s: float = 20) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,224 @@
+"""The production Prefect stack, for real: PostgreSQL, a Prefect server on it with API auth,
+the process work pool, a worker and prefect.yaml's deployments, all started by
+infra.prefect_stack as `goodput server` starts them. Flow runs are triggered through the
+API and run in the worker's processes, as a team's runs would.
+
+And the orchestrator as a failure domain: the server killed and restarted mid-training,
+the flow run's own process killed mid-training.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from uuid import UUID, uuid4
+
+import httpx
+import psutil
+import pytest
+
+from infra.launchers import free_port
+from infra.prefect_stack import PrefectStack, missing_postgres
+from storage.ledger import Ledger
+from tests.helpers import small_config, wait_for
+from training.metrics import read_metrics
+
+pytestmark = pytest.mark.prefect_stack
+
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
+
+
+class Api:
+    """The stack's REST API, with its auth string, as the UI and clients reach it."""
+
+    def __init__(self, stack: PrefectStack):
+        self.url, self.auth = stack.api_url, tuple(stack.auth_string.split(":", 1))
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        for delay in (1, 2, 4, 8, 0):  # a server just restarted may not answer yet
+            try:
+                response = httpx.post(f"{self.url}{path}", json=body, auth=self.auth, timeout=60)
+                if response.status_code < 500 or not delay:
+                    response.raise_for_status()
+                    return response
+            except httpx.TransportError:
+                if not delay:
+                    raise
+            time.sleep(delay)
+
+    def deployment(self, name: str) -> str:
+        flow, deployment = name.split("/")
+        return self.post("/deployments/filter", {
+            "flows": {"name": {"any_": [flow]}},
+            "deployments": {"name": {"any_": [deployment]}}}).json()[0]["id"]
+
+    def trigger(self, name: str, parameters: dict) -> str:
+        return self.post(f"/deployments/{self.deployment(name)}/create_flow_run",
+                         {"parameters": parameters, "idempotency_key": str(uuid4())}).json()["id"]
+
+    def flow_run(self, flow_run_id: str) -> dict:
+        return self.post("/flow_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}}).json()[0]
+
+    def wait_final(self, flow_run_id: str, timeout_s: float) -> dict:
+        return wait_for(lambda: (lambda run: run if run["state"]["type"] in FINAL else None)(
+            self.flow_run(flow_run_id)), timeout_s, f"final state of flow run {flow_run_id}", 2)
+
+    def logs(self, flow_run_id: str) -> list[dict]:
+        return self.post("/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}},
+                                          "sort": "TIMESTAMP_ASC", "limit": 200}).json()
+
+    def events(self, prefix: str, run_id: str) -> list[dict]:
+        return self.post("/events/filter", {
+            "filter": {"event": {"prefix": [prefix]},
+                       "any_resource": {"labels": {"goodput.run-id": [run_id]}}},
+            "limit": 50}).json()["events"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    missing = missing_postgres()
+    if missing:
+        pytest.skip(f"PostgreSQL not installed ({', '.join(missing)} missing): "
+                    "apt-get install postgresql, or run scripts/setup.sh as root")
+    with PrefectStack(tmp_path_factory.mktemp("stack"), port=free_port()) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def api(stack) -> Api:
+    return Api(stack)
+
+
+@pytest.fixture(scope="module")
+def workdir(api, tmp_path_factory):
+    """A directory of runs whose dataset is prepared (by the prepare deployment)."""
+    workdir = tmp_path_factory.mktemp("stack-runs")
+    prepared = api.wait_final(api.trigger("prepare/goodput-prepare",
+                                          {"config": form(workdir, "run.run_id=prepare")}), 600)
+    assert prepared["state"]["type"] == "COMPLETED", prepared["state"]
+    return workdir
+
+
+def form(workdir, *overrides: str) -> dict:
+    """The RunConfig form of a small run in `workdir`, as the UI submits it."""
+    return small_config(workdir, *overrides).model_dump(mode="json")
+
+
+def trained_to(run_dir) -> int:
+    try:
+        return json.loads((run_dir / "heartbeat.json").read_text()).get("step") or 0
+    except (FileNotFoundError, json.JSONDecodeError):
+        return 0
+
+
+def processes_of(run_dir) -> list[psutil.Process]:
+    """torchrun and training processes of this run."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if any(str(run_dir) in arg for arg in process.cmdline()):
+                found.append(process)
+        except psutil.Error:
+            pass
+    return found
+
+
+def flow_process(flow_run_id: str) -> psutil.Process:
+    """The process the worker started for a flow run."""
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("PREFECT__FLOW_RUN_ID") == flow_run_id:
+                return process
+        except psutil.Error:
+            pass
+    raise LookupError(f"no process runs flow run {flow_run_id}")
+
+
+# -- who may use it ---------------------------------------------------------------------------
+
+def test_the_api_asks_for_the_auth_string_and_listens_on_loopback_only(stack, api):
+    assert httpx.post(f"{stack.api_url}/flows/filter", json={}).status_code == 401
+    assert httpx.post(f"{stack.api_url}/flows/filter", json={},
+                      auth=("goodput", "not-the-secret")).status_code == 401
+    assert api.post("/flows/filter", {}).status_code == 200
+    # Bound to 127.0.0.1: no listening socket on another address has the server's port.
+    listening = [c for c in psutil.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == stack.port]
+    assert listening and {c.laddr.ip for c in listening} == {"127.0.0.1"}
+    # The secret is a file only its owner reads, and the deployments are there.
+    assert (stack.directory / "api-auth-string").stat().st_mode & 0o777 == 0o600
+    deployments = {d["name"] for d in api.post("/deployments/filter", {}).json()}
+    assert {"goodput-prepare", "goodput-train", "goodput-evaluate", "goodput-pipeline"} <= deployments
+
+
+# -- the orchestrator fails -------------------------------------------------------------------
+
+def test_training_goes_on_through_a_server_restart(stack, api, workdir):
+    """The server killed mid-training and started again: the workers train on meanwhile,
+    the flow run ends Completed, every checkpoint is validated and uploaded (those whose
+    tasks could not start while the API was away included), and logs and events resume."""
+    run_dir = workdir / "runs" / "restart"
+    flow_run = api.trigger("train/goodput-train", {"config": form(
+        workdir, "run.run_id=restart", "training.max_steps=240", "checkpoint.every_steps=40")})
+    wait_for(lambda: trained_to(run_dir) >= 50, 600, "training past the first checkpoint", 0.5)
+    stack.kill_server()
+    down_at, step_at_kill = time.time(), trained_to(run_dir)
+    time.sleep(15)
+    assert trained_to(run_dir) > step_at_kill, "training stopped with the server"
+    stack.start_server()
+    back_at = time.time()
+
+    finished = api.wait_final(flow_run, 600)
+    assert finished["state"]["type"] == "COMPLETED", finished["state"]
+    ledger = Ledger(run_dir).read()
+    assert ledger.steps("uploaded") == list(range(40, 241, 40)), ledger.entries
+    outcomes = [json.loads(p.read_text()) for p in run_dir.glob("attempts/*/outcome.json")]
+    assert [o["class"] for o in outcomes] == ["done"]  # not mistaken for a hang meanwhile
+    # Logs and events sent after the restart reached the new server.
+    stamps = [log["timestamp"] for log in api.logs(flow_run)]
+    assert any(_unix(stamp) > back_at for stamp in stamps)
+    uploads = api.events("goodput.checkpoint.uploaded", "restart")
+    assert any(_unix(event["occurred"]) > back_at for event in uploads)
+    assert down_at < back_at
+
+
+def test_workers_of_a_killed_flow_process_stop_and_the_next_flow_run_waits_for_them(
+        stack, api, workdir):
+    """Flow run A trains; B, for the same run, waits for A's lease. A's process is killed
+    (SIGKILL: no cleanup): its workers, with no supervisor renewing the lease, write an
+    emergency checkpoint and stop within launch.orphan_timeout_s; B waits for them, never
+    training beside them, then resumes from a checkpoint and finishes."""
+    run_dir = workdir / "runs" / "orphans"
+    config = form(workdir, "run.run_id=orphans", "training.max_steps=100000",
+                  "checkpoint.every_steps=40", "launch.orphan_timeout_s=10")
+    a = api.trigger("train/goodput-train", {"config": config})
+    wait_for(lambda: trained_to(run_dir) >= 45, 600, "A training past a checkpoint", 0.5)
+    b = api.trigger("train/goodput-train", {"config": config, "time_limit_s": 1})
+    wait_for(lambda: any("is being trained by flow run" in log["message"] for log in api.logs(b)),
+             300, "B waiting for A's lease")
+
+    os.kill(flow_process(a).pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    a_attempt = str(a)[-8:]
+    wait_for(lambda: not [p for p in processes_of(run_dir)
+                          if p.environ().get("GOODPUT_ATTEMPT", "").startswith(a_attempt)],
+             120, "A's workers to stop by themselves", 0.5)
+    assert time.monotonic() - killed_at < 10 + 60  # orphan timeout + the emergency save
+    records = [json.loads(p.read_text()) for p in run_dir.glob(f"attempts/attempt-{a_attempt}-*/rank-*.json")]
+    assert records and {r["class"] for r in records} == {"orphaned"}
+
+    finished = api.wait_final(b, 600)
+    assert finished["state"]["type"] == "COMPLETED", finished["state"]
+    steps = read_metrics(run_dir)
+    a_steps = [m for m in steps if m["attempt"].startswith(a_attempt)]
+    b_steps = [m for m in steps if m["attempt"].startswith(str(b)[-8:])]
+    assert b_steps[0]["step"] > 1, "B should resume from a checkpoint A left"
+    assert b_steps[0]["time"] > a_steps[-1]["time"], "B trained while A's workers still did"
+
+
+def _unix(stamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
