@@ -243,13 +243,20 @@ def run_finished(config: RunConfig, store) -> bool:
 
 
 def resume_point(config: RunConfig, store) -> ResumePoint | None:
-    """Where the next attempt starts (storage.ledger.choose_resume), once every committed
-    checkpoint on local disk is judged, so that progress saved just before a crash counts.
-    A verifier that gives no verdict leaves its checkpoint unjudged: not resumed from."""
+    """Where the next attempt starts (storage.ledger.choose_resume), once the committed
+    checkpoints on local disk newer than the newest validated one are judged, newest first,
+    up to the first that passes: progress saved just before a crash counts, and a backlog of
+    older unjudged ones (a flow process killed while its validations lagged) is left to the
+    flow's own tasks. A verifier that gives no verdict leaves its checkpoint unjudged: not
+    resumed from."""
     restore_ledger(config, store)
-    for step in unjudged_steps(config):
+    newest = ledger_of(config).read().newest()
+    for step in sorted(unjudged_steps(config), reverse=True):
+        if newest is not None and step <= newest.step:
+            break
         try:
-            validate_checkpoint(config, step)
+            if validate_checkpoint(config, step).state == "validated":
+                break
         except VerifierCrashed as e:
             log.warning("%s; not resuming from it", e)
     return choose_resume(config.run_dir, ledger_of(config).read())

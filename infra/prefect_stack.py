@@ -101,6 +101,14 @@ class Postgres:
 
     def start(self) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            closed = [p for p in self.directory.parents if not p.stat().st_mode & 0o001]
+            if closed:
+                raise PermissionError(
+                    f"PostgreSQL runs as the user 'postgres', which cannot reach "
+                    f"{self.directory}: {closed[0]} is closed to other users. Keep the stack "
+                    f"elsewhere (goodput server --dir), or open that directory to others "
+                    f"(chmod o+x {closed[0]})")
         self._chown(self.directory)
         if not (self.data / "PG_VERSION").exists():
             password_file = self.directory / ".initdb-password"

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 import time
 from uuid import UUID, uuid4
 
@@ -82,8 +84,14 @@ def stack(tmp_path_factory):
     if missing:
         pytest.skip(f"PostgreSQL not installed ({', '.join(missing)} missing): "
                     "apt-get install postgresql, or run scripts/setup.sh as root")
-    with PrefectStack(tmp_path_factory.mktemp("stack"), port=free_port()) as running:
-        yield running
+    # Not under pytest's temporary directory (closed to other users): the database runs as
+    # the user postgres, which must reach its directory.
+    directory = tempfile.mkdtemp(prefix="goodput-stack-")
+    try:
+        with PrefectStack(directory, port=free_port()) as running:
+            yield running
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +159,38 @@ def test_the_api_asks_for_the_auth_string_and_listens_on_loopback_only(stack, ap
     assert (stack.directory / "api-auth-string").stat().st_mode & 0o777 == 0o600
     deployments = {d["name"] for d in api.post("/deployments/filter", {}).json()}
     assert {"goodput-prepare", "goodput-train", "goodput-evaluate", "goodput-pipeline"} <= deployments
+
+
+# -- load -------------------------------------------------------------------------------------
+
+def test_eight_pipelines_at_once_complete_and_every_task_run_is_recorded(stack, api, workdir):
+    """8 pipelines triggered at once through the work pool: all complete; the database holds
+    every task run each flow run logged as finished, in a final state; no database error in
+    the server's or the worker's log."""
+    since = time.time()
+    runs = [api.trigger("pipeline/goodput-pipeline", {"config": form(
+        workdir, f"run.run_id=load-{i}", "training.max_steps=4", "checkpoint.every_steps=2",
+        "parallelism.nproc_per_node=1", "eval.max_batches=2", "eval.num_samples=1")})
+        for i in range(8)]
+    finished = [api.wait_final(run, 1500) for run in runs]
+    assert [run["state"]["type"] for run in finished] == ["COMPLETED"] * 8, \
+        [run["state"] for run in finished]
+    after = f"to_timestamp({since})"
+    logged = int(stack.postgres.sql(
+        "SELECT count(DISTINCT task_run_id) FROM log WHERE task_run_id IS NOT NULL "
+        f"AND message LIKE 'Finished in state%' AND timestamp > {after}", "prefect"))
+    # Every task run but those standing for a subflow (they log no "Finished in state").
+    states = dict(line.split("|") for line in stack.postgres.sql(
+        f"SELECT state_type, count(*) FROM task_run WHERE created > {after} AND id NOT IN "
+        "(SELECT parent_task_run_id FROM flow_run WHERE parent_task_run_id IS NOT NULL) "
+        "GROUP BY state_type", "prefect").split())
+    assert logged >= 8 * 20  # each pipeline: prepare, train, evaluate and their tasks
+    assert states == {"COMPLETED": str(logged)}
+    for name in ("server", "worker"):
+        text = stack.log(name).read_text()
+        for sign in ("database is locked", "deadlock", "DBAPIError", "OperationalError",
+                     "Traceback"):
+            assert sign not in text, f"{sign!r} in the {name}'s log"
 
 
 # -- the orchestrator fails -------------------------------------------------------------------
