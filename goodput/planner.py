@@ -269,9 +269,10 @@ def head_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_by
 def loss_workspace_bytes(args: ModelArgs, batch: int, seq: int, compiled: bool = False,
                          act_bytes: int = 4, tp: int = 1) -> float:
     """Backward's start: eagerly the fp32 gradients of the log-probabilities and of the
-    logits, alive at once; compiled, the logits' gradient in their dtype and one fp32
-    intermediate of the fused kernel. `tp`: the vocabulary shard (vocabulary-parallel loss)."""
-    per_token = (act_bytes + 4) if compiled else 2 * 4
+    logits, alive at once; compiled, only the logits' gradient, in their dtype (the fused
+    kernel computes softmax minus one-hot from the saved logits and log-sum-exp without an
+    fp32 copy). `tp`: the vocabulary shard (vocabulary-parallel loss)."""
+    per_token = act_bytes if compiled else 2 * 4
     return per_token * batch * seq * args.vocab_size / tp
 
 
@@ -914,7 +915,8 @@ def _communication(s: _Setup, dims: ParallelDims) -> tuple[dict[str, float], dic
             # A pipeline stage's blocks stay gathered after backward (PipelineStage keeps
             # them for the step's later micro-batches): gathered again only where forward
             # resharded them, once per micro-batch.
-            gathers = (n_micro if par.reshard_after_forward else tcfg.grad_accum_steps) * blocks + root
+            gathers = ((n_micro if par.reshard_after_forward else tcfg.grad_accum_steps) * blocks
+                       + tcfg.grad_accum_steps * root)
         else:
             gathers = n_micro * ((2 if par.reshard_after_forward else 1) * blocks + root)
         # Gradients are reduced once per step, or with pipeline stages at the end of every
@@ -1248,6 +1250,10 @@ def _pipeline_facts(p: LayoutPlan) -> str:
             text += f" (busiest rank {p.imbalance - 1:.1%} above the mean: it sets the pace)"
     if p.output_blocks is not None:
         text += f"; the output layer and loss compute as much as {p.output_blocks:.1f} blocks"
+    if p.best_virtual_stages is not None:
+        v, step = p.best_virtual_stages
+        text += (f"; interleaved-1f1b with parallelism.pp_virtual_stages={v} gives the shortest "
+                 f"step that fits ({step:.3f} s)")
     if p.balancing is not None:
         weight, split, imbalance = p.balancing
         text += (f"; parallelism.pp_last_stage_less_layers={weight} would split {split}, the "
@@ -1294,9 +1300,84 @@ def _step_facts(p: LayoutPlan, noun: str, cluster: Cluster) -> list[str]:
         facts.append(f"estimated step time: {p.step_time_s:.3f} s for {p.tokens_per_step:,} "
                      f"tokens, {p.tokens_per_s:,.0f} tokens/s ({p.tokens_per_s / cluster.world_size:,.0f}"
                      f" per {noun}), MFU {p.mfu:.1%}")
-        facts.append(f"assumed: compute at {cluster.compute_efficiency:.1%} of "
-                     f"{cluster.gpu_flops / 1e12:,.0f} TFLOP/s peak ({cluster.efficiency_source}); "
-                     f"{cluster.comm_overlap:.0%} of data-parallel communication hidden behind "
-                     f"compute, TP and PP transfers not: compute {p.compute_s:.3f} s + exposed "
-                     f"communication {p.exposed_comm_s:.3f} s")
+        speed = cluster.compute_efficiency / MATMUL_EFFICIENCY
+        facts.append(f"assumed: matmuls at {cluster.compute_efficiency:.1%} of "
+                     f"{cluster.gpu_flops / 1e12:,.0f} TFLOP/s peak, attention at "
+                     f"{ATTENTION_EFFICIENCY * speed:.0%}, memory-bound work at "
+                     f"{MEMORY_EFFICIENCY * speed:.0%} of {cluster.memory_bandwidth / 1e12:.2f} TB/s "
+                     f"({cluster.efficiency_source}); {cluster.comm_overlap:.0%} of data-parallel "
+                     f"communication hidden behind compute: compute {p.compute_s:.3f} s + exposed "
+                     f"communication {p.exposed_comm_s:.3f} s (--explain shows the arithmetic)")
     return facts + [f"note: {note}" for note in p.departures]
+
+
+def explain_table(p: LayoutPlan, cluster: Cluster, config: RunConfig,
+                  recipe: Recipe = GOODPUT) -> str:
+    """goodput plan --explain: each figure of one layout's plan with the arithmetic behind it,
+    as a markdown table a reviewer can check by hand (quantity | how | value)."""
+    if p.memory is None:
+        return "no estimate: " + "; ".join(str(problem) for problem in p.problems)
+    s = _setup(config, cluster, recipe)
+    args, tcfg, pc, mem = s.args, config.training, p.params, p.memory
+    d = p.degrees
+    dims = ParallelDims.resolve(d, cluster.world_size, **config.parallelism.pipeline())
+    noun = _device_noun(cluster)
+    seq, tokens = tcfg.seq_len, p.tokens_per_step
+    flops_token = model_flops_per_token(args, seq)
+    rows = [("parameters", f"embedding {pc.embedding:,} + {args.n_layers} blocks x "
+             f"{pc.block_matrix + pc.block_vector:,} + output {pc.head_matrix + pc.head_vector:,}",
+             f"{pc.total:,}"),
+            ("FLOPs per token", f"6 x {pc.matmul:,} matmul parameters + 12 x {args.n_layers} "
+             f"layers x {args.dim} dim x {seq} seq", f"{flops_token:.4g}"),
+            ("tokens per step", f"{tcfg.micro_batch_size} sequences x {tcfg.grad_accum_steps} "
+             f"micro-steps x {seq} tokens x {dims.dp_size} data-parallel ranks", f"{tokens:,}"),
+            (f"model FLOPs per {noun} per step", f"{flops_token:.4g} x {tokens:,} / "
+             f"{cluster.world_size} {noun}s", f"{flops_token * tokens / cluster.world_size:.4g}")]
+    rows += [(f"memory: {name}", how, f"{_gib(value)} GiB") for name, how, value in (
+        ("weights", "bytes per parameter x this rank's parameters (after TP, PP) / sharding", mem.weights),
+        ("gradients", "as the weights (fp32)", mem.gradients),
+        ("optimizer", "AdamW's two fp32 moments (and fp32 master weights with bf16 weights), sharded",
+         mem.optimizer),
+        ("buffers", "FSDP's gathered weights and unsharded gradients, DDP buckets, autocast copies",
+         mem.buffers),
+        ("activations", "micro-batches in flight x what each stage's blocks keep (+ the loss's)",
+         mem.activations),
+        ("workspace", "max(loss gradient, one block recomputed)", mem.workspace),
+        ("peak", "weights + optimizer + buffers + max(backward, update)", mem.peak))]
+    if cluster.memory_bandwidth and p.work is not None:
+        w, speed = p.work, cluster.compute_efficiency / MATMUL_EFFICIENCY
+        peak = cluster.gpu_flops
+        rows += [
+            ("matmuls", f"{w.matmul_flops:.4g} FLOPs / ({cluster.compute_efficiency:.2f} x "
+             f"{peak / 1e12:.0f} TFLOP/s)", f"{w.seconds['matmuls']:.3f} s"),
+            ("float8 matmuls", f"{w.float8_flops:.4g} FLOPs / ({FLOAT8_SPEEDUP} x "
+             f"{cluster.compute_efficiency:.2f} x {peak / 1e12:.0f} TFLOP/s)",
+             f"{w.seconds['float8 matmuls']:.3f} s"),
+            ("attention", f"{w.attention_flops:.4g} FLOPs (causal: 6 x dim x seq per token and "
+             f"layer) / ({ATTENTION_EFFICIENCY * speed:.2f} x {peak / 1e12:.0f} TFLOP/s)",
+             f"{w.seconds['attention']:.3f} s"),
+            ("memory-bound", f"{w.memory_bytes:.4g} bytes / ({MEMORY_EFFICIENCY * speed:.2f} x "
+             f"{cluster.memory_bandwidth / 1e12:.2f} TB/s)", f"{w.seconds['memory-bound']:.3f} s"),
+            ("tp exposed", f"{w.tp_bytes:.4g} bytes / ({LINK_EFFICIENCY} x "
+             f"{_link(cluster, d, 'tp') / 1e9:.0f} GB/s)", f"{w.seconds['tp exposed']:.3f} s"),
+            ("bubble", f"(pp-1)/(v x microbatches + pp-1) = ({d['pp']}-1)/({dims.stages_per_rank} x "
+             f"{dims.microbatches_per_step} + {d['pp']}-1)", f"{p.bubble:.1%}"),
+            ("compute", "the busiest rank's sum above / (1 - bubble)", f"{p.compute_s:.3f} s")]
+        for axis, volume in p.comm.items():
+            if axis == "tp":
+                continue
+            link = _link(cluster, d, axis)
+            rows.append((f"{axis} communication", f"{volume:.4g} bytes / ({LINK_EFFICIENCY} x "
+                         f"{link / 1e9:.0f} GB/s, {'inter' if p.crosses_nodes[axis] else 'intra'}-node)",
+                         f"{p.comm_seconds[axis]:.3f} s"))
+        rows += [("exposed communication", f"data-parallel less {cluster.comm_overlap:.0%} hidden"
+                  + (", pipeline sends hidden" if recipe.pp_overlap else ", pipeline sends whole"),
+                  f"{p.exposed_comm_s:.3f} s"),
+                 ("step", "compute + exposed communication", f"{p.step_time_s:.3f} s"),
+                 ("tokens/s", f"{tokens:,} / {p.step_time_s:.3f} s",
+                  f"{p.tokens_per_s:,.0f} ({p.tokens_per_s / cluster.world_size:,.0f} per {noun})"),
+                 ("MFU", f"model FLOPs per {noun} / ({peak / 1e12:.0f} TFLOP/s x step)", f"{p.mfu:.1%}")]
+    lines = [f"Layout {p.name}, recipe {recipe.name}: the busiest pipeline rank's step", "",
+             "| quantity | how | value |", "|---|---|---|"]
+    lines += [f"| {name} | {how} | {value} |" for name, how, value in rows]
+    return "\n".join(lines)
