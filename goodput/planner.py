@@ -290,6 +290,13 @@ class Memory:
     workspace: float  # backward
     step_workspace: float  # optimizer update
     grads_live_in_backward: bool  # gradient accumulation: gradients exist during backward
+    # How the figures came (explain_table): this rank's parameters after TP and PP, the
+    # data-parallel ranks its states are sharded over, its micro-batches in flight and what
+    # its heaviest stage keeps for one of them.
+    local_params: float = 0.0
+    state_shard: int = 1
+    inflight: int = 1
+    stage_bytes: float = 0.0
 
     @property
     def peak(self) -> float:
@@ -796,7 +803,11 @@ def _rank_memory(s: _Setup, dims: ParallelDims, checkpointing: str, rank: _Rank)
     return Memory(weights=weights, gradients=gradients, optimizer=optimizer, buffers=buffers,
                   activations=activations, workspace=max(loss, recompute),
                   step_workspace=step_workspace,
-                  grads_live_in_backward=n_micro > 1 or recipe.bf16_weights)
+                  grads_live_in_backward=n_micro > 1 or recipe.bf16_weights,
+                  local_params=local, state_shard=dims.dp_size if recipe.bf16_weights else shard,
+                  inflight=rank.inflight,
+                  stage_bytes=max(_stage_activations(s, mb, tp, n, checkpointing, residual)
+                                  for n in rank.layers))
 
 
 def _local_params(pc: ParamCount, rank: _Rank, tp: int) -> tuple[float, float]:
@@ -1333,22 +1344,27 @@ def explain_table(p: LayoutPlan, cluster: Cluster, config: RunConfig,
              f"micro-steps x {seq} tokens x {dims.dp_size} data-parallel ranks", f"{tokens:,}"),
             (f"model FLOPs per {noun} per step", f"{flops_token:.4g} x {tokens:,} / "
              f"{cluster.world_size} {noun}s", f"{flops_token * tokens / cluster.world_size:.4g}")]
+    n, k = mem.local_params, mem.state_shard
+    whole = recipe.bf16_weights and s.bf16
     rows += [(f"memory: {name}", how, f"{_gib(value)} GiB") for name, how, value in (
-        ("weights", "bytes per parameter x this rank's parameters (after TP, PP) / sharding", mem.weights),
-        ("gradients", "as the weights (fp32)", mem.gradients),
-        ("optimizer", "AdamW's two fp32 moments (and fp32 master weights with bf16 weights), sharded",
-         mem.optimizer),
+        ("weights", f"{'2 (bf16, whole)' if whole else f'4 (fp32) / {k} shards'} x {n:,.0f} "
+         "parameters (this pipeline rank's, after TP)", mem.weights),
+        ("gradients", f"4 (fp32) x {n:,.0f}" + ("" if whole else f" / {k}"), mem.gradients),
+        ("optimizer", f"{12 if whole else 8} (AdamW's fp32 moments"
+         f"{' and master weights' if whole else ''}) x {n:,.0f} / {k}", mem.optimizer),
         ("buffers", "FSDP's gathered weights and unsharded gradients, DDP buckets, autocast copies",
          mem.buffers),
-        ("activations", "micro-batches in flight x what each stage's blocks keep (+ the loss's)",
-         mem.activations),
+        ("activations", f"{mem.inflight} stage-forwards in flight x {_gib(mem.stage_bytes)} GiB "
+         "(the heaviest stage's blocks, one micro-batch) + the loss's", mem.activations),
         ("workspace", "max(loss gradient, one block recomputed)", mem.workspace),
         ("peak", "weights + optimizer + buffers + max(backward, update)", mem.peak))]
     if cluster.memory_bandwidth and p.work is not None:
         w, speed = p.work, cluster.compute_efficiency / MATMUL_EFFICIENCY
         peak = cluster.gpu_flops
         rows += [
-            ("matmuls", f"{w.matmul_flops:.4g} FLOPs / ({cluster.compute_efficiency:.2f} x "
+            ("matmuls", f"6 x (block matrices / tp x layers x (1 + recomputed share) + output "
+             f"layer / tp) x {tcfg.grad_accum_steps * tcfg.micro_batch_size * seq:,} tokens = "
+             f"{w.matmul_flops:.4g} FLOPs / ({cluster.compute_efficiency:.2f} x "
              f"{peak / 1e12:.0f} TFLOP/s)", f"{w.seconds['matmuls']:.3f} s"),
             ("float8 matmuls", f"{w.float8_flops:.4g} FLOPs / ({FLOAT8_SPEEDUP} x "
              f"{cluster.compute_efficiency:.2f} x {peak / 1e12:.0f} TFLOP/s)",

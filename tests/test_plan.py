@@ -145,6 +145,34 @@ def test_one_stage_rule_for_the_config_the_planner_and_parallelize():
                            "training.micro_batch_size=4"])
 
 
+def test_virtual_stages_are_the_layouts_choice():
+    """parallelism.pp_virtual_stages sets the stages per rank of interleaved-1f1b (default
+    2): the split, the bubble and the stages each rank holds follow it; with another schedule
+    or fewer than 2 it is refused, naming the field and the fix."""
+    from core.layout import ParallelDims
+
+    dims = ParallelDims(pp=2, pp_schedule="interleaved-1f1b", virtual_stages=3)
+    assert dims.n_stages == 6 and dims.stages_of(1) == [1, 3, 5]
+    assert dims.stage_layers(12) == [2] * 6
+    assert dims.bubble == pytest.approx(1 / (3 * 4 + 1))
+    assert ParallelDims(pp=2, pp_schedule="interleaved-1f1b").stages_per_rank == 2
+    base = ["parallelism.pp=2", "parallelism.dp_replicate=1", "training.micro_batch_size=4"]
+    with pytest.raises(ConfigError, match=re.escape(
+            "parallelism.pp_virtual_stages=3 needs pp_schedule=interleaved-1f1b and pp > 1 (pp=2, "
+            "1f1b); set parallelism.pp_schedule=interleaved-1f1b, or drop parallelism.pp_virtual_stages")):
+        load_config(None, [*base, "parallelism.pp_virtual_stages=3"])
+    with pytest.raises(ConfigError, match="pp_virtual_stages=1: interleaving needs at least 2"):
+        load_config(None, [*base, "parallelism.pp_schedule=interleaved-1f1b",
+                           "parallelism.pp_virtual_stages=1"])
+    with pytest.raises(ConfigError, match=r"6 pipeline stages \(pp=2, interleaved-1f1b\) exceed n_layers=4"):
+        load_config(None, [*base, "parallelism.pp_schedule=interleaved-1f1b",
+                           "parallelism.pp_virtual_stages=3"])
+    config = load_config(None, [*base, "model.n_layers=6", "parallelism.pp_schedule=interleaved-1f1b",
+                                "parallelism.pp_virtual_stages=3"])
+    plan = planner.plan_layout(config, planner.Cluster(1, 2, None, device="cpu"), layout(pp=2))
+    assert plan.ok and plan.stage_layers == [1] * 6 and plan.bubble == pytest.approx(1 / 13)
+
+
 class _PipelineRank:
     """The one thing split_pipeline asks of its mesh: this rank's place on the pp axis."""
 
@@ -361,6 +389,7 @@ class PublishedRun:
     mfu: float | None = None  # as published, of cluster.gpu_flops
     memory_gib: float | None = None  # the peak they report, for the record
     skip: str | None = None  # why it cannot be planned yet
+    layout: str | None = None  # the published layout, where the degrees cannot say it (CP)
 
     def load(self):
         return load_config(self.config, list(self.overrides))
@@ -529,7 +558,9 @@ PUBLISHED = {
                                                tokens_per_s_per_gpu=128, memory_gib=72.7),
     "llama3-405b-8192gpu": _run(meta_405b(1024, 32), LLAMA3, META, mfu=0.43),
     "llama3-405b-16384gpu": _run(meta_405b(2048, 16), LLAMA3, META, mfu=0.41),
-    "llama3-405b-16384gpu-cp16": _run(meta_405b(2048, 16), LLAMA3, META, mfu=0.38,
+    "llama3-405b-16384gpu-cp16": _run(meta_405b(2048, 16, "training.seq_len=131072",
+                                                "model.max_seq_len=131072"), LLAMA3, META,
+                                      mfu=0.38, layout="dp 8 x cp 16 x tp 8 x pp 16",
                                       skip="context parallelism (CP 16 at 131,072 tokens) is not "
                                            "planned yet: issue 36"),
     "megascale-175b-12288gpu": _run((None, GPT3_175B, planner.Cluster(1536, 8, 80 * GIB,
