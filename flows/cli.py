@@ -86,9 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-node-gbps", type=float, default=50.0,
                    help="GB/s per GPU between nodes (400 Gb/s InfiniBand)")
     p.add_argument("--compute-efficiency", type=float, metavar="SHARE",
-                   help="share of peak FLOP/s the GPUs sustain, for the step-time estimate "
-                        "(default: goodput/planner.py's COMPUTE_EFFICIENCY, calibrated on "
-                        "published torchtitan and llm.c runs)")
+                   help="share of peak FLOP/s the GPUs' matmuls sustain, for the step-time "
+                        "estimate; attention and memory-bound work scale with it (default: "
+                        "goodput/planner.py's MATMUL_EFFICIENCY, set on published runs)")
     p.add_argument("--from-run", metavar="RUN_DIR",
                    help="take the compute efficiency from a finished GPU run: the MFU its "
                         "metrics.jsonl logged, on its own config and layout")

@@ -4,10 +4,13 @@
 
 `plan_layout` explains one layout (memory per GPU, pipeline bubble, communication, step
 time, or why it cannot run, each problem with its fix: core.layout states the rules), and
-`search` ranks every factorisation of the world size by estimated tokens/s. The train flow
-and the pipeline run `check_run` first (tasks/layout.py). The memory model (see "memory"
-below) mirrors what training/parallelize.py does and is checked against measured steps in
-tests/test_plan.py.
+`search` ranks every factorisation of the world size by estimated tokens/s; `explain_table`
+(`goodput plan --explain`) shows the arithmetic behind each figure. The train flow and the
+pipeline run `check_run` first (tasks/layout.py). The memory model (see "memory" below)
+mirrors what training/parallelize.py does and is checked against measured steps in
+tests/test_plan.py; the step-time model (see "the step-time model") reproduces published
+runs there, each executed by its own framework: a `Recipe` says what that software did
+that this trainer does not (GOODPUT, the default, is this trainer).
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ ASYNC_TP_OVERLAP = 0.3
 # behind compute. torchtitan's 8B on 128 GPUs (Table 3: FSDP across 16 nodes at 50 GB/s) ran
 # 2.7% below its 8-GPU run though its FSDP traffic takes over 40% of its step at link speed.
 COMM_OVERLAP = 0.93
-# The name the efficiency had before the roofline model: the matmul efficiency.
+# Cluster.compute_efficiency's default (--compute-efficiency, --from-run set another).
 COMPUTE_EFFICIENCY = MATMUL_EFFICIENCY
 
 
@@ -203,20 +206,20 @@ def block_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_b
     and w3 outputs, silu(w1) and w2's input. TP splits attention by heads and SwiGLU by
     hidden units.
 
-    `compiled` (parallelism.compile: each block one compiled graph): AOTAutograd's partitioner
-    keeps what is dear to recompute and recomputes the pointwise rest. It keeps the two
-    residual-stream inputs of the norms (with their fp32 inverse RMS) and recomputes the norms'
-    outputs (under TP it keeps their all-gathered copies: collectives are not recomputed),
-    keeps SDPA's inputs, output and log-sum-exp, and the w1 and w3 outputs, from which it
-    recomputes silu(w1) * w3.
+    `compiled` (parallelism.compile: each block one compiled graph, measured on CPU with
+    saved-tensor hooks): AOTAutograd's partitioner keeps the matmuls' inputs and recomputes
+    the pointwise ops between them. It keeps the two norms' outputs as the matmuls take them
+    (whole under TP: all-gathered) with their fp32 inverse RMS, q, k and v, SDPA's output and
+    log-sum-exp, and wo's input (a contiguous copy of the output), the w1 and w3 outputs and
+    w2's input; not the norms' fp32 internals or silu(w1).
     """
     tokens = batch * seq
     residual_bytes = residual_bytes or act_bytes
     attention = (4 * act_bytes * tokens * args.dim + 4 * tokens * args.n_heads) / tp
     if compiled:
-        norms = 2 * (residual_bytes * tokens * args.dim + 4 * tokens) / tp
-        gathered = 2 * act_bytes * tokens * args.dim if tp > 1 else 0
-        return norms + gathered + attention + 2 * act_bytes * tokens * args.ffn_hidden / tp
+        norms = 2 * act_bytes * tokens * args.dim + 2 * 4 * tokens / tp
+        return (norms + attention + act_bytes * tokens * args.dim / tp
+                + 3 * act_bytes * tokens * args.ffn_hidden / tp)
     # The norms' outputs as the matmuls save them: one tensor each, whole under TP. Autocast
     # casts an fp32 input once per matmul: wq, wk and wv save three bf16 copies, w1 and w3 two.
     autocast = act_bytes < residual_bytes
@@ -471,10 +474,15 @@ def search(config: RunConfig, cluster: Cluster, strict: bool | None = None) -> l
     default rules, highest estimated throughput (tokens/s) first, then the others -- and then
     the ones that cannot run. Throughput, not step time: the batch is per data-parallel rank,
     so a layout with less data parallelism has shorter steps only because it does less."""
-    plans = [plan_layout(config, cluster, d, strict) for d in factorisations(cluster.world_size)]
+    plans = [plan_layout(config, cluster, d, strict, suggest=False)
+             for d in factorisations(cluster.world_size)]
     valid = sorted((p for p in plans if p.ok),
                    key=lambda p: (bool(p.departures), -(p.tokens_per_s or 0.0), p.memory.peak))
-    return valid + [p for p in plans if not p.ok]
+    ranked = valid + [p for p in plans if not p.ok]
+    if ranked[0].degrees["pp"] > 1 and ranked[0].step_time_s is not None:  # the one explained
+        ranked[0].best_virtual_stages = _best_virtual_stages(config, cluster, ranked[0].degrees,
+                                                             GOODPUT)
+    return ranked
 
 
 def plan(config: RunConfig, cluster: Cluster, force_search: bool = False,
@@ -689,14 +697,21 @@ def factorisations(world: int) -> list[dict[str, int]]:
 # - activations what autograd saves for backward, counted tensor by tensor for
 #   training/model.py (per block: norms, q/k/v/attention output and log-sum-exp, SwiGLU's
 #   four hidden-size tensors; the head's fp32 log-probabilities), times the micro-batches a
-#   pipeline schedule keeps in flight. Checkpointed blocks keep only their input. In bf16
+#   pipeline schedule keeps in flight. Compiled (parallelism.compile) a block keeps its
+#   matmuls' inputs and outputs but not the pointwise ops' (the norms' fp32 internals,
+#   silu), and the compiled loss the logits, not fp32 log-probabilities
+#   (block_activation_bytes, head_activation_bytes). Checkpointed blocks keep only their
+#   input. Other frameworks' recipes keep otherwise: Megatron-LM's sequence-parallel shards
+#   (sharded_block_activation_bytes), torchtitan's op-level selection
+#   (op_checkpointed_block_bytes), Megatron's bf16 weights with a sharded fp32 optimizer. In bf16
 #   the residual stream (norms, block inputs, what pipeline stages and sequence parallelism
 #   exchange) is bf16 only under FSDP2, which casts the parameters; under autocast it stays
 #   fp32, and autocast saves a bf16 copy of a matmul's input for each matmul. Tensor
 #   parallelism (with sequence parallelism for norms) divides everything but the all-gathered
 #   inputs of the column-parallel matmuls and the replicated logits.
 # - workspace   in backward, the larger of the loss gradient (fp32 gradients of the
-#   log-probabilities and the logits, at its start) and one block recomputed under activation
+#   log-probabilities and the logits, at its start; compiled, the logits' gradient in their
+#   dtype) and one block recomputed under activation
 #   checkpointing (later, once the loss is done); in the optimizer step, the temporaries of
 #   AdamW's per-tensor update on CPU (sqrt and division of the largest tensor) -- the fused
 #   CUDA update needs none.
@@ -1054,8 +1069,9 @@ def _elementwise_bytes(args: ModelArgs, residual_bytes: int, fused: bool, autoca
 def _float8_cast_bytes(args: ModelArgs) -> float:
     """torchao's dynamic float8 scaling, per token and block: each linear layer's input (in
     forward) and output gradient (in backward) is read for its absolute maximum, read again
-    and written in 1 byte: 5 bytes per element of (6 dim + ffn) inputs and (4 dim + 2 kv +
-    2 ffn) gradients... counted as wq, wk, wv and w1, w3 each casting their input."""
+    and written in 1 byte: 5 bytes per element. Inputs: wq, wk, wv and w1, w3 each cast
+    their own copy (5 x dim), wo its (dim), w2 its (ffn); output gradients: q, k, v and wo's
+    (2 dim + 2 kv), w1's and w3's (2 ffn)."""
     d, kv, f = args.dim, args.kv_heads * args.head_dim, args.ffn_hidden
     return 5 * ((6 * d + f) + (2 * d + 2 * kv + 2 * f))
 
@@ -1125,7 +1141,7 @@ def _rank_seconds(s: _Setup, dims: ParallelDims, rank: _Rank) -> _Work:
         work.memory_bytes += loss_bytes * tokens
     root, block = _local_params(s.params, rank, tp)
     local = root + sum(rank.layers) * block
-    shard = dims.dp_size if (recipe.bf16_weights or dims.fsdp) else 1
+    shard = dims.dp_size if recipe.bf16_weights else (dims.dp_shard if dims.fsdp else 1)
     work.memory_bytes += 28 * local / shard  # AdamW: reads p, g, m, v; writes p, m, v (fp32)
     if tp > 1:
         per_micro = _tp_bytes_per_microbatch(s, rank, tcfg.micro_batch_size // m, tp, residual)

@@ -463,7 +463,9 @@ META = planner.Recipe("meta", sharded_saves=True, fused_kernels=True, bf16_weigh
 def meta_405b(nodes: int, per_dp_rank: int, *extra: str) -> tuple:
     return ("configs/llama3.1-405b.yaml",
             (f"parallelism.nnodes={nodes}", f"training.micro_batch_size={per_dp_rank}",
-             f"parallelism.microbatches={per_dp_rank}", "parallelism.compile=false", *extra),
+             f"parallelism.microbatches={per_dp_rank}", "parallelism.compile=false",
+             "parallelism.activation_checkpointing=selective", "parallelism.pp_virtual_stages=4",
+             *extra),
             planner.Cluster(nodes, 8, 80 * GIB))
 
 
@@ -601,13 +603,15 @@ def test_llama3_405b_config_is_metas_layout_and_plans_its_mfu():
     """configs/llama3.1-405b.yaml holds Table 4's 16,384-GPU layout: this trainer's own
     execution of it is accepted on 80 GB H100s and plans 41% +- 8 points MFU; the planner
     suggests the interleaved stages the config sets."""
+    from core.layout import default_split
+
     config = load_config("configs/llama3.1-405b.yaml")
     [plan] = planner.plan(config, planner.Cluster(2048, 8, 80 * GIB))
     assert plan.ok, plan.problems
     assert plan.degrees == layout(dp_shard=128, tp=8, pp=16)
-    assert plan.stage_layers == [1] + [2] * 62 + [1]
+    assert plan.stage_layers == default_split(126, 16 * 7)
     assert plan.mfu == pytest.approx(0.41, abs=0.08)
-    assert plan.best_virtual_stages[0] == config.parallelism.pp_virtual_stages == 4
+    assert plan.best_virtual_stages[0] == config.parallelism.pp_virtual_stages == 7
 
 
 def test_meta_s_published_mfu_is_the_models_own_flop_count():
@@ -660,6 +664,44 @@ def test_explain_shows_the_arithmetic_of_the_step():
         assert f"| {kind} |" in table
     parts = sum(plan.work.seconds.values()) / (1 - plan.bubble) + plan.exposed_comm_s
     assert parts == pytest.approx(plan.step_time_s)
+
+
+def test_cli_explains_the_405b_config(capsys):
+    from flows.cli import main
+
+    assert main(["plan", "--config", str(REPO / "configs/llama3.1-405b.yaml"), "--explain"]) == 0
+    out, _ = capsys.readouterr()
+    assert "| quantity | how | value |" in out and "| MFU |" in out
+    assert "parallelism.pp_virtual_stages=7 gives the shortest step" in out
+
+
+def test_recipes_keep_what_their_frameworks_keep_by_hand():
+    """The techniques published runs used, counted by hand for one small Llama block (dim 64,
+    kv 32, ffn 192, 4 heads; 10 tokens, tp 2, bf16): Megatron's sequence-parallel shards,
+    its selective recomputation (the core attention's output not kept), torchtitan's
+    op-level selection, and Megatron's bf16 weights beside a sharded fp32 optimizer."""
+    args = ModelArgs(vocab_size=64, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=192)
+    assert (args.kv_heads * args.head_dim, args.ffn_hidden) == (32, 192)
+    # Norm and column-parallel inputs (4 x 64), q/k/v (64 + 2 x 32), output (64), w1/w3/w2 in
+    # (3 x 192): 2 bytes each, + fp32 lse per head, all over tp.
+    kept = 2 * (4 * 64 + 64 + 2 * 32 + 64 + 3 * 192) + 4 * 4
+    assert planner.sharded_block_activation_bytes(args, 10, 2, 2) == 10 * kept / 2
+    assert planner.sharded_block_activation_bytes(args, 10, 2, 2, recompute_attention=True) \
+        == 10 * (kept - 2 * 64 - 4 * 4) / 2
+    # torchtitan: the input (bf16 residual), wq's, wv's, SDPA's, w1's and w2's outputs, lse.
+    assert planner.op_checkpointed_block_bytes(args, 10, 2, 2, 2) \
+        == 10 * (2 * 64 + 2 * (64 + 32 + 64 + 192 + 64) + 4 * 4) / 2
+    # Megatron/Meta: 2 + 4 bytes per parameter whole, 12 sharded over the data-parallel ranks.
+    config = load_config(None, ["tokenizer.vocab_size=512", "model.dim=64", "model.n_layers=2",
+                                "model.n_heads=4", "parallelism.nproc_per_node=8",
+                                "parallelism.dp_replicate=4", "parallelism.tp=2",
+                                "parallelism.mixed_precision=bf16"])
+    megatron = planner.Recipe("megatron", sharded_saves=True, fused_kernels=True, bf16_weights=True)
+    plan = planner.plan_layout(config, cluster(gpus=8), layout(dp_replicate=4, tp=2), recipe=megatron)
+    local = plan.memory.local_params
+    assert (plan.memory.weights, plan.memory.gradients, plan.memory.optimizer) == (2 * local, 4 * local, 12 * local / 4)
+    # Its distributed optimizer moves 6 bytes per parameter per step over the data-parallel ranks.
+    assert plan.comm["dp_replicate"] == pytest.approx(3 / 4 * 6 * local)
 
 
 def test_the_planner_suggests_the_interleaved_stages_with_the_shortest_step():
@@ -1211,6 +1253,28 @@ def test_memory_estimate_matches_a_measured_step(case, measured_single):
 @pytest.mark.parametrize("case", TWO_PROCESSES)
 def test_memory_estimate_matches_measured_data_parallel_steps(case, measured_two):
     assert_estimate_matches(TWO_PROCESSES[case], 2, measured_two[case])
+
+
+COMPILED = ACTIVATIONS + ("parallelism.compile=true",)
+
+
+@pytest.mark.slow
+def test_memory_estimate_matches_a_measured_compiled_step(tmp_path):
+    """parallelism.compile=true on CPU (inductor, fp32): the saved-tensor hooks see what the
+    compiled blocks keep (the matmuls' inputs, not the norms' internals); the estimate's
+    activations are within 5% of them and its peak within 15% of the resident-set peak
+    (measured 2026-11-27: 0.96x and 0.91x; the eager estimate of this step is 1.24x the
+    compiled peak). Slow: inductor's first compile of a block and the loss takes 1-2 minutes
+    on 2 cores. The H100 peaks (test_compiled_memory_matches_the_h100_peaks) run in CI."""
+    [measured] = measure(1, {"compiled": COMPILED}, tmp_path)["compiled"]
+    config = load_config(None, case_overrides(COMPILED, 1))
+    estimate = planner.plan_layout(config, planner.Cluster(1, 1, 2**40, device="cpu"),
+                                   config.parallelism.degrees()).memory
+    for key in ("weights", "gradients", "optimizer"):
+        assert measured[key] == pytest.approx(getattr(estimate, key), rel=TENSOR_RTOL), key
+    assert measured["activations"] == pytest.approx(estimate.activations, rel=0.05)
+    assert measured["peak"] == pytest.approx(estimate.peak, rel=0.15), \
+        (measured["peak"] / 2**20, estimate.peak / 2**20)
 
 
 # -- the measuring side ------------------------------------------------------------------------
