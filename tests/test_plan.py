@@ -699,7 +699,9 @@ def test_recipes_keep_what_their_frameworks_keep_by_hand():
     megatron = planner.Recipe("megatron", sharded_saves=True, fused_kernels=True, bf16_weights=True)
     plan = planner.plan_layout(config, cluster(gpus=8), layout(dp_replicate=4, tp=2), recipe=megatron)
     local = plan.memory.local_params
-    assert (plan.memory.weights, plan.memory.gradients, plan.memory.optimizer) == (2 * local, 4 * local, 12 * local / 4)
+    memory = plan.memory
+    assert (memory.weights, memory.gradients, memory.optimizer) == (2 * local, 4 * local,
+                                                                    12 * local / 4)
     # Its distributed optimizer moves 6 bytes per parameter per step over the data-parallel ranks.
     assert plan.comm["dp_replicate"] == pytest.approx(3 / 4 * 6 * local)
 
@@ -719,9 +721,10 @@ def test_the_planner_suggests_the_interleaved_stages_with_the_shortest_step():
     suggested = {}
     for name, on in (("fast", fast), ("slow", slow)):
         v, step = planner.plan_layout(config, on, config.parallelism.degrees()).best_virtual_stages
-        steps = {w: planner.plan_layout(load_config(base[0], [*base[1], f"parallelism.pp_virtual_stages={w}"]),
-                                        on, config.parallelism.degrees()).step_time_s
-                 for w in range(2, 21)}
+        steps = {}
+        for w in range(2, 21):
+            with_w = load_config(base[0], [*base[1], f"parallelism.pp_virtual_stages={w}"])
+            steps[w] = planner.plan_layout(with_w, on, config.parallelism.degrees()).step_time_s
         assert step == min(steps.values()) == steps[v]
         suggested[name] = v
     assert suggested["slow"] < suggested["fast"]
