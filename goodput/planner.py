@@ -984,11 +984,15 @@ def _tp_bytes_per_microbatch(s: _Setup, rank: _Rank, mb: int, tp: int,
     if s.recipe.parallel_blocks:  # attention and MLP share one all-gather and one reduce-scatter
         per_block /= 2
     layers = sum(rank.layers)
-    # A block checkpointed whole repeats its forward collectives (half its traffic); the
-    # op-level and Megatron policies keep the collectives' outputs.
-    recomputed = sum(_checkpointed_blocks(s, n, par.activation_checkpointing).get("full", 0)
-                     for n in rank.layers)
-    total = layers * per_block + recomputed * per_block / 2
+    # A block checkpointed whole repeats its forward collectives (half its traffic);
+    # torchtitan's op-level policy keeps the reduce-scatters' outputs but repeats the two
+    # all-gathers (its _save_list has reduce_scatter_tensor, not all_gather); Megatron's
+    # selective keeps both.
+    modes = [_checkpointed_blocks(s, n, par.activation_checkpointing) for n in rank.layers]
+    recomputed = sum(m.get("full", 0) for m in modes)
+    gathers_again = sum(m.get("ops", 0) for m in modes)
+    total = (layers * per_block + recomputed * per_block / 2
+             + gathers_again * 2 * hidden * residual_bytes / (2 if s.recipe.parallel_blocks else 1))
     if rank.first:
         total += 2 * hidden * residual_bytes
     if rank.last:
