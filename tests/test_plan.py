@@ -1,5 +1,6 @@
-"""The layout planner: hand-computed arithmetic, rejections with their fixes, and its memory
-estimate against real training steps measured on CPU.
+"""The layout planner: hand-computed arithmetic, rejections with their fixes, its memory
+estimate against real training steps measured on CPU, and its estimates against the runs the
+field has published (PUBLISHED: each layout fits where it ran, tokens/s within 20%).
 
 Run as a module (`python -m tests.test_plan`, or under torchrun) this file is also the
 measuring side: it trains a few steps of training.model.Transformer with AdamW under the
