@@ -514,9 +514,13 @@ class ParallelismConfig(_Section):
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field("1f1b")
     microbatches: int | None = Field(None, ge=1, description="Pipeline micro-batches per step "
                                                              "(default 2 x pp).")
+    pp_virtual_stages: int | None = Field(
+        None, ge=1, description="Stages per pipeline rank under pp_schedule=interleaved-1f1b "
+        "(None: 2): v stages shrink the bubble to (pp-1)/(v x microbatches + pp-1) and send v "
+        "times the activations between ranks; `goodput plan` names the v with the shortest step.")
     pp_layers_per_stage: list[int] | None = Field(
         None, description="Transformer layers of each pipeline stage in order, e.g. [7, 8, ..., 8, "
-        "7]: one count per stage (pp, or 2 x pp with interleaved-1f1b), summing to "
+        "7]: one count per stage (pp, or pp_virtual_stages x pp with interleaved-1f1b), summing to "
         "model.n_layers. None: as even as possible, the first and last stages (which also hold "
         "the embedding and the output layer) lighter when uneven. Not with "
         "pp_first_stage_less_layers / pp_last_stage_less_layers.")
@@ -564,7 +568,8 @@ class ParallelismConfig(_Section):
         return {"pp_schedule": self.pp_schedule, "microbatches": self.microbatches,
                 "layers_per_stage": layers,
                 "first_stage_less_layers": self.pp_first_stage_less_layers,
-                "last_stage_less_layers": self.pp_last_stage_less_layers}
+                "last_stage_less_layers": self.pp_last_stage_less_layers,
+                "virtual_stages": self.pp_virtual_stages}
 
     def degrees(self) -> dict[str, int]:
         """The four degrees with -1 resolved."""

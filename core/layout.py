@@ -58,6 +58,8 @@ class ParallelDims:
     # pp_last_stage_less_layers): they get that many fewer. 0 and 0: the plain even split.
     first_stage_less_layers: int = 0
     last_stage_less_layers: int = 0
+    # Stages per pipeline rank under interleaved-1f1b (parallelism.pp_virtual_stages); None: 2.
+    virtual_stages: int | None = None
 
     @classmethod
     def resolve(cls, degrees: dict[str, int], world_size: int, world: str = "",
@@ -121,7 +123,12 @@ class ParallelDims:
     # -- pipeline -----------------------------------------------------------------------------
     @property
     def stages_per_rank(self) -> int:
-        return 2 if self.pp > 1 and self.pp_schedule == "interleaved-1f1b" else 1
+        """v: the stages each pipeline rank holds (interleaved-1f1b: parallelism.pp_virtual_stages,
+        default 2; other schedules 1). More stages shrink the bubble v-fold and multiply the
+        point-to-point transfers by v."""
+        if self.pp == 1 or self.pp_schedule != "interleaved-1f1b":
+            return 1
+        return self.virtual_stages or 2
 
     @property
     def n_stages(self) -> int:
@@ -150,6 +157,15 @@ class ParallelDims:
                            "weights lighten the first and last stages of the default split",
                            "keep one: drop parallelism.pp_layers_per_stage, or set "
                            f"{' and '.join(f'{name}=0' for name in weighted)}")
+        if self.virtual_stages is not None and self.virtual_stages != self.stages_per_rank:
+            return Problem(f"parallelism.pp_virtual_stages={self.virtual_stages} needs "
+                           f"pp_schedule=interleaved-1f1b and pp > 1 ({where})",
+                           "set parallelism.pp_schedule=interleaved-1f1b, or drop "
+                           "parallelism.pp_virtual_stages")
+        if self.virtual_stages is not None and self.virtual_stages < 2:
+            return Problem(f"parallelism.pp_virtual_stages={self.virtual_stages}: interleaving "
+                           "needs at least 2 stages per pipeline rank",
+                           "set it to 2 or more, or use pp_schedule=1f1b")
         if min(first, last) < 0:
             return Problem(f"{' and '.join(f'{n}={v}' for n, v in weights.items() if v < 0)} "
                            "must not be negative", "use 0 (no weight) or more")
@@ -157,7 +173,8 @@ class ParallelDims:
             return None  # one stage holds the embedding, every layer and the output layer
         if given is not None:
             if len(given) != self.n_stages:
-                per_rank = " (2 per pipeline rank)" if self.stages_per_rank > 1 else ""
+                per_rank = (f" ({self.stages_per_rank} per pipeline rank)" if self.stages_per_rank > 1
+                            else "")
                 return Problem(f"parallelism.pp_layers_per_stage lists {len(given)} stages, but "
                                f"{where} has {self.n_stages}{per_rank}",
                                f"list {self.n_stages} layer counts, or drop the field for the "
@@ -276,7 +293,7 @@ class ParallelDims:
             bubble = pipeline_bubble(pp, m, v)
             problems.append(Problem(
                 f"microbatches={m} < 2*pp={2 * pp}: the pipeline bubble "
-                f"(pp-1)/({'2*' if v > 1 else ''}microbatches+pp-1) = {bubble:.1%} of the step "
+                f"(pp-1)/({f'{v}*' if v > 1 else ''}microbatches+pp-1) = {bubble:.1%} of the step "
                 "idles every GPU",
                 f"set parallelism.microbatches={2 * pp} (or more) and training.micro_batch_size "
                 f"to a multiple of it (bubble {pipeline_bubble(pp, 2 * pp, v):.1%})", advice=True))

@@ -10,6 +10,7 @@
     goodput plan --config FILE --nodes 4 --gpus-per-node 8 --gpu-memory 80GiB   # layouts
     goodput plan --config FILE                # the cluster the config names (parallelism.*)
     goodput plan --config FILE --from-run runs/ID   # step time from a run's measured MFU
+    goodput plan --config FILE --explain      # and the arithmetic behind each figure
 
 Ctrl-C stops training (the workers save an emergency checkpoint first) and the command;
 `kill -USR1 PID` prints where each of the command's threads is, should it seem stuck.
@@ -100,9 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-node-gbps", type=float, default=50.0,
                    help="GB/s per GPU between nodes (400 Gb/s InfiniBand)")
     p.add_argument("--compute-efficiency", type=float, metavar="SHARE",
-                   help="share of peak FLOP/s the GPUs sustain, for the step-time estimate "
-                        "(default: goodput/planner.py's COMPUTE_EFFICIENCY, calibrated on "
-                        "published torchtitan and llm.c runs)")
+                   help="share of peak FLOP/s the GPUs' matmuls sustain, for the step-time "
+                        "estimate; attention and memory-bound work scale with it (default: "
+                        "goodput/planner.py's MATMUL_EFFICIENCY, set on published runs)")
     p.add_argument("--from-run", metavar="RUN_DIR",
                    help="take the compute efficiency from a finished GPU run: the MFU its "
                         "metrics.jsonl logged, on its own config and layout")
@@ -112,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--search", action="store_true", help="rank all layouts even when the "
                                                          "config sets one")
     p.add_argument("--top", type=int, default=10, help="layouts shown in the ranking")
+    p.add_argument("--explain", action="store_true",
+                   help="the arithmetic behind each figure of the best (or given) layout: FLOPs "
+                        "per token, bytes per GPU of each kind, each collective's volume and "
+                        "time, the bubble, as a table to check by hand")
     return parser
 
 
@@ -173,6 +178,9 @@ def _plan(args: argparse.Namespace) -> int:
     print(planner.format_table(plans, limit=args.top))
     print()
     print(planner.explain(plans[0], cluster))
+    if args.explain:
+        print()
+        print(planner.explain_table(plans[0], cluster, config))
     if not plans[0].ok:
         print("goodput: " + ("no layout fits" if len(plans) > 1 else f"layout {plans[0].name} "
               "cannot run") + ":\n" + "\n".join(f"  - {p}" for p in plans[0].problems),

@@ -102,6 +102,20 @@ def test_two_process_layouts_match_single_process(layout, tmp_path, dataset, ref
                       reference(STEPS))
 
 
+def test_interleaved_pipeline_with_three_stages_per_rank_matches_single_process(tmp_path, dataset):
+    """parallelism.pp_virtual_stages=3: six layers on 2 pipeline ranks x 3 stages, rank r
+    holding stages r, r + 2 and r + 4 (training.parallelize and ScheduleInterleaved1F1B take
+    the layout's stages per rank): the single-process curve of the same six-layer model."""
+    six = ("model.n_layers=6",)
+    single = run_training(tmp_path / "single", dataset, 1, "training.micro_batch_size=4", *six,
+                          steps=STEPS_4)
+    interleaved = run_training(tmp_path / "pp", dataset, 2, "parallelism.dp_replicate=1",
+                               "parallelism.pp=2", "parallelism.pp_schedule=interleaved-1f1b",
+                               "parallelism.pp_virtual_stages=3", "training.micro_batch_size=4",
+                               *six, steps=STEPS_4)
+    assert_same_curve(interleaved, single)
+
+
 HSDP = ("parallelism.dp_replicate=2", "parallelism.dp_shard=2", "training.micro_batch_size=1")
 LAYOUTS_4 = {  # HSDP: test_hsdp_matches_single_process_and_its_background_saves_resume_whole
     "fsdp-tp": ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.tp=2",

@@ -1,5 +1,6 @@
-"""The layout planner: hand-computed arithmetic, rejections with their fixes, and its memory
-estimate against real training steps measured on CPU.
+"""The layout planner: hand-computed arithmetic, rejections with their fixes, its memory
+estimate against real training steps measured on CPU, and its estimates against the runs the
+field has published (PUBLISHED: each layout fits where it ran, tokens/s within 20%).
 
 Run as a module (`python -m tests.test_plan`, or under torchrun) this file is also the
 measuring side: it trains a few steps of training.model.Transformer with AdamW under the
@@ -13,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -78,10 +80,17 @@ def test_tied_embeddings_rule_out_pipeline_layouts():
         load_config("configs/llama3.2-1b.yaml", ["parallelism.pp=2", "training.micro_batch_size=4"])
 
 
+# The 405B config on its first 64 nodes with one stage per pipeline rank (1F1B).
+LLAMA_405B_1F1B = ("parallelism.nnodes=64", "parallelism.pp_schedule=1f1b",
+                   "parallelism.pp_virtual_stages=null", "parallelism.microbatches=32",
+                   "training.micro_batch_size=32", "parallelism.activation_checkpointing=full",
+                   "parallelism.compile=false")
+
+
 def test_llama_3_1_405b_plans_on_16_uneven_pipeline_stages():
     """Meta's 405B layout: 126 layers on pp=16 (not divisible), the first and last stages one
     layer lighter; the planner counts Meta's published parameters and accepts the layout."""
-    config = load_config("configs/llama3.1-405b.yaml")
+    config = load_config("configs/llama3.1-405b.yaml", list(LLAMA_405B_1F1B))
     args = planner.model_args(config)
     assert args.ffn_hidden == 53248
     assert planner.count_params(args).total == 405_853_388_800
@@ -93,7 +102,8 @@ def test_llama_3_1_405b_plans_on_16_uneven_pipeline_stages():
     assert 1.0 < plan.imbalance < 1.02
     # A split of one's own, e.g. all the unevenness on the first stage.
     own = [6] + [8] * 15
-    config = load_config("configs/llama3.1-405b.yaml", [f"parallelism.pp_layers_per_stage={own}"])
+    config = load_config("configs/llama3.1-405b.yaml", [*LLAMA_405B_1F1B,
+                                                         f"parallelism.pp_layers_per_stage={own}"])
     [plan] = planner.plan(config, cluster(nodes=64))
     assert plan.ok and plan.stage_layers == own
 
@@ -134,6 +144,34 @@ def test_one_stage_rule_for_the_config_the_planner_and_parallelize():
         load_config(None, ["parallelism.pp=2", "parallelism.pp_schedule=interleaved-1f1b",
                            "parallelism.dp_replicate=1", "parallelism.pp_layers_per_stage=[1,2,1]",
                            "training.micro_batch_size=4"])
+
+
+def test_virtual_stages_are_the_layouts_choice():
+    """parallelism.pp_virtual_stages sets the stages per rank of interleaved-1f1b (default
+    2): the split, the bubble and the stages each rank holds follow it; with another schedule
+    or fewer than 2 it is refused, naming the field and the fix."""
+    from core.layout import ParallelDims
+
+    dims = ParallelDims(pp=2, pp_schedule="interleaved-1f1b", virtual_stages=3)
+    assert dims.n_stages == 6 and dims.stages_of(1) == [1, 3, 5]
+    assert dims.stage_layers(12) == [2] * 6
+    assert dims.bubble == pytest.approx(1 / (3 * 4 + 1))
+    assert ParallelDims(pp=2, pp_schedule="interleaved-1f1b").stages_per_rank == 2
+    base = ["parallelism.pp=2", "parallelism.dp_replicate=1", "training.micro_batch_size=4"]
+    with pytest.raises(ConfigError, match=re.escape(
+            "parallelism.pp_virtual_stages=3 needs pp_schedule=interleaved-1f1b and pp > 1 (pp=2, "
+            "1f1b); set parallelism.pp_schedule=interleaved-1f1b, or drop parallelism.pp_virtual_stages")):
+        load_config(None, [*base, "parallelism.pp_virtual_stages=3"])
+    with pytest.raises(ConfigError, match="pp_virtual_stages=1: interleaving needs at least 2"):
+        load_config(None, [*base, "parallelism.pp_schedule=interleaved-1f1b",
+                           "parallelism.pp_virtual_stages=1"])
+    with pytest.raises(ConfigError, match=r"6 pipeline stages \(pp=2, interleaved-1f1b\) exceed n_layers=4"):
+        load_config(None, [*base, "parallelism.pp_schedule=interleaved-1f1b",
+                           "parallelism.pp_virtual_stages=3"])
+    config = load_config(None, [*base, "model.n_layers=6", "parallelism.pp_schedule=interleaved-1f1b",
+                                "parallelism.pp_virtual_stages=3"])
+    plan = planner.plan_layout(config, planner.Cluster(1, 2, None, device="cpu"), layout(pp=2))
+    assert plan.ok and plan.stage_layers == [1] * 6 and plan.bubble == pytest.approx(1 / 13)
 
 
 class _PipelineRank:
@@ -283,9 +321,11 @@ def test_planner_accounts_for_lighter_end_stages():
     assert memory["lighter"][3].activations < memory["even"][3].activations
     assert memory["lighter"][1].activations > memory["even"][1].activations
     # Meta's 405B: the output layer weighs 0.6 of a block; the plain split is already the best.
-    [big] = planner.plan(load_config("configs/llama3.1-405b.yaml"), cluster(nodes=64))
+    [big] = planner.plan(load_config("configs/llama3.1-405b.yaml", list(LLAMA_405B_1F1B)),
+                         cluster(nodes=64))
     assert big.output_blocks == pytest.approx(0.61, abs=0.01) and big.balancing is None
-    config = load_config("configs/llama3.1-405b.yaml", ["parallelism.pp_first_stage_less_layers=1",
+    config = load_config("configs/llama3.1-405b.yaml", [*LLAMA_405B_1F1B,
+                                                         "parallelism.pp_first_stage_less_layers=1",
                                                          "parallelism.pp_last_stage_less_layers=1"])
     [weighted] = planner.plan(config, cluster(nodes=64))
     assert weighted.ok and weighted.stage_layers == [7] + [8] * 14 + [7]
@@ -328,57 +368,261 @@ def test_cli_warns_about_few_microbatches_and_refuses_them_when_strict(capsys):
     assert "microbatches=4 < 2*pp=8" in err and "set parallelism.microbatches=8" in err
 
 
-# -- the throughput estimate against published runs -----------------------------------------------
+# -- the published runs ------------------------------------------------------------------------
+#
+# Each run as its authors published it: model, layout, batch, hardware, what their software
+# did (planner.Recipe) and what they measured. The planner must accept each layout on the
+# memory it ran on and plan its tokens/s per GPU within 20% of the published figure, with
+# goodput/planner.py's one set of constants (no per-run factor). `python
+# benchmarks/plan_vs_published.py` prints this table against the planner (benchmarks/RESULTS.md).
 
-def torchtitan_8b(nodes: int) -> tuple:
-    """torchtitan's Llama 3.1 8B benchmark (benchmarks/llama3_h100_202412_torchtitan.md,
-    Tables 1 and 3): FSDP over every GPU, seq 8192, local batch 2, selective activation
-    checkpointing, bf16, no compile, H100s. Memory left unchecked: their op-level selective
-    checkpointing keeps less than ours (every other block), 82.4 GiB measured on 96 GiB GPUs."""
-    config = load_config("configs/llama3.1-8b.yaml", [
-        f"parallelism.nnodes={nodes}", "parallelism.nproc_per_node=8", "parallelism.dp_replicate=1",
-        "parallelism.dp_shard=-1", "training.seq_len=8192", "training.micro_batch_size=2",
-        "training.grad_accum_steps=1", "parallelism.activation_checkpointing=selective",
-        "parallelism.mixed_precision=bf16", "parallelism.compile=false"])
-    return config, planner.Cluster(nodes, 8, None)
+GIB = 2**30
 
 
-def llm_c_124m() -> tuple:
-    """llm.c's GPT-2 124M run (scripts/run_gpt2_124M.sh): 8 x A100 80GB SXM, batch 64 x 1024
-    per GPU, no recomputation, bf16, ZeRO-1 (all-reduce volume: DDP's here). GPT-2's 4x GELU
-    MLP has the matmul parameters of a SwiGLU 2048 wide; tied embeddings, its 50,257 tokens
-    padded to 50,304 as llm.c does; no learned positions (0.8M parameters, no matmul)."""
-    config = load_config(None, [
-        "tokenizer.vocab_size=50257", "model.dim=768", "model.n_layers=12", "model.n_heads=12",
-        "model.ffn_hidden_dim=2048", "model.tie_embeddings=true", "model.max_seq_len=1024",
-        "training.seq_len=1024", "training.micro_batch_size=64", "training.grad_accum_steps=1",
-        "parallelism.nproc_per_node=8", "parallelism.dp_replicate=8",
-        "parallelism.mixed_precision=bf16"])
-    return config, planner.Cluster(1, 8, None, gpu_flops=planner.A100_FLOPS,
-                                   intra_node_bandwidth=300e9)  # NVLink 3: 600 GB/s both ways
+@dataclass(frozen=True)
+class PublishedRun:
+    source: str  # where the figures were read
+    config: str | None  # a configs/ file, or None: the defaults
+    overrides: tuple[str, ...]
+    cluster: planner.Cluster
+    recipe: planner.Recipe
+    tokens_per_s_per_gpu: float | None = None  # as published; or from `mfu`:
+    mfu: float | None = None  # as published, of cluster.gpu_flops
+    memory_gib: float | None = None  # the peak they report, for the record
+    skip: str | None = None  # why it cannot be planned yet
+    layout: str | None = None  # the published layout, where the degrees cannot say it (CP)
+
+    def load(self):
+        return load_config(self.config, list(self.overrides))
+
+    def plan(self) -> planner.LayoutPlan:
+        config = self.load()
+        return planner.plan_layout(config, self.cluster, config.parallelism.degrees(),
+                                   strict=False, recipe=self.recipe, suggest=False)
+
+    def published_per_gpu(self) -> float:
+        """Tokens/s per GPU: as published, or the published MFU turned into tokens with the
+        model's training FLOPs per token (6 x matmul parameters + 12 x layers x dim x seq)."""
+        if self.tokens_per_s_per_gpu is not None:
+            return self.tokens_per_s_per_gpu
+        config = self.load()
+        flops = planner.model_flops_per_token(planner.model_args(config), config.training.seq_len)
+        return self.mfu * self.cluster.gpu_flops / flops
 
 
-PUBLISHED = {  # tokens/s per GPU
-    "torchtitan-llama3.1-8b-8xH100": (lambda: torchtitan_8b(1), 5_762),
-    "torchtitan-llama3.1-8b-128xH100": (lambda: torchtitan_8b(16), 5_605),
-    "llm.c-gpt2-124m-8xA100": (llm_c_124m, 524_288 / 0.300 / 8),  # 524,288 tokens per ~300 ms
+# torchtitan's Llama 3.1 benchmarks: pytorch/torchtitan, benchmarks/llama3_h100_202412_torchtitan.md
+# (December 2024; torch 1963fc8, torchtitan 9dec370). Grand Teton hosts: 8 H100 SXM with 96 GB
+# of HBM2e at 2.4 TB/s, NVLink inside a host, 400 Gb/s RDMA per GPU between hosts, run at the
+# default 500 W power limit; "the actual peak TFLOPs number is between SXM and NVL" (989 and
+# 835 dense bf16): taken here as their midpoint, 912. Sequences of 8,192 tokens. Their
+# software (torchtitan at 9dec370): FSDP2 with bf16 parameters and fp32 reduction (as goodput),
+# selective checkpointing per op ("Saves output of all compute ops, except every second mm"),
+# loss_parallel under TP, torch.compile per block (the loss stays eager), float8 via torchao on
+# the linear layers, pipeline micro-batches = pp by default (pipeline_llama.py) and 2 stages per
+# rank for interleaved schedules (pipelining_utils.py), no reshard after forward under PP.
+TORCHTITAN_H100 = {"gpu_flops": 912e12, "memory_bandwidth": 2.4e12}
+TORCHTITAN = planner.Recipe("torchtitan", selective="ops", vocab_parallel_loss=True,
+                            compiled_loss=False)
+TORCHTITAN_8B = ("parallelism.nproc_per_node=8", "parallelism.dp_replicate=1",
+                 "parallelism.dp_shard=-1", "training.seq_len=8192", "training.micro_batch_size=2",
+                 "training.grad_accum_steps=1", "parallelism.activation_checkpointing=selective",
+                 "parallelism.mixed_precision=bf16")
+TORCHTITAN_70B = ("parallelism.nnodes=32", "parallelism.dp_replicate=1", "parallelism.dp_shard=-1",
+                  "parallelism.tp=8", "training.micro_batch_size=16", "training.grad_accum_steps=1",
+                  "parallelism.activation_checkpointing=full", "parallelism.compile=true",
+                  "parallelism.mixed_precision=bf16")
+TORCHTITAN_405B = ("parallelism.nnodes=64", "parallelism.dp_replicate=1", "parallelism.dp_shard=-1",
+                   "parallelism.tp=8", "parallelism.pp=8", "training.micro_batch_size=32",
+                   "parallelism.microbatches=8", "parallelism.reshard_after_forward=false",
+                   "parallelism.pp_virtual_stages=null",
+                   "parallelism.activation_checkpointing=full", "parallelism.compile=true",
+                   "parallelism.mixed_precision=bf16")
+FLOAT8 = replace(TORCHTITAN, float8=True)
+ASYNC_TP = replace(FLOAT8, tp_overlap=planner.ASYNC_TP_OVERLAP)
+
+
+def torchtitan_8b(nodes: int, *extra: str) -> tuple:
+    return ("configs/llama3.1-8b.yaml", (f"parallelism.nnodes={nodes}", *TORCHTITAN_8B, *extra),
+            planner.Cluster(nodes, 8, 96 * GIB, **TORCHTITAN_H100))
+
+
+# Meta's Llama 3 405B: "The Llama 3 Herd of Models" (arXiv 2407.21783), Table 4 ("Scaling
+# configurations and MFU for each stage of Llama 3 405B pre-training"): TP 8, PP 16, sequences
+# of 8,192 tokens, 16M tokens per batch; 8,192 GPUs: DP 64, 32 sequences per DP rank, 430
+# TFLOP/s per GPU, 43% BF16 MFU; 16,384 GPUs: DP 128, 16 per DP rank, 400 TFLOP/s, 41%; with
+# CP 16 at 131,072 tokens: DP 8, 380 TFLOP/s, 38%. H100 80GB HBM3 at 700 W (section 3.3.1).
+# Section 3.3.2: FSDP that shards the optimizer state and gradients but keeps the weights
+# after forward, interleaved pipeline stages with the first and last lighter by a layer,
+# asynchronous point-to-point sends, gradients accumulated and reduce-scattered in fp32. Not
+# published: the recomputation and the stages per rank; planned with the lightest of
+# none / selective (half the blocks of each stage, Megatron's --recompute-method block) /
+# full that fits 80 GB, and the stages per rank that give the shortest step (4).
+META = planner.Recipe("meta", sharded_saves=True, fused_kernels=True, bf16_weights=True,
+                      pp_overlap=True)
+
+
+def meta_405b(nodes: int, per_dp_rank: int, *extra: str) -> tuple:
+    return ("configs/llama3.1-405b.yaml",
+            (f"parallelism.nnodes={nodes}", f"training.micro_batch_size={per_dp_rank}",
+             f"parallelism.microbatches={per_dp_rank}", "parallelism.compile=false",
+             "parallelism.activation_checkpointing=selective", "parallelism.pp_virtual_stages=4",
+             *extra),
+            planner.Cluster(nodes, 8, 80 * GIB))
+
+
+# MegaScale (ByteDance, NSDI 2024, arXiv 2402.15627): a 175B model on 12,288 Ampere GPUs at
+# 55.2% MFU (the abstract). GPT-3 175B's shape (Brown et al. 2020, Table 2.1): 96 layers,
+# dim 12,288, 96 heads, 2,048-token sequences; its 4 x dim GELU MLP has the weights of a
+# SwiGLU 32,768 wide. NOT read here (the paper's full text was out of reach of this
+# machine's search): the layout and batch, taken as Megatron-LM's for this model, TP 8 x PP 8
+# (DP 192), 6,144 sequences per batch (32 per DP rank), no recomputation (it fits), 12 stages
+# per rank (the planner's choice). The techniques are the paper's: parallel transformer
+# blocks, TP, PP and DP communication overlapped with compute, fused kernels (Megatron).
+# A100 SXM 80GB: 312 TFLOP/s, 2.04 TB/s, NVLink 300 GB/s, 200 Gb/s per GPU between hosts.
+MEGASCALE = planner.Recipe("megascale", sharded_saves=True, fused_kernels=True, bf16_weights=True,
+                           pp_overlap=True, tp_overlap=1.0, parallel_blocks=True)
+GPT3_175B = ("tokenizer.vocab_size=50257", "model.dim=12288", "model.n_layers=96", "model.n_heads=96",
+             "model.ffn_hidden_dim=32768", "model.max_seq_len=2048", "training.seq_len=2048",
+             "parallelism.nnodes=1536", "parallelism.nproc_per_node=8", "parallelism.dp_replicate=1",
+             "parallelism.dp_shard=-1", "parallelism.tp=8", "parallelism.pp=8",
+             "training.micro_batch_size=32", "parallelism.microbatches=32",
+             "parallelism.pp_schedule=interleaved-1f1b", "parallelism.pp_virtual_stages=12",
+             "parallelism.activation_checkpointing=none", "parallelism.mixed_precision=bf16")
+A100 = {"gpu_flops": planner.A100_FLOPS, "memory_bandwidth": planner.A100_HBM,
+        "intra_node_bandwidth": 300e9}
+
+# llm.c's GPT-2 124M (karpathy/llm.c, scripts/run_gpt2_124M.sh; discussion 481, May 2024):
+# 8 x A100 80GB SXM, 64 x 1,024 tokens per GPU, no recomputation, bf16, ZeRO-1 (all-reduce
+# volume: DDP's here), hand-fused CUDA kernels; 524,288 tokens per ~300 ms step, "~60% MFU".
+# GPT-2's 4x GELU MLP has the weights of a SwiGLU 2,048 wide; tied embeddings, its 50,257
+# tokens padded to 50,304; no learned positions (0.8M parameters, no matmul).
+LLM_C = ("tokenizer.vocab_size=50257", "model.dim=768", "model.n_layers=12", "model.n_heads=12",
+         "model.ffn_hidden_dim=2048", "model.tie_embeddings=true", "model.max_seq_len=1024",
+         "training.seq_len=1024", "training.micro_batch_size=64", "training.grad_accum_steps=1",
+         "parallelism.nproc_per_node=8", "parallelism.dp_replicate=8", "parallelism.mixed_precision=bf16")
+
+
+# This trainer on one H100 SXM 80GB (benchmarks/RESULTS.md, "MFU on one GPU", 2026-11-26;
+# benchmarks/mfu_bench.py's sizes): compiled, bf16 autocast, fused AdamW.
+def goodput_h100(dim: int, n_layers: int, n_heads: int, vocab: int, seq: int, batch: int) -> tuple:
+    return (None, (f"tokenizer.vocab_size={vocab}", f"model.dim={dim}", f"model.n_layers={n_layers}",
+                   f"model.n_heads={n_heads}", f"model.max_seq_len={seq}", f"training.seq_len={seq}",
+                   f"training.micro_batch_size={batch}", "parallelism.nproc_per_node=1",
+                   "parallelism.compile=true"),
+            planner.Cluster(1, 1, 80 * GIB))
+
+
+def _run(where: tuple, source: str, recipe: planner.Recipe, **figures) -> PublishedRun:
+    config, overrides, on = where
+    return PublishedRun(source, config, overrides, on, recipe, **figures)
+
+
+TT = "torchtitan benchmarks/llama3_h100_202412_torchtitan.md"
+LLAMA3 = "Llama 3 paper, Table 4"
+PUBLISHED = {
+    # Table 1: 8B, 8 GPUs, FSDP, local batch 2, selective checkpointing: TPS/GPU, memory GiB.
+    "torchtitan-8b-8gpu": _run(torchtitan_8b(1), f"{TT}, Table 1", TORCHTITAN,
+                               tokens_per_s_per_gpu=5_762, memory_gib=82.4),
+    "torchtitan-8b-8gpu-compile": _run(torchtitan_8b(1, "parallelism.compile=true"),
+                                       f"{TT}, Table 1", TORCHTITAN,
+                                       tokens_per_s_per_gpu=6_667, memory_gib=77.0),
+    "torchtitan-8b-8gpu-compile-float8": _run(torchtitan_8b(1, "parallelism.compile=true"),
+                                              f"{TT}, Table 1", FLOAT8,
+                                              tokens_per_s_per_gpu=8_532, memory_gib=76.8),
+    # Table 3: the same on 128 GPUs (16 hosts).
+    "torchtitan-8b-128gpu": _run(torchtitan_8b(16), f"{TT}, Table 3", TORCHTITAN,
+                                 tokens_per_s_per_gpu=5_605, memory_gib=67.0),
+    "torchtitan-8b-128gpu-compile": _run(torchtitan_8b(16, "parallelism.compile=true"),
+                                         f"{TT}, Table 3", TORCHTITAN,
+                                         tokens_per_s_per_gpu=6_514, memory_gib=62.0),
+    "torchtitan-8b-128gpu-compile-float8": _run(torchtitan_8b(16, "parallelism.compile=true"),
+                                                f"{TT}, Table 3", FLOAT8,
+                                                tokens_per_s_per_gpu=8_380, memory_gib=61.8),
+    # Table 4: 70B, 256 GPUs, FSDP 32 x TP 8, compile + float8, local batch 16, full checkpointing.
+    "torchtitan-70b-256gpu": _run(("configs/llama3.1-70b.yaml", TORCHTITAN_70B,
+                                   planner.Cluster(32, 8, 96 * GIB, **TORCHTITAN_H100)),
+                                  f"{TT}, Table 4", FLOAT8, tokens_per_s_per_gpu=829,
+                                  memory_gib=71.9),
+    "torchtitan-70b-256gpu-asynctp": _run(("configs/llama3.1-70b.yaml", TORCHTITAN_70B,
+                                           planner.Cluster(32, 8, 96 * GIB, **TORCHTITAN_H100)),
+                                          f"{TT}, Table 4", ASYNC_TP, tokens_per_s_per_gpu=876,
+                                          memory_gib=67.6),
+    # Table 5: 405B, 512 GPUs, FSDP 8 x TP 8 x PP 8, compile + float8 + AsyncTP, local batch 32.
+    "torchtitan-405b-512gpu-1f1b": _run(("configs/llama3.1-405b.yaml",
+                                         (*TORCHTITAN_405B, "parallelism.pp_schedule=1f1b"),
+                                         planner.Cluster(64, 8, 96 * GIB, **TORCHTITAN_H100)),
+                                        f"{TT}, Table 5", ASYNC_TP, tokens_per_s_per_gpu=100,
+                                        memory_gib=82.5),
+    "torchtitan-405b-512gpu-interleaved": _run(("configs/llama3.1-405b.yaml",
+                                                (*TORCHTITAN_405B, "parallelism.pp_virtual_stages=2",
+                                                 "parallelism.pp_schedule=interleaved-1f1b"),
+                                                planner.Cluster(64, 8, 96 * GIB, **TORCHTITAN_H100)),
+                                               f"{TT}, Table 5", ASYNC_TP,
+                                               tokens_per_s_per_gpu=128, memory_gib=72.7),
+    "llama3-405b-8192gpu": _run(meta_405b(1024, 32), LLAMA3, META, mfu=0.43),
+    "llama3-405b-16384gpu": _run(meta_405b(2048, 16), LLAMA3, META, mfu=0.41),
+    "llama3-405b-16384gpu-cp16": _run(meta_405b(2048, 16, "training.seq_len=131072",
+                                                "model.max_seq_len=131072"), LLAMA3, META,
+                                      mfu=0.38, layout="dp 8 x cp 16 x tp 8 x pp 16",
+                                      skip="context parallelism (CP 16 at 131,072 tokens) is not "
+                                           "planned yet: issue 36"),
+    "megascale-175b-12288gpu": _run((None, GPT3_175B, planner.Cluster(1536, 8, 80 * GIB,
+                                                                      inter_node_bandwidth=25e9,
+                                                                      **A100)),
+                                    "MegaScale, arXiv 2402.15627 (abstract)", MEGASCALE, mfu=0.552),
+    "llm.c-gpt2-124m-8xA100": _run((None, LLM_C, planner.Cluster(1, 8, 80 * GIB, **A100)),
+                                   "karpathy/llm.c scripts/run_gpt2_124M.sh, discussion 481",
+                                   planner.Recipe("llm.c", fused_kernels=True),
+                                   tokens_per_s_per_gpu=524_288 / 0.300 / 8),
+    "goodput-gpt2-124m-1xH100": _run(goodput_h100(768, 12, 12, 50304, 1024, 32),
+                                     "benchmarks/RESULTS.md, MFU on one GPU", planner.GOODPUT,
+                                     tokens_per_s_per_gpu=444_280, memory_gib=18.1),
+    "goodput-1b-1xH100": _run(goodput_h100(2048, 18, 16, 32000, 2048, 8),
+                              "benchmarks/RESULTS.md, MFU on one GPU", planner.GOODPUT,
+                              tokens_per_s_per_gpu=75_564, memory_gib=35.4),
 }
 
 
-@pytest.mark.parametrize("run", PUBLISHED)
-def test_throughput_estimate_matches_published_runs(run):
-    """The default compute efficiency and communication overlap (goodput/planner.py, with
-    their sources) reproduce each published run within 25%."""
-    build, published = PUBLISHED[run]
-    config, on = build()
-    plan = planner.plan_layout(config, on, config.parallelism.degrees())
+def _published_params():
+    return [pytest.param(name, marks=pytest.mark.skip(reason=run.skip)) if run.skip else name
+            for name, run in PUBLISHED.items()]
+
+
+@pytest.mark.parametrize("name", _published_params())
+def test_the_planner_reproduces_published_runs(name):
+    """Each published layout fits the memory it ran on, and the planned tokens/s per GPU is
+    within 20% of the published figure."""
+    run = PUBLISHED[name]
+    plan = run.plan()
     assert plan.ok, plan.problems
-    per_gpu = plan.tokens_per_s / on.world_size
-    assert per_gpu == pytest.approx(published, rel=0.25), (per_gpu, published, per_gpu / published)
-    # The estimate shows what it assumes, and the MFU that follows.
-    text = planner.explain(plan, on)
-    assert f"compute at 48.6% of {on.gpu_flops / 1e12:,.0f} TFLOP/s peak" in text
-    assert "93% of data-parallel communication hidden" in text and f"MFU {plan.mfu:.1%}" in text
+    assert plan.memory.peak <= run.cluster.gpu_memory
+    ratio = plan.tokens_per_s / run.cluster.world_size / run.published_per_gpu()
+    assert 0.8 <= ratio <= 1.2, ratio
+
+
+def test_llama3_405b_config_is_metas_layout_and_plans_its_mfu():
+    """configs/llama3.1-405b.yaml holds Table 4's 16,384-GPU layout: this trainer's own
+    execution of it is accepted on 80 GB H100s and plans 41% +- 8 points MFU; the planner
+    suggests the interleaved stages the config sets."""
+    from core.layout import default_split
+
+    config = load_config("configs/llama3.1-405b.yaml")
+    [plan] = planner.plan(config, planner.Cluster(2048, 8, 80 * GIB))
+    assert plan.ok, plan.problems
+    assert plan.degrees == layout(dp_shard=128, tp=8, pp=16)
+    assert plan.stage_layers == default_split(126, 16 * 7)
+    assert plan.mfu == pytest.approx(0.41, abs=0.08)
+    assert plan.best_virtual_stages[0] == config.parallelism.pp_virtual_stages == 7
+
+
+def test_meta_s_published_mfu_is_the_models_own_flop_count():
+    """400 TFLOP/s per GPU is 40.4% of an H100's 989 (Meta rounds to 41%), and the tokens/s
+    it stands for follow from the planner's (and the trainer's) FLOPs per token."""
+    run = PUBLISHED["llama3-405b-16384gpu"]
+    assert 400e12 / planner.H100_FLOPS == pytest.approx(0.41, abs=0.01)
+    args = planner.model_args(run.load())
+    assert run.published_per_gpu() == pytest.approx(0.41 * planner.H100_FLOPS
+                                                     / planner.model_flops_per_token(args, 8192))
 
 
 def test_the_published_runs_mfu_matches_the_models_own_flop_count():
@@ -387,15 +631,106 @@ def test_the_published_runs_mfu_matches_the_models_own_flop_count():
     llm.c's 124M at 218,453 tokens/s is 60% of an A100's 312 (Karpathy: ~60%)."""
     import torch
 
-    config, _ = torchtitan_8b(1)
-    args = planner.model_args(config)
+    args = planner.model_args(PUBLISHED["torchtitan-8b-8gpu"].load())
     with torch.device("meta"):
         assert planner.model_flops_per_token(args, 8192) == Transformer(args).flops_per_token(8192)
     assert 5_762 * planner.model_flops_per_token(args, 8192) / planner.H100_FLOPS == pytest.approx(0.337, abs=0.001)
-    config, _ = llm_c_124m()
-    args = planner.model_args(config)
+    args = planner.model_args(PUBLISHED["llm.c-gpt2-124m-8xA100"].load())
     assert 524_288 / 0.3 / 8 * planner.model_flops_per_token(args, 1024) / planner.A100_FLOPS \
         == pytest.approx(0.60, abs=0.005)
+
+
+@pytest.mark.parametrize("name", ["goodput-gpt2-124m-1xH100", "goodput-1b-1xH100"])
+def test_compiled_memory_matches_the_h100_peaks(name):
+    """parallelism.compile changes what a step holds (the fused loss keeps bf16 logits, not
+    fp32 log-probabilities; each compiled block recomputes its pointwise ops): the estimate
+    is within 15% of the peaks measured on the H100 (max_memory_allocated), where the eager
+    estimate was 2x and 1.45x of them."""
+    run = PUBLISHED[name]
+    compiled = run.plan().memory.peak / GIB
+    assert compiled == pytest.approx(run.memory_gib, rel=0.15), compiled
+    eager = replace(run, overrides=(*run.overrides, "parallelism.compile=false"))
+    assert eager.plan().memory.peak / GIB > 1.4 * run.memory_gib
+
+
+def test_explain_shows_the_arithmetic_of_the_step():
+    """goodput plan --explain: every figure with the numbers it comes from, as a table a
+    reviewer can check by hand; the rows' times add up to the step."""
+    run = PUBLISHED["llama3-405b-16384gpu"]
+    plan = run.plan()
+    table = planner.explain_table(plan, run.cluster, run.load(), run.recipe)
+    assert "| FLOPs per token" in table and "| bubble |" in table
+    assert "| step |" in table and f"{plan.step_time_s:.3f} s" in table
+    for kind in ("matmuls", "attention", "memory-bound", "tp exposed"):
+        assert f"| {kind} |" in table
+    parts = sum(plan.work.seconds.values()) / (1 - plan.bubble) + plan.exposed_comm_s
+    assert parts == pytest.approx(plan.step_time_s)
+
+
+def test_cli_explains_the_405b_config(capsys):
+    from flows.cli import main
+
+    assert main(["plan", "--config", str(REPO / "configs/llama3.1-405b.yaml"), "--explain"]) == 0
+    out, _ = capsys.readouterr()
+    assert "| quantity | how | value |" in out and "| MFU |" in out
+    assert "parallelism.pp_virtual_stages=7 gives the shortest step" in out
+
+
+def test_recipes_keep_what_their_frameworks_keep_by_hand():
+    """The techniques published runs used, counted by hand for one small Llama block (dim 64,
+    kv 32, ffn 192, 4 heads; 10 tokens, tp 2, bf16): Megatron's sequence-parallel shards,
+    its selective recomputation (the core attention's output not kept), torchtitan's
+    op-level selection, and Megatron's bf16 weights beside a sharded fp32 optimizer."""
+    args = ModelArgs(vocab_size=64, dim=64, n_heads=4, n_kv_heads=2, ffn_hidden_dim=192)
+    assert (args.kv_heads * args.head_dim, args.ffn_hidden) == (32, 192)
+    # Norm and column-parallel inputs (4 x 64), q/k/v (64 + 2 x 32), output (64), w1/w3/w2 in
+    # (3 x 192): 2 bytes each, + fp32 lse per head, all over tp.
+    kept = 2 * (4 * 64 + 64 + 2 * 32 + 64 + 3 * 192) + 4 * 4
+    assert planner.sharded_block_activation_bytes(args, 10, 2, 2) == 10 * kept / 2
+    assert planner.sharded_block_activation_bytes(args, 10, 2, 2, recompute_attention=True) \
+        == 10 * (kept - 2 * 64 - 4 * 4) / 2
+    # torchtitan: the input (bf16 residual), wq's, wv's, SDPA's, w1's and w2's outputs, lse.
+    assert planner.op_checkpointed_block_bytes(args, 10, 2, 2, 2) \
+        == 10 * (2 * 64 + 2 * (64 + 32 + 64 + 192 + 64) + 4 * 4) / 2
+    # Megatron/Meta: 2 + 4 bytes per parameter whole, 12 sharded over the data-parallel ranks.
+    config = load_config(None, ["tokenizer.vocab_size=512", "model.dim=64", "model.n_layers=2",
+                                "model.n_heads=4", "parallelism.nproc_per_node=8",
+                                "parallelism.dp_replicate=4", "parallelism.tp=2",
+                                "parallelism.mixed_precision=bf16"])
+    megatron = planner.Recipe("megatron", sharded_saves=True, fused_kernels=True, bf16_weights=True)
+    plan = planner.plan_layout(config, cluster(gpus=8), layout(dp_replicate=4, tp=2), recipe=megatron)
+    local = plan.memory.local_params
+    memory = plan.memory
+    assert (memory.weights, memory.gradients, memory.optimizer) == (2 * local, 4 * local,
+                                                                    12 * local / 4)
+    # Its distributed optimizer moves 6 bytes per parameter per step over the data-parallel ranks.
+    assert plan.comm["dp_replicate"] == pytest.approx(3 / 4 * 6 * local)
+
+
+def test_the_planner_suggests_the_interleaved_stages_with_the_shortest_step():
+    """More stages per rank shrink the bubble and multiply the pipeline's sends: across
+    slow links (here 1 GB/s between nodes) the sends win and fewer stages are best; on
+    fast ones the bubble wins. The suggestion is the v whose planned step is shortest."""
+    base = ("configs/llama3.1-70b.yaml", ["parallelism.nnodes=4", "parallelism.dp_replicate=1",
+                                          "parallelism.dp_shard=1", "parallelism.tp=8",
+                                          "parallelism.pp=4", "training.micro_batch_size=4",
+                                          "parallelism.microbatches=4",
+                                          "parallelism.pp_schedule=interleaved-1f1b"])
+    config = load_config(*base)
+    fast = planner.Cluster(4, 8, 1024 * GIB)
+    slow = replace(fast, inter_node_bandwidth=1e9)
+    suggested = {}
+    for name, on in (("fast", fast), ("slow", slow)):
+        v, step = planner.plan_layout(config, on, config.parallelism.degrees()).best_virtual_stages
+        steps = {}
+        for w in range(2, 21):
+            with_w = load_config(base[0], [*base[1], f"parallelism.pp_virtual_stages={w}"])
+            steps[w] = planner.plan_layout(with_w, on, config.parallelism.degrees()).step_time_s
+        assert step == min(steps.values()) == steps[v]
+        suggested[name] = v
+    assert suggested["slow"] < suggested["fast"]
+    text = planner.explain(planner.plan_layout(config, fast, config.parallelism.degrees()), fast)
+    assert f"parallelism.pp_virtual_stages={suggested['fast']}" in text
 
 
 def train_briefly(tmp_path, run_id: str, *overrides: str) -> Path:
@@ -922,6 +1257,28 @@ def test_memory_estimate_matches_a_measured_step(case, measured_single):
 @pytest.mark.parametrize("case", TWO_PROCESSES)
 def test_memory_estimate_matches_measured_data_parallel_steps(case, measured_two):
     assert_estimate_matches(TWO_PROCESSES[case], 2, measured_two[case])
+
+
+COMPILED = ACTIVATIONS + ("parallelism.compile=true",)
+
+
+@pytest.mark.slow
+def test_memory_estimate_matches_a_measured_compiled_step(tmp_path):
+    """parallelism.compile=true on CPU (inductor, fp32): the saved-tensor hooks see what the
+    compiled blocks keep (the matmuls' inputs, not the norms' internals); the estimate's
+    activations are within 5% of them and its peak within 15% of the resident-set peak
+    (measured 2026-11-27: 0.96x and 0.91x; the eager estimate of this step is 1.24x the
+    compiled peak). Slow: inductor's first compile of a block and the loss takes 1-2 minutes
+    on 2 cores. The H100 peaks (test_compiled_memory_matches_the_h100_peaks) run in CI."""
+    [measured] = measure(1, {"compiled": COMPILED}, tmp_path)["compiled"]
+    config = load_config(None, case_overrides(COMPILED, 1))
+    estimate = planner.plan_layout(config, planner.Cluster(1, 1, 2**40, device="cpu"),
+                                   config.parallelism.degrees()).memory
+    for key in ("weights", "gradients", "optimizer"):
+        assert measured[key] == pytest.approx(getattr(estimate, key), rel=TENSOR_RTOL), key
+    assert measured["activations"] == pytest.approx(estimate.activations, rel=0.05)
+    assert measured["peak"] == pytest.approx(estimate.peak, rel=0.15), \
+        (measured["peak"] / 2**20, estimate.peak / 2**20)
 
 
 # -- the measuring side ------------------------------------------------------------------------

@@ -166,7 +166,8 @@ def split_pipeline(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims):
     many as core.layout's stage rule gives the stage (ParallelDims.stage_layers: the
     configured parallelism.pp_layers_per_stage, or the default split with the first and last
     stages lightened by pp_first/last_stage_less_layers); with interleaving a rank holds
-    stages r and r + pp. Stage 0 keeps the embedding, the last stage the norm and output."""
+    v = parallelism.pp_virtual_stages of them, r, r + pp, ..., r + (v-1)pp (looping placement).
+    Stage 0 keeps the embedding, the last stage the norm and output."""
     layer_names = list(model.layers.keys())
     try:
         bounds = dims.stage_bounds(len(layer_names))
