@@ -672,6 +672,11 @@ class StorageConfig(_Section):
         None, description="S3-compatible endpoint (SeaweedFS, MinIO); None uses AWS."
     )
     region: str | None = None
+    credentials_block: str | None = Field(
+        None, description="The name of a prefect-aws AwsCredentials block with the store's keys "
+        "(or a profile or role to assume), region and endpoint: a run triggered from the UI on "
+        "a work pool then needs no AWS environment variables. Unset: the standard AWS chain "
+        "(environment, ~/.aws, instance role).")
     part_size: str | int = Field(
         "8MiB", description="S3 multipart part size, e.g. '64MiB' (S3 allows 5MiB to 5GiB; a "
         "file needing more than 10,000 parts gets larger ones). Larger parts: fewer requests.")
@@ -770,6 +775,9 @@ class TrackingConfig(_Section):
     wandb_project: str | None = Field(None, description="A Weights & Biases project: one W&B run "
                                       "per run id (credentials: `wandb login` or WANDB_API_KEY).")
     wandb_entity: str | None = Field(None, description="The W&B team or user (default: yours).")
+    wandb_api_key_block: str | None = Field(
+        None, description="The name of a Prefect Secret block holding the W&B API key (instead "
+        "of `wandb login` or WANDB_API_KEY on the machine).")
     wandb_mode: Literal["online", "offline"] = Field(
         "online", description="'offline' writes W&B runs to the run directory for `wandb sync`.")
 

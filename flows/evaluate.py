@@ -9,6 +9,7 @@ from prefect import flow
 from core.config import RunConfig
 from storage.manifests import EvalReport
 from tasks.control import resolve_config
+from tasks.credentials import load_credentials, uses_blocks
 from tasks.evaluate import (
     check_eval_tasks,
     evaluate_checkpoint,
@@ -35,6 +36,8 @@ def evaluate(config: RunConfig = RunConfig(), checkpoint: str | None = None,
     """
     started = time.time()
     config = resolve_config(config, config_file, overrides)
+    if uses_blocks(config):  # the store's and W&B's keys, from Prefect blocks
+        load_credentials(config)
     # A misspelt eval.tasks name fails here, before a checkpoint is downloaded or evaluated.
     eval_tasks = check_eval_tasks.submit(config) if config.eval.tasks else None
     dataset = locate_dataset.submit(config)

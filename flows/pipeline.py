@@ -13,6 +13,7 @@ from flows.evaluate import evaluate
 from flows.prepare import prepare
 from flows.train import train
 from tasks.control import resolve_config
+from tasks.credentials import load_credentials, uses_blocks
 from tasks.evaluate import check_eval_tasks
 from tasks.layout import check_layout
 from tasks.reporting import WorkerLogs
@@ -37,6 +38,8 @@ def pipeline(config: RunConfig = RunConfig(), config_file: str | None = None,
             rank ("all").
     """
     config = resolve_config(config, config_file, overrides)
+    if uses_blocks(config):  # the store's and W&B's keys, from Prefect blocks
+        load_credentials(config)
     eval_tasks = check_eval_tasks.submit(config) if config.eval.tasks else None
     check_layout(config)
     if eval_tasks is not None:

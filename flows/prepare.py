@@ -13,10 +13,17 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
 from core.config import RunConfig
-from goodput.data.prepare import DatasetPlan, UnitResult, WorkUnit, mix_tokenizer_from, require_sources
+from goodput.data.prepare import (
+    DatasetPlan,
+    UnitResult,
+    WorkUnit,
+    mix_tokenizer_from,
+    require_sources,
+)
 from storage.manifests import DatasetManifest, MixtureManifest
 from storage.store import usable_anywhere
 from tasks.control import resolve_config
+from tasks.credentials import load_credentials, uses_blocks
 from tasks.prepare import (
     api_shared_with_unit_processes,
     build_tokenizer,
@@ -48,6 +55,8 @@ def prepare(config: RunConfig = RunConfig(), config_file: str | None = None,
     """
     started = time.time()
     config = resolve_config(config, config_file, overrides)
+    if uses_blocks(config):  # the store's and W&B's keys, from Prefect blocks
+        load_credentials(config)
     prepared, tokenizer_from = [], None
     for source in config.data.mix():
         manifest, tokenize_s, workers = prepare_source.with_options(flow_run_name=f"prepare-{source.name}")(

@@ -12,6 +12,7 @@ from core.config import RunConfig
 from goodput.checkpoint_lifecycle import new_checkpoints, unsecured_steps
 from goodput.evaluation import evaluation_due
 from tasks.control import no_orphan_workers, resolve_config, training_slot
+from tasks.credentials import load_credentials, uses_blocks
 from tasks.evaluate import check_eval_tasks, evaluate_validated
 from tasks.layout import check_layout
 from tasks.reporting import (
@@ -59,6 +60,8 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
     """
     started = time.time()
     config = resolve_config(config, config_file, overrides)
+    if uses_blocks(config):  # the store's and W&B's keys, from Prefect blocks
+        load_credentials(config)
     # Configuration checks before anything launches: eval.tasks' names (lm-eval's task index,
     # seconds when not cached) beside the layout check and finding the dataset.
     eval_tasks = check_eval_tasks.submit(config) if config.eval.tasks else None
