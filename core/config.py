@@ -291,6 +291,48 @@ class RopeScaling(_Section):
         return self
 
 
+class MoEConfig(_Section):
+    """A Mixture-of-Experts feed-forward in the blocks after the first `first_dense_layers`
+    (training/moe.py): a router sends each token to its top_k of num_experts SwiGLU experts;
+    shared experts take every token. DeepSeek-V3: 256 experts, top_k 8, 1 shared, 3 dense
+    layers, sigmoid scores, route_norm, route_scale 2.5, bias balancing. Qwen3-30B-A3B: 128
+    experts, top_k 8, no shared, softmax, route_norm."""
+
+    num_experts: int = Field(ge=2, description="Routed experts per MoE layer.")
+    top_k: int = Field(2, ge=1, description="Experts each token is routed to.")
+    expert_dim: int | None = Field(
+        None, ge=1, description="SwiGLU hidden width of one expert; None: the dense width "
+        "(model.ffn_hidden_dim or its formula).")
+    shared_experts: int = Field(0, ge=0, description="Experts every token passes through "
+                                "(computed as one SwiGLU this many times expert_dim wide).")
+    first_dense_layers: int = Field(0, ge=0, description="The first blocks keep a dense "
+                                    "feed-forward (DeepSeek-V3: 3).")
+    score_func: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="Router scores: softmax over the experts, or a sigmoid each.")
+    route_norm: bool = Field(False, description="Divide each token's top_k scores by their sum "
+                             "(Qwen3's norm_topk_prob; DeepSeek-V3 with sigmoid scores).")
+    route_scale: float = Field(1.0, gt=0, description="Scale of the routed experts' weights "
+                               "(DeepSeek-V3: 2.5).")
+    aux_loss_coeff: float = Field(
+        0.0, ge=0, description="Weight of the sequence-wise auxiliary balance loss (Switch/"
+        "GShard's E/K x sum f_e P_e per sequence, DeepSeek-V3's form); 0: off. Switch used "
+        "1e-2, DeepSeek-V3 1e-4 beside bias balancing.")
+    bias_update_rate: float = Field(
+        0.0, ge=0, description="DeepSeek-V3's auxiliary-loss-free balancing: after every step "
+        "each expert's routing bias moves by this toward balance (DeepSeek-V3: 1e-3); 0: off.")
+    collapse_steps: int = Field(
+        100, ge=1, description="Warn of router collapse when an expert gets no token for this "
+        "many steps in a row.")
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> "MoEConfig":
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model.moe.top_k={self.top_k} exceeds model.moe.num_experts="
+                             f"{self.num_experts}; route each token to at most num_experts "
+                             "experts")
+        return self
+
+
 # The fields a model.init_from checkpoint's config.json fixes (core.hf_llama.HF_FIELDS,
 # plus RoPE). max_seq_len is not among them: a run may use a shorter or longer context.
 _FIXED_BY_CHECKPOINT = ("dim", "n_layers", "n_heads", "n_kv_heads", "norm_eps", "rope_theta",
@@ -345,6 +387,8 @@ class ModelConfig(_Section):
         False, description="The output layer uses the token embedding matrix (Llama 3.2 1B and "
         "3B): one matrix fewer. Needs parallelism.pp=1 (the first and last pipeline stages would "
         "each need it).")
+    moe: MoEConfig | None = Field(
+        None, description="Mixture-of-Experts feed-forwards (see MoEConfig); None: dense.")
 
     @model_validator(mode="before")
     @classmethod
@@ -404,6 +448,10 @@ class ModelConfig(_Section):
         kv = self.n_kv_heads or self.n_heads
         if self.n_heads % kv:
             raise ValueError(f"n_kv_heads={kv} does not divide n_heads={self.n_heads}")
+        if self.moe is not None and self.moe.first_dense_layers >= self.n_layers:
+            raise ValueError(f"moe.first_dense_layers={self.moe.first_dense_layers} leaves no "
+                             f"mixture-of-experts block of n_layers={self.n_layers}; lower it "
+                             "below n_layers, or drop model.moe for a dense model")
         return self
 
 
@@ -509,6 +557,11 @@ class ParallelismConfig(_Section):
     dp_replicate: int = Field(-1, description="Data-parallel replicas (DDP, or HSDP's replicate "
                                               "axis with dp_shard > 1); -1 fills the rest.")
     dp_shard: int = Field(1, description="FSDP2 sharding degree (ZeRO-3 by default); 1 = no FSDP.")
+    ep: int = Field(1, ge=1, description="Expert parallelism (a model.moe model): each MoE "
+                    "layer's experts split over this many ranks, tokens sent to their experts "
+                    "and back by all-to-all. EP borrows its ranks from dp_shard (it must divide "
+                    "it): the experts are sharded by EP (and by FSDP over dp_shard / ep), every "
+                    "other weight by FSDP over dp_shard.")
     tp: int = Field(1, ge=1, description="Tensor-parallel degree (within a node).")
     pp: int = Field(1, ge=1, description="Pipeline stages (across nodes).")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field("1f1b")
@@ -556,7 +609,7 @@ class ParallelismConfig(_Section):
         if world_size is None:
             world_size, world = self.world_size, f"world size {self.world_size} (nnodes x nproc_per_node)"
         return ParallelDims.resolve({d: getattr(self, d) for d in DEGREES}, world_size, world,
-                                    **self.pipeline())
+                                    ep=self.ep, **self.pipeline())
 
     def pipeline(self) -> dict:
         """The pipeline settings ParallelDims takes beside the degrees."""
@@ -974,7 +1027,8 @@ class RunConfig(_Section):
             n_heads=model.n_heads, n_kv_heads=model.n_kv_heads or model.n_heads,
             n_layers=model.n_layers, seq_len=self.training.seq_len,
             micro_batch_size=self.training.micro_batch_size,
-            tied_embeddings=model.tie_embeddings) if not p.advice]
+            tied_embeddings=model.tie_embeddings,
+            num_experts=model.moe.num_experts if model.moe else None) if not p.advice]
         if problems:
             raise ValueError("; ".join(f"{p.reason}; {p.fix}" for p in problems))
         if self.launch.kind == "ssh" and len(self.launch.hosts) != self.parallelism.nnodes:

@@ -2,7 +2,9 @@
 
 A layout is dp_replicate x dp_shard x tp x pp = world size, laid out on a device mesh named
 MESH_DIMS in row-major order with TP innermost, so TP groups are consecutive ranks on the
-fastest links. `ParallelDims` resolves a `-1` degree, says which data parallelism the trainer
+fastest links. Expert parallelism (ep) adds no ranks: it splits dp_shard into (efsdp, ep),
+ep inner, and the experts of a mixture-of-experts model are sharded over ep (and by FSDP
+over efsdp) while every other weight is sharded over the whole dp_shard (ParallelDims.mesh_dims). `ParallelDims` resolves a `-1` degree, says which data parallelism the trainer
 applies (DDP for pure replication, FSDP2 otherwise), how layers split into pipeline stages
 (`stage_layers`: the one stage rule, an explicit list or default_split with the ends
 weighted), and, in `problems`, every rule a layout must satisfy,
@@ -58,6 +60,8 @@ class ParallelDims:
     # pp_last_stage_less_layers): they get that many fewer. 0 and 0: the plain even split.
     first_stage_less_layers: int = 0
     last_stage_less_layers: int = 0
+    # Expert parallelism (parallelism.ep): ranks of dp_shard that split each MoE layer's experts.
+    ep: int = 1
 
     @classmethod
     def resolve(cls, degrees: dict[str, int], world_size: int, world: str = "",
@@ -96,8 +100,18 @@ class ParallelDims:
         return math.prod(self.degrees.values())
 
     @property
+    def mesh_dims(self) -> tuple[str, ...]:
+        """The device mesh's axes, row-major: MESH_DIMS, or with expert parallelism dp_shard
+        split into (efsdp, ep), ep inner so that an EP group is neighbouring ranks (the
+        trainer flattens the two back into dp_shard for the dense weights)."""
+        if self.ep == 1:
+            return MESH_DIMS
+        return ("pp", "dp_replicate", "efsdp", "ep", "tp")
+
+    @property
     def mesh_shape(self) -> tuple[int, ...]:
-        return tuple(getattr(self, d) for d in MESH_DIMS)
+        sizes = {**self.degrees, "efsdp": self.dp_shard // self.ep, "ep": self.ep}
+        return tuple(sizes[d] for d in self.mesh_dims)
 
     # -- data parallelism ---------------------------------------------------------------------
     @property
@@ -221,10 +235,12 @@ class ParallelDims:
     # -- the rules ----------------------------------------------------------------------------
     def problems(self, *, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int,
                  micro_batch_size: int, vocab_size: int | None = None,
-                 gpus_per_node: int | None = None, tied_embeddings: bool = False) -> list[Problem]:
+                 gpus_per_node: int | None = None, tied_embeddings: bool = False,
+                 num_experts: int | None = None) -> list[Problem]:
         """Every rule this layout breaks for this model and batch, each with its fix.
         `vocab_size` and `gpus_per_node`, where known, add the vocabulary and TP-within-a-node
-        rules. Problems marked `advice` are the planner's: the trainer would run the layout."""
+        rules; `num_experts` (a mixture-of-experts model's) the expert-parallel ones. Problems
+        marked `advice` are the planner's: the trainer would run the layout."""
         tp, pp, m, v = self.tp, self.pp, self.microbatches_per_step, self.stages_per_rank
         limit = gpus_per_node  # TP beyond a node is ruled out above
         problems = []
@@ -250,6 +266,7 @@ class ParallelDims:
                 "splits over the TP ranks",
                 f"choose tp in {_divisors(math.gcd(seq_len, head_tp), limit)}, or a seq_len "
                 f"divisible by {tp}, e.g. {tp * -(-seq_len // tp)}"))
+        problems += self.expert_problems(num_experts)
         stages = self.stage_problem(n_layers)
         if stages is not None:
             problems.append(stages)
@@ -288,6 +305,35 @@ class ParallelDims:
             problems.append(Problem(
                 f"microbatches={m} do not split into equal rounds of interleaved-1f1b over pp={pp}",
                 f"set parallelism.microbatches to a multiple of {pp}, or at most {pp}"))
+        return problems
+
+
+    def expert_problems(self, num_experts: int | None) -> list[Problem]:
+        """The rules of expert parallelism and of mixture-of-experts models."""
+        ep, problems = self.ep, []
+        if num_experts is None:
+            if ep > 1:
+                problems.append(Problem(f"parallelism.ep={ep} splits the experts of a "
+                                        "mixture-of-experts model, and this model has none",
+                                        "set parallelism.ep=1, or give the model model.moe"))
+            return problems
+        if self.tp > 1:
+            problems.append(Problem(
+                f"tp={self.tp} with a mixture-of-experts model (model.moe): tensor parallelism "
+                "of MoE blocks is not implemented", "set parallelism.tp=1 and split the "
+                "experts with parallelism.ep, the rest with dp_shard (FSDP)"))
+        if self.dp_shard % ep:
+            problems.append(Problem(
+                f"parallelism.ep={ep} does not divide parallelism.dp_shard={self.dp_shard}: "
+                "expert parallelism splits the experts over ranks of dp_shard (FSDP shards the "
+                "other weights over all of them)",
+                f"set parallelism.dp_shard to a multiple of {ep} (e.g. {ep * max(1, -(-self.dp_shard // ep))}), "
+                "or ep to a divisor of it"))
+        if num_experts % ep:
+            problems.append(Problem(
+                f"parallelism.ep={ep} does not divide model.moe.num_experts={num_experts}: each "
+                "EP rank holds an equal share of the experts",
+                f"choose ep in {[d for d in _divisors(num_experts) if self.dp_shard % d == 0]}"))
         return problems
 
 

@@ -1,8 +1,10 @@
 """Apply a parallelism layout to the model: the only place that knows about layouts.
 
-    mesh   = core.layout.MESH_DIMS: (pp, dp_replicate, dp_shard, tp), TP innermost
-    order  = pipeline split -> tensor parallel -> activation checkpointing -> compile
-             -> data parallel (FSDP2 / HSDP, or DDP when the layout is pure replication)
+    mesh   = core.layout.MESH_DIMS: (pp, dp_replicate, dp_shard, tp), TP innermost; with
+             expert parallelism dp_shard is (efsdp, ep) flattened (ParallelDims.mesh_dims)
+    order  = pipeline split -> tensor parallel -> expert parallel -> activation checkpointing
+             -> compile -> data parallel (FSDP2 / HSDP, or DDP when the layout is pure
+             replication; the experts by FSDP over efsdp, the rest over dp_shard)
              -> materialize (the model is built on the meta device; each rank allocates
                 and initialises only what it holds)
 
@@ -23,8 +25,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from core.errors import ConfigError
-from core.layout import MESH_DIMS, LayoutError, ParallelDims
+from core.layout import LayoutError, ParallelDims
+from training.expert_parallel import apply_expert_parallel
 from training.model import cross_entropy
+from training.moe import moe_layers
 
 
 @dataclass
@@ -68,7 +72,10 @@ class Layout:
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
     if not dist.is_initialized():
         return None
-    return init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_dims)
+    if dims.ep > 1:  # the dense weights shard over all of dp_shard, experts and all
+        mesh["efsdp", "ep"]._flatten("dp_shard")
+    return mesh
 
 
 def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.device,
@@ -85,11 +92,14 @@ def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.dev
     if dims.pp > 1:
         stage_ids, parts = split_pipeline(model, mesh, dims)
     parts = [_apply_tp(part, mesh["tp"]) if dims.tp > 1 else part for part in parts]
+    parts = [apply_expert_parallel(part, mesh["ep"]) if dims.ep > 1 else part for part in parts]
     parts = [_checkpoint_and_compile(part, par_cfg) for part in parts]
 
     layout = Layout(mesh, dims, parts, stage_ids=stage_ids, fsdp=dims.fsdp, ddp=dims.ddp)
     if layout.fsdp:  # sharded while still on the meta device: each rank allocates its shards
-        parts = [_apply_fsdp(p, mesh["dp_replicate", "dp_shard"], par_cfg, device) for p in parts]
+        experts = _expert_fsdp(mesh, dims) if dims.ep > 1 else None
+        parts = [_apply_fsdp(p, mesh["dp_replicate", "dp_shard"], par_cfg, device, experts)
+                 for p in parts]
     # Before DDP, which broadcasts rank 0's weights when it wraps them.
     layout.model_parts = materialize(parts, seed, device)
     if layout.ddp:
@@ -116,6 +126,7 @@ def materialize(parts: list[nn.Module], seed: int | None, device: torch.device) 
         part.to_empty(device=device)
         part.tie_weights()  # to_empty gave the output layer a parameter of its own
         part.init_buffers()
+        part.reset_expert_buffers()  # a checkpoint's routing bias replaces them when loaded
         if seed is None:
             continue
         with torch.no_grad():
@@ -285,13 +296,32 @@ def _checkpoint_and_compile(model: nn.Module, par_cfg) -> nn.Module:
 
 # -- data parallelism -------------------------------------------------------------------------
 
-def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, par_cfg, device: torch.device) -> nn.Module:
-    """FSDP2 per block then the root; a 2-D (replicate, shard) mesh makes it HSDP."""
+def _expert_fsdp(mesh: DeviceMesh, dims: ParallelDims) -> tuple[DeviceMesh, int]:
+    """Where FSDP shards expert-parallel experts, and what divides their gradients.
+
+    Over (dp_replicate, efsdp): the ranks holding the same experts. Their gradients already
+    sum the loss gradients of every data-parallel rank's tokens (the all-to-all's backward
+    brought them), so they are divided by the whole data-parallel size, as the other weights'
+    are after FSDP sums them over dp_shard."""
+    return mesh["dp_replicate", "efsdp"], dims.dp_size
+
+
+def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, par_cfg, device: torch.device,
+                experts: tuple[DeviceMesh, int] | None = None) -> nn.Module:
+    """FSDP2 per block then the root; a 2-D (replicate, shard) mesh makes it HSDP. With
+    `experts` (expert parallelism: a mesh and a gradient divisor) each MoE layer's experts
+    first get an FSDP unit of their own on that mesh."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if uses_bf16(par_cfg, device) \
         else MixedPrecisionPolicy()
+    if experts is not None:
+        expert_mesh, divide_by = experts
+        for layer in moe_layers(model).values():
+            fully_shard(layer.experts, mesh=expert_mesh, mp_policy=mp,
+                        reshard_after_forward=par_cfg.reshard_after_forward)
+            layer.experts.set_gradient_divide_factor(divide_by)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=par_cfg.reshard_after_forward)
     # The root's parameters (embeddings, final norm, output) are used last in backward and
