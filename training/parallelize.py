@@ -336,19 +336,30 @@ def clip_grad_norm_(layout: Layout, max_norm: float) -> torch.Tensor:
     """Global gradient norm over all stages and shards; clips in place when max_norm > 0.
 
     The trainer calls this once per step, after backward: it first sums the gradients TP left
-    partial, so that neither the norm nor the optimizer reduces them again."""
+    partial, so that neither the norm nor the optimizer reduces them again. Gradients are
+    taken per mesh (expert parallelism's experts live on another mesh than the other
+    weights, and DTensor ops never mix meshes)."""
     params = [p for part in layout.model_parts for p in part.parameters() if p.grad is not None]
     _reduce_partial_grads(params)
-    grads = [p.grad for p in params]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if hasattr(norm, "full_tensor"):  # DTensor: reduce over its mesh
-        norm = norm.full_tensor()
+    by_mesh: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [_norm([p.grad for p in group]) for group in by_mesh.values()]
+    norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
     if layout.dims.pp > 1:  # each stage saw only its own parameters
         squared = norm ** 2
         dist.all_reduce(squared, group=layout.group("pp"))
         norm = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+    return norm
+
+
+def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if hasattr(norm, "full_tensor"):  # DTensor: reduce over its mesh
+        norm = norm.full_tensor()
     return norm
 
 
