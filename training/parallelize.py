@@ -322,6 +322,8 @@ def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, par_cfg, device: torch.de
             fully_shard(layer.experts, mesh=expert_mesh, mp_policy=mp,
                         reshard_after_forward=par_cfg.reshard_after_forward)
             layer.experts.set_gradient_divide_factor(divide_by)
+            if dist.get_backend() == "gloo":  # which has no pre-multiplied sum: sum, then divide
+                layer.experts.set_force_sum_reduction_for_comms(True)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=par_cfg.reshard_after_forward)
     # The root's parameters (embeddings, final norm, output) are used last in backward and
