@@ -79,10 +79,12 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
 
 
 def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.device,
-                loss_fn, seed: int | None) -> Layout:
+                loss_fn, seed: int | None, microbatch: tuple[int, int] | None = None) -> Layout:
     """Lay `model` (built whole on the meta device: no memory yet) out on this rank according
     to `dims`, then allocate and initialise only what this rank holds (materialize; seed
-    None: allocate only, for a caller that loads every weight from a checkpoint)."""
+    None: allocate only, for a caller that loads every weight from a checkpoint).
+    `microbatch`: (samples, tokens) of a pipeline micro-batch, which a mixture-of-experts
+    model's pipeline stages need stated (_build_schedule)."""
     mesh = build_mesh(dims, device.type)
     if mesh is None:
         parts = materialize([_checkpoint_and_compile(model, par_cfg)], seed, device)
@@ -109,7 +111,7 @@ def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.dev
                                                       process_group=mesh.get_group("dp_replicate"))]
 
     if dims.pp > 1:
-        _build_schedule(layout, mesh, device, loss_fn)
+        _build_schedule(layout, mesh, device, loss_fn, par_cfg, microbatch)
     return _precision_and_loss(layout, par_cfg, device)
 
 
@@ -199,7 +201,8 @@ def split_pipeline(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims):
     return stage_ids, parts
 
 
-def _build_schedule(layout: Layout, mesh: DeviceMesh, device, loss_fn) -> None:
+def _build_schedule(layout: Layout, mesh: DeviceMesh, device, loss_fn, par_cfg,
+                    microbatch: tuple[int, int] | None) -> None:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import (
         Schedule1F1B,
@@ -210,7 +213,8 @@ def _build_schedule(layout: Layout, mesh: DeviceMesh, device, loss_fn) -> None:
     dims = layout.dims
     n_stages = dims.n_stages
     group = mesh.get_group("pp")
-    stages = [PipelineStage(part, sid, n_stages, device, group=group)
+    stages = [PipelineStage(part, sid, n_stages, device, group=group,
+                            **_stage_io(part, sid, n_stages, microbatch, par_cfg, layout, device))
               for sid, part in zip(layout.stage_ids, layout.model_parts)]
     microbatches = dims.microbatches_per_step
     # scale_grads would divide the *accumulated* gradients after every step, which is wrong
@@ -223,6 +227,36 @@ def _build_schedule(layout: Layout, mesh: DeviceMesh, device, loss_fn) -> None:
         layout.schedule = cls(stages[0], microbatches, loss_fn=loss_fn, scale_grads=False)
     layout.first_stage = 0 in layout.stage_ids
     layout.last_stage = (n_stages - 1) in layout.stage_ids
+
+
+def _stage_io(part: nn.Module, stage: int, n_stages: int, microbatch: tuple[int, int] | None,
+              par_cfg, layout: Layout, device: torch.device) -> dict:
+    """What a stage of a mixture-of-experts model receives and sends, stated.
+
+    Without it, each stage learns its shapes at the first step by running one extra forward
+    (on the first micro-batch, or on uninitialised tensors), and an MoE layer would count
+    that forward's tokens into the step's expert loads (and the routing bias with them).
+    Hidden states between stages are fp32, or bf16 where FSDP computes in bf16 (autocast
+    keeps the residual stream fp32); logits are bf16 under either."""
+    if microbatch is None or not moe_layers(part):
+        return {}
+    rows, seq = microbatch
+    args = part.args
+    bf16 = uses_bf16(par_cfg, device)
+    hidden = torch.bfloat16 if bf16 and layout.fsdp else torch.float32
+    meta = torch.device("meta")
+    def states():  # hidden states, which carry gradients back
+        return torch.empty(rows, seq, args.dim, dtype=hidden, device=meta, requires_grad=True)
+
+    inputs = torch.empty(rows, seq, dtype=torch.long, device=meta) if stage == 0 else states()
+    outputs = (torch.empty(rows, seq, args.vocab_size, device=meta, requires_grad=True,
+                           dtype=torch.bfloat16 if bf16 else torch.float32)
+               if stage == n_stages - 1 else states())
+    # Gradients come back for the hidden states (none for the last stage's logits, whose
+    # gradient starts from the loss, nor for the first stage's token ids).
+    return {"input_args": inputs, "output_args": outputs,
+            "output_grads": outputs if stage < n_stages - 1 else (None,),
+            "input_grads": inputs if stage > 0 else (None,)}
 
 
 # -- tensor parallelism -----------------------------------------------------------------------

@@ -73,7 +73,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     init_from = config.model.init_from if start is None else None
     layout = parallelize(model, config.parallelism, dims, env.device,
                          pipeline_loss(tcfg.grad_accum_steps * dims.microbatches_per_step),
-                         seed=tcfg.seed if start is None and init_from is None else None)
+                         seed=tcfg.seed if start is None and init_from is None else None,
+                         microbatch=(tcfg.micro_batch_size // dims.microbatches_per_step, tcfg.seq_len))
     del model  # from here on the layout's parts are the model
     if init_from is not None:
         load_hf_weights(layout.model_parts, init_from, config.model.tie_embeddings)
