@@ -189,47 +189,49 @@ def test_expert_parallelism_splits_dp_shard_on_the_mesh():
     assert ParallelDims(dp_shard=4).mesh_shape == (1, 1, 4, 1)
 
 
-# -- expert parallelism's dispatch, two gloo processes --------------------------------------------
+# -- expert parallelism through the layout, gloo processes -------------------------------------
 
-def _dispatch_worker(rank: int, port: int, results) -> None:
+def _layout_worker(rank: int, world: int, dp_shard: int, ep: int, port: int, results) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from training.expert_parallel import apply_expert_parallel
+    from core.config import ParallelismConfig
+    from training.parallelize import parallelize
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
-        args = ModelArgs(vocab_size=64, dim=32, n_layers=1, n_heads=4,
+        args = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4,
                          moe={"num_experts": 4, "top_k": 2, "expert_dim": 48})
         whole = Transformer(args, seed=5)
         with torch.device("meta"):
             model = Transformer(args)
-        apply_expert_parallel(model, init_device_mesh("cpu", (2,), mesh_dim_names=("ep",)))
-        from training.parallelize import materialize
-
-        materialize([model], 5, torch.device("cpu"))
-        # Each rank its own tokens; rank 1 routes more of them.
-        tokens = torch.randint(0, 64, (1 + rank, 12), generator=torch.Generator().manual_seed(rank))
-        model(tokens, tokens).backward()
+        par = ParallelismConfig(device="cpu", nproc_per_node=world, dp_replicate=1,
+                                dp_shard=dp_shard, ep=ep)
+        part = parallelize(model, par, par.dims(), torch.device("cpu"), None, seed=5).model_parts[0]
+        # Each rank its own samples of the global batch; experts see every rank's tokens.
+        tokens = torch.randint(0, 64, (2 * world, 12), generator=torch.Generator().manual_seed(0))
+        mine = tokens[2 * rank:2 * rank + 2]
+        part(mine, mine).backward()
         whole(tokens, tokens).backward()
-        ep_experts, experts = model.layers["0"].moe.experts, whole.layers["0"].moe.experts
-        local = slice(2 * rank, 2 * rank + 2)
-        out = {"logits": torch.allclose(model(tokens), whole(tokens), atol=1e-6)}
-        for name in ("w1", "w2", "w3"):
-            mine = getattr(ep_experts, name)
-            out[name] = torch.equal(mine.to_local(), getattr(experts, name)[local].detach())
-            # The whole model's gradient of these experts, summed over both ranks' tokens.
-            summed = getattr(experts, name).grad.clone()
-            dist.all_reduce(summed)
-            out[name + ".grad"] = torch.allclose(mine.grad.to_local(), summed[local], atol=1e-6)
+        expected = dict(whole.named_parameters())
+        out = {"logits": torch.allclose(part(mine), whole(mine), atol=1e-6)}
+        for name, param in part.named_parameters():
+            if "layers.1" in name:  # the MoE block: experts (EP and FSDP), router, attention
+                out[name] = (torch.allclose(param.full_tensor(), expected[name], atol=1e-7)
+                             and torch.allclose(param.grad.full_tensor(), expected[name].grad,
+                                                atol=1e-6))
         results.put((rank, out))
     finally:
         dist.destroy_process_group()
 
 
-def test_expert_parallel_dispatch_computes_the_whole_experts_outputs_and_gradients():
+@pytest.mark.parametrize("world, dp_shard, ep", [(2, 2, 2), (4, 4, 2)])
+def test_expert_parallel_layout_gives_the_whole_models_weights_and_gradients(world, dp_shard, ep):
+    """Experts split over EP ranks (and sharded by FSDP over the rest of dp_shard): forward
+    equals the whole model's, and every gradient equals the whole model's over the global
+    batch (the expert gradients, summed over every rank's tokens by the all-to-all's
+    backward, are divided by the data-parallel size, not by the experts' FSDP group's)."""
     import torch.multiprocessing as mp
 
     from infra.torchrun import free_port
@@ -237,12 +239,13 @@ def test_expert_parallel_dispatch_computes_the_whole_experts_outputs_and_gradien
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_dispatch_worker, args=(rank, port, results)) for rank in range(2)]
+    procs = [ctx.Process(target=_layout_worker, args=(rank, world, dp_shard, ep, port, results))
+             for rank in range(world)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(120)
+        p.join(180)
     assert all(p.exitcode == 0 for p in procs)
-    found = dict(results.get() for _ in range(2))
-    for rank in (0, 1):
-        assert all(found[rank].values()), (rank, found[rank])
+    found = dict(results.get() for _ in range(world))
+    for rank in range(world):
+        assert len(found[rank]) > 5 and all(found[rank].values()), (rank, found[rank])

@@ -356,7 +356,9 @@ def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, par_cfg, device: torch.de
             fully_shard(layer.experts, mesh=expert_mesh, mp_policy=mp,
                         reshard_after_forward=par_cfg.reshard_after_forward)
             layer.experts.set_gradient_divide_factor(divide_by)
-            if dist.get_backend() == "gloo":  # which has no pre-multiplied sum: sum, then divide
+            # gloo has no pre-multiplied sum: sum, then divide. Not on a shard group of one,
+            # where nothing is reduced and torch 2.13's FSDP, told to sum, would divide twice.
+            if dist.get_backend() == "gloo" and expert_mesh["efsdp"].size() > 1:
                 layer.experts.set_force_sum_reduction_for_comms(True)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=par_cfg.reshard_after_forward)
