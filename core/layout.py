@@ -4,7 +4,8 @@ A layout is dp_replicate x dp_shard x tp x pp = world size, laid out on a device
 MESH_DIMS in row-major order with TP innermost, so TP groups are consecutive ranks on the
 fastest links. Expert parallelism (ep) adds no ranks: it splits dp_shard into (efsdp, ep),
 ep inner, and the experts of a mixture-of-experts model are sharded over ep (and by FSDP
-over efsdp) while every other weight is sharded over the whole dp_shard (ParallelDims.mesh_dims). `ParallelDims` resolves a `-1` degree, says which data parallelism the trainer
+over efsdp) while every other weight is sharded over the whole dp_shard
+(ParallelDims.expert_mesh_shape). `ParallelDims` resolves a `-1` degree, says which data parallelism the trainer
 applies (DDP for pure replication, FSDP2 otherwise), how layers split into pipeline stages
 (`stage_layers`: the one stage rule, an explicit list or default_split with the ends
 weighted), and, in `problems`, every rule a layout must satisfy,
@@ -100,18 +101,15 @@ class ParallelDims:
         return math.prod(self.degrees.values())
 
     @property
-    def mesh_dims(self) -> tuple[str, ...]:
-        """The device mesh's axes, row-major: MESH_DIMS, or with expert parallelism dp_shard
-        split into (efsdp, ep), ep inner so that an EP group is neighbouring ranks (the
-        trainer flattens the two back into dp_shard for the dense weights)."""
-        if self.ep == 1:
-            return MESH_DIMS
-        return ("pp", "dp_replicate", "efsdp", "ep", "tp")
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in MESH_DIMS)
 
     @property
-    def mesh_shape(self) -> tuple[int, ...]:
-        sizes = {**self.degrees, "efsdp": self.dp_shard // self.ep, "ep": self.ep}
-        return tuple(sizes[d] for d in self.mesh_dims)
+    def expert_mesh_shape(self) -> tuple[int, int, int]:
+        """The data-parallel ranks as expert parallelism splits them: (dp_replicate, efsdp,
+        ep), dp_shard = efsdp x ep with ep inner; experts are sharded over ep and by FSDP
+        over efsdp (training.parallelize.build_expert_mesh)."""
+        return self.dp_replicate, self.dp_shard // self.ep, self.ep
 
     # -- data parallelism ---------------------------------------------------------------------
     @property

@@ -182,11 +182,9 @@ def test_bad_moe_settings_are_refused_naming_the_field(overrides, message):
         load_config(None, list(overrides))
 
 
-def test_expert_parallelism_splits_dp_shard_on_the_mesh():
-    dims = ParallelDims(dp_shard=4, ep=2)
-    assert dims.mesh_dims == ("pp", "dp_replicate", "efsdp", "ep", "tp")
-    assert dims.mesh_shape == (1, 1, 2, 2, 1)
-    assert ParallelDims(dp_shard=4).mesh_shape == (1, 1, 4, 1)
+def test_expert_parallelism_splits_dp_shard_with_ep_inner():
+    assert ParallelDims(dp_replicate=2, dp_shard=4, ep=2).expert_mesh_shape == (2, 2, 2)
+    assert ParallelDims(dp_shard=4, ep=4).expert_mesh_shape == (1, 1, 4)
 
 
 # -- expert parallelism through the layout, gloo processes -------------------------------------

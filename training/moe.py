@@ -220,7 +220,8 @@ def counting_forward() -> bool:
 
 
 def moe_layers(model: nn.Module) -> dict[str, MoE]:
-    """The model's MoE layers by block name (layers.N), in order."""
+    """The model's MoE layers by block name (layers.N), in order (inside DDP's wrapper too)."""
+    model = getattr(model, "module", model)
     layers = getattr(model, "layers", None) or {}
     found = {}
     for name, block in layers.items():

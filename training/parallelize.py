@@ -1,7 +1,7 @@
 """Apply a parallelism layout to the model: the only place that knows about layouts.
 
-    mesh   = core.layout.MESH_DIMS: (pp, dp_replicate, dp_shard, tp), TP innermost; with
-             expert parallelism dp_shard is (efsdp, ep) flattened (ParallelDims.mesh_dims)
+    mesh   = core.layout.MESH_DIMS: (pp, dp_replicate, dp_shard, tp), TP innermost; expert
+             parallelism sees dp_shard as (efsdp, ep) (build_expert_mesh)
     order  = pipeline split -> tensor parallel -> expert parallel -> activation checkpointing
              -> compile -> data parallel (FSDP2 / HSDP, or DDP when the layout is pure
              replication; the experts by FSDP over efsdp, the rest over dp_shard)
@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from core.errors import ConfigError
-from core.layout import LayoutError, ParallelDims
+from core.layout import MESH_DIMS, LayoutError, ParallelDims
 from training.expert_parallel import apply_expert_parallel
 from training.model import cross_entropy
 from training.moe import moe_layers
@@ -72,10 +72,15 @@ class Layout:
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
     if not dist.is_initialized():
         return None
-    mesh = init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=dims.mesh_dims)
-    if dims.ep > 1:  # the dense weights shard over all of dp_shard, experts and all
-        mesh["efsdp", "ep"]._flatten("dp_shard")
-    return mesh
+    return init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)
+
+
+def build_expert_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """The data-parallel ranks as expert parallelism sees them: (dp_replicate, efsdp, ep),
+    dp_shard split with ep inner (ParallelDims.expert_mesh_shape), so an EP group is
+    neighbouring ranks. Experts shard over ep, and by FSDP over (dp_replicate, efsdp)."""
+    return mesh["dp_replicate", "dp_shard"]._unflatten("dp_shard", dims.expert_mesh_shape[1:],
+                                                       ("efsdp", "ep"))
 
 
 def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.device,
@@ -94,12 +99,13 @@ def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.dev
     if dims.pp > 1:
         stage_ids, parts = split_pipeline(model, mesh, dims)
     parts = [_apply_tp(part, mesh["tp"]) if dims.tp > 1 else part for part in parts]
-    parts = [apply_expert_parallel(part, mesh["ep"]) if dims.ep > 1 else part for part in parts]
+    expert_mesh = build_expert_mesh(mesh, dims) if dims.ep > 1 else None
+    parts = [apply_expert_parallel(part, expert_mesh["ep"]) if dims.ep > 1 else part for part in parts]
     parts = [_checkpoint_and_compile(part, par_cfg) for part in parts]
 
     layout = Layout(mesh, dims, parts, stage_ids=stage_ids, fsdp=dims.fsdp, ddp=dims.ddp)
     if layout.fsdp:  # sharded while still on the meta device: each rank allocates its shards
-        experts = _expert_fsdp(mesh, dims) if dims.ep > 1 else None
+        experts = _expert_fsdp(expert_mesh, dims) if dims.ep > 1 else None
         parts = [_apply_fsdp(p, mesh["dp_replicate", "dp_shard"], par_cfg, device, experts)
                  for p in parts]
     # Before DDP, which broadcasts rank 0's weights when it wraps them.
@@ -330,14 +336,14 @@ def _checkpoint_and_compile(model: nn.Module, par_cfg) -> nn.Module:
 
 # -- data parallelism -------------------------------------------------------------------------
 
-def _expert_fsdp(mesh: DeviceMesh, dims: ParallelDims) -> tuple[DeviceMesh, int]:
+def _expert_fsdp(expert_mesh: DeviceMesh, dims: ParallelDims) -> tuple[DeviceMesh, int]:
     """Where FSDP shards expert-parallel experts, and what divides their gradients.
 
     Over (dp_replicate, efsdp): the ranks holding the same experts. Their gradients already
     sum the loss gradients of every data-parallel rank's tokens (the all-to-all's backward
     brought them), so they are divided by the whole data-parallel size, as the other weights'
     are after FSDP sums them over dp_shard."""
-    return mesh["dp_replicate", "efsdp"], dims.dp_size
+    return expert_mesh["dp_replicate", "efsdp"], dims.dp_size
 
 
 def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, par_cfg, device: torch.device,
