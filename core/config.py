@@ -448,6 +448,11 @@ class ModelConfig(_Section):
         kv = self.n_kv_heads or self.n_heads
         if self.n_heads % kv:
             raise ValueError(f"n_kv_heads={kv} does not divide n_heads={self.n_heads}")
+        if self.moe is not None and self.init_from:
+            raise ValueError(f"moe with init_from={self.init_from}: model.init_from reads dense "
+                             "Llama checkpoints, and cannot start a mixture-of-experts model; "
+                             "drop model.moe to continue the checkpoint, or model.init_from to "
+                             "train the MoE model from scratch")
         if self.moe is not None and self.moe.first_dense_layers >= self.n_layers:
             raise ValueError(f"moe.first_dense_layers={self.moe.first_dense_layers} leaves no "
                              f"mixture-of-experts block of n_layers={self.n_layers}; lower it "

@@ -52,6 +52,10 @@ def test_ep2_matches_one_process_and_its_checkpoint_resumes_in_one_process(tmp_p
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert {"moe/layer1/load_max", "moe/layer1/load_entropy", "moe/layer1/bias_min",
             "moe/aux_loss", "moe/dead_experts"} <= set(records[-1])
+    from training.export import ExportError, export_hf
+
+    with pytest.raises(ExportError, match="mixture-of-experts model"):
+        export_hf(RunDir.of(run_dir).checkpoint(STEPS), tmp_path / "hf")
     (run_dir / "metrics.jsonl").unlink()
     # The experts (sharded over EP ranks) and the routing bias come back whole in one process.
     resumed = run_training(tmp_path, dataset, 1, "training.micro_batch_size=4", *MOE, steps=STEPS,

@@ -294,6 +294,10 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
     _check_out(out, force)  # fail fast, before reading a possibly large checkpoint
     _check_dtype(dtype)
     manifest, state = read_checkpoint(checkpoint)
+    if model_args_of(manifest).moe is not None:
+        raise ExportError(f"{checkpoint} holds a mixture-of-experts model (model.moe); export "
+                          "to Hugging Face writes dense Llama models only, so MoE checkpoints "
+                          "are not exported yet (they resume and evaluate as they are)")
     provenance = {"checkpoint": str(Path(checkpoint).resolve()), "step": manifest.step,
                   "tokens_seen": manifest.tokens_seen, "dataset_id": manifest.dataset_id,
                   "config_hash": manifest.config_hash}
