@@ -315,11 +315,12 @@ class ParallelDims:
                                         "mixture-of-experts model, and this model has none",
                                         "set parallelism.ep=1, or give the model model.moe"))
             return problems
-        if self.tp > 1:
+        if self.tp > 1 and ep > 1:
             problems.append(Problem(
-                f"tp={self.tp} with a mixture-of-experts model (model.moe): tensor parallelism "
-                "of MoE blocks is not implemented", "set parallelism.tp=1 and split the "
-                "experts with parallelism.ep, the rest with dp_shard (FSDP)"))
+                f"parallelism.ep={ep} with tp={self.tp}: expert parallelism inside "
+                "tensor-parallel blocks is not implemented (TP applies to attention; the "
+                "experts of a TP rank compute on its part of the sequence)",
+                "set parallelism.ep=1 to keep TP, or tp=1 to split the experts with ep"))
         if self.dp_shard % ep:
             problems.append(Problem(
                 f"parallelism.ep={ep} does not divide parallelism.dp_shard={self.dp_shard}: "

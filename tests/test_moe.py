@@ -175,7 +175,8 @@ MOE = ("model.moe.num_experts=4",)
      "parallelism.ep=2 does not divide parallelism.dp_shard=1"),
     (("model.moe.num_experts=3", "parallelism.ep=2", "parallelism.dp_shard=2", "parallelism.dp_replicate=1"),
      "parallelism.ep=2 does not divide model.moe.num_experts=3"),
-    ((*MOE, "parallelism.tp=2", "parallelism.dp_replicate=1"), "tensor parallelism of MoE blocks"),
+    ((*MOE, "parallelism.tp=2", "parallelism.ep=2", "parallelism.dp_shard=2", "parallelism.dp_replicate=1",
+      "parallelism.nproc_per_node=4"), "expert parallelism inside tensor-parallel blocks"),
 ])
 def test_bad_moe_settings_are_refused_naming_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
@@ -197,7 +198,8 @@ def test_expert_parallelism_splits_dp_shard_with_ep_inner():
 
 # -- expert parallelism through the layout, gloo processes -------------------------------------
 
-def _layout_worker(rank: int, world: int, dp_shard: int, ep: int, port: int, results) -> None:
+def _layout_worker(rank: int, world: int, dp_shard: int, ep: int, tp: int, port: int,
+                   results) -> None:
     import torch.distributed as dist
 
     from core.config import ParallelismConfig
@@ -208,20 +210,25 @@ def _layout_worker(rank: int, world: int, dp_shard: int, ep: int, port: int, res
     torch.set_num_threads(1)
     try:
         args = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4,
-                         moe={"num_experts": 4, "top_k": 2, "expert_dim": 48})
+                         moe={"num_experts": 4, "top_k": 2, "expert_dim": 48, "shared_experts": 1,
+                              "aux_loss_coeff": 0.1})
         whole = Transformer(args, seed=5)
         with torch.device("meta"):
             model = Transformer(args)
         par = ParallelismConfig(device="cpu", nproc_per_node=world, dp_replicate=1,
-                                dp_shard=dp_shard, ep=ep)
+                                dp_shard=dp_shard, ep=ep, tp=tp)
         part = parallelize(model, par, par.dims(), torch.device("cpu"), None, seed=5).model_parts[0]
-        # Each rank its own samples of the global batch; experts see every rank's tokens.
-        tokens = torch.randint(0, 64, (2 * world, 12), generator=torch.Generator().manual_seed(0))
-        mine = tokens[2 * rank:2 * rank + 2]
+        # Each data-parallel rank its own samples of the global batch (TP ranks share theirs);
+        # experts see every rank's tokens.
+        dp_rank, dp_size = rank // tp, world // tp
+        tokens = torch.randint(0, 64, (2 * dp_size, 12), generator=torch.Generator().manual_seed(0))
+        mine = tokens[2 * dp_rank:2 * dp_rank + 2]
         part(mine, mine).backward()
         whole(tokens, tokens).backward()
         expected = dict(whole.named_parameters())
-        out = {"logits": torch.allclose(part(mine), whole(mine), atol=1e-6)}
+        logits = part(mine)
+        logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
+        out = {"logits": torch.allclose(logits, whole(mine), atol=1e-6)}
         for name, param in part.named_parameters():
             if "layers.1" in name:  # the MoE block: experts (EP and FSDP), router, attention
                 out[name] = (torch.allclose(param.full_tensor(), expected[name], atol=1e-7)
@@ -232,12 +239,15 @@ def _layout_worker(rank: int, world: int, dp_shard: int, ep: int, port: int, res
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world, dp_shard, ep", [(2, 2, 2), (4, 4, 2)])
-def test_expert_parallel_layout_gives_the_whole_models_weights_and_gradients(world, dp_shard, ep):
-    """Experts split over EP ranks (and sharded by FSDP over the rest of dp_shard): forward
-    equals the whole model's, and every gradient equals the whole model's over the global
-    batch (the expert gradients, summed over every rank's tokens by the all-to-all's
-    backward, are divided by the data-parallel size, not by the experts' FSDP group's)."""
+@pytest.mark.parametrize("world, dp_shard, ep, tp", [(2, 2, 2, 1), (4, 4, 2, 1), (2, 1, 1, 2)])
+def test_moe_layouts_give_the_whole_models_weights_and_gradients(world, dp_shard, ep, tp):
+    """Experts split over EP ranks (and sharded by FSDP over the rest of dp_shard), or an MoE
+    block under TP (each rank's part of the sequence): forward equals the whole model's, and
+    every gradient, balance loss included, equals the whole model's over the global batch
+    (EP: the expert gradients, summed over every rank's tokens by the all-to-all's backward,
+    are divided by the data-parallel size, not by the experts' FSDP group's; TP: the MoE
+    weights' partial gradients summed over the TP ranks, the balance statistic over the
+    parts of each sequence)."""
     import torch.multiprocessing as mp
 
     from infra.torchrun import free_port
@@ -245,7 +255,7 @@ def test_expert_parallel_layout_gives_the_whole_models_weights_and_gradients(wor
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_layout_worker, args=(rank, world, dp_shard, ep, port, results))
+    procs = [ctx.Process(target=_layout_worker, args=(rank, world, dp_shard, ep, tp, port, results))
              for rank in range(world)]
     for p in procs:
         p.start()

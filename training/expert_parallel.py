@@ -1,4 +1,6 @@
-"""Expert parallelism: each rank of an EP group holds num_experts / ep of every MoE layer's
+"""Mixture-of-experts layers under expert and tensor parallelism.
+
+Expert parallelism: each rank of an EP group holds num_experts / ep of every MoE layer's
 experts, and tokens travel to the rank of their expert and back.
 
 training.parallelize applies it (apply_expert_parallel) before FSDP: the experts' stacked
@@ -25,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from training.moe import GroupedExperts, expert_swiglu, moe_layers
+from training.moe import MoE, GroupedExperts, expert_swiglu, moe_layers
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
@@ -98,3 +100,80 @@ class AllToAll(torch.autograd.Function):
         out = grad.new_empty(sum(send_splits), *grad.shape[1:])
         dist.all_to_all_single(out, grad.contiguous(), send_splits, receive_splits, group=ctx.group)
         return out, None, None, None
+
+
+# -- tensor parallelism of the blocks around the experts --------------------------------------
+
+def apply_tensor_parallel_moe(layer: MoE, tp_mesh: DeviceMesh) -> None:
+    """An MoE layer in a tensor-parallel block (model on the meta device).
+
+    Sequence parallelism hands each TP rank its own part of every sequence; the MoE layer
+    computes on that part alone, as a data-parallel rank would on its samples: its weights
+    are replicated over TP (DTensors, Replicate), the router and the shared experts take this
+    rank's tokens as their shard of all of them (Shard(0)), the routed experts compute on
+    local weights. Each weight's gradient is then a partial sum over the TP ranks' tokens,
+    which FSDP, or the trainer's clip (training.parallelize._reduce_partial_grads), sums. The
+    balance statistic of a sequence adds up the parts of it on every TP rank. The block hands
+    the layer this rank's part as a local tensor, and takes back that part of the output
+    (training.parallelize._apply_tp).
+    """
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
+
+    def replicate(module: nn.Module) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = distribute_tensor(param, tp_mesh, [Replicate()], src_data_rank=None)
+            module.register_parameter(name, nn.Parameter(replicated, requires_grad=param.requires_grad))
+
+    tokens = PrepareModuleInputOutput(
+        input_layouts=(Shard(0),), desired_input_layouts=(Shard(0),),
+        output_layouts=(Shard(0),), desired_output_layouts=(Shard(0),), use_local_output=True)
+    linears = [layer.router.gate]
+    if layer.shared is not None:
+        linears += [layer.shared.w1, layer.shared.w3, layer.shared.w2]
+    for linear in linears:
+        replicate(linear)
+        parallelize_module(linear, tp_mesh, tokens)
+    replicate(layer.experts)
+    layer.experts.__class__ = TensorParallelExperts
+    layer.__class__ = TensorParallelMoE
+    layer.tp_group = tp_mesh.get_group()
+
+
+class TensorParallelExperts(GroupedExperts):
+    """GroupedExperts with weights replicated over TP: computes with the local copies, whose
+    gradients are partial sums over the TP ranks."""
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import Partial
+
+        w1, w3, w2 = (w.to_local(grad_placements=(Partial(),)) for w in (self.w1, self.w3, self.w2))
+        return expert_swiglu(x, counts, w1, w3, w2)
+
+
+class TensorParallelMoE(MoE):
+    """MoE on this TP rank's part of each sequence; the balance terms of a sequence summed
+    over the parts."""
+
+    tp_group: dist.ProcessGroup
+
+    def balance_terms(self, scores: torch.Tensor, experts: torch.Tensor):
+        chosen, score_sums, positions, top_k = super().balance_terms(scores, experts)
+        parts = dist.get_world_size(self.tp_group)
+        return (SumOverGroup.apply(chosen, self.tp_group),
+                SumOverGroup.apply(score_sums, self.tp_group), positions * parts, top_k)
+
+
+class SumOverGroup(torch.autograd.Function):
+    """The sum of x over the group's ranks, every rank's share of one replicated result:
+    backward hands each rank the gradient as it is (DTensor's Partial -> Replicate)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None

@@ -169,8 +169,8 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(flat)
 
-        balance = sequence_balance(scores.view(batch, seq, -1), experts.view(batch, seq, -1),
-                                   self.moe.score_func)
+        balance = balance_statistic(*self.balance_terms(scores.view(batch, seq, -1),
+                                                        experts.view(batch, seq, -1)))
         if counting_forward():
             with torch.no_grad():
                 self.tokens_per_expert += counts.to(self.tokens_per_expert.dtype)
@@ -179,20 +179,35 @@ class MoE(nn.Module):
             out = AddLossGradient.apply(out, balance.mean(), self.moe.aux_loss_coeff * self.loss_scale)
         return out.view(batch, seq, dim)
 
+    def balance_terms(self, scores: torch.Tensor, experts: torch.Tensor):
+        """What the balance statistic of each sequence is made of (balance_terms)."""
+        return balance_terms(scores, experts, self.moe.score_func)
 
-def sequence_balance(scores: torch.Tensor, experts: torch.Tensor, score_func: str) -> torch.Tensor:
-    """The balance statistic of each sequence: E/K * sum_e f_e * P_e (1 when the choices and
-    the scores are spread evenly; up to E/K when one expert takes everything).
 
-    scores (batch, seq, experts); experts (batch, seq, top_k), the choices.
-    """
-    n_experts, top_k = scores.shape[-1], experts.shape[-1]
+def balance_terms(scores: torch.Tensor, experts: torch.Tensor, score_func: str):
+    """Per sequence and expert, over its positions: the choices of the expert (for f_e) and
+    the sum of its normalised scores (for P_e); and the positions. Sums, so that the parts of
+    a sequence split over ranks add up (training.expert_parallel's tensor-parallel MoE).
+    scores (batch, seq, experts); experts (batch, seq, top_k), the choices."""
     if score_func != "softmax":  # sigmoid scores: normalised per token first (DeepSeek-V3)
         scores = scores / scores.sum(-1, keepdim=True)
-    chosen = torch.zeros_like(scores).scatter_(-1, experts, 1.0)
-    share = chosen.mean(1) / top_k  # f_e / E: each sequence's choices per expert, summing to 1
-    mean_score = scores.mean(1)  # P_e
-    return n_experts * (share * mean_score).sum(-1)
+    chosen = torch.zeros_like(scores).scatter_(-1, experts, 1.0).sum(1)
+    return chosen, scores.sum(1), scores.new_full((), scores.shape[1]), experts.shape[-1]
+
+
+def balance_statistic(chosen: torch.Tensor, score_sums: torch.Tensor, positions: torch.Tensor,
+                      top_k: int) -> torch.Tensor:
+    """The balance statistic of each sequence: E/K * sum_e f_e * P_e, with f_e the share of
+    the sequence's choices that went to expert e and P_e its mean normalised score: 1 when
+    choices and scores are spread evenly, up to E/K when one expert takes everything."""
+    n_experts = chosen.shape[-1]
+    share = chosen / (positions * top_k)  # sums to 1 over the experts
+    return n_experts * (share * score_sums / positions).sum(-1)
+
+
+def sequence_balance(scores: torch.Tensor, experts: torch.Tensor, score_func: str) -> torch.Tensor:
+    """The balance statistic of each whole sequence (balance_statistic)."""
+    return balance_statistic(*balance_terms(scores, experts, score_func))
 
 
 class AddLossGradient(torch.autograd.Function):

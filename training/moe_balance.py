@@ -34,7 +34,9 @@ class ExpertBalance:
         self.names = [str(i) for i in range(model_args.n_layers) if model_args.is_moe_layer(i)]
         self.held = {name: layer for part in layout.model_parts
                      for name, layer in moe_layers(part).items()}
-        self.fills_bias = layout.dp_rank == 0  # each layer's bias once: from data-parallel rank 0
+        # Each layer's bias once: from data-parallel rank 0, TP rank 0.
+        self.fills_bias = layout.dp_rank == 0 and (layout.mesh is None
+                                                   or layout.mesh.get_local_rank("tp") == 0)
         self.device, self.is_main = device, is_main
         self.idle_steps = torch.zeros(len(self.names), self.moe.num_experts, dtype=torch.long)
 

@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from core.errors import ConfigError
 from core.layout import MESH_DIMS, LayoutError, ParallelDims
-from training.expert_parallel import apply_expert_parallel
+from training.expert_parallel import apply_expert_parallel, apply_tensor_parallel_moe
 from training.model import cross_entropy
 from training.moe import moe_layers
 
@@ -291,6 +291,18 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         # vocabulary rows (Shard(0)), so the embedding's serves the output layer as it is.
         model.tie_weights()
     for block in model.layers.values():
+        if block.moe is not None:
+            # The MoE layer computes on this rank's part of the sequence (its own tokens), and
+            # gives back that part, as the dense feed-forward's row-parallel output does.
+            apply_tensor_parallel_moe(block.moe, tp_mesh)
+            ffn = {"moe": PrepareModuleInput(input_layouts=(Shard(1),),
+                                             desired_input_layouts=(Shard(1),), use_local_output=True)}
+        else:
+            ffn = {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                      desired_input_layouts=(Replicate(),)),
+                   "feed_forward.w1": ColwiseParallel(),
+                   "feed_forward.w3": ColwiseParallel(),
+                   "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
@@ -300,11 +312,7 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            **ffn,
         })
     return model
 
