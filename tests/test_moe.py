@@ -158,6 +158,9 @@ def test_expert_balance_warns_of_router_collapse_and_records_loads(caplog):
     assert last["moe/layer0/bias_min"] == pytest.approx(-100 + 4e-6)  # before the 4th update
     assert last["moe/aux_loss"] > 0
     assert model.layers["0"].moe.tokens_per_expert.sum() == 0  # counters reset after each step
+    from training.tracking import curves
+
+    assert curves(last)["moe/layer0/load_max"] == last["moe/layer0/load_max"]  # TensorBoard's tags
 
 
 # -- configuration ------------------------------------------------------------------------------

@@ -113,7 +113,8 @@ def use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
         # The kernels need sm90 and bf16 operands.
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
     # The CPU kernel needs every stride a multiple of 16 bytes: rows of dim and hidden values.
-    return x.device.type == "cpu" and all(n * x.element_size() % 16 == 0
+    # Under torch.compile its shape function accepts bf16 only (torch 2.13): eager there.
+    return x.device.type == "cpu" and not torch.compiler.is_compiling() and all(n * x.element_size() % 16 == 0
                                           for n in (x.shape[-1], w.shape[-2]))
 
 
