@@ -344,7 +344,7 @@ _SAVED_FROM_CHECKPOINT = (*_FIXED_BY_CHECKPOINT, "ffn_hidden_dim", "max_seq_len"
 
 class ModelConfig(_Section):
     init_from: str | None = Field(
-        None, description="A Hugging Face Llama checkpoint directory (config.json + "
+        None, description="A Hugging Face Llama or Mixtral checkpoint directory (config.json + "
         "model.safetensors, or sharded with model.safetensors.index.json) to start from instead "
         "of random weights: the shape comes from its config.json (fields stated here must "
         "agree), tokenizer.path defaults to it (its tokenizer.json), and each worker reads only "
@@ -419,6 +419,7 @@ class ModelConfig(_Section):
                 conflicts.append(f"model.{field}={_as_stated(field, values)} but {hf_key} is "
                                  f"{_as_stated(field, found)}")
             values[field] = found[field]
+        conflicts += _moe_from_checkpoint(values, found.get("moe"))
         width = found["ffn_hidden_dim"]
         stated = {f: values[f] for f in _FFN_FIELDS if f in values}
         if stated:
@@ -448,16 +449,31 @@ class ModelConfig(_Section):
         kv = self.n_kv_heads or self.n_heads
         if self.n_heads % kv:
             raise ValueError(f"n_kv_heads={kv} does not divide n_heads={self.n_heads}")
-        if self.moe is not None and self.init_from:
-            raise ValueError(f"moe with init_from={self.init_from}: model.init_from reads dense "
-                             "Llama checkpoints, and cannot start a mixture-of-experts model; "
-                             "drop model.moe to continue the checkpoint, or model.init_from to "
-                             "train the MoE model from scratch")
         if self.moe is not None and self.moe.first_dense_layers >= self.n_layers:
             raise ValueError(f"moe.first_dense_layers={self.moe.first_dense_layers} leaves no "
                              f"mixture-of-experts block of n_layers={self.n_layers}; lower it "
                              "below n_layers, or drop model.moe for a dense model")
         return self
+
+
+def _moe_from_checkpoint(values: dict, found: dict | None) -> list[str]:
+    """model.moe from a model.init_from checkpoint: a Mixtral's fixes its experts and routing
+    (what a stated model.moe gives otherwise is a conflict; the balancing settings are the
+    run's own); a Llama has none, so a stated model.moe is a conflict. Returns the conflicts."""
+    stated = values.get("moe")
+    if isinstance(stated, BaseModel):
+        stated = stated.model_dump(exclude_unset=True)
+    if found is None:
+        values["moe"] = None
+        return ([] if stated is None else
+                ["model.moe is set but the checkpoint is a dense Llama (model_type 'llama'); "
+                 "drop model.moe to continue it, or model.init_from to train an MoE model from "
+                 "scratch"])
+    stated = dict(stated or {})
+    conflicts = [f"model.moe.{k}={stated[k]} but the Mixtral checkpoint has {v}"
+                 for k, v in found.items() if k in stated and stated[k] != v]
+    values["moe"] = {**stated, **found}
+    return conflicts
 
 
 def _saved_from_checkpoint(values: dict) -> dict:

@@ -1,4 +1,6 @@
-"""A Hugging Face Llama checkpoint directory, in the config's terms (model.init_from).
+"""A Hugging Face Llama (or Mixtral) checkpoint directory, in the config's terms
+(model.init_from). Mixtral is Llama with a mixture-of-experts feed-forward in every block
+(softmax router, top-k renormalised, no shared experts): `model_fields` gives it as model.moe.
 
 Such a directory holds config.json (LlamaConfig), the weights as model.safetensors or as
 model-0000i-of-0000n.safetensors with model.safetensors.index.json, and usually the
@@ -38,6 +40,13 @@ HF_FIELDS = {
     "max_seq_len": "max_position_embeddings",
     "tie_embeddings": "tie_word_embeddings",
 }
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+# model.moe field <- Mixtral's config.json key; the rest of a Mixtral's routing is fixed
+# (MIXTRAL_ROUTING): softmax scores, the top-k renormalised, every block an MoE one.
+MIXTRAL_FIELDS = {"num_experts": "num_local_experts", "top_k": "num_experts_per_tok",
+                  "expert_dim": "intermediate_size"}
+MIXTRAL_ROUTING = {"shared_experts": 0, "first_dense_layers": 0, "score_func": "softmax",
+                   "route_norm": True, "route_scale": 1.0}
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                      "original_max_position_embeddings")
 
@@ -62,11 +71,12 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ConfigError(f"model.init_from: {config_file} must hold a JSON object")
     architectures = config.get("architectures") or []
-    if config.get("model_type") != "llama" or (architectures and "LlamaForCausalLM" not in architectures):
-        found = config.get("model_type"), architectures
-        raise ConfigError(f"model.init_from: {config_file} describes model_type={found[0]!r} "
-                          f"{found[1]}, not a Llama (model_type 'llama', LlamaForCausalLM); "
-                          "Goodput's model is a Llama, so only Llama checkpoints load into it")
+    kind = config.get("model_type")
+    if kind not in ARCHITECTURES or (architectures and ARCHITECTURES[kind] not in architectures):
+        raise ConfigError(f"model.init_from: {config_file} describes model_type={kind!r} "
+                          f"{architectures}, not a Llama (model_type 'llama', LlamaForCausalLM) "
+                          "or a Mixtral (model_type 'mixtral', MixtralForCausalLM); Goodput's "
+                          "model is a Llama, with model.moe a Mixtral, so only those load into it")
     if not (path / SINGLE_FILE).is_file() and not (path / SHARD_INDEX).is_file():
         raise ConfigError(f"model.init_from={directory}: neither {SINGLE_FILE} nor {SHARD_INDEX} "
                           "is there; save the model with safetensors (save_pretrained does by "
@@ -137,7 +147,22 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     # Absent means LlamaConfig's default (untied), as transformers would build the model.
     fields["tie_embeddings"] = bool(config.get("tie_word_embeddings", False))
     fields["rope_theta"], fields["rope_scaling"] = _rope(config, where)
+    if config["model_type"] == "mixtral":
+        fields["moe"] = _mixtral_moe(config, where)
     return fields
+
+
+def _mixtral_moe(config: dict, where: Path) -> dict[str, Any]:
+    """model.moe's fields that a Mixtral config.json fixes."""
+    missing = [key for key in MIXTRAL_FIELDS.values() if key not in config]
+    if missing:
+        raise ConfigError(f"model.init_from: {where} lacks {missing}; a MixtralConfig saved by "
+                          "transformers has them all")
+    if config.get("sliding_window") is not None:
+        raise ConfigError(f"model.init_from: {where} has sliding_window="
+                          f"{config['sliding_window']}; training/model.py attends to the whole "
+                          "context (a Mixtral with sliding_window null loads)")
+    return {**{field: config[key] for field, key in MIXTRAL_FIELDS.items()}, **MIXTRAL_ROUTING}
 
 
 def _rope(config: dict, where: Path) -> tuple[float, dict | None]:

@@ -186,14 +186,6 @@ def test_bad_moe_settings_are_refused_naming_the_field(overrides, message):
         load_config(None, list(overrides))
 
 
-def test_a_moe_model_cannot_start_from_a_llama_checkpoint(tmp_path):
-    from tests.test_init_from import save_llama
-
-    directory = save_llama(tmp_path / "llama", tied=False)
-    with pytest.raises(ConfigError, match="model.init_from reads dense Llama checkpoints"):
-        load_config(None, [f"model.init_from={directory}", *MOE])
-
-
 def test_expert_parallelism_splits_dp_shard_with_ep_inner():
     assert ParallelDims(dp_replicate=2, dp_shard=4, ep=2).expert_mesh_shape == (2, 2, 2)
     assert ParallelDims(dp_shard=4, ep=4).expert_mesh_shape == (1, 1, 4)

@@ -53,8 +53,11 @@ _LAYER_NAMES = {
     "feed_forward.w1": "mlp.gate_proj",
     "feed_forward.w3": "mlp.up_proj",
     "feed_forward.w2": "mlp.down_proj",
+    "moe.router.gate": "block_sparse_moe.gate",  # Mixtral's router
 }
 _LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.(.+)\.weight$")
+# Mixtral stores each expert's weights apart; Goodput stacks them (experts, out, in).
+_EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w[123])$")
 
 
 class ExportError(ValueError):
@@ -64,8 +67,9 @@ class ExportError(ValueError):
 # -- names, config and weights in Hugging Face's terms -----------------------------------------
 
 def hf_name(name: str) -> str:
-    """Our parameter name -> the LlamaForCausalLM name (e.g. layers.3.attention.wq.weight ->
-    model.layers.3.self_attn.q_proj.weight)."""
+    """Our parameter name -> the LlamaForCausalLM (or MixtralForCausalLM) name (e.g.
+    layers.3.attention.wq.weight -> model.layers.3.self_attn.q_proj.weight). Stacked experts
+    have one name per expert: hf_expert_names."""
     if name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[name]
     match = _LAYER_TENSOR.match(name)
@@ -75,13 +79,45 @@ def hf_name(name: str) -> str:
                       "training.export knows only the tensors of training.model.Transformer")
 
 
+def hf_expert_names(name: str, num_experts: int) -> list[str] | None:
+    """Mixtral's names of the experts stacked in our parameter `name`, one per expert (None:
+    `name` is not a stack of experts)."""
+    match = _EXPERTS.match(name)
+    if match is None:
+        return None
+    layer, weight = match.groups()
+    return [f"model.layers.{layer}.block_sparse_moe.experts.{e}.{weight}.weight"
+            for e in range(num_experts)]
+
+
 def hf_state_dict(model_state: dict[str, torch.Tensor], dtype: torch.dtype,
                   tied: bool = False) -> dict[str, torch.Tensor]:
-    """The tensors of a LlamaForCausalLM file. With tied embeddings the output layer is the
-    embedding matrix, which transformers stores once (as model.embed_tokens.weight)."""
-    # contiguous(): safetensors stores raw buffers; clone-free when already contiguous.
-    return {hf_name(name): tensor.to(dtype).contiguous() for name, tensor in model_state.items()
-            if not (tied and name == "output.weight")}
+    """The tensors of a LlamaForCausalLM (MixtralForCausalLM) file. With tied embeddings the
+    output layer is the embedding matrix, which transformers stores once (as
+    model.embed_tokens.weight). The routing bias is not one of Mixtral's (mixtral_problems)."""
+    tensors = {}
+    for name, tensor in model_state.items():
+        if (tied and name == "output.weight") or name.endswith(".expert_bias"):
+            continue
+        experts = hf_expert_names(name, tensor.shape[0])
+        # contiguous(): safetensors stores raw buffers; clone-free when already contiguous.
+        for hf, t in zip(experts, tensor) if experts else [(hf_name(name), tensor)]:
+            tensors[hf] = t.to(dtype).contiguous()
+    return tensors
+
+
+def mixtral_problems(args: ModelArgs, state: dict[str, torch.Tensor]) -> list[str]:
+    """Why a mixture-of-experts model is no Mixtral (whose routing is fixed), if so."""
+    from core.hf_llama import MIXTRAL_ROUTING
+
+    moe = vars(args.moe_args)
+    problems = [f"model.moe.{k}={moe[k]} (Mixtral: {v})" for k, v in MIXTRAL_ROUTING.items()
+                if moe[k] != v]
+    biased = [k for k, v in state.items() if k.endswith(".expert_bias") and bool(v.any())]
+    if biased:
+        problems.append(f"a routing bias (model.moe.bias_update_rate, e.g. {biased[0]}), "
+                        "which Mixtral's router does not have")
+    return problems
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, eos_id: int | None = None,
@@ -120,6 +156,15 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, eos_id: int | None = None,
     }
     if args.rope_scaling:
         config["rope_scaling"] = {"rope_type": "llama3", **args.rope_scaling}
+    moe = args.moe_args
+    if moe is not None:  # Mixtral: Llama with every feed-forward a mixture of experts
+        config.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                       "intermediate_size": args.expert_hidden,
+                       "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+                       "router_aux_loss_coef": moe.aux_loss_coeff, "output_router_logits": False,
+                       "router_jitter_noise": 0.0, "sliding_window": None})
+        for key in ("mlp_bias", "attention_bias"):
+            config.pop(key)
     if provenance:
         config["goodput"] = provenance
     return config
@@ -294,10 +339,13 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
     _check_out(out, force)  # fail fast, before reading a possibly large checkpoint
     _check_dtype(dtype)
     manifest, state = read_checkpoint(checkpoint)
-    if model_args_of(manifest).moe is not None:
-        raise ExportError(f"{checkpoint} holds a mixture-of-experts model (model.moe); export "
-                          "to Hugging Face writes dense Llama models only, so MoE checkpoints "
-                          "are not exported yet (they resume and evaluate as they are)")
+    args = model_args_of(manifest)
+    problems = mixtral_problems(args, state) if args.moe is not None else []
+    if problems:
+        raise ExportError(f"{checkpoint} holds a mixture-of-experts model that is no Mixtral, "
+                          f"the MoE model transformers loads: {'; '.join(problems)}; Mixtral's "
+                          "form exports (every block MoE, softmax router, top-k renormalised, "
+                          "no shared experts, no routing bias)")
     provenance = {"checkpoint": str(Path(checkpoint).resolve()), "step": manifest.step,
                   "tokens_seen": manifest.tokens_seen, "dataset_id": manifest.dataset_id,
                   "config_hash": manifest.config_hash}
@@ -337,6 +385,7 @@ def write_hf(args: ModelArgs, state: dict[str, torch.Tensor], out: str | Path, *
         shutil.rmtree(staging, ignore_errors=True)
     # A tied matrix counts once, as the model holds it.
     parameters = sum(t.numel() for k, t in state.items()
-                     if not (args.tie_embeddings and k == "output.weight"))
+                     if not (args.tie_embeddings and k == "output.weight")
+                     and not k.endswith(".expert_bias"))  # a buffer, not a parameter
     return {"out": str(out), "format": "hf", "dtype": str(target).removeprefix("torch."),
             "parameters": parameters, "files": files}
