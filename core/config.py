@@ -336,10 +336,11 @@ class MoEConfig(_Section):
 # The fields a model.init_from checkpoint's config.json fixes (core.hf_llama.HF_FIELDS,
 # plus RoPE). max_seq_len is not among them: a run may use a shorter or longer context.
 _FIXED_BY_CHECKPOINT = ("dim", "n_layers", "n_heads", "n_kv_heads", "norm_eps", "rope_theta",
-                        "rope_scaling", "vocab_size", "tie_embeddings")
+                        "rope_scaling", "vocab_size", "tie_embeddings", "head_dim", "qk_norm")
 _FFN_FIELDS = ("ffn_hidden_dim", "ffn_multiple_of", "ffn_dim_multiplier")
-# What a config read from the checkpoint states, so that it stands without the checkpoint.
-_SAVED_FROM_CHECKPOINT = (*_FIXED_BY_CHECKPOINT, "ffn_hidden_dim", "max_seq_len")
+# What a config read from the checkpoint states, so that it stands without the checkpoint
+# (head_dim and qk_norm came later: a run's config.yaml from before them stands without them).
+_SAVED_FROM_CHECKPOINT = (*_FIXED_BY_CHECKPOINT[:-2], "ffn_hidden_dim", "max_seq_len")
 
 
 class ModelConfig(_Section):
@@ -389,6 +390,11 @@ class ModelConfig(_Section):
         "each need it).")
     moe: MoEConfig | None = Field(
         None, description="Mixture-of-Experts feed-forwards (see MoEConfig); None: dense.")
+    head_dim: int | None = Field(
+        None, ge=2, description="Width of an attention head; None: dim / n_heads. Qwen3 sets "
+        "its own (Qwen3-30B-A3B: 128 with dim 2048 and 32 heads).")
+    qk_norm: bool = Field(False, description="RMSNorm of each query and key head before RoPE "
+                          "(Qwen3).")
 
     @model_validator(mode="before")
     @classmethod
@@ -440,12 +446,13 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
-        if self.dim % self.n_heads:
+        if self.head_dim is None and self.dim % self.n_heads:
             raise ValueError(f"n_heads={self.n_heads} does not divide dim={self.dim}; "
-                             "choose n_heads among the divisors of dim")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for RoPE; "
-                             "change dim or n_heads")
+                             "choose n_heads among the divisors of dim (or set head_dim)")
+        head_dim = self.head_dim or self.dim // self.n_heads
+        if head_dim % 2:
+            raise ValueError(f"head_dim={head_dim} must be even for RoPE; "
+                             "change dim or n_heads (or head_dim)")
         kv = self.n_kv_heads or self.n_heads
         if self.n_heads % kv:
             raise ValueError(f"n_kv_heads={kv} does not divide n_heads={self.n_heads}")

@@ -40,13 +40,19 @@ HF_FIELDS = {
     "max_seq_len": "max_position_embeddings",
     "tie_embeddings": "tie_word_embeddings",
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 # model.moe field <- Mixtral's config.json key; the rest of a Mixtral's routing is fixed
 # (MIXTRAL_ROUTING): softmax scores, the top-k renormalised, every block an MoE one.
 MIXTRAL_FIELDS = {"num_experts": "num_local_experts", "top_k": "num_experts_per_tok",
                   "expert_dim": "intermediate_size"}
 MIXTRAL_ROUTING = {"shared_experts": 0, "first_dense_layers": 0, "score_func": "softmax",
                    "route_norm": True, "route_scale": 1.0}
+# model.moe field <- Qwen3-MoE's config.json key; its router is a softmax without shared
+# experts, and mlp_only_layers (a prefix of the blocks) keep a dense feed-forward.
+QWEN3_MOE_FIELDS = {"num_experts": "num_experts", "top_k": "num_experts_per_tok",
+                    "expert_dim": "moe_intermediate_size", "route_norm": "norm_topk_prob"}
+QWEN3_MOE_ROUTING = {"shared_experts": 0, "score_func": "softmax", "route_scale": 1.0}
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                      "original_max_position_embeddings")
 
@@ -131,12 +137,13 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     if missing:
         raise ConfigError(f"model.init_from: {where} lacks {missing}; a LlamaConfig saved by "
                           "transformers has them all")
+    qwen3 = config["model_type"] == "qwen3_moe"
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     unsupported = [f"{key}={config.get(key)!r}" for key, ok in (
         ("hidden_act", config.get("hidden_act", "silu") == "silu"),
         ("attention_bias", not config.get("attention_bias", False)),
         ("mlp_bias", not config.get("mlp_bias", False)),
-        ("head_dim", config.get("head_dim") in (None, head_dim)),
+        ("head_dim", qwen3 or config.get("head_dim") in (None, head_dim)),
     ) if not ok]
     if unsupported:
         raise ConfigError(f"model.init_from: {where} has {', '.join(unsupported)}, which "
@@ -147,9 +154,36 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     # Absent means LlamaConfig's default (untied), as transformers would build the model.
     fields["tie_embeddings"] = bool(config.get("tie_word_embeddings", False))
     fields["rope_theta"], fields["rope_scaling"] = _rope(config, where)
+    fields["head_dim"] = None if config.get("head_dim") in (None, head_dim) else config["head_dim"]
+    fields["qk_norm"] = qwen3  # Qwen3's q_norm and k_norm
     if config["model_type"] == "mixtral":
         fields["moe"] = _mixtral_moe(config, where)
+    if qwen3:
+        fields["moe"] = _qwen3_moe(config, where)
     return fields
+
+
+def _qwen3_moe(config: dict, where: Path) -> dict[str, Any]:
+    """model.moe's fields that a Qwen3-MoE config.json fixes."""
+    if "num_experts" not in config and "num_local_experts" in config:  # transformers 5's name
+        config = {**config, "num_experts": config["num_local_experts"]}
+    missing = [key for key in QWEN3_MOE_FIELDS.values() if key not in config]
+    if missing:
+        raise ConfigError(f"model.init_from: {where} lacks {missing}; a Qwen3MoeConfig saved "
+                          "by transformers has them all")
+    dense = sorted(config.get("mlp_only_layers") or [])
+    step = config.get("decoder_sparse_step", 1)
+    if dense != list(range(len(dense))) or step != 1:
+        raise ConfigError(f"model.init_from: {where} has mlp_only_layers={dense} and "
+                          f"decoder_sparse_step={step}; training/model.py keeps the dense "
+                          "blocks first (model.moe.first_dense_layers): mlp_only_layers must "
+                          "be [0, 1, ..., k-1] and decoder_sparse_step 1")
+    if config.get("use_sliding_window"):
+        raise ConfigError(f"model.init_from: {where} has use_sliding_window=true; "
+                          "training/model.py attends to the whole context")
+    fields = {field: config[key] for field, key in QWEN3_MOE_FIELDS.items()}
+    return {**fields, "route_norm": bool(fields["route_norm"]), "first_dense_layers": len(dense),
+            **QWEN3_MOE_ROUTING}
 
 
 def _mixtral_moe(config: dict, where: Path) -> dict[str, Any]:

@@ -193,8 +193,8 @@ def test_expert_parallelism_splits_dp_shard_with_ep_inner():
 
 # -- expert parallelism through the layout, gloo processes -------------------------------------
 
-def _layout_worker(rank: int, world: int, dp_shard: int, ep: int, tp: int, port: int,
-                   results) -> None:
+def _layout_worker(rank: int, world: int, dp_shard: int, ep: int, tp: int, model: dict,
+                   port: int, results) -> None:
     import torch.distributed as dist
 
     from core.config import ParallelismConfig
@@ -206,7 +206,7 @@ def _layout_worker(rank: int, world: int, dp_shard: int, ep: int, tp: int, port:
     try:
         args = ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4,
                          moe={"num_experts": 4, "top_k": 2, "expert_dim": 48, "shared_experts": 1,
-                              "aux_loss_coeff": 0.1})
+                              "aux_loss_coeff": 0.1}, **model)
         whole = Transformer(args, seed=5)
         with torch.device("meta"):
             model = Transformer(args)
@@ -234,8 +234,10 @@ def _layout_worker(rank: int, world: int, dp_shard: int, ep: int, tp: int, port:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world, dp_shard, ep, tp", [(2, 2, 2, 1), (4, 4, 2, 1), (2, 1, 1, 2)])
-def test_moe_layouts_give_the_whole_models_weights_and_gradients(world, dp_shard, ep, tp):
+@pytest.mark.parametrize("world, dp_shard, ep, tp, model", [
+    (2, 2, 2, 1, {}), (4, 4, 2, 1, {}),
+    (2, 1, 1, 2, {"qk_norm": True, "head_dim": 16})])  # Qwen3's attention under TP too
+def test_moe_layouts_give_the_whole_models_weights_and_gradients(world, dp_shard, ep, tp, model):
     """Experts split over EP ranks (and sharded by FSDP over the rest of dp_shard), or an MoE
     block under TP (each rank's part of the sequence): forward equals the whole model's, and
     every gradient, balance loss included, equals the whole model's over the global batch
@@ -250,7 +252,8 @@ def test_moe_layouts_give_the_whole_models_weights_and_gradients(world, dp_shard
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_layout_worker, args=(rank, world, dp_shard, ep, tp, port, results))
+    procs = [ctx.Process(target=_layout_worker,
+                         args=(rank, world, dp_shard, ep, tp, model, port, results))
              for rank in range(world)]
     for p in procs:
         p.start()

@@ -7,7 +7,7 @@ from what the rank holds: an FSDP or TP shard is read as a slice of the stored t
 (safetensors get_slice), a pipeline stage reads only its own layers, and no rank ever holds
 a full copy of a tensor it does not keep.
 
-A Mixtral's experts are stored one tensor per expert; the model stacks each layer's
+A Mixtral's or Qwen3-MoE's experts are stored one tensor per expert; the model stacks each layer's
 (experts, out, in). They are read whole, a stack at a time, and each rank keeps its part
 (expert or FSDP shard), as training.parallelize.materialize does with initial values: peak
 memory is one layer's stack of one weight beyond the rank's own part.
@@ -32,7 +32,7 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from core.errors import ConfigError
-from core.hf_llama import SHARD_INDEX, SINGLE_FILE
+from core.hf_llama import SHARD_INDEX, SINGLE_FILE, read_config
 from training.export import hf_expert_names, hf_name
 from training.logs import get_logger
 
@@ -91,6 +91,7 @@ def load_hf_weights(model_parts: list[torch.nn.Module], directory: str | Path,
     start = time.perf_counter()
     directory = Path(directory)
     states = [get_model_state_dict(part) for part in model_parts]
+    architecture = read_config(directory)["model_type"]
     wanted, stacks = {}, {}
     for state in states:
         for name, tensor in state.items():
@@ -98,11 +99,11 @@ def load_hf_weights(model_parts: list[torch.nn.Module], directory: str | Path,
                 continue  # the embedding's parameter: filled through model.embed_tokens.weight
             if name.endswith(".expert_bias"):
                 continue  # the aux-loss-free routing bias: no checkpoint has it; it starts at 0
-            experts = hf_expert_names(name, tensor.shape[0])
+            experts = hf_expert_names(name, tensor.shape[0], architecture)
             if experts:
                 stacks[tuple(experts)] = tensor
             else:
-                wanted[hf_name(name)] = tensor
+                wanted[hf_name(name, architecture)] = tensor
     stored = stored_tensors(directory)
     _check_complete(wanted, stored, directory)
     _check_complete({name: t[0] for names, t in stacks.items() for name in names}, stored, directory)

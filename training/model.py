@@ -39,10 +39,12 @@ class ModelArgs:
     tie_embeddings: bool = False  # the output layer uses the embedding matrix (Llama 3.2 1B/3B)
     # Mixture-of-Experts feed-forwards (training.moe.MoEArgs' fields); None: dense.
     moe: dict | None = None
+    head_dim: int | None = None  # width of a head; None: dim // n_heads (Qwen3 sets its own)
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -124,14 +126,19 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         cos, sin = cos[:seq], sin[:seq]
         # Head counts come from the projections' outputs (-1), so the same code runs when
         # tensor parallelism gives this rank only some of the heads.
-        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
@@ -337,7 +344,8 @@ def shape_differences(saved: dict, args: ModelArgs) -> list[str]:
     def facts(a: ModelArgs) -> dict:
         return {"vocab_size (padded)": a.vocab_size, "dim": a.dim, "n_layers": a.n_layers,
                 "n_heads": a.n_heads, "n_kv_heads": a.kv_heads, "SwiGLU width": a.ffn_hidden,
-                "tie_embeddings": a.tie_embeddings, **moe_facts(a)}
+                "tie_embeddings": a.tie_embeddings, "head_dim": a.head_dim,
+                "qk_norm": a.qk_norm, **moe_facts(a)}
 
     before, now = facts(ModelArgs(**saved)), facts(args)
     return [f"{name} {before[name]} in the checkpoint, {now[name]} now"

@@ -303,6 +303,9 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
                    "feed_forward.w1": ColwiseParallel(),
                    "feed_forward.w3": ColwiseParallel(),
                    "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}
+        if block.attention.q_norm is not None:
+            for norm in (block.attention.q_norm, block.attention.k_norm):
+                _norm_of_local_heads(norm, tp_mesh)
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
@@ -315,6 +318,20 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
             **ffn,
         })
     return model
+
+
+def _norm_of_local_heads(norm: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """A per-head norm (Qwen3's q_norm, k_norm) under TP: this rank's heads, (batch, seq,
+    heads, head_dim), are its shard of them all (Shard(2)), the weight is replicated, and its
+    gradient, a partial sum over the ranks' heads, is summed as the other norms' are."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
+
+    norm.weight = nn.Parameter(distribute_tensor(norm.weight, tp_mesh, [Replicate()],
+                                                 src_data_rank=None))
+    parallelize_module(norm, tp_mesh, PrepareModuleInputOutput(
+        input_layouts=(Shard(2),), desired_input_layouts=(Shard(2),),
+        output_layouts=(Shard(2),), desired_output_layouts=(Shard(2),), use_local_output=True))
 
 
 # -- activation checkpointing, compile ---------------------------------------------------------
