@@ -243,7 +243,8 @@ def _stage_io(part: nn.Module, stage: int, n_stages: int, microbatch: tuple[int,
     (on the first micro-batch, or on uninitialised tensors), and an MoE layer would count
     that forward's tokens into the step's expert loads (and the routing bias with them).
     Hidden states between stages are fp32, or bf16 where FSDP computes in bf16 (autocast
-    keeps the residual stream fp32); logits are bf16 under either."""
+    keeps the residual stream fp32), and under TP this rank's part of the sequence; logits
+    are whole, and bf16 under either."""
     if microbatch is None or not moe_layers(part):
         return {}
     rows, seq = microbatch
@@ -251,8 +252,10 @@ def _stage_io(part: nn.Module, stage: int, n_stages: int, microbatch: tuple[int,
     bf16 = uses_bf16(par_cfg, device)
     hidden = torch.bfloat16 if bf16 and layout.fsdp else torch.float32
     meta = torch.device("meta")
+
     def states():  # hidden states, which carry gradients back
-        return torch.empty(rows, seq, args.dim, dtype=hidden, device=meta, requires_grad=True)
+        return torch.empty(rows, seq // layout.dims.tp, args.dim, dtype=hidden, device=meta,
+                           requires_grad=True)
 
     inputs = torch.empty(rows, seq, dtype=torch.long, device=meta) if stage == 0 else states()
     outputs = (torch.empty(rows, seq, args.vocab_size, device=meta, requires_grad=True,
