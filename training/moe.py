@@ -8,8 +8,9 @@ dropped (no capacity limit): an expert takes however many tokens choose it.
 Expert compute is grouped: the (token, expert) pairs are sorted by expert, so each expert's
 tokens lie contiguous, and one grouped matmul (torch's grouped_mm) runs every expert over
 its own run of rows. Expert parallelism (training.expert_parallel) swaps in only the
-experts' forward: it sends each expert's rows to the rank holding that expert and back,
-and this file knows nothing of it.
+experts' forward: it sends each expert's rows to the rank holding that expert and back;
+tensor parallelism of the blocks around it hands the layer each rank's part of the
+sequences. This file knows nothing of either.
 
 Load balancing, two ways (each its own setting in model.moe):
 - the auxiliary balance loss of Switch / GShard, computed per sequence as DeepSeek-V3's
