@@ -164,6 +164,7 @@ def _ep_worker(rank: int, directory: str, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two processes importing transformers; the cut is materialize's (CI-tested)
 def test_ep_ranks_load_their_experts_and_give_transformers_logits(checkpoints):
     import torch.multiprocessing as mp
 
