@@ -2,9 +2,9 @@
 
 A layout is dp_replicate x dp_shard x tp x pp = world size, laid out on a device mesh named
 MESH_DIMS in row-major order with TP innermost, so TP groups are consecutive ranks on the
-fastest links. Expert parallelism (ep) adds no ranks: it splits dp_shard into (efsdp, ep),
-ep inner, and the experts of a mixture-of-experts model are sharded over ep (and by FSDP
-over efsdp) while every other weight is sharded over the whole dp_shard
+fastest links. Expert parallelism (ep) adds no ranks: it splits dp_shard x tp into (efsdp,
+ep), ep inner, and the experts of a mixture-of-experts model are sharded over ep (and by
+FSDP over efsdp) while every other weight is sharded over dp_shard (and tp)
 (ParallelDims.expert_mesh_shape). `ParallelDims` resolves a `-1` degree, says which data parallelism the trainer
 applies (DDP for pure replication, FSDP2 otherwise), how layers split into pipeline stages
 (`stage_layers`: the one stage rule, an explicit list or default_split with the ends
@@ -106,10 +106,11 @@ class ParallelDims:
 
     @property
     def expert_mesh_shape(self) -> tuple[int, int, int]:
-        """The data-parallel ranks as expert parallelism splits them: (dp_replicate, efsdp,
-        ep), dp_shard = efsdp x ep with ep inner; experts are sharded over ep and by FSDP
-        over efsdp (training.parallelize.build_expert_mesh)."""
-        return self.dp_replicate, self.dp_shard // self.ep, self.ep
+        """The ranks of a pipeline stage as expert parallelism splits them: (dp_replicate,
+        efsdp, ep), dp_shard x tp = efsdp x ep with ep inner; experts are sharded over ep and
+        by FSDP over efsdp (training.parallelize.build_expert_mesh). TP ranks hold different
+        parts of the sequences, so to the experts they are ranks with tokens of their own."""
+        return self.dp_replicate, self.dp_shard * self.tp // self.ep, self.ep
 
     # -- data parallelism ---------------------------------------------------------------------
     @property
@@ -315,24 +316,20 @@ class ParallelDims:
                                         "mixture-of-experts model, and this model has none",
                                         "set parallelism.ep=1, or give the model model.moe"))
             return problems
-        if self.tp > 1 and ep > 1:
+        ranks = self.dp_shard * self.tp  # the ranks EP may use: each has tokens of its own
+        named = f"parallelism.dp_shard={self.dp_shard}" + (f" x tp={self.tp}" if self.tp > 1 else "")
+        if ranks % ep:
             problems.append(Problem(
-                f"parallelism.ep={ep} with tp={self.tp}: expert parallelism inside "
-                "tensor-parallel blocks is not implemented (TP applies to attention; the "
-                "experts of a TP rank compute on its part of the sequence)",
-                "set parallelism.ep=1 to keep TP, or tp=1 to split the experts with ep"))
-        if self.dp_shard % ep:
-            problems.append(Problem(
-                f"parallelism.ep={ep} does not divide parallelism.dp_shard={self.dp_shard}: "
-                "expert parallelism splits the experts over ranks of dp_shard (FSDP shards the "
-                "other weights over all of them)",
-                f"set parallelism.dp_shard to a multiple of {ep} (e.g. {ep * max(1, -(-self.dp_shard // ep))}), "
-                "or ep to a divisor of it"))
+                f"parallelism.ep={ep} does not divide {named}: expert parallelism splits the "
+                "experts over the ranks of dp_shard (and of tp, whose ranks hold other parts "
+                "of the sequences)",
+                f"set parallelism.dp_shard so that dp_shard x tp is a multiple of {ep}, or ep "
+                f"to one of {_divisors(ranks)}"))
         if num_experts % ep:
             problems.append(Problem(
                 f"parallelism.ep={ep} does not divide model.moe.num_experts={num_experts}: each "
                 "EP rank holds an equal share of the experts",
-                f"choose ep in {[d for d in _divisors(num_experts) if self.dp_shard % d == 0]}"))
+                f"choose ep in {[d for d in _divisors(num_experts) if ranks % d == 0]}"))
         return problems
 
 

@@ -178,17 +178,18 @@ MOE = ("model.moe.num_experts=4",)
      "parallelism.ep=2 does not divide parallelism.dp_shard=1"),
     (("model.moe.num_experts=3", "parallelism.ep=2", "parallelism.dp_shard=2", "parallelism.dp_replicate=1"),
      "parallelism.ep=2 does not divide model.moe.num_experts=3"),
-    ((*MOE, "parallelism.tp=2", "parallelism.ep=2", "parallelism.dp_shard=2", "parallelism.dp_replicate=1",
-      "parallelism.nproc_per_node=4"), "expert parallelism inside tensor-parallel blocks"),
+    ((*MOE, "parallelism.tp=2", "parallelism.ep=4", "parallelism.dp_replicate=1"),
+     r"parallelism.ep=4 does not divide parallelism.dp_shard=1 x tp=2"),
 ])
 def test_bad_moe_settings_are_refused_naming_the_field(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, list(overrides))
 
 
-def test_expert_parallelism_splits_dp_shard_with_ep_inner():
+def test_expert_parallelism_splits_dp_shard_and_tp_with_ep_inner():
     assert ParallelDims(dp_replicate=2, dp_shard=4, ep=2).expert_mesh_shape == (2, 2, 2)
     assert ParallelDims(dp_shard=4, ep=4).expert_mesh_shape == (1, 1, 4)
+    assert ParallelDims(dp_shard=2, tp=2, ep=2).expert_mesh_shape == (1, 2, 2)
 
 
 # -- expert parallelism through the layout, gloo processes -------------------------------------
@@ -238,10 +239,12 @@ def _layout_worker(rank: int, world: int, dp_shard: int, ep: int, tp: int, model
     (2, 2, 2, 1, {}),
     # EP x FSDP: four processes, kept out of CI (its curve is test_moe_parallel's, slow too)
     pytest.param(4, 4, 2, 1, {}, marks=pytest.mark.slow),
-    (2, 1, 1, 2, {"qk_norm": True, "head_dim": 16})])  # Qwen3's attention under TP too
+    (2, 1, 1, 2, {"qk_norm": True, "head_dim": 16}),  # Qwen3's attention under TP too
+    (2, 1, 2, 2, {})])  # EP over the TP ranks, each with its own part of the sequence
 def test_moe_layouts_give_the_whole_models_weights_and_gradients(world, dp_shard, ep, tp, model):
-    """Experts split over EP ranks (and sharded by FSDP over the rest of dp_shard), or an MoE
-    block under TP (each rank's part of the sequence): forward equals the whole model's, and
+    """Experts split over EP ranks (and sharded by FSDP over the rest of dp_shard), an MoE
+    block under TP (each rank's part of the sequence), and both (EP over the TP ranks): forward
+    equals the whole model's, and
     every gradient, balance loss included, equals the whole model's over the global batch
     (EP: the expert gradients, summed over every rank's tokens by the all-to-all's backward,
     are divided by the data-parallel size, not by the experts' FSDP group's; TP: the MoE

@@ -1,10 +1,10 @@
 """A mixture-of-experts model trains the single-process loss curve under expert parallelism
 (fp32, CPU, same global batch), with the harness of test_parallel: EP=2, EP x FSDP, EP x PP
 within 1e-5; a checkpoint saved at EP=2 resumes in one process on the same curve; and TP=2
-of the blocks around the experts. 12 steps each (test_parallel's length for four
+of the blocks around the experts, with and without EP over the TP ranks. 12 steps each (test_parallel's length for four
 processes), so that the file stays near a minute and a half of CI on 2 cores; EP x FSDP
-(four processes, experts also sharded by FSDP) and TP are marked slow (test_moe checks the
-gradients of both layouts in CI).
+(four processes, experts also sharded by FSDP), TP and EP x TP are marked slow (test_moe
+checks the gradients of those layouts in CI, EP x FSDP's too but slow).
 
 The model uses every MoE part at once: a dense first block, 4 routed experts (top 2), a
 shared expert, the sequence-wise balance loss and the aux-loss-free bias update (whose
@@ -30,6 +30,9 @@ EP_PP = ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "parallelism.ep
          "parallelism.pp=2", "parallelism.microbatches=2", "training.micro_batch_size=2")
 # Attention tensor-parallel; each TP rank's MoE computes on its part of every sequence.
 TP = ("parallelism.dp_replicate=1", "parallelism.tp=2", "training.micro_batch_size=4")
+# Both: the experts split over the 2 TP ranks, each routing its part of the sequences.
+EP_TP = ("parallelism.dp_replicate=1", "parallelism.tp=2", "parallelism.ep=2",
+         "training.micro_batch_size=4")
 # Experts split over 2 EP ranks and sharded by FSDP over the other 2; the rest over all 4.
 EP_FSDP = ("parallelism.dp_replicate=1", "parallelism.dp_shard=4", "parallelism.ep=2",
            "training.micro_batch_size=1")
@@ -81,3 +84,8 @@ def test_ep_fsdp_matches_one_process(tmp_path, dataset, reference):
 @pytest.mark.slow
 def test_tp_matches_one_process(tmp_path, dataset, reference):
     assert_same_curve(run_training(tmp_path, dataset, 2, *TP, *MOE, steps=STEPS), reference)
+
+
+@pytest.mark.slow
+def test_ep_tp_matches_one_process(tmp_path, dataset, reference):
+    assert_same_curve(run_training(tmp_path, dataset, 2, *EP_TP, *MOE, steps=STEPS), reference)

@@ -104,7 +104,7 @@ class AllToAll(torch.autograd.Function):
 
 # -- tensor parallelism of the blocks around the experts --------------------------------------
 
-def apply_tensor_parallel_moe(layer: MoE, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel_moe(layer: MoE, tp_mesh: DeviceMesh, experts: bool = True) -> None:
     """An MoE layer in a tensor-parallel block (model on the meta device).
 
     Sequence parallelism hands each TP rank its own part of every sequence; the MoE layer
@@ -113,9 +113,10 @@ def apply_tensor_parallel_moe(layer: MoE, tp_mesh: DeviceMesh) -> None:
     rank's tokens as their shard of all of them (Shard(0)), the routed experts compute on
     local weights. Each weight's gradient is then a partial sum over the TP ranks' tokens,
     which FSDP, or the trainer's clip (training.parallelize._reduce_partial_grads), sums. The
-    balance statistic of a sequence adds up the parts of it on every TP rank. The block hands
-    the layer this rank's part as a local tensor, and takes back that part of the output
-    (training.parallelize._apply_tp).
+    balance statistic of a sequence adds up the parts of it on every TP rank. The block
+    hands the layer this rank's part as a local tensor, and takes back that part of the
+    output (training.parallelize._apply_tp). `experts` False: expert parallelism takes the
+    routed experts instead (each TP rank is then an EP rank with tokens of its own).
     """
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
@@ -134,8 +135,9 @@ def apply_tensor_parallel_moe(layer: MoE, tp_mesh: DeviceMesh) -> None:
     for linear in linears:
         replicate(linear)
         parallelize_module(linear, tp_mesh, tokens)
-    replicate(layer.experts)
-    layer.experts.__class__ = TensorParallelExperts
+    if experts:  # else expert parallelism splits them over the TP ranks too
+        replicate(layer.experts)
+        layer.experts.__class__ = TensorParallelExperts
     layer.__class__ = TensorParallelMoE
     layer.tp_group = tp_mesh.get_group()
 

@@ -76,11 +76,12 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
 
 
 def build_expert_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
-    """The data-parallel ranks as expert parallelism sees them: (dp_replicate, efsdp, ep),
-    dp_shard split with ep inner (ParallelDims.expert_mesh_shape), so an EP group is
-    neighbouring ranks. Experts shard over ep, and by FSDP over (dp_replicate, efsdp)."""
-    return mesh["dp_replicate", "dp_shard"]._unflatten("dp_shard", dims.expert_mesh_shape[1:],
-                                                       ("efsdp", "ep"))
+    """A pipeline stage's ranks as expert parallelism sees them: (dp_replicate, efsdp, ep),
+    dp_shard x tp split with ep inner (ParallelDims.expert_mesh_shape), so an EP group is
+    neighbouring ranks (TP ranks first). Experts shard over ep, and by FSDP over
+    (dp_replicate, efsdp)."""
+    stage = mesh["dp_replicate", "dp_shard", "tp"]._flatten("stage")
+    return stage._unflatten(0, dims.expert_mesh_shape, ("dp_replicate", "efsdp", "ep"))
 
 
 def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.device,
@@ -98,7 +99,8 @@ def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.dev
     stage_ids, parts = [0], [model]
     if dims.pp > 1:
         stage_ids, parts = split_pipeline(model, mesh, dims)
-    parts = [_apply_tp(part, mesh["tp"]) if dims.tp > 1 else part for part in parts]
+    parts = [_apply_tp(part, mesh["tp"], experts=dims.ep == 1) if dims.tp > 1 else part
+             for part in parts]
     expert_mesh = build_expert_mesh(mesh, dims) if dims.ep > 1 else None
     parts = [apply_expert_parallel(part, expert_mesh["ep"]) if dims.ep > 1 else part for part in parts]
     parts = [_checkpoint_and_compile(part, par_cfg) for part in parts]
@@ -270,9 +272,11 @@ def _stage_io(part: nn.Module, stage: int, n_stages: int, microbatch: tuple[int,
 
 # -- tensor parallelism -----------------------------------------------------------------------
 
-def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, experts: bool = True) -> nn.Module:
     """Megatron-style TP with sequence parallelism for the norms (activations between blocks
-    are sharded along the sequence, so norms and residual adds are not duplicated)."""
+    are sharded along the sequence, so norms and residual adds are not duplicated). An MoE
+    layer computes on each rank's part of the sequence; its routed experts are replicated
+    over TP unless expert parallelism (`experts` False) splits them, TP ranks included."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -297,7 +301,7 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         if block.moe is not None:
             # The MoE layer computes on this rank's part of the sequence (its own tokens), and
             # gives back that part, as the dense feed-forward's row-parallel output does.
-            apply_tensor_parallel_moe(block.moe, tp_mesh)
+            apply_tensor_parallel_moe(block.moe, tp_mesh, experts)
             ffn = {"moe": PrepareModuleInput(input_layouts=(Shard(1),),
                                              desired_input_layouts=(Shard(1),), use_local_output=True)}
         else:
