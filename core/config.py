@@ -587,9 +587,10 @@ class ParallelismConfig(_Section):
     dp_shard: int = Field(1, description="FSDP2 sharding degree (ZeRO-3 by default); 1 = no FSDP.")
     ep: int = Field(1, ge=1, description="Expert parallelism (a model.moe model): each MoE "
                     "layer's experts split over this many ranks, tokens sent to their experts "
-                    "and back by all-to-all. EP borrows its ranks from dp_shard (it must divide "
-                    "it): the experts are sharded by EP (and by FSDP over dp_shard / ep), every "
-                    "other weight by FSDP over dp_shard.")
+                    "and back by all-to-all. EP borrows its ranks from dp_shard x tp (it must "
+                    "divide it; TP ranks hold other parts of the sequences): the experts are "
+                    "sharded by EP (and by FSDP over the rest of those ranks), every other "
+                    "weight by FSDP over dp_shard.")
     tp: int = Field(1, ge=1, description="Tensor-parallel degree (within a node).")
     pp: int = Field(1, ge=1, description="Pipeline stages (across nodes).")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field("1f1b")
