@@ -345,7 +345,7 @@ _SAVED_FROM_CHECKPOINT = (*_FIXED_BY_CHECKPOINT[:-2], "ffn_hidden_dim", "max_seq
 
 class ModelConfig(_Section):
     init_from: str | None = Field(
-        None, description="A Hugging Face Llama or Mixtral checkpoint directory (config.json + "
+        None, description="A Hugging Face Llama, Qwen3-MoE or Mixtral checkpoint directory (config.json + "
         "model.safetensors, or sharded with model.safetensors.index.json) to start from instead "
         "of random weights: the shape comes from its config.json (fields stated here must "
         "agree), tokenizer.path defaults to it (its tokenizer.json), and each worker reads only "
@@ -464,9 +464,10 @@ class ModelConfig(_Section):
 
 
 def _moe_from_checkpoint(values: dict, found: dict | None) -> list[str]:
-    """model.moe from a model.init_from checkpoint: a Mixtral's fixes its experts and routing
-    (what a stated model.moe gives otherwise is a conflict; the balancing settings are the
-    run's own); a Llama has none, so a stated model.moe is a conflict. Returns the conflicts."""
+    """model.moe from a model.init_from checkpoint: a Qwen3-MoE's or Mixtral's fixes its
+    experts and routing (what a stated model.moe gives otherwise is a conflict; the balancing
+    settings are the run's own); a Llama has none, so a stated model.moe is a conflict.
+    Returns the conflicts."""
     stated = values.get("moe")
     if isinstance(stated, BaseModel):
         stated = stated.model_dump(exclude_unset=True)
@@ -477,7 +478,7 @@ def _moe_from_checkpoint(values: dict, found: dict | None) -> list[str]:
                  "drop model.moe to continue it, or model.init_from to train an MoE model from "
                  "scratch"])
     stated = dict(stated or {})
-    conflicts = [f"model.moe.{k}={stated[k]} but the Mixtral checkpoint has {v}"
+    conflicts = [f"model.moe.{k}={stated[k]} but the checkpoint's is {v}"
                  for k, v in found.items() if k in stated and stated[k] != v]
     values["moe"] = {**stated, **found}
     return conflicts

@@ -95,7 +95,7 @@ def test_a_mixtral_checkpoint_fixes_model_moe_and_leaves_balancing_to_the_run(mi
     assert (moe.num_experts, moe.top_k, moe.expert_dim) == (4, 2, 48)
     assert moe.route_norm and moe.score_func == "softmax" and moe.first_dense_layers == 0
     assert moe.bias_update_rate == 0.001
-    with pytest.raises(ConfigError, match="model.moe.top_k=3 but the Mixtral checkpoint has 2"):
+    with pytest.raises(ConfigError, match="model.moe.top_k=3 but the checkpoint's is 2"):
         load_config(None, [f"model.init_from={mixtral}", f"training.seq_len={SEQ}", "model.moe.top_k=3"])
 
 
