@@ -291,18 +291,61 @@ class RopeScaling(_Section):
         return self
 
 
+class MoEConfig(_Section):
+    """A Mixture-of-Experts feed-forward in the blocks after the first `first_dense_layers`
+    (training/moe.py): a router sends each token to its top_k of num_experts SwiGLU experts;
+    shared experts take every token. DeepSeek-V3: 256 experts, top_k 8, 1 shared, 3 dense
+    layers, sigmoid scores, route_norm, route_scale 2.5, bias balancing. Qwen3-30B-A3B: 128
+    experts, top_k 8, no shared, softmax, route_norm."""
+
+    num_experts: int = Field(ge=2, description="Routed experts per MoE layer.")
+    top_k: int = Field(2, ge=1, description="Experts each token is routed to.")
+    expert_dim: int | None = Field(
+        None, ge=1, description="SwiGLU hidden width of one expert; None: the dense width "
+        "(model.ffn_hidden_dim or its formula).")
+    shared_experts: int = Field(0, ge=0, description="Experts every token passes through "
+                                "(computed as one SwiGLU this many times expert_dim wide).")
+    first_dense_layers: int = Field(0, ge=0, description="The first blocks keep a dense "
+                                    "feed-forward (DeepSeek-V3: 3).")
+    score_func: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="Router scores: softmax over the experts, or a sigmoid each.")
+    route_norm: bool = Field(False, description="Divide each token's top_k scores by their sum "
+                             "(Qwen3's norm_topk_prob; DeepSeek-V3 with sigmoid scores).")
+    route_scale: float = Field(1.0, gt=0, description="Scale of the routed experts' weights "
+                               "(DeepSeek-V3: 2.5).")
+    aux_loss_coeff: float = Field(
+        0.0, ge=0, description="Weight of the sequence-wise auxiliary balance loss (Switch/"
+        "GShard's E/K x sum f_e P_e per sequence, DeepSeek-V3's form); 0: off. Switch used "
+        "1e-2, DeepSeek-V3 1e-4 beside bias balancing.")
+    bias_update_rate: float = Field(
+        0.0, ge=0, description="DeepSeek-V3's auxiliary-loss-free balancing: after every step "
+        "each expert's routing bias moves by this toward balance (DeepSeek-V3: 1e-3); 0: off.")
+    collapse_steps: int = Field(
+        100, ge=1, description="Warn of router collapse when an expert gets no token for this "
+        "many steps in a row.")
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> "MoEConfig":
+        if self.top_k > self.num_experts:
+            raise ValueError(f"model.moe.top_k={self.top_k} exceeds model.moe.num_experts="
+                             f"{self.num_experts}; route each token to at most num_experts "
+                             "experts")
+        return self
+
+
 # The fields a model.init_from checkpoint's config.json fixes (core.hf_llama.HF_FIELDS,
 # plus RoPE). max_seq_len is not among them: a run may use a shorter or longer context.
 _FIXED_BY_CHECKPOINT = ("dim", "n_layers", "n_heads", "n_kv_heads", "norm_eps", "rope_theta",
-                        "rope_scaling", "vocab_size", "tie_embeddings")
+                        "rope_scaling", "vocab_size", "tie_embeddings", "head_dim", "qk_norm")
 _FFN_FIELDS = ("ffn_hidden_dim", "ffn_multiple_of", "ffn_dim_multiplier")
-# What a config read from the checkpoint states, so that it stands without the checkpoint.
-_SAVED_FROM_CHECKPOINT = (*_FIXED_BY_CHECKPOINT, "ffn_hidden_dim", "max_seq_len")
+# What a config read from the checkpoint states, so that it stands without the checkpoint
+# (head_dim and qk_norm came later: a run's config.yaml from before them stands without them).
+_SAVED_FROM_CHECKPOINT = (*_FIXED_BY_CHECKPOINT[:-2], "ffn_hidden_dim", "max_seq_len")
 
 
 class ModelConfig(_Section):
     init_from: str | None = Field(
-        None, description="A Hugging Face Llama checkpoint directory (config.json + "
+        None, description="A Hugging Face Llama, Qwen3-MoE or Mixtral checkpoint directory (config.json + "
         "model.safetensors, or sharded with model.safetensors.index.json) to start from instead "
         "of random weights: the shape comes from its config.json (fields stated here must "
         "agree), tokenizer.path defaults to it (its tokenizer.json), and each worker reads only "
@@ -345,6 +388,13 @@ class ModelConfig(_Section):
         False, description="The output layer uses the token embedding matrix (Llama 3.2 1B and "
         "3B): one matrix fewer. Needs parallelism.pp=1 (the first and last pipeline stages would "
         "each need it).")
+    moe: MoEConfig | None = Field(
+        None, description="Mixture-of-Experts feed-forwards (see MoEConfig); None: dense.")
+    head_dim: int | None = Field(
+        None, ge=2, description="Width of an attention head; None: dim / n_heads. Qwen3 sets "
+        "its own (Qwen3-30B-A3B: 128 with dim 2048 and 32 heads).")
+    qk_norm: bool = Field(False, description="RMSNorm of each query and key head before RoPE "
+                          "(Qwen3).")
 
     @model_validator(mode="before")
     @classmethod
@@ -375,6 +425,7 @@ class ModelConfig(_Section):
                 conflicts.append(f"model.{field}={_as_stated(field, values)} but {hf_key} is "
                                  f"{_as_stated(field, found)}")
             values[field] = found[field]
+        conflicts += _moe_from_checkpoint(values, found.get("moe"))
         width = found["ffn_hidden_dim"]
         stated = {f: values[f] for f in _FFN_FIELDS if f in values}
         if stated:
@@ -395,16 +446,42 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> "ModelConfig":
-        if self.dim % self.n_heads:
+        if self.head_dim is None and self.dim % self.n_heads:
             raise ValueError(f"n_heads={self.n_heads} does not divide dim={self.dim}; "
-                             "choose n_heads among the divisors of dim")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head_dim={self.dim // self.n_heads} must be even for RoPE; "
-                             "change dim or n_heads")
+                             "choose n_heads among the divisors of dim (or set head_dim)")
+        head_dim = self.head_dim or self.dim // self.n_heads
+        if head_dim % 2:
+            raise ValueError(f"head_dim={head_dim} must be even for RoPE; "
+                             "change dim or n_heads (or head_dim)")
         kv = self.n_kv_heads or self.n_heads
         if self.n_heads % kv:
             raise ValueError(f"n_kv_heads={kv} does not divide n_heads={self.n_heads}")
+        if self.moe is not None and self.moe.first_dense_layers >= self.n_layers:
+            raise ValueError(f"moe.first_dense_layers={self.moe.first_dense_layers} leaves no "
+                             f"mixture-of-experts block of n_layers={self.n_layers}; lower it "
+                             "below n_layers, or drop model.moe for a dense model")
         return self
+
+
+def _moe_from_checkpoint(values: dict, found: dict | None) -> list[str]:
+    """model.moe from a model.init_from checkpoint: a Qwen3-MoE's or Mixtral's fixes its
+    experts and routing (what a stated model.moe gives otherwise is a conflict; the balancing
+    settings are the run's own); a Llama has none, so a stated model.moe is a conflict.
+    Returns the conflicts."""
+    stated = values.get("moe")
+    if isinstance(stated, BaseModel):
+        stated = stated.model_dump(exclude_unset=True)
+    if found is None:
+        values["moe"] = None
+        return ([] if stated is None else
+                ["model.moe is set but the checkpoint is a dense Llama (model_type 'llama'); "
+                 "drop model.moe to continue it, or model.init_from to train an MoE model from "
+                 "scratch"])
+    stated = dict(stated or {})
+    conflicts = [f"model.moe.{k}={stated[k]} but the checkpoint's is {v}"
+                 for k, v in found.items() if k in stated and stated[k] != v]
+    values["moe"] = {**stated, **found}
+    return conflicts
 
 
 def _saved_from_checkpoint(values: dict) -> dict:
@@ -509,6 +586,12 @@ class ParallelismConfig(_Section):
     dp_replicate: int = Field(-1, description="Data-parallel replicas (DDP, or HSDP's replicate "
                                               "axis with dp_shard > 1); -1 fills the rest.")
     dp_shard: int = Field(1, description="FSDP2 sharding degree (ZeRO-3 by default); 1 = no FSDP.")
+    ep: int = Field(1, ge=1, description="Expert parallelism (a model.moe model): each MoE "
+                    "layer's experts split over this many ranks, tokens sent to their experts "
+                    "and back by all-to-all. EP borrows its ranks from dp_shard x tp (it must "
+                    "divide it; TP ranks hold other parts of the sequences): the experts are "
+                    "sharded by EP (and by FSDP over the rest of those ranks), every other "
+                    "weight by FSDP over dp_shard.")
     tp: int = Field(1, ge=1, description="Tensor-parallel degree (within a node).")
     pp: int = Field(1, ge=1, description="Pipeline stages (across nodes).")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field("1f1b")
@@ -560,7 +643,7 @@ class ParallelismConfig(_Section):
         if world_size is None:
             world_size, world = self.world_size, f"world size {self.world_size} (nnodes x nproc_per_node)"
         return ParallelDims.resolve({d: getattr(self, d) for d in DEGREES}, world_size, world,
-                                    **self.pipeline())
+                                    ep=self.ep, **self.pipeline())
 
     def pipeline(self) -> dict:
         """The pipeline settings ParallelDims takes beside the degrees."""
@@ -995,7 +1078,8 @@ class RunConfig(_Section):
             n_heads=model.n_heads, n_kv_heads=model.n_kv_heads or model.n_heads,
             n_layers=model.n_layers, seq_len=self.training.seq_len,
             micro_batch_size=self.training.micro_batch_size,
-            tied_embeddings=model.tie_embeddings) if not p.advice]
+            tied_embeddings=model.tie_embeddings,
+            num_experts=model.moe.num_experts if model.moe else None) if not p.advice]
         if problems:
             raise ValueError("; ".join(f"{p.reason}; {p.fix}" for p in problems))
         if self.launch.kind == "ssh" and len(self.launch.hosts) != self.parallelism.nnodes:

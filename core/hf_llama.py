@@ -1,4 +1,6 @@
-"""A Hugging Face Llama checkpoint directory, in the config's terms (model.init_from).
+"""A Hugging Face Llama (or Mixtral) checkpoint directory, in the config's terms
+(model.init_from). Mixtral is Llama with a mixture-of-experts feed-forward in every block
+(softmax router, top-k renormalised, no shared experts): `model_fields` gives it as model.moe.
 
 Such a directory holds config.json (LlamaConfig), the weights as model.safetensors or as
 model-0000i-of-0000n.safetensors with model.safetensors.index.json, and usually the
@@ -38,6 +40,19 @@ HF_FIELDS = {
     "max_seq_len": "max_position_embeddings",
     "tie_embeddings": "tie_word_embeddings",
 }
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+# model.moe field <- Mixtral's config.json key; the rest of a Mixtral's routing is fixed
+# (MIXTRAL_ROUTING): softmax scores, the top-k renormalised, every block an MoE one.
+MIXTRAL_FIELDS = {"num_experts": "num_local_experts", "top_k": "num_experts_per_tok",
+                  "expert_dim": "intermediate_size"}
+MIXTRAL_ROUTING = {"shared_experts": 0, "first_dense_layers": 0, "score_func": "softmax",
+                   "route_norm": True, "route_scale": 1.0}
+# model.moe field <- Qwen3-MoE's config.json key; its router is a softmax without shared
+# experts, and mlp_only_layers (a prefix of the blocks) keep a dense feed-forward.
+QWEN3_MOE_FIELDS = {"num_experts": "num_experts", "top_k": "num_experts_per_tok",
+                    "expert_dim": "moe_intermediate_size", "route_norm": "norm_topk_prob"}
+QWEN3_MOE_ROUTING = {"shared_experts": 0, "score_func": "softmax", "route_scale": 1.0}
 ROPE_SCALING_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
                      "original_max_position_embeddings")
 
@@ -62,11 +77,12 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ConfigError(f"model.init_from: {config_file} must hold a JSON object")
     architectures = config.get("architectures") or []
-    if config.get("model_type") != "llama" or (architectures and "LlamaForCausalLM" not in architectures):
-        found = config.get("model_type"), architectures
-        raise ConfigError(f"model.init_from: {config_file} describes model_type={found[0]!r} "
-                          f"{found[1]}, not a Llama (model_type 'llama', LlamaForCausalLM); "
-                          "Goodput's model is a Llama, so only Llama checkpoints load into it")
+    kind = config.get("model_type")
+    if kind not in ARCHITECTURES or (architectures and ARCHITECTURES[kind] not in architectures):
+        raise ConfigError(f"model.init_from: {config_file} describes model_type={kind!r} "
+                          f"{architectures}, not a Llama (model_type 'llama', LlamaForCausalLM) "
+                          "or a Mixtral (model_type 'mixtral', MixtralForCausalLM); Goodput's "
+                          "model is a Llama, with model.moe a Mixtral, so only those load into it")
     if not (path / SINGLE_FILE).is_file() and not (path / SHARD_INDEX).is_file():
         raise ConfigError(f"model.init_from={directory}: neither {SINGLE_FILE} nor {SHARD_INDEX} "
                           "is there; save the model with safetensors (save_pretrained does by "
@@ -121,12 +137,13 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     if missing:
         raise ConfigError(f"model.init_from: {where} lacks {missing}; a LlamaConfig saved by "
                           "transformers has them all")
+    qwen3 = config["model_type"] == "qwen3_moe"
     head_dim = config["hidden_size"] // config["num_attention_heads"]
     unsupported = [f"{key}={config.get(key)!r}" for key, ok in (
         ("hidden_act", config.get("hidden_act", "silu") == "silu"),
         ("attention_bias", not config.get("attention_bias", False)),
         ("mlp_bias", not config.get("mlp_bias", False)),
-        ("head_dim", config.get("head_dim") in (None, head_dim)),
+        ("head_dim", qwen3 or config.get("head_dim") in (None, head_dim)),
     ) if not ok]
     if unsupported:
         raise ConfigError(f"model.init_from: {where} has {', '.join(unsupported)}, which "
@@ -137,7 +154,49 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     # Absent means LlamaConfig's default (untied), as transformers would build the model.
     fields["tie_embeddings"] = bool(config.get("tie_word_embeddings", False))
     fields["rope_theta"], fields["rope_scaling"] = _rope(config, where)
+    fields["head_dim"] = None if config.get("head_dim") in (None, head_dim) else config["head_dim"]
+    fields["qk_norm"] = qwen3  # Qwen3's q_norm and k_norm
+    if config["model_type"] == "mixtral":
+        fields["moe"] = _mixtral_moe(config, where)
+    if qwen3:
+        fields["moe"] = _qwen3_moe(config, where)
     return fields
+
+
+def _qwen3_moe(config: dict, where: Path) -> dict[str, Any]:
+    """model.moe's fields that a Qwen3-MoE config.json fixes."""
+    if "num_experts" not in config and "num_local_experts" in config:  # transformers 5's name
+        config = {**config, "num_experts": config["num_local_experts"]}
+    missing = [key for key in QWEN3_MOE_FIELDS.values() if key not in config]
+    if missing:
+        raise ConfigError(f"model.init_from: {where} lacks {missing}; a Qwen3MoeConfig saved "
+                          "by transformers has them all")
+    dense = sorted(config.get("mlp_only_layers") or [])
+    step = config.get("decoder_sparse_step", 1)
+    if dense != list(range(len(dense))) or step != 1:
+        raise ConfigError(f"model.init_from: {where} has mlp_only_layers={dense} and "
+                          f"decoder_sparse_step={step}; training/model.py keeps the dense "
+                          "blocks first (model.moe.first_dense_layers): mlp_only_layers must "
+                          "be [0, 1, ..., k-1] and decoder_sparse_step 1")
+    if config.get("use_sliding_window"):
+        raise ConfigError(f"model.init_from: {where} has use_sliding_window=true; "
+                          "training/model.py attends to the whole context")
+    fields = {field: config[key] for field, key in QWEN3_MOE_FIELDS.items()}
+    return {**fields, "route_norm": bool(fields["route_norm"]), "first_dense_layers": len(dense),
+            **QWEN3_MOE_ROUTING}
+
+
+def _mixtral_moe(config: dict, where: Path) -> dict[str, Any]:
+    """model.moe's fields that a Mixtral config.json fixes."""
+    missing = [key for key in MIXTRAL_FIELDS.values() if key not in config]
+    if missing:
+        raise ConfigError(f"model.init_from: {where} lacks {missing}; a MixtralConfig saved by "
+                          "transformers has them all")
+    if config.get("sliding_window") is not None:
+        raise ConfigError(f"model.init_from: {where} has sliding_window="
+                          f"{config['sliding_window']}; training/model.py attends to the whole "
+                          "context (a Mixtral with sliding_window null loads)")
+    return {**{field: config[key] for field, key in MIXTRAL_FIELDS.items()}, **MIXTRAL_ROUTING}
 
 
 def _rope(config: dict, where: Path) -> tuple[float, dict | None]:

@@ -2,7 +2,10 @@
 
 A layout is dp_replicate x dp_shard x tp x pp = world size, laid out on a device mesh named
 MESH_DIMS in row-major order with TP innermost, so TP groups are consecutive ranks on the
-fastest links. `ParallelDims` resolves a `-1` degree, says which data parallelism the trainer
+fastest links. Expert parallelism (ep) adds no ranks: it splits dp_shard x tp into (efsdp,
+ep), ep inner, and the experts of a mixture-of-experts model are sharded over ep (and by
+FSDP over efsdp) while every other weight is sharded over dp_shard (and tp)
+(ParallelDims.expert_mesh_shape). `ParallelDims` resolves a `-1` degree, says which data parallelism the trainer
 applies (DDP for pure replication, FSDP2 otherwise), how layers split into pipeline stages
 (`stage_layers`: the one stage rule, an explicit list or default_split with the ends
 weighted), and, in `problems`, every rule a layout must satisfy,
@@ -60,6 +63,8 @@ class ParallelDims:
     last_stage_less_layers: int = 0
     # Stages per pipeline rank under interleaved-1f1b (parallelism.pp_virtual_stages); None: 2.
     virtual_stages: int | None = None
+    # Expert parallelism (parallelism.ep): ranks of dp_shard that split each MoE layer's experts.
+    ep: int = 1
 
     @classmethod
     def resolve(cls, degrees: dict[str, int], world_size: int, world: str = "",
@@ -100,6 +105,14 @@ class ParallelDims:
     @property
     def mesh_shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, d) for d in MESH_DIMS)
+
+    @property
+    def expert_mesh_shape(self) -> tuple[int, int, int]:
+        """The ranks of a pipeline stage as expert parallelism splits them: (dp_replicate,
+        efsdp, ep), dp_shard x tp = efsdp x ep with ep inner; experts are sharded over ep and
+        by FSDP over efsdp (training.parallelize.build_expert_mesh). TP ranks hold different
+        parts of the sequences, so to the experts they are ranks with tokens of their own."""
+        return self.dp_replicate, self.dp_shard * self.tp // self.ep, self.ep
 
     # -- data parallelism ---------------------------------------------------------------------
     @property
@@ -238,10 +251,12 @@ class ParallelDims:
     # -- the rules ----------------------------------------------------------------------------
     def problems(self, *, n_heads: int, n_kv_heads: int, n_layers: int, seq_len: int,
                  micro_batch_size: int, vocab_size: int | None = None,
-                 gpus_per_node: int | None = None, tied_embeddings: bool = False) -> list[Problem]:
+                 gpus_per_node: int | None = None, tied_embeddings: bool = False,
+                 num_experts: int | None = None) -> list[Problem]:
         """Every rule this layout breaks for this model and batch, each with its fix.
         `vocab_size` and `gpus_per_node`, where known, add the vocabulary and TP-within-a-node
-        rules. Problems marked `advice` are the planner's: the trainer would run the layout."""
+        rules; `num_experts` (a mixture-of-experts model's) the expert-parallel ones. Problems
+        marked `advice` are the planner's: the trainer would run the layout."""
         tp, pp, m, v = self.tp, self.pp, self.microbatches_per_step, self.stages_per_rank
         limit = gpus_per_node  # TP beyond a node is ruled out above
         problems = []
@@ -267,6 +282,7 @@ class ParallelDims:
                 "splits over the TP ranks",
                 f"choose tp in {_divisors(math.gcd(seq_len, head_tp), limit)}, or a seq_len "
                 f"divisible by {tp}, e.g. {tp * -(-seq_len // tp)}"))
+        problems += self.expert_problems(num_experts)
         stages = self.stage_problem(n_layers)
         if stages is not None:
             problems.append(stages)
@@ -305,6 +321,32 @@ class ParallelDims:
             problems.append(Problem(
                 f"microbatches={m} do not split into equal rounds of interleaved-1f1b over pp={pp}",
                 f"set parallelism.microbatches to a multiple of {pp}, or at most {pp}"))
+        return problems
+
+
+    def expert_problems(self, num_experts: int | None) -> list[Problem]:
+        """The rules of expert parallelism and of mixture-of-experts models."""
+        ep, problems = self.ep, []
+        if num_experts is None:
+            if ep > 1:
+                problems.append(Problem(f"parallelism.ep={ep} splits the experts of a "
+                                        "mixture-of-experts model, and this model has none",
+                                        "set parallelism.ep=1, or give the model model.moe"))
+            return problems
+        ranks = self.dp_shard * self.tp  # the ranks EP may use: each has tokens of its own
+        named = f"parallelism.dp_shard={self.dp_shard}" + (f" x tp={self.tp}" if self.tp > 1 else "")
+        if ranks % ep:
+            problems.append(Problem(
+                f"parallelism.ep={ep} does not divide {named}: expert parallelism splits the "
+                "experts over the ranks of dp_shard (and of tp, whose ranks hold other parts "
+                "of the sequences)",
+                f"set parallelism.dp_shard so that dp_shard x tp is a multiple of {ep}, or ep "
+                f"to one of {_divisors(ranks)}"))
+        if num_experts % ep:
+            problems.append(Problem(
+                f"parallelism.ep={ep} does not divide model.moe.num_experts={num_experts}: each "
+                "EP rank holds an equal share of the experts",
+                f"choose ep in {[d for d in _divisors(num_experts) if ranks % d == 0]}"))
         return problems
 
 

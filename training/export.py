@@ -54,7 +54,20 @@ _LAYER_NAMES = {
     "feed_forward.w3": "mlp.up_proj",
     "feed_forward.w2": "mlp.down_proj",
 }
+# A mixture of experts exports as Mixtral (Llama's attention) or, with model.qk_norm, as
+# Qwen3-MoE: their names for the router and the experts, which they store one per expert
+# (Goodput stacks each weight: experts, out, in).
+_MOE_LAYER_NAMES = {
+    "mixtral": {"moe.router.gate": "block_sparse_moe.gate"},
+    "qwen3_moe": {"moe.router.gate": "mlp.gate", "attention.q_norm": "self_attn.q_norm",
+                  "attention.k_norm": "self_attn.k_norm"},
+}
+_EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe.experts", {"w1": "w1", "w2": "w2", "w3": "w3"}),
+    "qwen3_moe": ("mlp.experts", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
+}
 _LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.(.+)\.weight$")
+_EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w[123])$")
 
 
 class ExportError(ValueError):
@@ -63,25 +76,72 @@ class ExportError(ValueError):
 
 # -- names, config and weights in Hugging Face's terms -----------------------------------------
 
-def hf_name(name: str) -> str:
-    """Our parameter name -> the LlamaForCausalLM name (e.g. layers.3.attention.wq.weight ->
-    model.layers.3.self_attn.q_proj.weight)."""
+def hf_architecture(args: ModelArgs) -> str:
+    """The transformers model_type a model exports as: llama, or for a mixture of experts
+    qwen3_moe (with model.qk_norm) or mixtral."""
+    if args.moe is None:
+        return "llama"
+    return "qwen3_moe" if args.qk_norm else "mixtral"
+
+
+def hf_name(name: str, architecture: str = "llama") -> str:
+    """Our parameter name -> the name in a transformers model of `architecture` (e.g.
+    layers.3.attention.wq.weight -> model.layers.3.self_attn.q_proj.weight). Stacked experts
+    have one name per expert: hf_expert_names."""
     if name in _TOP_LEVEL_NAMES:
         return _TOP_LEVEL_NAMES[name]
     match = _LAYER_TENSOR.match(name)
-    if match and match.group(2) in _LAYER_NAMES:
-        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}.weight"
-    raise ExportError(f"checkpoint tensor {name!r} has no Llama counterpart; "
+    names = {**_LAYER_NAMES, **_MOE_LAYER_NAMES.get(architecture, {})}
+    if match and match.group(2) in names:
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}.weight"
+    raise ExportError(f"checkpoint tensor {name!r} has no counterpart in a {architecture} model; "
                       "training.export knows only the tensors of training.model.Transformer")
 
 
+def hf_expert_names(name: str, num_experts: int, architecture: str) -> list[str] | None:
+    """The names, one per expert, of the experts stacked in our parameter `name` (None: `name`
+    is not a stack of experts)."""
+    match = _EXPERTS.match(name)
+    if match is None:
+        return None
+    layer, weight = match.groups()
+    prefix, weights = _EXPERT_NAMES[architecture]
+    return [f"model.layers.{layer}.{prefix}.{e}.{weights[weight]}.weight" for e in range(num_experts)]
+
+
 def hf_state_dict(model_state: dict[str, torch.Tensor], dtype: torch.dtype,
-                  tied: bool = False) -> dict[str, torch.Tensor]:
-    """The tensors of a LlamaForCausalLM file. With tied embeddings the output layer is the
-    embedding matrix, which transformers stores once (as model.embed_tokens.weight)."""
-    # contiguous(): safetensors stores raw buffers; clone-free when already contiguous.
-    return {hf_name(name): tensor.to(dtype).contiguous() for name, tensor in model_state.items()
-            if not (tied and name == "output.weight")}
+                  tied: bool = False, architecture: str = "llama") -> dict[str, torch.Tensor]:
+    """The tensors of a transformers model file of `architecture`. With tied embeddings the
+    output layer is the embedding matrix, which transformers stores once (as
+    model.embed_tokens.weight). The routing bias has no counterpart (export_problems)."""
+    tensors = {}
+    for name, tensor in model_state.items():
+        if (tied and name == "output.weight") or name.endswith(".expert_bias"):
+            continue
+        experts = hf_expert_names(name, tensor.shape[0], architecture)
+        # contiguous(): safetensors stores raw buffers; clone-free when already contiguous.
+        for hf, t in zip(experts, tensor) if experts else [(hf_name(name, architecture), tensor)]:
+            tensors[hf] = t.to(dtype).contiguous()
+    return tensors
+
+
+def export_problems(args: ModelArgs, state: dict[str, torch.Tensor]) -> list[str]:
+    """Why the model has no form transformers loads, if so: a mixture of experts exports as
+    Mixtral or Qwen3-MoE, whose routing is fixed; neither has a routing bias."""
+    from core.hf_llama import MIXTRAL_ROUTING, QWEN3_MOE_ROUTING
+
+    architecture = hf_architecture(args)
+    if architecture == "llama":
+        return ["model.qk_norm=true without model.moe (a dense Qwen3)"] if args.qk_norm else []
+    fixed, label = ((MIXTRAL_ROUTING, "Mixtral") if architecture == "mixtral"
+                    else (QWEN3_MOE_ROUTING, "Qwen3-MoE"))
+    moe = vars(args.moe_args)
+    problems = [f"model.moe.{k}={moe[k]} ({label}: {v})" for k, v in fixed.items() if moe[k] != v]
+    biased = [k for k, v in state.items() if k.endswith(".expert_bias") and bool(v.any())]
+    if biased:
+        problems.append(f"a routing bias (model.moe.bias_update_rate, e.g. {biased[0]}), "
+                        f"which {label}'s router does not have")
+    return problems
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, eos_id: int | None = None,
@@ -120,6 +180,24 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, eos_id: int | None = None,
     }
     if args.rope_scaling:
         config["rope_scaling"] = {"rope_type": "llama3", **args.rope_scaling}
+    moe, architecture = args.moe_args, hf_architecture(args)
+    if architecture == "mixtral":  # Llama with every feed-forward a mixture of experts
+        config.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                       "intermediate_size": args.expert_hidden,
+                       "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
+                       "router_aux_loss_coef": moe.aux_loss_coeff, "output_router_logits": False,
+                       "router_jitter_noise": 0.0, "sliding_window": None})
+        config.pop("mlp_bias")
+    if architecture == "qwen3_moe":  # and q/k norms, dense blocks first, its own head_dim
+        config.update({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                       "moe_intermediate_size": args.expert_hidden,
+                       # 4.x reads num_experts, 5.x num_local_experts
+                       "num_experts": moe.num_experts, "num_local_experts": moe.num_experts,
+                       "num_experts_per_tok": moe.top_k, "norm_topk_prob": moe.route_norm, "decoder_sparse_step": 1,
+                       "mlp_only_layers": list(range(moe.first_dense_layers)),
+                       "router_aux_loss_coef": moe.aux_loss_coeff, "output_router_logits": False,
+                       "use_sliding_window": False, "sliding_window": None})
+        config.pop("mlp_bias")
     if provenance:
         config["goodput"] = provenance
     return config
@@ -294,6 +372,13 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
     _check_out(out, force)  # fail fast, before reading a possibly large checkpoint
     _check_dtype(dtype)
     manifest, state = read_checkpoint(checkpoint)
+    problems = export_problems(model_args_of(manifest), state)
+    if problems:
+        raise ExportError(f"{checkpoint} holds a model with no form transformers loads: "
+                          f"{'; '.join(problems)}. Mixtures of experts export as Mixtral (every "
+                          "block MoE, softmax router, top-k renormalised, no shared experts) or, "
+                          "with model.qk_norm, Qwen3-MoE (softmax router, no shared experts); "
+                          "neither has a routing bias")
     provenance = {"checkpoint": str(Path(checkpoint).resolve()), "step": manifest.step,
                   "tokens_seen": manifest.tokens_seen, "dataset_id": manifest.dataset_id,
                   "config_hash": manifest.config_hash}
@@ -319,8 +404,8 @@ def write_hf(args: ModelArgs, state: dict[str, torch.Tensor], out: str | Path, *
     staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
     try:
-        files = write_safetensors(hf_state_dict(state, target, args.tie_embeddings), staging,
-                                  max_shard_bytes)
+        files = write_safetensors(hf_state_dict(state, target, args.tie_embeddings,
+                                                hf_architecture(args)), staging, max_shard_bytes)
         _write_json(staging / "config.json",
                     hf_config(args, target, tok.eos_id if tok else eos_id, provenance))
         files.append("config.json")
@@ -333,6 +418,7 @@ def write_hf(args: ModelArgs, state: dict[str, torch.Tensor], out: str | Path, *
         shutil.rmtree(staging, ignore_errors=True)
     # A tied matrix counts once, as the model holds it.
     parameters = sum(t.numel() for k, t in state.items()
-                     if not (args.tie_embeddings and k == "output.weight"))
+                     if not (args.tie_embeddings and k == "output.weight")
+                     and not k.endswith(".expert_bias"))  # a buffer, not a parameter
     return {"out": str(out), "format": "hf", "dtype": str(target).removeprefix("torch."),
             "parameters": parameters, "files": files}

@@ -7,6 +7,11 @@ from what the rank holds: an FSDP or TP shard is read as a slice of the stored t
 (safetensors get_slice), a pipeline stage reads only its own layers, and no rank ever holds
 a full copy of a tensor it does not keep.
 
+A Mixtral's or Qwen3-MoE's experts are stored one tensor per expert; the model stacks each layer's
+(experts, out, in). They are read whole, a stack at a time, and each rank keeps its part
+(expert or FSDP shard), as training.parallelize.materialize does with initial values: peak
+memory is one layer's stack of one weight beyond the rank's own part.
+
 Names are those of the Hugging Face export (training.export.hf_name) read the other way;
 Goodput's Llama already uses Hugging Face's rotate-half RoPE layout, so q and k need no
 permutation in either direction. A tied output layer is the embedding matrix: it is read
@@ -27,8 +32,8 @@ from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from core.errors import ConfigError
-from core.hf_llama import SHARD_INDEX, SINGLE_FILE
-from training.export import hf_name
+from core.hf_llama import SHARD_INDEX, SINGLE_FILE, read_config
+from training.export import hf_expert_names, hf_name
 from training.logs import get_logger
 
 log = get_logger("init_from")
@@ -86,25 +91,56 @@ def load_hf_weights(model_parts: list[torch.nn.Module], directory: str | Path,
     start = time.perf_counter()
     directory = Path(directory)
     states = [get_model_state_dict(part) for part in model_parts]
-    wanted = {}
+    architecture = read_config(directory)["model_type"]
+    wanted, stacks = {}, {}
     for state in states:
         for name, tensor in state.items():
             if tie_embeddings and name == "output.weight":
                 continue  # the embedding's parameter: filled through model.embed_tokens.weight
-            wanted[hf_name(name)] = tensor
+            if name.endswith(".expert_bias"):
+                continue  # the aux-loss-free routing bias: no checkpoint has it; it starts at 0
+            experts = hf_expert_names(name, tensor.shape[0], architecture)
+            if experts:
+                stacks[tuple(experts)] = tensor
+            else:
+                wanted[hf_name(name, architecture)] = tensor
     stored = stored_tensors(directory)
     _check_complete(wanted, stored, directory)
+    _check_complete({name: t[0] for names, t in stacks.items() for name in names}, stored, directory)
     reader = _Reader(str(directory))
     with warnings.catch_warnings():  # a single process (no process group) loads alone: intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         # Loads in place into the parameters (DTensor shards included): the read plan asks
         # each file only for the slices this rank holds.
         dcp.load(wanted, storage_reader=reader)
+    for names, tensor in stacks.items():
+        reader.bytes_read += _load_stack(tensor, names, directory, stored)
     for part, state in zip(model_parts, states):
         set_model_state_dict(part, state)
     log.info("initialised %d tensors from %s in %.1fs: read %d bytes (this rank's part)",
              len(wanted), directory, time.perf_counter() - start, reader.bytes_read)
     return reader.bytes_read
+
+
+def _load_stack(tensor: torch.Tensor, names: tuple[str, ...], directory: Path,
+                stored: dict) -> int:
+    """Fill `tensor` (a stack of experts, whole or this rank's shard of it) from the stored
+    tensors `names`, one per expert. Returns the bytes read."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    pieces = []
+    for name in names:
+        with safe_open(str(directory / stored[name][0]), framework="pt") as f:
+            pieces.append(f.get_tensor(name))
+    whole = torch.stack(pieces).to(device=tensor.device, dtype=tensor.dtype)
+    with torch.no_grad():
+        if isinstance(tensor, DTensor):
+            # Each rank cuts its own part of the whole: no communication.
+            mine = distribute_tensor(whole, tensor.device_mesh, tensor.placements, src_data_rank=None)
+            tensor.to_local().copy_(mine.to_local())
+        else:
+            tensor.copy_(whole)
+    return sum(p.numel() * p.element_size() for p in pieces)
 
 
 def _check_complete(wanted: dict[str, torch.Tensor], stored: dict, directory: Path) -> None:

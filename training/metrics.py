@@ -69,9 +69,11 @@ class StepMetrics:
 
     def step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens_seen: int,
              step_time_s: float, checkpoint_s: float, save_in_flight: bool,
-             data_wait_s: float = 0.0, validation: dict | None = None) -> None:
+             data_wait_s: float = 0.0, validation: dict | None = None,
+             model_stats: dict | None = None) -> None:
         """`validation`: the in-loop held-out losses measured after this step (and
-        `val_time_s`, outside the step's time); a step with them is always logged."""
+        `val_time_s`, outside the step's time); a step with them is always logged.
+        `model_stats`: the step's own figures of the model (a mixture of experts' loads)."""
         tokens_per_s = self.tokens_per_step / step_time_s
         self.window_steps += 1
         self.window_time_s += step_time_s
@@ -82,7 +84,7 @@ class StepMetrics:
                           "step_time_s": step_time_s,
                           # rank 0's background save was still writing or hashing when this
                           # step ended: the step shared the CPU with it (benchmarks/ measures it)
-                          "save_in_flight": save_in_flight}
+                          "save_in_flight": save_in_flight, **(model_stats or {})}
         if step % self.log_every == 0 or step == self.max_steps or validation:
             self._log(validation or {})
         self.writer.heartbeat(step=step, loss=loss, tokens_per_s=tokens_per_s,

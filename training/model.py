@@ -17,6 +17,7 @@ from torch import nn
 
 from core.config import ffn_hidden_width
 from core.errors import ConfigError
+from training.moe import MoE, MoEArgs
 
 
 @dataclass
@@ -36,10 +37,14 @@ class ModelArgs:
     rope_scaling: dict | None = None
     max_seq_len: int = 256
     tie_embeddings: bool = False  # the output layer uses the embedding matrix (Llama 3.2 1B/3B)
+    # Mixture-of-Experts feed-forwards (training.moe.MoEArgs' fields); None: dense.
+    moe: dict | None = None
+    head_dim: int | None = None  # width of a head; None: dim // n_heads (Qwen3 sets its own)
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
 
     @property
     def kv_heads(self) -> int:
@@ -49,6 +54,18 @@ class ModelArgs:
     def ffn_hidden(self) -> int:
         return ffn_hidden_width(self.dim, self.ffn_multiple_of, self.ffn_dim_multiplier,
                                 self.ffn_hidden_dim)
+
+    @property
+    def moe_args(self) -> MoEArgs | None:
+        return MoEArgs(**self.moe) if self.moe is not None else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.moe_args.first_dense_layers
+
+    @property
+    def expert_hidden(self) -> int:
+        """The SwiGLU width of one expert: model.moe.expert_dim, else the dense width."""
+        return self.moe_args.expert_dim or self.ffn_hidden
 
 
 class RMSNorm(nn.Module):
@@ -109,14 +126,19 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         cos, sin = cos[:seq], sin[:seq]
         # Head counts come from the projections' outputs (-1), so the same code runs when
         # tensor parallelism gives this rank only some of the heads.
-        q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(batch, seq, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
@@ -138,16 +160,21 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Attention then a feed-forward: dense (feed_forward), or mixture-of-experts (moe)."""
+
+    def __init__(self, args: ModelArgs, layer: int):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        moe = args.is_moe_layer(layer)
+        self.feed_forward = None if moe else FeedForward(args)
+        self.moe = MoE(args.dim, args.expert_hidden, args.moe_args) if moe else None
 
     def forward(self, x, cos, sin):
         x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        ffn = self.moe if self.moe is not None else self.feed_forward
+        return x + ffn(self.ffn_norm(x))
 
 
 class Transformer(nn.Module):
@@ -157,7 +184,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A dict keyed by layer index: a pipeline stage that keeps layers 4..7 still names
         # them layers.4..layers.7, so checkpoints mean the same thing under every layout.
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -190,8 +217,16 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         self.init_buffers()
+        self.reset_expert_buffers()
         for name, p in self.named_parameters():
             p.copy_(self.initial_value(name, p.shape, seed, p.device))
+
+    def reset_expert_buffers(self) -> None:
+        """The MoE layers' routing bias and counters at their start values (zero); a
+        checkpoint's bias replaces them when it is loaded."""
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.reset_buffers()
 
     def initial_value(self, name: str, shape: torch.Size, seed: int,
                       device: torch.device) -> torch.Tensor:
@@ -204,7 +239,7 @@ class Transformer(nn.Module):
         if len(shape) == 1:
             return torch.ones(shape, device=device)  # norm weights
         std = 0.02
-        if name.endswith(("wo.weight", "w2.weight")):
+        if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
             # GPT-2's scaled init for projections that add into the residual stream.
             std /= math.sqrt(2 * self.args.n_layers)
         generator = torch.Generator(device).manual_seed(
@@ -223,6 +258,10 @@ class Transformer(nn.Module):
         model.load_state_dict(state, strict=True, assign=True)
         model.tie_weights()
         model.init_buffers(model.output.weight.device)
+        for module in model.modules():  # counters start at zero; the bias came with `state`
+            if isinstance(module, MoE):
+                module.tokens_per_expert = torch.zeros_like(module.expert_bias)
+                module.balance_sum = torch.zeros(2, device=module.expert_bias.device)
         return model
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
@@ -249,13 +288,26 @@ class Transformer(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.args.vocab_size * self.args.dim if non_embedding else n
 
+    def inactive_params(self) -> int:
+        """Expert parameters a token does not use: in each MoE layer, the routed experts
+        beyond its top_k (whose weights it never multiplies)."""
+        moe = self.args.moe_args
+        if moe is None:
+            return 0
+        per_expert = 3 * self.args.dim * self.args.expert_hidden
+        moe_layers = sum(self.args.is_moe_layer(int(name)) for name in self.layers)
+        return moe_layers * (moe.num_experts - moe.top_k) * per_expert
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6N for the matmuls plus attention scores (PaLM appendix B):
         6 x N + 12 x layers x heads x head_dim x seq_len. N leaves out only the input
         embedding table (a lookup); the output projection is a matmul and counts, also when it
-        shares the embedding's matrix. Causal masking is not discounted, as in PaLM's MFU."""
+        shares the embedding's matrix. Causal masking is not discounted, as in PaLM's MFU.
+        For a mixture of experts N is the active parameters: those of the top_k experts a
+        token goes to, not the others (inactive_params)."""
         a = self.args
-        matmul_params = self.num_params() + (a.vocab_size * a.dim if a.tie_embeddings else 0)
+        matmul_params = (self.num_params() + (a.vocab_size * a.dim if a.tie_embeddings else 0)
+                         - self.inactive_params())
         return 6 * matmul_params + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
 
     @torch.no_grad()
@@ -292,11 +344,22 @@ def shape_differences(saved: dict, args: ModelArgs) -> list[str]:
     def facts(a: ModelArgs) -> dict:
         return {"vocab_size (padded)": a.vocab_size, "dim": a.dim, "n_layers": a.n_layers,
                 "n_heads": a.n_heads, "n_kv_heads": a.kv_heads, "SwiGLU width": a.ffn_hidden,
-                "tie_embeddings": a.tie_embeddings}
+                "tie_embeddings": a.tie_embeddings, "head_dim": a.head_dim,
+                "qk_norm": a.qk_norm, **moe_facts(a)}
 
     before, now = facts(ModelArgs(**saved)), facts(args)
     return [f"{name} {before[name]} in the checkpoint, {now[name]} now"
             for name in now if before[name] != now[name]]
+
+
+def moe_facts(a: ModelArgs) -> dict:
+    """What of model.moe gives weights their shapes and meaning (routing settings may change)."""
+    moe = a.moe_args
+    if moe is None:
+        return {"model.moe": "none"}
+    return {"model.moe.num_experts": moe.num_experts, "expert width": a.expert_hidden,
+            "model.moe.shared_experts": moe.shared_experts,
+            "model.moe.first_dense_layers": moe.first_dense_layers}
 
 
 def model_args_from_config(model_cfg, vocab_size: int) -> ModelArgs:

@@ -1,8 +1,10 @@
 """Apply a parallelism layout to the model: the only place that knows about layouts.
 
-    mesh   = core.layout.MESH_DIMS: (pp, dp_replicate, dp_shard, tp), TP innermost
-    order  = pipeline split -> tensor parallel -> activation checkpointing -> compile
-             -> data parallel (FSDP2 / HSDP, or DDP when the layout is pure replication)
+    mesh   = core.layout.MESH_DIMS: (pp, dp_replicate, dp_shard, tp), TP innermost; expert
+             parallelism sees dp_shard as (efsdp, ep) (build_expert_mesh)
+    order  = pipeline split -> tensor parallel -> expert parallel -> activation checkpointing
+             -> compile -> data parallel (FSDP2 / HSDP, or DDP when the layout is pure
+             replication; the experts by FSDP over efsdp, the rest over dp_shard)
              -> materialize (the model is built on the meta device; each rank allocates
                 and initialises only what it holds)
 
@@ -24,7 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from core.errors import ConfigError
 from core.layout import MESH_DIMS, LayoutError, ParallelDims
+from training.expert_parallel import apply_expert_parallel, apply_tensor_parallel_moe
 from training.model import cross_entropy
+from training.moe import moe_layers
 
 
 @dataclass
@@ -71,11 +75,22 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
     return init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)
 
 
+def build_expert_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """A pipeline stage's ranks as expert parallelism sees them: (dp_replicate, efsdp, ep),
+    dp_shard x tp split with ep inner (ParallelDims.expert_mesh_shape), so an EP group is
+    neighbouring ranks (TP ranks first). Experts shard over ep, and by FSDP over
+    (dp_replicate, efsdp)."""
+    stage = mesh["dp_replicate", "dp_shard", "tp"]._flatten("stage")
+    return stage._unflatten(0, dims.expert_mesh_shape, ("dp_replicate", "efsdp", "ep"))
+
+
 def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.device,
-                loss_fn, seed: int | None) -> Layout:
+                loss_fn, seed: int | None, microbatch: tuple[int, int] | None = None) -> Layout:
     """Lay `model` (built whole on the meta device: no memory yet) out on this rank according
     to `dims`, then allocate and initialise only what this rank holds (materialize; seed
-    None: allocate only, for a caller that loads every weight from a checkpoint)."""
+    None: allocate only, for a caller that loads every weight from a checkpoint).
+    `microbatch`: (samples, tokens) of a pipeline micro-batch, which a mixture-of-experts
+    model's pipeline stages need stated (_build_schedule)."""
     mesh = build_mesh(dims, device.type)
     if mesh is None:
         parts = materialize([_checkpoint_and_compile(model, par_cfg)], seed, device)
@@ -84,12 +99,17 @@ def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.dev
     stage_ids, parts = [0], [model]
     if dims.pp > 1:
         stage_ids, parts = split_pipeline(model, mesh, dims)
-    parts = [_apply_tp(part, mesh["tp"]) if dims.tp > 1 else part for part in parts]
+    parts = [_apply_tp(part, mesh["tp"], experts=dims.ep == 1) if dims.tp > 1 else part
+             for part in parts]
+    expert_mesh = build_expert_mesh(mesh, dims) if dims.ep > 1 else None
+    parts = [apply_expert_parallel(part, expert_mesh["ep"]) if dims.ep > 1 else part for part in parts]
     parts = [_checkpoint_and_compile(part, par_cfg) for part in parts]
 
     layout = Layout(mesh, dims, parts, stage_ids=stage_ids, fsdp=dims.fsdp, ddp=dims.ddp)
     if layout.fsdp:  # sharded while still on the meta device: each rank allocates its shards
-        parts = [_apply_fsdp(p, mesh["dp_replicate", "dp_shard"], par_cfg, device) for p in parts]
+        experts = _expert_fsdp(expert_mesh, dims) if dims.ep > 1 else None
+        parts = [_apply_fsdp(p, mesh["dp_replicate", "dp_shard"], par_cfg, device, experts)
+                 for p in parts]
     # Before DDP, which broadcasts rank 0's weights when it wraps them.
     layout.model_parts = materialize(parts, seed, device)
     if layout.ddp:
@@ -99,7 +119,7 @@ def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.dev
                                                       process_group=mesh.get_group("dp_replicate"))]
 
     if dims.pp > 1:
-        _build_schedule(layout, mesh, device, loss_fn)
+        _build_schedule(layout, mesh, device, loss_fn, par_cfg, microbatch)
     return _precision_and_loss(layout, par_cfg, device)
 
 
@@ -116,6 +136,7 @@ def materialize(parts: list[nn.Module], seed: int | None, device: torch.device) 
         part.to_empty(device=device)
         part.tie_weights()  # to_empty gave the output layer a parameter of its own
         part.init_buffers()
+        part.reset_expert_buffers()  # a checkpoint's routing bias replaces them when loaded
         if seed is None:
             continue
         with torch.no_grad():
@@ -189,7 +210,8 @@ def split_pipeline(model: nn.Module, mesh: DeviceMesh, dims: ParallelDims):
     return stage_ids, parts
 
 
-def _build_schedule(layout: Layout, mesh: DeviceMesh, device, loss_fn) -> None:
+def _build_schedule(layout: Layout, mesh: DeviceMesh, device, loss_fn, par_cfg,
+                    microbatch: tuple[int, int] | None) -> None:
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import (
         Schedule1F1B,
@@ -200,7 +222,8 @@ def _build_schedule(layout: Layout, mesh: DeviceMesh, device, loss_fn) -> None:
     dims = layout.dims
     n_stages = dims.n_stages
     group = mesh.get_group("pp")
-    stages = [PipelineStage(part, sid, n_stages, device, group=group)
+    stages = [PipelineStage(part, sid, n_stages, device, group=group,
+                            **_stage_io(part, sid, n_stages, microbatch, par_cfg, layout, device))
               for sid, part in zip(layout.stage_ids, layout.model_parts)]
     microbatches = dims.microbatches_per_step
     # scale_grads would divide the *accumulated* gradients after every step, which is wrong
@@ -215,11 +238,46 @@ def _build_schedule(layout: Layout, mesh: DeviceMesh, device, loss_fn) -> None:
     layout.last_stage = (n_stages - 1) in layout.stage_ids
 
 
+def _stage_io(part: nn.Module, stage: int, n_stages: int, microbatch: tuple[int, int] | None,
+              par_cfg, layout: Layout, device: torch.device) -> dict:
+    """What a stage of a mixture-of-experts model receives and sends, stated.
+
+    Without it, each stage learns its shapes at the first step by running one extra forward
+    (on the first micro-batch, or on uninitialised tensors), and an MoE layer would count
+    that forward's tokens into the step's expert loads (and the routing bias with them).
+    Hidden states between stages are fp32, or bf16 where FSDP computes in bf16 (autocast
+    keeps the residual stream fp32), and under TP this rank's part of the sequence; logits
+    are whole, and bf16 under either."""
+    if microbatch is None or not moe_layers(part):
+        return {}
+    rows, seq = microbatch
+    args = part.args
+    bf16 = uses_bf16(par_cfg, device)
+    hidden = torch.bfloat16 if bf16 and layout.fsdp else torch.float32
+    meta = torch.device("meta")
+
+    def states():  # hidden states, which carry gradients back
+        return torch.empty(rows, seq // layout.dims.tp, args.dim, dtype=hidden, device=meta,
+                           requires_grad=True)
+
+    inputs = torch.empty(rows, seq, dtype=torch.long, device=meta) if stage == 0 else states()
+    outputs = (torch.empty(rows, seq, args.vocab_size, device=meta, requires_grad=True,
+                           dtype=torch.bfloat16 if bf16 else torch.float32)
+               if stage == n_stages - 1 else states())
+    # Gradients come back for the hidden states (none for the last stage's logits, whose
+    # gradient starts from the loss, nor for the first stage's token ids).
+    return {"input_args": inputs, "output_args": outputs,
+            "output_grads": outputs if stage < n_stages - 1 else (None,),
+            "input_grads": inputs if stage > 0 else (None,)}
+
+
 # -- tensor parallelism -----------------------------------------------------------------------
 
-def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh, experts: bool = True) -> nn.Module:
     """Megatron-style TP with sequence parallelism for the norms (activations between blocks
-    are sharded along the sequence, so norms and residual adds are not duplicated)."""
+    are sharded along the sequence, so norms and residual adds are not duplicated). An MoE
+    layer computes on each rank's part of the sequence; its routed experts are replicated
+    over TP unless expert parallelism (`experts` False) splits them, TP ranks included."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -241,6 +299,21 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
         # vocabulary rows (Shard(0)), so the embedding's serves the output layer as it is.
         model.tie_weights()
     for block in model.layers.values():
+        if block.moe is not None:
+            # The MoE layer computes on this rank's part of the sequence (its own tokens), and
+            # gives back that part, as the dense feed-forward's row-parallel output does.
+            apply_tensor_parallel_moe(block.moe, tp_mesh, experts)
+            ffn = {"moe": PrepareModuleInput(input_layouts=(Shard(1),),
+                                             desired_input_layouts=(Shard(1),), use_local_output=True)}
+        else:
+            ffn = {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                      desired_input_layouts=(Replicate(),)),
+                   "feed_forward.w1": ColwiseParallel(),
+                   "feed_forward.w3": ColwiseParallel(),
+                   "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}
+        if block.attention.q_norm is not None:
+            for norm in (block.attention.q_norm, block.attention.k_norm):
+                _norm_of_local_heads(norm, tp_mesh)
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
             "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
@@ -250,13 +323,23 @@ def _apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                               desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            **ffn,
         })
     return model
+
+
+def _norm_of_local_heads(norm: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """A per-head norm (Qwen3's q_norm, k_norm) under TP: this rank's heads, (batch, seq,
+    heads, head_dim), are its shard of them all (Shard(2)), the weight is replicated, and its
+    gradient, a partial sum over the ranks' heads, is summed as the other norms' are."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
+
+    norm.weight = nn.Parameter(distribute_tensor(norm.weight, tp_mesh, [Replicate()],
+                                                 src_data_rank=None))
+    parallelize_module(norm, tp_mesh, PrepareModuleInputOutput(
+        input_layouts=(Shard(2),), desired_input_layouts=(Shard(2),),
+        output_layouts=(Shard(2),), desired_output_layouts=(Shard(2),), use_local_output=True))
 
 
 # -- activation checkpointing, compile ---------------------------------------------------------
@@ -286,13 +369,36 @@ def _checkpoint_and_compile(model: nn.Module, par_cfg) -> nn.Module:
 
 # -- data parallelism -------------------------------------------------------------------------
 
-def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, par_cfg, device: torch.device) -> nn.Module:
-    """FSDP2 per block then the root; a 2-D (replicate, shard) mesh makes it HSDP."""
+def _expert_fsdp(expert_mesh: DeviceMesh, dims: ParallelDims) -> tuple[DeviceMesh, int]:
+    """Where FSDP shards expert-parallel experts, and what divides their gradients.
+
+    Over (dp_replicate, efsdp): the ranks holding the same experts. Their gradients already
+    sum the loss gradients of every data-parallel rank's tokens (the all-to-all's backward
+    brought them), so they are divided by the whole data-parallel size, as the other weights'
+    are after FSDP sums them over dp_shard."""
+    return expert_mesh["dp_replicate", "efsdp"], dims.dp_size
+
+
+def _apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, par_cfg, device: torch.device,
+                experts: tuple[DeviceMesh, int] | None = None) -> nn.Module:
+    """FSDP2 per block then the root; a 2-D (replicate, shard) mesh makes it HSDP. With
+    `experts` (expert parallelism: a mesh and a gradient divisor) each MoE layer's experts
+    first get an FSDP unit of their own on that mesh."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if uses_bf16(par_cfg, device) \
         else MixedPrecisionPolicy()
+    if experts is not None:
+        expert_mesh, divide_by = experts
+        for layer in moe_layers(model).values():
+            fully_shard(layer.experts, mesh=expert_mesh, mp_policy=mp,
+                        reshard_after_forward=par_cfg.reshard_after_forward)
+            layer.experts.set_gradient_divide_factor(divide_by)
+            # gloo has no pre-multiplied sum: sum, then divide. Not on a shard group of one,
+            # where nothing is reduced and torch 2.13's FSDP, told to sum, would divide twice.
+            if dist.get_backend() == "gloo" and expert_mesh["efsdp"].size() > 1:
+                layer.experts.set_force_sum_reduction_for_comms(True)
     for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=par_cfg.reshard_after_forward)
     # The root's parameters (embeddings, final norm, output) are used last in backward and
@@ -307,19 +413,30 @@ def clip_grad_norm_(layout: Layout, max_norm: float) -> torch.Tensor:
     """Global gradient norm over all stages and shards; clips in place when max_norm > 0.
 
     The trainer calls this once per step, after backward: it first sums the gradients TP left
-    partial, so that neither the norm nor the optimizer reduces them again."""
+    partial, so that neither the norm nor the optimizer reduces them again. Gradients are
+    taken per mesh (expert parallelism's experts live on another mesh than the other
+    weights, and DTensor ops never mix meshes)."""
     params = [p for part in layout.model_parts for p in part.parameters() if p.grad is not None]
     _reduce_partial_grads(params)
-    grads = [p.grad for p in params]
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-    if hasattr(norm, "full_tensor"):  # DTensor: reduce over its mesh
-        norm = norm.full_tensor()
+    by_mesh: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    norms = [_norm([p.grad for p in group]) for group in by_mesh.values()]
+    norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
     if layout.dims.pp > 1:  # each stage saw only its own parameters
         squared = norm ** 2
         dist.all_reduce(squared, group=layout.group("pp"))
         norm = squared.sqrt()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
+    return norm
+
+
+def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if hasattr(norm, "full_tensor"):  # DTensor: reduce over its mesh
+        norm = norm.full_tensor()
     return norm
 
 

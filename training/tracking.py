@@ -42,7 +42,8 @@ TAGS = {
     "val_loss": "val/loss", "val_bits_per_byte": "val/bits_per_byte",
     "resumed_at_step": "train/resumed_at_step",  # where an attempt resumed: later steps redone
 }
-_PREFIXES = {"val_loss/": "val/loss/", "eval/": "eval/"}  # per-source and evaluation scores
+# per-source and evaluation scores; a mixture of experts' loads (training.moe_balance)
+_PREFIXES = {"val_loss/": "val/loss/", "eval/": "eval/", "moe/": "moe/"}
 TRAINER_STEP = "trainer/step"  # the x axis of a W&B evaluation run (WandbTracker)
 
 

@@ -36,6 +36,8 @@ from training.hf_weights import load_hf_weights
 from training.logs import get_logger
 from training.metrics import MetricsWriter, StepMetrics, peak_flops, read_metrics
 from training.model import Transformer, cross_entropy, model_args_from_config
+from training.moe import set_loss_scale
+from training.moe_balance import ExpertBalance
 from training.parallelize import Layout, clip_grad_norm_, parallelize
 from training.resilience import FaultInjector, Preempted, Resilience
 from training.tracking import open_trackers
@@ -61,7 +63,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     # (the single-process model's weights in every layout, from training.seed).
     with torch.device("meta"):
         model = Transformer(model_args_from_config(config.model, data.vocab_size))
-    model_args, n_params = vars(model.args), model.num_params(non_embedding=False)
+    args = model.args
+    model_args, n_params = vars(args), model.num_params(non_embedding=False)
     flops_per_token = model.flops_per_token(tcfg.seq_len)
     start = resolve_resume(resume, config.run_dir, float(os.environ.get(ENV_RESTART_WAIT_S, "0")))
     # Every weight comes from the checkpoint when resuming, and from model.init_from's files
@@ -70,11 +73,17 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     init_from = config.model.init_from if start is None else None
     layout = parallelize(model, config.parallelism, dims, env.device,
                          pipeline_loss(tcfg.grad_accum_steps * dims.microbatches_per_step),
-                         seed=tcfg.seed if start is None and init_from is None else None)
+                         seed=tcfg.seed if start is None and init_from is None else None,
+                         microbatch=(tcfg.micro_batch_size // dims.microbatches_per_step, tcfg.seq_len))
     del model  # from here on the layout's parts are the model
     if init_from is not None:
         load_hf_weights(layout.model_parts, init_from, config.model.tie_embeddings)
     optimizers = [build_optimizer(part, tcfg, env.device) for part in layout.model_parts]
+    balance = None
+    if args.moe is not None:  # the balance loss shares each forward's part of the step's loss
+        for part in layout.model_parts:
+            set_loss_scale(part, 1 / (tcfg.grad_accum_steps * dims.microbatches_per_step))
+        balance = ExpertBalance(args, layout, env.device, env.is_main)
     loader = DistributedSampleLoader({source.name: source.stream("train") for source in data.sources},
                                      tcfg.seq_len, tcfg.micro_batch_size, layout.dp_rank, layout.dp_size,
                                      tcfg.seed, tcfg.shuffle_window_tokens, config.mix_stages())
@@ -146,6 +155,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
             for opt in optimizers:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+            moe_stats = balance.after_step() if balance is not None else {}  # the routing biases
             progress.step += 1
             progress.tokens_seen += tokens_per_step
             step_time = time.perf_counter() - step_start - stall  # checkpoint stall kept out
@@ -153,7 +163,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
             metrics.step(progress.step, loss=loss, lr=lr, grad_norm=grad_norm,
                          tokens_seen=progress.tokens_seen, step_time_s=step_time, checkpoint_s=stall,
                          data_wait_s=loader.take_wait_s(), save_in_flight=checkpointer.in_flight,
-                         validation=validation.maybe_run(progress.step))
+                         validation=validation.maybe_run(progress.step), model_stats=moe_stats)
             if resilience.after_step(progress.step, loss):
                 if env.is_main:
                     log.info("time limit: stopping after the checkpoint of step %d", progress.step)
