@@ -184,6 +184,23 @@ class PrefectStack:
     def api_url(self) -> str:
         return f"{self.url}/api"
 
+    def client(self) -> StackClient:
+        return StackClient(self.api_url, self.auth_string)
+
+    def task_runs_since(self, since: float) -> tuple[int, dict[str, int]]:
+        """Task runs of flow runs started after `since` (Unix time): how many logged that
+        they finished, and how many the database holds per state (those standing for a
+        subflow left out: they log no "Finished in state")."""
+        after = f"to_timestamp({since})"
+        logged = int(self.postgres.sql(
+            "SELECT count(DISTINCT task_run_id) FROM log WHERE task_run_id IS NOT NULL "
+            f"AND message LIKE 'Finished in state%' AND timestamp > {after}", "prefect"))
+        states = {state: int(n) for state, n in (line.split("|") for line in self.postgres.sql(
+            f"SELECT state_type, count(*) FROM task_run WHERE created > {after} AND id NOT IN "
+            "(SELECT parent_task_run_id FROM flow_run WHERE parent_task_run_id IS NOT NULL) "
+            "GROUP BY state_type", "prefect").split())}
+        return logged, states
+
     def client_env(self) -> dict[str, str]:
         """What a client (a CLI, a flow run, a worker) needs to reach the API."""
         return {"PREFECT_API_URL": self.api_url, "PREFECT_API_AUTH_STRING": self.auth_string}
@@ -277,6 +294,66 @@ class PrefectStack:
             return subprocess.Popen(argv, env=self._env(**env), stdin=subprocess.DEVNULL,
                                     stdout=log, stderr=subprocess.STDOUT, cwd=self.directory,
                                     start_new_session=True)
+
+
+class StackClient:
+    """The stack's REST API with its auth string, as the UI and other clients reach it: what
+    the tests and benchmarks/orchestrator_bench.py trigger and watch flow runs with."""
+
+    FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
+
+    def __init__(self, api_url: str, auth_string: str):
+        self.url, self.auth = api_url, tuple(auth_string.split(":", 1))
+
+    def post(self, path: str, body: dict) -> httpx.Response:
+        """POST, tried again while the server is away or busy (a restart, a loaded machine)."""
+        for delay in (1, 2, 4, 8, 0):
+            try:
+                response = httpx.post(f"{self.url}{path}", json=body, auth=self.auth, timeout=60)
+                if response.status_code < 500 or not delay:
+                    response.raise_for_status()
+                    return response
+            except httpx.TransportError:
+                if not delay:
+                    raise
+            time.sleep(delay)
+
+    def deployment(self, name: str) -> str:
+        """The id of deployment `flow/deployment`."""
+        flow, deployment = name.split("/")
+        return self.post("/deployments/filter", {
+            "flows": {"name": {"any_": [flow]}},
+            "deployments": {"name": {"any_": [deployment]}}}).json()[0]["id"]
+
+    def trigger(self, name: str, parameters: dict) -> str:
+        """A flow run of the deployment, as the UI's Run button makes it; its id."""
+        return self.post(f"/deployments/{self.deployment(name)}/create_flow_run",
+                         {"parameters": parameters, "idempotency_key": secrets.token_hex(8)}
+                         ).json()["id"]
+
+    def flow_run(self, flow_run_id: str) -> dict:
+        return self.post("/flow_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}}).json()[0]
+
+    def wait_final(self, flow_run_id: str, timeout_s: float) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            run = self.flow_run(flow_run_id)
+            if run["state"]["type"] in self.FINAL:
+                return run
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"flow run {flow_run_id} still {run['state']['type']} after "
+                                   f"{timeout_s:.0f}s")
+            time.sleep(2)
+
+    def logs(self, flow_run_id: str) -> list[dict]:
+        return self.post("/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}},
+                                          "sort": "TIMESTAMP_ASC", "limit": 200}).json()
+
+    def events(self, prefix: str, run_id: str) -> list[dict]:
+        return self.post("/events/filter", {
+            "filter": {"event": {"prefix": [prefix]},
+                       "any_resource": {"labels": {"goodput.run-id": [run_id]}}},
+            "limit": 50}).json()["events"]
 
 
 def _prefect() -> str:

@@ -5,6 +5,7 @@ import math
 import os
 import re
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -209,16 +210,27 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
 
 
 def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
+    """On Prefect's temporary server (no server configured): the command's output holds no
+    traceback, and before the server stops with it, it has recorded every task run the
+    flow logged as finished, in a final state."""
     config, _ = finished
     config_file = tmp_path / "run.yaml"
     config_file.write_text(dump_config(config))
+    home = tmp_path / "prefect"
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "evaluate", "--config", str(config_file),
                            "--checkpoint", "20", "eval.num_samples=1"],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
+                          capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**os.environ, "PREFECT_HOME": str(home)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"run directory: {config.run_dir.path.resolve()}" in proc.stdout
     report = json.loads((config.run_dir / "eval" / "step-00000020.json").read_text())
     assert report["step"] == 20 and report["loss"] > 0 and len(report["samples"]) == 1
+    assert "Traceback" not in proc.stdout + proc.stderr
+    db = sqlite3.connect(home / "prefect.db")
+    logged = db.execute("SELECT count(DISTINCT task_run_id) FROM log WHERE task_run_id IS NOT "
+                        "NULL AND message LIKE 'Finished in state%'").fetchone()[0]
+    states = dict(db.execute("SELECT state_type, count(*) FROM task_run GROUP BY state_type"))
+    assert logged >= 5 and states == {"COMPLETED": logged}
 
 
 def test_an_eval_report_is_reused_only_for_the_same_checkpoint_copy_and_settings(finished):

@@ -15,68 +15,18 @@ import shutil
 import signal
 import tempfile
 import time
-from uuid import UUID, uuid4
 
 import httpx
 import psutil
 import pytest
 
 from infra.launchers import free_port
-from infra.prefect_stack import PrefectStack, missing_postgres
+from infra.prefect_stack import PrefectStack, StackClient, missing_postgres
 from storage.ledger import Ledger
 from tests.helpers import small_config, wait_for
 from training.metrics import read_metrics
 
 pytestmark = pytest.mark.prefect_stack
-
-FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
-
-
-class Api:
-    """The stack's REST API, with its auth string, as the UI and clients reach it."""
-
-    def __init__(self, stack: PrefectStack):
-        self.url, self.auth = stack.api_url, tuple(stack.auth_string.split(":", 1))
-
-    def post(self, path: str, body: dict) -> httpx.Response:
-        for delay in (1, 2, 4, 8, 0):  # a server just restarted may not answer yet
-            try:
-                response = httpx.post(f"{self.url}{path}", json=body, auth=self.auth, timeout=60)
-                if response.status_code < 500 or not delay:
-                    response.raise_for_status()
-                    return response
-            except httpx.TransportError:
-                if not delay:
-                    raise
-            time.sleep(delay)
-
-    def deployment(self, name: str) -> str:
-        flow, deployment = name.split("/")
-        return self.post("/deployments/filter", {
-            "flows": {"name": {"any_": [flow]}},
-            "deployments": {"name": {"any_": [deployment]}}}).json()[0]["id"]
-
-    def trigger(self, name: str, parameters: dict) -> str:
-        return self.post(f"/deployments/{self.deployment(name)}/create_flow_run",
-                         {"parameters": parameters, "idempotency_key": str(uuid4())}).json()["id"]
-
-    def flow_run(self, flow_run_id: str) -> dict:
-        return self.post("/flow_runs/filter", {"flow_runs": {"id": {"any_": [flow_run_id]}}}).json()[0]
-
-    def wait_final(self, flow_run_id: str, timeout_s: float) -> dict:
-        return wait_for(lambda: (lambda run: run if run["state"]["type"] in FINAL else None)(
-            self.flow_run(flow_run_id)), timeout_s, f"final state of flow run {flow_run_id}", 2)
-
-    def logs(self, flow_run_id: str) -> list[dict]:
-        return self.post("/logs/filter", {"logs": {"flow_run_id": {"any_": [flow_run_id]}},
-                                          "sort": "TIMESTAMP_ASC", "limit": 200}).json()
-
-    def events(self, prefix: str, run_id: str) -> list[dict]:
-        return self.post("/events/filter", {
-            "filter": {"event": {"prefix": [prefix]},
-                       "any_resource": {"labels": {"goodput.run-id": [run_id]}}},
-            "limit": 50}).json()["events"]
-
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
@@ -95,8 +45,8 @@ def stack(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def api(stack) -> Api:
-    return Api(stack)
+def api(stack) -> StackClient:
+    return stack.client()
 
 
 @pytest.fixture(scope="module")
@@ -175,17 +125,9 @@ def test_eight_pipelines_at_once_complete_and_every_task_run_is_recorded(stack, 
     finished = [api.wait_final(run, 1500) for run in runs]
     assert [run["state"]["type"] for run in finished] == ["COMPLETED"] * 8, \
         [run["state"] for run in finished]
-    after = f"to_timestamp({since})"
-    logged = int(stack.postgres.sql(
-        "SELECT count(DISTINCT task_run_id) FROM log WHERE task_run_id IS NOT NULL "
-        f"AND message LIKE 'Finished in state%' AND timestamp > {after}", "prefect"))
-    # Every task run but those standing for a subflow (they log no "Finished in state").
-    states = dict(line.split("|") for line in stack.postgres.sql(
-        f"SELECT state_type, count(*) FROM task_run WHERE created > {after} AND id NOT IN "
-        "(SELECT parent_task_run_id FROM flow_run WHERE parent_task_run_id IS NOT NULL) "
-        "GROUP BY state_type", "prefect").split())
+    logged, states = stack.task_runs_since(since)
     assert logged >= 8 * 20  # each pipeline: prepare, train, evaluate and their tasks
-    assert states == {"COMPLETED": str(logged)}
+    assert states == {"COMPLETED": logged}
     for name in ("server", "worker"):
         text = stack.log(name).read_text()
         for sign in ("database is locked", "deadlock", "DBAPIError", "OperationalError",

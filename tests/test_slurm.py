@@ -11,7 +11,6 @@ lines are checked against fakes in tests/test_launchers.py.
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 import time
 
@@ -109,6 +108,25 @@ def test_stopping_an_attempt_signals_the_workers_and_waits_for_the_job_to_end(tm
     [emergency] = config.run_dir.committed_checkpoints()  # step 1000 was never reached
     assert 3 <= int(emergency.name.removeprefix("step-")) < 1000
     assert any("sent SIGTERM to Slurm job" in line for line in lines)
+    assert processes_mentioning(str(config.run_dir)) == []
+
+
+def test_a_job_whose_workers_ignore_sigterm_is_cancelled_after_the_grace(tmp_path, dataset, slurm):
+    """A frozen worker (SIGSTOP) never answers SIGTERM: once the grace has passed the job is
+    cancelled outright, and gone before the attempt returns."""
+    config = slurm_config(tmp_path, "training.max_steps=100000", "checkpoint.every_steps=1000",
+                          "faults.hang_at_step=3", "run.hang_timeout_s=900")
+    lines: list[str] = []
+    thread, results = in_background(attempt, config, dataset, lines)
+    wait_for(lambda: trained_to(config) >= 3, timeout_s=180, what="the frozen step", every_s=0.2)
+    started = time.monotonic()
+    for stopping in stop_live_attempts(grace_s=5):
+        stopping.join(timeout=120)
+    thread.join(timeout=60)
+    assert results[0].failure_class == "cancelled"
+    assert any(line.startswith("cancelled Slurm job") for line in lines), "\n".join(lines[-30:])
+    assert 5 <= time.monotonic() - started < 90
+    assert slurm.queue() == []
     assert processes_mentioning(str(config.run_dir)) == []
 
 
