@@ -168,8 +168,11 @@ class LocalSlurm:
 
     def resume_nodes(self) -> None:
         """Every node back in service (after a test set one down)."""
+        # Only a node taken out of service can be resumed: Slurm refuses State=resume for one
+        # still completing the job scancel just ended ("Invalid node state specified").
         for node in self.nodes:
-            if self.node_state(node).rstrip("*") not in ("idle", "allocated", "mixed"):
+            state = self.node_state(node).rstrip("*~#")
+            if any(word in state for word in ("down", "drain", "fail")):
                 self.set_node_state(node, "resume")
         self._wait(self._nodes_idle, 60.0, "nodes idle again")
 
