@@ -1054,13 +1054,16 @@ def _rank_memory(s: _Setup, dims: ParallelDims, checkpointing: str, rank: _Rank)
 
 
 def _moe_saved_bytes(s: _Setup, dims: ParallelDims, tokens: int) -> float:
-    """What an MoE layer keeps beyond a SwiGLU as wide as a token's experts (training/moe.py):
-    the router's fp32 logits and scores, the token rows gathered for the experts and the
-    experts' output rows that the routing weights scale (top_k x dim each), and under EP the
-    rows received and regrouped by expert (two more). On this TP rank's part of the tokens."""
+    """What an MoE layer keeps beyond a SwiGLU as wide as a token's experts (training/moe.py,
+    counted with saved-tensor hooks): the router's fp32 logits and scores (num_experts each),
+    three sets of top_k rows of dim values (the rows the experts take, as gathered for them
+    or, under EP, as received and regrouped by expert; the experts' output rows that the
+    routing weights scale; the scaled rows the combine adds), and per (token, choice) the
+    int64 expert ids, sort order and token index and the fp32 weight. On this TP rank's part
+    of the tokens."""
     m = s.args.moe_args
-    rows = 2 + (2 if dims.ep > 1 else 0)
-    return tokens * (s.act_bytes * rows * m.top_k * s.args.dim + 2 * 4 * m.num_experts) / dims.tp
+    per_choice = 3 * s.act_bytes * s.args.dim + 3 * 8 + 4
+    return tokens * (m.top_k * per_choice + 2 * 4 * m.num_experts) / dims.tp
 
 
 def _gathered_kv_bytes(s: _Setup, dims: ParallelDims, tokens: int, mode: str) -> float:
