@@ -1144,6 +1144,14 @@ def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory) -> Problem:
         options.append((f"shard instead of replicating: dp_shard={shard}, dp_replicate=1 (FSDP "
                         "shards weights, gradients and optimizer state)",
                         _memory(s, replace(dims, dp_shard=shard, dp_replicate=1), checkpointing)))
+    if s.params.moe is not None:
+        # More expert parallelism splits the experts further (their states shard over fewer
+        # ranks, but each rank holds fewer experts).
+        experts, ranks = s.args.moe_args.num_experts, dims.dp_shard * dims.tp
+        for ep in range(dims.ep + 1, ranks + 1):
+            if ranks % ep == 0 and experts % ep == 0:
+                options.append((f"set parallelism.ep={ep} (each MoE layer's experts split {ep} "
+                                "ways)", _memory(s, replace(dims, ep=ep), checkpointing)))
     for text, alternative in options:
         if alternative.peak <= have:
             return Problem(reason, f"{text} ({_amount(alternative.peak)})")

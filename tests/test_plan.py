@@ -781,6 +781,7 @@ def test_experts_without_ep_do_not_fit_and_the_plan_says_so():
                                                          "parallelism.ep=1"])
     [plan] = planner.plan(config, cluster(memory="96GiB"))
     assert not plan.ok and "needs" in str(plan.problems[0])
+    assert "set parallelism.ep=2 (each MoE layer's experts split 2 ways)" in str(plan.problems[0])
     split = load_config("configs/qwen3-30b-a3b.yaml", ["parallelism.dp_shard=2", "parallelism.tp=4",
                                                         "parallelism.ep=8"])
     [plan] = planner.plan(split, cluster(memory="96GiB"))
@@ -832,7 +833,7 @@ def test_context_parallelism_cuts_activations_and_sends_kv_by_hand():
     assert "training.seq_len=130 is not a multiple of 4" in str(problem)
 
 
-def test_cli_explains_context_parallel_rows():
+def test_explain_shows_context_parallel_rows():
     run = PUBLISHED["llama3-405b-16384gpu-cp16"]
     plan = run.plan()
     table = planner.explain_table(plan, run.cluster, run.load(), run.recipe)
