@@ -131,6 +131,9 @@ class Recipe:
     # The loss compiled with the blocks when parallelism.compile is set (goodput); torchtitan
     # compiled the blocks only (its loss eager, fp32 log-probabilities and all).
     compiled_loss: bool = True
+    # EP's all-to-alls hidden behind another micro-batch's compute (DeepSeek-V3's DualPipe);
+    # goodput's sit between the computations that need them.
+    ep_overlap: bool = False
 
 
 GOODPUT = Recipe()
@@ -139,25 +142,71 @@ GOODPUT = Recipe()
 # -- parameters ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class BlockParams:
+    """One transformer block's parameters, split the way the trainer lays them out
+    (training/parallelize.py, training/expert_parallel.py).
+
+    `matrix`: split by tensor parallelism (attention, a dense block's SwiGLU). `vector`: norm
+    weights, replicated over TP. An MoE block's router and shared experts (`replicated`) are
+    replicated over TP too: the MoE layer computes on each TP rank's part of the sequence.
+    Its routed experts (`experts`, all of them) are split by expert parallelism, and sharded
+    by FSDP over the ranks left (efsdp); each token multiplies `active_experts` of them (its
+    top_k)."""
+
+    matrix: int
+    vector: int
+    replicated: int = 0
+    experts: int = 0
+    active_experts: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.matrix + self.vector + self.replicated + self.experts
+
+    @property
+    def active_matmul(self) -> int:
+        """The matmul parameters one token is multiplied by in this block."""
+        return self.matrix + self.replicated + self.active_experts
+
+
+@dataclass(frozen=True)
 class ParamCount:
     """Parameters of training/model.py's Transformer, split the way layouts cut them.
 
     "matrix" parameters are split by tensor parallelism; "vector" ones (norm weights) are
-    replicated across TP ranks.
+    replicated across TP ranks. A mixture-of-experts model has two kinds of block: the first
+    `first_moe_layer` dense, the rest MoE (`moe`, see BlockParams).
     """
 
     n_layers: int
     embedding: int  # vocab x dim (token embeddings, sharded over vocab by TP)
-    block_matrix: int  # attention + SwiGLU projections of one block
-    block_vector: int  # the two RMSNorm weights of one block
+    block_matrix: int  # attention + SwiGLU projections of one dense block
+    block_vector: int  # the two RMSNorm weights of one block (and Qwen3's q/k norms)
     head_matrix: int  # output projection, vocab x dim; 0 when it is the embedding (tied)
     head_vector: int  # final RMSNorm
     tied: bool = False  # the output projection multiplies by the embedding matrix
+    moe: BlockParams | None = None  # an MoE block's; None: a dense model
+    first_moe_layer: int = 0  # model.moe.first_dense_layers
+
+    @property
+    def dense(self) -> BlockParams:
+        return BlockParams(self.block_matrix, self.block_vector)
+
+    def block(self, layer: int) -> BlockParams:
+        """The parameters of block `layer` (0-based)."""
+        return self.moe if self.moe is not None and layer >= self.first_moe_layer else self.dense
+
+    @property
+    def moe_layers(self) -> int:
+        return self.n_layers - self.first_moe_layer if self.moe is not None else 0
+
+    @property
+    def blocks(self) -> int:
+        return sum(self.block(i).total for i in range(self.n_layers))
 
     @property
     def total(self) -> int:
-        return (self.embedding + self.n_layers * (self.block_matrix + self.block_vector)
-                + self.head_matrix + self.head_vector)
+        return self.embedding + self.blocks + self.head_matrix + self.head_vector
 
     @property
     def non_embedding(self) -> int:
@@ -165,20 +214,48 @@ class ParamCount:
         return self.total - self.embedding
 
     @property
+    def inactive(self) -> int:
+        """Routed-expert parameters a token does not multiply (Transformer.inactive_params)."""
+        if self.moe is None:
+            return 0
+        return self.moe_layers * (self.moe.experts - self.moe.active_experts)
+
+    @property
+    def active(self) -> int:
+        """The parameters one token uses: all but the experts its router did not choose."""
+        return self.total - self.inactive
+
+    @property
     def matmul(self) -> int:
         """The parameters each token is multiplied by (6 FLOPs each in training): all but the
-        embedding lookup; a tied output layer is a matmul by the embedding matrix and counts."""
-        return self.non_embedding + (self.embedding if self.tied else 0)
+        embedding lookup and, in MoE blocks, the routed experts beyond the token's top_k; a
+        tied output layer is a matmul by the embedding matrix and counts. The trainer's MFU
+        counts the same (Transformer.flops_per_token)."""
+        return self.non_embedding - self.inactive + (self.embedding if self.tied else 0)
 
 
 def count_params(args: ModelArgs) -> ParamCount:
-    dim, kv_dim = args.dim, args.kv_heads * args.head_dim
-    attention = 2 * dim * dim + 2 * dim * kv_dim  # wq, wo; wk, wv
-    ffn = 3 * dim * args.ffn_hidden  # w1, w3, w2
+    dim, q_dim, kv_dim = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
+    attention = 2 * dim * q_dim + 2 * dim * kv_dim  # wq, wo; wk, wv
+    vector = 2 * dim + (2 * args.head_dim if args.qk_norm else 0)  # norms; Qwen3's q/k norms
+    moe, first_moe = None, 0
+    if args.moe is not None:
+        m = args.moe_args
+        expert = 3 * dim * args.expert_hidden  # one routed expert's w1, w3, w2
+        moe = BlockParams(matrix=attention, vector=vector,
+                          replicated=dim * m.num_experts + m.shared_experts * expert,  # router, shared
+                          experts=m.num_experts * expert, active_experts=m.top_k * expert)
+        first_moe = m.first_dense_layers
     return ParamCount(n_layers=args.n_layers, embedding=args.vocab_size * dim,
-                      block_matrix=attention + ffn, block_vector=2 * dim,
+                      block_matrix=attention + 3 * dim * args.ffn_hidden, block_vector=vector,
                       head_matrix=0 if args.tie_embeddings else args.vocab_size * dim,
-                      head_vector=dim, tied=args.tie_embeddings)
+                      head_vector=dim, tied=args.tie_embeddings, moe=moe, first_moe_layer=first_moe)
+
+
+def attention_width(args: ModelArgs) -> int:
+    """Width of the queries and of the attention output: n_heads x head_dim (dim for Llama;
+    Qwen3 sets a head_dim of its own)."""
+    return args.n_heads * args.head_dim
 
 
 def model_args(config: RunConfig) -> ModelArgs:
@@ -219,7 +296,7 @@ def block_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_b
     """
     tokens = batch * seq
     residual_bytes = residual_bytes or act_bytes
-    attention = (4 * act_bytes * tokens * args.dim + 4 * tokens * args.n_heads) / tp
+    attention = (4 * act_bytes * tokens * attention_width(args) + 4 * tokens * args.n_heads) / tp
     if compiled:
         norms = 2 * act_bytes * tokens * args.dim + 2 * 4 * tokens / tp
         return (norms + attention + act_bytes * tokens * args.dim / tp
@@ -304,6 +381,8 @@ class Memory:
     state_shard: int = 1
     inflight: int = 1
     stage_bytes: float = 0.0
+    expert_params: float = 0.0  # of local_params, the routed experts (after EP)
+    expert_shard: int = 1  # the ranks their states are sharded over (efsdp under EP)
 
     @property
     def peak(self) -> float:
@@ -342,6 +421,8 @@ class LayoutPlan:
     problems: list[Problem] = field(default_factory=list)  # why it cannot run
     warnings: list[Problem] = field(default_factory=list)  # runs, but costs (parallelism.strict_layout refuses)
     departures: list[str] = field(default_factory=list)  # where it leaves DESIGN's defaults
+    ep: int = 1  # expert parallelism (parallelism.ep): ranks of dp_shard x tp
+    cp: int = 1  # context parallelism: ranks of its own, each holding 1/cp of every sequence
 
     @property
     def ok(self) -> bool:
@@ -349,7 +430,8 @@ class LayoutPlan:
 
     @property
     def name(self) -> str:
-        return " x ".join(f"{k}={v}" for k, v in self.degrees.items())
+        extra = {k: v for k, v in (("ep", self.ep), ("cp", self.cp)) if v > 1}
+        return " x ".join(f"{k}={v}" for k, v in {**self.degrees, **extra}.items())
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -366,6 +448,25 @@ class _Setup:
     params: ParamCount
     bf16: bool
     recipe: Recipe = GOODPUT
+    # Context parallelism: each sequence split over this many ranks (plan_layout's
+    # context_parallel, else parallelism.cp where the config has it).
+    cp: int = 1
+
+    @property
+    def moe_args(self) -> ModelArgs | None:
+        """An MoE block as the dense formulas see it: its SwiGLU as wide as the experts a
+        token passes through (top_k routed + the shared ones), each token's rows computed on
+        the rank that holds them. None for a dense model."""
+        if self.args.moe is None:
+            return None
+        m = self.args.moe_args
+        return replace(self.args, moe=None,
+                       ffn_hidden_dim=(m.top_k + m.shared_experts) * self.args.expert_hidden)
+
+    @property
+    def seq_shard(self) -> int:
+        """Tokens of one sequence on one rank (context parallelism splits it)."""
+        return self.config.training.seq_len // self.cp
 
     @property
     def fused(self) -> bool:
@@ -389,37 +490,66 @@ class _Setup:
         return 2 if self.bf16 and (dims.fsdp or self.recipe.bf16_weights) else 4
 
 
-def _setup(config: RunConfig, cluster: Cluster, recipe: Recipe = GOODPUT) -> _Setup:
+def _setup(config: RunConfig, cluster: Cluster, recipe: Recipe = GOODPUT,
+           context_parallel: int | None = None) -> _Setup:
     args = model_args(config)
     mp = config.parallelism.mixed_precision
     bf16 = mp == "bf16" or (mp == "auto" and cluster.device == "cuda")
-    return _Setup(config, cluster, args, count_params(args), bf16, recipe)
+    return _Setup(config, cluster, args, count_params(args), bf16, recipe,
+                  context_parallel_degree(config, context_parallel))
+
+
+def context_parallel_degree(config: RunConfig, context_parallel: int | None = None) -> int:
+    """The context-parallel degree a plan uses: `context_parallel` when given, else the
+    config's parallelism.cp (1 where the config has no such field)."""
+    return context_parallel if context_parallel is not None else getattr(config.parallelism, "cp", 1)
+
+
+def _resolve(config: RunConfig, cluster: Cluster, degrees: dict[str, int], cp: int) -> ParallelDims:
+    """The layout of `degrees` (and parallelism.ep) on the cluster. Context parallelism's
+    ranks are part of the world: where core.layout counts them (a "cp" degree) it resolves
+    them; until then the other degrees fill world / cp ranks. Raises LayoutError."""
+    world = cluster.world_size
+    where = f"the cluster's {world} GPUs"
+    counted = "cp" in DEGREES
+    if cp > 1 and not counted:
+        if world % cp:
+            raise LayoutError(Problem(f"context parallelism cp={cp} does not divide {where}",
+                                      "choose a cp that divides the number of GPUs"))
+        world, where = world // cp, f"{where} / cp={cp}"
+    extra = {"cp": cp} if counted else {}
+    return ParallelDims.resolve({**degrees, **extra}, world, where,
+                                ep=config.parallelism.ep, **config.parallelism.pipeline())
 
 
 def plan_layout(config: RunConfig, cluster: Cluster, degrees: dict[str, int],
                 strict: bool | None = None, recipe: Recipe = GOODPUT,
-                suggest: bool = True) -> LayoutPlan:
+                suggest: bool = True, context_parallel: int | None = None) -> LayoutPlan:
     """Explain one layout (a -1 degree fills the cluster): memory, bubble, communication,
     step time, or why it cannot run. What the trainer runs at a cost (core.layout's advice,
     e.g. a large pipeline bubble) is a warning, or a problem when `strict` (default:
     parallelism.strict_layout). `recipe`: how the software executes it (GOODPUT: this
     trainer). `suggest`: with pipeline stages, also find the pp_virtual_stages with the
-    shortest step (best_virtual_stages)."""
-    s = _setup(config, cluster, recipe)
+    shortest step (best_virtual_stages). `context_parallel`: the context-parallel degree
+    (default: parallelism.cp where the config has it, else 1); its ranks are part of the
+    cluster, each holding 1/cp of every sequence (Llama 3's all-gather of K/V; see
+    _communication and _block_saved_bytes)."""
+    s = _setup(config, cluster, recipe, context_parallel)
     par = config.parallelism
     strict = par.strict_layout if strict is None else strict
     try:
-        dims = ParallelDims.resolve(degrees, cluster.world_size, f"the cluster's {cluster.world_size} GPUs",
-                                    **par.pipeline())
+        dims = _resolve(config, cluster, degrees, s.cp)
     except LayoutError as e:
         return LayoutPlan(dict(degrees), s.params, 1, problems=[e.problem])  # nothing to estimate
     m = dims.microbatches_per_step
-    plan = LayoutPlan(dims.degrees, s.params, m)
+    plan = LayoutPlan(dims.degrees, s.params, m, ep=dims.ep, cp=s.cp)
     found = dims.problems(
         n_heads=s.args.n_heads, n_kv_heads=s.args.kv_heads, n_layers=s.args.n_layers,
         seq_len=config.training.seq_len, micro_batch_size=config.training.micro_batch_size,
         vocab_size=s.args.vocab_size, gpus_per_node=cluster.gpus_per_node,
-        tied_embeddings=s.args.tie_embeddings)
+        tied_embeddings=s.args.tie_embeddings,
+        num_experts=s.args.moe_args.num_experts if s.args.moe is not None else None)
+    found += _context_parallel_problems(s, dims)
     plan.problems = [p for p in found if strict or not p.advice]
     plan.warnings = [p for p in found if p.advice and not strict]
     plan.bubble = dims.bubble
@@ -439,12 +569,29 @@ def plan_layout(config: RunConfig, cluster: Cluster, degrees: dict[str, int],
         plan.problems.append(_out_of_memory(s, dims, plan.memory))
     plan.departures = _departures(plan, cluster)
     if suggest and dims.pp > 1 and plan.step_time_s is not None:
-        plan.best_virtual_stages = _best_virtual_stages(config, cluster, dims.degrees, recipe)
+        plan.best_virtual_stages = _best_virtual_stages(config, cluster, dims.degrees, recipe,
+                                                        s.cp)
     return plan
 
 
+def _context_parallel_problems(s: _Setup, dims: ParallelDims) -> list[Problem]:
+    """Context parallelism's rules, where core.layout does not state them yet: the causal
+    load balance cuts each sequence into 2 x cp chunks (rank i holds chunks i and 2cp-1-i),
+    each split again over the TP ranks by sequence parallelism."""
+    cp, seq = s.cp, s.config.training.seq_len
+    if cp == 1 or "cp" in DEGREES:
+        return []
+    unit = 2 * cp * dims.tp
+    if seq % unit:
+        return [Problem(f"context parallelism cp={cp} cuts each sequence into 2 x cp chunks "
+                        f"(causal load balance), each split over tp={dims.tp}: "
+                        f"training.seq_len={seq} is not a multiple of {unit}",
+                        f"set training.seq_len to a multiple of {unit}, e.g. {unit * -(-seq // unit)}")]
+    return []
+
+
 def _best_virtual_stages(config: RunConfig, cluster: Cluster, degrees: dict[str, int],
-                         recipe: Recipe) -> tuple[int, float] | None:
+                         recipe: Recipe, cp: int = 1) -> tuple[int, float] | None:
     """The interleaved-1f1b stages per rank (parallelism.pp_virtual_stages) with the shortest
     estimated step among those that fit: more stages shrink the bubble, (pp-1)/(v m + pp-1),
     and send v times the activations between ranks (and keep more micro-batches in flight).
@@ -455,7 +602,8 @@ def _best_virtual_stages(config: RunConfig, cluster: Cluster, degrees: dict[str,
     for v in range(2, config.model.n_layers // pp + 1):
         interleaved = config.model_copy(update={"parallelism": par.model_copy(update={
             "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": v, "pp_layers_per_stage": None})})
-        p = plan_layout(interleaved, cluster, degrees, strict=False, recipe=recipe, suggest=False)
+        p = plan_layout(interleaved, cluster, degrees, strict=False, recipe=recipe, suggest=False,
+                        context_parallel=cp)
         if p.ok and p.step_time_s is not None and (best is None or p.step_time_s < best[1]):
             best = (v, p.step_time_s)
     return best
@@ -478,14 +626,15 @@ def search(config: RunConfig, cluster: Cluster, strict: bool | None = None) -> l
     default rules, highest estimated throughput (tokens/s) first, then the others -- and then
     the ones that cannot run. Throughput, not step time: the batch is per data-parallel rank,
     so a layout with less data parallelism has shorter steps only because it does less."""
-    plans = [plan_layout(config, cluster, d, strict, suggest=False)
-             for d in factorisations(cluster.world_size)]
+    cp = context_parallel_degree(config)
+    world = cluster.world_size // cp if cp > 1 and "cp" not in DEGREES else cluster.world_size
+    plans = [plan_layout(config, cluster, d, strict, suggest=False) for d in factorisations(world)]
     valid = sorted((p for p in plans if p.ok),
                    key=lambda p: (bool(p.departures), -(p.tokens_per_s or 0.0), p.memory.peak))
     ranked = valid + [p for p in plans if not p.ok]
     if ranked[0].degrees["pp"] > 1 and ranked[0].step_time_s is not None:  # the one explained
         ranked[0].best_virtual_stages = _best_virtual_stages(config, cluster, ranked[0].degrees,
-                                                             GOODPUT)
+                                                             GOODPUT, cp)
     return ranked
 
 
@@ -733,13 +882,27 @@ class _Rank:
     first: bool  # holds the embeddings
     last: bool  # holds the final norm, output projection and loss
     inflight: int  # stage-forwards whose activations are alive at once
+    # Each stage's blocks in order, True where the block is a mixture-of-experts one.
+    kinds: tuple[tuple[bool, ...], ...] = ()
+
+    @property
+    def moe_blocks(self) -> int:
+        return sum(sum(stage) for stage in self.kinds)
+
+    @property
+    def dense_blocks(self) -> int:
+        return sum(self.layers) - self.moe_blocks
 
 
-def _pipeline_ranks(n_layers: int, dims: ParallelDims) -> list[_Rank]:
+def _pipeline_ranks(n_layers: int, dims: ParallelDims, first_moe_layer: int | None = None) -> list[_Rank]:
     """Layers per stage as training/parallelize.py splits them (ParallelDims.stage_layers;
     rank r holds stages r, r+pp, ...) and the in-flight micro-batches of each rank under
-    torch.distributed.pipelining's schedules."""
+    torch.distributed.pipelining's schedules. `first_moe_layer`: blocks from there on are
+    mixture-of-experts ones (None: a dense model)."""
     sizes, pp, m, v = dims.stage_layers(n_layers), dims.pp, dims.microbatches_per_step, dims.stages_per_rank
+    bounds = dims.stage_bounds(n_layers)
+    moe = n_layers if first_moe_layer is None else first_moe_layer
+    kinds = [tuple(i >= moe for i in range(bounds[st], bounds[st + 1])) for st in range(len(sizes))]
     ranks = []
     for r in range(pp):
         if pp == 1:
@@ -751,24 +914,84 @@ def _pipeline_ranks(n_layers: int, dims: ParallelDims) -> list[_Rank]:
         else:  # interleaved 1F1B: warm-up forwards plus the first steady one (schedules.py)
             rounds = max(1, m // pp)
             inflight = min((v - 1) * (m // rounds) + 2 * (pp - 1 - r) + 1, m * v)
-        ranks.append(_Rank(tuple(sizes[s] for s in dims.stages_of(r)), r == 0, r == pp - 1, inflight))
+        ranks.append(_Rank(tuple(sizes[st] for st in dims.stages_of(r)), r == 0, r == pp - 1,
+                           inflight, tuple(kinds[st] for st in dims.stages_of(r))))
     return ranks
 
 
+def _ranks(s: _Setup, dims: ParallelDims) -> list[_Rank]:
+    return _pipeline_ranks(s.args.n_layers, dims,
+                           s.params.first_moe_layer if s.params.moe is not None else None)
+
+
 def _memory(s: _Setup, dims: ParallelDims, checkpointing: str) -> Memory:
-    ranks = _pipeline_ranks(s.args.n_layers, dims)
-    per_rank = [_rank_memory(s, dims, checkpointing, r) for r in ranks]
+    per_rank = [_rank_memory(s, dims, checkpointing, r) for r in _ranks(s, dims)]
     return max(per_rank, key=lambda mem: mem.peak)
+
+
+@dataclass(frozen=True)
+class _Local:
+    """A pipeline rank's parameters, after TP splits the matrices and EP the experts."""
+
+    root: float  # embeddings, final norm and output where it holds them
+    blocks: float  # its blocks' parameters but the routed experts
+    experts: float  # the routed experts it holds: num_experts / ep of each of its MoE layers
+    unit: float  # the largest of its blocks (FSDP gathers a block at a time), experts included
+    matrices: float  # its blocks' matmul weights (autocast keeps bf16 copies of them)
+
+    @property
+    def total(self) -> float:
+        return self.root + self.blocks + self.experts
+
+
+def _local_params(s: _Setup, rank: _Rank, dims: ParallelDims) -> _Local:
+    """What one rank holds (training/parallelize.py): attention (and a dense SwiGLU) split
+    by TP; an MoE block's router and shared experts replicated over TP (the layer computes on
+    each TP rank's part of the sequence); its routed experts split by EP, or whole on every
+    TP rank without EP."""
+    pc, tp, ep = s.params, dims.tp, dims.ep
+    root = (pc.embedding / tp if rank.first else 0) + \
+        (pc.head_matrix / tp + pc.head_vector if rank.last else 0)
+    dense = pc.block_matrix / tp + pc.block_vector
+    blocks, experts, unit = rank.dense_blocks * dense, 0.0, dense if rank.dense_blocks else 0.0
+    matrices = rank.dense_blocks * pc.block_matrix / tp
+    if rank.moe_blocks:
+        moe = pc.moe
+        shared = moe.matrix / tp + moe.vector + moe.replicated
+        blocks += rank.moe_blocks * shared
+        experts = rank.moe_blocks * moe.experts / ep
+        unit = max(unit, shared + moe.experts / ep)
+        matrices += rank.moe_blocks * (moe.matrix / tp + moe.replicated + moe.experts / ep)
+    return _Local(root, blocks, experts, unit, matrices)
+
+
+def _state_shards(s: _Setup, dims: ParallelDims) -> tuple[int, int]:
+    """The ranks over which the optimizer state (and, under FSDP, weights and gradients) is
+    sharded: (every weight but the routed experts, the routed experts). FSDP shards over
+    dp_shard, and over the context-parallel ranks with it (they hold the same weights, as
+    torchtitan's dp_shard_cp); experts under EP over efsdp = dp_shard x tp / ep, the ranks
+    holding the same experts (training.parallelize._expert_fsdp). With bf16 weights (the
+    distributed optimizer) the optimizer over every data-parallel rank holding the same
+    weights."""
+    cp = s.cp
+    if s.recipe.bf16_weights and s.bf16:
+        dense = dims.dp_size * cp
+        return dense, (dims.dp_size * dims.tp // dims.ep * cp if dims.ep > 1 else dense)
+    if not (dims.fsdp or cp > 1):
+        return 1, 1
+    dense = dims.dp_shard * cp
+    return dense, (dims.dp_shard * dims.tp // dims.ep * cp if dims.ep > 1 else dense)
 
 
 def _rank_memory(s: _Setup, dims: ParallelDims, checkpointing: str, rank: _Rank) -> Memory:
     pc, args, par, tcfg, recipe = s.params, s.args, s.config.parallelism, s.config.training, s.recipe
-    tp, dp_shard, m = dims.tp, dims.dp_shard, dims.microbatches_per_step
-    fsdp, ddp = dims.fsdp, dims.ddp
+    tp, m = dims.tp, dims.microbatches_per_step
+    fsdp, ddp = dims.fsdp or s.cp > 1, dims.ddp
 
-    root, block = _local_params(pc, rank, tp)
-    local = root + sum(rank.layers) * block  # this rank's parameters after TP
-    shard = dp_shard if fsdp else 1
+    loc = _local_params(s, rank, dims)
+    local = loc.total  # this rank's parameters after TP and EP
+    shard, expert_shard = _state_shards(s, dims)
+    sharded = (loc.root + loc.blocks) / shard + loc.experts / expert_shard
     n_micro = tcfg.grad_accum_steps * m
 
     compute_bytes = 2 if s.bf16 else 4
@@ -778,103 +1001,133 @@ def _rank_memory(s: _Setup, dims: ParallelDims, checkpointing: str, rank: _Rank)
         # after forward, gradients accumulated in fp32): bf16 weights and fp32 gradients
         # whole on every data-parallel rank, fp32 master weights and moments sharded over them.
         weights, gradients = 2 * local, MASTER_BYTES * local
-        optimizer = (MASTER_BYTES + ADAM_STATE_BYTES) * local / dims.dp_size
+        optimizer = (MASTER_BYTES + ADAM_STATE_BYTES) * sharded
     else:
-        weights = gradients = MASTER_BYTES * local / shard
-        optimizer = ADAM_STATE_BYTES * local / shard
+        weights = gradients = MASTER_BYTES * sharded
+        optimizer = ADAM_STATE_BYTES * sharded
         if fsdp:
             # A pipeline schedule keeps its stage's blocks gathered after backward until the
             # end of its step (PipelineStage turns reshard_after_backward off), so all of them
             # are gathered at once by the last backward.
-            gathered_blocks = (2 if par.reshard_after_forward and dims.pp == 1
-                               else sum(rank.layers))
-            buffers += compute_bytes * (root + gathered_blocks * block)
+            gathered = (2 * loc.unit if par.reshard_after_forward and dims.pp == 1
+                        else loc.blocks + loc.experts)
+            buffers += compute_bytes * (loc.root + gathered)
             # Without gradient sync (accumulating micro-batches) FSDP2 keeps unsharded
             # gradients, accumulated in the reduce dtype (fp32) even when it computes in bf16.
-            buffers += MASTER_BYTES * local if n_micro > 1 else 4 * block
+            buffers += MASTER_BYTES * local if n_micro > 1 else 4 * loc.unit
         else:
             if ddp:
                 buffers += MASTER_BYTES * local  # reducer buckets: a second gradient copy
             if s.bf16:  # bf16 copies of the matmul weights that autocast saves for backward
                 head = pc.embedding if pc.tied else pc.head_matrix  # the output matmul's weight
-                matrices = sum(rank.layers) * pc.block_matrix + (head if rank.last else 0)
-                buffers += 2 * matrices / tp
+                buffers += 2 * (loc.matrices + (head / tp if rank.last else 0))
 
     mb = tcfg.micro_batch_size // m
+    seq = s.seq_shard
     residual = s.residual_bytes(dims)
-    activations = rank.inflight * max(_stage_activations(s, mb, tp, n, checkpointing, residual)
-                                      for n in rank.layers)
+    stage_bytes = max(_stage_activations(s, mb, dims, kinds, checkpointing, residual)
+                      for kinds in rank.kinds)
+    activations = rank.inflight * stage_bytes
     vocab_parallel = recipe.vocab_parallel_loss or recipe.sharded_saves
     if rank.last:
         # The last stage's loss runs backward as soon as its forward is done (1F1B and
         # interleaved): one micro-batch's head at a time; GPipe keeps all of them.
         head_inflight = rank.inflight if dims.pp_schedule == "gpipe" else 1
         activations += head_inflight * head_activation_bytes(
-            args, mb, tcfg.seq_len, tp, s.act_bytes, residual, compiled=s.fused_loss,
+            args, mb, seq, tp, s.act_bytes, residual, compiled=s.fused_loss,
             vocab_parallel=vocab_parallel)
-    loss = (loss_workspace_bytes(args, mb, tcfg.seq_len, s.fused_loss, s.act_bytes,
+    loss = (loss_workspace_bytes(args, mb, seq, s.fused_loss, s.act_bytes,
                                  tp if vocab_parallel else 1) if rank.last else 0.0)
-    recompute = (_block_saved_bytes(s, mb * tcfg.seq_len, tp, residual, "none")
+    recompute = (max(_block_saved_bytes(s, mb * seq, dims, residual, "none", moe)
+                     for moe in {kind for stage in rank.kinds for kind in stage})
                  if checkpointing != "none" else 0.0)
     largest = max(pc.embedding / tp if rank.first else 0, pc.head_matrix / tp if rank.last else 0,
-                  args.dim * args.ffn_hidden / tp)  # w1/w2/w3 are the largest block matrices
+                  args.dim * args.ffn_hidden / tp,  # w1/w2/w3 are the largest block matrices,
+                  pc.moe.experts / 3 / dims.ep if rank.moe_blocks else 0)  # or the stacked experts'
     step_workspace = 2 * MASTER_BYTES * largest / shard if s.cluster.device == "cpu" else 0.0
     return Memory(weights=weights, gradients=gradients, optimizer=optimizer, buffers=buffers,
                   activations=activations, workspace=max(loss, recompute),
                   step_workspace=step_workspace,
                   grads_live_in_backward=n_micro > 1 or recipe.bf16_weights,
-                  local_params=local, state_shard=dims.dp_size if recipe.bf16_weights else shard,
-                  inflight=rank.inflight,
-                  stage_bytes=max(_stage_activations(s, mb, tp, n, checkpointing, residual)
-                                  for n in rank.layers))
+                  local_params=local, state_shard=shard, inflight=rank.inflight,
+                  stage_bytes=stage_bytes, expert_params=loc.experts, expert_shard=expert_shard)
 
 
-def _local_params(pc: ParamCount, rank: _Rank, tp: int) -> tuple[float, float]:
-    """A pipeline rank's root-module parameters (embeddings, final norm and output where it
-    holds them) and those of one of its blocks, after TP splits the matrices."""
-    root = (pc.embedding / tp if rank.first else 0) + \
-        (pc.head_matrix / tp + pc.head_vector if rank.last else 0)
-    return root, pc.block_matrix / tp + pc.block_vector
+def _moe_saved_bytes(s: _Setup, dims: ParallelDims, tokens: int) -> float:
+    """What an MoE layer keeps beyond a SwiGLU as wide as a token's experts (training/moe.py,
+    counted with saved-tensor hooks): the router's fp32 logits and scores (num_experts each),
+    three sets of top_k rows of dim values (the rows the experts take, as gathered for them
+    or, under EP, as received and regrouped by expert; the experts' output rows that the
+    routing weights scale; the scaled rows the combine adds), and per (token, choice) the
+    int64 expert ids, sort order and token index and the fp32 weight. On this TP rank's part
+    of the tokens."""
+    m = s.args.moe_args
+    per_choice = 3 * s.act_bytes * s.args.dim + 3 * 8 + 4
+    return tokens * (m.top_k * per_choice + 2 * 4 * m.num_experts) / dims.tp
 
 
-def _block_saved_bytes(s: _Setup, tokens: int, tp: int, residual_bytes: int, mode: str) -> float:
-    """What one block keeps for backward for `tokens` tokens: "none" everything it saves (as
-    the recipe saves it: goodput's eager or compiled accounting, or Megatron's shards),
-    "full" its input alone (sequence-sharded under TP), "ops" torchtitan's op-level
-    selection, "attention" all but the core attention's output (Megatron's selective)."""
+def _gathered_kv_bytes(s: _Setup, dims: ParallelDims, tokens: int, mode: str) -> float:
+    """Context parallelism: the keys and values of the other cp - 1 ranks' chunks, which
+    attention saves for backward once they are all-gathered (Llama 3's CP). Repeated to every
+    head as goodput's attention hands them to SDPA (Megatron's kernels keep the kv heads).
+    Nothing where the attention is recomputed in backward (it gathers them again)."""
+    if s.cp == 1 or mode in ("full", "attention"):
+        return 0.0
     args = s.args
+    width = (args.kv_heads * args.head_dim if s.recipe.sharded_saves or mode == "ops"
+             else attention_width(args))
+    return 2 * s.act_bytes * width * tokens * (s.cp - 1) / dims.tp
+
+
+def _block_saved_bytes(s: _Setup, tokens: int, dims: ParallelDims, residual_bytes: int, mode: str,
+                       moe: bool = False) -> float:
+    """What one block keeps for backward for `tokens` tokens (this rank's: its micro-batch's
+    part of the sequences under CP): "none" everything it saves (as the recipe saves it:
+    goodput's eager or compiled accounting, or Megatron's shards), "full" its input alone
+    (sequence-sharded under TP), "ops" torchtitan's op-level selection, "attention" all but
+    the core attention's output (Megatron's selective). `moe`: an MoE block (s.moe_args:
+    its experts as one SwiGLU, plus the routing, _moe_saved_bytes)."""
+    args, tp = (s.moe_args if moe else s.args), dims.tp
     if mode == "full":
         return residual_bytes * tokens * args.dim / tp
+    extra = (_moe_saved_bytes(s, dims, tokens) if moe else 0.0) + _gathered_kv_bytes(s, dims, tokens, mode)
     if mode == "ops":
-        return op_checkpointed_block_bytes(args, tokens, tp, s.act_bytes, residual_bytes)
+        return op_checkpointed_block_bytes(args, tokens, tp, s.act_bytes, residual_bytes) + extra
     if s.recipe.sharded_saves:
-        return sharded_block_activation_bytes(args, tokens, tp, s.act_bytes,
-                                              recompute_attention=mode == "attention")
+        return extra + sharded_block_activation_bytes(args, tokens, tp, s.act_bytes,
+                                                      recompute_attention=mode == "attention")
     full = block_activation_bytes(args, 1, tokens, tp, s.act_bytes, residual_bytes, s.fused)
     if mode == "attention":
-        return full - tokens * (s.act_bytes * args.dim + 4 * args.n_heads) / tp
-    return full
+        return extra + full - tokens * (s.act_bytes * attention_width(args) + 4 * args.n_heads) / tp
+    return extra + full
 
 
 def _checkpointed_blocks(s: _Setup, layers: int, checkpointing: str) -> dict[str, int]:
     """How many of a stage's `layers` blocks each checkpointing mode applies to
     (_block_saved_bytes' modes): parallelism.activation_checkpointing as the recipe does it.
     goodput's "selective" checkpoints every other block, starting with the first."""
-    if checkpointing == "none":
-        return {"none": layers}
-    if checkpointing == "full":
-        return {"full": layers}
-    if s.recipe.selective == "blocks":
-        return {"full": math.ceil(layers / 2), "none": layers - math.ceil(layers / 2)}
-    return {s.recipe.selective: layers}
+    counts: dict[str, int] = {}
+    for mode, _ in _block_modes(s, (False,) * layers, checkpointing):
+        counts[mode] = counts.get(mode, 0) + 1
+    return counts
 
 
-def _stage_activations(s: _Setup, mb: int, tp: int, layers: int, checkpointing: str,
-                       residual_bytes: int) -> float:
-    """One micro-batch through `layers` blocks, each keeping what its checkpointing mode keeps."""
-    tokens = mb * s.config.training.seq_len
-    return sum(n * _block_saved_bytes(s, tokens, tp, residual_bytes, mode)
-               for mode, n in _checkpointed_blocks(s, layers, checkpointing).items())
+def _block_modes(s: _Setup, kinds: tuple[bool, ...], checkpointing: str) -> list[tuple[str, bool]]:
+    """Each block of a stage (`kinds`: MoE or not, in order) with its checkpointing mode."""
+    if checkpointing in ("none", "full"):
+        return [(checkpointing, moe) for moe in kinds]
+    if s.recipe.selective == "blocks":  # training.parallelize: blocks 0, 2, 4, ... of the part
+        return [("full" if i % 2 == 0 else "none", moe) for i, moe in enumerate(kinds)]
+    return [(s.recipe.selective, moe) for moe in kinds]
+
+
+def _stage_activations(s: _Setup, mb: int, dims: ParallelDims, kinds: tuple[bool, ...],
+                       checkpointing: str, residual_bytes: int) -> float:
+    """One micro-batch through a stage's blocks (`kinds`), each keeping what its checkpointing
+    mode keeps."""
+    tokens = mb * s.seq_shard
+    return sum(_block_saved_bytes(s, tokens, dims, residual_bytes, mode, moe)
+               for mode, moe in _block_modes(s, kinds, checkpointing))
 
 
 def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory) -> Problem:
@@ -891,6 +1144,14 @@ def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory) -> Problem:
         options.append((f"shard instead of replicating: dp_shard={shard}, dp_replicate=1 (FSDP "
                         "shards weights, gradients and optimizer state)",
                         _memory(s, replace(dims, dp_shard=shard, dp_replicate=1), checkpointing)))
+    if s.params.moe is not None:
+        # More expert parallelism splits the experts further (their states shard over fewer
+        # ranks, but each rank holds fewer experts).
+        experts, ranks = s.args.moe_args.num_experts, dims.dp_shard * dims.tp
+        for ep in range(dims.ep + 1, ranks + 1):
+            if ranks % ep == 0 and experts % ep == 0:
+                options.append((f"set parallelism.ep={ep} (each MoE layer's experts split {ep} "
+                                "ways)", _memory(s, replace(dims, ep=ep), checkpointing)))
     for text, alternative in options:
         if alternative.peak <= have:
             return Problem(reason, f"{text} ({_amount(alternative.peak)})")
@@ -912,63 +1173,132 @@ def _amount(x: float) -> str:
 
 def _axis_crosses_nodes(degrees: dict[str, int], axis: str, gpus_per_node: int) -> bool:
     """Ranks of one group along `axis` are `stride` apart; it stays in a node when it spans
-    no more than one node's GPUs."""
-    inner = MESH_DIMS[MESH_DIMS.index(axis) + 1:]
-    stride = math.prod(degrees[a] for a in inner)
-    return stride * degrees[axis] > gpus_per_node
+    no more than one node's GPUs. `degrees` may hold "ep" and "cp" beside the four: context
+    parallelism sits between dp_shard and tp (torchtitan's mesh, Llama 3's [TP, CP, PP, DP]);
+    an EP group is `ep` neighbouring ranks of dp_shard x tp (core.layout's expert mesh), and
+    "efsdp", the ranks holding the same experts, spans all of dp_shard x cp x tp."""
+    d = {"ep": 1, "cp": 1, **degrees}
+    if axis == "ep":
+        span = d["ep"] if d["ep"] <= d["tp"] else d["ep"] * d["cp"]
+    elif axis == "efsdp":
+        span = d["dp_shard"] * d["cp"] * d["tp"]
+    else:
+        order = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        span = math.prod(d[a] for a in order[order.index(axis):])
+    return span > gpus_per_node
 
 
 def _communication(s: _Setup, dims: ParallelDims) -> tuple[dict[str, float], dict[str, bool]]:
     """Bytes each GPU sends per optimizer step along each mesh axis (ring collectives:
-    all-reduce 2(d-1)/d of the data, all-gather and reduce-scatter (d-1)/d)."""
-    pc, args, tcfg, par = s.params, s.args, s.config.training, s.config.parallelism
-    tp, pp, shard, rep, m = dims.tp, dims.pp, dims.dp_shard, dims.dp_replicate, dims.microbatches_per_step
-    ranks = _pipeline_ranks(args.n_layers, dims)
-    busiest = max(ranks, key=lambda r: sum(r.layers) + r.first + r.last)
-    root, block = _local_params(pc, busiest, tp)
-    blocks = sum(busiest.layers) * block
-    local = root + blocks
+    all-reduce 2(d-1)/d of the data, all-gather and reduce-scatter (d-1)/d; an all-to-all
+    (ep-1)/ep of what it exchanges). Under EP the experts' FSDP traffic is its own axis,
+    "efsdp"; the all-to-all of token rows is "ep"; context parallelism's K/V all-gathers "cp".
+    The pipeline rank that sends the most (with MoE models, one holding MoE blocks)."""
+    comm = max((_rank_communication(s, dims, rank) for rank in _ranks(s, dims)),
+               key=lambda c: sum(c.values()))
+    degrees = _mesh_degrees(dims, s.cp)
+    crosses = {k: _axis_crosses_nodes(degrees, k, s.cluster.gpus_per_node) for k in comm}
+    return comm, crosses
+
+
+def _rank_communication(s: _Setup, dims: ParallelDims, busiest: _Rank) -> dict[str, float]:
+    """_communication for one pipeline rank."""
+    args, tcfg, par = s.args, s.config.training, s.config.parallelism
+    tp, pp, rep, m, cp = dims.tp, dims.pp, dims.dp_replicate, dims.microbatches_per_step, s.cp
+    loc = _local_params(s, busiest, dims)
+    # Under EP the experts are FSDP units of their own on another mesh: their traffic apart.
+    apart = dims.ep > 1
+    blocks = loc.blocks + (0.0 if apart else loc.experts)
+    local = loc.root + blocks
+    shard, expert_shard = _state_shards(s, dims)
     n_micro = tcfg.grad_accum_steps * m
     mb = tcfg.micro_batch_size // m
     comm: dict[str, float] = {}
 
-    if s.recipe.bf16_weights and s.bf16 and dims.dp_size > 1:
+    if s.recipe.bf16_weights and s.bf16 and dims.dp_size * cp > 1:
         # Distributed optimizer: fp32 gradients reduce-scattered, bf16 weights all-gathered,
         # once per step each.
-        axis = "dp_shard" if shard > 1 else "dp_replicate"
-        comm[axis] = _ring(dims.dp_size) * (4 + 2) * local
+        axis = "dp_shard" if dims.dp_shard * cp > 1 else "dp_replicate"
+        comm[axis] = _ring(shard) * (4 + 2) * local
+        if apart:
+            comm["efsdp"] = _ring(expert_shard) * (4 + 2) * loc.experts
     elif dims.ddp:  # DDP: fp32 gradient all-reduce once per step
         comm["dp_replicate"] = 2 * _ring(rep) * 4 * local
     elif rep * shard > 1:  # FSDP2 / HSDP
         compute_bytes = 2 if s.bf16 else 4
-        if pp > 1:
-            # A pipeline stage's blocks stay gathered after backward (PipelineStage keeps
-            # them for the step's later micro-batches): gathered again only where forward
-            # resharded them, once per micro-batch.
-            gathers = ((n_micro if par.reshard_after_forward else tcfg.grad_accum_steps) * blocks
-                       + tcfg.grad_accum_steps * root)
-        else:
-            gathers = n_micro * ((2 if par.reshard_after_forward else 1) * blocks + root)
         # Gradients are reduced once per step, or with pipeline stages at the end of every
         # schedule step, i.e. every accumulation micro-step.
         reductions = tcfg.grad_accum_steps if pp > 1 else 1
-        comm["dp_shard"] = _ring(shard) * (compute_bytes * gathers + reductions * 4 * local)
-        comm["dp_replicate"] = reductions * 2 * _ring(rep) * 4 * local / shard
+
+        def gathered(units: float, root: float) -> float:
+            if pp > 1:
+                # A pipeline stage's blocks stay gathered after backward (PipelineStage keeps
+                # them for the step's later micro-batches): gathered again only where forward
+                # resharded them, once per micro-batch.
+                return ((n_micro if par.reshard_after_forward else tcfg.grad_accum_steps) * units
+                        + tcfg.grad_accum_steps * root)
+            return n_micro * ((2 if par.reshard_after_forward else 1) * units + root)
+
+        comm["dp_shard"] = _ring(shard) * (compute_bytes * gathered(blocks, loc.root)
+                                           + reductions * 4 * local)
+        comm["dp_replicate"] = reductions * 2 * _ring(rep) * 4 * (
+            local / shard + (loc.experts / expert_shard if apart else 0.0))
+        if apart:
+            comm["efsdp"] = _ring(expert_shard) * (compute_bytes * gathered(loc.experts, 0.0)
+                                                   + reductions * 4 * loc.experts)
     if tp > 1:
         comm["tp"] = n_micro * _tp_bytes_per_microbatch(s, busiest, mb, tp,
                                                         s.residual_bytes(dims))
+    if dims.ep > 1 and busiest.moe_blocks:
+        comm["ep"] = n_micro * _all_to_all_bytes_per_microbatch(s, dims, busiest, mb)
+    if cp > 1:
+        comm["cp"] = n_micro * _kv_bytes_per_microbatch(s, dims, busiest, mb)
     if pp > 1:
-        boundary = s.residual_bytes(dims) * mb * tcfg.seq_len * args.dim / tp
+        boundary = s.residual_bytes(dims) * mb * s.seq_shard * args.dim / tp
         sends = 2 * len(busiest.layers)  # activations forward, their gradients backward
         comm["pp"] = n_micro * sends * boundary
-    comm = {k: v for k, v in comm.items() if v > 0}
-    crosses = {k: _axis_crosses_nodes(dims.degrees, k, s.cluster.gpus_per_node) for k in comm}
-    return comm, crosses
+    return {k: v for k, v in comm.items() if v > 0}
+
+
+def _mesh_degrees(dims: ParallelDims, cp: int) -> dict[str, int]:
+    return {**dims.degrees, "ep": dims.ep, "cp": cp}
 
 
 def _ring(d: int) -> float:
     """Share of the data each member of a ring of `d` sends in one all-gather or reduce-scatter."""
     return (d - 1) / d
+
+
+def _all_to_all_bytes_per_microbatch(s: _Setup, dims: ParallelDims, rank: _Rank, mb: int) -> float:
+    """Expert parallelism (training/expert_parallel.py): in every MoE block each of this
+    rank's tokens (its part of the micro-batch: 1/tp of the sequences' tokens under TP, 1/cp
+    under CP) sends top_k rows of dim values to the ranks holding its experts (dispatch) and
+    gets them back (combine), in the norm output's dtype; with routing spread evenly,
+    (ep-1)/ep of the rows leave the rank. Backward sends the gradients the same ways; a block
+    checkpointed whole dispatches and combines again when it recomputes."""
+    moe = s.args.moe_args
+    tokens = mb * s.seq_shard / dims.tp
+    rows = tokens * moe.top_k * s.args.dim * s.residual_bytes(dims) * _ring(dims.ep)
+    exchanges = sum(4 + (2 if mode == "full" else 0)
+                    for kinds in rank.kinds
+                    for mode, is_moe in _block_modes(s, kinds, s.config.parallelism.activation_checkpointing)
+                    if is_moe)
+    return exchanges * rows
+
+
+def _kv_bytes_per_microbatch(s: _Setup, dims: ParallelDims, rank: _Rank, mb: int) -> float:
+    """Context parallelism as Llama 3 does it: in every block each rank all-gathers the keys
+    and values of the whole sequence (its kv heads: kv_heads x head_dim / tp wide) before
+    attention, and reduce-scatters their gradients in backward; a block whose attention is
+    recomputed gathers again. (torch's ring attention passes the same K/V chunks around the
+    ring: the same bytes.)"""
+    args = s.args
+    kv = 2 * args.kv_heads * args.head_dim / dims.tp * mb * s.config.training.seq_len
+    volume = kv * s.act_bytes * _ring(s.cp)
+    exchanges = sum(2 + (1 if mode in ("full", "attention") else 0)
+                    for kinds in rank.kinds
+                    for mode, _ in _block_modes(s, kinds, s.config.parallelism.activation_checkpointing))
+    return exchanges * volume
 
 
 def _tp_bytes_per_microbatch(s: _Setup, rank: _Rank, mb: int, tp: int,
@@ -977,22 +1307,24 @@ def _tp_bytes_per_microbatch(s: _Setup, rank: _Rank, mb: int, tp: int,
     residual dtype) and two reduce-scatters out of (matmul outputs) the parallel matmuls in
     forward, their mirror images in backward, and again when a checkpointed block
     recomputes; the embedding's reduce-scatter and the head's all-gathers (the logits whole)
-    at the ends."""
-    seq, args, par = s.config.training.seq_len, s.args, s.config.parallelism
+    at the ends. An MoE block has the attention's half: its MoE layer computes on each TP
+    rank's own part of the sequence (training/expert_parallel.py)."""
+    seq, args, par = s.seq_shard, s.args, s.config.parallelism
     hidden = mb * seq * args.dim * _ring(tp)  # elements
     per_block = 4 * hidden * (residual_bytes + s.act_bytes)  # forward and backward
     if s.recipe.parallel_blocks:  # attention and MLP share one all-gather and one reduce-scatter
         per_block /= 2
-    layers = sum(rank.layers)
     # A block checkpointed whole repeats its forward collectives (half its traffic);
     # torchtitan's op-level policy keeps the reduce-scatters' outputs but repeats the two
     # all-gathers (its _save_list has reduce_scatter_tensor, not all_gather); Megatron's
     # selective keeps both.
-    modes = [_checkpointed_blocks(s, n, par.activation_checkpointing) for n in rank.layers]
-    recomputed = sum(m.get("full", 0) for m in modes)
-    gathers_again = sum(m.get("ops", 0) for m in modes)
-    total = (layers * per_block + recomputed * per_block / 2
-             + gathers_again * 2 * hidden * residual_bytes / (2 if s.recipe.parallel_blocks else 1))
+    total = 0.0
+    for kinds in rank.kinds:
+        for mode, moe in _block_modes(s, kinds, par.activation_checkpointing):
+            share = 0.5 if moe else 1.0
+            total += share * per_block * (1.5 if mode == "full" else 1.0)
+            if mode == "ops":
+                total += share * 2 * hidden * residual_bytes / (2 if s.recipe.parallel_blocks else 1)
     if rank.first:
         total += 2 * hidden * residual_bytes
     if rank.last:
@@ -1004,24 +1336,33 @@ def _tp_bytes_per_microbatch(s: _Setup, rank: _Rank, mb: int, tp: int,
 
 def model_flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training FLOPs of one token without recomputation, as training/metrics.py counts them
-    for its MFU (Transformer.flops_per_token): 6 per matmul parameter, and attention's
-    12 x layers x dim x seq_len."""
-    return 6 * count_params(args).matmul + 12 * args.n_layers * args.dim * seq_len
+    for its MFU (Transformer.flops_per_token): 6 per matmul parameter a token is multiplied
+    by (a mixture of experts: its active parameters, the top_k experts it is routed to), and
+    attention's 12 x layers x n_heads x head_dim x seq_len."""
+    return 6 * count_params(args).matmul + 12 * args.n_layers * attention_width(args) * seq_len
+
+
+def _layer_flops(s: _Setup) -> list[float]:
+    """Training FLOPs per token of each block (matmuls, a token's experts only, and
+    attention), in order."""
+    attention = 12 * attention_width(s.args) * s.config.training.seq_len
+    return [6 * s.params.block(i).active_matmul + attention for i in range(s.args.n_layers)]
 
 
 def _block_and_head_flops(s: _Setup) -> tuple[float, float]:
-    """Training FLOPs per token of one block (matmuls and attention) and of the output layer
-    (the embedding is a lookup: next to none)."""
-    args = s.args
-    return (6 * s.params.block_matrix + 12 * args.dim * s.config.training.seq_len,
-            6 * args.vocab_size * args.dim)
+    """Training FLOPs per token of the mean block (matmuls and attention) and of the output
+    layer (the embedding is a lookup: next to none)."""
+    layers = _layer_flops(s)
+    return sum(layers) / len(layers), 6 * s.args.vocab_size * s.args.dim
 
 
 def _rank_work(s: _Setup, dims: ParallelDims, layers: list[int]) -> list[float]:
     """FLOPs per token of each pipeline rank: its blocks (matmuls and attention), and on the
     last one the output layer. The busiest rank sets the pipeline's pace."""
-    block, head = _block_and_head_flops(s)
-    return [sum(layers[st] for st in dims.stages_of(r)) * block + (head if r == dims.pp - 1 else 0)
+    flops, (_, head) = _layer_flops(s), _block_and_head_flops(s)
+    bounds = list(itertools.accumulate(layers, initial=0))
+    stage = [sum(flops[bounds[st]:bounds[st + 1]]) for st in range(len(layers))]
+    return [sum(stage[st] for st in dims.stages_of(r)) + (head if r == dims.pp - 1 else 0)
             for r in range(dims.pp)]
 
 
@@ -1066,10 +1407,11 @@ def _balancing_weight(s: _Setup, dims: ParallelDims) -> tuple[int, list[int], fl
 def _elementwise_bytes(args: ModelArgs, residual_bytes: int, fused: bool, autocast: bool) -> float:
     """Bytes per token of one block's memory-bound ops, forward and backward (whole, before TP)."""
     d, kv, f, r = args.dim, args.kv_heads * args.head_dim, args.ffn_hidden, residual_bytes
+    q = attention_width(args)  # dim, unless the model sets a head_dim of its own (Qwen3)
     if fused:
-        forward = 2 * (2 * r + 4) * d + 4 * (d + kv) + 8 * d + 6 * f
+        forward = 2 * (2 * r + 4) * d + 4 * (q + kv) + 8 * q + 6 * f
     else:
-        forward = (2 * 36 * d + (30 * d if autocast else 0) + 24 * (d + kv) + 8 * d
+        forward = (2 * 36 * d + (30 * d if autocast else 0) + 24 * (q + kv) + 8 * q
                    + 2 * (2 * r + 2) * d + 10 * f)
     return 3 * forward
 
@@ -1101,57 +1443,74 @@ class _Work:
         return sum(self.seconds.values())
 
 
-def _recompute_shares(s: _Setup, layers: int) -> tuple[float, float, float]:
-    """Forward work repeated in backward, as shares of a block's training work (forward is a
-    third of forward + backward), averaged over a stage of `layers` blocks: (matmuls,
-    attention, memory-bound)."""
-    args, mm, attention, memory = s.args, 0.0, 0.0, 0.0
-    checkpointing = s.config.parallelism.activation_checkpointing
-    for mode, n in _checkpointed_blocks(s, layers, checkpointing).items():
-        share = n / layers / 3
-        if mode == "full":
-            mm, attention, memory = mm + share, attention + share, memory + share
-        elif mode == "ops":  # wk, wo and w3 recomputed with every elementwise op
-            kv = args.kv_heads * args.head_dim
-            mm += share * (args.dim * kv + args.dim * args.dim + args.dim * args.ffn_hidden) \
-                / s.params.block_matrix
-            memory += share
-        elif mode == "attention":
-            attention += share
-    return mm, attention, memory
+def _recompute_shares(s: _Setup, mode: str, moe: bool) -> tuple[float, float, float]:
+    """Forward work a block checkpointed in `mode` repeats in backward, as shares of its
+    training work (forward is a third of forward + backward): (matmuls, attention,
+    memory-bound)."""
+    if mode == "full":
+        return 1 / 3, 1 / 3, 1 / 3
+    if mode == "ops":  # wk, wo and w3 recomputed with every elementwise op
+        args = s.moe_args if moe else s.args
+        kv, q = args.kv_heads * args.head_dim, attention_width(args)
+        block = s.params.moe if moe else s.params.dense
+        return (args.dim * kv + q * args.dim + args.dim * args.ffn_hidden) / block.active_matmul / 3, 0.0, 1 / 3
+    if mode == "attention":
+        return 0.0, 1 / 3, 0.0
+    return 0.0, 0.0, 0.0
+
+
+def _routing_bytes(s: _Setup, dims: ParallelDims) -> float:
+    """Bytes per token an MoE layer's routing moves, forward and backward: the router's fp32
+    logits and scores (cast, softmax or sigmoid, top-k: about 3 passes over num_experts),
+    the token rows gathered for the experts, scaled by the routing weights and added back
+    (index_add), top_k x dim each read and written, and under EP regrouped by expert and
+    back (two more)."""
+    m = s.args.moe_args
+    passes = 3 + (2 if dims.ep > 1 else 0)
+    return 3 * (2 * passes * m.top_k * s.args.dim * s.act_bytes + 3 * 2 * 4 * m.num_experts)
 
 
 def _rank_seconds(s: _Setup, dims: ParallelDims, rank: _Rank) -> _Work:
     """One pipeline rank's compute in a step (its micro-batches through its blocks, the
     output layer and loss on the last, the optimizer update), each kind of work at the rate
-    the cluster sustains for it; TP's exposed collectives sit between its computations."""
+    the cluster sustains for it; TP's exposed collectives sit between its computations.
+    An MoE block's matmuls are those of a token's experts (top_k routed and the shared
+    ones), on this rank's part of the tokens (each TP rank routes its own part of the
+    sequence; EP brings each rank as many rows as it sends out, routing spread evenly)."""
     args, tcfg, cluster, recipe = s.args, s.config.training, s.cluster, s.recipe
     tp, m = dims.tp, dims.microbatches_per_step
-    tokens = tcfg.grad_accum_steps * tcfg.micro_batch_size * tcfg.seq_len  # through this rank
+    # Through this rank: its micro-batches' tokens, 1/cp of each sequence under CP.
+    tokens = tcfg.grad_accum_steps * tcfg.micro_batch_size * s.seq_shard
     work = _Work()
     residual = s.residual_bytes(dims)
     autocast = s.bf16 and residual == 4
-    for layers in rank.layers:
-        mm, attention, memory = _recompute_shares(s, layers)
-        block_mm = 6 * s.params.block_matrix / tp * tokens * layers * (1 + mm)
-        if recipe.float8 and s.bf16:
-            work.float8_flops += block_mm
-            work.memory_bytes += _float8_cast_bytes(args) / tp * tokens * layers
-        else:
-            work.matmul_flops += block_mm
-        # Causal attention computes half the 12 x dim x seq FLOPs per token MFU counts.
-        work.attention_flops += 6 * args.dim * tcfg.seq_len / tp * tokens * layers * (1 + attention)
-        work.memory_bytes += (_elementwise_bytes(args, residual, s.fused, autocast) / tp
-                              * tokens * layers * (1 + memory))
+    for kinds in rank.kinds:
+        for mode, moe in _block_modes(s, kinds, s.config.parallelism.activation_checkpointing):
+            mm, attention, memory = _recompute_shares(s, mode, moe)
+            block, block_args = (s.params.moe, s.moe_args) if moe else (s.params.dense, args)
+            # float8 linear layers (torchao) leave the grouped expert matmuls in bf16.
+            float8 = block.matrix if recipe.float8 and s.bf16 else 0
+            work.float8_flops += 6 * float8 / tp * tokens * (1 + mm)
+            work.matmul_flops += 6 * (block.active_matmul - float8) / tp * tokens * (1 + mm)
+            if float8:
+                work.memory_bytes += _float8_cast_bytes(block_args) / tp * tokens
+            # Causal attention computes half the 12 x heads x head_dim x seq FLOPs per token
+            # MFU counts (each rank's CP chunks attend to the whole sequence's keys).
+            work.attention_flops += (6 * attention_width(args) * tcfg.seq_len / tp * tokens
+                                     * (1 + attention))
+            elementwise = _elementwise_bytes(block_args, residual, s.fused, autocast)
+            if moe:
+                elementwise += _routing_bytes(s, dims)
+            work.memory_bytes += elementwise / tp * tokens * (1 + memory)
     vocab_parallel = recipe.vocab_parallel_loss or recipe.sharded_saves
     if rank.last:
         work.matmul_flops += 6 * args.vocab_size * args.dim / tp * tokens
         loss_bytes = (8 if s.fused_loss else 32) * args.vocab_size / (tp if vocab_parallel else 1)
         work.memory_bytes += loss_bytes * tokens
-    root, block = _local_params(s.params, rank, tp)
-    local = root + sum(rank.layers) * block
-    shard = dims.dp_size if recipe.bf16_weights else (dims.dp_shard if dims.fsdp else 1)
-    work.memory_bytes += 28 * local / shard  # AdamW: reads p, g, m, v; writes p, m, v (fp32)
+    loc = _local_params(s, rank, dims)
+    shard, expert_shard = _state_shards(s, dims)
+    # AdamW: reads p, g, m, v; writes p, m, v (fp32), on this rank's shard.
+    work.memory_bytes += 28 * ((loc.root + loc.blocks) / shard + loc.experts / expert_shard)
     if tp > 1:
         per_micro = _tp_bytes_per_microbatch(s, rank, tcfg.micro_batch_size // m, tp, residual)
         work.tp_bytes = tcfg.grad_accum_steps * m * per_micro * (1 - recipe.tp_overlap)
@@ -1169,8 +1528,11 @@ def _rank_seconds(s: _Setup, dims: ParallelDims, rank: _Rank) -> _Work:
 
 
 def _link(cluster: Cluster, degrees: dict[str, int], axis: str) -> float:
-    crosses = _axis_crosses_nodes(degrees, axis, cluster.gpus_per_node)
-    return cluster.inter_node_bandwidth if crosses else cluster.intra_node_bandwidth
+    return _bandwidth(cluster, _axis_crosses_nodes(degrees, axis, cluster.gpus_per_node))
+
+
+def _bandwidth(cluster: Cluster, crosses_nodes: bool) -> float:
+    return cluster.inter_node_bandwidth if crosses_nodes else cluster.intra_node_bandwidth
 
 
 def _estimate_step(s: _Setup, dims: ParallelDims, plan: LayoutPlan) -> None:
@@ -1187,26 +1549,32 @@ def _estimate_step(s: _Setup, dims: ParallelDims, plan: LayoutPlan) -> None:
     plan.imbalance = max(work) / (sum(work) / len(work))
     if cluster.gpu_flops is None:
         return
-    ranks = [_rank_seconds(s, dims, r) for r in _pipeline_ranks(s.args.n_layers, dims)]
+    ranks = [_rank_seconds(s, dims, r) for r in _ranks(s, dims)]
     busiest = max(ranks, key=lambda w: w.total_s)
     plan.work = busiest
     tcfg = s.config.training
     model_flops = model_flops_per_token(s.args, tcfg.seq_len) * plan.tokens_per_step / cluster.world_size
-    if dims.fsdp and not s.recipe.bf16_weights:
+    if (dims.fsdp or s.cp > 1) and not s.recipe.bf16_weights:
         # FSDP2 copies each all-gathered parameter out of, and each gradient into, the
         # collective's flat buffer: the buffers' size read and written once more.
-        flat = plan.comm.get("dp_shard", 0.0) / _ring(dims.dp_shard) if dims.dp_shard > 1 else 0.0
+        shards = _state_shards(s, dims)
+        flat = sum(plan.comm.get(axis, 0.0) / _ring(n)
+                   for axis, n in zip(("dp_shard", "efsdp"), shards) if n > 1)
         busiest.memory_bytes += 2 * flat
         speed = cluster.compute_efficiency / MATMUL_EFFICIENCY
         busiest.seconds["memory-bound"] += 2 * flat / (MEMORY_EFFICIENCY * speed
                                                        * cluster.memory_bandwidth)
     compute_s = busiest.total_s / (1 - plan.bubble)
-    seconds = {k: v / (LINK_EFFICIENCY * _link(cluster, plan.degrees, k))
+    seconds = {k: v / (LINK_EFFICIENCY * _bandwidth(cluster, plan.crosses_nodes[k]))
                for k, v in plan.comm.items() if k != "tp"}  # TP's is in the compute
-    data_parallel = sum(v for k, v in seconds.items() if k.startswith("dp_"))
+    # FSDP's (and the experts' FSDP, efsdp) are issued ahead and behind compute; EP's
+    # all-to-alls and CP's K/V all-gathers sit between the computations that need them.
+    data_parallel = sum(v for k, v in seconds.items() if k.startswith("dp_") or k == "efsdp")
     hidden = min(cluster.comm_overlap * data_parallel, compute_s)
     if s.recipe.pp_overlap and "pp" in seconds:
         hidden += min(seconds["pp"], compute_s)
+    if s.recipe.ep_overlap and "ep" in seconds:
+        hidden += min(seconds["ep"], compute_s)
     exposed = sum(seconds.values()) - hidden
     plan.compute_s, plan.exposed_comm_s = compute_s, exposed
     plan.comm_seconds = seconds
@@ -1348,36 +1716,82 @@ def _step_facts(p: LayoutPlan, noun: str, cluster: Cluster) -> list[str]:
     return facts + [f"note: {note}" for note in p.departures]
 
 
+def _parameters_how(pc: ParamCount) -> str:
+    head = f"output {pc.head_matrix + pc.head_vector:,}"
+    if pc.moe is None:
+        return (f"embedding {pc.embedding:,} + {pc.n_layers} blocks x "
+                f"{pc.block_matrix + pc.block_vector:,} + {head}")
+    moe = pc.moe
+    dense = (f"{pc.first_moe_layer} dense blocks x {pc.dense.total:,} + "
+             if pc.first_moe_layer else "")
+    return (f"embedding {pc.embedding:,} + {dense}{pc.moe_layers} MoE blocks x {moe.total:,} "
+            f"(attention and norms {moe.matrix + moe.vector:,}, router and shared experts "
+            f"{moe.replicated:,}, routed experts {moe.experts:,}) + {head}")
+
+
+def _axis_how(s: _Setup, dims: ParallelDims, axis: str) -> str:
+    """How the volume of EP's all-to-alls and CP's K/V all-gathers comes (explain_table)."""
+    tcfg, args = s.config.training, s.args
+    micro = tcfg.grad_accum_steps * dims.microbatches_per_step
+    mb = tcfg.micro_batch_size // dims.microbatches_per_step
+    if axis == "ep":
+        m = args.moe_args
+        return (f"{micro} micro-batches x MoE blocks x (dispatch + combine, forward and backward, "
+                f"again where recomputed) x {mb * s.seq_shard // dims.tp:,} tokens x top_k {m.top_k} "
+                f"x dim {args.dim} x {s.residual_bytes(dims)} bytes x (ep-1)/ep ({dims.ep - 1}/{dims.ep}) = ")
+    if axis == "cp":
+        return (f"{micro} micro-batches x blocks x (all-gather forward, reduce-scatter backward, "
+                f"again where attention is recomputed) x K and V of {mb} x {tcfg.seq_len:,} tokens "
+                f"x {args.kv_heads * args.head_dim // dims.tp} (kv heads x head_dim / tp) x "
+                f"{s.act_bytes} bytes x (cp-1)/cp ({s.cp - 1}/{s.cp}) = ")
+    if axis == "efsdp":
+        return (f"the routed experts' FSDP over the {_state_shards(s, dims)[1]} ranks holding "
+                "the same experts: all-gathers and gradient reduce-scatters, ")
+    return ""
+
+
 def explain_table(p: LayoutPlan, cluster: Cluster, config: RunConfig,
                   recipe: Recipe = GOODPUT) -> str:
     """goodput plan --explain: each figure of one layout's plan with the arithmetic behind it,
     as a markdown table a reviewer can check by hand (quantity | how | value)."""
     if p.memory is None:
         return "no estimate: " + "; ".join(str(problem) for problem in p.problems)
-    s = _setup(config, cluster, recipe)
+    s = _setup(config, cluster, recipe, p.cp)
     args, tcfg, pc, mem = s.args, config.training, p.params, p.memory
     d = p.degrees
-    dims = ParallelDims.resolve(d, cluster.world_size, **config.parallelism.pipeline())
+    dims = _resolve(config, cluster, d, p.cp)
     noun = _device_noun(cluster)
     seq, tokens = tcfg.seq_len, p.tokens_per_step
     flops_token = model_flops_per_token(args, seq)
-    rows = [("parameters", f"embedding {pc.embedding:,} + {args.n_layers} blocks x "
-             f"{pc.block_matrix + pc.block_vector:,} + output {pc.head_matrix + pc.head_vector:,}",
-             f"{pc.total:,}"),
-            ("FLOPs per token", f"6 x {pc.matmul:,} matmul parameters + 12 x {args.n_layers} "
-             f"layers x {args.dim} dim x {seq} seq", f"{flops_token:.4g}"),
-            ("tokens per step", f"{tcfg.micro_batch_size} sequences x {tcfg.grad_accum_steps} "
-             f"micro-steps x {seq} tokens x {dims.dp_size} data-parallel ranks", f"{tokens:,}"),
-            (f"model FLOPs per {noun} per step", f"{flops_token:.4g} x {tokens:,} / "
-             f"{cluster.world_size} {noun}s", f"{flops_token * tokens / cluster.world_size:.4g}")]
+    rows = [("parameters", _parameters_how(pc), f"{pc.total:,}")]
+    if pc.moe is not None:
+        m = args.moe_args
+        rows.append(("active parameters", f"all but the {m.num_experts - m.top_k} of "
+                     f"{m.num_experts} routed experts a token is not sent to, in each of "
+                     f"{pc.moe_layers} MoE blocks: {pc.total:,} - {pc.inactive:,}", f"{pc.active:,}"))
+    rows += [("FLOPs per token", f"6 x {pc.matmul:,} matmul parameters"
+              f"{' (active)' if pc.moe is not None else ''} + 12 x {args.n_layers} layers x "
+              f"{attention_width(args)} (heads x head_dim) x {seq} seq", f"{flops_token:.4g}"),
+             ("tokens per step", f"{tcfg.micro_batch_size} sequences x {tcfg.grad_accum_steps} "
+              f"micro-steps x {seq} tokens x {dims.dp_size} data-parallel ranks"
+              + (f" (the {p.cp} context-parallel ranks of each share its sequences)"
+                 if p.cp > 1 else ""), f"{tokens:,}"),
+             (f"model FLOPs per {noun} per step", f"{flops_token:.4g} x {tokens:,} / "
+              f"{cluster.world_size} {noun}s", f"{flops_token * tokens / cluster.world_size:.4g}")]
     n, k = mem.local_params, mem.state_shard
     whole = recipe.bf16_weights and s.bf16
+    e, ek = mem.expert_params, mem.expert_shard
+    dense = n - e
+    # Under EP the experts' states are sharded over other ranks (efsdp) than the rest's.
+    local = (f"({dense:,.0f} / {k} + {e:,.0f} experts / {ek})" if e
+             else f"{n:,.0f} / {k}")
     rows += [(f"memory: {name}", how, f"{_gib(value)} GiB") for name, how, value in (
-        ("weights", f"{'2 (bf16, whole)' if whole else f'4 (fp32) / {k} shards'} x {n:,.0f} "
-         "parameters (this pipeline rank's, after TP)", mem.weights),
-        ("gradients", f"4 (fp32) x {n:,.0f}" + ("" if whole else f" / {k}"), mem.gradients),
+        ("weights", (f"2 (bf16, whole) x {n:,.0f}" if whole else f"4 (fp32) x {local}")
+         + " parameters (this pipeline rank's, after TP" + (", experts after EP" if e else "")
+         + ")", mem.weights),
+        ("gradients", f"4 (fp32) x " + (f"{n:,.0f}" if whole else local), mem.gradients),
         ("optimizer", f"{12 if whole else 8} (AdamW's fp32 moments"
-         f"{' and master weights' if whole else ''}) x {n:,.0f} / {k}", mem.optimizer),
+         f"{' and master weights' if whole else ''}) x {local}", mem.optimizer),
         ("buffers", "FSDP's gathered weights and unsharded gradients, DDP buckets, autocast copies",
          mem.buffers),
         ("activations", f"{mem.inflight} stage-forwards in flight x {_gib(mem.stage_bytes)} GiB "
@@ -1395,8 +1809,8 @@ def explain_table(p: LayoutPlan, cluster: Cluster, config: RunConfig,
             ("float8 matmuls", f"{w.float8_flops:.4g} FLOPs / ({FLOAT8_SPEEDUP} x "
              f"{cluster.compute_efficiency:.2f} x {peak / 1e12:.0f} TFLOP/s)",
              f"{w.seconds['float8 matmuls']:.3f} s"),
-            ("attention", f"{w.attention_flops:.4g} FLOPs (causal: 6 x dim x seq per token and "
-             f"layer) / ({ATTENTION_EFFICIENCY * speed:.2f} x {peak / 1e12:.0f} TFLOP/s)",
+            ("attention", f"{w.attention_flops:.4g} FLOPs (causal: 6 x heads x head_dim x seq per "
+             f"token and layer) / ({ATTENTION_EFFICIENCY * speed:.2f} x {peak / 1e12:.0f} TFLOP/s)",
              f"{w.seconds['attention']:.3f} s"),
             ("memory-bound", f"{w.memory_bytes:.4g} bytes / ({MEMORY_EFFICIENCY * speed:.2f} x "
              f"{cluster.memory_bandwidth / 1e12:.2f} TB/s)", f"{w.seconds['memory-bound']:.3f} s"),
@@ -1408,12 +1822,16 @@ def explain_table(p: LayoutPlan, cluster: Cluster, config: RunConfig,
         for axis, volume in p.comm.items():
             if axis == "tp":
                 continue
-            link = _link(cluster, d, axis)
-            rows.append((f"{axis} communication", f"{volume:.4g} bytes / ({LINK_EFFICIENCY} x "
-                         f"{link / 1e9:.0f} GB/s, {'inter' if p.crosses_nodes[axis] else 'intra'}-node)",
+            link = _bandwidth(cluster, p.crosses_nodes[axis])
+            rows.append((f"{axis} communication", _axis_how(s, dims, axis)
+                         + f"{volume:.4g} bytes / ({LINK_EFFICIENCY} x {link / 1e9:.0f} GB/s, "
+                         f"{'inter' if p.crosses_nodes[axis] else 'intra'}-node)",
                          f"{p.comm_seconds[axis]:.3f} s"))
-        rows += [("exposed communication", f"data-parallel less {cluster.comm_overlap:.0%} hidden"
-                  + (", pipeline sends hidden" if recipe.pp_overlap else ", pipeline sends whole"),
+        rows += [("exposed communication", f"data-parallel (and efsdp) less "
+                  f"{cluster.comm_overlap:.0%} hidden"
+                  + (", pipeline sends hidden" if recipe.pp_overlap else ", pipeline sends whole")
+                  + ("" if "ep" not in p.comm else ", all-to-alls hidden" if recipe.ep_overlap
+                     else ", all-to-alls whole") + (", K/V all-gathers whole" if "cp" in p.comm else ""),
                   f"{p.exposed_comm_s:.3f} s"),
                  ("step", "compute + exposed communication", f"{p.step_time_s:.3f} s"),
                  ("tokens/s", f"{tokens:,} / {p.step_time_s:.3f} s",

@@ -391,14 +391,18 @@ class PublishedRun:
     memory_gib: float | None = None  # the peak they report, for the record
     skip: str | None = None  # why it cannot be planned yet
     layout: str | None = None  # the published layout, where the degrees cannot say it (CP)
+    cp: int = 1  # context parallelism (planner.plan_layout's context_parallel)
 
     def load(self):
         return load_config(self.config, list(self.overrides))
 
     def plan(self) -> planner.LayoutPlan:
         config = self.load()
-        return planner.plan_layout(config, self.cluster, config.parallelism.degrees(),
-                                   strict=False, recipe=self.recipe, suggest=False)
+        # With CP the config's -1 degree fills the GPUs left beside the cp ranks.
+        degrees = (planner.configured_degrees(config) if self.cp > 1
+                   else config.parallelism.degrees())
+        return planner.plan_layout(config, self.cluster, degrees, strict=False,
+                                   recipe=self.recipe, suggest=False, context_parallel=self.cp)
 
     def published_per_gpu(self) -> float:
         """Tokens/s per GPU: as published, or the published MFU turned into tokens with the
@@ -450,7 +454,9 @@ def torchtitan_8b(nodes: int, *extra: str) -> tuple:
 # configurations and MFU for each stage of Llama 3 405B pre-training"): TP 8, PP 16, sequences
 # of 8,192 tokens, 16M tokens per batch; 8,192 GPUs: DP 64, 32 sequences per DP rank, 430
 # TFLOP/s per GPU, 43% BF16 MFU; 16,384 GPUs: DP 128, 16 per DP rank, 400 TFLOP/s, 41%; with
-# CP 16 at 131,072 tokens: DP 8, 380 TFLOP/s, 38%. H100 80GB HBM3 at 700 W (section 3.3.1).
+# CP 16 at 131,072 tokens: DP 8 (8 x 16 x 16 x 8 = 16,384), 380 TFLOP/s, 38%. H100 80GB HBM3
+# at 700 W (section 3.3.1). Section 3.3.2: CP by all-gather of K and V before attention,
+# exposed on the critical path (planner._kv_bytes_per_microbatch).
 # Section 3.3.2: FSDP that shards the optimizer state and gradients but keeps the weights
 # after forward, interleaved pipeline stages with the first and last lighter by a layer,
 # asynchronous point-to-point sends, gradients accumulated and reduce-scattered in fp32. Not
@@ -563,9 +569,7 @@ PUBLISHED = {
     "llama3-405b-16384gpu": _run(meta_405b(2048, 16), LLAMA3, META, mfu=0.41),
     "llama3-405b-16384gpu-cp16": _run(meta_405b(2048, 16, "training.seq_len=131072",
                                                 "model.max_seq_len=131072"), LLAMA3, META,
-                                      mfu=0.38, layout="dp 8 x cp 16 x tp 8 x pp 16",
-                                      skip="context parallelism (CP 16 at 131,072 tokens) is not "
-                                           "planned yet: issue 36"),
+                                      mfu=0.38, layout="dp 8 x cp 16 x tp 8 x pp 16", cp=16),
     "megascale-175b-12288gpu": _run((None, GPT3_175B, planner.Cluster(1536, 8, 80 * GIB,
                                                                       inter_node_bandwidth=25e9,
                                                                       **A100)),
@@ -674,6 +678,167 @@ def test_cli_explains_the_405b_config(capsys):
     out, _ = capsys.readouterr()
     assert "| quantity | how | value |" in out and "| MFU |" in out
     assert "parallelism.pp_virtual_stages=7 gives the shortest step" in out
+
+
+# -- mixture of experts and context parallelism ----------------------------------------------
+
+MOE_SMALL = dict(vocab_size=512, dim=64, n_layers=3, n_heads=4, n_kv_heads=2,
+                 moe={"num_experts": 8, "top_k": 2, "expert_dim": 48, "shared_experts": 1,
+                      "first_dense_layers": 1})
+
+
+@pytest.mark.parametrize("args", [
+    ModelArgs(**MOE_SMALL),
+    ModelArgs(**{**MOE_SMALL, "head_dim": 32, "qk_norm": True, "tie_embeddings": True}),  # Qwen3's
+    ModelArgs(**{**MOE_SMALL, "head_dim": 32, "qk_norm": True, "moe": None}),  # dense, wide queries
+])
+def test_moe_parameters_and_active_flops_match_the_model(args):
+    """The planner counts training/model.py's parameters exactly, MoE blocks (router, routed
+    and shared experts, dense first blocks) and Qwen3's head_dim and q/k norms included, and
+    its FLOPs per token are the trainer's MFU numerator: the active parameters (a token's
+    top_k experts, not the others) and attention over n_heads x head_dim."""
+    model = Transformer(args)
+    count = planner.count_params(args)
+    assert count.total == model.num_params(non_embedding=False)
+    assert count.non_embedding == model.num_params()
+    assert count.inactive == model.inactive_params()
+    assert planner.model_flops_per_token(args, 64) == model.flops_per_token(64)
+
+
+def test_tiny_moe_counts_every_parameter():
+    """configs/tiny-moe.yaml's model has 3,072,128 parameters (the planner once counted the
+    dense model's 1.85M), of which a token uses 2 of 8 experts in the 3 MoE blocks."""
+    count = planner.count_params(planner.model_args(load_config("configs/tiny-moe.yaml")))
+    expert = 3 * 128 * 176
+    attention_and_norms = 4 * 128 * 128 + 2 * 128
+    assert count.total == (4096 * 128 + 4096 * 128 + 128  # embedding, output, final norm
+                           + 4 * attention_and_norms + 3 * 128 * 352  # the dense first block
+                           + 3 * (128 * 8 + 8 * expert)) == 3_072_128  # router, 8 experts
+    assert count.inactive == 3 * (8 - 2) * expert
+
+
+def test_moe_configs_have_the_published_sizes():
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B active (Qwen's model card); DeepSeek-V3: 671B,
+    37B active (its technical report), with MLA planned as grouped-query attention of the
+    same parameters (configs/deepseek-v3.yaml says so)."""
+    qwen = planner.count_params(planner.model_args(load_config("configs/qwen3-30b-a3b.yaml")))
+    assert qwen.total == 30_532_122_624 and qwen.active == pytest.approx(3.3e9, rel=0.02)
+    deepseek = planner.count_params(planner.model_args(load_config("configs/deepseek-v3.yaml")))
+    assert deepseek.total == pytest.approx(671e9, rel=0.001)
+    assert deepseek.active == pytest.approx(37e9, rel=0.02)
+    # MLA's parameters per layer (q_a 7168x1536 and its norm, q_b 1536x128x192, kv_a
+    # 7168x576 and its norm, kv_b 512x128x256, o 16384x7168) against the stand-in's.
+    mla = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
+    assert deepseek.moe.matrix == pytest.approx(mla, rel=0.001)
+
+
+H800 = {"intra_node_bandwidth": 160e9, "inter_node_bandwidth": 50e9}  # DeepSeek-V3, section 3.2.2
+
+
+def test_moe_configs_plan_on_their_hardware(capsys):
+    """goodput plan accepts each MoE config's published layout on its hardware, and
+    explains the MoE rows: active parameters, the experts' shards, the all-to-all."""
+    from flows.cli import main
+
+    assert main(["plan", "--config", str(REPO / "configs/qwen3-30b-a3b.yaml"), "--explain"]) == 0
+    out, _ = capsys.readouterr()
+    assert "x ep=2" in out and "| active parameters |" in out and "| ep communication |" in out
+    assert "| efsdp communication |" in out and "experts / 4)" in out
+    assert main(["plan", "--config", str(REPO / "configs/deepseek-v3.yaml"),
+                 "--intra-node-gbps", "160", "--inter-node-gbps", "50"]) == 0
+    out, _ = capsys.readouterr()
+    assert "dp_shard=128 x tp=1 x pp=16 x ep=64" in out and "communication ep:" in out
+    config = load_config("configs/deepseek-v3.yaml")
+    [plan] = planner.plan(config, planner.Cluster(256, 8, 80 * GIB, **H800))
+    assert plan.ok and plan.memory.peak < 80 * GIB
+    # 4 of each MoE layer's 256 experts per GPU, their states sharded over the 2 such GPUs;
+    # the rank that needs the most is the last (3 MoE blocks beside the output layer).
+    assert plan.stage_layers[-1] == 3
+    assert plan.memory.expert_shard == 2 and plan.memory.state_shard == 128
+    assert plan.memory.expert_params == 3 * 4 * 3 * 7168 * 2048
+
+
+@pytest.mark.parametrize("overrides, message", [
+    # 96 of the 2,048 GPUs' ... : ep divides dp_shard but not the 256 experts.
+    (["parallelism.nnodes=192", "parallelism.ep=96"],
+     "parallelism.ep=96 does not divide model.moe.num_experts=256"),
+    (["parallelism.ep=256"], "parallelism.ep=256 does not divide parallelism.dp_shard=128"),
+    (["model.moe=null"], "parallelism.ep=64 splits the experts of a mixture-of-experts model, "
+                         "and this model has none"),
+])
+def test_impossible_moe_layouts_are_refused_naming_the_field(overrides, message, capsys):
+    from flows.cli import main
+
+    assert main(["plan", "--config", str(REPO / "configs/deepseek-v3.yaml"), *overrides]) == 2
+    _, err = capsys.readouterr()
+    assert message in err
+
+
+def test_experts_without_ep_do_not_fit_and_the_plan_says_so():
+    """Qwen3-30B-A3B with every expert on every GPU under TP (ep=1: the trainer replicates
+    the experts over TP) needs more than its 96 GiB; with ep=8 the experts split 8 ways."""
+    config = load_config("configs/qwen3-30b-a3b.yaml", ["parallelism.dp_shard=2", "parallelism.tp=4",
+                                                         "parallelism.ep=1"])
+    [plan] = planner.plan(config, cluster(memory="96GiB"))
+    assert not plan.ok and "needs" in str(plan.problems[0])
+    assert "set parallelism.ep=2 (each MoE layer's experts split 2 ways)" in str(plan.problems[0])
+    split = load_config("configs/qwen3-30b-a3b.yaml", ["parallelism.dp_shard=2", "parallelism.tp=4",
+                                                        "parallelism.ep=8"])
+    [plan] = planner.plan(split, cluster(memory="96GiB"))
+    assert plan.ok and plan.memory.expert_shard == 1
+    assert plan.memory.expert_params == 48 * 128 * 3 * 2048 * 768 / 8
+
+
+def test_expert_memory_and_all_to_all_by_hand():
+    """configs/tiny-moe.yaml (2 workers, FSDP over both, ep=2), fp32 on CPU: each worker holds
+    4 of each MoE layer's 8 experts whole (efsdp = dp_shard x tp / ep = 1) and half of every
+    other weight; each step every MoE block sends (ep-1)/ep of its top_k rows out and back,
+    forward and backward."""
+    config = load_config("configs/tiny-moe.yaml")
+    plan = planner.plan_layout(config, planner.Cluster(1, 2, None, device="cpu"),
+                               planner.configured_degrees(config))
+    assert plan.ok and plan.ep == 2
+    expert = 3 * 128 * 176
+    experts = 3 * 4 * expert  # 3 MoE blocks x 4 experts
+    rest = 3_072_128 - 3 * 8 * expert
+    assert plan.memory.expert_params == experts and plan.memory.expert_shard == 1
+    assert plan.memory.weights == 4 * (rest / 2 + experts)
+    assert plan.memory.optimizer == 8 * (rest / 2 + experts)
+    tokens = 8 * 128  # micro_batch_size x seq_len per worker
+    assert plan.comm["ep"] == 3 * 4 * tokens * 2 * 128 * 4 * (1 / 2)
+    assert plan.name.endswith("x ep=2")
+
+
+def test_context_parallelism_cuts_activations_and_sends_kv_by_hand():
+    """CP=2 (plan_layout's context_parallel, parallelism.cp once the layout has it): each
+    rank computes half of every sequence, keeping half the activations but the other half's
+    keys and values, which it all-gathers in forward and reduce-scatters in backward."""
+    config = load_config(None, ["model.dim=256", "model.n_layers=4", "model.n_heads=8",
+                                "model.n_kv_heads=2", "model.max_seq_len=4096",
+                                "training.seq_len=4096", "training.micro_batch_size=1",
+                                "parallelism.nproc_per_node=2", "parallelism.dp_replicate=1",
+                                "parallelism.dp_shard=2", "parallelism.mixed_precision=fp32"])
+    on = planner.Cluster(1, 2, None, device="cpu")
+    whole = planner.plan_layout(config, on, layout(dp_shard=2))
+    split = planner.plan_layout(config, on, layout(dp_shard=1), context_parallel=2)
+    assert whole.ok and split.ok and split.name.endswith("x cp=2")
+    kv = 2 * 2 * 32  # K and V of 2 kv heads of 32
+    assert split.comm["cp"] == 4 * 2 * kv * 4096 * 4 * (1 / 2)  # 4 blocks, forward + backward
+    gathered = 4 * 2 * 4 * 256 * 2048  # per block the other half's K and V, repeated to 8 heads
+    assert split.memory.stage_bytes == pytest.approx((whole.memory.stage_bytes + gathered * 2) / 2)
+    assert split.memory.activations < 0.6 * whole.memory.activations
+    # Each sequence's 2 x cp chunks must split evenly, also over TP.
+    odd = load_config(None, ["training.seq_len=130", "model.max_seq_len=256"])
+    [problem] = planner.plan_layout(odd, on, layout(dp_shard=1), context_parallel=2).problems
+    assert "training.seq_len=130 is not a multiple of 4" in str(problem)
+
+
+def test_explain_shows_context_parallel_rows():
+    run = PUBLISHED["llama3-405b-16384gpu-cp16"]
+    plan = run.plan()
+    table = planner.explain_table(plan, run.cluster, run.load(), run.recipe)
+    assert "| cp communication |" in table and "K/V all-gathers whole" in table
+    assert plan.cp == 16 and plan.degrees["dp_shard"] == 8
 
 
 def test_recipes_keep_what_their_frameworks_keep_by_hand():
@@ -1186,6 +1351,18 @@ TWO_PROCESSES = {
     "fsdp-bf16": ACTIVATIONS + ("parallelism.dp_replicate=1", "parallelism.dp_shard=2",
                                 "parallelism.mixed_precision=bf16"),
 }
+# The tiny MoE (configs/tiny-moe.yaml's experts) with FSDP, and with FSDP x EP: the experts'
+# weights, gradients and optimizer state split by EP exactly; what a rank's MoE layers save
+# follows the rows the router sent its experts, which vary a little from rank to rank under
+# EP (measured 0.98-1.03x the even-routing estimate; 0.997x without EP).
+MOE = ("model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.expert_dim=176",
+       "model.moe.first_dense_layers=1")
+MOE_PROCESSES = {
+    "moe-fsdp": ACTIVATIONS + MOE + ("parallelism.dp_replicate=1", "parallelism.dp_shard=2"),
+    "moe-fsdp-ep": ACTIVATIONS + MOE + ("parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                                        "parallelism.ep=2"),
+}
+ROUTING_RTOL = 0.05
 # Tensor accounting is exact (to AdamW's scalar step counters); the resident-set peak also
 # holds kernels' scratch space and the allocator's slack: measured within 2% (0.986-1.020x).
 TENSOR_RTOL = 0.01
@@ -1233,17 +1410,19 @@ def measured_single(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def measured_two(tmp_path_factory):
-    return measure(2, TWO_PROCESSES, tmp_path_factory.mktemp("measured-two"))
+    return measure(2, {**TWO_PROCESSES, **MOE_PROCESSES}, tmp_path_factory.mktemp("measured-two"))
 
 
-def assert_estimate_matches(case: tuple[str, ...], nproc: int, records: list[dict]) -> None:
+def assert_estimate_matches(case: tuple[str, ...], nproc: int, records: list[dict],
+                            activations_rtol: float = TENSOR_RTOL) -> None:
     config = load_config(None, case_overrides(case, nproc))
     estimate = planner.plan_layout(config, planner.Cluster(1, nproc, 2**40, device="cpu"),
                                    config.parallelism.degrees()).memory
     assert len(records) == nproc
     for measured in records:
-        for key in ("weights", "gradients", "optimizer", "activations"):
+        for key in ("weights", "gradients", "optimizer"):
             assert measured[key] == pytest.approx(getattr(estimate, key), rel=TENSOR_RTOL), key
+        assert measured["activations"] == pytest.approx(estimate.activations, rel=activations_rtol)
         rtol = PEAK_RTOL_BF16 if config.parallelism.mixed_precision == "bf16" else PEAK_RTOL
         assert measured["peak"] == pytest.approx(estimate.peak, rel=rtol), \
             (measured["peak"] / 2**20, estimate.peak / 2**20)
@@ -1257,6 +1436,13 @@ def test_memory_estimate_matches_a_measured_step(case, measured_single):
 @pytest.mark.parametrize("case", TWO_PROCESSES)
 def test_memory_estimate_matches_measured_data_parallel_steps(case, measured_two):
     assert_estimate_matches(TWO_PROCESSES[case], 2, measured_two[case])
+
+
+@pytest.mark.parametrize("case", MOE_PROCESSES)
+def test_memory_estimate_matches_measured_moe_steps(case, measured_two):
+    """The MoE model's memory on two workers (torchrun, gloo), with and without expert
+    parallelism, against the planner's estimate."""
+    assert_estimate_matches(MOE_PROCESSES[case], 2, measured_two[case], ROUTING_RTOL)
 
 
 COMPILED = ACTIVATIONS + ("parallelism.compile=true",)
