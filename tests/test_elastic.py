@@ -233,3 +233,24 @@ def test_a_lost_node_of_a_fixed_world_fails_the_attempt_as_node_lost(tmp_path, d
     assert "torchrun agent vanished" in result.reason
     assert any("node 1 lost: its torchrun agent ended (killed by signal 9)" in line
                for line in lines)
+
+
+@pytest.mark.slow
+def test_a_lost_node_started_again_grows_the_world_back_at_the_next_restart(tmp_path, dataset):
+    """elastic.grow: the launcher starts node 1's agent again once
+    elastic.wait_for_replacement_s has passed; torchrun's agent on node 0 sees it waiting,
+    restarts its workers (a membership change, not a failure: no restart budget spent), and
+    the world is 4 again, accumulation back to 1."""
+    steps = 200
+    config = small_config(tmp_path, f"training.max_steps={steps}", "training.warmup_steps=2",
+                          "checkpoint.every_steps=10", "run.hang_min_s=120", *ELASTIC,
+                          "elastic.grow=true")
+    result, lines = train(config, dataset, kill_after_step=10)
+    text = "\n".join(lines[-80:])
+    assert result.failure_class == "done" and result.step == steps, text
+    assert result.worlds[:2] == [4, 2] and result.worlds[-1] == 4, (result.worlds, text)
+    assert any("node 1: starting its agent again (elastic.grow" in line for line in lines), text
+    assert any("layout changed: 1 -> 2 node(s), world 2 -> 4" in line for line in lines), text
+    end = final_manifest(config, steps)
+    assert end.world_size == 4 and end.data_position == steps * config.global_batch
+    assert sorted(losses_by_step(config.run_dir)) == list(range(1, steps + 1))
