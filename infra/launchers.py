@@ -462,10 +462,11 @@ class SlurmLauncher(SchedulerJob):
         # Elastic: any count of the range, and the job outlives a failed node (--no-kill):
         # torchrun's rendezvous trains on with the others. The range is the allocation's; a
         # node lost from it is not replaced within the job.
+        # (sbatch's --ntasks-per-node=1 would make Slurm grant the range's minimum; srun
+        # places one task per node of whatever was granted.)
         nodes = f"{spec.min_nodes}-{spec.nnodes}" if spec.elastic else str(spec.nnodes)
-        elastic = ["--no-kill"] if spec.elastic else []
-        options = [f"--nodes={nodes}", "--ntasks-per-node=1", f"--time={slurm.time}",
-                   "--no-requeue", *elastic]
+        per_node = ["--no-kill"] if spec.elastic else ["--ntasks-per-node=1"]
+        options = [f"--nodes={nodes}", *per_node, f"--time={slurm.time}", "--no-requeue"]
         options += [f"--partition={slurm.partition}"] if slurm.partition else []
         options += [f"--account={slurm.account}"] if slurm.account else []
         options += [f"--gpus-per-node={slurm.gpus_per_node}"] if slurm.gpus_per_node else []
@@ -478,9 +479,27 @@ class SlurmLauncher(SchedulerJob):
         # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): without it each
         # node's torchrun and all its workers would share one CPU.
         cpus = [f"--cpus-per-task={slurm.cpus_per_node}"] if slurm.cpus_per_node else []
-        # Elastic: no --nodes, so the step spans whatever the allocation got of the range.
-        srun = ["srun", *(elastic or ["--kill-on-bad-exit=1", f"--nodes={spec.nnodes}"]),
-                "--ntasks-per-node=1", *cpus, *node_wrapper("$SLURM_NODEID", '"$SLURMD_NODENAME"'), *spec.command]
+        wrapper = node_wrapper("$SLURM_NODEID", '"$SLURMD_NODENAME"')
+        srun = ["srun", "--kill-on-bad-exit=1", f"--nodes={spec.nnodes}", "--ntasks-per-node=1",
+                *cpus, *wrapper, *spec.command]
+        launch = ["# One task per node; the wrapper reads that node's SLURM_NODEID and SLURMD_NODENAME.",
+                  shlex.join(srun)]
+        if spec.elastic:
+            # One step per node: a failed node ends its own step only, the others train on
+            # (one step over all nodes would end with the node, or, with --no-kill, wait for
+            # its task forever). Node 0's step, the rendezvous host's, is the job's verdict.
+            wrapper = node_wrapper("$GOODPUT_NODE_INDEX", '"$SLURMD_NODENAME"')
+            step = ["srun", "--nodes=1", "--ntasks=1", '--nodelist="${nodes[i]}"', *cpus]
+            launch = [
+                "# One step per node of whatever the allocation got of the range.",
+                "steps=()",
+                'for i in "${!nodes[@]}"; do',
+                f"  GOODPUT_NODE_INDEX=$i {' '.join(step)} {shlex.join(wrapper + spec.command)} &",
+                "  steps+=($!)",
+                "done",
+                'status=0; wait "${steps[0]}" || status=$?',
+                'for step in "${steps[@]:1}"; do wait "$step" || true; done',
+                'exit "$status"']
         return "\n".join([
             "#!/bin/bash",
             f"# Training attempt {spec.name}: {nodes} node(s), one "
@@ -497,8 +516,7 @@ class SlurmLauncher(SchedulerJob):
             'nodes=( $(scontrol show hostnames "$SLURM_JOB_NODELIST") )',
             'head_node=${nodes[0]}',
             f"export PET_RDZV_ENDPOINT={endpoint}",
-            "# One task per node; the wrapper reads that node's SLURM_NODEID and SLURMD_NODENAME.",
-            shlex.join(srun),
+            *launch,
             "",
         ])
 

@@ -225,6 +225,7 @@ def test_a_shrink_below_min_nodes_waits_then_fails_as_node_lost(tmp_path, datase
     assert time.monotonic() - started < 240
 
 
+@pytest.mark.slow  # about 50 s; tests/test_elastic's launcher test covers it in CI
 def test_a_lost_node_of_a_fixed_world_fails_the_attempt_as_node_lost(tmp_path, dataset):
     config = small_config(tmp_path, *RUN, "parallelism.nnodes=2", "parallelism.nproc_per_node=1",
                           "training.max_steps=40")
