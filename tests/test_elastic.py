@@ -18,7 +18,7 @@ from core.layout import LayoutError, ParallelDims, follow_world
 from core.protocol import ResumeSpec
 from goodput.runs import write_run_config
 from storage.manifests import CheckpointManifest
-from infra.launchers import NodeLaunch, SlurmLauncher, pod_lost
+from infra.launchers import LocalLauncher, NodeLaunch, SlurmLauncher, pod_lost
 from infra.torchrun import run_attempt, torchrun_command, worker_env
 from tests.helpers import Watcher, committed, losses_by_step, small_config, synthetic_dataset
 from tests.test_launchers import attempt, calls, fakes, launch_config, set_k8s  # noqa: F401
@@ -114,6 +114,68 @@ def test_an_evicted_kubernetes_pod_fails_the_attempt_as_node_lost(tmp_path, fake
 def test_elastic_kubernetes_is_refused_naming_the_setting(tmp_path):
     with pytest.raises(ConfigError, match="drop elastic.min_nodes"):
         load_config(None, [*ELASTIC, *K8S])
+
+
+def node_processes(tmp_path, *overrides: str) -> LocalLauncher:
+    """Two local "nodes" whose agent is `sleep`: real processes, started as the launcher
+    starts torchrun (node_wrapper, a session each)."""
+    config = small_config(tmp_path, "parallelism.nnodes=2", "parallelism.nproc_per_node=1",
+                          *overrides)
+    launcher = LocalLauncher(NodeLaunch.of(config, ["sleep", "60"], {}, tmp_path, "t"))
+    launcher.start(lambda line: None)
+    return launcher
+
+
+def wait_until(probe, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = probe()
+        if found is not None:
+            return found
+        time.sleep(0.05)
+    raise TimeoutError
+
+
+def test_a_local_node_whose_agent_vanishes_is_a_lost_node(tmp_path):
+    launcher = node_processes(tmp_path)
+    try:
+        os.kill(launcher.procs[1].pid, signal.SIGKILL)
+        assert wait_until(launcher.poll) == -signal.SIGKILL  # the attempt ends...
+        assert launcher.final_state == "NODE_LOST" and launcher.lost_nodes == [1]  # ...node_lost
+    finally:
+        launcher.stop(grace_s=1)
+    # A node whose workers failed (torchrun exits 1) is no lost node: the others are stopped.
+    launcher = node_processes(tmp_path)
+    launcher.commands[1] = (["bash", "-c", "exit 1"], launcher.commands[1][1])
+    launcher.procs[1].kill()
+    launcher.procs[1].wait()
+    launcher._start_node(1)
+    try:
+        assert wait_until(launcher.poll) == 1 and launcher.final_state is None
+    finally:
+        launcher.stop(grace_s=1)
+
+
+def test_an_elastic_attempt_goes_on_while_nodes_remain_and_starts_a_lost_one_again(tmp_path):
+    launcher = node_processes(tmp_path, "parallelism.nnodes=1:2", "launch.max_restarts=1",
+                              "elastic.wait_for_replacement_s=0.5")
+    try:
+        first = launcher.procs[1]
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        assert launcher.poll() is None and launcher.lost_nodes == [1]  # node 0 trains on
+        # elastic.grow: after elastic.wait_for_replacement_s, node 1's agent starts again.
+        wait_until(lambda: launcher.poll() or (True if launcher.procs[1] is not first else None))
+        assert launcher.procs[1].poll() is None
+        os.kill(launcher.procs[1].pid, signal.SIGKILL)  # lost again: its restarts are spent
+        launcher.procs[1].wait()
+        time.sleep(0.7)
+        assert launcher.poll() is None and launcher.lost_nodes == [1, 1]
+        assert launcher.procs[1].poll() is not None
+        os.kill(launcher.procs[0].pid, signal.SIGKILL)  # the rendezvous host: the end
+        assert wait_until(launcher.poll) == -signal.SIGKILL
+    finally:
+        launcher.stop(grace_s=1)
 
 
 # -- real torchrun agents ------------------------------------------------------------------------
