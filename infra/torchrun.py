@@ -148,7 +148,8 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, attempt
                 log: Callable[[str], None], poll_s: float = 0.5,
                 on_progress: Callable[[dict], None] | None = None, mtbf_s: float = 0.0,
                 start: ResumeSpec = ResumeSpec.validated(),
-                stop_after: float | None = None, lease_holder: str | None = None) -> AttemptResult:
+                stop_after: float | None = None, lease_holder: str | None = None,
+                on_layout_change: Callable[[dict], None] | None = None) -> AttemptResult:
     """Run one training attempt on every node to its end; never leaves a worker behind.
 
     `lease_holder`: who holds the run's lease (RunLease) for this attempt, e.g. the flow run
@@ -158,7 +159,8 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, attempt
     `stop_after` (Unix time): the workers end the attempt, as done, right after the first
     checkpoint they save from then on.
 
-    `on_progress` receives every new heartbeat (step, loss, tokens/s, ...) as it appears.
+    `on_progress` receives every new heartbeat (step, loss, tokens/s, ...) as it appears;
+    `on_layout_change` each new world of an elastic job (layout_change: before and after).
     While it runs, `stop_live_attempts` (another thread: a cancelled flow) can end it: the
     attempt then ends as cancelled, whatever the workers' exit records say.
     """
@@ -167,13 +169,14 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, attempt
             lease_holder = f"attempt {attempt}"
             stack.enter_context(RunLease(config, lease_holder).held(log))
         return _supervise(config, config_path, dataset_dir, attempt, log, poll_s, on_progress,
-                          mtbf_s, start, stop_after, lease_holder)
+                          mtbf_s, start, stop_after, lease_holder, on_layout_change)
 
 
 def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt: str,
                log: Callable[[str], None], poll_s: float,
                on_progress: Callable[[dict], None] | None, mtbf_s: float, start: ResumeSpec,
-               stop_after: float | None, lease_holder: str) -> AttemptResult:
+               stop_after: float | None, lease_holder: str,
+               on_layout_change: Callable[[dict], None] | None = None) -> AttemptResult:
     launcher = make_launcher(NodeLaunch.of(
         config, torchrun_command(config, config_path, dataset_dir, attempt, start),
         worker_env(config, attempt, mtbf_s, stop_after, lease_holder),
@@ -206,7 +209,10 @@ def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt:
                         f"launch.max_restarts={config.launch.max_restarts} per node): resuming "
                         "from the newest validated checkpoint")
                 if world is not None and worlds and world != worlds[-1]:
-                    log(layout_change(config, worlds[-1], world))
+                    change = layout_change(config, worlds[-1], world)
+                    log(change["text"])
+                    if on_layout_change is not None:
+                        on_layout_change(change)
                 if world is not None:
                     worlds.append(world)
             elif beat is not None and progress is not None:
@@ -236,13 +242,21 @@ def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt:
     return result
 
 
-def layout_change(config: RunConfig, before: int, after: int) -> str:
-    """The log line of an elastic job's new world: its layout and accumulation."""
+def layout_change(config: RunConfig, before: int, after: int) -> dict:
+    """An elastic job's new world, `before` and `after` (nodes, workers, layout, gradient
+    accumulation), and its log line (`text`)."""
     per_node = config.parallelism.nproc_per_node
-    (old, old_accum), (new, new_accum) = (config.layout_on(w // per_node) for w in (before, after))
-    return (f"layout changed: {before // per_node} -> {after // per_node} node(s), world "
-            f"{before} -> {after}, {old.name} x accumulation {old_accum} -> {new.name} x "
-            f"accumulation {new_accum} (global batch {config.global_batch} kept)")
+
+    def world(size: int) -> dict:
+        dims, accum = config.layout_on(size // per_node)
+        return {"nodes": size // per_node, "world_size": size, "layout": dims.degrees,
+                "grad_accum_steps": accum, "name": f"{dims.name} x accumulation {accum}"}
+
+    old, new = world(before), world(after)
+    text = (f"layout changed: {old['nodes']} -> {new['nodes']} node(s), world {before} -> "
+            f"{after}, {old['name']} -> {new['name']} (global batch {config.global_batch} kept)")
+    return {"before": old, "after": new, "full_world_size": config.parallelism.world_size,
+            "global_batch": config.global_batch, "text": text}
 
 
 class _NewestOnly:

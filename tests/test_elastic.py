@@ -17,9 +17,12 @@ from core.config import ConfigError, load_config
 from core.layout import LayoutError, ParallelDims, follow_world
 from core.protocol import ResumeSpec
 from goodput.runs import write_run_config
+from training.metrics import read_metrics
 from storage.manifests import CheckpointManifest
 from infra.launchers import LocalLauncher, NodeLaunch, SlurmLauncher, pod_lost
-from infra.torchrun import run_attempt, torchrun_command, worker_env
+from goodput.accounting import goodput_breakdown
+from infra.torchrun import layout_change, run_attempt, torchrun_command, worker_env
+from tasks.reporting import TrainingProgress
 from tests.helpers import Watcher, committed, losses_by_step, small_config, synthetic_dataset
 from tests.test_launchers import attempt, calls, fakes, launch_config, set_k8s  # noqa: F401
 
@@ -80,6 +83,37 @@ def test_torchrun_gets_the_range_and_the_rendezvous_waits(tmp_path):
     script = SlurmLauncher(NodeLaunch.of(slurm, ["torchrun"], {}, tmp_path, "j")).script()
     assert "#SBATCH --nodes=1-2" in script and "#SBATCH --no-kill" in script
     assert "--kill-on-bad-exit" not in script
+
+
+def test_a_layout_change_is_described_before_and_after(tmp_path):
+    config = small_config(tmp_path, *ELASTIC)
+    change = layout_change(config, 4, 2)
+    assert change["before"] == {"nodes": 2, "world_size": 4, "grad_accum_steps": 1,
+                                "layout": {"dp_replicate": 4, "dp_shard": 1, "tp": 1, "pp": 1},
+                                "name": "dp_replicate=4 x dp_shard=1 x tp=1 x pp=1 x accumulation 1"}
+    assert change["after"]["world_size"] == 2 and change["after"]["grad_accum_steps"] == 2
+    assert change["text"] == ("layout changed: 2 -> 1 node(s), world 4 -> 2, dp_replicate=4 x "
+                              "dp_shard=1 x tp=1 x pp=1 x accumulation 1 -> dp_replicate=2 x "
+                              "dp_shard=1 x tp=1 x pp=1 x accumulation 2 (global batch 16 kept)")
+    # The progress artifact's line says the world it trains on from then on.
+    progress = TrainingProgress(config, "a1")
+    progress.layout_changed(change)
+    beat = {"step": 3, "loss": 2.0, "time": 1.0, "phase": "step"}
+    progress.first = beat
+    assert "world 2 of 4: dp_replicate=2 x dp_shard=1 x tp=1 x pp=1 x accumulation 2" in \
+        progress.describe(beat)
+
+
+def test_the_goodput_breakdown_counts_time_in_a_degraded_layout(tmp_path):
+    records = [{"step": 1, "step_time_s": 1.0, "world_size": 4},
+               {"step": 2, "step_time_s": 1.0, "world_size": 4},
+               {"step": 2, "step_time_s": 3.0, "world_size": 2},  # redone after the loss
+               {"step": 3, "step_time_s": 2.0, "world_size": 2},
+               {"step": 4, "step_time_s": 1.0, "world_size": 4}]  # grown back
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    parts = goodput_breakdown(tmp_path, train_wall_s=20.0, full_world=4)
+    assert parts["productive_s"] == 7.0 and parts["lost_work_s"] == 1.0
+    assert parts["degraded_s"] == 5.0  # steps 2 and 3 as they were kept
 
 
 # -- a lost node, as each launcher sees it ----------------------------------------------------
@@ -269,6 +303,10 @@ def test_a_lost_node_shrinks_the_world_in_the_job_and_the_run_matches(tmp_path, 
     assert end.world_size == 2 and whole_end.world_size == 4
     assert (end.data_position, end.tokens_seen) == (whole_end.data_position, whole_end.tokens_seen)
     assert end.data_position == STEPS * config.global_batch  # no sample skipped or repeated
+    # The metrics say which steps ran on the shrunk world; goodput counts their time.
+    kept = {r["step"]: r["world_size"] for r in read_metrics(config.run_dir)}
+    assert kept[STEPS] == 2 and kept[1] in (2, 4)
+    assert goodput_breakdown(config.run_dir, 100.0, full_world=4)["degraded_s"] > 0
 
 
 def test_a_shrink_below_min_nodes_waits_then_fails_as_node_lost(tmp_path, dataset):
