@@ -208,7 +208,8 @@ class NodeProcesses:
             return 0 if all(c == 0 for c in codes) else None
         if codes[0] is not None and codes[0] != 0:
             return codes[0]  # the rendezvous host is gone: the others cannot go on
-        self._restart_lost()
+        if codes[0] is None:  # training goes on: a lost node may come back
+            self._restart_lost()
         if any(p.poll() is None for p in self.procs):
             return None  # torchrun's rendezvous decides, on the nodes that remain
         return 0 if 0 in codes else failed[0]
