@@ -251,16 +251,47 @@ class SshLauncher(NodeProcesses):
     REMOTE_PID = "goodput-node-pid "  # the first line of each node's output
     LOST_EXIT = 255  # ssh's own failure: the connection dropped, or the host does not answer
 
+    PROBE_TIMEOUT_S = 10  # an elastic run starts on the hosts that answer within it
+
     def __init__(self, spec: NodeLaunch):
         super().__init__(spec)
         self.remote_pids: dict[int, int] = {}
+        self.hosts = list(spec.launch.hosts)  # node i runs on hosts[i]
+
+    def answering(self, hosts: list[str]) -> list[str]:
+        """The hosts an ssh connection reaches (all at once, each within PROBE_TIMEOUT_S)."""
+        options = [*self.spec.launch.ssh.options, "-o", "BatchMode=yes",
+                   "-o", f"ConnectTimeout={self.PROBE_TIMEOUT_S}"]
+        probes = [subprocess.Popen(["ssh", *options, host, "true"], stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                  for host in hosts]
+        answers = []
+        for probe in probes:
+            try:
+                answers.append(probe.wait(timeout=2 * self.PROBE_TIMEOUT_S) == 0)
+            except subprocess.TimeoutExpired:
+                probe.kill()
+                probe.wait()
+                answers.append(False)
+        return [host for host, answered in zip(hosts, answers) if answered]
 
     def node_commands(self):
         launch = self.spec.launch
-        addresses = [host.rsplit("@", 1)[-1] for host in launch.hosts]
+        if self.spec.elastic:  # start on the hosts that answer, the first of them node 0
+            answering = self.answering(self.hosts)
+            silent = [h for h in self.hosts if h not in answering]
+            if silent and len(answering) >= self.spec.min_nodes:
+                self._log(f"not answering over ssh, left out: {', '.join(silent)}; starting on "
+                          f"{len(answering)} of {len(self.hosts)} hosts (elastic.min_nodes="
+                          f"{self.spec.min_nodes})")
+                self.hosts = answering
+            elif silent:  # too few: the rendezvous waits for them, then the attempt fails
+                self._log(f"not answering over ssh: {', '.join(silent)}; fewer than "
+                          f"elastic.min_nodes={self.spec.min_nodes} hosts answer")
+        addresses = [host.rsplit("@", 1)[-1] for host in self.hosts]
         shared = {**self.spec.env, "PET_RDZV_ENDPOINT": self.spec.endpoint(addresses[0])}
         commands = []
-        for i, (host, addr) in enumerate(zip(launch.hosts, addresses)):
+        for i, (host, addr) in enumerate(zip(self.hosts, addresses)):
             remote = ["env", *(f"{k}={v}" for k, v in shared.items()),
                       *node_wrapper(str(i), shlex.quote(addr)), *self.spec.command]
             line = (f"cd {shlex.quote(self.spec.workdir)} && echo {self.REMOTE_PID}$$ && "
@@ -300,7 +331,7 @@ class SshLauncher(NodeProcesses):
             pid = self.remote_pids.get(node)
             if proc.poll() is None and pid is not None:
                 try:
-                    subprocess.run(["ssh", *launch.ssh.options, launch.hosts[node],
+                    subprocess.run(["ssh", *launch.ssh.options, self.hosts[node],
                                     command.format(pid=pid)],
                                    stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s)
                 except subprocess.TimeoutExpired:

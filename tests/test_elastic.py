@@ -24,7 +24,8 @@ from goodput.accounting import goodput_breakdown
 from infra.torchrun import layout_change, run_attempt, torchrun_command, worker_env
 from tasks.reporting import TrainingProgress
 from tests.helpers import Watcher, committed, losses_by_step, small_config, synthetic_dataset
-from tests.test_launchers import attempt, calls, fakes, launch_config, set_k8s  # noqa: F401
+from tests.test_launchers import (attempt, calls, fakes, launch_config,  # noqa: F401
+                                  node_records, set_k8s)
 
 ELASTIC = ("parallelism.nnodes=1:2", "parallelism.nproc_per_node=2", "launch.max_restarts=2",
            "elastic.wait_for_replacement_s=3")
@@ -143,6 +144,25 @@ def test_an_evicted_kubernetes_pod_fails_the_attempt_as_node_lost(tmp_path, fake
     assert result.failure_class == "node_lost" and result.exit_code == 137
     assert "evicted its pod" in result.reason
     assert calls(fakes, "kubectl")[-1][:3] == ["delete", "jobset", "goodput-test-t1"]
+
+
+def test_an_elastic_ssh_run_starts_on_the_hosts_that_answer(tmp_path, fakes, monkeypatch):  # noqa: F811
+    """Three hosts, at least two: the one that does not answer is left out, the first that
+    does hosts the rendezvous as node 0."""
+    monkeypatch.setenv("FAKE_SSH_DOWN", "10.1.0.1")
+    config = launch_config(tmp_path, fakes, "launch.kind=ssh", "parallelism.nnodes=2:3",
+                           "launch.hosts=[10.1.0.1, 10.1.0.2, 10.1.0.3]", "launch.rdzv_port=29555",
+                           "training.grad_accum_steps=6")
+    lines: list[str] = []
+    result = attempt(config, lines=lines)
+    assert result.failure_class == "done", lines
+    assert any("not answering over ssh, left out: 10.1.0.1; starting on 2 of 3 hosts" in line
+               for line in lines)
+    records = node_records(fakes)
+    assert sorted(records) == ["10.1.0.2", "10.1.0.3"]
+    assert {r["env"]["PET_RDZV_ENDPOINT"] for r in records.values()} == {"10.1.0.2:29555"}
+    assert records["10.1.0.2"]["env"]["PET_RDZV_CONF"].startswith("is_host=1,last_call_timeout=")
+    assert "--nnodes=2:3" in records["10.1.0.2"]["argv"]
 
 
 def test_elastic_kubernetes_is_refused_naming_the_setting(tmp_path):
