@@ -20,7 +20,7 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from core.errors import ConfigError, DataError
 from core.files import canonical_json, sha256_bytes, sha256_file
-from core.layout import DEGREES, ParallelDims
+from core.layout import DEGREES, ParallelDims, follow_world
 from core.protocol import DEFAULT_RETRY_BUDGETS, RunDir
 from core.uris import parse_s3_uri
 
@@ -574,7 +574,9 @@ class ParallelismConfig(_Section):
     plain split.
     """
 
-    nnodes: int = Field(1, ge=1, description="Nodes (one torchrun each).")
+    nnodes: int = Field(1, ge=1, description="Nodes (one torchrun each). A range MIN:MAX (e.g. "
+                        "2:4) trains elastically on whatever count torchrun's rendezvous gets "
+                        "within it: MAX here, MIN in elastic.min_nodes (see there).")
     nproc_per_node: int = Field(2, ge=1, description="Worker processes per node.")
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="'auto': nccl when CUDA is available, else gloo."
@@ -1048,6 +1050,39 @@ class LaunchConfig(_Section):
         return self
 
 
+NODE_RANGE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")  # parallelism.nnodes=MIN:MAX
+
+
+class ElasticConfig(_Section):
+    """Training on through lost nodes, on torchrun's own elastic machinery.
+
+    With elastic.min_nodes below parallelism.nnodes (or parallelism.nnodes=MIN:MAX), torchrun
+    runs with --nnodes=MIN:MAX on the c10d rendezvous. When a node is lost, the workers of the
+    others fail their next collective and torchrun restarts them in the job (no retry of the
+    launch task) once the rendezvous settles: it waits elastic.wait_for_replacement_s for the
+    node or a replacement, then goes on with the nodes it has. The layout follows the world
+    it gets (core.layout.follow_world): tp and pp stay, the data-parallel degree absorbs the
+    change, and gradient accumulation keeps the global batch, so the run resumes from its
+    newest checkpoint on the same sample order. A node that joins is taken in at the next
+    restart of the workers (torchrun restarts them as soon as it sees it waiting).
+    """
+
+    min_nodes: int | None = Field(
+        None, ge=1, description="Fewest nodes to train on; None: parallelism.nnodes (not "
+        "elastic). Below it the others wait elastic.wait_for_replacement_s, then the attempt "
+        "fails as node_lost and the launch task's retry starts again.")
+    wait_for_replacement_s: float = Field(
+        30.0, gt=0, description="How long the remaining nodes wait for a lost node (or its "
+        "replacement) before training on without it, and how long fewer than "
+        "elastic.min_nodes wait before the attempt fails (the rendezvous' last_call_timeout "
+        "and join_timeout). `goodput plan` compares waiting with shrinking for the run's "
+        "failure rate.")
+    grow: bool = Field(
+        True, description="Take nodes back in: the local and ssh launchers start a lost node's "
+        "agent again (at most launch.max_restarts times per node), and the world grows at "
+        "the next restart of the workers. false: the world only shrinks.")
+
+
 class RunConfig(_Section):
     run: RunSection = Field(default_factory=RunSection)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -1062,6 +1097,32 @@ class RunConfig(_Section):
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    elastic: ElasticConfig = Field(default_factory=ElasticConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _node_range(cls, tree: Any) -> Any:
+        """parallelism.nnodes=MIN:MAX is nnodes=MAX with elastic.min_nodes=MIN."""
+        if not isinstance(tree, dict) or not isinstance(tree.get("parallelism"), dict):
+            return tree
+        nnodes = tree["parallelism"].get("nnodes")
+        if not isinstance(nnodes, str):
+            return tree
+        match = NODE_RANGE.match(nnodes)
+        if match is None:
+            if nnodes.strip().isdigit():
+                return tree
+            raise ValueError(f"parallelism.nnodes={nnodes!r}: give a node count (e.g. 2) or a "
+                             "range MIN:MAX (e.g. 2:4) to train elastically on whatever count "
+                             "is at hand within it")
+        low, high = int(match.group(1)), int(match.group(2))
+        elastic = dict(tree.get("elastic") or {})
+        if elastic.get("min_nodes") not in (None, low):
+            raise ValueError(f"parallelism.nnodes={nnodes} says at least {low} nodes, "
+                             f"elastic.min_nodes={elastic['min_nodes']} says otherwise: give "
+                             "the minimum once (drop elastic.min_nodes, or give nnodes as a count)")
+        elastic["min_nodes"] = low
+        return {**tree, "parallelism": {**tree["parallelism"], "nnodes": high}, "elastic": elastic}
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":
@@ -1101,6 +1162,82 @@ class RunConfig(_Section):
                              "tokenizer.path, or unset tokenizer.eos_token")
         self._name_the_tokenizer()
         return self
+
+    @model_validator(mode="after")
+    def _elastic_range(self) -> "RunConfig":
+        """Every node count of an elastic range keeps the global batch and makes a layout."""
+        low, high = self.node_range
+        if low > high:
+            raise ValueError(f"elastic.min_nodes={low} exceeds parallelism.nnodes={high}: "
+                             f"give at most {high} (or raise parallelism.nnodes)")
+        if low == high:
+            return self
+        if self.launch.kind == "kubernetes":
+            raise ValueError(f"elastic training (elastic.min_nodes={low} < parallelism.nnodes="
+                             f"{high}) runs on the local, ssh and slurm launchers; on kubernetes "
+                             "a lost pod fails the attempt (node_lost) and the retry starts "
+                             "again: drop elastic.min_nodes")
+        failing = {}
+        for nodes in range(low, high):
+            try:
+                self.layout_on(nodes)
+            except ValueError as e:  # LayoutError, or a rule of the layout it would get
+                failing[nodes] = str(e)
+        if failing:
+            first = min(failing)
+            raise ValueError(
+                f"parallelism.nnodes={low}:{high} (elastic.min_nodes={low}): on "
+                f"{', '.join(map(str, failing))} node(s) the run cannot keep its layout rules "
+                f"and global batch ({first} nodes: {failing[first]}); fix: "
+                + self._elastic_fix(low, high))
+        return self
+
+    def _elastic_fix(self, low: int, high: int) -> str:
+        """The accumulation that keeps the global batch on every count of the range, where
+        one does (a multiple of each count's data-parallel degree over its gcd with the
+        full world's)."""
+        dims, accum = self.parallelism.dims(), self.training.grad_accum_steps
+        inner = dims.tp * dims.pp
+        worlds = [n * self.parallelism.nproc_per_node for n in range(low, high)]
+        if any(world % inner for world in worlds):
+            return (f"give a range whose every count of nodes x parallelism.nproc_per_node is "
+                    f"a multiple of tp x pp = {inner}")
+        fit = math.lcm(accum, *(w // inner // math.gcd(w // inner, dims.dp_size) for w in worlds))
+        if fit != accum:
+            return (f"set training.grad_accum_steps={fit} (a multiple of it: the global batch "
+                    "then divides over every count in the range), or narrow the range")
+        return "narrow the range to the counts that fit"
+
+    @property
+    def node_range(self) -> tuple[int, int]:
+        """(fewest, most) nodes the run trains on; equal unless elastic."""
+        return self.elastic.min_nodes or self.parallelism.nnodes, self.parallelism.nnodes
+
+    @property
+    def elastic_run(self) -> bool:
+        low, high = self.node_range
+        return low < high
+
+    def layout_on(self, nodes: int) -> tuple[ParallelDims, int]:
+        """The layout and gradient accumulation of the run on `nodes` nodes (an elastic
+        run's world after it shrank or grew; core.layout.follow_world): the configured ones
+        on parallelism.nnodes. Raises ValueError (a LayoutError, or the rule the layout
+        breaks, with its fix) when the run cannot train there."""
+        par, model = self.parallelism, self.model
+        world = nodes * par.nproc_per_node
+        dims, accum = follow_world(par.dims(), self.training.grad_accum_steps, world,
+                                   f"{nodes} node(s) x {par.nproc_per_node} workers")
+        if nodes != par.nnodes:
+            problems = [p for p in dims.problems(
+                n_heads=model.n_heads, n_kv_heads=model.n_kv_heads or model.n_heads,
+                n_layers=model.n_layers, seq_len=self.training.seq_len,
+                micro_batch_size=self.training.micro_batch_size,
+                tied_embeddings=model.tie_embeddings,
+                num_experts=model.moe.num_experts if model.moe else None) if not p.advice]
+            if problems:
+                raise ValueError(f"layout {dims.name} on {nodes} node(s): "
+                                 + "; ".join(map(str, problems)))
+        return dims, accum
 
     @model_validator(mode="after")
     def _best_metric_is_scored(self) -> "RunConfig":
@@ -1257,6 +1394,21 @@ def _format_error(err: ValidationError, origin: str) -> str:
     return "\n".join(lines)
 
 
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML as configs mean it: `2:4` is text (a node range), not YAML 1.1's base-60 number
+    124, which safe_load would silently make of it."""
+
+
+_BASE_60 = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: ([("tag:yaml.org,2002:str", _BASE_60)] if first in "+-0123456789" else []) + resolvers
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_ConfigLoader)
+
+
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`training.max_steps=50` -> (['training', 'max_steps'], 50). Values parse as YAML."""
     if "=" not in text:
@@ -1267,7 +1419,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not path:
         raise ConfigError(f"override {text!r} has an empty field name")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else None
+        value = _load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as e:
         raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from e
     # A '#' after a space starts a YAML comment, which would silently cut the value short
@@ -1308,7 +1460,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             raise ConfigError(f"config file {p} not found; pass an existing YAML file "
                               "(e.g. configs/tiny.yaml)")
         try:
-            tree = yaml.safe_load(p.read_text()) or {}
+            tree = _load_yaml(p.read_text()) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
         if not isinstance(tree, dict):

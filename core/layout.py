@@ -16,7 +16,7 @@ training.parallelize all ask it.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 LESS_FIRST, LESS_LAST = "pp_first_stage_less_layers", "pp_last_stage_less_layers"  # config fields
@@ -348,6 +348,52 @@ class ParallelDims:
                 "EP rank holds an equal share of the experts",
                 f"choose ep in {[d for d in _divisors(num_experts) if ranks % d == 0]}"))
         return problems
+
+
+# -- elastic worlds ----------------------------------------------------------------------------
+
+def follow_world(dims: ParallelDims, grad_accum_steps: int, world_size: int,
+                 world: str = "") -> tuple[ParallelDims, int]:
+    """The layout and the gradient accumulation that train `dims` (the full world's layout,
+    accumulating `grad_accum_steps` micro-steps) on `world_size` ranks: the world an elastic
+    job gets once nodes have left or joined.
+
+    tp and pp stay as they are (they live inside a node or a pipeline stage); the
+    data-parallel degree absorbs the change (dp_replicate, or dp_shard where the data
+    parallelism is sharding only; under HSDP dp_shard stays and dp_replicate changes); and
+    accumulation keeps the global batch exactly: dp x accumulation stays the same product,
+    so 4 ranks x accumulation 1 become 2 ranks x accumulation 2. The data order is global
+    (training.data), so the samples of each step are the same ones in any such layout.
+    Raises LayoutError when `world_size` cannot keep the global batch."""
+    world = world or f"world size {world_size}"
+    if world_size == dims.world_size:
+        return dims, grad_accum_steps
+    inner = dims.tp * dims.pp
+    if world_size % inner:
+        raise LayoutError(Problem(
+            f"{world} is not a multiple of tp x pp = {inner}, which stay fixed when the world "
+            "changes", "choose nodes whose workers make a multiple of tp x pp"))
+    dp = world_size // inner
+    per_step = dims.dp_size * grad_accum_steps  # micro-batches of one optimizer step
+    if per_step % dp:
+        raise LayoutError(Problem(
+            f"{world} gives a data-parallel degree of {dp}, which does not divide the "
+            f"{per_step} micro-batches of a step (data-parallel degree {dims.dp_size} x "
+            f"accumulation {grad_accum_steps} on the full world): the global batch cannot be "
+            "kept", f"make dp x training.grad_accum_steps a multiple of {dp}"))
+    if dims.dp_shard == 1:
+        degrees = {**dims.degrees, "dp_replicate": dp}
+    elif dims.dp_replicate == 1:
+        degrees = {**dims.degrees, "dp_shard": dp}
+    elif dp % dims.dp_shard:
+        raise LayoutError(Problem(
+            f"{world} gives a data-parallel degree of {dp}, which HSDP's dp_shard="
+            f"{dims.dp_shard} does not divide (dp_shard stays; dp_replicate changes)",
+            "choose nodes whose data-parallel degree is a multiple of dp_shard"))
+    else:
+        degrees = {**dims.degrees, "dp_replicate": dp // dims.dp_shard}
+    shrunk = replace(dims, **degrees)
+    return shrunk, per_step // dp
 
 
 def default_split(n_layers: int, n_stages: int, *, first_less: int = 0,

@@ -8,7 +8,9 @@
                  checkpoint, in-job (torchrun) restarts, retry delays, teardown
     evaluation   the evaluate stage, and in-loop validation at steps the model keeps
 
-goodput = productive / total. The parts add up to the total exactly.
+goodput = productive / total. The parts add up to the total exactly. `degraded_s`, a part of
+productive, is the time of the steps an elastic job trained on fewer workers than configured
+(the world shrunk by lost nodes: each step as long as on the full world, or longer).
 """
 
 from __future__ import annotations
@@ -25,15 +27,18 @@ def step_times(record: dict) -> dict[int, float]:
     return {record["step"] - i: per_step for i in range(steps)}
 
 
-def goodput_breakdown(run_dir, train_wall_s: float, eval_wall_s: float = 0.0) -> dict:
+def goodput_breakdown(run_dir, train_wall_s: float, eval_wall_s: float = 0.0,
+                      full_world: int | None = None) -> dict:
     records = read_metrics(run_dir)
     last_run: dict[int, float] = {}
+    degraded: dict[int, bool] = {}  # the last run of each step was on fewer workers than full_world
     last_validation: dict[int, float] = {}  # in-loop validation, between steps
     lost = 0.0
     for record in records:  # metrics.jsonl is in time order
         for step, seconds in step_times(record).items():
             lost += last_run.get(step, 0.0)  # that step ran before: its earlier run was lost
             last_run[step] = seconds
+            degraded[step] = bool(full_world and record.get("world_size", full_world) < full_world)
         if "val_time_s" in record:  # a validation redone with its step was lost work too
             lost += last_validation.get(record["step"], 0.0)
             last_validation[record["step"]] = record["val_time_s"]
@@ -45,6 +50,7 @@ def goodput_breakdown(run_dir, train_wall_s: float, eval_wall_s: float = 0.0) ->
     total = productive + lost + checkpoint + restart + evaluation
     return {"productive_s": productive, "lost_work_s": lost, "checkpoint_s": checkpoint,
             "restart_s": restart, "evaluation_s": evaluation, "total_s": total,
+            "degraded_s": sum(t for step, t in last_run.items() if degraded[step]),
             "goodput": productive / total if total > 0 else None}
 
 
@@ -93,7 +99,7 @@ def summarize_goodput(config) -> dict:
         attempts[o["class"]] = attempts.get(o["class"], 0) + 1
     in_job = sum(o.get("restarts", 0) for o in outcomes)  # each one recovered a failure
     failures = sum(n for cls, n in attempts.items() if cls != "done") + in_job
-    values = goodput_breakdown(config.run_dir, train_wall, eval_wall)
+    values = goodput_breakdown(config.run_dir, train_wall, eval_wall, config.parallelism.world_size)
     values["attempts"] = attempts
     values["in_job_restarts"] = in_job
     values["checkpoint_advice"] = checkpoint_interval_advice(

@@ -62,11 +62,13 @@ def _differences(run: dict, here: dict, most: int = 4) -> str:
 def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
                   log: Callable[[str], None],
                   on_progress: Callable[[dict], None] | None = None,
-                  stop_after: float | None = None, lease_holder: str | None = None) -> AttemptResult:
+                  stop_after: float | None = None, lease_holder: str | None = None,
+                  on_layout_change: Callable[[dict], None] | None = None) -> AttemptResult:
     """One attempt: resume from the newest validated checkpoint and train to max_steps, or
     to the first checkpoint saved after `stop_after` (Unix time; the result's reason is then
     core.protocol.TIME_LIMIT). `lease_holder`: who holds the run's lease (infra.torchrun's
-    RunLease) for it; None: the attempt takes it.
+    RunLease) for it; None: the attempt takes it. `on_layout_change`: each new world of an
+    elastic job (infra.torchrun.layout_change).
 
     Raises TrainingFailed with the failure class and the retry policy's verdict when the
     attempt does not finish (a cancelled attempt: class cancelled, never retried). A rollback
@@ -92,7 +94,7 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
         f"attempt {attempt}: starting from scratch")
     result = run_attempt(config, config_path, dataset_dir, attempt, log, on_progress=on_progress,
                          mtbf_s=observed_mtbf_s(config), stop_after=stop_after,
-                         lease_holder=lease_holder)
+                         lease_holder=lease_holder, on_layout_change=on_layout_change)
     outcome = record_outcome(config, attempt, result, resume)
     if result.restarts:
         log(f"attempt {attempt}: torchrun restarted the workers {result.restarts} time(s) in-job")

@@ -6,8 +6,12 @@ kubernetes (a JobSet or PyTorchJob). Each has four members, used by infra.torchr
     started     whether the nodes run yet (a scheduler may queue the job first)
     poll()      None while running; the exit code once every node succeeded or any failed
     stop()      end whatever still runs, on every node; returns the attempt's exit code
-Any node failing ends the attempt. Every node runs the same command line; what differs per
-node is derived on the node (node_wrapper).
+Any node failing ends the attempt, unless the run is elastic (elastic.min_nodes below
+parallelism.nnodes): then torchrun's rendezvous trains on with the nodes that remain, and the
+attempt ends when every node has ended (or the rendezvous host, node 0, is lost). A node
+whose agent vanished (killed by a signal, or its ssh connection lost) is a lost node: the
+attempt's failure class is node_lost (`final_state`). Every node runs the same command line;
+what differs per node is derived on the node (node_wrapper).
 """
 
 from __future__ import annotations
@@ -52,12 +56,22 @@ class NodeLaunch:
     name: str  # job name, unique per attempt: goodput-<run>-<attempt>
     rdzv_endpoint: str | None = None  # host:port of the rendezvous; None: node 0, launch.rdzv_port
     grace_s: float = 60.0  # what a stopped node's workers get for an emergency checkpoint
+    min_nodes: int | None = None  # elastic: the fewest nodes to train on (None: nnodes)
+    # elastic.grow: a lost node's agent is started again after this long (None: never)
+    restart_lost_after_s: float | None = None
 
     @classmethod
     def of(cls, config: RunConfig, command: list[str], env: dict[str, str], attempt_dir: Path,
            name: str) -> NodeLaunch:
+        low, high = config.node_range
+        grow = config.elastic.wait_for_replacement_s if low < high and config.elastic.grow else None
         return cls(config.launch, config.parallelism.nnodes, command, env, attempt_dir, name,
-                   config.parallelism.rdzv_endpoint, config.faults.emergency_save_s)
+                   config.parallelism.rdzv_endpoint, config.faults.emergency_save_s,
+                   low if low < high else None, grow)
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None
 
     @property
     def workdir(self) -> str:
@@ -80,12 +94,20 @@ def node_wrapper(node: str, addr: str) -> list[str]:
       workers' store (a fresh one per attempt, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1);
     - worker lines are prefixed `[node<i> rank<r>] `, which the Prefect log sink filters on.
 
+    - the rendezvous settings of an elastic run (RDZV_CONF_ENV in the workers' environment:
+      how long to wait for lost nodes) join is_host.
+
     They reach torchrun as PET_<FLAG> variables, read for any flag not on the command line.
     Global ranks come from the c10d rendezvous, so global rank 0 may run on any node."""
-    script = (f'node={node}; export PET_RDZV_CONF="is_host=$(( node == 0 ))" '
+    script = (f'node={node}; export PET_RDZV_CONF="is_host=$(( node == 0 ))'
+              '${GOODPUT_RDZV_CONF:+,$GOODPUT_RDZV_CONF}" '
               f'PET_LOCAL_ADDR={addr} '
               'TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[node$node rank\\${rank}] "; exec "$@"')
     return ["bash", "-c", script, "torchrun"]
+
+
+# More rendezvous settings (key=value,...) for every node; node_wrapper adds is_host to them.
+RDZV_CONF_ENV = "GOODPUT_RDZV_CONF"
 
 
 def make_launcher(spec: NodeLaunch) -> NodeProcesses | SchedulerJob:
@@ -97,39 +119,100 @@ def make_launcher(spec: NodeLaunch) -> NodeProcesses | SchedulerJob:
 # -- nodes as processes of this machine: local, ssh ------------------------------------------
 
 class NodeProcesses:
-    """Each node is a process here (torchrun itself, or the ssh client running it)."""
+    """Each node is a process here (torchrun itself, or the ssh client running it).
+
+    A node process that ends by a signal nobody here sent (its agent vanished: the host died
+    or the process was killed) is a lost node (`lost_nodes`, `final_state` NODE_LOST); so is
+    an ssh client's exit 255 (the connection or the host is gone). Elastic runs go on while
+    nodes remain (torchrun's rendezvous restarts the workers on them); with elastic.grow a
+    lost node's agent is started again once elastic.wait_for_replacement_s has passed, at
+    most launch.max_restarts times, and the world grows at the workers' next restart."""
 
     started = True
+    LOST_EXIT = None  # an exit code that means the node was lost (ssh: 255)
 
     def __init__(self, spec: NodeLaunch):
         self.spec = spec
         self.procs: list[subprocess.Popen] = []
         self.readers: list[threading.Thread] = []
+        self.commands: list[tuple[list[str], dict[str, str]]] = []
+        self.final_state: str | None = None  # NODE_LOST once a node was lost (classify reads it)
+        self.lost_nodes: list[int] = []  # node indexes, once per loss
+        self._lost_at: dict[int, float] = {}  # lost and not started again yet
+        self._restarts: dict[int, int] = {}
+        self._log: Log = print
 
     def node_commands(self) -> list[tuple[list[str], dict[str, str]]]:
         raise NotImplementedError
 
     def start(self, log: Log) -> None:
-        for i, (argv, env) in enumerate(self.node_commands()):
+        self._log = log
+        self.commands = self.node_commands()
+        for i, (argv, env) in enumerate(self.commands):
             log(f"node {i}: {shlex.join(argv)}")
-            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, env=env,
-                                    start_new_session=True, bufsize=1)
-            reader = threading.Thread(target=self._read_output, args=(i, proc.stdout, log),
-                                      daemon=True)
-            reader.start()
-            self.procs.append(proc)
-            self.readers.append(reader)
+            self.procs.append(None)
+            self.readers.append(None)
+            self._start_node(i)
+
+    def _start_node(self, i: int) -> None:
+        argv, env = self.commands[i]
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=env,
+                                start_new_session=True, bufsize=1)
+        reader = threading.Thread(target=self._read_output, args=(i, proc.stdout, self._log),
+                                  daemon=True)
+        reader.start()
+        self.procs[i], self.readers[i] = proc, reader
 
     def _read_output(self, node: int, stream, log: Log) -> None:
         _pump(stream, log)
 
+    def _is_lost(self, code: int) -> bool:
+        return code < 0 or code == self.LOST_EXIT
+
+    def _note_lost(self, codes: list[int | None]) -> None:
+        for i, code in enumerate(codes):
+            if code is not None and self._is_lost(code) and i not in self._lost_at:
+                self.final_state = "NODE_LOST"
+                self.lost_nodes.append(i)
+                self._lost_at[i] = time.monotonic()
+                how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
+                remaining = sum(c is None for c in codes)
+                self._log(f"node {i} lost: its torchrun agent ended ({how}) while {remaining} "
+                          "node(s) ran" + (f"; training goes on on them (elastic.min_nodes="
+                                           f"{self.spec.min_nodes})" if self.spec.elastic else ""))
+
+    def _restart_lost(self) -> None:
+        """elastic.grow: start a lost node's agent again (never node 0: it hosts the
+        rendezvous, whose loss ends the attempt)."""
+        wait = self.spec.restart_lost_after_s
+        for i, since in list(self._lost_at.items()):
+            if (wait is None or i == 0 or time.monotonic() - since < wait
+                    or self._restarts.get(i, 0) >= self.spec.launch.max_restarts):
+                continue
+            self._restarts[i] = self._restarts.get(i, 0) + 1
+            del self._lost_at[i]
+            self.readers[i].join(timeout=5)
+            self._log(f"node {i}: starting its agent again (elastic.grow; restart "
+                      f"{self._restarts[i]} of launch.max_restarts={self.spec.launch.max_restarts})"
+                      "; it joins at the workers' next restart")
+            self._start_node(i)
+
     def poll(self) -> int | None:
         codes = [p.poll() for p in self.procs]
+        self._note_lost(codes)
         failed = [c for c in codes if c not in (None, 0)]
-        if failed:
-            return failed[0]
-        return 0 if all(c == 0 for c in codes) else None
+        if not self.spec.elastic:
+            if failed:
+                return failed[0]
+            return 0 if all(c == 0 for c in codes) else None
+        if codes[0] is not None and codes[0] != 0:
+            return codes[0]  # the rendezvous host is gone: the others cannot go on
+        if codes[0] is None:  # training goes on: a lost node may come back
+            self._restart_lost()
+        if any(p.poll() is None for p in self.procs):
+            return None  # torchrun's rendezvous decides, on the nodes that remain
+        return 0 if 0 in codes else failed[0]
 
     def stop(self, grace_s: float = 5.0) -> int:
         code = self.poll()
@@ -166,17 +249,49 @@ class SshLauncher(NodeProcesses):
     """
 
     REMOTE_PID = "goodput-node-pid "  # the first line of each node's output
+    LOST_EXIT = 255  # ssh's own failure: the connection dropped, or the host does not answer
+
+    PROBE_TIMEOUT_S = 10  # an elastic run starts on the hosts that answer within it
 
     def __init__(self, spec: NodeLaunch):
         super().__init__(spec)
         self.remote_pids: dict[int, int] = {}
+        self.hosts = list(spec.launch.hosts)  # node i runs on hosts[i]
+
+    def answering(self, hosts: list[str]) -> list[str]:
+        """The hosts an ssh connection reaches (all at once, each within PROBE_TIMEOUT_S)."""
+        options = [*self.spec.launch.ssh.options, "-o", "BatchMode=yes",
+                   "-o", f"ConnectTimeout={self.PROBE_TIMEOUT_S}"]
+        probes = [subprocess.Popen(["ssh", *options, host, "true"], stdin=subprocess.DEVNULL,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                  for host in hosts]
+        answers = []
+        for probe in probes:
+            try:
+                answers.append(probe.wait(timeout=2 * self.PROBE_TIMEOUT_S) == 0)
+            except subprocess.TimeoutExpired:
+                probe.kill()
+                probe.wait()
+                answers.append(False)
+        return [host for host, answered in zip(hosts, answers) if answered]
 
     def node_commands(self):
         launch = self.spec.launch
-        addresses = [host.rsplit("@", 1)[-1] for host in launch.hosts]
+        if self.spec.elastic:  # start on the hosts that answer, the first of them node 0
+            answering = self.answering(self.hosts)
+            silent = [h for h in self.hosts if h not in answering]
+            if silent and len(answering) >= self.spec.min_nodes:
+                self._log(f"not answering over ssh, left out: {', '.join(silent)}; starting on "
+                          f"{len(answering)} of {len(self.hosts)} hosts (elastic.min_nodes="
+                          f"{self.spec.min_nodes})")
+                self.hosts = answering
+            elif silent:  # too few: the rendezvous waits for them, then the attempt fails
+                self._log(f"not answering over ssh: {', '.join(silent)}; fewer than "
+                          f"elastic.min_nodes={self.spec.min_nodes} hosts answer")
+        addresses = [host.rsplit("@", 1)[-1] for host in self.hosts]
         shared = {**self.spec.env, "PET_RDZV_ENDPOINT": self.spec.endpoint(addresses[0])}
         commands = []
-        for i, (host, addr) in enumerate(zip(launch.hosts, addresses)):
+        for i, (host, addr) in enumerate(zip(self.hosts, addresses)):
             remote = ["env", *(f"{k}={v}" for k, v in shared.items()),
                       *node_wrapper(str(i), shlex.quote(addr)), *self.spec.command]
             line = (f"cd {shlex.quote(self.spec.workdir)} && echo {self.REMOTE_PID}$$ && "
@@ -187,7 +302,7 @@ class SshLauncher(NodeProcesses):
     def _read_output(self, node: int, stream, log: Log) -> None:
         for line in stream:
             line = line.rstrip()  # also the \r a remote terminal adds
-            if line.startswith(self.REMOTE_PID) and node not in self.remote_pids:
+            if line.startswith(self.REMOTE_PID):  # also a node started again (elastic.grow)
                 self.remote_pids[node] = int(line[len(self.REMOTE_PID):])
             else:
                 log(line)
@@ -216,7 +331,7 @@ class SshLauncher(NodeProcesses):
             pid = self.remote_pids.get(node)
             if proc.poll() is None and pid is not None:
                 try:
-                    subprocess.run(["ssh", *launch.ssh.options, launch.hosts[node],
+                    subprocess.run(["ssh", *launch.ssh.options, self.hosts[node],
                                     command.format(pid=pid)],
                                    stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout_s)
                 except subprocess.TimeoutExpired:
@@ -376,8 +491,14 @@ class SlurmLauncher(SchedulerJob):
         spec, slurm = self.spec, self.spec.launch.slurm
         # --no-requeue: a node failure fails the attempt (the launch task's retry resumes from
         # the last validated checkpoint) instead of queueing the job again unseen.
-        options = [f"--nodes={spec.nnodes}", "--ntasks-per-node=1", f"--time={slurm.time}",
-                   "--no-requeue"]
+        # Elastic: any count of the range, and the job outlives a failed node (--no-kill):
+        # torchrun's rendezvous trains on with the others. The range is the allocation's; a
+        # node lost from it is not replaced within the job.
+        # (sbatch's --ntasks-per-node=1 would make Slurm grant the range's minimum; srun
+        # places one task per node of whatever was granted.)
+        nodes = f"{spec.min_nodes}-{spec.nnodes}" if spec.elastic else str(spec.nnodes)
+        per_node = ["--no-kill"] if spec.elastic else ["--ntasks-per-node=1"]
+        options = [f"--nodes={nodes}", *per_node, f"--time={slurm.time}", "--no-requeue"]
         options += [f"--partition={slurm.partition}"] if slurm.partition else []
         options += [f"--account={slurm.account}"] if slurm.account else []
         options += [f"--gpus-per-node={slurm.gpus_per_node}"] if slurm.gpus_per_node else []
@@ -390,11 +511,30 @@ class SlurmLauncher(SchedulerJob):
         # srun does not inherit sbatch's --cpus-per-task (Slurm >= 22.05): without it each
         # node's torchrun and all its workers would share one CPU.
         cpus = [f"--cpus-per-task={slurm.cpus_per_node}"] if slurm.cpus_per_node else []
+        wrapper = node_wrapper("$SLURM_NODEID", '"$SLURMD_NODENAME"')
         srun = ["srun", "--kill-on-bad-exit=1", f"--nodes={spec.nnodes}", "--ntasks-per-node=1",
-                *cpus, *node_wrapper("$SLURM_NODEID", '"$SLURMD_NODENAME"'), *spec.command]
+                *cpus, *wrapper, *spec.command]
+        launch = ["# One task per node; the wrapper reads that node's SLURM_NODEID and SLURMD_NODENAME.",
+                  shlex.join(srun)]
+        if spec.elastic:
+            # One step per node: a failed node ends its own step only, the others train on
+            # (one step over all nodes would end with the node, or, with --no-kill, wait for
+            # its task forever). Node 0's step, the rendezvous host's, is the job's verdict.
+            wrapper = node_wrapper("$GOODPUT_NODE_INDEX", '"$SLURMD_NODENAME"')
+            step = ["srun", "--nodes=1", "--ntasks=1", '--nodelist="${nodes[i]}"', *cpus]
+            launch = [
+                "# One step per node of whatever the allocation got of the range.",
+                "steps=()",
+                'for i in "${!nodes[@]}"; do',
+                f"  GOODPUT_NODE_INDEX=$i {' '.join(step)} {shlex.join(wrapper + spec.command)} &",
+                "  steps+=($!)",
+                "done",
+                'status=0; wait "${steps[0]}" || status=$?',
+                'for step in "${steps[@]:1}"; do wait "$step" || true; done',
+                'exit "$status"']
         return "\n".join([
             "#!/bin/bash",
-            f"# Training attempt {spec.name}: {spec.nnodes} node(s), one "
+            f"# Training attempt {spec.name}: {nodes} node(s), one "
             "torchrun each. Rendered by infra/launchers.py;",
             "# its name and output file are on sbatch's command line (SlurmLauncher.submit_command).",
             *(f"#SBATCH {option}" for option in options),
@@ -408,8 +548,7 @@ class SlurmLauncher(SchedulerJob):
             'nodes=( $(scontrol show hostnames "$SLURM_JOB_NODELIST") )',
             'head_node=${nodes[0]}',
             f"export PET_RDZV_ENDPOINT={endpoint}",
-            "# One task per node; the wrapper reads that node's SLURM_NODEID and SLURMD_NODENAME.",
-            shlex.join(srun),
+            *launch,
             "",
         ])
 
@@ -646,10 +785,16 @@ class KubernetesLauncher(SchedulerJob):
         return ["-n", self.namespace, "-l", f"{self.LABEL}={self.name}"]
 
     def _failed_exit_code(self) -> int:
-        """The first non-zero exit code among the pods (torchrun's), else 1."""
+        """The first non-zero exit code among the pods (torchrun's), else 1; a pod that was
+        evicted, or whose node went away, makes the attempt's end a lost node
+        (`final_state` NODE_LOST, or PREEMPTED for the scheduler's preemption)."""
         pods = json.loads(_run(["kubectl", "get", "pods", *self._selector(), "-o", "json"]))
-        codes = [status["state"]["terminated"]["exitCode"] for pod in pods.get("items", [])
-                 for status in pod.get("status", {}).get("containerStatuses", [])
+        statuses = [pod.get("status", {}) for pod in pods.get("items", [])]
+        endings = [pod_lost(status) for status in statuses]
+        self.final_state = next((e for e in endings if e == "NODE_LOST"),
+                                next((e for e in endings if e), None))
+        codes = [status["state"]["terminated"]["exitCode"] for pod in statuses
+                 for status in pod.get("containerStatuses", [])
                  if "terminated" in status.get("state", {})]
         return next((c for c in codes if c != 0), 1)
 
@@ -711,3 +856,25 @@ class KubernetesLauncher(SchedulerJob):
                       f"--timeout={wait_s}s"], timeout=wait_s + 30):
             self._log(f"deleted {self.kind} {self.namespace}/{self.name}")
         return self.code if self.code is not None else STOPPED
+
+
+# How Kubernetes says a pod ended with its node rather than by itself: the pod's
+# status.reason (the kubelet evicting it, its node lost or shut down) and the reason of its
+# DisruptionTarget condition (the taint manager deleting pods of an unreachable node, the
+# pod garbage collector those of a deleted node, a drain through the eviction API, the
+# kubelet under node pressure or shutdown).
+POD_REASONS_NODE_LOST = {"Evicted", "NodeLost", "NodeShutdown", "Terminated"}
+DISRUPTIONS_NODE_LOST = {"DeletionByTaintManager", "DeletionByPodGC", "EvictionByEvictionAPI",
+                         "TerminationByKubelet"}
+
+
+def pod_lost(status: dict) -> str | None:
+    """NODE_LOST when a pod's status says it ended with its node, PREEMPTED when the
+    scheduler preempted it, else None (it ended by itself)."""
+    disruptions = {c.get("reason") for c in status.get("conditions", [])
+                   if c.get("type") == "DisruptionTarget" and c.get("status") == "True"}
+    if status.get("reason") in POD_REASONS_NODE_LOST or disruptions & DISRUPTIONS_NODE_LOST:
+        return "NODE_LOST"
+    if "PreemptionByScheduler" in disruptions:
+        return "PREEMPTED"
+    return None

@@ -9,7 +9,9 @@ to a retry decision (the contract is core/protocol.py).
 Two lines of defence against a crash: torchrun restarts the workers within the attempt
 (`--max-restarts`, launch.max_restarts; they resume from the newest validated checkpoint),
 and when that does not help the attempt fails and the launch task's retry starts a new one.
-A node that dies as a whole (its torchrun agent gone) ends the attempt at once.
+A node that dies as a whole (its torchrun agent gone) ends the attempt at once as node_lost,
+unless the run is elastic (elastic.min_nodes below parallelism.nnodes): torchrun's rendezvous
+then restarts the workers on the nodes that remain, the layout following the smaller world.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from core.protocol import (ENV_ATTEMPT, ENV_LEASE_HOLDER, ENV_MTBF_S, ENV_ORPHAN
                            ENV_RESTART_WAIT_S,
                            ENV_RUN_DIR, ENV_STOP_AFTER, FailureClass, ResumeSpec, in_job_restarts,
                            read_exit_records, read_heartbeat, read_lease, write_lease)
-from infra.launchers import NodeLaunch, free_port, make_launcher  # noqa: F401 (free_port: API)
+from infra.launchers import (RDZV_CONF_ENV, NodeLaunch, free_port,  # noqa: F401 (free_port: API)
+                             make_launcher)
 
 
 class TrainingFailed(RuntimeError):
@@ -54,6 +57,7 @@ class AttemptResult:
     wall_time_s: float
     records: list[dict] = field(default_factory=list)
     restarts: int = 0  # in-job restarts of the worker group (torchrun --max-restarts)
+    worlds: list[int] = field(default_factory=list)  # world size of each start (elastic: changes)
 
 
 def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path, attempt: str,
@@ -65,9 +69,12 @@ def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path, at
     which is also what workers torchrun restarts in-job resume from (the same line)."""
     log_dir = config.run_dir.attempt(attempt).resolve() / "torchrun"
     par = config.parallelism
+    low, high = config.node_range
     return [
         config.launch.python or sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={par.nnodes}",
+        # Elastic: torchrun's rendezvous admits any count of the range (RDZV_CONF_ENV says
+        # how long it waits for more), and restarts the workers when membership changes.
+        f"--nnodes={low}:{high}" if low < high else f"--nnodes={par.nnodes}",
         f"--nproc-per-node={par.nproc_per_node}",
         "--rdzv-backend=c10d",
         # Per attempt: a node left over from an earlier attempt cannot join this one.
@@ -89,6 +96,9 @@ def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path, at
 # benchmarks/RESULTS.md): keep them. Every worker gets it, and so do the benchmarks that start
 # the trainer themselves, so that they time the trainer as it runs.
 ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
+RDZV_SETTLE_S = 15  # an elastic rendezvous' allowance beyond elastic.wait_for_replacement_s
 
 
 def worker_env(config: RunConfig, attempt: str, mtbf_s: float = 0.0,
@@ -120,6 +130,15 @@ def worker_env(config: RunConfig, attempt: str, mtbf_s: float = 0.0,
         env[ENV_MTBF_S] = str(mtbf_s)
     if stop_after is not None:
         env[ENV_STOP_AFTER] = repr(stop_after)
+    if config.elastic_run:
+        # last_call: after a loss, how long the remaining nodes wait for more before going
+        # on; join: the whole rendezvous' limit, past which fewer than elastic.min_nodes
+        # give up: the wait, plus the time a dead node's rendezvous heartbeat takes to expire
+        # (interval x attempts: 5 x 3 s by default; 1 x 3 s lets the survivors settle
+        # sooner) and a margin for the agents' own steps.
+        wait = max(1, math.ceil(config.elastic.wait_for_replacement_s))
+        env[RDZV_CONF_ENV] = (f"last_call_timeout={wait},join_timeout={wait + RDZV_SETTLE_S},"
+                              "keep_alive_interval=1,keep_alive_max_attempt=3")
     if config.launch.network_interface:  # which NIC the collectives use between hosts
         env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = config.launch.network_interface
     return {**env, **config.launch.env}
@@ -129,7 +148,8 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, attempt
                 log: Callable[[str], None], poll_s: float = 0.5,
                 on_progress: Callable[[dict], None] | None = None, mtbf_s: float = 0.0,
                 start: ResumeSpec = ResumeSpec.validated(),
-                stop_after: float | None = None, lease_holder: str | None = None) -> AttemptResult:
+                stop_after: float | None = None, lease_holder: str | None = None,
+                on_layout_change: Callable[[dict], None] | None = None) -> AttemptResult:
     """Run one training attempt on every node to its end; never leaves a worker behind.
 
     `lease_holder`: who holds the run's lease (RunLease) for this attempt, e.g. the flow run
@@ -139,7 +159,8 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, attempt
     `stop_after` (Unix time): the workers end the attempt, as done, right after the first
     checkpoint they save from then on.
 
-    `on_progress` receives every new heartbeat (step, loss, tokens/s, ...) as it appears.
+    `on_progress` receives every new heartbeat (step, loss, tokens/s, ...) as it appears;
+    `on_layout_change` each new world of an elastic job (layout_change: before and after).
     While it runs, `stop_live_attempts` (another thread: a cancelled flow) can end it: the
     attempt then ends as cancelled, whatever the workers' exit records say.
     """
@@ -148,22 +169,27 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, attempt
             lease_holder = f"attempt {attempt}"
             stack.enter_context(RunLease(config, lease_holder).held(log))
         return _supervise(config, config_path, dataset_dir, attempt, log, poll_s, on_progress,
-                          mtbf_s, start, stop_after, lease_holder)
+                          mtbf_s, start, stop_after, lease_holder, on_layout_change)
 
 
 def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt: str,
                log: Callable[[str], None], poll_s: float,
                on_progress: Callable[[dict], None] | None, mtbf_s: float, start: ResumeSpec,
-               stop_after: float | None, lease_holder: str) -> AttemptResult:
+               stop_after: float | None, lease_holder: str,
+               on_layout_change: Callable[[dict], None] | None = None) -> AttemptResult:
     launcher = make_launcher(NodeLaunch.of(
         config, torchrun_command(config, config_path, dataset_dir, attempt, start),
         worker_env(config, attempt, mtbf_s, stop_after, lease_holder),
         config.run_dir.attempt(attempt), name=f"goodput-{config.run.run_id}-{attempt}"))
-    log(f"launch attempt {attempt}: {config.parallelism.nnodes} node(s) x "
+    low, high = config.node_range
+    log(f"launch attempt {attempt}: {f'{low} to {high}' if low < high else high} node(s) x "
         f"{config.parallelism.nproc_per_node} worker(s), launcher {config.launch.kind}")
     started = time.monotonic()
     hung = False
-    watch = HangWatch(config.run, attempt)
+    # Elastic: between a lost node and the workers' restart the rendezvous may wait for it.
+    watch = HangWatch(config.run, attempt, config.elastic.wait_for_replacement_s + RDZV_SETTLE_S
+                      if config.elastic_run else 0.0)
+    worlds: list[int] = []
     progress = _NewestOnly(on_progress) if on_progress is not None else None
     # The launcher's grace and torchrun's (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, worker_env) are
     # both faults.emergency_save_s: whichever ends first, the workers had that long.
@@ -177,10 +203,18 @@ def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt:
                 continue
             beat = watch.observe(read_heartbeat(config.run_dir))
             if beat is not None and beat.get("phase") == "startup":
+                world = beat.get("world_size")
                 if beat.get("start"):
                     log(f"workers restarted in-job (restart {beat['start']} of this attempt; "
                         f"launch.max_restarts={config.launch.max_restarts} per node): resuming "
                         "from the newest validated checkpoint")
+                if world is not None and worlds and world != worlds[-1]:
+                    change = layout_change(config, worlds[-1], world)
+                    log(change["text"])
+                    if on_layout_change is not None:
+                        on_layout_change(change)
+                if world is not None:
+                    worlds.append(world)
             elif beat is not None and progress is not None:
                 progress.put(beat)
             stalled = watch.stalled()
@@ -197,9 +231,32 @@ def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt:
             progress.close()
     result = classify(config.run_dir, attempt, returncode, hung, time.monotonic() - started,
                       scheduler_state=getattr(launcher, "final_state", None))
+    result.worlds = worlds
     if live.cancelled and result.failure_class != FailureClass.DONE:
         result.failure_class, result.reason = FailureClass.CANCELLED, "stopped by a cancellation"
+    elif result.failure_class == FailureClass.NODE_LOST and config.elastic_run:
+        lost = len(getattr(launcher, "lost_nodes", []))
+        result.reason = (f"{result.reason}; {lost or 'a'} node(s) lost, and fewer than "
+                         f"elastic.min_nodes={low} remained for elastic.wait_for_replacement_s="
+                         f"{config.elastic.wait_for_replacement_s:g}s")
     return result
+
+
+def layout_change(config: RunConfig, before: int, after: int) -> dict:
+    """An elastic job's new world, `before` and `after` (nodes, workers, layout, gradient
+    accumulation), and its log line (`text`)."""
+    per_node = config.parallelism.nproc_per_node
+
+    def world(size: int) -> dict:
+        dims, accum = config.layout_on(size // per_node)
+        return {"nodes": size // per_node, "world_size": size, "layout": dims.degrees,
+                "grad_accum_steps": accum, "name": f"{dims.name} x accumulation {accum}"}
+
+    old, new = world(before), world(after)
+    text = (f"layout changed: {old['nodes']} -> {new['nodes']} node(s), world {before} -> "
+            f"{after}, {old['name']} -> {new['name']} (global batch {config.global_batch} kept)")
+    return {"before": old, "after": new, "full_world_size": config.parallelism.world_size,
+            "global_batch": config.global_batch, "text": text}
 
 
 class _NewestOnly:
@@ -390,8 +447,9 @@ class HangWatch:
     max(run.hang_min_s, 20 x the slowest step seen).
     """
 
-    def __init__(self, run_cfg, attempt: str):
+    def __init__(self, run_cfg, attempt: str, rendezvous_s: float = 0.0):
         self.cfg, self.attempt = run_cfg, attempt
+        self.rendezvous_s = rendezvous_s  # an elastic rendezvous may wait this long between steps
         self.last_beat: dict | None = None
         self.slowest_step_s = 0.0
         self.restart()
@@ -419,8 +477,9 @@ class HangWatch:
         if self.last_beat.get("step", 0) >= self.last_beat.get("max_steps", float("inf")):
             return self.cfg.checkpoint_timeout_s, "no exit after the last step"
         if self.cfg.hang_timeout_s is not None:
-            return self.cfg.hang_timeout_s, "no training progress"
-        return max(self.cfg.hang_min_s, 20 * self.slowest_step_s), "no training progress"
+            return self.cfg.hang_timeout_s + self.rendezvous_s, "no training progress"
+        return (max(self.cfg.hang_min_s, 20 * self.slowest_step_s) + self.rendezvous_s,
+                "no training progress")
 
     def stalled(self) -> str:
         limit, what = self.timeout()
@@ -436,6 +495,11 @@ SCHEDULER_ENDINGS = {
     "TIMEOUT": (FailureClass.RETRYABLE, "the job reached its time limit (launch.slurm.time)"),
     "PREEMPTED": (FailureClass.RETRYABLE, "the scheduler preempted the job"),
     "BOOT_FAIL": (FailureClass.NODE_LOST, "a node of the job failed to boot (BOOT_FAIL)"),
+    # infra.launchers: a local or ssh node's agent vanished; a Kubernetes pod evicted or its
+    # node gone.
+    "NODE_LOST": (FailureClass.NODE_LOST, "a node was lost: its torchrun agent vanished (the "
+                  "host died, the process was killed, or its connection dropped) or the "
+                  "scheduler evicted its pod"),
 }
 
 

@@ -66,6 +66,7 @@ class TrainingProgress:
         self.key = artifact_key("training-progress", config.run.run_id)
         self.attempt, self.every_s = attempt, every_s
         self.artifact_id = None
+        self.layout: str | None = None  # an elastic job's world, once it changed
         self.first: dict | None = None
         self.shown: dict | None = None
         self.shown_at = -math.inf  # the first heartbeat is shown (monotonic time starts at boot)
@@ -96,6 +97,13 @@ class TrainingProgress:
         except Exception as e:  # a view of the run: it must never stop training
             get_run_logger().warning(f"progress artifact not updated: {e!r}")
 
+    def layout_changed(self, change: dict) -> None:
+        """An elastic job's new world (infra.torchrun.layout_change): shown from the next
+        update on, e.g. "world 2 of 4: dp_replicate=2 x ... x accumulation 2"."""
+        after = change["after"]
+        self.layout = f"world {after['world_size']} of {change['full_world_size']}: {after['name']}"
+        self.shown_at = -math.inf  # the next heartbeat shows it
+
     def describe(self, beat: dict, ended: str | None = None) -> str:
         """E.g. "step 120 / 300 · 61,440 tokens · loss 3.2101 · 2,900 tokens/s · ETA 1m02s";
         once the attempt `ended`, "step 140 / 300 · ... · loss 3.1002 · ended: time limit"."""
@@ -103,6 +111,8 @@ class TrainingProgress:
         parts = [f"step {step:,} / {self.max_steps:,}", f"{step * self.tokens_per_step:,} tokens"]
         if beat.get("loss") is not None:
             parts.append(f"loss {beat['loss']:.4f}")
+        if self.layout is not None:
+            parts.append(self.layout)
         if ended is not None:
             return " · ".join([*parts, f"ended: {ended}", f"attempt {self.attempt}"])
         if beat.get("phase") == "checkpoint":
@@ -321,6 +331,15 @@ def attempt_failed_event(config: RunConfig, attempt: str, failure_class: str, re
                resource={**run_resource(config.run.run_id), "goodput.failure-class": failure_class},
                payload={"attempt": attempt, "failure_class": failure_class, "reason": reason,
                         "step": step})
+
+
+def layout_changed_event(config: RunConfig, attempt: str, change: dict) -> None:
+    """`goodput.layout.changed`: an elastic job's world shrank (lost nodes) or grew (nodes
+    joined), with the layout before and after (nodes, workers, degrees, accumulation)."""
+    emit_event("goodput.layout.changed", resource=run_resource(config.run.run_id),
+               payload={"attempt": attempt, "before": change["before"], "after": change["after"],
+                        "full_world_size": change["full_world_size"],
+                        "global_batch": change["global_batch"]})
 
 
 @task(name="announce-run-finished", cache_policy=NO_CACHE, tags=["report"])

@@ -31,6 +31,7 @@ from tasks.reporting import (
     WorkerLogs,
     attempt_failed_event,
     checkpoint_event,
+    layout_changed_event,
     worker_log,
 )
 
@@ -83,11 +84,16 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
                     "launching; the next run resumes from the newest validated checkpoint")
         return {"attempt": attempt, "step": None, "wall_time_s": 0.0, "stopped": TIME_LIMIT}
 
+    def layout_changed(change: dict) -> None:  # an elastic job lost or gained nodes
+        progress.layout_changed(change)
+        layout_changed_event(config, attempt, change)
+
     ended = "failed"
     try:
         result = train_attempt(config, dataset_dir, store_from_config(config.storage), attempt,
                                worker_log(logger.info, worker_logs), on_progress=progress,
-                               stop_after=limit.deadline, lease_holder=lease_holder)
+                               stop_after=limit.deadline, lease_holder=lease_holder,
+                               on_layout_change=layout_changed)
         ended = result.reason  # done, time limit
     except TrainingFailed as failure:
         ended = str(failure.failure_class)

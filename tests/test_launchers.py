@@ -62,6 +62,9 @@ def ssh():
     while rest[0].startswith("-"):
         rest = rest[2:] if rest[0] in ("-o", "-i", "-p") else rest[1:]
     host, command = rest[0].rsplit("@", 1)[-1], rest[1]
+    if host in os.environ.get("FAKE_SSH_DOWN", "").split(","):  # a host that does not answer
+        print(f"ssh: connect to host {host} port 22: No route to host", file=sys.stderr)
+        sys.exit(255)
     netns = json.loads(os.environ.get("FAKE_SSH_NETNS", "{}"))
     argv = ["bash", "-c", command]
     if host in netns:

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from core.protocol import read_heartbeat
+from core.protocol import ResumeSpec, read_heartbeat
 from flows.prepare import prepare
 from flows.train import train
 from goodput.runs import read_outcomes, write_run_config
@@ -206,3 +206,35 @@ def test_failures_on_slurm_are_classed_from_what_slurm_reports_and_each_retry_re
         assert retry["resumed_from"] > 0 and retry["resumed_from"] >= before["resumed_from"]
     assert Ledger(run_dir).read().steps("uploaded")[-1] == 12
     assert processes_mentioning(str(run_dir)) == []
+
+
+@pytest.mark.slow  # about 100 s
+def test_an_elastic_job_trains_on_when_a_node_is_set_down(tmp_path, dataset, slurm):
+    """parallelism.nnodes=1:2 on Slurm: the job asks for 1-2 nodes and outlives a failed one
+    (--no-kill), one step per node; n2 set DOWN mid-job ends its step (Slurm kills its task),
+    and torchrun's rendezvous restarts the workers on n1 alone (world 1, accumulation 2)
+    within the same job, which completes."""
+    config = slurm_config(tmp_path, "parallelism.nnodes=1:2", "training.max_steps=40",
+                          "checkpoint.every_steps=2", "launch.max_restarts=2",
+                          "elastic.wait_for_replacement_s=3", "elastic.grow=false",
+                          "run.hang_min_s=120")
+    lines: list[str] = []
+
+    def set_n2_down_at_step_3():
+        if trained_to(config) >= 3:
+            slurm.set_node_state("n2", "down", "goodput test: node lost")
+            return True
+        return False
+
+    watcher, _ = in_background(wait_for, set_n2_down_at_step_3, 300, "step 3", 0.2)
+    # In-job restarts resume from the newest committed checkpoint (nothing validates here).
+    result = run_attempt(config, write_run_config(config), dataset, "a1", lines.append,
+                         poll_s=0.2, start=ResumeSpec.newest_committed())
+    watcher.join(timeout=10)
+    text = "\n".join(lines[-60:])
+    assert result.failure_class == "done" and result.step == 40, text
+    assert result.worlds[0] == 2 and result.worlds[-1] == 1, (result.worlds, text)
+    assert "#SBATCH --nodes=1-2" in (config.run_dir.attempt("a1") / "sbatch.sh").read_text()
+    assert sorted(losses_by_step(config.run_dir)) == list(range(1, 41))
+    assert any("resumed from" in line for line in lines), text  # not from scratch
+    assert processes_mentioning(str(config.run_dir)) == []

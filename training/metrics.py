@@ -84,7 +84,9 @@ class StepMetrics:
                           "step_time_s": step_time_s,
                           # rank 0's background save was still writing or hashing when this
                           # step ended: the step shared the CPU with it (benchmarks/ measures it)
-                          "save_in_flight": save_in_flight, **(model_stats or {})}
+                          "save_in_flight": save_in_flight,
+                          # the workers this step ran on: an elastic job's shrinks and grows
+                          "world_size": self.world_size, **(model_stats or {})}
         if step % self.log_every == 0 or step == self.max_steps or validation:
             self._log(validation or {})
         self.writer.heartbeat(step=step, loss=loss, tokens_per_s=tokens_per_s,

@@ -41,6 +41,7 @@ TAGS = {
     "checkpoint_s": "checkpoint/stall_s", "max_memory_allocated_gb": "memory/max_allocated_gb",
     "val_loss": "val/loss", "val_bits_per_byte": "val/bits_per_byte",
     "resumed_at_step": "train/resumed_at_step",  # where an attempt resumed: later steps redone
+    "world_size": "elastic/world_size",  # drops where an elastic job lost nodes, rises where they joined
 }
 # per-source and evaluation scores; a mixture of experts' loads (training.moe_balance)
 _PREFIXES = {"val_loss/": "val/loss/", "eval/": "eval/", "moe/": "moe/"}

@@ -50,7 +50,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     saved past the flow run's deadline (GOODPUT_STOP_AFTER). Returns a small summary."""
     tcfg = config.training
     env = init_distributed(config.parallelism)
-    dims = layout_dims(config, env)
+    dims, accum = layout_dims(config, env)  # an elastic job's world may have shrunk or grown
     torch.manual_seed(tcfg.seed)
 
     data = open_training_data(dataset_dir)
@@ -72,7 +72,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     # lengthen the start. A resumed run has moved on from init_from; its checkpoint wins.
     init_from = config.model.init_from if start is None else None
     layout = parallelize(model, config.parallelism, dims, env.device,
-                         pipeline_loss(tcfg.grad_accum_steps * dims.microbatches_per_step),
+                         pipeline_loss(accum * dims.microbatches_per_step),
                          seed=tcfg.seed if start is None and init_from is None else None,
                          microbatch=(tcfg.micro_batch_size // dims.microbatches_per_step, tcfg.seq_len))
     del model  # from here on the layout's parts are the model
@@ -82,12 +82,12 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     balance = None
     if args.moe is not None:  # the balance loss shares each forward's part of the step's loss
         for part in layout.model_parts:
-            set_loss_scale(part, 1 / (tcfg.grad_accum_steps * dims.microbatches_per_step))
+            set_loss_scale(part, 1 / (accum * dims.microbatches_per_step))
         balance = ExpertBalance(args, layout, env.device, env.is_main)
     loader = DistributedSampleLoader({source.name: source.stream("train") for source in data.sources},
                                      tcfg.seq_len, tcfg.micro_batch_size, layout.dp_rank, layout.dp_size,
                                      tcfg.seed, tcfg.shuffle_window_tokens, config.mix_stages())
-    tokens_per_step = tcfg.tokens_per_rank_step * layout.dp_size
+    tokens_per_step = tcfg.micro_batch_size * accum * tcfg.seq_len * layout.dp_size  # the same on any world
     device_name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     metrics = StepMetrics(MetricsWriter(config.run_dir, enabled=env.is_main), attempt=attempt_of_worker(),
                           max_steps=tcfg.max_steps, log_every=tcfg.log_every,
@@ -118,7 +118,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
         metrics.writer.trackers = open_trackers(config.tracking, config.run_dir.path, config.run.run_id,
                                                 progress.step if retried else None, flat_config(config),
                                                 [earlier[step] for step in sorted(earlier)])
-    validation = HeldOutInLoop(config, data, layout, env.device)
+    validation = HeldOutInLoop(config, data, layout, env.device, accum)
     stop_after = os.environ.get(ENV_STOP_AFTER)
     holder, orphan_after = os.environ.get(ENV_LEASE_HOLDER), os.environ.get(ENV_ORPHAN_AFTER_S)
     lease = (LeaseWatch(config.run_dir, holder, float(orphan_after))
@@ -131,6 +131,10 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
         log.info("%s parameters, world size %d, layout %s%s, %s tokens/step, steps %d..%d",
                  f"{n_params:,}", env.world_size, dims.name, stages, f"{tokens_per_step:,}",
                  progress.step + 1, tcfg.max_steps)
+        if env.world_size != config.parallelism.world_size:
+            log.info("elastic: %d of %d workers, gradient accumulation %d (configured %d): "
+                     "the global batch of %d samples is kept", env.world_size,
+                     config.parallelism.world_size, accum, tcfg.grad_accum_steps, config.global_batch)
         if progress.step >= tcfg.max_steps:
             log.info("step %d is training.max_steps: nothing to train (raise it to train on)",
                      progress.step)
@@ -141,11 +145,10 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
             step_start = time.perf_counter()
             lr = set_lr(optimizers, lr_at(progress.step + 1, tcfg))
             loss_sum = torch.zeros((), device=env.device)
-            for micro in range(tcfg.grad_accum_steps):
+            for micro in range(accum):
                 inputs, targets = to_device(loader.next_batch(), env.device)
                 loss_sum += forward_backward(layout, inputs, targets, env.device,
-                                             last_micro=micro == tcfg.grad_accum_steps - 1,
-                                             accum=tcfg.grad_accum_steps)
+                                             last_micro=micro == accum - 1, accum=accum)
             mean_loss = global_loss(layout, faults.poison_loss(progress.step + 1, loss_sum))
             norm = clip_grad_norm_(layout, tcfg.grad_clip)
             # The step's one host read: loss and norm together (each read waits for the device).
@@ -226,10 +229,10 @@ class HeldOutInLoop:
     over the first eval.in_loop_batches validation batches of each source, split over the
     data-parallel ranks; every rank takes part (FSDP gathers, pipeline stages pass activations)."""
 
-    def __init__(self, config: RunConfig, data, layout: Layout, device: torch.device):
+    def __init__(self, config: RunConfig, data, layout: Layout, device: torch.device, accum: int):
         self.every, self.data, self.layout, self.device = config.eval.every_steps, data, layout, device
         self.seq_len, self.micro_batch = config.training.seq_len, config.training.micro_batch_size
-        self.batches, self.accum = config.eval.in_loop_batches, config.training.grad_accum_steps
+        self.batches, self.accum = config.eval.in_loop_batches, accum  # pipeline_loss's share
         # Opened and sized now: a split too small fails before training, not at step every_steps.
         self.streams = ({s.name: s.stream("validation") for s in data.sources} if self.every else {})
         self.per_rank = {name: self._batches_per_rank(stream) for name, stream in self.streams.items()}
@@ -301,14 +304,25 @@ def pipeline_loss(share: int):
     return loss_fn
 
 
-def layout_dims(config: RunConfig, env: Dist) -> ParallelDims:
-    """The configured layout; a plain single process (no torchrun) runs the model whole."""
+def layout_dims(config: RunConfig, env: Dist) -> tuple[ParallelDims, int]:
+    """The layout and gradient accumulation of the world torchrun started: the configured
+    ones on parallelism.nnodes; on fewer or more nodes of an elastic range, the layout that
+    keeps the global batch (RunConfig.layout_on). A plain single process (no torchrun) runs
+    the model whole."""
     if not dist.is_initialized():
-        return ParallelDims()
-    if env.world_size != config.parallelism.world_size:
+        return ParallelDims(), config.training.grad_accum_steps
+    par, (low, high) = config.parallelism, config.node_range
+    nodes, extra = divmod(env.world_size, par.nproc_per_node)
+    if extra or not low <= nodes <= high:
+        wanted = (f"parallelism.nnodes x nproc_per_node = {par.world_size}" if low == high else
+                  f"{low} to {high} nodes (elastic.min_nodes to parallelism.nnodes) x "
+                  f"{par.nproc_per_node} (parallelism.nproc_per_node)")
         raise ConfigError(f"torchrun started {env.world_size} workers but the config asks for "
-                          f"parallelism.nnodes x nproc_per_node = {config.parallelism.world_size}")
-    return config.parallelism.dims()
+                          f"{wanted}")
+    try:
+        return config.layout_on(nodes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def skipped_data(config: RunConfig) -> list[tuple[int, int]]:
