@@ -19,7 +19,9 @@ sequence, and gets them as Llama 3 did (The Llama 3 Herd of Models, section 3.3.
 Why this rather than torch's `context_parallel` (torch.distributed.tensor.experimental), which
 passes the keys and values around a ring and overlaps that with the attention of the chunks
 at hand: in torch 2.13 it dispatches only the CUDA kernels of scaled_dot_product_attention
-(flash, efficient, cuDNN), so on CPU under gloo it does not run; it wraps the attention call
+(flash, efficient, cuDNN), so on CPU under gloo it does not run ("Operator
+aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding strategy
+registered"); it wraps the attention call
 in a global override rather than a module; and with grouped-query attention the keys and
 values are the small part (Llama 3 405B: 8 of 128 heads), so gathering them whole costs
 little next to the attention itself. The all-gather runs on gloo and NCCL alike, under
