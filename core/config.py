@@ -553,10 +553,10 @@ def parse_bytes(text: str) -> int:
 class ParallelismConfig(_Section):
     """Where the workers run and how the model is laid out over them.
 
-    dp_replicate x dp_shard x tp x pp = world size (nnodes x nproc_per_node); dp_replicate or
+    dp_replicate x dp_shard x cp x tp x pp = world size (nnodes x nproc_per_node); dp_replicate or
     dp_shard may be -1, meaning "whatever the others leave"; both -1 (dp_replicate's
     default with dp_shard=-1) shard over the rest: dp_replicate is then 1. The mesh is named (dp_replicate, dp_shard,
-    tp) per pipeline stage with TP innermost, so TP groups sit on the fastest links.
+    cp, tp) per pipeline stage with TP innermost, so TP groups sit on the fastest links.
 
     Pipeline stages split the layers by one rule (core.layout's ParallelDims.stage_layers):
     pp_layers_per_stage lists them outright; otherwise they split as evenly as possible, the
@@ -594,6 +594,13 @@ class ParallelismConfig(_Section):
                     "divide it; TP ranks hold other parts of the sequences): the experts are "
                     "sharded by EP (and by FSDP over the rest of those ranks), every other "
                     "weight by FSDP over dp_shard.")
+    cp: int = Field(1, ge=1, description="Context parallelism, for long sequences: each "
+                    "sequence split over this many ranks, each holding two of its 2 x cp chunks "
+                    "(the i-th from the start and from the end, so causal attention costs each "
+                    "rank the same) and all-gathering every layer's keys and values. Its ranks "
+                    "share their samples, and FSDP shards the weights over dp_shard x cp. "
+                    "training.seq_len must be a multiple of 2 x cp (x tp with TP). Not with "
+                    "pp > 1 or a model.moe model yet.")
     tp: int = Field(1, ge=1, description="Tensor-parallel degree (within a node).")
     pp: int = Field(1, ge=1, description="Pipeline stages (across nodes).")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b"] = Field("1f1b")
@@ -644,8 +651,8 @@ class ParallelismConfig(_Section):
         config's nnodes x nproc_per_node); raises LayoutError when the degrees do not fit."""
         if world_size is None:
             world_size, world = self.world_size, f"world size {self.world_size} (nnodes x nproc_per_node)"
-        return ParallelDims.resolve({d: getattr(self, d) for d in DEGREES}, world_size, world,
-                                    ep=self.ep, **self.pipeline())
+        return ParallelDims.resolve({**{d: getattr(self, d) for d in DEGREES}, "cp": self.cp},
+                                    world_size, world, ep=self.ep, **self.pipeline())
 
     def pipeline(self) -> dict:
         """The pipeline settings ParallelDims takes beside the degrees."""
@@ -657,7 +664,7 @@ class ParallelismConfig(_Section):
                 "virtual_stages": self.pp_virtual_stages}
 
     def degrees(self) -> dict[str, int]:
-        """The four degrees with -1 resolved."""
+        """The degrees (ParallelDims.degrees) with -1 resolved."""
         return self.dims().degrees
 
     @model_validator(mode="after")

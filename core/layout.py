@@ -1,8 +1,10 @@
 """The parallel layout of a run, in one object (torchtitan's ParallelDims is the model).
 
-A layout is dp_replicate x dp_shard x tp x pp = world size, laid out on a device mesh named
-MESH_DIMS in row-major order with TP innermost, so TP groups are consecutive ranks on the
-fastest links. Expert parallelism (ep) adds no ranks: it splits dp_shard x tp into (efsdp,
+A layout is dp_replicate x dp_shard x cp x tp x pp = world size, laid out on a device mesh
+named MESH_DIMS in row-major order with TP innermost, so TP groups are consecutive ranks on
+the fastest links, and context parallelism (cp) next to them: its ranks exchange every
+layer's keys and values. The ranks of a cp group hold the same samples, each a part of every
+sequence (ParallelDims.cp); the weights are sharded by FSDP over dp_shard x cp. Expert parallelism (ep) adds no ranks: it splits dp_shard x tp into (efsdp,
 ep), ep inner, and the experts of a mixture-of-experts model are sharded over ep (and by
 FSDP over efsdp) while every other weight is sharded over dp_shard (and tp)
 (ParallelDims.expert_mesh_shape). `ParallelDims` resolves a `-1` degree, says which data parallelism the trainer
@@ -18,9 +20,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+# The degrees one -1 may fill (and the planner's search ranks). Context parallelism (cp) is
+# set outright, never filled: its degree follows from the sequence length, not the cluster.
 DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
 LESS_FIRST, LESS_LAST = "pp_first_stage_less_layers", "pp_last_stage_less_layers"  # config fields
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")  # row-major: TP innermost
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # row-major: TP innermost
 
 
 @dataclass(frozen=True)
@@ -65,19 +69,27 @@ class ParallelDims:
     virtual_stages: int | None = None
     # Expert parallelism (parallelism.ep): ranks of dp_shard that split each MoE layer's experts.
     ep: int = 1
+    # Context parallelism (parallelism.cp): ranks that split every sequence, each holding two
+    # of its 2 x cp chunks (i and 2cp-1-i, so that causal attention costs each the same).
+    cp: int = 1
 
     @classmethod
     def resolve(cls, degrees: dict[str, int], world_size: int, world: str = "",
                 **pipeline) -> ParallelDims:
-        """The layout of `degrees` (at most one of them -1: whatever the others leave) on
-        `world_size` ranks (`world` names them in errors). Raises LayoutError."""
+        """The layout of `degrees` (at most one of DEGREES -1: whatever the others leave;
+        "cp" given outright, 1 when left out) on `world_size` ranks (`world` names them in
+        errors). Raises LayoutError."""
         world = world or f"world size {world_size}"
         named = {d: degrees[d] for d in DEGREES}
+        cp = degrees.get("cp", 1)
+        if cp < 1:
+            raise LayoutError(Problem(f"parallelism.cp={cp} must be a positive number of ranks "
+                                      "(it is never filled by -1)", "set parallelism.cp=1 or more"))
         free = [d for d, v in named.items() if v == -1]
         if len(free) > 1 or any(v == 0 or v < -1 for v in named.values()):
             raise LayoutError(Problem(f"parallelism degrees must be positive, with at most one -1 "
                                       f"(got {named})", "give the others as numbers"))
-        fixed = math.prod(v for v in named.values() if v != -1)
+        fixed = cp * math.prod(v for v in named.values() if v != -1)
         if free:
             if world_size % fixed:
                 raise LayoutError(Problem(
@@ -85,14 +97,15 @@ class ParallelDims:
                     "choose degrees whose product divides it"))
             named[free[0]] = world_size // fixed
         elif fixed != world_size:
-            raise LayoutError(Problem(f"dp_replicate*dp_shard*tp*pp = {fixed} does not match {world}",
+            raise LayoutError(Problem(f"dp_replicate*dp_shard*cp*tp*pp = {fixed} does not match {world}",
                                       "make the product equal it, or set one degree to -1 to fill "
                                       "the rest"))
-        return cls(**named, **pipeline)
+        return cls(**named, cp=cp, **pipeline)
 
     @property
     def degrees(self) -> dict[str, int]:
-        return {d: getattr(self, d) for d in DEGREES}
+        """Every degree, in the order of the layout's name: DEGREES with cp before tp."""
+        return {d: getattr(self, d) for d in ("dp_replicate", "dp_shard", "cp", "tp", "pp")}
 
     @property
     def name(self) -> str:
@@ -117,21 +130,32 @@ class ParallelDims:
     # -- data parallelism ---------------------------------------------------------------------
     @property
     def dp_size(self) -> int:
+        """Data-parallel ranks: groups of ranks with samples of their own (the ranks of a cp
+        group share theirs)."""
         return self.dp_replicate * self.dp_shard
 
     @property
+    def loss_shares(self) -> int:
+        """Ranks whose losses, each the mean over its own tokens, average to the step's loss:
+        each data-parallel rank's cp ranks hold equal parts of its sequences."""
+        return self.dp_size * self.cp
+
+    @property
     def pure_replication(self) -> bool:
-        return self.dp_shard == 1 and self.tp == 1 and self.pp == 1
+        return self.dp_shard == 1 and self.cp == 1 and self.tp == 1 and self.pp == 1
 
     @property
     def ddp(self) -> bool:
-        """DDP: data parallelism is pure replication (nothing sharded, no TP, no PP)."""
+        """DDP: data parallelism is pure replication (nothing sharded, no CP, TP or PP)."""
         return self.dp_size > 1 and self.pure_replication
 
     @property
     def fsdp(self) -> bool:
-        """FSDP2 (HSDP with dp_replicate > 1) for every other data-parallel layout."""
-        return self.dp_size > 1 and not self.pure_replication
+        """FSDP2 (HSDP with dp_replicate > 1) for every other data-parallel layout, and under
+        context parallelism: its ranks hold the same weights and average their gradients, so
+        FSDP shards the weights over dp_shard x cp (as torchtitan does) at the cost of the
+        all-reduce it replaces."""
+        return self.loss_shares > 1 and not self.pure_replication
 
     # -- pipeline -----------------------------------------------------------------------------
     @property
@@ -274,14 +298,20 @@ class ParallelDims:
                 f"tp={tp} does not divide the vocabulary ({vocab_size}) that TP splits",
                 f"choose tp in {_divisors(math.gcd(vocab_size, head_tp), limit)}, or a "
                 f"model.vocab_multiple_of divisible by {tp}"))
-        if seq_len % tp:
-            # Sequence parallelism splits every sequence over the TP ranks: uneven parts give
-            # the ranks different shapes and the collectives fail or hang.
+        problems += self.context_problems(seq_len, num_experts)
+        if seq_len % self.cp == 0 and (seq_len // self.cp) % tp:
+            # Sequence parallelism splits every sequence (under CP, this rank's part of it)
+            # over the TP ranks: uneven parts give the ranks different shapes and the
+            # collectives fail or hang.
+            held = (f"training.seq_len={seq_len}" if self.cp == 1 else
+                    f"the {seq_len // self.cp} tokens of training.seq_len={seq_len} each of "
+                    f"cp={self.cp} ranks holds")
+            multiple = self.sequence_multiple
             problems.append(Problem(
-                f"tp={tp} does not divide training.seq_len={seq_len}, which sequence parallelism "
-                "splits over the TP ranks",
-                f"choose tp in {_divisors(math.gcd(seq_len, head_tp), limit)}, or a seq_len "
-                f"divisible by {tp}, e.g. {tp * -(-seq_len // tp)}"))
+                f"tp={tp} does not divide {held}, which sequence parallelism splits over the TP "
+                "ranks",
+                f"choose tp in {_divisors(math.gcd(seq_len // self.cp, head_tp), limit)}, or a "
+                f"seq_len divisible by {multiple}, e.g. {multiple * -(-seq_len // multiple)}"))
         problems += self.expert_problems(num_experts)
         stages = self.stage_problem(n_layers)
         if stages is not None:
@@ -323,6 +353,45 @@ class ParallelDims:
                 f"set parallelism.microbatches to a multiple of {pp}, or at most {pp}"))
         return problems
 
+
+    @property
+    def sequence_multiple(self) -> int:
+        """What training.seq_len must be a multiple of: 2 x cp chunks, each rank's part (or
+        the whole sequence) split evenly over tp by sequence parallelism."""
+        return self.cp * math.lcm(2, self.tp) if self.cp > 1 else self.tp
+
+    def context_problems(self, seq_len: int, num_experts: int | None) -> list[Problem]:
+        """The rules of context parallelism: the sequence splits into 2 x cp equal chunks, and
+        what it does not carry yet is refused. It has no rule on the heads: each rank
+        all-gathers the keys and values of every head (training.context_parallel), where an
+        all-to-all over heads (DeepSpeed-Ulysses) would need cp to divide them."""
+        cp, problems = self.cp, []
+        if cp == 1:
+            return problems
+        if seq_len % (2 * cp):
+            multiple = self.sequence_multiple
+            problems.append(Problem(
+                f"training.seq_len={seq_len} does not split into 2 x cp = {2 * cp} equal chunks: "
+                f"parallelism.cp={cp} gives each rank two chunks of every sequence (the i-th and "
+                "the i-th from the end, which balances causal attention)",
+                f"set training.seq_len to a multiple of {multiple}, e.g. "
+                f"{multiple * -(-seq_len // multiple)}, or parallelism.cp to one of "
+                f"{[d for d in _divisors(seq_len // 2) if d > 1] or [1]}"))
+        if num_experts is not None:
+            # An MoE layer's balance loss and routing statistics are computed per sequence,
+            # which CP would cut into parts; expert parallelism borrows dp_shard x tp, not cp.
+            problems.append(Problem(
+                f"parallelism.cp={cp} with a mixture-of-experts model (model.moe) is not "
+                "supported: the balance loss and the routing statistics are per sequence, and "
+                "each cp rank holds only parts of its sequences",
+                "set parallelism.cp=1 (shard the model with dp_shard, tp or ep instead), or "
+                "train a dense model"))
+        if self.pp > 1:
+            problems.append(Problem(
+                f"parallelism.cp={cp} with pp={self.pp} is not supported: pipeline stages "
+                "would exchange the parts of sequences CP splits, which is not built",
+                "set parallelism.pp=1 and lay the model out with dp_shard and tp beside cp"))
+        return problems
 
     def expert_problems(self, num_experts: int | None) -> list[Problem]:
         """The rules of expert parallelism and of mixture-of-experts models."""

@@ -68,11 +68,11 @@ def test_invalid_values_name_the_field(override, field, hint):
 def test_dp_shard_minus_one_takes_the_rest_from_the_default_dp_replicate():
     """configs/llama2-7b.yaml's own example: dp_replicate's default (-1) gives way."""
     config = load_config("configs/llama2-7b.yaml", ["parallelism.dp_shard=-1", "parallelism.tp=8"])
-    assert config.parallelism.degrees() == {"dp_replicate": 1, "dp_shard": 4, "tp": 8, "pp": 1}
+    assert config.parallelism.degrees() == {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 8, "pp": 1}
     # The same through a full dump, as a Prefect form or a saved run config carries it.
     dumped = config_from_dict({**RunConfig().model_dump(), "parallelism": {
         **RunConfig().parallelism.model_dump(), "dp_shard": -1}})
-    assert dumped.parallelism.degrees() == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1}
+    assert dumped.parallelism.degrees() == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "pp": 1}
 
 
 def test_a_retry_budget_given_overrides_only_its_class():

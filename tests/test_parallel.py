@@ -7,6 +7,7 @@ a 20-step run are not the same curve). Checkpoints saved under one layout resume
 another.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -259,3 +260,49 @@ def test_pipeline_stages_train_under_bf16_autocast(tmp_path, dataset, reference)
         assert pipelined[step] == pytest.approx(single[step], rel=BF16_RTOL), (step, pipelined[step])
     assert any(single[s] != pytest.approx(fp32[s], rel=RTOL) for s in single)
     assert any(pipelined[s] != pytest.approx(fp32[s], rel=RTOL) for s in pipelined)
+
+
+# -- context parallelism -------------------------------------------------------------------------
+
+CP = ("parallelism.dp_replicate=1", "parallelism.cp=2")
+
+
+def test_context_parallel_trains_the_single_process_curve_and_one_process_resumes_it(
+        tmp_path, dataset, reference):
+    """parallelism.cp=2: both ranks are handed the same 4 samples and each trains its two
+    chunks of every sequence (i and 3-i of 4), attending over the whole of it: the
+    single-process curve, tokens counted once, the in-loop validation loss of the same
+    weights; one process resumes from its checkpoint (saved FSDP-sharded over the cp ranks)
+    on the same curve."""
+    every = ("eval.every_steps=10", "eval.in_loop_batches=2")
+    first = run_training(tmp_path, dataset, 2, *CP, "training.micro_batch_size=4", *every,
+                         steps=STEPS)
+    assert_same_curve(first, reference(STEPS))
+    run_dir = small_config(tmp_path, "run.run_id=layout").run_dir
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["tokens_seen"] for r in records if "loss" in r] == [step * 8 * 64 for step in first]
+    validated = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert sorted(validated) == [10, 20]
+
+    (run_dir / "metrics.jsonl").unlink()
+    resumed = run_training(tmp_path, dataset, 1, "training.micro_batch_size=4", *every,
+                           steps=STEPS, resume=str(RunDir.of(run_dir).checkpoint(STEPS // 2)))
+    assert sorted(resumed) == list(range(STEPS // 2 + 1, STEPS + 1))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(reference(STEPS)[step], rel=RTOL), (step, loss)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    again = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert again[20] == pytest.approx(validated[20], rel=RTOL)
+
+
+@pytest.mark.parametrize("layout", [
+    # CP x TP: each TP rank computes its heads of the cp rank's chunks, sequence parallelism
+    # splits the chunks between the blocks
+    ("parallelism.tp=2", "training.micro_batch_size=4"),
+    # CP x FSDP: two data-parallel ranks of two samples each, each split over two cp ranks;
+    # the weights sharded over all four
+    pytest.param(("parallelism.dp_shard=2", "training.micro_batch_size=2"), marks=pytest.mark.slow),
+], ids=["cp-tp", "cp-fsdp"])
+def test_context_parallel_with_tp_or_fsdp_matches_single_process(layout, tmp_path, dataset, reference):
+    assert_same_curve(run_training(tmp_path, dataset, 4, *CP, *layout, steps=STEPS_4),
+                      reference(STEPS_4))

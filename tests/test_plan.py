@@ -35,8 +35,8 @@ def cluster(nodes=1, gpus=8, memory="80GiB", **kw) -> planner.Cluster:
     return planner.Cluster(nodes=nodes, gpus_per_node=gpus, gpu_memory=planner.parse_bytes(memory), **kw)
 
 
-def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1) -> dict[str, int]:
-    return {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "pp": pp}
+def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1) -> dict[str, int]:
+    return {"dp_replicate": dp_replicate, "dp_shard": dp_shard, "cp": cp, "tp": tp, "pp": pp}
 
 
 # -- arithmetic -------------------------------------------------------------------------------

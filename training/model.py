@@ -118,6 +118,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+class CausalAttention(nn.Module):
+    """softmax(q k^T / sqrt(head_dim)) v with a causal mask: each position attends to itself
+    and the positions before it. A module of its own (it holds no weights), so that a layout
+    that gives a rank only part of the sequence can put in its place one that attends over
+    the keys and values of the whole sequence."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: (batch, heads, seq, head_dim); k, v: (batch, kv_heads, seq, head_dim)."""
+        return F.scaled_dot_product_attention(q, *repeat_kv(q, k, v), is_causal=True)
+
+
+def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Grouped-query attention: each key/value head serves heads / kv_heads query heads."""
+    if k.shape[1] == q.shape[1]:
+        return k, v
+    repeat = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -128,6 +147,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -141,10 +161,7 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
-            repeat = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 

@@ -1,12 +1,13 @@
 """Apply a parallelism layout to the model: the only place that knows about layouts.
 
-    mesh   = core.layout.MESH_DIMS: (pp, dp_replicate, dp_shard, tp), TP innermost; expert
-             parallelism sees dp_shard as (efsdp, ep) (build_expert_mesh)
-    order  = pipeline split -> tensor parallel -> expert parallel -> activation checkpointing
-             -> compile -> data parallel (FSDP2 / HSDP, or DDP when the layout is pure
-             replication; the experts by FSDP over efsdp, the rest over dp_shard)
-             -> materialize (the model is built on the meta device; each rank allocates
-                and initialises only what it holds)
+    mesh   = core.layout.MESH_DIMS: (pp, dp_replicate, dp_shard, cp, tp), TP innermost;
+             expert parallelism sees dp_shard as (efsdp, ep) (build_expert_mesh)
+    order  = pipeline split -> tensor parallel -> context parallel -> expert parallel
+             -> activation checkpointing -> compile -> data parallel (FSDP2 / HSDP over
+             dp_shard x cp, or DDP when the layout is pure replication; the experts by FSDP
+             over efsdp) -> materialize (the model is built on the meta device; each rank
+             allocates and initialises only what it holds; under context parallelism its
+             rotary tables keep its own positions' rows)
 
 The model (training/model.py) is plain PyTorch; pipeline stages are copies of the same
 model with the other stages' parts removed, so parameter names (and checkpoints) are the
@@ -26,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from core.errors import ConfigError
 from core.layout import MESH_DIMS, LayoutError, ParallelDims
+from training.context_parallel import apply_context_parallel, shard_rotary_tables, shard_sequence
 from training.expert_parallel import apply_expert_parallel, apply_tensor_parallel_moe
 from training.model import cross_entropy
 from training.moe import moe_layers
@@ -62,8 +64,18 @@ class Layout:
 
     @property
     def reports_loss(self) -> bool:
-        """Exactly one rank per data-parallel replica holds the loss: last stage, TP rank 0."""
+        """The ranks holding a share of the loss (dims.loss_shares of them): last stage, TP
+        rank 0; under context parallelism each cp rank holds its tokens' mean."""
         return self.last_stage and (self.mesh is None or self.mesh.get_local_rank("tp") == 0)
+
+    def sequence_part(self, *batches: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """This rank's part of each (samples, seq_len) batch: all of it, or under context
+        parallelism its two chunks of each sequence (training.context_parallel). Every rank
+        of a cp group is handed the same samples."""
+        if self.dims.cp == 1:
+            return batches
+        cp_rank = self.mesh.get_local_rank("cp")
+        return tuple(shard_sequence(batch, cp_rank, self.dims.cp) for batch in batches)
 
     def group(self, dim: str):
         return self.mesh.get_group(dim) if self.mesh is not None else None
@@ -75,12 +87,24 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh | None:
     return init_device_mesh(device_type, dims.mesh_shape, mesh_dim_names=MESH_DIMS)
 
 
+def data_parallel_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
+    """Where FSDP shards the weights and averages the gradients: (dp_replicate, dp_shard),
+    with dp_shard x cp flattened into one axis under context parallelism (its ranks hold the
+    same weights, and their losses are each the mean of an equal share of the tokens)."""
+    if dims.cp == 1:
+        return mesh["dp_replicate", "dp_shard"]
+    flat = mesh["dp_replicate", "dp_shard", "cp"]._flatten("data_parallel")
+    return flat._unflatten(0, (dims.dp_replicate, dims.dp_shard * dims.cp),
+                           ("dp_replicate", "dp_shard_cp"))
+
+
 def build_expert_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh:
     """A pipeline stage's ranks as expert parallelism sees them: (dp_replicate, efsdp, ep),
     dp_shard x tp split with ep inner (ParallelDims.expert_mesh_shape), so an EP group is
     neighbouring ranks (TP ranks first). Experts shard over ep, and by FSDP over
     (dp_replicate, efsdp)."""
-    stage = mesh["dp_replicate", "dp_shard", "tp"]._flatten("stage")
+    # cp is 1 under EP (core.layout refuses both): in the slice only to keep it contiguous.
+    stage = mesh["dp_replicate", "dp_shard", "cp", "tp"]._flatten("stage")
     return stage._unflatten(0, dims.expert_mesh_shape, ("dp_replicate", "efsdp", "ep"))
 
 
@@ -90,7 +114,8 @@ def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.dev
     to `dims`, then allocate and initialise only what this rank holds (materialize; seed
     None: allocate only, for a caller that loads every weight from a checkpoint).
     `microbatch`: (samples, tokens) of a pipeline micro-batch, which a mixture-of-experts
-    model's pipeline stages need stated (_build_schedule)."""
+    model's pipeline stages need stated (_build_schedule), and context parallelism the
+    tokens of a sequence (its rotary tables' rows)."""
     mesh = build_mesh(dims, device.type)
     if mesh is None:
         parts = materialize([_checkpoint_and_compile(model, par_cfg)], seed, device)
@@ -101,6 +126,10 @@ def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.dev
         stage_ids, parts = split_pipeline(model, mesh, dims)
     parts = [_apply_tp(part, mesh["tp"], experts=dims.ep == 1) if dims.tp > 1 else part
              for part in parts]
+    if dims.cp > 1:
+        if microbatch is None:
+            raise ValueError("context parallelism needs the sequence length: pass microbatch")
+        parts = [apply_context_parallel(part, mesh["cp"]) for part in parts]
     expert_mesh = build_expert_mesh(mesh, dims) if dims.ep > 1 else None
     parts = [apply_expert_parallel(part, expert_mesh["ep"]) if dims.ep > 1 else part for part in parts]
     parts = [_checkpoint_and_compile(part, par_cfg) for part in parts]
@@ -108,10 +137,13 @@ def parallelize(model: nn.Module, par_cfg, dims: ParallelDims, device: torch.dev
     layout = Layout(mesh, dims, parts, stage_ids=stage_ids, fsdp=dims.fsdp, ddp=dims.ddp)
     if layout.fsdp:  # sharded while still on the meta device: each rank allocates its shards
         experts = _expert_fsdp(expert_mesh, dims) if dims.ep > 1 else None
-        parts = [_apply_fsdp(p, mesh["dp_replicate", "dp_shard"], par_cfg, device, experts)
+        parts = [_apply_fsdp(p, data_parallel_mesh(mesh, dims), par_cfg, device, experts)
                  for p in parts]
     # Before DDP, which broadcasts rank 0's weights when it wraps them.
     layout.model_parts = materialize(parts, seed, device)
+    if dims.cp > 1:
+        for part in layout.model_parts:
+            shard_rotary_tables(part, mesh["cp"], microbatch[1])
     if layout.ddp:
         from torch.nn.parallel import DistributedDataParallel
 

@@ -272,7 +272,9 @@ class HeldOutInLoop:
 
 
 def batch_loss(layout: Layout, inputs, targets, device, accum: int) -> torch.Tensor:
-    """The mean loss of one batch, forward only (the last pipeline stage's, or 0 elsewhere)."""
+    """The mean loss of one batch, forward only (the last pipeline stage's, or 0 elsewhere;
+    under context parallelism, of this rank's part of the sequences)."""
+    inputs, targets = layout.sequence_part(inputs, targets)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=layout.autocast)
     with autocast:
         if layout.schedule is not None:
@@ -345,6 +347,7 @@ def forward_backward(layout: Layout, inputs, targets, device, last_micro: bool, 
     Gradients are synchronised across data-parallel ranks once per step, on the last
     micro-batch.
     """
+    inputs, targets = layout.sequence_part(inputs, targets)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=layout.autocast)
     if layout.schedule is not None:
         losses: list[torch.Tensor] = []
@@ -370,13 +373,14 @@ def global_loss(layout: Layout, local: torch.Tensor) -> torch.Tensor:
     """The step's mean loss over the global batch, identical on every rank (a 0-d tensor on
     the device: the caller reads it together with the gradient norm).
 
-    Exactly one rank per data-parallel replica reports (last pipeline stage, TP rank 0).
+    One rank per data-parallel replica reports (last pipeline stage, TP rank 0), or under
+    context parallelism each of its cp ranks, the mean over its part of the sequences.
     """
     if not dist.is_initialized():
         return local
     reported = local if layout.reports_loss else torch.zeros_like(local)
     dist.all_reduce(reported)
-    return reported / layout.dp_size
+    return reported / layout.dims.loss_shares
 
 
 def device_memory(device: torch.device) -> dict:
