@@ -110,9 +110,10 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        cos, sin = cos[:seq], sin[:seq]
+        cos, sin = cos[..., :seq, :], sin[..., :seq, :]
         # Head counts come from the projections' outputs (-1), so the same code runs when
         # tensor parallelism gives this rank only some of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
@@ -122,7 +123,7 @@ class Attention(nn.Module):
         if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -145,8 +146,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x, cos, sin, mask=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -225,17 +226,25 @@ class Transformer(nn.Module):
         model.init_buffers(model.output.weight.device)
         return model
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, mask: torch.Tensor | None = None):
         """tokens: (batch, seq) ids. Returns logits, or the mean cross-entropy with targets.
 
         A pipeline stage is this model with the parts of other stages set to None: then the
         input may be hidden states and the output is hidden states.
+
+        Packed sequences (evaluation scores several continuations of one context in one
+        row): `positions` (batch, seq) is each token's position, `mask` (batch, 1, seq, seq)
+        True where a token may attend. Default: positions 0, 1, ... and causal attention.
         """
         # Attention slices the rotary tables to its own sequence length: a pipeline stage
         # with sequence parallelism receives only this rank's part of the sequence.
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin = self.rope_cos, self.rope_sin
+        if positions is not None:  # each row's own angles, broadcast over the heads
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         for layer in self.layers.values():
-            x = layer(x, self.rope_cos, self.rope_sin)
+            x = layer(x, cos, sin, mask)
         if self.output is None:
             return x
         logits = self.output(self.norm(x))
