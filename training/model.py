@@ -58,8 +58,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        # torch's fused kernel (forward and backward in one pass each, statistics in fp32):
+        # x * rsqrt(mean(x^2) + eps) * weight, as written out in Llama and transformers.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -95,10 +96,14 @@ def rope_cache(head_dim: int, max_seq_len: int, theta: float,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (batch, heads, seq, head_dim). Rotates pairs (i, i + head_dim/2)."""
+    """x: (batch, heads, seq, head_dim). Rotates pairs (i, i + head_dim/2):
+    x * cos + (-x2, x1) * sin, where x1, x2 are x's halves."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    # (-x2, x1) * sin == roll(x, half) * (-sin, sin): the sign moves to the small table, and
+    # one roll replaces a negation, two slices and a concatenation of the large tensor
+    # (whose backward zero-fills a gradient per slice). The same products, bit for bit.
+    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return x * cos + x.roll(half, dims=-1) * signed_sin
 
 
 class Attention(nn.Module):
