@@ -127,9 +127,9 @@ def run_bare(config_path: Path, dataset: Path, threads: int, out: Path, variant:
              ) -> list[tuple[float, float]]:
     env = worker_env(threads)
     if "malloc" in variant:  # glibc's thresholds fixed from the start, as the trainer fixes them
-        from infra.torchrun import ALLOCATOR_ENV
+        from training.allocator import THRESHOLD_ENV
 
-        env.update(ALLOCATOR_ENV)
+        env.update(THRESHOLD_ENV)
     run([sys.executable, __file__, "--bare-worker", str(config_path), str(dataset), str(out)],
         env, variant)
     return [tuple(x) for x in json.loads(out.read_text())]
