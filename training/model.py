@@ -152,7 +152,8 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x, cos, sin, mask=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask)
+        # mask by keyword: tensor parallelism lays out the positional inputs (x, cos, sin)
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -249,7 +250,7 @@ class Transformer(nn.Module):
         if positions is not None:  # each row's own angles, broadcast over the heads
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         for layer in self.layers.values():
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin, mask=mask)
         if self.output is None:
             return x
         logits = self.output(self.norm(x))
