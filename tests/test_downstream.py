@@ -282,6 +282,15 @@ def test_packed_scoring_equals_scoring_each_request_whole(setup, tmp_path):
                 assert packed["results"][task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
     assert packed["results"]["colors_mc"]["acc,none"] > 0.25 + 0.2  # a trained model, not chance
 
+    # eval.precision=bf16 (what 'auto' runs on a GPU), here on CPU: the same packed path
+    # under bf16 autocast, log-likelihoods near fp32's.
+    bf16 = evaluator.simple_evaluate(
+        model=project_lm(model, tokenizer, eos, 3, torch.device("cpu"), precision="bf16"), tasks=["colors_mc"],
+        task_manager=task_manager_for(["colors_mc"], str(task_dir)), bootstrap_iters=0, log_samples=True)
+    for a, b in zip(bf16["samples"]["colors_mc"], packed["samples"]["colors_mc"]):
+        assert [r[0] for r in a["filtered_resps"]] == pytest.approx([r[0] for r in b["filtered_resps"]], rel=0.05, abs=0.1)
+    assert bf16["results"]["colors_mc"]["acc,none"] > 0.25 + 0.2
+
     # What packing reads: each multiple-choice context once, the partial-scoring items' two
     # contexts up to where they differ once, and the long contexts cut to max_seq_len.
     lm = project_lm(model, tokenizer, eos, 3, torch.device("cpu"))
