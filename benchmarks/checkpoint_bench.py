@@ -381,7 +381,8 @@ def shutdown() -> None:
 # == the driver ==================================================================================
 
 def torchrun(args, *worker_args: str, env: dict | None = None) -> dict:
-    from infra.torchrun import ALLOCATOR_ENV, free_port
+    from infra.torchrun import free_port
+    from training.allocator import THRESHOLD_ENV
 
     out = Path(args.dir) / "result.json"
     out.unlink(missing_ok=True)
@@ -389,7 +390,7 @@ def torchrun(args, *worker_args: str, env: dict | None = None) -> dict:
            f"--rdzv-endpoint=127.0.0.1:{free_port()}", __file__, *worker_args, "--layout", args.layout,
            "--dir", args.dir, "--micro-batch", str(args.micro_batch), "--seq-len", str(args.seq_len),
            "--result", str(out)]
-    full_env = {**os.environ, **ALLOCATOR_ENV, "OMP_NUM_THREADS": "1", **(env or {})}  # as workers get it
+    full_env = {**os.environ, **THRESHOLD_ENV, "OMP_NUM_THREADS": "1", **(env or {})}  # as the trainer runs
     proc = subprocess.run(cmd, env=full_env, cwd=REPO, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")

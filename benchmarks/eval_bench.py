@@ -336,6 +336,236 @@ def eval_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+# --- part backends ---------------------------------------------------------------------------
+
+def whole_requests_lm(model, tokenizer, eos_id: int, batch_size: int, device):
+    """ProjectLM as it was before issue 37, the baseline of part backends and of
+    tests/test_downstream.py: every request scored whole in its own row (a multiple-choice
+    item's context read once per choice), rolling texts one at a time."""
+    import torch
+    import torch.nn.functional as F
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    from training.downstream import _make_lm_class
+
+    class WholeRequestsLM(_make_lm_class()):
+        @torch.no_grad()
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+            results = [None] * len(requests)
+            order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+            for first in range(0, len(order), self.batch_size):
+                rows = []
+                for i in order[first:first + self.batch_size]:
+                    _, context, continuation = requests[i]
+                    whole = (context + continuation)[-(self.max_length + 1):]
+                    scored = continuation[-(len(whole) - 1):]
+                    rows.append((i, whole[:-1], scored))
+                width = max(len(inputs) for _, inputs, _ in rows)
+                batch = torch.zeros(len(rows), width, dtype=torch.long)
+                for r, (_, inputs, _) in enumerate(rows):
+                    batch[r, :len(inputs)] = torch.tensor(inputs)
+                logprobs = F.log_softmax(self.model(batch.to(self.device)).float(), dim=-1)
+                for r, (i, inputs, continuation) in enumerate(rows):
+                    n = len(continuation)
+                    scored = logprobs[r, len(inputs) - n:len(inputs)]
+                    target = torch.tensor(continuation, device=scored.device)
+                    results[i] = (scored.gather(1, target[:, None]).sum().item(),
+                                  bool((scored.argmax(dim=-1) == target).all()))
+            return results
+
+        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
+            out = []
+            for request in requests:
+                (text,) = request.args
+                windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                    self.tok_encode(text), self.prefix_token_id, self.max_length, context_len=1)]
+                out.append(sum(score for score, _ in self._loglikelihood_tokens([(None, c, t) for c, t in windows])))
+            return out
+
+    return WholeRequestsLM(model, tokenizer, eos_id, batch_size, device)
+
+
+BACKENDS = {  # name -> what it is, for the table
+    "lm-eval hf": "lm-eval's own `hf` model on the `goodput export --format hf` copy",
+    "goodput before": "ProjectLM before issue 37: every request whole",
+    "goodput": "ProjectLM: an item's requests packed, context once",
+}
+
+
+def export_hf(checkpoint: Path, dataset_dir: Path, out: Path) -> Path:
+    """The checkpoint as a transformers model, through the CLI a user runs."""
+    import subprocess
+
+    if not (out / "config.json").is_file():
+        goodput = Path(sys.executable).with_name("goodput")
+        subprocess.run([str(goodput), "export", str(checkpoint), "--format", "hf", "--out", str(out),
+                        "--tokenizer", str(dataset_dir)], check=True, cwd=REPO)
+    return out
+
+
+def run_backend(name: str, task_names: list[str], manager, args, checkpoint: Path, hf_dir: Path,
+                dataset_dir: Path) -> dict:
+    """One lm-eval evaluation: the model loaded, then lm-eval's simple_evaluate; wall time of
+    both, the scores and each request's log-likelihood (task -> doc -> list)."""
+    import torch
+    from lm_eval import evaluator
+
+    started = time.perf_counter()
+    if name == "lm-eval hf":
+        from lm_eval.models.huggingface import HFLM
+
+        lm = HFLM(pretrained=str(hf_dir), device="cpu", batch_size=args.batch_size, dtype="float32")
+    else:
+        from storage.manifests import DatasetManifest
+        from training.checkpoint.reader import load_model
+        from training.downstream import project_lm
+        from training.tokenizer import read_tokenizer
+
+        model, _ = load_model(checkpoint, torch.device("cpu"))
+        tokenizer = read_tokenizer(dataset_dir / "tokenizer.json")
+        eos = DatasetManifest.load(dataset_dir).eos_id
+        make = project_lm if name == "goodput" else whole_requests_lm
+        lm = make(model.eval(), tokenizer, eos, args.batch_size, torch.device("cpu"))
+    results = evaluator.simple_evaluate(
+        model=lm, tasks=task_names, task_manager=manager, limit=args.limit, bootstrap_iters=0,
+        log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
+    seconds = time.perf_counter() - started
+    scores = {task: {k.split(",")[0]: v for k, v in values.items()
+                     if "," in k and "stderr" not in k and isinstance(v, float)}
+              for task, values in results["results"].items()}
+    lls = {task: {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] if isinstance(
+        s["filtered_resps"][0], (list, tuple)) else [float(x) for x in s["filtered_resps"]] for s in samples}
+        for task, samples in results["samples"].items()}
+    return {"seconds": seconds, "scores": scores, "lls": lls}
+
+
+def input_tokens(task_dir: Path, tasks: list[str], limit: int, dataset_dir: Path, max_length: int) -> dict:
+    """Per task: the tokens the model reads for its requests, scoring each whole (as before) and
+    packed by item (pack_requests)."""
+    import torch
+
+    from storage.manifests import DatasetManifest
+    from training.downstream import load_tasks, pack_requests, project_lm
+    from training.model import ModelArgs, Transformer
+    from training.tokenizer import read_tokenizer
+
+    tokenizer = read_tokenizer(dataset_dir / "tokenizer.json")
+    with torch.device("meta"):
+        model = Transformer(ModelArgs(vocab_size=VOCAB, max_seq_len=max_length))
+    lm = project_lm(model, tokenizer, DatasetManifest.load(dataset_dir).eos_id, 1, torch.device("cpu"))
+    _, built = load_tasks([TASKS[t][0] for t in tasks], str(task_dir))
+    counts = {}
+    for task, lm_task in zip(tasks, built):
+        lm_task.build_all_requests(limit=limit, rank=0, world_size=1)
+        pairs = [lm._encode_pair(*inst.args) for inst in lm_task.instances]
+        whole = sum(min(len(c) + len(t), max_length + 1) - 1 for c, t in pairs)
+        rows = pack_requests(pairs, [inst.doc_id for inst in lm_task.instances], max_length)
+        counts[task] = {"items": len({inst.doc_id for inst in lm_task.instances}),
+                        "requests": len(lm_task.instances), "tokens_whole": whole,
+                        "tokens_packed": sum(len(row.tokens) for row in rows)}
+    return counts
+
+
+def compare_backends(args, workdir: Path, dataset_dir: Path, task_dir: Path) -> dict:
+    """Each task alone, under each backend in turn (the order rotated every repeat), in this
+    one process with the same torch threads."""
+    import torch
+    from core.config import load_config
+    from training.downstream import task_manager_for
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = load_config(None, [*base_overrides(workdir, args.model), "training.seq_len=256"])
+    checkpoint = workdir / f"checkpoint-{args.model}" / "step-00000001"
+    params = write_checkpoint(config, dataset_dir, checkpoint)
+    hf_dir = export_hf(checkpoint, dataset_dir, workdir / f"hf-{args.model}")
+    names = [TASKS[t][0] for t in args.tasks]
+    manager = task_manager_for(names, str(task_dir))
+    counts = input_tokens(task_dir, args.tasks, args.limit, dataset_dir, config.model.max_seq_len)
+    backends = list(BACKENDS)
+    print(f"\n## backends: {args.model} ({params / 1e6:.1f}M parameters), eval.limit={args.limit}, "
+          f"batch size {args.batch_size}, torch threads {torch.get_num_threads()}; load before "
+          f"{os.getloadavg()[0]:.2f}", flush=True)
+    # Each task alone, then (where more than one) all of them in one evaluation, as a user runs
+    # them: the model loaded and lm-eval set up once.
+    together = ["all"] if len(args.tasks) > 1 else []
+    runs: dict[str, dict[str, list]] = {t: {b: [] for b in backends} for t in args.tasks + together}
+    for repeat in range(args.repeats):
+        for n, task in enumerate(args.tasks + together):
+            shift = (repeat + n) % len(backends)
+            names = [TASKS[t][0] for t in args.tasks] if task == "all" else [TASKS[task][0]]
+            for backend in backends[shift:] + backends[:shift]:
+                run = run_backend(backend, names, manager, args, checkpoint, hf_dir, dataset_dir)
+                runs[task][backend].append(run)
+                print(f"  {task} / {backend}: {run['seconds']:.1f} s", flush=True)
+    rows = {}
+    if together:
+        rows["all"] = {"seconds": {b: statistics.median(r["seconds"] for r in runs["all"][b]) for b in backends},
+                       "all_seconds": {b: [r["seconds"] for r in runs["all"][b]] for b in backends}}
+    for task in args.tasks:
+        median = {b: statistics.median(r["seconds"] for r in runs[task][b]) for b in backends}
+        name = TASKS[task][0]
+        before, now, hf = (runs[task][b][0] for b in ("goodput before", "goodput", "lm-eval hf"))
+        diffs = {f"{one} vs {other}": max(abs(a - b) for doc, lls in first["lls"][name].items()
+                                          for a, b in zip(lls, second["lls"][name][doc]))
+                 for one, first, other, second in (("goodput", now, "goodput before", before),
+                                                   ("goodput", now, "lm-eval hf", hf),
+                                                   ("goodput before", before, "lm-eval hf", hf))}
+        rows[task] = {**counts[task], "seconds": median,
+                      "all_seconds": {b: [r["seconds"] for r in runs[task][b]] for b in backends},
+                      "scores": {b: runs[task][b][0]["scores"][name] for b in backends},
+                      "max_ll_diff": diffs}
+    return {"model": args.model, "params": params, "limit": args.limit, "batch_size": args.batch_size,
+            "threads": torch.get_num_threads(), "repeats": args.repeats, "tasks": rows,
+            "load_1min_after": os.getloadavg()[0]}
+
+
+def backends_table(result: dict) -> str:
+    rows = result["tasks"]
+    lines = [f"Model {result['model']} ({result['params'] / 1e6:.1f}M parameters), eval.limit={result['limit']}, "
+             f"batch size {result['batch_size']}, torch threads {result['threads']}, median of "
+             f"{result['repeats']} run(s) per task and backend, backends in turn; load (1 min) "
+             f"{result['load_1min_after']:.2f} at the end",
+             "",
+             "| task (local, shaped like) | items | requests | tokens read: whole / packed | lm-eval hf, s "
+             "| goodput before, s | goodput, s | vs lm-eval hf | vs before | max \\|Δ log-lik\\|: goodput vs before / "
+             "goodput vs hf / before vs hf "
+             "| scores equal to before |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    total = dict.fromkeys(BACKENDS, 0.0)
+    per_task = {task: row for task, row in rows.items() if task != "all"}
+    for task, row in per_task.items():
+        s = row["seconds"]
+        for b in total:
+            total[b] += s[b]
+        now, before = row["scores"]["goodput"], row["scores"]["goodput before"]
+        same = now == before
+        # accuracies exact; perplexities (sums in float64 now, float32 before) to 1e-6 relative
+        close = all(v == before[m] if m.startswith("acc") else abs(v - before[m]) <= 1e-6 * abs(before[m])
+                    for m, v in now.items())
+        lines.append(f"| {task} | {row['items']} | {row['requests']:,} | {row['tokens_whole']:,} / "
+                     f"{row['tokens_packed']:,} | {s['lm-eval hf']:.1f} | {s['goodput before']:.1f} | "
+                     f"{s['goodput']:.1f} | {s['lm-eval hf'] / s['goodput']:.2f}x | "
+                     f"{s['goodput before'] / s['goodput']:.2f}x | " + " / ".join(
+                         f"{d:.1e}" for d in row["max_ll_diff"].values()) + " | " + f"{'yes' if same else 'within 1e-6' if close else 'no'} |")
+    whole = sum(r["tokens_whole"] for r in per_task.values())
+    packed = sum(r["tokens_packed"] for r in per_task.values())
+    items, requests = sum(r["items"] for r in per_task.values()), sum(r["requests"] for r in per_task.values())
+    lines.append(f"| all {len(per_task)}, each alone, summed | {items} | {requests:,} | {whole:,} / {packed:,} | "
+                 f"{total['lm-eval hf']:.1f} | {total['goodput before']:.1f} | {total['goodput']:.1f} | "
+                 f"{total['lm-eval hf'] / total['goodput']:.2f}x | {total['goodput before'] / total['goodput']:.2f}x | | |")
+    if "all" in rows:
+        s = rows["all"]["seconds"]
+        lines.append(f"| **all {len(per_task)} in one evaluation** | {items} | {requests:,} | {whole:,} / {packed:,} | "
+                     f"**{s['lm-eval hf']:.1f}** | **{s['goodput before']:.1f}** | **{s['goodput']:.1f}** | "
+                     f"**{s['lm-eval hf'] / s['goodput']:.2f}x** | **{s['goodput before'] / s['goodput']:.2f}x** | | |")
+    lines.append("")
+    lines.append("Scores (goodput): " + "; ".join(
+        f"{task} " + ", ".join(f"{m} {v:.4g}" for m, v in row["scores"]["goodput"].items())
+        for task, row in per_task.items()))
+    return "\n".join(lines)
+
+
 # --- part train ----------------------------------------------------------------------------
 
 def eval_intervals(flow_run_id) -> list[tuple[float, float]]:
@@ -458,7 +688,8 @@ def train_table(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=["eval", "train", "both"], default="both")
+    parser.add_argument("--part", choices=["eval", "train", "both", "backends"], default="both",
+                        help="backends: goodput's lm-eval model against lm-eval's hf and the one before")
     parser.add_argument("--model", choices=sorted(MODELS), default="100m", help="part eval's model")
     parser.add_argument("--limit", type=int, default=200, help="part eval: eval.limit (items per task)")
     parser.add_argument("--tasks", default=",".join(TASKS),
@@ -473,7 +704,10 @@ def main() -> None:
     parser.add_argument("--train-limit", type=int, default=20, help="part train: eval.limit")
     parser.add_argument("--eval-threads", type=int, default=1,
                         help="OMP_NUM_THREADS of the flow process, so of the evaluation processes")
-    parser.add_argument("--repeats", type=int, default=1, help="part train: off/on pairs, in turn")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="part train: off/on pairs, in turn; part backends: runs per task and backend")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="part backends: torch threads of every backend (default: torch's)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
@@ -491,6 +725,8 @@ def main() -> None:
     results = {"workdir": str(workdir), "cpus": os.cpu_count(), "tasks": args.tasks}
     if args.part in ("eval", "both"):
         results["eval"] = eval_cost(args, workdir, dataset_dir, task_dir)
+    if args.part == "backends":
+        results["backends"] = compare_backends(args, workdir, dataset_dir, task_dir)
     if args.part in ("train", "both"):
         print(f"\n## train: load before {os.getloadavg()[0]:.2f}", flush=True)
         results["train"] = trainer_slowdown(args, workdir, task_dir)
@@ -501,6 +737,10 @@ def main() -> None:
     if "eval" in results:
         print("### A five-task evaluation of a checkpoint\n")
         print(eval_table(results["eval"]))
+        print()
+    if "backends" in results:
+        print("### Goodput's lm-eval model against lm-eval's hf model, per task\n")
+        print(backends_table(results["backends"]))
         print()
     if "train" in results:
         print("### The trainer while checkpoints are evaluated beside it\n")

@@ -123,9 +123,15 @@ def run_trainer(config, config_path: Path, dataset: Path, nproc: int, threads: i
     return [(r["time"], r["loss"]) for r in records]
 
 
-def run_bare(config_path: Path, dataset: Path, threads: int, out: Path) -> list[tuple[float, float]]:
+def run_bare(config_path: Path, dataset: Path, threads: int, out: Path, variant: str = "bare"
+             ) -> list[tuple[float, float]]:
+    env = worker_env(threads)
+    if "malloc" in variant:  # glibc's thresholds fixed from the start, as the trainer fixes them
+        from training.allocator import THRESHOLD_ENV
+
+        env.update(THRESHOLD_ENV)
     run([sys.executable, __file__, "--bare-worker", str(config_path), str(dataset), str(out)],
-        worker_env(threads), "bare")
+        env, variant)
     return [tuple(x) for x in json.loads(out.read_text())]
 
 
@@ -179,7 +185,8 @@ def single_process(workdir: Path, dataset: Path, args) -> None:
     overrides = [*model_overrides(args), f"training.max_steps={args.steps}",
                  f"training.micro_batch_size={args.batch}",
                  f"parallelism.device={args.device}", "parallelism.nproc_per_node=1"]
-    variants = ["bare", "trainer"] + ([] if args.no_torchrun else ["trainer (torchrun)"])
+    variants = (["bare", "trainer"] + ([] if args.no_torchrun else ["trainer (torchrun)"])
+                + (["bare (malloc thresholds fixed)"] if args.malloc_variant else []))
     rates: dict[str, list[float]] = {v: [] for v in variants}
     max_loss_diff = 0.0
     tokens = args.batch * args.seq
@@ -189,8 +196,8 @@ def single_process(workdir: Path, dataset: Path, args) -> None:
         for v in order:
             config, path = write_config(workdir, f"single-{r}-{v.split()[-1].strip('()')}",
                                         *overrides)
-            if v == "bare":
-                steps = run_bare(path, dataset, threads, workdir / f"bare-{r}.json")
+            if v.startswith("bare"):
+                steps = run_bare(path, dataset, threads, workdir / f"bare-{r}-{len(v)}.json", v)
             else:
                 steps = run_trainer(config, path, dataset, 1, threads, torchrun="torchrun" in v,
                                     usage_key=v)
@@ -317,6 +324,8 @@ def main() -> None:
     parser.add_argument("--layout-steps", type=int, default=20)
     parser.add_argument("--layout-names", nargs="+", help="only these layouts (and the 1-process reference)")
     parser.add_argument("--global-batch", type=int, default=16, help="sequences per step (layouts)")
+    parser.add_argument("--malloc-variant", action="store_true",
+                        help="also the bare loop with glibc's malloc thresholds fixed (the trainer's setting)")
     parser.add_argument("--no-torchrun", action="store_true",
                         help="leave out the trainer under torchrun (one process)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",

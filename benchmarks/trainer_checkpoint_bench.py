@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from core.config import load_config  # noqa: E402
 from goodput.runs import write_run_config  # noqa: E402
-from infra.torchrun import ALLOCATOR_ENV, free_port  # noqa: E402
+from infra.torchrun import free_port  # noqa: E402
 from tests.helpers import synthetic_dataset  # noqa: E402
 from training.metrics import read_metrics  # noqa: E402
 
@@ -65,9 +65,10 @@ def training_command(config, dataset: Path, args) -> list[str]:
 
 
 # The workers' environment as the launcher sets it (infra.torchrun.worker_env): one thread
-# each, and the allocator kept from returning memory to the OS between steps. Without the
-# latter, each step of this model faulted ~120k pages in again and took 1.25x as long.
-TRAINING_ENV = {**os.environ, **ALLOCATOR_ENV, "OMP_NUM_THREADS": "1"}
+# each. (The trainer keeps its allocator from returning memory to the OS between steps
+# itself, training.allocator: without that, each step of this model faulted ~120k pages in
+# again and took 1.25x as long.)
+TRAINING_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def run_mode(root: Path, dataset: Path, mode: str, args, name: str | None = None) -> dict:

@@ -795,7 +795,9 @@ class StorageConfig(_Section):
 
 class EvalConfig(_Section):
     max_batches: int = Field(20, ge=1, description="Validation batches for held-out loss.")
-    batch_size: int = Field(8, ge=1)
+    batch_size: int = Field(8, ge=1, description="Sequences per forward pass: held-out loss "
+                            "batches; for eval.tasks, items (an item's requests packed as one "
+                            "sequence).")
     num_samples: int = Field(3, ge=0, description="Generated samples in the report.")
     sample_tokens: int = Field(48, ge=1)
     temperature: float = Field(0.8, ge=0, description="0 means greedy decoding.")
@@ -843,6 +845,11 @@ class EvalConfig(_Section):
     bootstrap_iters: int = Field(
         1000, ge=0, description="lm-eval's bootstrap resamples for the stderr of metrics "
         "without a closed form (perplexities); 0 leaves those stderrs out.")
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="The forward pass that scores eval.tasks: 'auto' runs it under bf16 "
+        "autocast on a GPU that supports bf16 and in fp32 elsewhere; 'fp32' everywhere gives the "
+        "CPU's log-likelihoods (within 1e-4); 'bf16' on CPU too. Log-probabilities are summed "
+        "in float64 either way.")
 
     @field_validator("tasks")
     @classmethod

@@ -82,10 +82,12 @@ def prepare_source(config: RunConfig, tokenizer_from: str | None = None,
         logger.warning("the sources (%s) are not listable here: using dataset %s, prepared from "
                        "these data settings before", plan.source, plan.dataset_id)
     to_store = config.prepare.runner == "ray"  # a cluster's machines share the store, not a disk
-    manifest, tokenize_s, workers = find_prepared(plan, config.storage, fetch=not to_store), None, None
-    if manifest is not None:
-        logger.info("dataset %s is already prepared (from the same listing and settings): "
-                    "nothing to tokenize", plan.dataset_id)
+    found, tokenize_s, workers = find_prepared(plan, config.storage), None, None
+    if found is not None:
+        manifest, where = found
+        # Checked where it lies: a dataset in the store is not downloaded (training streams it).
+        logger.info("dataset %s is already prepared in %s (from the same listing and settings): "
+                    "nothing to tokenize", plan.dataset_id, where)
     else:
         require_sources(plan)
         units = plan_units(plan, config)

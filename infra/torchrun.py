@@ -91,13 +91,6 @@ def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path, at
     ]
 
 
-# glibc would hand large activation buffers back to the OS after every step and fault them
-# in again on the next (2x the page faults of a bare loop, 0.78x its speed on CPU;
-# benchmarks/RESULTS.md): keep them. Every worker gets it, and so do the benchmarks that start
-# the trainer themselves, so that they time the trainer as it runs.
-ALLOCATOR_ENV = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-
-
 RDZV_SETTLE_S = 15  # an elastic rendezvous' allowance beyond elastic.wait_for_replacement_s
 
 
@@ -121,8 +114,9 @@ def worker_env(config: RunConfig, attempt: str, mtbf_s: float = 0.0,
            # --shutdown-timeout: a node's older torchrun ignores it instead of failing.
            "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(math.ceil(config.faults.emergency_save_s)),
            # After an in-job restart: how long to wait for the verdict on recent checkpoints.
-           ENV_RESTART_WAIT_S: str(config.launch.restart_verdict_wait_s),
-           **ALLOCATOR_ENV}  # launch.env may override it
+           ENV_RESTART_WAIT_S: str(config.launch.restart_verdict_wait_s)}
+    # (glibc's malloc thresholds: the worker fixes them itself, training.allocator; a
+    # MALLOC_*_THRESHOLD_ in launch.env wins.)
     if lease_holder is not None:  # without a renewal of its lease, the workers stop by themselves
         env[ENV_LEASE_HOLDER] = lease_holder
         env[ENV_ORPHAN_AFTER_S] = str(config.launch.orphan_timeout_s)

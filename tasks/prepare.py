@@ -161,9 +161,12 @@ def mix_datasets(sources: list[tuple[SourceConfig, DatasetManifest]]) -> Mixture
 
 
 @task(name="find-prepared-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
-def find_prepared(plan: lib.DatasetPlan, storage: StorageConfig, fetch: bool = True,
-                  ) -> DatasetManifest | None:
-    return lib.find_prepared(plan, store_from_config(storage), fetch)
+def find_prepared(plan: lib.DatasetPlan, storage: StorageConfig) -> tuple[DatasetManifest, str] | None:
+    """The prepared dataset and where it lies (a directory here, or the store's prefix);
+    None when it is neither here nor in the store."""
+    store = store_from_config(storage)
+    manifest = lib.find_prepared(plan, store)
+    return None if manifest is None else (manifest, lib.prepared_location(plan, store))
 
 
 @task(name="plan-work-units", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)

@@ -215,6 +215,101 @@ def test_scores_above_chance_and_equal_a_direct_computation(setup):
     assert limited["colors_mc"]["acc"] == sum(correct[:4]) / 4
 
 
+def write_more_tasks(folder: Path) -> Path:
+    """Two more shapes: winogrande's partial scoring (two contexts, one continuation scored
+    after each) and multiple choice over a context longer than the model's max_seq_len
+    (64), whose start is cut."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / "more.jsonl"
+    story = " ".join(sentence(*fact) for fact in FACTS[:6])  # about 50 tokens
+    data.write_text("".join(json.dumps({
+        "sentence": f"the color of the _ is {color}", "option1": thing, "option2": FACTS[(i + 5) % len(FACTS)][0],
+        "answer": "1", "long": f"{story} {story} the color of the {thing} is", "choices": COLORS,
+        "label": COLORS.index(color)}) + "\n" for i, (thing, color) in enumerate(FACTS)))
+    common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+    (folder / "colors_partial.yaml").write_text(
+        f"task: colors_partial\n{common}output_type: multiple_choice\n"
+        "doc_to_text: \"{{0 if answer == '1' else 1}}\"\n"
+        "doc_to_target: \"{{sentence[sentence.index('_') + 1:].strip()}}\"\n"
+        "doc_to_choice: \"{{[sentence[:sentence.index('_')] + option1, sentence[:sentence.index('_')] + option2]}}\"\n"
+        "metric_list:\n  - {metric: acc, aggregation: mean, higher_is_better: true}\n")
+    (folder / "colors_long.yaml").write_text(
+        f"task: colors_long\n{common}output_type: multiple_choice\ndoc_to_text: \"{{{{long}}}}\"\n"
+        "doc_to_choice: choices\ndoc_to_target: label\n"
+        "metric_list:\n  - {metric: acc, aggregation: mean, higher_is_better: true}\n")
+    return folder
+
+
+def test_packed_scoring_equals_scoring_each_request_whole(setup, tmp_path):
+    """ProjectLM packs an item's requests into one sequence (its context read once); the
+    scores equal those of the path before (every request whole, in its own row, kept in
+    benchmarks/eval_bench.py): accuracies exactly, each log-likelihood within 1e-4."""
+    import sys
+
+    from lm_eval import evaluator
+
+    from tests.helpers import REPO
+    from training.downstream import pack_requests, project_lm, task_manager_for
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from eval_bench import whole_requests_lm
+
+    task_dir = write_tasks(tmp_path / "tasks")
+    write_more_tasks(task_dir)
+    names = [*TASKS, "colors_partial", "colors_long"]
+    tokenizer, eos = setup["tokenizer"], setup["tokenizer"].token_to_id("<|endoftext|>")
+    model, _ = load_model(setup["checkpoint"], torch.device("cpu"))
+    results = {}
+    for name, make in (("packed", project_lm), ("whole", whole_requests_lm)):
+        # batch size 3: batches mix items of different shapes and lengths
+        lm = make(model, tokenizer, eos, 3, torch.device("cpu"))
+        results[name] = evaluator.simple_evaluate(
+            model=lm, tasks=names, task_manager=task_manager_for(names, str(task_dir)),
+            bootstrap_iters=0, log_samples=True, random_seed=0, numpy_random_seed=0,
+            torch_random_seed=0, fewshot_random_seed=0)
+    packed, whole = results["packed"], results["whole"]
+    for task in names:
+        assert len(packed["samples"][task]) == len(FACTS)
+        for a, b in zip(packed["samples"][task], whole["samples"][task]):
+            assert a["doc_id"] == b["doc_id"]
+            lls = [r[0] if isinstance(r, (list, tuple)) else r for r in a["filtered_resps"]]
+            assert lls == pytest.approx([r[0] if isinstance(r, (list, tuple)) else r for r in b["filtered_resps"]],
+                                        abs=1e-4, rel=0)
+        for metric, value in whole["results"][task].items():
+            if metric.startswith(("acc,", "acc_norm,")):
+                assert packed["results"][task][metric] == value, (task, metric)
+            elif isinstance(value, float):
+                assert packed["results"][task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
+    assert packed["results"]["colors_mc"]["acc,none"] > 0.25 + 0.2  # a trained model, not chance
+
+    # eval.precision=bf16 (what 'auto' runs on a GPU), here on CPU: the same packed path
+    # under bf16 autocast, log-likelihoods near fp32's.
+    bf16 = evaluator.simple_evaluate(
+        model=project_lm(model, tokenizer, eos, 3, torch.device("cpu"), precision="bf16"), tasks=["colors_mc"],
+        task_manager=task_manager_for(["colors_mc"], str(task_dir)), bootstrap_iters=0, log_samples=True)
+    for a, b in zip(bf16["samples"]["colors_mc"], packed["samples"]["colors_mc"]):
+        assert [r[0] for r in a["filtered_resps"]] == pytest.approx([r[0] for r in b["filtered_resps"]], rel=0.05, abs=0.1)
+    assert bf16["results"]["colors_mc"]["acc,none"] > 0.25 + 0.2
+
+    # What packing reads: each multiple-choice context once, the partial-scoring items' two
+    # contexts up to where they differ once, and the long contexts cut to max_seq_len.
+    lm = project_lm(model, tokenizer, eos, 3, torch.device("cpu"))
+    encode = lm._encode_pair
+    context = "the color of the sky is"
+    pairs = [encode(context, " " + color) for color in COLORS]
+    (row,) = pack_requests(pairs, [0] * 4, 64)
+    ids = tokenizer.encode(context).ids
+    assert row.tokens[:len(ids)] == ids and row.segments[:len(ids)] == [0] * len(ids)
+    assert len(row.tokens) == len(ids) + sum(len(c) - 1 for _, c in pairs)
+    for j, (i, where, continuation) in enumerate(row.scored):
+        assert i == j and where[0] == len(ids) - 1 and continuation == pairs[j][1]
+        assert [row.positions[k] for k in where] == list(range(len(ids) - 1, len(ids) - 1 + len(continuation)))
+    long_pairs = [encode(f"{' '.join(sentence(*f) for f in FACTS * 2)} the color of the sky is", " " + c)
+                  for c in COLORS]
+    (row,) = pack_requests(long_pairs, [0] * 4, 64)
+    assert max(row.positions) == 63 and len(row.tokens) < sum(min(64, len(c) + len(t) - 1) for c, t in long_pairs)
+
+
 def test_the_evaluation_process_reports_scores_and_bits_per_byte(setup):
     """python -m training.evaluate (goodput.evaluation.evaluate), as the evaluate flow runs it."""
     tmp = setup["tmp"]

@@ -30,7 +30,7 @@ from infra.launchers import (
     node_wrapper,
 )
 from infra.torchrun import run_attempt, stop_live_attempts, torchrun_command, worker_env
-from tests.helpers import small_config
+from tests.helpers import REPO, small_config
 
 FAKE_TOOLS = r'''
 import json, os, signal, subprocess, sys, time
@@ -329,6 +329,43 @@ def test_worker_environment(tmp_path):
     assert env["NCCL_DEBUG"] == "WARN" and env["GOODPUT_ATTEMPT"] == "a-1"
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert "PATH" not in env  # each node keeps its own environment
+
+
+_FAULTS_OF_A_STEP = """
+import resource, torch
+from training.allocator import keep_freed_memory
+from training.model import ModelArgs, Transformer
+kept = keep_freed_memory()
+model = Transformer(ModelArgs(vocab_size=1024, dim=128, n_layers=2, n_heads=4, max_seq_len=128))
+optimizer = torch.optim.AdamW(model.parameters())
+tokens = torch.randint(0, 1024, (8, 129))
+for step in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def test_the_trainer_keeps_freed_memory_for_the_next_step():
+    """python -m training fixes glibc's malloc thresholds (training.allocator): a training
+    step reuses the pages the step before freed instead of faulting thousands in anew;
+    MALLOC_*_THRESHOLD_ in the environment (launch.env) is left to glibc."""
+    import subprocess
+    import sys
+
+    def fourth_step(env: dict[str, str]) -> tuple[str, int]:
+        out = subprocess.run([sys.executable, "-c", _FAULTS_OF_A_STEP], capture_output=True, text=True,
+                             cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+                             check=True).stdout.split()
+        return out[0], int(out[1])
+
+    kept, faults = fourth_step({})
+    assert kept == "True" and faults < 200, faults
+    # glibc's default, as the environment names it: every large block mapped anew
+    kept, faults = fourth_step({"MALLOC_MMAP_THRESHOLD_": "131072"})
+    assert kept == "False" and faults > 2000, faults
 
 
 # -- ssh ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import json
 import shutil
 from pathlib import Path
@@ -158,22 +159,65 @@ def test_second_prepare_does_no_work(builtin):
     assert file_times(Path(config.data.data_dir), Path(config.storage.uri)) == before
 
 
-def test_lost_local_copy_is_restored_from_the_store(builtin):
+def test_a_lost_local_copy_is_found_in_the_store_not_restored(builtin):
+    from storage.store import store_from_config
+
     config, manifest = builtin
     local = prep.plan_dataset(config).dir
     shutil.rmtree(local)
-    # Equal down to created_at: the stored manifest came back, none was written anew (a
-    # rebuild writes its manifest after tokenizing).
+    # Equal down to created_at: the stored manifest was found, none was written anew (a
+    # rebuild writes its manifest after tokenizing); nothing came back here.
     assert prep.prepare_dataset(config) == manifest
+    assert not local.exists()
+    store = store_from_config(config.storage)
+    store.download_dir(prep.plan_dataset(config).store_prefix, local)  # for the next tests
     assert DatasetManifest.load(local) == manifest
 
 
-def test_damaged_local_shard_is_replaced(builtin):
+def test_damaged_local_shard_is_replaced(builtin, tmp_path):
     config, manifest = builtin
+    # A store without the dataset: the damaged file is tokenized again here.
+    config = config.model_copy(update={"storage": config.storage.model_copy(
+        update={"uri": str(tmp_path / "store")})})
     shard = prep.plan_dataset(config).dir / manifest.splits["train"][1].path
     flip_bytes(shard)
-    assert prep.prepare_dataset(config) == manifest
+    again = prep.prepare_dataset(config)
+    assert again.model_dump(exclude={"created_at"}) == manifest.model_dump(exclude={"created_at"})
     assert sha256_file(shard) == manifest.splits["train"][1].sha256
+
+
+def test_a_dataset_in_the_store_is_found_there_and_never_downloaded(tmp_path, caplog):
+    """Trained from the store on another machine (the shard cache holds what training read),
+    `prepare` reruns with nothing to do: it checks the manifest where it lies, says so, and
+    copies nothing into data.data_dir. Likewise where the local copy is damaged."""
+    from storage.store import store_from_config
+    from training.data import TokenStream
+
+    source = write_source(tmp_path / "in", "jsonl", DOCS * 4)
+    overrides = (f"data.source={source}", "data.max_docs=null", "data.shard_tokens=2048",
+                 f"storage.uri={tmp_path / 'store'}")
+    manifest = prep.prepare_dataset(make_config(tmp_path / "prep", *overrides))
+    config = make_config(tmp_path / "trainer", *overrides)  # another machine: a fresh data_dir
+    store = store_from_config(config.storage)
+    plan = prep.plan_dataset(config)
+    cache = prep.dataset_for_training(config, store)
+    assert len(TokenStream(cache, manifest, "train").window(0, 100)) == 100  # a shard read
+    data_dir = Path(config.data.data_dir)
+    before = sorted(p.relative_to(data_dir) for p in data_dir.rglob("*"))
+    caplog.set_level(logging.INFO, logger=prep.__name__)
+    assert prep.prepare_dataset(config) == manifest
+    assert not plan.dir.exists() and sorted(p.relative_to(data_dir) for p in data_dir.rglob("*")) == before
+    assert f"dataset {manifest.dataset_id} is prepared in {store.url(plan.store_prefix)}" in caplog.text
+
+    # A local copy with a damaged shard: its files are dropped, the store's copy is used.
+    local = make_config(tmp_path / "prep", *overrides)
+    shard = prep.plan_dataset(local).dir / manifest.splits["train"][0].path
+    flip_bytes(shard)
+    caplog.clear()
+    assert prep.prepare_dataset(local) == manifest
+    assert not shard.exists() and not (shard.parent / "manifest.json").exists()
+    assert f"is prepared in {store.url(plan.store_prefix)}" in caplog.text
+    assert prep.dataset_for_training(local, store).parent.name == "cache"  # training streams it
 
 
 def test_training_is_told_whether_a_dataset_was_never_prepared_or_is_damaged(tmp_path):
@@ -280,9 +324,9 @@ def test_training_finds_the_dataset_when_the_sources_are_gone(tmp_path):
     plan = prep.locate(config, store)
     assert plan.dataset_id == manifest.dataset_id
     assert prep.require_prepared(plan, store) == manifest
-    # Preparing again (the pipeline's first stage) finds it the same way, restored from the store.
+    # Preparing again (the pipeline's first stage) finds it the same way, in the store.
     assert prep.prepare_dataset(config) == manifest
-    shutil.rmtree(config.data.data_dir)
+    assert not plan.dir.exists()
     store.delete_prefix(f"datasets/{manifest.dataset_id}")
     with pytest.raises(DataError, match="not listable here, and the dataset.*neither in"):
         prep.prepare_dataset(config)
@@ -649,7 +693,7 @@ def test_units_writing_to_the_store_resume_and_seal_the_dataset_there(tmp_path):
     assert store.list(plan.store_prefix) == sorted(f"{plan.store_prefix}/{rel}"
                                                    for rel in listed + ["manifest.json"])
     assert not plan.dir.exists()
-    assert prep.find_prepared(plan, store, fetch=False) == manifest and not plan.dir.exists()
+    assert prep.find_prepared(plan, store) == manifest and not plan.dir.exists()
 
     local = prep.prepare_dataset(make_config(tmp_path / "local", *overrides))
     assert manifest.model_dump(exclude={"created_at"}) == local.model_dump(exclude={"created_at"})
@@ -749,13 +793,31 @@ def test_reads_an_s3_prefix_of_compressed_files(tmp_path, s3_server, s3_uri):
 
 
 @pytest.mark.s3
-def test_publishes_to_and_restores_from_s3(tmp_path, s3_uri):
+def test_publishes_to_s3_and_finds_it_there_without_downloading(tmp_path, s3_uri, caplog):
+    """The dataset in S3 and not here: a rerun of prepare reads its manifest in the bucket and
+    downloads nothing; training reads the shards through the cache, the documents intact."""
+    from storage.store import store_from_config
+    from training.data import TokenStream
+
     source = write_source(tmp_path / "in", "jsonl", DOCS)
     config = make_config(tmp_path, f"data.source={source}", f"storage.uri={s3_uri}")
     manifest = prep.prepare_dataset(config)
-    shutil.rmtree(prep.plan_dataset(config).dir)
+    plan = prep.plan_dataset(config)
+    shutil.rmtree(plan.dir)
+    caplog.set_level(logging.INFO, logger=prep.__name__)
     assert prep.prepare_dataset(config) == manifest
-    assert sorted(sum(decoded_splits(config, manifest).values(), [])) == sorted(DOCS)
+    store = store_from_config(config.storage)
+    assert f"dataset {manifest.dataset_id} is prepared in {store.url(plan.store_prefix)}" in caplog.text
+    assert not plan.dir.exists()
+    cache = prep.dataset_for_training(config, store)
+    tokenizer = read_tokenizer(cache / manifest.tokenizer)
+    texts = []
+    for split in manifest.splits:
+        stream = TokenStream(cache, manifest, split)
+        tokens = stream.window(0, stream.n_tokens)
+        ends = np.flatnonzero(tokens == manifest.eos_id)
+        texts += [tokenizer.decode(doc.tolist()) for doc in np.split(tokens, ends + 1)[:-1]]
+    assert sorted(texts) == sorted(DOCS)
 
 
 def test_plain_errors_are_not_retried_as_if_transient():

@@ -27,6 +27,7 @@ from core.protocol import (
     supervised,
     write_exit_record,
 )
+from training.allocator import keep_freed_memory
 from training.logs import get_logger, setup_worker_logging
 
 log = get_logger("train")
@@ -44,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
                              "ledger marks validated that this machine can read)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # before the first tensor
 
     rank = int(os.environ.get("RANK", 0))
     attempt = attempt_of_worker()

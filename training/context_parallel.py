@@ -70,9 +70,12 @@ class ContextParallelAttention(nn.Module):
         super().__init__()
         self.mesh, self.cp, self.cp_rank = cp_mesh, cp_mesh.size(), cp_mesh.get_local_rank()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """q: (batch, heads, 2c, head_dim), k, v: (batch, kv_heads, 2c, head_dim): this rank's
         chunks. Returns the attention output of its queries, (batch, heads, 2c, head_dim)."""
+        if mask is not None:  # packed evaluation runs on one process, never split
+            raise ValueError("context parallelism attends causally; it takes no attention mask")
         return attend_chunks(q, self._gathered(k), self._gathered(v),
                              chunks_of(self.cp_rank, self.cp))
 

@@ -7,7 +7,9 @@ implementation of the network (the logits are the ones training and the held-out
 see), and the tokenizer is the `tokenizers` object the documents were encoded with, not
 transformers' wrapper of it. Scores are the same quantities either way (sums of
 continuation log-probabilities); tests/test_downstream.py checks them against a direct
-computation with this model.
+computation with this model. An item's requests are packed into one sequence, their shared
+context read once (pack_requests); lm-eval's `hf` model reuses a context only where the
+continuations are one token each.
 
 Task data offline: lm-eval reads each task's dataset through `datasets`. With eval.offline
 the evaluation process sets HF_DATASETS_OFFLINE / HF_HUB_OFFLINE, so it reads only the
@@ -21,6 +23,7 @@ eval.task_dir names (`dataset_path: json` with `dataset_kwargs: {data_files: ...
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import logging
@@ -29,6 +32,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +60,76 @@ def use_datasets_cache(offline: bool, datasets_cache: str | None) -> None:
         os.environ["HF_HUB_OFFLINE"] = "1"
 
 
+class PackedRow(NamedTuple):
+    """One sequence the model reads: an item's shared prefix, then each request's own tokens.
+
+    tokens, positions, segments: per token (segment 0: the shared prefix, j: request j's
+    own tokens; a request sees the prefix and its own earlier tokens). scored: per request,
+    (its index in the requests, the row positions whose logits predict its continuation,
+    the continuation's ids)."""
+    tokens: list[int]
+    positions: list[int]
+    segments: list[int]
+    scored: list[tuple[int, list[int], list[int]]]
+
+
+def pack_requests(requests: list[tuple[list[int], list[int]]], groups: list, max_length: int) -> list[PackedRow]:
+    """(context ids, continuation ids) per request -> one PackedRow per group of requests.
+
+    Each request reads the last max_length tokens that predict its continuation (the start
+    of a long context is cut, as lm-eval's own models cut it). The requests of a group
+    (`groups`: a key per request; one multiple-choice item's choices) share the longest
+    common prefix of those inputs, computed once; after it come each request's remaining
+    tokens, at the positions they hold in the request alone. Any grouping gives the same
+    scores; a group whose requests share a context saves recomputing it."""
+    members: dict = {}
+    for i, group in enumerate(groups):
+        members.setdefault(group, []).append(i)
+    rows = []
+    for indices in members.values():
+        inputs, continuations = [], []
+        for i in indices:
+            context, continuation = requests[i]
+            whole = (context + continuation)[-(max_length + 1):]
+            inputs.append(whole[:-1])
+            continuations.append(continuation[-(len(whole) - 1):])  # all of it, unless longer
+        prefix = len(inputs[0])
+        for other in inputs[1:]:
+            prefix = next((k for k, (a, b) in enumerate(zip(inputs[0][:prefix], other)) if a != b),
+                          min(prefix, len(other)))
+        tokens, positions = inputs[0][:prefix], list(range(prefix))
+        segments, scored = [0] * prefix, []
+        for j, (i, own, continuation) in enumerate(zip(indices, inputs, continuations), start=1):
+            start = len(tokens)  # where this request's own tokens begin in the row
+            tokens += own[prefix:]
+            positions += range(prefix, len(own))
+            segments += [j] * (len(own) - prefix)
+            where = [k if k < prefix else start + k - prefix
+                     for k in range(len(own) - len(continuation), len(own))]
+            scored.append((i, where, continuation))
+        rows.append(PackedRow(tokens, positions, segments, scored))
+    return rows
+
+
+def row_batch(rows: list[PackedRow], device: torch.device):
+    """Rows padded on the right to the longest: tokens, positions, and the attention mask
+    (None where every row is one plain sequence: causal attention then, as in training)."""
+    width = max(len(row.tokens) for row in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    positions = torch.zeros(len(rows), width, dtype=torch.long)
+    segments = torch.full((len(rows), width), -1, dtype=torch.long)  # padding: -1
+    for r, row in enumerate(rows):
+        tokens[r, :len(row.tokens)] = torch.tensor(row.tokens)
+        positions[r, :len(row.tokens)] = torch.tensor(row.positions)
+        segments[r, :len(row.tokens)] = torch.tensor(row.segments)
+    if all(max(row.segments, default=0) <= 1 for row in rows):
+        return tokens.to(device), None, None
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    query, key = segments[:, :, None], segments[:, None, :]
+    mask = causal & ((key == 0) | (key == query))  # padding sees the prefix and itself
+    return tokens.to(device), positions.to(device), mask.unsqueeze(1).to(device)
+
+
 def _make_lm_class():
     from lm_eval.api.model import TemplateLM
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
@@ -64,17 +138,29 @@ def _make_lm_class():
         """lm-eval's view of a project Transformer: log-likelihoods and greedy generation.
 
         Log-probabilities are over the model's whole (padded) vocabulary, the distribution
-        training's cross-entropy and the held-out loss use. Requests are scored in batches
-        padded on the right: causal attention keeps padding from changing earlier positions.
+        training's cross-entropy and the held-out loss use.
+
+        An item's requests share their context: a multiple-choice item's choices are packed
+        into one sequence (pack_requests), the context read once and each choice attending
+        to it and to itself only, at the positions it would have alone. Packing rather than
+        a K/V cache: one forward pass per batch with the model's own attention call (a
+        mask instead of is_causal), no cache state threaded through the layers, and the
+        branches of an item of any shape (winogrande's two contexts share the sentence up
+        to the blank) share whatever prefix they have. Rows are scored longest first in
+        batches of `batch_size` rows, each padded only to the longest row of its batch.
+        `precision` (eval.precision): the forward pass under bf16 autocast or in fp32
+        (uses_bf16); log-probabilities are taken in float64 either way.
         """
 
         def __init__(self, model: Transformer, tokenizer: Tokenizer, eos_id: int, batch_size: int,
-                     device: torch.device):
+                     device: torch.device, precision: str = "fp32"):
             super().__init__()
             self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
             self._device = device
             self.max_length = model.args.max_seq_len
             self._eot = eos_id
+            self._item_keys: list | None = None
+            self.autocast_dtype = torch.bfloat16 if uses_bf16(precision, device) else None
 
         @property
         def eot_token_id(self) -> int:
@@ -88,50 +174,77 @@ def _make_lm_class():
         def tok_decode(self, tokens: list[int]) -> str:
             return self.tokenizer.decode(tokens)
 
-        @torch.no_grad()
-        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        def loglikelihood(self, requests, disable_tqdm: bool = False):
+            # lm-eval encodes the requests and hands only their tokens on: the item each
+            # belongs to (task, doc_id) is kept here, so an item's requests share a row.
+            self._item_keys = [(request.task_name, request.doc_id) for request in requests]
+            try:
+                return super().loglikelihood(requests, disable_tqdm=disable_tqdm)
+            finally:
+                self._item_keys = None
+
+        def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, groups: list | None = None,
+                                  **kwargs):
             """(context ids, continuation ids) -> (sum of the continuation's log-probs,
-            whether greedy decoding gives exactly the continuation)."""
+            whether greedy decoding gives exactly the continuation). `groups`: a key per
+            request, requests of one key packed together (default: the item, else the
+            context)."""
+            if groups is None:
+                keys = self._item_keys if self._item_keys and len(self._item_keys) == len(requests) else None
+                groups = keys or [tuple(context) for _, context, _ in requests]
+            rows = pack_requests([(context, continuation) for _, context, continuation in requests],
+                                 groups, self.max_length)
+            rows.sort(key=lambda row: -len(row.tokens))
             results: list[tuple[float, bool] | None] = [None] * len(requests)
-            # Longest first, so a batch's rows have similar lengths.
-            order = sorted(range(len(requests)),
-                           key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
-            for first in range(0, len(order), self.batch_size):
-                rows = []
-                for i in order[first:first + self.batch_size]:
-                    _, context, continuation = requests[i]
-                    # Keep the last max_length tokens that predict the continuation (the
-                    # start of a long context is cut, as in lm-eval's own models).
-                    whole = (context + continuation)[-(self.max_length + 1):]
-                    scored = continuation[-(len(whole) - 1):]  # all of it, unless longer
-                    rows.append((i, whole[:-1], scored))
-                width = max(len(inputs) for _, inputs, _ in rows)
-                batch = torch.zeros(len(rows), width, dtype=torch.long)
-                for r, (_, inputs, _) in enumerate(rows):
-                    batch[r, :len(inputs)] = torch.tensor(inputs)
-                logprobs = F.log_softmax(self.model(batch.to(self.device)).float(), dim=-1)
-                for r, (i, inputs, continuation) in enumerate(rows):
-                    n = len(continuation)
-                    scored = logprobs[r, len(inputs) - n:len(inputs)]
-                    target = torch.tensor(continuation, device=scored.device)
-                    total = scored.gather(1, target[:, None]).sum().item()
-                    greedy = bool((scored.argmax(dim=-1) == target).all())
-                    results[i] = (total, greedy)
+            for first in range(0, len(rows), self.batch_size):
+                batch = rows[first:first + self.batch_size]
+                for i, score in self._score_rows(batch):
+                    results[i] = score
                     if requests[i][0] is not None:  # None: a window of a rolling request
-                        self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
+                        self.cache_hook.add_partial("loglikelihood", requests[i][0], score)
             return results
+
+        @torch.inference_mode()
+        def _score_rows(self, rows: list[PackedRow]):
+            """(request index, (log-likelihood, greedy)) for every request of the rows."""
+            tokens, positions, mask = row_batch(rows, self.device)
+            with (torch.autocast(self.device.type, dtype=self.autocast_dtype) if self.autocast_dtype
+                  else contextlib.nullcontext()):
+                logits = self.model(tokens, positions=positions, mask=mask)
+            # Only the positions that predict a continuation token go through the softmax, in
+            # float64: a sum of dozens of log-probabilities near -9 is a few hundred, where
+            # float32 steps by 3e-5, so float32 sums stray by 1e-4 from the exact value.
+            which = [(r, k) for r, row in enumerate(rows) for _, where, _ in row.scored for k in where]
+            row_index = torch.tensor([r for r, _ in which], device=logits.device)
+            position = torch.tensor([k for _, k in which], device=logits.device)
+            scored = logits[row_index, position].float()
+            targets = torch.tensor([t for row in rows for _, _, continuation in row.scored
+                                    for t in continuation], device=logits.device)
+            picked = F.log_softmax(scored.double(), dim=-1).gather(1, targets[:, None])[:, 0]
+            hits = scored.argmax(dim=-1) == targets
+            sizes = [len(continuation) for row in rows for _, _, continuation in row.scored]
+            totals = [part.sum().item() for part in picked.split(sizes)]
+            greedy = [bool(part.all()) for part in hits.split(sizes)]
+            requests = [i for row in rows for i, _, _ in row.scored]
+            return zip(requests, zip(totals, greedy))
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
             """Each text's whole log-likelihood, in windows of max_length tokens (each token
-            predicted once; lm-eval's own windowing)."""
-            out = []
-            for request in requests:
+            predicted once; lm-eval's own windowing). The windows of every text are scored
+            together, each a row of its own."""
+            windows, owner = [], []
+            for n, request in enumerate(requests):
                 (text,) = request.args
-                windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                    self.tok_encode(text), self.prefix_token_id, self.max_length, context_len=1)]
-                scores = self._loglikelihood_tokens([(None, c, t) for c, t in windows])
-                out.append(sum(score for score, _ in scores))
-                self.cache_hook.add_partial("loglikelihood_rolling", (text,), out[-1])
+                for context, target in (make_disjoint_window(w) for w in get_rolling_token_windows(
+                        self.tok_encode(text), self.prefix_token_id, self.max_length, context_len=1)):
+                    windows.append((None, context, target))
+                    owner.append(n)
+            scores = self._loglikelihood_tokens(windows, groups=list(range(len(windows))))
+            out = [0.0] * len(requests)
+            for n, (score, _) in zip(owner, scores):
+                out[n] += score
+            for request, total in zip(requests, out):
+                self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
             return out
 
         @torch.no_grad()
@@ -165,10 +278,19 @@ def _make_lm_class():
 
 
 def project_lm(model: Transformer, tokenizer: Tokenizer, eos_id: int, batch_size: int,
-               device: torch.device):
+               device: torch.device, precision: str = "fp32"):
     """An lm_eval.api.model.LM over the project's model and tokenizer (`eos_id`: the token
-    that ended every document in training, the dataset manifest's)."""
-    return _make_lm_class()(model, tokenizer, eos_id, batch_size, device)
+    that ended every document in training, the dataset manifest's; `precision`:
+    eval.precision)."""
+    return _make_lm_class()(model, tokenizer, eos_id, batch_size, device, precision)
+
+
+def uses_bf16(precision: str, device: torch.device) -> bool:
+    """Whether eval.precision puts the scoring forward pass under bf16 autocast on `device`:
+    'auto' on a CUDA device that supports bf16, 'bf16' anywhere, 'fp32' never."""
+    if precision == "auto":
+        return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return precision == "bf16"
 
 
 def check_task_dir(task_dir: str | Path) -> Path:
@@ -328,7 +450,8 @@ def downstream_scores(model: Transformer, tokenizer: Tokenizer, eos_id: int, eva
     start = time.perf_counter()
     manager, tasks = loaded or load_tasks(list(eval_cfg.tasks), eval_cfg.task_dir)
     results = evaluator.simple_evaluate(
-        model=project_lm(model, tokenizer, eos_id, eval_cfg.batch_size, device), tasks=tasks,
+        model=project_lm(model, tokenizer, eos_id, eval_cfg.batch_size, device, eval_cfg.precision),
+        tasks=tasks,
         task_manager=manager, limit=eval_cfg.limit, num_fewshot=eval_cfg.num_fewshot,
         bootstrap_iters=eval_cfg.bootstrap_iters, log_samples=log_samples,
         random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)

@@ -75,8 +75,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed.type_as(x) * self.weight
+        # torch's fused kernel (forward and backward in one pass each, statistics in fp32):
+        # x * rsqrt(mean(x^2) + eps) * weight, as written out in Llama and transformers.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -112,10 +113,14 @@ def rope_cache(head_dim: int, max_seq_len: int, theta: float,
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (batch, heads, seq, head_dim). Rotates pairs (i, i + head_dim/2)."""
+    """x: (batch, heads, seq, head_dim). Rotates pairs (i, i + head_dim/2):
+    x * cos + (-x2, x1) * sin, where x1, x2 are x's halves."""
     half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    # (-x2, x1) * sin == roll(x, half) * (-sin, sin): the sign moves to the small table, and
+    # one roll replaces a negation, two slices and a concatenation of the large tensor
+    # (whose backward zero-fills a gradient per slice). The same products, bit for bit.
+    signed_sin = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return x * cos + x.roll(half, dims=-1) * signed_sin
 
 
 class CausalAttention(nn.Module):
@@ -124,9 +129,12 @@ class CausalAttention(nn.Module):
     that gives a rank only part of the sequence can put in its place one that attends over
     the keys and values of the whole sequence."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q: (batch, heads, seq, head_dim); k, v: (batch, kv_heads, seq, head_dim)."""
-        return F.scaled_dot_product_attention(q, *repeat_kv(q, k, v), is_causal=True)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q: (batch, heads, seq, head_dim); k, v: (batch, kv_heads, seq, head_dim); `mask`
+        (True where a token may attend) in place of the causal one, as evaluation packs them."""
+        return F.scaled_dot_product_attention(q, *repeat_kv(q, k, v), attn_mask=mask,
+                                              is_causal=mask is None)
 
 
 def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,9 +157,10 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.core = CausalAttention()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
-        cos, sin = cos[:seq], sin[:seq]
+        cos, sin = cos[..., :seq, :], sin[..., :seq, :]
         # Head counts come from the projections' outputs (-1), so the same code runs when
         # tensor parallelism gives this rank only some of the heads.
         q = self.wq(x).view(batch, seq, -1, self.head_dim)
@@ -161,7 +170,7 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core(q, k, v)
+        out = self.core(q, k, v, mask=mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
 
@@ -188,8 +197,9 @@ class Block(nn.Module):
         self.feed_forward = None if moe else FeedForward(args)
         self.moe = MoE(args.dim, args.expert_hidden, args.moe_args) if moe else None
 
-    def forward(self, x, cos, sin):
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x, cos, sin, mask=None):
+        # mask by keyword: tensor parallelism lays out the positional inputs (x, cos, sin)
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         ffn = self.moe if self.moe is not None else self.feed_forward
         return x + ffn(self.ffn_norm(x))
 
@@ -281,17 +291,25 @@ class Transformer(nn.Module):
                 module.balance_sum = torch.zeros(2, device=module.expert_bias.device)
         return model
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, mask: torch.Tensor | None = None):
         """tokens: (batch, seq) ids. Returns logits, or the mean cross-entropy with targets.
 
         A pipeline stage is this model with the parts of other stages set to None: then the
         input may be hidden states and the output is hidden states.
+
+        Packed sequences (evaluation scores several continuations of one context in one
+        row): `positions` (batch, seq) is each token's position, `mask` (batch, 1, seq, seq)
+        True where a token may attend. Default: positions 0, 1, ... and causal attention.
         """
         # Attention slices the rotary tables to its own sequence length: a pipeline stage
         # with sequence parallelism receives only this rank's part of the sequence.
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin = self.rope_cos, self.rope_sin
+        if positions is not None:  # each row's own angles, broadcast over the heads
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
         for layer in self.layers.values():
-            x = layer(x, self.rope_cos, self.rope_sin)
+            x = layer(x, cos, sin, mask=mask)
         if self.output is None:
             return x
         logits = self.output(self.norm(x))

@@ -327,9 +327,11 @@ def require_sources(plan: DatasetPlan) -> None:
                         "store that holds the dataset")
 
 
-def find_prepared(plan: DatasetPlan, store: Store, fetch: bool = True) -> DatasetManifest | None:
-    """The complete dataset of `plan`, found locally or in the store (and restored from it
-    unless `fetch` is False); else None."""
+def find_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest | None:
+    """The complete dataset of `plan`, found where it lies: verified on this machine, or its
+    manifest in the store; else None. A dataset in the store stays there: nothing here
+    downloads it whole (training streams its shards through the cache, dataset_for_training),
+    so a prepare with nothing to do moves nothing."""
     manifest = _verified_manifest(plan.dir)
     if manifest is not None:
         log.info("dataset %s is prepared in %s", plan.dataset_id, plan.dir)
@@ -337,20 +339,21 @@ def find_prepared(plan: DatasetPlan, store: Store, fetch: bool = True) -> Datase
     key = plan.store_key(DATASET_MANIFEST)
     if not store.exists(key):
         return None
-    if not fetch:
-        log.info("dataset %s is prepared in %s", plan.dataset_id, store.url(plan.store_prefix))
-        return DatasetManifest.model_validate_json(store.get_bytes(key))
-    log.info("restoring dataset %s from %s", plan.dataset_id, store.url(plan.store_prefix))
-    store.download_dir(plan.store_prefix, plan.dir)
-    return _verified_manifest(plan.dir)
+    log.info("dataset %s is prepared in %s", plan.dataset_id, store.url(plan.store_prefix))
+    return DatasetManifest.model_validate_json(store.get_bytes(key))
 
 
-def require_prepared(plan: DatasetPlan, store: Store, fetch: bool = True) -> DatasetManifest:
-    """For training and evaluation: the prepared dataset of `plan` (local, or in the store and
-    restored from it unless `fetch` is False), or a ConfigError that says whether it was
-    never prepared or is damaged."""
+def prepared_location(plan: DatasetPlan, store: Store) -> str:
+    """Where find_prepared found the dataset of `plan`: its directory here when complete
+    here, else its prefix in the store."""
+    return str(plan.dir) if (plan.dir / DATASET_MANIFEST).is_file() else store.url(plan.store_prefix)
+
+
+def require_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest:
+    """For training and evaluation: the prepared dataset of `plan` (here, or in the store), or
+    a ConfigError that says whether it was never prepared or is damaged."""
     had_manifest = (plan.dir / DATASET_MANIFEST).is_file()
-    manifest = find_prepared(plan, store, fetch)
+    manifest = find_prepared(plan, store)
     if manifest is None:
         state = ("is damaged: its files no longer match its manifest (the log names them)"
                  if had_manifest else "is not prepared")
@@ -413,7 +416,7 @@ def dataset_for_training(config: RunConfig, store: Store) -> Path:
     data.cache_limit on disk (training.shard_cache; a mix's sources share it evenly). Never
     prepared or damaged beyond what the store holds: a ConfigError that says which.
     """
-    found = [(source, plan, require_prepared(plan, store, fetch=False))
+    found = [(source, plan, require_prepared(plan, store))
              for source, plan in mix_plans(config, store)]
     mix = mixture_manifest([(source, manifest) for source, _, manifest in found])  # before any fetch
     limit = parse_bytes(config.data.cache_limit) if config.data.cache_limit is not None else None
@@ -500,7 +503,8 @@ def _verified_manifest(directory: Path) -> DatasetManifest | None:
             _stamp_path(directory).parent.mkdir(parents=True, exist_ok=True)
             write_atomic(_stamp_path(directory), json.dumps(stats).encode())
         return manifest
-    log.warning("dataset in %s is damaged (%s); preparing those files again", directory, ", ".join(damaged))
+    log.warning("dataset in %s is damaged (%s); those files are removed (and prepared again "
+                "where the store does not hold the dataset)", directory, ", ".join(damaged))
     _stamp_path(directory).unlink(missing_ok=True)
     (directory / DATASET_MANIFEST).unlink()
     for rel in damaged:
