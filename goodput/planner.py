@@ -27,6 +27,8 @@ from core.hf_llama import given_tokenizer_file
 from core.layout import DEGREES, MESH_DIMS, LayoutError, ParallelDims, Problem, pipeline_bubble  # noqa: F401 (API)
 from training.model import ModelArgs, model_args_from_config
 
+# A layout's degrees in the order of its name (core.layout: ParallelDims.degrees, cp before tp).
+LAYOUT_DEGREES = tuple(ParallelDims().degrees)
 GiB = 1024**3
 H100_FLOPS = 989e12  # dense bf16, H100 SXM
 A100_FLOPS = 312e12  # dense bf16, A100 SXM
@@ -134,6 +136,10 @@ class Recipe:
     # EP's all-to-alls hidden behind another micro-batch's compute (DeepSeek-V3's DualPipe);
     # goodput's sit between the computations that need them.
     ep_overlap: bool = False
+    # Context parallelism across pipeline stages (Meta's Llama 3: the stages exchange the
+    # parts of sequences CP splits); goodput's pipeline does not, and core.layout refuses cp
+    # with pp.
+    pipelined_context: bool = False
 
 
 GOODPUT = Recipe()
@@ -265,24 +271,43 @@ def model_args(config: RunConfig) -> ModelArgs:
 
 # -- activations -----------------------------------------------------------------------------
 
-def _norm_bytes(args: ModelArgs, tokens: int, tp: int, residual_bytes: int) -> float:
-    """RMSNorm computes in fp32: it saves its input as fp32 (the input itself when it already
-    is fp32; two copies otherwise, since it calls x.float() twice), the fp32 inverse RMS and
-    the normalised tensor, in the residual stream's dtype. Sequence parallelism gives each TP
-    rank a sequence shard."""
-    fp32_inputs = 1 if residual_bytes == 4 else 2
-    return (4 * fp32_inputs * tokens * args.dim + residual_bytes * tokens * args.dim
-            + 4 * tokens) / tp
+def _norm_bytes(args: ModelArgs, tokens: int, tp: int, residual_bytes: int,
+                fused_norm: bool = False) -> float:
+    """training/model.py's RMSNorm is F.rms_norm, statistics in fp32. `fused_norm` (CUDA: its
+    kernel, _fused_rms_norm) saves the input as it comes and the fp32 inverse RMS. Elsewhere
+    (CPU) torch decomposes it (rms_norm_composite, counted with saved-tensor hooks): it saves
+    the input in fp32 (the input itself when it is fp32, a copy when bf16), the fp32 inverse
+    RMS and the fp32 normalised tensor that the weight multiplies (the result is cast back
+    after the product, so nothing is saved in the residual stream's dtype). Sequence
+    parallelism gives each TP rank a sequence shard."""
+    per_token = residual_bytes * args.dim if fused_norm else 2 * 4 * args.dim
+    return tokens * (per_token + 4) / tp
+
+
+def _rope_table_bytes(args: ModelArgs, seq: int, residual_bytes: int) -> float:
+    """What RoPE saves beside q and k (training/model.py's apply_rope: x * cos + x.roll(half)
+    * signed_sin): the tables its products take, (seq, head_dim) each, whatever the batch or
+    tp (each rank rotates its heads over the whole sequence). The roll itself saves nothing,
+    and cos is the model's buffer (not an activation), but each call builds its signed sin
+    table anew: two per block (q and k), fp32 as the buffers. Where FSDP casts the block's
+    inputs to bf16 (mixed precision with a bf16 residual stream: cast_forward_inputs), cos
+    and sin arrive as bf16 copies: then the products also keep the cos copy, and the signed
+    tables are bf16."""
+    if residual_bytes == 2:
+        return 3 * 2 * seq * args.head_dim
+    return 2 * 4 * seq * args.head_dim
 
 
 def block_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_bytes: int,
-                           residual_bytes: int | None = None, compiled: bool = False) -> float:
+                           residual_bytes: int | None = None, compiled: bool = False,
+                           fused_norm: bool = False) -> float:
     """Bytes one block saves for backward for one micro-batch (training/model.py's Block):
     matmul inputs and outputs in `act_bytes`, the residual stream the norms read and write in
     `residual_bytes` (default the same; fp32 under autocast, see residual_bytes()).
 
-    Eager: two norms, whose outputs the following matmuls save (whole under TP: all-gathered
-    from the sequence shards). SDPA saves q, k, v (k and v repeated to all heads under GQA),
+    Eager: two norms (_norm_bytes; `fused_norm`: CUDA's kernel), whose outputs the following
+    matmuls save (whole under TP: all-gathered from the sequence shards); RoPE's sin and cos
+    tables (_rope_table_bytes). SDPA saves q, k, v (k and v repeated to all heads under GQA),
     its output (also wo's input, a view) and an fp32 log-sum-exp per head. SwiGLU saves the w1
     and w3 outputs, silu(w1) and w2's input. TP splits attention by heads and SwiGLU by
     hidden units.
@@ -306,7 +331,8 @@ def block_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_b
     autocast = act_bytes < residual_bytes
     matmul_inputs = (5 if autocast else 2) * act_bytes * tokens * args.dim
     swiglu = 4 * act_bytes * tokens * args.ffn_hidden / tp
-    return 2 * _norm_bytes(args, tokens, tp, residual_bytes) + matmul_inputs + attention + swiglu
+    return (2 * _norm_bytes(args, tokens, tp, residual_bytes, fused_norm)
+            + _rope_table_bytes(args, seq, residual_bytes) + matmul_inputs + attention + swiglu)
 
 
 def sharded_block_activation_bytes(args: ModelArgs, tokens: int, tp: int, act_bytes: int,
@@ -337,7 +363,7 @@ def op_checkpointed_block_bytes(args: ModelArgs, tokens: int, tp: int, act_bytes
 
 def head_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_bytes: int,
                           residual_bytes: int | None = None, compiled: bool = False,
-                          vocab_parallel: bool = False) -> float:
+                          vocab_parallel: bool = False, fused_norm: bool = False) -> float:
     """Final norm, the output projection's input, and what the loss keeps: eagerly the fp32
     log-probabilities (training/model.py's cross_entropy casts the logits to fp32), compiled
     the logits as they come (the fused loss recomputes the softmax from them and its fp32
@@ -346,7 +372,7 @@ def head_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_by
     tokens = batch * seq
     vocab = args.vocab_size / (tp if vocab_parallel else 1)
     logits = (act_bytes * vocab + 4) if compiled else 4 * vocab
-    return (_norm_bytes(args, tokens, tp, residual_bytes or act_bytes)
+    return (_norm_bytes(args, tokens, tp, residual_bytes or act_bytes, fused_norm)
             + act_bytes * tokens * args.dim + tokens * logits)
 
 
@@ -421,8 +447,7 @@ class LayoutPlan:
     problems: list[Problem] = field(default_factory=list)  # why it cannot run
     warnings: list[Problem] = field(default_factory=list)  # runs, but costs (parallelism.strict_layout refuses)
     departures: list[str] = field(default_factory=list)  # where it leaves DESIGN's defaults
-    ep: int = 1  # expert parallelism (parallelism.ep): ranks of dp_shard x tp
-    cp: int = 1  # context parallelism: ranks of its own, each holding 1/cp of every sequence
+    ep: int = 1  # expert parallelism (parallelism.ep): ranks of dp_shard x tp, none of its own
 
     @property
     def ok(self) -> bool:
@@ -430,8 +455,10 @@ class LayoutPlan:
 
     @property
     def name(self) -> str:
-        extra = {k: v for k, v in (("ep", self.ep), ("cp", self.cp)) if v > 1}
-        return " x ".join(f"{k}={v}" for k, v in {**self.degrees, **extra}.items())
+        """core.layout's name of the layout (ParallelDims.name, cp in its place), with "x ep=N"
+        after it under expert parallelism, which adds no ranks."""
+        ep = {"ep": self.ep} if self.ep > 1 else {}
+        return " x ".join(f"{k}={v}" for k, v in {**self.degrees, **ep}.items())
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -448,9 +475,6 @@ class _Setup:
     params: ParamCount
     bf16: bool
     recipe: Recipe = GOODPUT
-    # Context parallelism: each sequence split over this many ranks (plan_layout's
-    # context_parallel, else parallelism.cp where the config has it).
-    cp: int = 1
 
     @property
     def moe_args(self) -> ModelArgs | None:
@@ -463,10 +487,9 @@ class _Setup:
         return replace(self.args, moe=None,
                        ffn_hidden_dim=(m.top_k + m.shared_experts) * self.args.expert_hidden)
 
-    @property
-    def seq_shard(self) -> int:
-        """Tokens of one sequence on one rank (context parallelism splits it)."""
-        return self.config.training.seq_len // self.cp
+    def seq_shard(self, dims: ParallelDims) -> int:
+        """Tokens of one sequence on one rank (context parallelism splits it over dims.cp)."""
+        return self.config.training.seq_len // dims.cp
 
     @property
     def fused(self) -> bool:
@@ -482,6 +505,11 @@ class _Setup:
     def act_bytes(self) -> int:
         return 2 if self.bf16 else 4
 
+    @property
+    def fused_norm(self) -> bool:
+        """F.rms_norm runs torch's fused kernel: on CUDA (elsewhere it decomposes, _norm_bytes)."""
+        return self.cluster.device == "cuda"
+
     def residual_bytes(self, dims: ParallelDims) -> int:
         """The residual stream (embedding output, norms, block outputs, what pipeline stages
         exchange): bf16 only where FSDP casts the parameters to bf16. Under autocast it stays
@@ -490,66 +518,57 @@ class _Setup:
         return 2 if self.bf16 and (dims.fsdp or self.recipe.bf16_weights) else 4
 
 
-def _setup(config: RunConfig, cluster: Cluster, recipe: Recipe = GOODPUT,
-           context_parallel: int | None = None) -> _Setup:
+def _setup(config: RunConfig, cluster: Cluster, recipe: Recipe = GOODPUT) -> _Setup:
     args = model_args(config)
     mp = config.parallelism.mixed_precision
     bf16 = mp == "bf16" or (mp == "auto" and cluster.device == "cuda")
-    return _Setup(config, cluster, args, count_params(args), bf16, recipe,
-                  context_parallel_degree(config, context_parallel))
+    return _Setup(config, cluster, args, count_params(args), bf16, recipe)
 
 
-def context_parallel_degree(config: RunConfig, context_parallel: int | None = None) -> int:
-    """The context-parallel degree a plan uses: `context_parallel` when given, else the
-    config's parallelism.cp (1 where the config has no such field)."""
-    return context_parallel if context_parallel is not None else getattr(config.parallelism, "cp", 1)
+def _with_cp(config: RunConfig, degrees: dict[str, int]) -> dict[str, int]:
+    """`degrees` in core.layout's order (ParallelDims.degrees), context parallelism's taken
+    from parallelism.cp where `degrees` does not give it: cp is never filled by -1, so the
+    search's factorisations of the GPUs left beside it leave it out."""
+    given = {"cp": config.parallelism.cp, **degrees}
+    return {d: given[d] for d in LAYOUT_DEGREES}
 
 
-def _resolve(config: RunConfig, cluster: Cluster, degrees: dict[str, int], cp: int) -> ParallelDims:
-    """The layout of `degrees` (and parallelism.ep) on the cluster. Context parallelism's
-    ranks are part of the world: where core.layout counts them (a "cp" degree) it resolves
-    them; until then the other degrees fill world / cp ranks. Raises LayoutError."""
+def _resolve(config: RunConfig, cluster: Cluster, degrees: dict[str, int]) -> ParallelDims:
+    """The layout of `degrees` (_with_cp; and parallelism.ep) on the cluster: core.layout
+    counts cp's ranks in the world like the others'. Raises LayoutError."""
     world = cluster.world_size
-    where = f"the cluster's {world} GPUs"
-    counted = "cp" in DEGREES
-    if cp > 1 and not counted:
-        if world % cp:
-            raise LayoutError(Problem(f"context parallelism cp={cp} does not divide {where}",
-                                      "choose a cp that divides the number of GPUs"))
-        world, where = world // cp, f"{where} / cp={cp}"
-    extra = {"cp": cp} if counted else {}
-    return ParallelDims.resolve({**degrees, **extra}, world, where,
+    return ParallelDims.resolve(_with_cp(config, degrees), world, f"the cluster's {world} GPUs",
                                 ep=config.parallelism.ep, **config.parallelism.pipeline())
 
 
 def plan_layout(config: RunConfig, cluster: Cluster, degrees: dict[str, int],
                 strict: bool | None = None, recipe: Recipe = GOODPUT,
-                suggest: bool = True, context_parallel: int | None = None) -> LayoutPlan:
+                suggest: bool = True) -> LayoutPlan:
     """Explain one layout (a -1 degree fills the cluster): memory, bubble, communication,
     step time, or why it cannot run. What the trainer runs at a cost (core.layout's advice,
     e.g. a large pipeline bubble) is a warning, or a problem when `strict` (default:
     parallelism.strict_layout). `recipe`: how the software executes it (GOODPUT: this
     trainer). `suggest`: with pipeline stages, also find the pp_virtual_stages with the
-    shortest step (best_virtual_stages). `context_parallel`: the context-parallel degree
-    (default: parallelism.cp where the config has it, else 1); its ranks are part of the
-    cluster, each holding 1/cp of every sequence (Llama 3's all-gather of K/V; see
-    _communication and _block_saved_bytes)."""
-    s = _setup(config, cluster, recipe, context_parallel)
+    shortest step (best_virtual_stages). `degrees` may give context parallelism's "cp"
+    (default: parallelism.cp): its ranks are part of the cluster, each holding 1/cp of every
+    sequence (Llama 3's all-gather of K/V; see _communication and _block_saved_bytes)."""
+    s = _setup(config, cluster, recipe)
     par = config.parallelism
     strict = par.strict_layout if strict is None else strict
     try:
-        dims = _resolve(config, cluster, degrees, s.cp)
-    except LayoutError as e:
-        return LayoutPlan(dict(degrees), s.params, 1, problems=[e.problem])  # nothing to estimate
+        dims = _resolve(config, cluster, degrees)
+    except LayoutError as e:  # nothing to estimate
+        return LayoutPlan(_with_cp(config, degrees), s.params, 1, problems=[e.problem])
     m = dims.microbatches_per_step
-    plan = LayoutPlan(dims.degrees, s.params, m, ep=dims.ep, cp=s.cp)
+    plan = LayoutPlan(dims.degrees, s.params, m, ep=dims.ep)
     found = dims.problems(
         n_heads=s.args.n_heads, n_kv_heads=s.args.kv_heads, n_layers=s.args.n_layers,
         seq_len=config.training.seq_len, micro_batch_size=config.training.micro_batch_size,
         vocab_size=s.args.vocab_size, gpus_per_node=cluster.gpus_per_node,
         tied_embeddings=s.args.tie_embeddings,
         num_experts=s.args.moe_args.num_experts if s.args.moe is not None else None)
-    found += _context_parallel_problems(s, dims)
+    if recipe.pipelined_context:
+        found = [p for p in found if p not in _unbuilt_context_pipeline(s, dims)]
     plan.problems = [p for p in found if strict or not p.advice]
     plan.warnings = [p for p in found if p.advice and not strict]
     plan.bubble = dims.bubble
@@ -569,29 +588,22 @@ def plan_layout(config: RunConfig, cluster: Cluster, degrees: dict[str, int],
         plan.problems.append(_out_of_memory(s, dims, plan.memory))
     plan.departures = _departures(plan, cluster)
     if suggest and dims.pp > 1 and plan.step_time_s is not None:
-        plan.best_virtual_stages = _best_virtual_stages(config, cluster, dims.degrees, recipe,
-                                                        s.cp)
+        plan.best_virtual_stages = _best_virtual_stages(config, cluster, dims.degrees, recipe)
     return plan
 
 
-def _context_parallel_problems(s: _Setup, dims: ParallelDims) -> list[Problem]:
-    """Context parallelism's rules, where core.layout does not state them yet: the causal
-    load balance cuts each sequence into 2 x cp chunks (rank i holds chunks i and 2cp-1-i),
-    each split again over the TP ranks by sequence parallelism."""
-    cp, seq = s.cp, s.config.training.seq_len
-    if cp == 1 or "cp" in DEGREES:
-        return []
-    unit = 2 * cp * dims.tp
-    if seq % unit:
-        return [Problem(f"context parallelism cp={cp} cuts each sequence into 2 x cp chunks "
-                        f"(causal load balance), each split over tp={dims.tp}: "
-                        f"training.seq_len={seq} is not a multiple of {unit}",
-                        f"set training.seq_len to a multiple of {unit}, e.g. {unit * -(-seq // unit)}")]
-    return []
+def _unbuilt_context_pipeline(s: _Setup, dims: ParallelDims) -> list[Problem]:
+    """core.layout's refusal of cp with pp (this trainer's pipeline does not carry the parts
+    of sequences CP splits), which a recipe that did so (Recipe.pipelined_context) waives:
+    the context rules this layout breaks that it would not break without pipeline stages."""
+    seq = s.config.training.seq_len
+    experts = s.args.moe_args.num_experts if s.args.moe is not None else None
+    flat = replace(dims, pp=1).context_problems(seq, experts)
+    return [p for p in dims.context_problems(seq, experts) if p not in flat]
 
 
 def _best_virtual_stages(config: RunConfig, cluster: Cluster, degrees: dict[str, int],
-                         recipe: Recipe, cp: int = 1) -> tuple[int, float] | None:
+                         recipe: Recipe) -> tuple[int, float] | None:
     """The interleaved-1f1b stages per rank (parallelism.pp_virtual_stages) with the shortest
     estimated step among those that fit: more stages shrink the bubble, (pp-1)/(v m + pp-1),
     and send v times the activations between ranks (and keep more micro-batches in flight).
@@ -602,8 +614,7 @@ def _best_virtual_stages(config: RunConfig, cluster: Cluster, degrees: dict[str,
     for v in range(2, config.model.n_layers // pp + 1):
         interleaved = config.model_copy(update={"parallelism": par.model_copy(update={
             "pp_schedule": "interleaved-1f1b", "pp_virtual_stages": v, "pp_layers_per_stage": None})})
-        p = plan_layout(interleaved, cluster, degrees, strict=False, recipe=recipe, suggest=False,
-                        context_parallel=cp)
+        p = plan_layout(interleaved, cluster, degrees, strict=False, recipe=recipe, suggest=False)
         if p.ok and p.step_time_s is not None and (best is None or p.step_time_s < best[1]):
             best = (v, p.step_time_s)
     return best
@@ -626,15 +637,16 @@ def search(config: RunConfig, cluster: Cluster, strict: bool | None = None) -> l
     default rules, highest estimated throughput (tokens/s) first, then the others -- and then
     the ones that cannot run. Throughput, not step time: the batch is per data-parallel rank,
     so a layout with less data parallelism has shorter steps only because it does less."""
-    cp = context_parallel_degree(config)
-    world = cluster.world_size // cp if cp > 1 and "cp" not in DEGREES else cluster.world_size
+    # Context parallelism's degree is the config's (set by the sequence length, not searched):
+    # the other degrees factorise the GPUs left beside it.
+    world = cluster.world_size // config.parallelism.cp
     plans = [plan_layout(config, cluster, d, strict, suggest=False) for d in factorisations(world)]
     valid = sorted((p for p in plans if p.ok),
                    key=lambda p: (bool(p.departures), -(p.tokens_per_s or 0.0), p.memory.peak))
     ranked = valid + [p for p in plans if not p.ok]
     if ranked[0].degrees["pp"] > 1 and ranked[0].step_time_s is not None:  # the one explained
         ranked[0].best_virtual_stages = _best_virtual_stages(config, cluster, ranked[0].degrees,
-                                                             GOODPUT, cp)
+                                                             GOODPUT)
     return ranked
 
 
@@ -973,11 +985,11 @@ def _state_shards(s: _Setup, dims: ParallelDims) -> tuple[int, int]:
     holding the same experts (training.parallelize._expert_fsdp). With bf16 weights (the
     distributed optimizer) the optimizer over every data-parallel rank holding the same
     weights."""
-    cp = s.cp
+    cp = dims.cp
     if s.recipe.bf16_weights and s.bf16:
         dense = dims.dp_size * cp
         return dense, (dims.dp_size * dims.tp // dims.ep * cp if dims.ep > 1 else dense)
-    if not (dims.fsdp or cp > 1):
+    if not dims.fsdp:
         return 1, 1
     dense = dims.dp_shard * cp
     return dense, (dims.dp_shard * dims.tp // dims.ep * cp if dims.ep > 1 else dense)
@@ -986,7 +998,7 @@ def _state_shards(s: _Setup, dims: ParallelDims) -> tuple[int, int]:
 def _rank_memory(s: _Setup, dims: ParallelDims, checkpointing: str, rank: _Rank) -> Memory:
     pc, args, par, tcfg, recipe = s.params, s.args, s.config.parallelism, s.config.training, s.recipe
     tp, m = dims.tp, dims.microbatches_per_step
-    fsdp, ddp = dims.fsdp or s.cp > 1, dims.ddp
+    fsdp, ddp = dims.fsdp, dims.ddp
 
     loc = _local_params(s, rank, dims)
     local = loc.total  # this rank's parameters after TP and EP
@@ -1023,7 +1035,7 @@ def _rank_memory(s: _Setup, dims: ParallelDims, checkpointing: str, rank: _Rank)
                 buffers += 2 * (loc.matrices + (head / tp if rank.last else 0))
 
     mb = tcfg.micro_batch_size // m
-    seq = s.seq_shard
+    seq = s.seq_shard(dims)
     residual = s.residual_bytes(dims)
     stage_bytes = max(_stage_activations(s, mb, dims, kinds, checkpointing, residual)
                       for kinds in rank.kinds)
@@ -1035,10 +1047,10 @@ def _rank_memory(s: _Setup, dims: ParallelDims, checkpointing: str, rank: _Rank)
         head_inflight = rank.inflight if dims.pp_schedule == "gpipe" else 1
         activations += head_inflight * head_activation_bytes(
             args, mb, seq, tp, s.act_bytes, residual, compiled=s.fused_loss,
-            vocab_parallel=vocab_parallel)
+            vocab_parallel=vocab_parallel, fused_norm=s.fused_norm)
     loss = (loss_workspace_bytes(args, mb, seq, s.fused_loss, s.act_bytes,
                                  tp if vocab_parallel else 1) if rank.last else 0.0)
-    recompute = (max(_block_saved_bytes(s, mb * seq, dims, residual, "none", moe)
+    recompute = (max(_block_saved_bytes(s, mb, dims, residual, "none", moe)
                      for moe in {kind for stage in rank.kinds for kind in stage})
                  if checkpointing != "none" else 0.0)
     largest = max(pc.embedding / tp if rank.first else 0, pc.head_matrix / tp if rank.last else 0,
@@ -1071,23 +1083,25 @@ def _gathered_kv_bytes(s: _Setup, dims: ParallelDims, tokens: int, mode: str) ->
     attention saves for backward once they are all-gathered (Llama 3's CP). Repeated to every
     head as goodput's attention hands them to SDPA (Megatron's kernels keep the kv heads).
     Nothing where the attention is recomputed in backward (it gathers them again)."""
-    if s.cp == 1 or mode in ("full", "attention"):
+    if dims.cp == 1 or mode in ("full", "attention"):
         return 0.0
     args = s.args
     width = (args.kv_heads * args.head_dim if s.recipe.sharded_saves or mode == "ops"
              else attention_width(args))
-    return 2 * s.act_bytes * width * tokens * (s.cp - 1) / dims.tp
+    return 2 * s.act_bytes * width * tokens * (dims.cp - 1) / dims.tp
 
 
-def _block_saved_bytes(s: _Setup, tokens: int, dims: ParallelDims, residual_bytes: int, mode: str,
+def _block_saved_bytes(s: _Setup, mb: int, dims: ParallelDims, residual_bytes: int, mode: str,
                        moe: bool = False) -> float:
-    """What one block keeps for backward for `tokens` tokens (this rank's: its micro-batch's
-    part of the sequences under CP): "none" everything it saves (as the recipe saves it:
+    """What one block keeps for backward for a micro-batch of `mb` sequences (this rank's
+    part of each under CP): "none" everything it saves (as the recipe saves it:
     goodput's eager or compiled accounting, or Megatron's shards), "full" its input alone
     (sequence-sharded under TP), "ops" torchtitan's op-level selection, "attention" all but
     the core attention's output (Megatron's selective). `moe`: an MoE block (s.moe_args:
     its experts as one SwiGLU, plus the routing, _moe_saved_bytes)."""
     args, tp = (s.moe_args if moe else s.args), dims.tp
+    seq = s.seq_shard(dims)
+    tokens = mb * seq
     if mode == "full":
         return residual_bytes * tokens * args.dim / tp
     extra = (_moe_saved_bytes(s, dims, tokens) if moe else 0.0) + _gathered_kv_bytes(s, dims, tokens, mode)
@@ -1096,7 +1110,8 @@ def _block_saved_bytes(s: _Setup, tokens: int, dims: ParallelDims, residual_byte
     if s.recipe.sharded_saves:
         return extra + sharded_block_activation_bytes(args, tokens, tp, s.act_bytes,
                                                       recompute_attention=mode == "attention")
-    full = block_activation_bytes(args, 1, tokens, tp, s.act_bytes, residual_bytes, s.fused)
+    full = block_activation_bytes(args, mb, seq, tp, s.act_bytes, residual_bytes, s.fused,
+                                  s.fused_norm)
     if mode == "attention":
         return extra + full - tokens * (s.act_bytes * attention_width(args) + 4 * args.n_heads) / tp
     return extra + full
@@ -1125,8 +1140,7 @@ def _stage_activations(s: _Setup, mb: int, dims: ParallelDims, kinds: tuple[bool
                        checkpointing: str, residual_bytes: int) -> float:
     """One micro-batch through a stage's blocks (`kinds`), each keeping what its checkpointing
     mode keeps."""
-    tokens = mb * s.seq_shard
-    return sum(_block_saved_bytes(s, tokens, dims, residual_bytes, mode, moe)
+    return sum(_block_saved_bytes(s, mb, dims, residual_bytes, mode, moe)
                for mode, moe in _block_modes(s, kinds, checkpointing))
 
 
@@ -1173,11 +1187,11 @@ def _amount(x: float) -> str:
 
 def _axis_crosses_nodes(degrees: dict[str, int], axis: str, gpus_per_node: int) -> bool:
     """Ranks of one group along `axis` are `stride` apart; it stays in a node when it spans
-    no more than one node's GPUs. `degrees` may hold "ep" and "cp" beside the four: context
+    no more than one node's GPUs. `degrees` may hold "ep" beside core's five: context
     parallelism sits between dp_shard and tp (torchtitan's mesh, Llama 3's [TP, CP, PP, DP]);
     an EP group is `ep` neighbouring ranks of dp_shard x tp (core.layout's expert mesh), and
     "efsdp", the ranks holding the same experts, spans all of dp_shard x cp x tp."""
-    d = {"ep": 1, "cp": 1, **degrees}
+    d = {"ep": 1, **degrees}
     if axis == "ep":
         span = d["ep"] if d["ep"] <= d["tp"] else d["ep"] * d["cp"]
     elif axis == "efsdp":
@@ -1196,7 +1210,7 @@ def _communication(s: _Setup, dims: ParallelDims) -> tuple[dict[str, float], dic
     The pipeline rank that sends the most (with MoE models, one holding MoE blocks)."""
     comm = max((_rank_communication(s, dims, rank) for rank in _ranks(s, dims)),
                key=lambda c: sum(c.values()))
-    degrees = _mesh_degrees(dims, s.cp)
+    degrees = {**dims.degrees, "ep": dims.ep}
     crosses = {k: _axis_crosses_nodes(degrees, k, s.cluster.gpus_per_node) for k in comm}
     return comm, crosses
 
@@ -1204,7 +1218,7 @@ def _communication(s: _Setup, dims: ParallelDims) -> tuple[dict[str, float], dic
 def _rank_communication(s: _Setup, dims: ParallelDims, busiest: _Rank) -> dict[str, float]:
     """_communication for one pipeline rank."""
     args, tcfg, par = s.args, s.config.training, s.config.parallelism
-    tp, pp, rep, m, cp = dims.tp, dims.pp, dims.dp_replicate, dims.microbatches_per_step, s.cp
+    tp, pp, rep, m, cp = dims.tp, dims.pp, dims.dp_replicate, dims.microbatches_per_step, dims.cp
     loc = _local_params(s, busiest, dims)
     # Under EP the experts are FSDP units of their own on another mesh: their traffic apart.
     apart = dims.ep > 1
@@ -1247,21 +1261,16 @@ def _rank_communication(s: _Setup, dims: ParallelDims, busiest: _Rank) -> dict[s
             comm["efsdp"] = _ring(expert_shard) * (compute_bytes * gathered(loc.experts, 0.0)
                                                    + reductions * 4 * loc.experts)
     if tp > 1:
-        comm["tp"] = n_micro * _tp_bytes_per_microbatch(s, busiest, mb, tp,
-                                                        s.residual_bytes(dims))
+        comm["tp"] = n_micro * _tp_bytes_per_microbatch(s, dims, busiest, mb)
     if dims.ep > 1 and busiest.moe_blocks:
         comm["ep"] = n_micro * _all_to_all_bytes_per_microbatch(s, dims, busiest, mb)
     if cp > 1:
         comm["cp"] = n_micro * _kv_bytes_per_microbatch(s, dims, busiest, mb)
     if pp > 1:
-        boundary = s.residual_bytes(dims) * mb * s.seq_shard * args.dim / tp
+        boundary = s.residual_bytes(dims) * mb * s.seq_shard(dims) * args.dim / tp
         sends = 2 * len(busiest.layers)  # activations forward, their gradients backward
         comm["pp"] = n_micro * sends * boundary
     return {k: v for k, v in comm.items() if v > 0}
-
-
-def _mesh_degrees(dims: ParallelDims, cp: int) -> dict[str, int]:
-    return {**dims.degrees, "ep": dims.ep, "cp": cp}
 
 
 def _ring(d: int) -> float:
@@ -1277,7 +1286,7 @@ def _all_to_all_bytes_per_microbatch(s: _Setup, dims: ParallelDims, rank: _Rank,
     (ep-1)/ep of the rows leave the rank. Backward sends the gradients the same ways; a block
     checkpointed whole dispatches and combines again when it recomputes."""
     moe = s.args.moe_args
-    tokens = mb * s.seq_shard / dims.tp
+    tokens = mb * s.seq_shard(dims) / dims.tp
     rows = tokens * moe.top_k * s.args.dim * s.residual_bytes(dims) * _ring(dims.ep)
     exchanges = sum(4 + (2 if mode == "full" else 0)
                     for kinds in rank.kinds
@@ -1294,22 +1303,22 @@ def _kv_bytes_per_microbatch(s: _Setup, dims: ParallelDims, rank: _Rank, mb: int
     ring: the same bytes.)"""
     args = s.args
     kv = 2 * args.kv_heads * args.head_dim / dims.tp * mb * s.config.training.seq_len
-    volume = kv * s.act_bytes * _ring(s.cp)
+    volume = kv * s.act_bytes * _ring(dims.cp)
     exchanges = sum(2 + (1 if mode in ("full", "attention") else 0)
                     for kinds in rank.kinds
                     for mode, _ in _block_modes(s, kinds, s.config.parallelism.activation_checkpointing))
     return exchanges * volume
 
 
-def _tp_bytes_per_microbatch(s: _Setup, rank: _Rank, mb: int, tp: int,
-                             residual_bytes: int) -> float:
+def _tp_bytes_per_microbatch(s: _Setup, dims: ParallelDims, rank: _Rank, mb: int) -> float:
     """Sequence parallelism: per block, two all-gathers into (of norm outputs, in the
     residual dtype) and two reduce-scatters out of (matmul outputs) the parallel matmuls in
     forward, their mirror images in backward, and again when a checkpointed block
     recomputes; the embedding's reduce-scatter and the head's all-gathers (the logits whole)
     at the ends. An MoE block has the attention's half: its MoE layer computes on each TP
     rank's own part of the sequence (training/expert_parallel.py)."""
-    seq, args, par = s.seq_shard, s.args, s.config.parallelism
+    seq, args, par = s.seq_shard(dims), s.args, s.config.parallelism
+    tp, residual_bytes = dims.tp, s.residual_bytes(dims)
     hidden = mb * seq * args.dim * _ring(tp)  # elements
     per_block = 4 * hidden * (residual_bytes + s.act_bytes)  # forward and backward
     if s.recipe.parallel_blocks:  # attention and MLP share one all-gather and one reduce-scatter
@@ -1480,7 +1489,7 @@ def _rank_seconds(s: _Setup, dims: ParallelDims, rank: _Rank) -> _Work:
     args, tcfg, cluster, recipe = s.args, s.config.training, s.cluster, s.recipe
     tp, m = dims.tp, dims.microbatches_per_step
     # Through this rank: its micro-batches' tokens, 1/cp of each sequence under CP.
-    tokens = tcfg.grad_accum_steps * tcfg.micro_batch_size * s.seq_shard
+    tokens = tcfg.grad_accum_steps * tcfg.micro_batch_size * s.seq_shard(dims)
     work = _Work()
     residual = s.residual_bytes(dims)
     autocast = s.bf16 and residual == 4
@@ -1512,7 +1521,7 @@ def _rank_seconds(s: _Setup, dims: ParallelDims, rank: _Rank) -> _Work:
     # AdamW: reads p, g, m, v; writes p, m, v (fp32), on this rank's shard.
     work.memory_bytes += 28 * ((loc.root + loc.blocks) / shard + loc.experts / expert_shard)
     if tp > 1:
-        per_micro = _tp_bytes_per_microbatch(s, rank, tcfg.micro_batch_size // m, tp, residual)
+        per_micro = _tp_bytes_per_microbatch(s, dims, rank, tcfg.micro_batch_size // m)
         work.tp_bytes = tcfg.grad_accum_steps * m * per_micro * (1 - recipe.tp_overlap)
 
     speed = cluster.compute_efficiency / MATMUL_EFFICIENCY  # a measured run's scales them all
@@ -1554,7 +1563,7 @@ def _estimate_step(s: _Setup, dims: ParallelDims, plan: LayoutPlan) -> None:
     plan.work = busiest
     tcfg = s.config.training
     model_flops = model_flops_per_token(s.args, tcfg.seq_len) * plan.tokens_per_step / cluster.world_size
-    if (dims.fsdp or s.cp > 1) and not s.recipe.bf16_weights:
+    if dims.fsdp and not s.recipe.bf16_weights:
         # FSDP2 copies each all-gathered parameter out of, and each gradient into, the
         # collective's flat buffer: the buffers' size read and written once more.
         shards = _state_shards(s, dims)
@@ -1597,7 +1606,7 @@ def _size(x: float) -> str:
 
 def format_table(plans: list[LayoutPlan], limit: int | None = None) -> str:
     """One line per layout: memory split in GiB, bubble, communication, estimated step time."""
-    header = ("rank", "dp_rep", "dp_shard", "tp", "pp", "weights", "grads", "optim", "buffers",
+    header = ("rank", "dp_rep", "dp_shard", "cp", "tp", "pp", "weights", "grads", "optim", "buffers",
               "acts", "peak GiB", "bubble", "comm/step", "step s", "tokens/s", "verdict")
     rows = []
     shown = plans if limit is None else plans[:limit]
@@ -1605,7 +1614,7 @@ def format_table(plans: list[LayoutPlan], limit: int | None = None) -> str:
         d, mem = p.degrees, p.memory
         mem_cols = ([_gib(mem.weights), _gib(mem.gradients), _gib(mem.optimizer), _gib(mem.buffers),
                      _gib(mem.activations), _gib(mem.peak)] if mem else ["-"] * 6)
-        rows.append((str(i) if p.ok else "-", *(str(d[k]) for k in DEGREES), *mem_cols,
+        rows.append((str(i) if p.ok else "-", *(str(d[k]) for k in LAYOUT_DEGREES), *mem_cols,
                      f"{p.bubble:.1%}", _size(sum(p.comm.values())),
                      f"{p.step_time_s:.3f}" if p.step_time_s is not None else "-",
                      f"{p.tokens_per_s:,.0f}" if p.tokens_per_s is not None else "-",
@@ -1737,13 +1746,13 @@ def _axis_how(s: _Setup, dims: ParallelDims, axis: str) -> str:
     if axis == "ep":
         m = args.moe_args
         return (f"{micro} micro-batches x MoE blocks x (dispatch + combine, forward and backward, "
-                f"again where recomputed) x {mb * s.seq_shard // dims.tp:,} tokens x top_k {m.top_k} "
+                f"again where recomputed) x {mb * s.seq_shard(dims) // dims.tp:,} tokens x top_k {m.top_k} "
                 f"x dim {args.dim} x {s.residual_bytes(dims)} bytes x (ep-1)/ep ({dims.ep - 1}/{dims.ep}) = ")
     if axis == "cp":
         return (f"{micro} micro-batches x blocks x (all-gather forward, reduce-scatter backward, "
                 f"again where attention is recomputed) x K and V of {mb} x {tcfg.seq_len:,} tokens "
                 f"x {args.kv_heads * args.head_dim // dims.tp} (kv heads x head_dim / tp) x "
-                f"{s.act_bytes} bytes x (cp-1)/cp ({s.cp - 1}/{s.cp}) = ")
+                f"{s.act_bytes} bytes x (cp-1)/cp ({dims.cp - 1}/{dims.cp}) = ")
     if axis == "efsdp":
         return (f"the routed experts' FSDP over the {_state_shards(s, dims)[1]} ranks holding "
                 "the same experts: all-gathers and gradient reduce-scatters, ")
@@ -1756,10 +1765,10 @@ def explain_table(p: LayoutPlan, cluster: Cluster, config: RunConfig,
     as a markdown table a reviewer can check by hand (quantity | how | value)."""
     if p.memory is None:
         return "no estimate: " + "; ".join(str(problem) for problem in p.problems)
-    s = _setup(config, cluster, recipe, p.cp)
+    s = _setup(config, cluster, recipe)
     args, tcfg, pc, mem = s.args, config.training, p.params, p.memory
     d = p.degrees
-    dims = _resolve(config, cluster, d, p.cp)
+    dims = _resolve(config, cluster, d)
     noun = _device_noun(cluster)
     seq, tokens = tcfg.seq_len, p.tokens_per_step
     flops_token = model_flops_per_token(args, seq)
@@ -1774,8 +1783,8 @@ def explain_table(p: LayoutPlan, cluster: Cluster, config: RunConfig,
               f"{attention_width(args)} (heads x head_dim) x {seq} seq", f"{flops_token:.4g}"),
              ("tokens per step", f"{tcfg.micro_batch_size} sequences x {tcfg.grad_accum_steps} "
               f"micro-steps x {seq} tokens x {dims.dp_size} data-parallel ranks"
-              + (f" (the {p.cp} context-parallel ranks of each share its sequences)"
-                 if p.cp > 1 else ""), f"{tokens:,}"),
+              + (f" (the {dims.cp} context-parallel ranks of each share its sequences)"
+                 if dims.cp > 1 else ""), f"{tokens:,}"),
              (f"model FLOPs per {noun} per step", f"{flops_token:.4g} x {tokens:,} / "
               f"{cluster.world_size} {noun}s", f"{flops_token * tokens / cluster.world_size:.4g}")]
     n, k = mem.local_params, mem.state_shard

@@ -90,18 +90,18 @@ def test_a_layout_change_is_described_before_and_after(tmp_path):
     config = small_config(tmp_path, *ELASTIC)
     change = layout_change(config, 4, 2)
     assert change["before"] == {"nodes": 2, "world_size": 4, "grad_accum_steps": 1,
-                                "layout": {"dp_replicate": 4, "dp_shard": 1, "tp": 1, "pp": 1},
-                                "name": "dp_replicate=4 x dp_shard=1 x tp=1 x pp=1 x accumulation 1"}
+                                "layout": {"dp_replicate": 4, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1},
+                                "name": "dp_replicate=4 x dp_shard=1 x cp=1 x tp=1 x pp=1 x accumulation 1"}
     assert change["after"]["world_size"] == 2 and change["after"]["grad_accum_steps"] == 2
     assert change["text"] == ("layout changed: 2 -> 1 node(s), world 4 -> 2, dp_replicate=4 x "
-                              "dp_shard=1 x tp=1 x pp=1 x accumulation 1 -> dp_replicate=2 x "
-                              "dp_shard=1 x tp=1 x pp=1 x accumulation 2 (global batch 16 kept)")
+                              "dp_shard=1 x cp=1 x tp=1 x pp=1 x accumulation 1 -> dp_replicate=2 x "
+                              "dp_shard=1 x cp=1 x tp=1 x pp=1 x accumulation 2 (global batch 16 kept)")
     # The progress artifact's line says the world it trains on from then on.
     progress = TrainingProgress(config, "a1")
     progress.layout_changed(change)
     beat = {"step": 3, "loss": 2.0, "time": 1.0, "phase": "step"}
     progress.first = beat
-    assert "world 2 of 4: dp_replicate=2 x dp_shard=1 x tp=1 x pp=1 x accumulation 2" in \
+    assert "world 2 of 4: dp_replicate=2 x dp_shard=1 x cp=1 x tp=1 x pp=1 x accumulation 2" in \
         progress.describe(beat)
 
 
@@ -313,7 +313,7 @@ def test_a_lost_node_shrinks_the_world_in_the_job_and_the_run_matches(tmp_path, 
     assert any("node 1 lost: its torchrun agent ended (killed by signal 9)" in line
                for line in lines), text
     assert any(line.startswith("layout changed: 2 -> 1 node(s), world 4 -> 2") and
-               "dp_replicate=2 x dp_shard=1 x tp=1 x pp=1 x accumulation 2" in line
+               "dp_replicate=2 x dp_shard=1 x cp=1 x tp=1 x pp=1 x accumulation 2" in line
                for line in lines), text
     losses, whole = losses_by_step(config.run_dir), uninterrupted[0]
     assert sorted(losses) == list(range(1, STEPS + 1))

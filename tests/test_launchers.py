@@ -339,12 +339,16 @@ kept = keep_freed_memory()
 model = Transformer(ModelArgs(vocab_size=1024, dim=128, n_layers=2, n_heads=4, max_seq_len=128))
 optimizer = torch.optim.AdamW(model.parameters())
 tokens = torch.randint(0, 1024, (8, 129))
-for step in range(4):
+faults = []
+for step in range(6):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     model(tokens[:, :-1], tokens[:, 1:]).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-print(kept, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+# The fewest of the steps after the first two: now and then one step faults in a few hundred
+# pages for something else (a lazily built table), never the thousands of a remapped step.
+print(kept, min(faults[2:]))
 """
 
 
@@ -355,16 +359,16 @@ def test_the_trainer_keeps_freed_memory_for_the_next_step():
     import subprocess
     import sys
 
-    def fourth_step(env: dict[str, str]) -> tuple[str, int]:
+    def a_later_step(env: dict[str, str]) -> tuple[str, int]:
         out = subprocess.run([sys.executable, "-c", _FAULTS_OF_A_STEP], capture_output=True, text=True,
                              cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
                              check=True).stdout.split()
         return out[0], int(out[1])
 
-    kept, faults = fourth_step({})
+    kept, faults = a_later_step({})
     assert kept == "True" and faults < 200, faults
     # glibc's default, as the environment names it: every large block mapped anew
-    kept, faults = fourth_step({"MALLOC_MMAP_THRESHOLD_": "131072"})
+    kept, faults = a_later_step({"MALLOC_MMAP_THRESHOLD_": "131072"})
     assert kept == "False" and faults > 2000, faults
 
 
