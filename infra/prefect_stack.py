@@ -40,6 +40,11 @@ POOL = "goodput"  # the work pool prefect.yaml's deployments name
 # their holders' renewals fail, and the slots they held stay taken.
 LEASES_ON_DISK = "prefect.server.concurrency.lease_storage.filesystem"
 _PG_TOOLS = ("initdb", "pg_ctl", "psql")
+# The worker's flow runs (which inherit its environment) retry an API call that finds no
+# server 7 times, 2, 4, ... 128 s apart: a server restart of up to about 4 minutes leaves
+# training flows running. Prefect's default, 5, gives up after about a minute, and a restart
+# on a busy machine (migrations checked, services started) can take longer than that.
+OUTAGE_RETRIES = 7
 
 
 def _postgres_bin(tool: str) -> str:
@@ -261,7 +266,8 @@ class PrefectStack:
         (GOODPUT_REPO, prefect.yaml's pull step) with this stack's client environment."""
         self.worker = self._spawn("worker", [_prefect(), "worker", "start", "--pool", self.pool,
                                              "--type", "process"],
-                                  GOODPUT_REPO=str(self.repo))
+                                  GOODPUT_REPO=str(self.repo),
+                                  PREFECT_CLIENT_MAX_RETRIES=str(OUTAGE_RETRIES))
 
     def kill_server(self) -> None:
         """The server dies at once (SIGKILL), as in a crash; PostgreSQL keeps its data."""

@@ -75,6 +75,7 @@ def processes_of(run_dir: Path, *also: str) -> list[psutil.Process]:
     return found
 
 
+@pytest.mark.slow  # about 3 min; the soak's kind s3 (benchmarks/chaos_soak.py) runs it
 @pytest.mark.chaos
 @pytest.mark.s3
 def test_store_outage_during_an_upload_delays_it_without_blocking_training(
@@ -130,6 +131,7 @@ def test_store_outage_during_an_upload_delays_it_without_blocking_training(
     assert goodput["lost_work_s"] == 0 and 0 < goodput["goodput"] <= 1
 
 
+@pytest.mark.slow  # about 2 min; tests/test_multinode and tests/test_elastic lose nodes in CI
 @pytest.mark.chaos
 def test_a_killed_node_fails_the_attempt_and_the_retry_resumes(workdir, clean):
     """Two local torchrun nodes of one worker each; node 1's agent is killed (SIGKILL) after

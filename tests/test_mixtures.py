@@ -258,6 +258,7 @@ def test_a_mix_streams_from_the_store_within_its_cache_limit(mix, tmp_path):
 
 # -- the pipeline ---------------------------------------------------------------------------
 
+@pytest.mark.slow  # about 3.5 min; the mixing itself is tested above, the pipeline by tests/test_pipeline
 def test_a_mix_of_three_sources_through_the_pipeline_and_a_resume_at_another_layout(prefect_api, tmp_path):
     from flows.pipeline import pipeline
     from flows.train import train

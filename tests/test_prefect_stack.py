@@ -113,6 +113,7 @@ def test_the_api_asks_for_the_auth_string_and_listens_on_loopback_only(stack, ap
 
 # -- load -------------------------------------------------------------------------------------
 
+@pytest.mark.slow  # about 5 min on 2 cores; benchmarks/orchestrator_bench.py runs the same load and counts
 def test_eight_pipelines_at_once_complete_and_every_task_run_is_recorded(stack, api, workdir):
     """8 pipelines triggered at once through the work pool: all complete; the database holds
     every task run each flow run logged as finished, in a final state; no database error in

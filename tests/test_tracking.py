@@ -239,6 +239,7 @@ def test_in_loop_validation_gives_the_same_loss_under_pipeline_and_fsdp_layouts(
     assert sorted(found[0]) == [2, 4] and found[0] == pytest.approx(found[1], rel=1e-5)
 
 
+@pytest.mark.slow  # about 3.5 min; the nightly evaluation of tests/test_prefect_surface evaluates beside a run in CI
 def test_checkpoints_are_evaluated_while_training_goes_on(prefect_api, tmp_path):
     from flows.train import train
     from goodput.checkpoint_lifecycle import best_by_eval
