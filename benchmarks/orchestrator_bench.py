@@ -89,6 +89,7 @@ def postgres(work: Path, n: int) -> dict:
 
 def sqlite(work: Path, n: int) -> dict:
     home = work / "prefect-home"
+    home.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     env.pop("PREFECT_API_URL", None)
     goodput = str(Path(sys.executable).with_name("goodput"))
@@ -157,6 +158,7 @@ def main() -> None:
     rows = {}
     if "postgres" in parts:
         rows["PostgreSQL stack (work pool)"] = postgres(work / "pg", args.pipelines)
+        print(json.dumps(rows, indent=1), flush=True)  # kept should a later part fail
     if "sqlite" in parts:
         rows["temporary SQLite servers (goodput pipeline)"] = sqlite(work / "sq", args.pipelines)
     if rows:
