@@ -72,7 +72,10 @@ def test_units_on_two_ray_nodes_write_the_process_pool_s_shards_straight_to_the_
     trainer_config = make_config(tmp_path / "trainer", *overrides, f"storage.uri={s3_uri}")
     plan = prep.locate(trainer_config, store)
     assert prep.require_prepared(plan, store) == manifest
-    tokenizer = load_tokenizer(plan.dir / manifest.tokenizer)
+    # Training reads it through the shard cache: its manifest and tokenizer come to this
+    # machine, the shards when a reader needs them (their bytes are the pool's, checked above).
+    directory = prep.dataset_for_training(trainer_config, store)
+    tokenizer = load_tokenizer(directory / manifest.tokenizer)
     texts = [tokenizer.decode(doc[:-1].tolist()) for shards in manifest.splits.values()
-             for shard in shards for doc in read_documents(plan.dir / shard.path)]
+             for shard in shards for doc in read_documents(pool_dir / shard.path)]
     assert sorted(texts) == sorted(DOCS * 20)
