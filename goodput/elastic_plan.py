@@ -50,8 +50,11 @@ def goodput_after_waiting(p: NodeLosses, wait_s: float) -> float:
     if p.replacement_s < wait_s or math.isinf(wait_s):  # the replacement came in time: the job only waited
         return p.mtbf_s / (p.mtbf_s + p.replacement_s + p.restart_s + lost_work)
     idle = wait_s + 2 * p.restart_s + lost_work  # the whole job stands still this long per loss
-    out = (p.replacement_s - wait_s) / p.mtbf_s  # nodes missing on average, while shrunk
-    return p.mtbf_s / (p.mtbf_s + idle) * max(0.0, 1 - out / p.nodes)
+    # The share of the time the lost node is missing: one loss at a time (the renewal model),
+    # so a replacement slower than the time between losses leaves that one node out for good,
+    # never more.
+    out = min(1.0, (p.replacement_s - wait_s) / p.mtbf_s)
+    return p.mtbf_s / (p.mtbf_s + idle) * (1 - out / p.nodes)
 
 
 def flip_replacement_s(p: NodeLosses) -> float:

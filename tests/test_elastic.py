@@ -375,3 +375,23 @@ def test_a_lost_node_started_again_grows_the_world_back_at_the_next_restart(tmp_
     end = final_manifest(config, steps)
     assert end.world_size == 4 and end.data_position == steps * config.global_batch
     assert sorted(losses_by_step(config.run_dir)) == list(range(1, steps + 1))
+
+
+def test_waiting_or_shrinking_is_arithmetic():
+    """goodput.elastic_plan by hand: waiting idles the job for the replacement and a restart;
+    shrinking idles it for two restarts and runs without the lost node's share while it is
+    out; they tie at flip_replacement_s."""
+    import math
+
+    from goodput.elastic_plan import (NodeLosses, flip_replacement_s, goodput_shrinking,
+                                      goodput_waiting)
+    losses = NodeLosses(nodes=4, mtbf_s=1000, replacement_s=100, restart_s=10)
+    assert goodput_waiting(losses) == pytest.approx(1000 / 1110)
+    assert goodput_shrinking(losses) == pytest.approx(1000 / 1020 * (1 - 0.1 / 4))
+    flip = flip_replacement_s(losses)
+    at_flip = NodeLosses(nodes=4, mtbf_s=1000, replacement_s=flip, restart_s=10)
+    assert goodput_waiting(at_flip) == pytest.approx(goodput_shrinking(at_flip), rel=1e-6)
+    # A replacement slower than the time between losses leaves the one node out, never more.
+    slow = NodeLosses(nodes=2, mtbf_s=40, replacement_s=1e6, restart_s=14)
+    assert goodput_shrinking(slow) == pytest.approx(40 / 68 * 0.5)
+    assert flip_replacement_s(slow) < math.inf
