@@ -52,7 +52,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.helpers import Watcher, committed, corrupt_largest_shard  # noqa: E402
+from tests.helpers import (Watcher, agents_not_hosting, committed,  # noqa: E402
+                           corrupt_largest_shard)
 
 KINDS = ("crash", "hang", "nan", "sigterm", "corrupt", "s3", "savekill", "diskfull", "nodeloss")
 BUCKET = "goodput-soak"
@@ -143,19 +144,9 @@ def worker_pids(config) -> dict[int, int]:
 def kill_a_node(config) -> list[int]:
     """SIGKILL the torchrun agents of the run's nodes that do not host the rendezvous (node
     1 here); their workers die with them (training.__main__.die_with_agent)."""
-    killed = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if not entry.name.isdigit():
-                continue
-            cmdline = (entry / "cmdline").read_bytes()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (b"torch.distributed.run" in cmdline and str(config.run_dir.path).encode() in cmdline
-                and any(e.startswith(b"PET_RDZV_CONF=is_host=0") for e in environ)):
-            os.kill(int(entry.name), signal.SIGKILL)
-            killed.append(int(entry.name))
+    killed = agents_not_hosting(config)
+    for pid in killed:
+        os.kill(pid, signal.SIGKILL)
     if not killed:
         raise RuntimeError("no node 1 agent to kill")
     return killed

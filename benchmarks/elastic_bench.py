@@ -37,25 +37,9 @@ from core.protocol import ResumeSpec  # noqa: E402
 from goodput.elastic_plan import NodeLosses, advice, flip_replacement_s  # noqa: E402
 from goodput.runs import write_run_config  # noqa: E402
 from infra.torchrun import run_attempt  # noqa: E402
-from tests.helpers import committed, small_config, synthetic_dataset  # noqa: E402
+from tests.helpers import (agents_not_hosting, committed, small_config,  # noqa: E402
+                           synthetic_dataset)
 from training.metrics import read_metrics  # noqa: E402
-
-
-def agents_not_hosting(config) -> list[int]:
-    """The torchrun agents of the run's nodes other than node 0 (is_host=0), from /proc."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if not entry.name.isdigit():
-                continue
-            cmdline = (entry / "cmdline").read_bytes()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if (b"torch.distributed.run" in cmdline and str(config.run_dir.path).encode() in cmdline
-                and any(e.startswith(b"PET_RDZV_CONF=is_host=0") for e in environ)):
-            found.append(int(entry.name))
-    return found
 
 
 def lose_a_node_at(config, step: int, lost: dict) -> threading.Thread:

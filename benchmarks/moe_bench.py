@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,6 +34,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from benchmarks import torchrun_arm  # noqa: E402
 
 ARMS = {"ddp": {"dp_replicate": -1, "dp_shard": 1, "ep": 1},
         "fsdp": {"dp_replicate": 1, "dp_shard": -1, "ep": 1},
@@ -116,16 +117,7 @@ def worker(args) -> None:
 
 
 def run_arm(args, arm: str, out: Path) -> dict:
-    from infra.torchrun import free_port
-
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}",
-           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}", __file__,
-           "--worker", "--arm", arm, "--out", str(out), *sys.argv[1:]]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // args.nproc))}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
-    if proc.returncode != 0:
-        raise SystemExit(f"{arm} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    return torchrun_arm.run_arm(__file__, args.nproc, arm, out)
 
 
 def main() -> None:

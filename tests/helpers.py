@@ -193,3 +193,43 @@ def stop_process_tree(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
     proc.wait()
+
+
+def spawn_ranks(worker, world: int, *args, timeout_s: float = 180) -> dict[int, object]:
+    """Run `worker(rank, world, *args, port, results)` in `world` spawned processes that form
+    one process group on a free port; each puts (rank, its result) on `results`. Returns the
+    results by rank, once every process exited cleanly."""
+    import torch.multiprocessing as mp
+
+    from infra.torchrun import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(rank, world, *args, port, results))
+             for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    for proc in procs:
+        proc.join(timeout_s)
+    assert all(proc.exitcode == 0 for proc in procs), [proc.exitcode for proc in procs]
+    return dict(results.get() for _ in range(world))
+
+
+def agents_not_hosting(config: RunConfig) -> list[int]:
+    """The pids of the run's torchrun agents other than node 0's (those started with
+    PET_RDZV_CONF=is_host=0), found in /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit():
+                continue
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (b"torch.distributed.run" in cmdline and str(config.run_dir.path).encode() in cmdline
+                and any(e.startswith(b"PET_RDZV_CONF=is_host=0") for e in environ)):
+            found.append(int(entry.name))
+    return found
+

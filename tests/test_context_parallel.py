@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from core.config import load_config
 from core.errors import ConfigError
 from core.layout import ParallelDims
+from tests.helpers import spawn_ranks
 from training.context_parallel import attend_chunks, chunks_of, sequence_order, shard_sequence
 from training.model import ModelArgs, Transformer, repeat_kv
 
@@ -135,20 +136,6 @@ def test_a_model_laid_out_with_cp_computes_the_whole_models_logits_and_gradients
     """Each cp rank's logits are the whole model's at its positions (RoPE of the positions
     it holds, attention over the whole sequence), and every gradient, averaged by FSDP over
     the cp ranks, is the whole model's for the mean loss over every token."""
-    import torch.multiprocessing as mp
-
-    from infra.torchrun import free_port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_cp_worker, args=(rank, world, cp, tp, model, port, results))
-             for rank in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    assert all(p.exitcode == 0 for p in procs)
-    found = dict(results.get() for _ in range(world))
+    found = spawn_ranks(_cp_worker, world, cp, tp, model)
     for rank in range(world):
         assert len(found[rank]) > 10 and all(found[rank].values()), (rank, found[rank])

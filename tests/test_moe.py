@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from core.config import load_config
 from core.errors import ConfigError
 from core.layout import ParallelDims
+from tests.helpers import spawn_ranks
 from training.model import ModelArgs, Transformer
 from training.moe import MoE, MoEArgs, grouped_mm, grouped_mm_loop, sequence_balance, use_grouped_mm
 
@@ -252,21 +253,6 @@ def test_moe_layouts_give_the_whole_models_weights_and_gradients(world, dp_shard
     are divided by the data-parallel size, not by the experts' FSDP group's; TP: the MoE
     weights' partial gradients summed over the TP ranks, the balance statistic over the
     parts of each sequence)."""
-    import torch.multiprocessing as mp
-
-    from infra.torchrun import free_port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_layout_worker,
-                         args=(rank, world, dp_shard, ep, tp, model, port, results))
-             for rank in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    assert all(p.exitcode == 0 for p in procs)
-    found = dict(results.get() for _ in range(world))
+    found = spawn_ranks(_layout_worker, world, dp_shard, ep, tp, model)
     for rank in range(world):
         assert len(found[rank]) > 5 and all(found[rank].values()), (rank, found[rank])
