@@ -5,13 +5,12 @@ from __future__ import annotations
 import time
 
 from prefect import flow
-from prefect.futures import wait
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from core.config import RunConfig
 from goodput.checkpoint_lifecycle import new_checkpoints, unsecured_steps
 from goodput.evaluation import evaluation_due
-from tasks.control import no_orphan_workers, resolve_config, training_slot
+from tasks.control import no_orphan_workers, resolve_config, settle, training_slot
 from tasks.credentials import load_credentials, uses_blocks
 from tasks.evaluate import check_eval_tasks, evaluate_validated
 from tasks.layout import check_layout
@@ -99,12 +98,12 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
                     # on the evaluations' thread.
                     evaluations.append(evaluating.submit(apply_retention, {"config": config},
                                                          wait_for=[evaluated]))
-            wait(secured + evaluations)  # a failed evaluation shows in its task run, not as training's
+            settle(secured + evaluations)  # a failed evaluation shows in its task run, not as training's
             # A task cannot start while the Prefect API is away (a server restart): the
             # checkpoints it left unjudged or not uploaded are secured now, and their outcome
             # is the one that counts.
             secured = [secure(step)[1] for step in unsecured_steps(config)]
-            wait(secured)
+            settle(secured)
     outcome = training.result()  # raises when the last attempt failed
     for future in secured:
         future.result()

@@ -12,6 +12,8 @@ when to stop, and that no worker outlives it.
 - `switch_off_own_schedule`: a scheduled flow run that finds the run finished switches off
   the schedule that created it, so a continuation schedule stops creating flow runs once
   the token budget is spent.
+- `settle`: wait for task futures, where a task that never got to run (its engine could
+  not reach the API) does not end the flow run.
 - `no_orphan_workers`: Prefect raises a cancellation in the flow's thread while the launch
   task's thread keeps supervising the attempt (local or ssh nodes in sessions of their own,
   or a Slurm or Kubernetes job); this stops it there and then.
@@ -27,6 +29,7 @@ from uuid import UUID
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture
 from prefect.client.orchestration import get_client
 from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run
@@ -163,3 +166,25 @@ def no_orphan_workers() -> Iterator[None]:
         # flow run's process 30 s after SIGTERM, hence the shorter allowance.
         stop_live_attempts(grace_s=CANCEL_GRACE_S)
         raise
+
+
+def settle(futures: list[PrefectFuture]) -> list[PrefectFuture]:
+    """Wait for every future; those whose task never ran are returned.
+
+    A task's own failure is its Failed state, and waiting for it raises nothing. A task whose
+    engine could not reach the API before the run began raises out of the wait instead:
+    while the server restarts, the engine's acquisition of the task's tag concurrency slots
+    fails at once (its slot client does not retry a refused connection), outside the task's
+    retries, and the task run stays Pending. The caller decides what to redo (the train flow
+    secures the checkpoints such tasks left unjudged once training ends), so one refused
+    connection does not fail a flow run whose training went on.
+    """
+    never_ran = []
+    for future in futures:
+        try:
+            future.wait()
+        except Exception as e:  # noqa: BLE001 - whatever the engine raised, the task did not run
+            get_run_logger().warning("task run %s did not run (%s: %s); what it was for is "
+                                     "redone later", future.task_run_id, type(e).__name__, e)
+            never_ran.append(future)
+    return never_ran
