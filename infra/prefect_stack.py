@@ -310,12 +310,15 @@ class StackClient:
 
     def __init__(self, api_url: str, auth_string: str):
         self.url, self.auth = api_url, tuple(auth_string.split(":", 1))
+        # One client for every request: a new one loads the CA bundle into an SSL context
+        # first (tens of ms of CPU, more on a busy machine), for a plain-HTTP API.
+        self.http = httpx.Client(auth=self.auth, timeout=60)
 
     def post(self, path: str, body: dict) -> httpx.Response:
         """POST, tried again while the server is away or busy (a restart, a loaded machine)."""
         for delay in (1, 2, 4, 8, 0):
             try:
-                response = httpx.post(f"{self.url}{path}", json=body, auth=self.auth, timeout=60)
+                response = self.http.post(f"{self.url}{path}", json=body)
                 if response.status_code < 500 or not delay:
                     response.raise_for_status()
                     return response

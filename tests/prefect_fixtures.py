@@ -72,12 +72,13 @@ def prefect_server(tmp_path_factory) -> PrefectServer:
 
 def wait_healthy(server: PrefectServer, proc: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
+    http = httpx.Client(timeout=2)  # one SSL context, not one per poll
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"prefect server exited ({proc.returncode}):\n"
                                f"{server.log.read_text()[-3000:]}")
         try:
-            if httpx.get(f"{server.api_url}/health", timeout=2).status_code == 200:
+            if http.get(f"{server.api_url}/health").status_code == 200:
                 return
         except httpx.HTTPError:
             pass
