@@ -12,7 +12,7 @@ pipeline: setup
 	.venv/bin/goodput pipeline --config configs/tiny.yaml
 
 test: setup
-	.venv/bin/python -m pytest -m "not slow" -q -n 2 --dist loadfile
+	.venv/bin/python -m pytest -m "not slow" -q -n 2 --dist loadfile --no-loadscope-reorder
 
 server: setup
 	.venv/bin/goodput server

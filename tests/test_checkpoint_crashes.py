@@ -41,9 +41,10 @@ def attempt(config, dataset, name, lines):
 
 @pytest.mark.chaos
 @pytest.mark.parametrize("point, resumed_from", [
-    ("staging", 5),           # rank 1's copy of the state fails; rank 0's write waits for it
+    # (slow: CI's bounded set keeps the write cut short and the commit not yet in the ledger)
+    pytest.param("staging", 5, marks=pytest.mark.slow),  # rank 1's copy of the state fails; rank 0's write waits for it
     ("writing", 5),           # rank 1 dies while shards are being written: debris, never loaded
-    ("before_manifest", 5),   # every shard durable, no manifest: still debris
+    pytest.param("before_manifest", 5, marks=pytest.mark.slow),  # every shard durable, no manifest: still debris
     ("after_manifest", 10),   # committed but not yet in the ledger: validated, then resumed from
 ])
 def test_kill_during_a_background_save(baseline, tmp_path, point, resumed_from):

@@ -660,7 +660,8 @@ def test_the_emergency_save_survives_the_sigterm_that_asks_for_it(trained, tmp_p
     assert beat["phase"] == "checkpoint" and f"step-{beat['step']:08d}" == committed[1]
 
 
-@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("mode", [pytest.param("thread", marks=pytest.mark.slow),  # CI: the default, process
+                                  "process"])
 def test_async_saves_commit_the_same_state(trained, tmp_path, mode):
     """Background saves snapshot the state at the step they were taken: resuming from one
     continues the synchronous run's curve exactly, and training was blocked only to stage."""

@@ -296,6 +296,7 @@ def test_a_config_file_the_workers_cannot_load_ends_the_attempt_as_a_config_erro
     assert result.restarts <= 1
 
 
+@pytest.mark.slow  # CI keeps the time limit through test_an_attempt_the_time_limit_stops_...
 def test_the_workers_stop_right_after_the_first_checkpoint_they_save_past_the_deadline(tmp_path):
     """A flow run's time limit reaches the workers (GOODPUT_STOP_AFTER): both ranks stop
     together after the first checkpoint saved past it, whatever its step, and the attempt

@@ -106,6 +106,7 @@ def test_summary_leaves_out_the_warm_up():
     assert summary["trainer_mfu"] == pytest.approx(1e9 * 1000 / 1e12)
 
 
+@pytest.mark.slow  # torch.compile on CPU: minutes on 2 cores
 def test_a_size_that_fails_to_compile_is_measured_eagerly_and_says_so(tmp_path):
     # No C++ compiler for inductor (on the GPUs: none for Triton's launcher) fails compilation.
     proc, report = run_bench(tmp_path, "--sizes", "tiny", "--device", "cpu", "--no-attention-check",

@@ -77,6 +77,7 @@ def test_pipeline_completes_and_learns(finished):
     assert len(report["samples"]) == 2 and all(s["completion"] for s in report["samples"])
 
 
+@pytest.mark.slow  # CI keeps a crash's retry in the UI run and the fault tests
 def test_crash_resumes_to_the_same_losses(finished, workdir):
     clean_config, _ = finished
     config = small_config(workdir, "run.run_id=crashy", "faults.crash_at_step=15",
