@@ -53,6 +53,32 @@ def test_a_ranks_chunks_attend_over_the_whole_sequence_as_causal_attention_does(
         assert torch.allclose(mine.grad, shard_sequence(q.grad, rank, cp, dim=2), atol=1e-12)
 
 
+def test_a_ranks_attention_keeps_the_kv_heads_and_one_mask_per_chunk_for_every_layer():
+    """What attend_chunks saves for backward on CPU, over two calls (two layers) sharing one
+    `masks`: the queries, the gathered keys and values of the kv heads (views of them, not
+    copies repeated to every query head), the last chunk's lower-right mask built once, and
+    per chunk its output and log-sum-exp; nothing the size of the keys besides."""
+    generator = torch.Generator().manual_seed(0)
+    cp, c, heads, kv_heads, head_dim = 2, 8, 4, 2, 16
+    k, v = (torch.randn(1, kv_heads, 2 * cp * c, head_dim, generator=generator).requires_grad_()
+            for _ in range(2))
+    q = torch.randn(1, heads, 2 * c, head_dim, generator=generator).requires_grad_()
+    masks, saved = {}, []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        for _layer in range(2):
+            attend_chunks(q, k, v, chunks_of(0, cp), masks)
+    assert len(masks) == 1  # chunk 3's (4c keys); chunk 0 attends causally without one
+    inputs = {x.untyped_storage().data_ptr() for x in (q, k, v, *masks.values())}
+    others = [t for t in saved if t.untyped_storage().data_ptr() not in inputs]
+    assert others and all(t.shape[1] == heads and t.shape[2] == c for t in others), \
+        [tuple(t.shape) for t in others]
+
+
 # -- the layout's rules ----------------------------------------------------------------------
 
 def test_cp_is_a_degree_of_the_layout_and_shards_the_weights_over_dp_shard_x_cp():

@@ -16,6 +16,16 @@ sequence, and gets them as Llama 3 did (The Llama 3 Herd of Models, section 3.3.
       -> for each of the two chunks j: its queries against the keys of chunks 0..j, causal
          within chunk j (a lower-right causal mask)
 
+What attention keeps for backward is this rank's queries and output and the gathered keys
+and values of the kv heads (as gathered: the chunks' keys are views of them). On CPU, SDPA's
+kernel groups the query heads over the kv heads itself (enable_gqa), and takes a lower-right
+causal mask only as a materialised additive one, queries x keys in the queries' dtype, which it
+keeps for backward: each rank builds the masks of its two chunks once and every layer (and
+every step) uses the same ones, rather than a mask per chunk per layer. On CUDA the chunks'
+attention runs the flash or memory-efficient kernel, which takes the lower-right mask without
+materialising it; the kv heads are repeated to every query head there, since its
+memory-efficient kernel does not group them (torch 2.13).
+
 Why this rather than torch's `context_parallel` (torch.distributed.tensor.experimental), which
 passes the keys and values around a ring and overlaps that with the attention of the chunks
 at hand: in torch 2.13 it dispatches only the CUDA kernels of scaled_dot_product_attention
@@ -26,9 +36,7 @@ in a global override rather than a module; and with grouped-query attention the 
 values are the small part (Llama 3 405B: 8 of 128 heads), so gathering them whole costs
 little next to the attention itself. The all-gather runs on gloo and NCCL alike, under
 torch.compile (functional collectives) and beside TP and FSDP; what it gives up is the ring's
-overlap and the memory of holding one peer's chunk at a time instead of all of them. On CUDA
-the chunks' attention runs the memory-efficient kernel (it takes the lower-right mask without
-materialising it).
+overlap and the memory of holding one peer's chunk at a time instead of all of them.
 
 The rotary tables of each rank's model hold the angles of its own tokens' positions
 (shard_rotary_tables), so RoPE is that of the whole sequence.
@@ -64,11 +72,14 @@ def sequence_order(cp: int) -> torch.Tensor:
 
 
 class ContextParallelAttention(nn.Module):
-    """CausalAttention of this rank's two chunks of each sequence over the whole sequence."""
+    """CausalAttention of this rank's two chunks of each sequence over the whole sequence.
+    `masks`: the chunks' causal masks where the kernel needs them materialised (attend_chunks),
+    one dict shared by every layer of the model."""
 
-    def __init__(self, cp_mesh: DeviceMesh):
+    def __init__(self, cp_mesh: DeviceMesh, masks: dict | None = None):
         super().__init__()
         self.mesh, self.cp, self.cp_rank = cp_mesh, cp_mesh.size(), cp_mesh.get_local_rank()
+        self.masks = masks if masks is not None else {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,7 +88,7 @@ class ContextParallelAttention(nn.Module):
         if mask is not None:  # packed evaluation runs on one process, never split
             raise ValueError("context parallelism attends causally; it takes no attention mask")
         return attend_chunks(q, self._gathered(k), self._gathered(v),
-                             chunks_of(self.cp_rank, self.cp))
+                             chunks_of(self.cp_rank, self.cp), self.masks)
 
     def _gathered(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's chunks of `x` (batch, heads, 2c, head_dim), in sequence order."""
@@ -91,30 +102,53 @@ class ContextParallelAttention(nn.Module):
 
 
 def attend_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  chunks: tuple[int, ...]) -> torch.Tensor:
+                  chunks: tuple[int, ...], masks: dict | None = None) -> torch.Tensor:
     """Causal attention of the queries of `chunks` (q holds them in that order, c positions
     each) over the keys and values of the whole sequence (k, v, in sequence order): chunk j's
-    queries see the keys of chunks 0..j, those of chunk j up to their own position."""
+    queries see the keys of chunks 0..j, those of chunk j up to their own position. `masks`
+    keeps the materialised masks (CPU) for the next call: pass the same dict to every layer."""
     c = q.shape[2] // len(chunks)
+    masks = masks if masks is not None else {}
     out = []
     for n, chunk in enumerate(chunks):
         keys = (chunk + 1) * c
         q_chunk = q[:, :, n * c:(n + 1) * c]
-        k_seen, v_seen = repeat_kv(q_chunk, k[:, :, :keys], v[:, :, :keys])
-        # Query i of the chunk sits at position chunk*c + i and sees keys 0..chunk*c + i:
-        # the causal mask aligned to the lower right of the (c, keys) scores.
-        out.append(F.scaled_dot_product_attention(q_chunk, k_seen, v_seen,
-                                                  attn_mask=causal_lower_right(c, keys)))
+        k_seen, v_seen = k[:, :, :keys], v[:, :, :keys]
+        if q.device.type == "cpu":
+            # The diagonal chunk alone (chunk 0) is plain causal attention; the others take
+            # the mask of the lower right of their (c, keys) scores, shared (lower_right_mask).
+            mask = lower_right_mask(c, keys, q, masks) if chunk else None
+            out.append(F.scaled_dot_product_attention(q_chunk, k_seen, v_seen, attn_mask=mask,
+                                                      is_causal=not chunk, enable_gqa=True))
+        else:
+            # Query i of the chunk sits at position chunk*c + i and sees keys 0..chunk*c + i:
+            # the causal mask aligned to the lower right of the (c, keys) scores.
+            out.append(F.scaled_dot_product_attention(q_chunk, *repeat_kv(q_chunk, k_seen, v_seen),
+                                                      attn_mask=causal_lower_right(c, keys)))
     return torch.cat(out, dim=2)
+
+
+def lower_right_mask(queries: int, keys: int, like: torch.Tensor, masks: dict) -> torch.Tensor:
+    """The additive causal mask (0 where visible, -inf elsewhere) of `queries` queries that are
+    the last of `keys` positions, in `like`'s dtype and device: built once, then taken from
+    `masks`. Additive rather than boolean because CPU's SDPA converts a boolean mask into such
+    a tensor on every call and keeps that copy for backward."""
+    key = (queries, keys, like.dtype, like.device)
+    if key not in masks:
+        hidden = torch.ones(queries, keys, dtype=torch.bool, device=like.device).triu(keys - queries + 1)
+        masks[key] = torch.zeros(queries, keys, dtype=like.dtype,
+                                 device=like.device).masked_fill_(hidden, float("-inf"))
+    return masks[key]
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     """Each block's attention over the whole sequence, from this rank's chunks."""
+    masks: dict = {}  # one chunk's mask serves every layer
     for block in model.layers.values():
         if not isinstance(block.attention.core, CausalAttention):
             raise TypeError(f"context parallelism replaces CausalAttention, found "
                             f"{type(block.attention.core).__name__}")
-        block.attention.core = ContextParallelAttention(cp_mesh)
+        block.attention.core = ContextParallelAttention(cp_mesh, masks)
     return model
 
 
