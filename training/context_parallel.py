@@ -135,7 +135,8 @@ def lower_right_mask(queries: int, keys: int, like: torch.Tensor, masks: dict) -
     a tensor on every call and keeps that copy for backward."""
     key = (queries, keys, like.dtype, like.device)
     if key not in masks:
-        hidden = torch.ones(queries, keys, dtype=torch.bool, device=like.device).triu(keys - queries + 1)
+        hidden = torch.ones(queries, keys, dtype=torch.bool,
+                            device=like.device).triu(keys - queries + 1)
         masks[key] = torch.zeros(queries, keys, dtype=like.dtype,
                                  device=like.device).masked_fill_(hidden, float("-inf"))
     return masks[key]
