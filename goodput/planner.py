@@ -1039,7 +1039,7 @@ def _rank_memory(s: _Setup, dims: ParallelDims, checkpointing: str, rank: _Rank)
     residual = s.residual_bytes(dims)
     stage_bytes = max(_stage_activations(s, mb, dims, kinds, checkpointing, residual)
                       for kinds in rank.kinds)
-    activations = rank.inflight * stage_bytes + _cp_mask_bytes(s, dims)
+    activations = rank.inflight * stage_bytes
     vocab_parallel = recipe.vocab_parallel_loss or recipe.sharded_saves
     if rank.last:
         # The last stage's loss runs backward as soon as its forward is done (1F1B and
@@ -1084,11 +1084,11 @@ def _gathered_kv_bytes(s: _Setup, dims: ParallelDims, tokens: int, mode: str) ->
     formulas count, as one process keeps them. Megatron-style kernels (and op-level
     checkpointing) keep the kv heads: the other cp - 1 ranks' chunks come on top. goodput's
     attention (training/context_parallel.py, counted with saved-tensor hooks on CPU) keeps
-    on CPU the kv heads of the whole sequence as gathered (SDPA groups the query heads
-    itself), in place of the K and V repeated to every head that the block formula counts;
-    on CUDA each of its two chunks' keys repeated to every head, chunk j's (j + 1) c of them
-    (c = tokens / 2): the pair (2 cp + 1) c. Nothing where the attention is recomputed in
-    backward (it gathers them again)."""
+    on CPU the kv heads of the whole sequence as gathered (its flash kernel groups the
+    query heads itself, and no mask is kept), in place of the K and V repeated to every
+    head that the block formula counts; on CUDA each of its two chunks' keys repeated to
+    every head, chunk j's (j + 1) c of them (c = tokens / 2): the pair (2 cp + 1) c.
+    Nothing where the attention is recomputed in backward (it gathers them again)."""
     if dims.cp == 1 or mode in ("full", "attention"):
         return 0.0
     args, cp = s.args, dims.cp
@@ -1098,18 +1098,6 @@ def _gathered_kv_bytes(s: _Setup, dims: ParallelDims, tokens: int, mode: str) ->
     if s.cluster.device == "cpu":
         return 2 * s.act_bytes * tokens * (cp * kv - width) / dims.tp
     return 2 * s.act_bytes * width * tokens * ((2 * cp + 1) / 2 - 1) / dims.tp
-
-
-def _cp_mask_bytes(s: _Setup, dims: ParallelDims) -> float:
-    """Context parallelism on CPU: the additive lower-right causal masks of a rank's two chunks
-    (training/context_parallel.lower_right_mask: CPU's SDPA takes them only materialised),
-    c x (j + 1) c for chunk j > 0 (c = seq_len / 2 cp), built once and kept by every layer's
-    attention, whatever the batch or checkpointing. The rank that holds the most: any but the
-    first (chunks i and 2cp-1-i, i > 0: (2 cp + 1) c^2). CUDA's kernels need none."""
-    if dims.cp == 1 or s.cluster.device != "cpu":
-        return 0.0
-    c = s.config.training.seq_len / (2 * dims.cp)
-    return s.act_bytes * (2 * dims.cp + 1) * c * c
 
 
 def _block_saved_bytes(s: _Setup, mb: int, dims: ParallelDims, residual_bytes: int, mode: str,

@@ -17,14 +17,15 @@ sequence, and gets them as Llama 3 did (The Llama 3 Herd of Models, section 3.3.
          within chunk j (a lower-right causal mask)
 
 What attention keeps for backward is this rank's queries and output and the gathered keys
-and values of the kv heads (as gathered: the chunks' keys are views of them). On CPU, SDPA's
-kernel groups the query heads over the kv heads itself (enable_gqa), and takes a lower-right
-causal mask only as a materialised additive one, queries x keys in the queries' dtype, which it
-keeps for backward: each rank builds the masks of its two chunks once and every layer (and
-every step) uses the same ones, rather than a mask per chunk per layer. On CUDA the chunks'
-attention runs the flash or memory-efficient kernel, which takes the lower-right mask without
-materialising it; the kv heads are repeated to every query head there, since its
-memory-efficient kernel does not group them (torch 2.13).
+and values (views of them). On CPU, SDPA's kernel groups the query heads over the kv heads
+itself, so those are the kv heads; and it would take a lower-right causal mask only
+materialised, an fp32 (c, keys) tensor that it keeps for backward (16 MiB a layer at seq 4,096,
+cp 2). So each chunk's attention is split instead: the keys of the chunks before it, all
+visible, and its own, causal (a square, needing no mask), merged by their log-sum-exps as
+flash attention merges blocks (ChunkAttentionCPU). On CUDA the chunks' attention runs the
+flash or memory-efficient kernel, which takes the lower-right mask without materialising it;
+the kv heads are repeated to every query head there, since its memory-efficient kernel does
+not group them (torch 2.13).
 
 Why this rather than torch's `context_parallel` (torch.distributed.tensor.experimental), which
 passes the keys and values around a ring and overlaps that with the attention of the chunks
@@ -72,14 +73,11 @@ def sequence_order(cp: int) -> torch.Tensor:
 
 
 class ContextParallelAttention(nn.Module):
-    """CausalAttention of this rank's two chunks of each sequence over the whole sequence.
-    `masks`: the chunks' causal masks where the kernel needs them materialised (attend_chunks),
-    one dict shared by every layer of the model."""
+    """CausalAttention of this rank's two chunks of each sequence over the whole sequence."""
 
-    def __init__(self, cp_mesh: DeviceMesh, masks: dict | None = None):
+    def __init__(self, cp_mesh: DeviceMesh):
         super().__init__()
         self.mesh, self.cp, self.cp_rank = cp_mesh, cp_mesh.size(), cp_mesh.get_local_rank()
-        self.masks = masks if masks is not None else {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -88,7 +86,7 @@ class ContextParallelAttention(nn.Module):
         if mask is not None:  # packed evaluation runs on one process, never split
             raise ValueError("context parallelism attends causally; it takes no attention mask")
         return attend_chunks(q, self._gathered(k), self._gathered(v),
-                             chunks_of(self.cp_rank, self.cp), self.masks)
+                             chunks_of(self.cp_rank, self.cp))
 
     def _gathered(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's chunks of `x` (batch, heads, 2c, head_dim), in sequence order."""
@@ -102,54 +100,85 @@ class ContextParallelAttention(nn.Module):
 
 
 def attend_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  chunks: tuple[int, ...], masks: dict | None = None) -> torch.Tensor:
+                  chunks: tuple[int, ...]) -> torch.Tensor:
     """Causal attention of the queries of `chunks` (q holds them in that order, c positions
     each) over the keys and values of the whole sequence (k, v, in sequence order): chunk j's
-    queries see the keys of chunks 0..j, those of chunk j up to their own position. `masks`
-    keeps the materialised masks (CPU) for the next call: pass the same dict to every layer."""
+    queries see the keys of chunks 0..j, those of chunk j up to their own position."""
     c = q.shape[2] // len(chunks)
-    masks = masks if masks is not None else {}
     out = []
     for n, chunk in enumerate(chunks):
         keys = (chunk + 1) * c
         q_chunk = q[:, :, n * c:(n + 1) * c]
-        k_seen, v_seen = k[:, :, :keys], v[:, :, :keys]
         if q.device.type == "cpu":
-            # The diagonal chunk alone (chunk 0) is plain causal attention; the others take
-            # the mask of the lower right of their (c, keys) scores, shared (lower_right_mask).
-            mask = lower_right_mask(c, keys, q, masks) if chunk else None
-            out.append(F.scaled_dot_product_attention(q_chunk, k_seen, v_seen, attn_mask=mask,
-                                                      is_causal=not chunk, enable_gqa=True))
+            out.append(chunk_attention_cpu(q_chunk, k[:, :, :keys], v[:, :, :keys]))
         else:
             # Query i of the chunk sits at position chunk*c + i and sees keys 0..chunk*c + i:
             # the causal mask aligned to the lower right of the (c, keys) scores.
-            out.append(F.scaled_dot_product_attention(q_chunk, *repeat_kv(q_chunk, k_seen, v_seen),
-                                                      attn_mask=causal_lower_right(c, keys)))
+            out.append(F.scaled_dot_product_attention(
+                q_chunk, *repeat_kv(q_chunk, k[:, :, :keys], v[:, :, :keys]),
+                attn_mask=causal_lower_right(c, keys)))
     return torch.cat(out, dim=2)
 
 
-def lower_right_mask(queries: int, keys: int, like: torch.Tensor, masks: dict) -> torch.Tensor:
-    """The additive causal mask (0 where visible, -inf elsewhere) of `queries` queries that are
-    the last of `keys` positions, in `like`'s dtype and device: built once, then taken from
-    `masks`. Additive rather than boolean because CPU's SDPA converts a boolean mask into such
-    a tensor on every call and keeps that copy for backward."""
-    key = (queries, keys, like.dtype, like.device)
-    if key not in masks:
-        hidden = torch.ones(queries, keys, dtype=torch.bool,
-                            device=like.device).triu(keys - queries + 1)
-        masks[key] = torch.zeros(queries, keys, dtype=like.dtype,
-                                 device=like.device).masked_fill_(hidden, float("-inf"))
-    return masks[key]
+def chunk_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of c queries that are the last c of the keys' positions (q: (batch, heads, c,
+    head_dim); k, v: (batch, kv_heads, keys, head_dim)), as SDPA computes it, with its autocast
+    cast."""
+    if torch.is_autocast_enabled("cpu"):  # SDPA runs in autocast's lower precision
+        dtype = torch.get_autocast_dtype("cpu")
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    with torch.autocast("cpu", enabled=False):
+        return ChunkAttentionCPU.apply(q, k, v)
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class ChunkAttentionCPU(torch.autograd.Function):
+    """Lower-right causal attention without a mask, on CPU's flash kernel (which groups the
+    query heads over the kv heads itself): the keys before the chunk's own (the prefix, all
+    visible) and the chunk's own (the diagonal block, causal), each attended by the kernel,
+    their outputs merged by their log-sum-exps. Backward runs the kernel's backward on each
+    block with the merged output and log-sum-exp, which gives each block's share of the
+    gradients exactly (flash attention's block-wise backward, as torch's ring attention does).
+    Keeps q, k, v (views) and the output and log-sum-exp, as SDPA does."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        prefix = k.shape[2] - q.shape[2]
+        out, lse = _flash_cpu(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True)
+        if prefix:
+            out_prefix, lse_prefix = _flash_cpu(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False)
+            merged = torch.logaddexp(lse, lse_prefix)
+            out = (out * (lse - merged).exp().unsqueeze(-1)
+                   + out_prefix * (lse_prefix - merged).exp().unsqueeze(-1)).to(q.dtype)
+            lse = merged
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        prefix = k.shape[2] - q.shape[2]
+        grad_out = grad_out.contiguous()
+        dq, dk, dv = _flash_cpu_backward(grad_out, q, k[:, :, prefix:], v[:, :, prefix:],
+                                         out, lse, 0.0, True)
+        if prefix:
+            dq_prefix, dk_prefix, dv_prefix = _flash_cpu_backward(
+                grad_out, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, 0.0, False)
+            dq = dq + dq_prefix
+            dk, dv = torch.cat([dk_prefix, dk], dim=2), torch.cat([dv_prefix, dv], dim=2)
+        return dq, dk, dv
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
     """Each block's attention over the whole sequence, from this rank's chunks."""
-    masks: dict = {}  # one chunk's mask serves every layer
     for block in model.layers.values():
         if not isinstance(block.attention.core, CausalAttention):
             raise TypeError(f"context parallelism replaces CausalAttention, found "
                             f"{type(block.attention.core).__name__}")
-        block.attention.core = ContextParallelAttention(cp_mesh, masks)
+        block.attention.core = ContextParallelAttention(cp_mesh)
     return model
 
 
