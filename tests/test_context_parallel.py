@@ -60,9 +60,9 @@ def test_a_ranks_chunks_attend_over_the_whole_sequence_as_causal_attention_does(
 
 def test_a_ranks_attention_keeps_the_kv_heads_and_no_mask_for_backward():
     """What attend_chunks saves for backward on CPU: the queries, the gathered keys and values
-    of the kv heads (views of them, not copies repeated to every query head), and per chunk
-    its output and log-sum-exp; no causal mask (c x keys) and nothing else the size of the
-    keys."""
+    of the kv heads (not copies repeated to every query head), and the output and
+    log-sum-exp of the rank's queries; no causal mask (c x keys) and nothing else the size of
+    the keys."""
     generator = torch.Generator().manual_seed(0)
     cp, c, heads, kv_heads, head_dim = 2, 8, 4, 2, 16
     k, v = (torch.randn(1, kv_heads, 2 * cp * c, head_dim, generator=generator).requires_grad_()
@@ -78,7 +78,7 @@ def test_a_ranks_attention_keeps_the_kv_heads_and_no_mask_for_backward():
         attend_chunks(q, k, v, chunks_of(0, cp))
     inputs = {x.untyped_storage().data_ptr() for x in (q, k, v)}
     others = [t for t in saved if t.untyped_storage().data_ptr() not in inputs]
-    assert others and all(t.shape[1] == heads and t.shape[2] == c for t in others), \
+    assert others and all(t.shape[1] == heads and t.shape[2] == 2 * c for t in others), \
         [tuple(t.shape) for t in others]
 
 

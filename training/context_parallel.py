@@ -104,31 +104,23 @@ def attend_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Causal attention of the queries of `chunks` (q holds them in that order, c positions
     each) over the keys and values of the whole sequence (k, v, in sequence order): chunk j's
     queries see the keys of chunks 0..j, those of chunk j up to their own position."""
+    if q.device.type == "cpu":
+        if torch.is_autocast_enabled("cpu"):  # cast as autocast casts SDPA's inputs
+            dtype = torch.get_autocast_dtype("cpu")
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        with torch.autocast("cpu", enabled=False):
+            return ChunkAttentionCPU.apply(q, k, v, chunks)
     c = q.shape[2] // len(chunks)
     out = []
     for n, chunk in enumerate(chunks):
         keys = (chunk + 1) * c
         q_chunk = q[:, :, n * c:(n + 1) * c]
-        if q.device.type == "cpu":
-            out.append(chunk_attention_cpu(q_chunk, k[:, :, :keys], v[:, :, :keys]))
-        else:
-            # Query i of the chunk sits at position chunk*c + i and sees keys 0..chunk*c + i:
-            # the causal mask aligned to the lower right of the (c, keys) scores.
-            out.append(F.scaled_dot_product_attention(
-                q_chunk, *repeat_kv(q_chunk, k[:, :, :keys], v[:, :, :keys]),
-                attn_mask=causal_lower_right(c, keys)))
+        # Query i of the chunk sits at position chunk*c + i and sees keys 0..chunk*c + i:
+        # the causal mask aligned to the lower right of the (c, keys) scores.
+        out.append(F.scaled_dot_product_attention(
+            q_chunk, *repeat_kv(q_chunk, k[:, :, :keys], v[:, :, :keys]),
+            attn_mask=causal_lower_right(c, keys)))
     return torch.cat(out, dim=2)
-
-
-def chunk_attention_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention of c queries that are the last c of the keys' positions (q: (batch, heads, c,
-    head_dim); k, v: (batch, kv_heads, keys, head_dim)), as SDPA computes it, with its autocast
-    cast."""
-    if torch.is_autocast_enabled("cpu"):  # SDPA runs in autocast's lower precision
-        dtype = torch.get_autocast_dtype("cpu")
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    with torch.autocast("cpu", enabled=False):
-        return ChunkAttentionCPU.apply(q, k, v)
 
 
 _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -136,40 +128,61 @@ _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class ChunkAttentionCPU(torch.autograd.Function):
-    """Lower-right causal attention without a mask, on CPU's flash kernel (which groups the
-    query heads over the kv heads itself): the keys before the chunk's own (the prefix, all
-    visible) and the chunk's own (the diagonal block, causal), each attended by the kernel,
-    their outputs merged by their log-sum-exps. Backward runs the kernel's backward on each
-    block with the merged output and log-sum-exp, which gives each block's share of the
-    gradients exactly (flash attention's block-wise backward, as torch's ring attention does).
-    Keeps q, k, v (views) and the output and log-sum-exp, as SDPA does."""
+    """attend_chunks on CPU's flash kernel (which groups the query heads over the kv heads
+    itself), without a mask: each chunk j's queries attend to the keys before the chunk (all
+    visible) and to the chunk's own (the diagonal block, causal), and the two outputs are
+    merged by their log-sum-exps. Backward runs the kernel's backward on each block with the
+    merged output and log-sum-exp, which gives each block's share of the gradients exactly
+    (flash attention's block-wise backward, as torch's ring attention does).
+
+    Keeps q, k, v (the gathered ones, as they come) and the output and log-sum-exp of the
+    rank's queries, as SDPA keeps them. The output is laid out (batch, positions, heads,
+    head_dim) as SDPA's CPU kernel lays it out, so that the output projection's input (its
+    transpose, reshaped) is a view of it, not a second copy."""
 
     @staticmethod
-    def forward(ctx, q, k, v):
-        prefix = k.shape[2] - q.shape[2]
-        out, lse = _flash_cpu(q, k[:, :, prefix:], v[:, :, prefix:], 0.0, True)
-        if prefix:
-            out_prefix, lse_prefix = _flash_cpu(q, k[:, :, :prefix], v[:, :, :prefix], 0.0, False)
-            merged = torch.logaddexp(lse, lse_prefix)
-            out = (out * (lse - merged).exp().unsqueeze(-1)
-                   + out_prefix * (lse_prefix - merged).exp().unsqueeze(-1)).to(q.dtype)
-            lse = merged
+    def forward(ctx, q, k, v, chunks):
+        batch, heads, local, head_dim = q.shape
+        c = local // len(chunks)
+        out = q.new_empty(batch, local, heads, head_dim).transpose(1, 2)
+        lse = []
+        for n, chunk in enumerate(chunks):
+            rows, prefix = slice(n * c, (n + 1) * c), chunk * c
+            q_chunk, own = q[:, :, rows], slice(prefix, prefix + c)
+            o, l = _flash_cpu(q_chunk, k[:, :, own], v[:, :, own], 0.0, True)
+            if prefix:
+                before = slice(0, prefix)
+                o_prefix, l_prefix = _flash_cpu(q_chunk, k[:, :, before], v[:, :, before],
+                                                0.0, False)
+                merged = torch.logaddexp(l, l_prefix)
+                o = (o * (l - merged).exp().unsqueeze(-1)
+                     + o_prefix * (l_prefix - merged).exp().unsqueeze(-1))
+                l = merged
+            out[:, :, rows] = o
+            lse.append(l)
+        lse = torch.cat(lse, dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.chunks = chunks
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        prefix = k.shape[2] - q.shape[2]
-        grad_out = grad_out.contiguous()
-        dq, dk, dv = _flash_cpu_backward(grad_out, q, k[:, :, prefix:], v[:, :, prefix:],
-                                         out, lse, 0.0, True)
-        if prefix:
-            dq_prefix, dk_prefix, dv_prefix = _flash_cpu_backward(
-                grad_out, q, k[:, :, :prefix], v[:, :, :prefix], out, lse, 0.0, False)
-            dq = dq + dq_prefix
-            dk, dv = torch.cat([dk_prefix, dk], dim=2), torch.cat([dv_prefix, dv], dim=2)
-        return dq, dk, dv
+        c = q.shape[2] // len(ctx.chunks)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for n, chunk in enumerate(ctx.chunks):
+            rows, prefix = slice(n * c, (n + 1) * c), chunk * c
+            blocks = [(slice(prefix, prefix + c), True)]  # its own keys, then those before
+            if prefix:
+                blocks.append((slice(0, prefix), False))
+            for keys, causal in blocks:
+                dq_block, dk_block, dv_block = _flash_cpu_backward(
+                    grad_out[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                    out[:, :, rows], lse[:, :, rows], 0.0, causal)
+                dq[:, :, rows] += dq_block
+                dk[:, :, keys] += dk_block
+                dv[:, :, keys] += dv_block
+        return dq, dk, dv, None
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
