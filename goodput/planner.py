@@ -1079,16 +1079,25 @@ def _moe_saved_bytes(s: _Setup, dims: ParallelDims, tokens: int) -> float:
 
 
 def _gathered_kv_bytes(s: _Setup, dims: ParallelDims, tokens: int, mode: str) -> float:
-    """Context parallelism: the keys and values of the other cp - 1 ranks' chunks, which
-    attention saves for backward once they are all-gathered (Llama 3's CP). Repeated to every
-    head as goodput's attention hands them to SDPA (Megatron's kernels keep the kv heads).
+    """Context parallelism: what attention keeps of the keys and values (all-gathered from
+    the cp ranks, Llama 3's CP) beyond the K and V of this rank's `tokens` that the block
+    formulas count, as one process keeps them. Megatron-style kernels (and op-level
+    checkpointing) keep the kv heads: the other cp - 1 ranks' chunks come on top. goodput's
+    attention (training/context_parallel.py, counted with saved-tensor hooks on CPU) keeps
+    on CPU the kv heads of the whole sequence as gathered (its flash kernel groups the
+    query heads itself, and no mask is kept), in place of the K and V repeated to every
+    head that the block formula counts; on CUDA each of its two chunks' keys repeated to
+    every head, chunk j's (j + 1) c of them (c = tokens / 2): the pair (2 cp + 1) c.
     Nothing where the attention is recomputed in backward (it gathers them again)."""
     if dims.cp == 1 or mode in ("full", "attention"):
         return 0.0
-    args = s.args
-    width = (args.kv_heads * args.head_dim if s.recipe.sharded_saves or mode == "ops"
-             else attention_width(args))
-    return 2 * s.act_bytes * width * tokens * (dims.cp - 1) / dims.tp
+    args, cp = s.args, dims.cp
+    kv, width = args.kv_heads * args.head_dim, attention_width(args)
+    if s.recipe.sharded_saves or mode == "ops":
+        return 2 * s.act_bytes * kv * tokens * (cp - 1) / dims.tp
+    if s.cluster.device == "cpu":
+        return 2 * s.act_bytes * tokens * (cp * kv - width) / dims.tp
+    return 2 * s.act_bytes * width * tokens * ((2 * cp + 1) / 2 - 1) / dims.tp
 
 
 def _block_saved_bytes(s: _Setup, mb: int, dims: ParallelDims, residual_bytes: int, mode: str,

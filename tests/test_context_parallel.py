@@ -33,24 +33,53 @@ def test_each_rank_holds_chunks_i_and_2cp_minus_1_minus_i_and_gathering_restores
 
 @pytest.mark.parametrize("cp, heads, kv_heads", [(2, 4, 4), (2, 4, 2), (3, 6, 2)])
 def test_a_ranks_chunks_attend_over_the_whole_sequence_as_causal_attention_does(cp, heads, kv_heads):
-    """attend_chunks (the keys and values gathered, grouped-query heads repeated after the
-    gather) gives each rank the rows of whole-sequence causal attention for its chunks, and
-    their gradients."""
+    """attend_chunks (the keys and values gathered, of the kv heads) gives each rank the rows
+    of whole-sequence causal attention for its chunks, and their gradients."""
     generator = torch.Generator().manual_seed(0)
     batch, seq, head_dim = 2, 12 * cp, 8
     q = torch.randn(batch, heads, seq, head_dim, generator=generator, dtype=torch.float64)
     k, v = (torch.randn(batch, kv_heads, seq, head_dim, generator=generator, dtype=torch.float64)
             for _ in range(2))
-    q.requires_grad_()
+    for x in (q, k, v):
+        x.requires_grad_()
     whole = F.scaled_dot_product_attention(q, *repeat_kv(q, k, v), is_causal=True)
     upstream = torch.randn(whole.shape, generator=generator, dtype=torch.float64)
     (whole * upstream).sum().backward()
+    gathered_k, gathered_v = (x.detach().requires_grad_() for x in (k, v))
     for rank in range(cp):
         mine = shard_sequence(q.detach(), rank, cp, dim=2).requires_grad_()
-        out = attend_chunks(mine, k, v, chunks_of(rank, cp))
+        out = attend_chunks(mine, gathered_k, gathered_v, chunks_of(rank, cp))
         assert torch.allclose(out, shard_sequence(whole, rank, cp, dim=2), atol=1e-12)
         (out * shard_sequence(upstream, rank, cp, dim=2)).sum().backward()
         assert torch.allclose(mine.grad, shard_sequence(q.grad, rank, cp, dim=2), atol=1e-12)
+    # The ranks' gradients of the gathered keys and values (which the all-gather's backward
+    # reduce-scatters) add up to the whole attention's.
+    assert torch.allclose(gathered_k.grad, k.grad, atol=1e-12)
+    assert torch.allclose(gathered_v.grad, v.grad, atol=1e-12)
+
+
+def test_a_ranks_attention_keeps_the_kv_heads_and_no_mask_for_backward():
+    """What attend_chunks saves for backward on CPU: the queries, the gathered keys and values
+    of the kv heads (not copies repeated to every query head), and the output and
+    log-sum-exp of the rank's queries; no causal mask (c x keys) and nothing else the size of
+    the keys."""
+    generator = torch.Generator().manual_seed(0)
+    cp, c, heads, kv_heads, head_dim = 2, 8, 4, 2, 16
+    k, v = (torch.randn(1, kv_heads, 2 * cp * c, head_dim, generator=generator).requires_grad_()
+            for _ in range(2))
+    q = torch.randn(1, heads, 2 * c, head_dim, generator=generator).requires_grad_()
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        attend_chunks(q, k, v, chunks_of(0, cp))
+    inputs = {x.untyped_storage().data_ptr() for x in (q, k, v)}
+    others = [t for t in saved if t.untyped_storage().data_ptr() not in inputs]
+    assert others and all(t.shape[1] == heads and t.shape[2] == 2 * c for t in others), \
+        [tuple(t.shape) for t in others]
 
 
 # -- the layout's rules ----------------------------------------------------------------------

@@ -815,8 +815,9 @@ def test_expert_memory_and_all_to_all_by_hand():
 
 def test_context_parallelism_cuts_activations_and_sends_kv_by_hand():
     """CP=2 (the layout's cp degree, parallelism.cp): each
-    rank computes half of every sequence, keeping half the activations but the other half's
-    keys and values, which it all-gathers in forward and reduce-scatters in backward."""
+    rank computes half of every sequence, keeping half the activations but the whole
+    sequence's keys and values, which it all-gathers in forward and reduce-scatters in
+    backward."""
     config = load_config(None, ["model.dim=256", "model.n_layers=4", "model.n_heads=8",
                                 "model.n_kv_heads=2", "model.max_seq_len=4096",
                                 "training.seq_len=4096", "training.micro_batch_size=1",
@@ -828,8 +829,12 @@ def test_context_parallelism_cuts_activations_and_sends_kv_by_hand():
     assert whole.ok and split.ok and split.name == "dp_replicate=1 x dp_shard=1 x cp=2 x tp=1 x pp=1"
     kv = 2 * 2 * 32  # K and V of 2 kv heads of 32
     assert split.comm["cp"] == 4 * 2 * kv * 4096 * 4 * (1 / 2)  # 4 blocks, forward + backward
-    gathered = 4 * 2 * 4 * 256 * 2048  # per block the other half's K and V, repeated to 8 heads
-    assert split.memory.stage_bytes == pytest.approx((whole.memory.stage_bytes + gathered * 2) / 2)
+    # Per block, in place of its own tokens' K and V repeated to 8 heads of 32 (as one process
+    # keeps them), the whole sequence's K and V of the 2 kv heads, as gathered.
+    kv_saved = 4 * 2 * (2 * 32 * 4096 - 8 * 32 * 2048)
+    assert split.memory.stage_bytes == pytest.approx(whole.memory.stage_bytes / 2 + 4 * kv_saved)
+    head = whole.memory.activations - whole.memory.stage_bytes  # the output layer and loss
+    assert split.memory.activations == pytest.approx(split.memory.stage_bytes + head / 2)
     assert split.memory.activations < 0.6 * whole.memory.activations
     # Each sequence's 2 x cp chunks must split evenly, also over TP.
     odd = load_config(None, ["training.seq_len=130", "model.max_seq_len=256"])

@@ -16,6 +16,17 @@ sequence, and gets them as Llama 3 did (The Llama 3 Herd of Models, section 3.3.
       -> for each of the two chunks j: its queries against the keys of chunks 0..j, causal
          within chunk j (a lower-right causal mask)
 
+What attention keeps for backward is this rank's queries and output and the gathered keys
+and values (views of them). On CPU, SDPA's kernel groups the query heads over the kv heads
+itself, so those are the kv heads; and it would take a lower-right causal mask only
+materialised, an fp32 (c, keys) tensor that it keeps for backward (16 MiB a layer at seq 4,096,
+cp 2). So each chunk's attention is split instead: the keys of the chunks before it, all
+visible, and its own, causal (a square, needing no mask), merged by their log-sum-exps as
+flash attention merges blocks (ChunkAttentionCPU). On CUDA the chunks' attention runs the
+flash or memory-efficient kernel, which takes the lower-right mask without materialising it;
+the kv heads are repeated to every query head there, since its memory-efficient kernel does
+not group them (torch 2.13).
+
 Why this rather than torch's `context_parallel` (torch.distributed.tensor.experimental), which
 passes the keys and values around a ring and overlaps that with the attention of the chunks
 at hand: in torch 2.13 it dispatches only the CUDA kernels of scaled_dot_product_attention
@@ -26,9 +37,7 @@ in a global override rather than a module; and with grouped-query attention the 
 values are the small part (Llama 3 405B: 8 of 128 heads), so gathering them whole costs
 little next to the attention itself. The all-gather runs on gloo and NCCL alike, under
 torch.compile (functional collectives) and beside TP and FSDP; what it gives up is the ring's
-overlap and the memory of holding one peer's chunk at a time instead of all of them. On CUDA
-the chunks' attention runs the memory-efficient kernel (it takes the lower-right mask without
-materialising it).
+overlap and the memory of holding one peer's chunk at a time instead of all of them.
 
 The rotary tables of each rank's model hold the angles of its own tokens' positions
 (shard_rotary_tables), so RoPE is that of the whole sequence.
@@ -95,17 +104,85 @@ def attend_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Causal attention of the queries of `chunks` (q holds them in that order, c positions
     each) over the keys and values of the whole sequence (k, v, in sequence order): chunk j's
     queries see the keys of chunks 0..j, those of chunk j up to their own position."""
+    if q.device.type == "cpu":
+        if torch.is_autocast_enabled("cpu"):  # cast as autocast casts SDPA's inputs
+            dtype = torch.get_autocast_dtype("cpu")
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        with torch.autocast("cpu", enabled=False):
+            return ChunkAttentionCPU.apply(q, k, v, chunks)
     c = q.shape[2] // len(chunks)
     out = []
     for n, chunk in enumerate(chunks):
         keys = (chunk + 1) * c
         q_chunk = q[:, :, n * c:(n + 1) * c]
-        k_seen, v_seen = repeat_kv(q_chunk, k[:, :, :keys], v[:, :, :keys])
         # Query i of the chunk sits at position chunk*c + i and sees keys 0..chunk*c + i:
         # the causal mask aligned to the lower right of the (c, keys) scores.
-        out.append(F.scaled_dot_product_attention(q_chunk, k_seen, v_seen,
-                                                  attn_mask=causal_lower_right(c, keys)))
+        out.append(F.scaled_dot_product_attention(
+            q_chunk, *repeat_kv(q_chunk, k[:, :, :keys], v[:, :, :keys]),
+            attn_mask=causal_lower_right(c, keys)))
     return torch.cat(out, dim=2)
+
+
+_flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class ChunkAttentionCPU(torch.autograd.Function):
+    """attend_chunks on CPU's flash kernel (which groups the query heads over the kv heads
+    itself), without a mask: each chunk j's queries attend to the keys before the chunk (all
+    visible) and to the chunk's own (the diagonal block, causal), and the two outputs are
+    merged by their log-sum-exps. Backward runs the kernel's backward on each block with the
+    merged output and log-sum-exp, which gives each block's share of the gradients exactly
+    (flash attention's block-wise backward, as torch's ring attention does).
+
+    Keeps q, k, v (the gathered ones, as they come) and the output and log-sum-exp of the
+    rank's queries, as SDPA keeps them. The output is laid out (batch, positions, heads,
+    head_dim) as SDPA's CPU kernel lays it out, so that the output projection's input (its
+    transpose, reshaped) is a view of it, not a second copy."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, chunks):
+        batch, heads, local, head_dim = q.shape
+        c = local // len(chunks)
+        out = q.new_empty(batch, local, heads, head_dim).transpose(1, 2)
+        lse = []
+        for n, chunk in enumerate(chunks):
+            rows, prefix = slice(n * c, (n + 1) * c), chunk * c
+            q_chunk, own = q[:, :, rows], slice(prefix, prefix + c)
+            o, l = _flash_cpu(q_chunk, k[:, :, own], v[:, :, own], 0.0, True)
+            if prefix:
+                before = slice(0, prefix)
+                o_prefix, l_prefix = _flash_cpu(q_chunk, k[:, :, before], v[:, :, before],
+                                                0.0, False)
+                merged = torch.logaddexp(l, l_prefix)
+                o = (o * (l - merged).exp().unsqueeze(-1)
+                     + o_prefix * (l_prefix - merged).exp().unsqueeze(-1))
+                l = merged
+            out[:, :, rows] = o
+            lse.append(l)
+        lse = torch.cat(lse, dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.chunks = chunks
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        c = q.shape[2] // len(ctx.chunks)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for n, chunk in enumerate(ctx.chunks):
+            rows, prefix = slice(n * c, (n + 1) * c), chunk * c
+            blocks = [(slice(prefix, prefix + c), True)]  # its own keys, then those before
+            if prefix:
+                blocks.append((slice(0, prefix), False))
+            for keys, causal in blocks:
+                dq_block, dk_block, dv_block = _flash_cpu_backward(
+                    grad_out[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                    out[:, :, rows], lse[:, :, rows], 0.0, causal)
+                dq[:, :, rows] += dq_block
+                dk[:, :, keys] += dk_block
+                dv[:, :, keys] += dv_block
+        return dq, dk, dv, None
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh) -> nn.Module:
