@@ -50,7 +50,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import _functional_collectives as funcol
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn.attention.bias import causal_lower_right
 
 from training.model import CausalAttention, repeat_kv
 
@@ -110,6 +109,10 @@ def attend_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         with torch.autocast("cpu", enabled=False):
             return ChunkAttentionCPU.apply(q, k, v, chunks)
+    # (imported here: torch.nn.attention.bias imports torch._dynamo, a second in every
+    # process that builds the model, CPU's path not needing it)
+    from torch.nn.attention.bias import causal_lower_right
+
     c = q.shape[2] // len(chunks)
     out = []
     for n, chunk in enumerate(chunks):

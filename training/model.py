@@ -204,11 +204,21 @@ class Block(nn.Module):
         return x + ffn(self.ffn_norm(x))
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding without an initialisation of its own: Transformer.init_weights (or a
+    checkpoint) gives every weight its value. nn.Embedding's normal_ on the meta device,
+    where the trainer and the verifier build the model, imports torch._dynamo: about a
+    second of CPU in every such process, for values thrown away."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs, seed: int = 0):
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.tok_embeddings = Embedding(args.vocab_size, args.dim)
         # A dict keyed by layer index: a pipeline stage that keeps layers 4..7 still names
         # them layers.4..layers.7, so checkpoints mean the same thing under every layout.
         self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
