@@ -58,6 +58,7 @@ from goodput.data.sources import (
     read_documents,
     split_into_pieces,
 )
+from goodput.runs import update_summary
 from storage.manifests import DATASET_MANIFEST, DatasetManifest, MixSource, MixtureManifest, ShardInfo
 from storage.shards import ShardWriter, token_dtype
 from storage.store import Store, store_from_config, usable_anywhere
@@ -871,8 +872,6 @@ def record_prepare(config: RunConfig,
     """Write the prepare stage's part of the run's summary.json: per source (name, manifest,
     `tokenize_s`: the work units' wall time, None when the dataset was found prepared;
     `workers`: where they ran), and the mix's id for data.sources."""
-    from goodput.runs import update_summary  # the run's bookkeeping; only where a stage ends
-
     per_source = {}
     for name, manifest, tokenize_s, workers in prepared:
         per_source[name] = {
