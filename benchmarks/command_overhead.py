@@ -86,7 +86,8 @@ def log_times(output: str, started: float, ended: float) -> dict:
     def unix(line: str) -> float:
         clock = time.strptime(time.strftime("%Y-%m-%d ", time.localtime(started)) + line[:8],
                               "%Y-%m-%d %H:%M:%S")
-        return time.mktime(clock) + float(line[8:12])
+        at = time.mktime(clock) + float(line[8:12])
+        return at + 86400 if at < started - 3600 else at  # a line past midnight
 
     began = [unix(line) for line in output.splitlines() if re.match(r"\d\d:\d\d:\d\d\.\d{3} .*Beginning", line)]
     finished = [unix(line) for line in output.splitlines()
