@@ -29,9 +29,10 @@ import threading
 import time
 from contextlib import nullcontext
 from dataclasses import replace
+from pathlib import Path
 from unittest import mock
 
-from core.config import ConfigError, load_config
+from core.config import ConfigError, RunConfig, load_config
 from infra.prefect_stack import LEASES_ON_DISK
 
 
@@ -234,6 +235,61 @@ def _server(args: argparse.Namespace) -> int:
         stack.stop()
 
 
+def _server_configured() -> bool:
+    """Whether Prefect's settings name a server (PREFECT_API_URL): a command's flow run is
+    then recorded there, in the UI where users watch their runs.
+
+    Prefect's own resolution decides, but importing it costs a second or more (five on a
+    busy machine): where none of the places it reads settings from exists (a PREFECT_PROFILE
+    or PREFECT_PROFILES_PATH variable, a profiles.toml in PREFECT_HOME, ./.env,
+    ./prefect.toml, [tool.prefect] in ./pyproject.toml), nothing can name a server and
+    Prefect is not imported."""
+    if os.environ.get("PREFECT_API_URL"):
+        return True
+    home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
+    pyproject = Path("pyproject.toml")
+    if not ({"PREFECT_PROFILE", "PREFECT_PROFILES_PATH"} & os.environ.keys()
+            or (home / "profiles.toml").exists() or Path(".env").exists()
+            or Path("prefect.toml").exists()
+            or (pyproject.is_file() and "tool.prefect" in pyproject.read_text(errors="replace"))):
+        return False
+    from prefect.settings import PREFECT_API_URL
+
+    return bool(PREFECT_API_URL.value())
+
+
+def _already_prepared(config: RunConfig) -> dict | None:
+    """`goodput prepare` with nothing to do, decided here before Prefect (its import, its
+    temporary server, a flow run) costs seconds: every source's dataset found prepared and
+    published, by the library check the prepare flow makes (goodput.data.prepare's
+    nothing_to_prepare: find_prepared, and what publish would send). Says what it found
+    where, records the stage in summary.json as the flow does, and returns the command's
+    result; None to run the flow, which then decides as always: when there is work, when the
+    check fails (the flow retries and reports the error), when the store's keys come from a
+    Prefect block, or when a Prefect server is configured (the run is shown there)."""
+    if config.storage.credentials_block:
+        return None
+    from goodput.data import prepare as lib
+    from storage.store import store_from_config
+
+    started = time.time()
+    try:
+        found = lib.nothing_to_prepare(config, store_from_config(config.storage))
+        if found is None or _server_configured():
+            return None
+        mix = lib.mixture_manifest([(source, manifest) for source, manifest, _ in found])
+    except Exception:  # the flow decides then: it retries what is transient, reports the rest
+        return None
+    for source, manifest, where in found:
+        print(f"dataset {manifest.dataset_id}" + (f" (source {source.name})" if config.data.sources else "")
+              + f" is already prepared in {where} (from the same listing and settings) and "
+              "published: nothing to tokenize or upload", file=sys.stderr)
+    print("goodput: prepare: nothing to do; no flow run started", file=sys.stderr)
+    lib.record_prepare(config, [(source.name, manifest, None, None) for source, manifest, _ in found],
+                       started, mix if config.data.sources else None)
+    return (mix if config.data.sources else found[0][1]).model_dump(include={"dataset_id", "vocab_size"})
+
+
 def _die_with_parent() -> None:
     """In a child, before exec: the kernel ends it with SIGTERM when its parent dies (Linux)."""
     if sys.platform.startswith("linux"):
@@ -407,6 +463,13 @@ def main(argv: list[str] | None = None) -> int:
         serve_all(config, eval_cron=args.eval_cron, train_cron=args.train_cron,
                   train_time_limit_s=args.train_time_limit)
         return 0
+
+    if args.command == "prepare":
+        result = _already_prepared(config)
+        if result is not None:
+            print(json.dumps(result, indent=2, default=str))
+            print(f"run directory: {config.run_dir.path.resolve()}")
+            return 0
 
     from flows.evaluate import evaluate
     from flows.pipeline import pipeline

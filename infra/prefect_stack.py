@@ -28,10 +28,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import httpx
+from typing import TYPE_CHECKING
 
 from infra.launchers import free_port
+
+if TYPE_CHECKING:  # imported where used: every goodput command reads this module's settings
+    import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 POOL = "goodput"  # the work pool prefect.yaml's deployments name
@@ -255,6 +257,8 @@ class PrefectStack:
             time.sleep(0.5)
 
     def healthy(self) -> bool:
+        import httpx
+
         try:
             return httpx.get(f"{self.api_url}/health", timeout=2,
                              auth=tuple(self.auth_string.split(":", 1))).status_code == 200
@@ -316,6 +320,8 @@ class StackClient:
 
     def post(self, path: str, body: dict) -> httpx.Response:
         """POST, tried again while the server is away or busy (a restart, a loaded machine)."""
+        import httpx
+
         for delay in (1, 2, 4, 8, 0):
             try:
                 response = self.http.post(f"{self.url}{path}", json=body)

@@ -11,7 +11,6 @@ import errno
 import logging
 import os
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from urllib.parse import urlparse
@@ -23,7 +22,6 @@ from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner
 from core.config import DataConfig, PrepareConfig, RunConfig, SourceConfig, StorageConfig
 from core.errors import ConfigError, DataError
 from goodput.data import prepare as lib
-from goodput.runs import update_summary
 from storage.manifests import DatasetManifest, MixtureManifest
 from storage.store import store_from_config
 
@@ -210,21 +208,4 @@ def publish(plan: lib.DatasetPlan, manifest: DatasetManifest, storage: StorageCo
 @task(name="record-prepare", cache_policy=NO_CACHE, tags=TAGS)
 def record_prepare(config: RunConfig, prepared: list[tuple[str, DatasetManifest, float | None, list[str] | None]],
                    started: float, mix: MixtureManifest | None = None) -> dict:
-    """Write the prepare stage's part of the run's summary.json: per source (name, manifest,
-    `tokenize_s`: the work units' wall time, None when the dataset was found prepared;
-    `workers`: where they ran), and the mix's id for data.sources."""
-    per_source = {}
-    for name, manifest, tokenize_s, workers in prepared:
-        per_source[name] = {
-            "dataset_id": manifest.dataset_id, "source": manifest.source,
-            "vocab_size": manifest.vocab_size,
-            "tokens": {split: manifest.n_tokens(split) for split in manifest.splits},
-            "skipped_records": manifest.skipped_records, "empty_records": manifest.empty_records,
-            "tokenize_s": tokenize_s, "workers": workers}
-    if mix is None:  # a mix of one: its dataset is the stage's
-        values = next(iter(per_source.values()))
-    else:
-        values = {"dataset_id": mix.dataset_id, "vocab_size": mix.vocab_size, "sources": per_source}
-    values["wall_time_s"] = time.time() - started
-    update_summary(config.run_dir, "prepare", values)
-    return values
+    return lib.record_prepare(config, prepared, started, mix)

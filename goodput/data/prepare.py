@@ -58,6 +58,7 @@ from goodput.data.sources import (
     read_documents,
     split_into_pieces,
 )
+from goodput.runs import update_summary
 from storage.manifests import DATASET_MANIFEST, DatasetManifest, MixSource, MixtureManifest, ShardInfo
 from storage.shards import ShardWriter, token_dtype
 from storage.store import Store, store_from_config, usable_anywhere
@@ -818,10 +819,8 @@ def publish(plan: DatasetPlan, manifest: DatasetManifest, store: Store) -> None:
     Nothing is sent when the store already holds this very manifest: it is uploaded last,
     so everything it lists is there already.
     """
-    key = plan.store_key(DATASET_MANIFEST)
-    pointer_key = f"datasets/{BY_SETTINGS}/{plan.settings_key}.json"
-    local = plan.dir / DATASET_MANIFEST  # absent when the dataset was sealed in the store
-    if local.is_file() and not (store.exists(key) and store.get_bytes(key) == local.read_bytes()):
+    missing = unpublished(plan, store)
+    if "dataset" in missing:
         # The manifest's digests spare a hashing pass over every shard; the upload checks them.
         known = {shard.path: shard.sha256 for shards in manifest.splits.values() for shard in shards}
         if manifest.tokenizer_sha256:
@@ -829,8 +828,65 @@ def publish(plan: DatasetPlan, manifest: DatasetManifest, store: Store) -> None:
         store.upload_dir(plan.dir, plan.store_prefix, last=(DATASET_MANIFEST,), known_sha256=known)
         log.info("published dataset %s to %s (%d train tokens)", manifest.dataset_id,
                  store.url(plan.store_prefix), manifest.n_tokens("train"))
+    if "pointer" in missing:
+        store.put_bytes(_pointer_key(plan), _pointer(plan))
+
+
+def unpublished(plan: DatasetPlan, store: Store) -> list[str]:
+    """What `publish` has to send of the dataset of `plan`: "dataset" when it is complete
+    here and the store lacks this very manifest (uploaded last, so the store holding it holds
+    everything it lists), "pointer" when the store lacks the pointer from these data
+    settings to it. Empty: nothing."""
+    missing = []
+    local = plan.dir / DATASET_MANIFEST  # absent when the dataset was sealed in the store
+    key = plan.store_key(DATASET_MANIFEST)
+    if local.is_file() and not (store.exists(key) and store.get_bytes(key) == local.read_bytes()):
+        missing.append("dataset")
+    pointer_key = _pointer_key(plan)
     if plan.files and not (store.exists(pointer_key) and store.get_bytes(pointer_key) == _pointer(plan)):
-        store.put_bytes(pointer_key, _pointer(plan))
+        missing.append("pointer")
+    return missing
+
+
+def _pointer_key(plan: DatasetPlan) -> str:
+    return f"datasets/{BY_SETTINGS}/{plan.settings_key}.json"
+
+
+def nothing_to_prepare(config: RunConfig, store: Store) -> list[tuple[SourceConfig, DatasetManifest, str]] | None:
+    """The decision of a prepare with no work: every source's dataset of `config` found
+    prepared (`find_prepared`, as the prepare flow finds it) with nothing left to publish,
+    each with where it lies; None when any source has work to do. Lets a command say
+    "already prepared" without starting the flow (and Prefect's server) at all."""
+    found = []
+    for source, plan in mix_plans(config, store):
+        manifest = find_prepared(plan, store)
+        if manifest is None or unpublished(plan, store):
+            return None
+        found.append((source, manifest, prepared_location(plan, store)))
+    return found
+
+
+def record_prepare(config: RunConfig,
+                   prepared: list[tuple[str, DatasetManifest, float | None, list[str] | None]],
+                   started: float, mix: MixtureManifest | None = None) -> dict:
+    """Write the prepare stage's part of the run's summary.json: per source (name, manifest,
+    `tokenize_s`: the work units' wall time, None when the dataset was found prepared;
+    `workers`: where they ran), and the mix's id for data.sources."""
+    per_source = {}
+    for name, manifest, tokenize_s, workers in prepared:
+        per_source[name] = {
+            "dataset_id": manifest.dataset_id, "source": manifest.source,
+            "vocab_size": manifest.vocab_size,
+            "tokens": {split: manifest.n_tokens(split) for split in manifest.splits},
+            "skipped_records": manifest.skipped_records, "empty_records": manifest.empty_records,
+            "tokenize_s": tokenize_s, "workers": workers}
+    if mix is None:  # a mix of one: its dataset is the stage's
+        values = next(iter(per_source.values()))
+    else:
+        values = {"dataset_id": mix.dataset_id, "vocab_size": mix.vocab_size, "sources": per_source}
+    values["wall_time_s"] = time.time() - started
+    update_summary(config.run_dir, "prepare", values)
+    return values
 
 
 # -- the whole stage ------------------------------------------------------------------------

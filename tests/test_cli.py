@@ -1,0 +1,92 @@
+"""The `goodput` command itself: what it decides before (and instead of) starting a flow run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from core.config import load_config
+from flows import cli
+from goodput.data import prepare as prep
+from storage.store import store_from_config
+
+# In a fresh process: the command, then which heavy modules it imported on the way.
+COMMAND_THEN_MODULES = (
+    "import sys, flows.cli\n"
+    "rc = flows.cli.main(sys.argv[1:])\n"
+    "print('imported:', sorted(m for m in ('prefect', 'torch', 'datasets', 'transformers') "
+    "if m in sys.modules))\n"
+    "sys.exit(rc)\n")
+
+
+def small_overrides(root: Path) -> list[str]:
+    return [f"data.data_dir={root / 'data'}", f"storage.uri={root / 'store'}",
+            f"run.runs_dir={root / 'runs'}", "data.max_docs=300", "data.shard_tokens=16384",
+            "tokenizer.vocab_size=512", "prepare.progress=false"]
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    """The builtin corpus (300 documents) prepared and published by the library."""
+    root = tmp_path_factory.mktemp("prepared")
+    config = load_config(None, small_overrides(root))
+    return root, config, prep.prepare_dataset(config)
+
+
+def test_a_prepare_with_nothing_to_do_says_what_it_found_and_starts_no_flow_run(prepared, tmp_path):
+    root, config, manifest = prepared
+    prefect_home = tmp_path / "prefect-home"
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH")}
+    env |= {"PREFECT_HOME": str(prefect_home), "OMP_NUM_THREADS": "1"}
+    # Run elsewhere than the repository: no settings file there (./.env, prefect.toml) names
+    # a Prefect server.
+    proc = subprocess.run([sys.executable, "-c", COMMAND_THEN_MODULES, "prepare",
+                           *small_overrides(root)], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    where = prep.plan_dataset(config).dir
+    assert (f"dataset {manifest.dataset_id} is already prepared in {where} (from the same "
+            "listing and settings) and published: nothing to tokenize or upload") in proc.stderr
+    assert "nothing to do; no flow run started" in proc.stderr
+    result = json.loads(proc.stdout[:proc.stdout.index("}") + 1])
+    assert result == {"dataset_id": manifest.dataset_id, "vocab_size": manifest.vocab_size}
+    # Neither Prefect (nor torch) was imported, so no flow run and no temporary server, whose
+    # database would be in PREFECT_HOME.
+    assert "imported: []" in proc.stdout
+    assert not (prefect_home / "prefect.db").exists()
+    # The stage is recorded in summary.json as the flow records it: found, not tokenized.
+    summary = json.loads(config.run_dir.summary_file.read_text())["prepare"]
+    assert summary["dataset_id"] == manifest.dataset_id and summary["tokenize_s"] is None
+
+
+def test_the_flow_runs_when_there_is_something_to_publish_or_a_server_to_show_it(
+        prepared, monkeypatch, tmp_path):
+    _, config, manifest = prepared
+    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))  # no profile names a server
+    monkeypatch.chdir(tmp_path)  # nor a settings file
+    found = cli._already_prepared(config)
+    assert found == {"dataset_id": manifest.dataset_id, "vocab_size": manifest.vocab_size}
+
+    # A configured server shows every command's flow run: the flow decides there.
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    assert cli._already_prepared(config) is None
+    monkeypatch.delenv("PREFECT_API_URL")
+
+    # What publish would send is work: the flow does it (a dataset prepared while the store
+    # was down, a lost pointer from the data settings).
+    store, plan = store_from_config(config.storage), prep.plan_dataset(config)
+    store.delete(plan.store_key("manifest.json"))
+    store.delete(f"datasets/{prep.BY_SETTINGS}/{plan.settings_key}.json")
+    assert prep.unpublished(plan, store) == ["dataset", "pointer"]
+    assert cli._already_prepared(config) is None
+    prep.publish(plan, manifest, store)
+    assert prep.unpublished(plan, store) == []
+    assert cli._already_prepared(config) == found
