@@ -313,6 +313,8 @@ class StackClient:
     FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
 
     def __init__(self, api_url: str, auth_string: str):
+        import httpx
+
         self.url, self.auth = api_url, tuple(auth_string.split(":", 1))
         # One client for every request: a new one loads the CA bundle into an SSL context
         # first (tens of ms of CPU, more on a busy machine), for a plain-HTTP API.
