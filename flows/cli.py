@@ -347,8 +347,10 @@ def _let_the_api_record(since: float, timeout_s: float = 60.0, quiet_s: float = 
     after = {"flow_runs": {"start_time": {"after_": time.strftime(
         "%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))}}}
 
+    http = httpx.Client(timeout=30)  # one SSL context for the whole drain, not one a request
+
     def recorded() -> tuple[int, ...]:
-        counts = [httpx.post(f"{url}/task_runs/count", timeout=30, json={
+        counts = [http.post(f"{url}/task_runs/count", json={
             **after, "task_runs": {"state": {"type": {"any_": [state]}}}}).json()
                   for state in ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED",
                                 "CRASHED")]
