@@ -130,6 +130,15 @@ _flash_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def _key_blocks(chunk: int, c: int) -> list[tuple[slice, bool]]:
+    """The keys that chunk `chunk` (c positions) attends to, as the kernel's blocks, each
+    with whether it is causal: the chunk's own (a causal square), then those before it (all
+    visible; none for chunk 0)."""
+    prefix = chunk * c
+    own = (slice(prefix, prefix + c), True)
+    return [own, (slice(0, prefix), False)] if prefix else [own]
+
+
 class ChunkAttentionCPU(torch.autograd.Function):
     """attend_chunks on CPU's flash kernel (which groups the query heads over the kv heads
     itself), without a mask: each chunk j's queries attend to the keys before the chunk (all
@@ -150,16 +159,17 @@ class ChunkAttentionCPU(torch.autograd.Function):
         out = q.new_empty(batch, local, heads, head_dim).transpose(1, 2)
         lse = []
         for n, chunk in enumerate(chunks):
-            rows, prefix = slice(n * c, (n + 1) * c), chunk * c
-            q_chunk, own = q[:, :, rows], slice(prefix, prefix + c)
-            o, l = _flash_cpu(q_chunk, k[:, :, own], v[:, :, own], 0.0, True)
-            if prefix:
-                before = slice(0, prefix)
-                o_prefix, l_prefix = _flash_cpu(q_chunk, k[:, :, before], v[:, :, before],
-                                                0.0, False)
-                merged = torch.logaddexp(l, l_prefix)
+            rows = slice(n * c, (n + 1) * c)
+            q_chunk = q[:, :, rows]
+            o = l = None
+            for keys, causal in _key_blocks(chunk, c):
+                o_block, l_block = _flash_cpu(q_chunk, k[:, :, keys], v[:, :, keys], 0.0, causal)
+                if o is None:
+                    o, l = o_block, l_block
+                    continue
+                merged = torch.logaddexp(l, l_block)
                 o = (o * (l - merged).exp().unsqueeze(-1)
-                     + o_prefix * (l_prefix - merged).exp().unsqueeze(-1))
+                     + o_block * (l_block - merged).exp().unsqueeze(-1))
                 l = merged
             out[:, :, rows] = o
             lse.append(l)
@@ -174,11 +184,8 @@ class ChunkAttentionCPU(torch.autograd.Function):
         c = q.shape[2] // len(ctx.chunks)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for n, chunk in enumerate(ctx.chunks):
-            rows, prefix = slice(n * c, (n + 1) * c), chunk * c
-            blocks = [(slice(prefix, prefix + c), True)]  # its own keys, then those before
-            if prefix:
-                blocks.append((slice(0, prefix), False))
-            for keys, causal in blocks:
+            rows = slice(n * c, (n + 1) * c)
+            for keys, causal in _key_blocks(chunk, c):
                 dq_block, dk_block, dv_block = _flash_cpu_backward(
                     grad_out[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys],
                     out[:, :, rows], lse[:, :, rows], 0.0, causal)
