@@ -29,8 +29,8 @@ from uuid import UUID
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.futures import PrefectFuture
 from prefect.client.orchestration import get_client
+from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run
 
@@ -168,8 +168,8 @@ def no_orphan_workers() -> Iterator[None]:
         raise
 
 
-def settle(futures: list[PrefectFuture]) -> list[PrefectFuture]:
-    """Wait for every future; those whose task never ran are returned.
+def settle(futures: list[PrefectFuture]) -> None:
+    """Wait for every future, logging those whose task never ran.
 
     A task's own failure is its Failed state, and waiting for it raises nothing. A task whose
     engine could not reach the API before the run began raises out of the wait instead:
@@ -179,12 +179,9 @@ def settle(futures: list[PrefectFuture]) -> list[PrefectFuture]:
     secures the checkpoints such tasks left unjudged once training ends), so one refused
     connection does not fail a flow run whose training went on.
     """
-    never_ran = []
     for future in futures:
         try:
             future.wait()
         except Exception as e:  # noqa: BLE001 - whatever the engine raised, the task did not run
             get_run_logger().warning("task run %s did not run (%s: %s); what it was for is "
                                      "redone later", future.task_run_id, type(e).__name__, e)
-            never_ran.append(future)
-    return never_ran
