@@ -11,13 +11,12 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Callable, Iterator
 
 from core.config import RunConfig
 from core.cpu_priority import at_background_priority
+from goodput.verifier_pool import VerifierCrashed, verify
 from core.protocol import (
     CHECKPOINT_MANIFEST,
     checkpoint_lock,
@@ -40,10 +39,6 @@ from storage.ledger import (
 from storage.manifests import CheckpointManifest, EvalReport, lower_is_better, verify_files
 
 log = logging.getLogger("goodput.checkpoints")
-
-
-class VerifierCrashed(RuntimeError):
-    """The verifier process ended without judging the checkpoint (not a verdict on it)."""
 
 
 class CopySuperseded(ValueError):
@@ -102,33 +97,6 @@ def verify_timeout_s(config: RunConfig, path: Path) -> float:
     return 600.0 + 2 * size / 50e6
 
 
-def verify_in_fresh_process(path: Path, timeout_s: float = 600, held_out: list[str] = ()) -> dict:
-    """Reload the checkpoint in a new single process (no state shared with training), in
-    bounded memory (training.checkpoint.verify). `held_out`: the verifier's --dataset/
-    --eval-batches/--loss-tolerance arguments.
-
-    A verifier that ends without a verdict (killed for memory, a crash in its own setup, past
-    `timeout_s`) says nothing about the checkpoint: VerifierCrashed, and the checkpoint stays
-    unjudged (never resumed from until a verifier judges it).
-    """
-    # Validation runs beside training: at background priority (core.cpu_priority).
-    try:
-        proc = subprocess.run([sys.executable, "-m", "training.checkpoint.verify", str(path),
-                               "--background", *held_out], capture_output=True, text=True,
-                              timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:  # starved or stuck: no verdict on the checkpoint
-        raise VerifierCrashed(f"the verifier of {path} gave no verdict within {timeout_s:.0f} s") from e
-    lines = proc.stdout.strip().splitlines()
-    try:
-        verdict = json.loads(lines[-1])
-    except (IndexError, json.JSONDecodeError):
-        verdict = None
-    if not isinstance(verdict, dict) or "ok" not in verdict:
-        raise VerifierCrashed(f"the verifier of {path} ended without a verdict (exit "
-                              f"{proc.returncode}): {proc.stderr.strip()[-500:]}")
-    return verdict
-
-
 def held_out_check(config: RunConfig, dataset_dir: Path | None = None, step: int = 1) -> list[str]:
     """The verifier's arguments for the optional held-out loss check (checkpoint.validate_batches)
     of checkpoint `step`, on `dataset_dir`, the dataset the run trains on (found from the
@@ -170,8 +138,7 @@ def validate_checkpoint(config: RunConfig, step: int, dataset_dir: Path | None =
         manifest = CheckpointManifest.load(path)
         ledger.record(step, "committed", note=f"saved again after a {entry.state} copy" if saved_again else "",
                       loss=manifest.loss, tokens_seen=manifest.tokens_seen, copy_id=copy)
-        result = verify_in_fresh_process(path, verify_timeout_s(config, path),
-                                         held_out_check(config, dataset_dir, step))
+        result = verify(path, verify_timeout_s(config, path), held_out_check(config, dataset_dir, step))
         if result["ok"]:
             note = f"{result['tensors']} tensors finite"
             if "held_out_loss" in result:

@@ -113,9 +113,10 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
       tags=["checkpoint"], task_run_name="validate-step-{step}")
 def validate_checkpoint(config: RunConfig, step: int, dataset_dir: Path | None = None,
                         ) -> LedgerEntry | None:
-    """Judge the checkpoint in a fresh process (its held-out loss on `dataset_dir`, when the
-    check is on). A verifier that gives no verdict (it crashed, ran out of memory or time)
-    leaves the checkpoint unjudged, never resumed from: logged, not a failure of the run."""
+    """Judge the checkpoint in a verifier process apart from training (its held-out loss on
+    `dataset_dir`, when the check is on). A verifier that gives no verdict (it crashed, ran
+    out of memory or time) leaves the checkpoint unjudged, never resumed from: logged, not a
+    failure of the run."""
     logger = get_run_logger()
     try:
         entry = lifecycle.validate_checkpoint(config, step, dataset_dir)

@@ -174,9 +174,33 @@ def test_a_verifier_that_ends_without_a_verdict_leaves_the_checkpoint_unjudged(r
     assert checkpoints.ledger_of(config).read().entries[20].state == "committed"
     assert checkpoints.unjudged_steps(config) == [10, 20]
     assert config.run_dir.checkpoint(20).is_dir()
-    verdict = checkpoints.verify_in_fresh_process(config.run_dir.checkpoint(20), held_out=[
+    verdict = checkpoints.verify(config.run_dir.checkpoint(20), held_out=[
         "--dataset", str(dataset), "--eval-batches", "2"])
     assert verdict["ok"], verdict
+
+
+def test_one_verifier_process_judges_checkpoint_after_checkpoint(run, tmp_path, monkeypatch):
+    """A flow keeps its verifier between checkpoints (importing torch is most of a verifier's
+    work on a small model); each judgement reads its checkpoint anew: a copy damaged after the
+    first verdict is rejected by the same process. Relative paths mean what they mean where
+    the request is made, and one that crashes is replaced, not asked again."""
+    from goodput import verifier_pool
+
+    config, dataset = run
+    first = checkpoints.verify(config.run_dir.checkpoint(10))
+    server = verifier_pool._idle[-1].process
+    monkeypatch.chdir(config.run_dir.checkpoint(20).parent)
+    assert checkpoints.verify(os.path.relpath(config.run_dir.checkpoint(20)))["ok"]
+    flip_bytes(next(p for p in config.run_dir.checkpoint(10).iterdir() if p.suffix == ".distcp"))
+    second = checkpoints.verify(config.run_dir.checkpoint(10))
+    assert first["ok"] and not second["ok"] and second["reason"].startswith("checksum")
+    assert verifier_pool._idle[-1].process is server and server.poll() is None
+    with pytest.raises(checkpoints.VerifierCrashed, match="ended without a verdict"):
+        checkpoints.verify(config.run_dir.checkpoint(20), held_out=[
+            "--dataset", str(tmp_path / "gone"), "--eval-batches", "2"])
+    assert server.wait(10) != 0 and server not in [v.process for v in verifier_pool._idle]
+    assert checkpoints.verify(config.run_dir.checkpoint(20), held_out=[
+        "--dataset", str(dataset), "--eval-batches", "2"])["ok"]
 
 
 def test_an_unjudged_checkpoint_is_not_resumed_from(run, tmp_path, monkeypatch):
@@ -190,7 +214,7 @@ def test_an_unjudged_checkpoint_is_not_resumed_from(run, tmp_path, monkeypatch):
     def no_verdict(path, *args, **kwargs):
         raise checkpoints.VerifierCrashed(f"the verifier of {path} was killed for memory")
 
-    monkeypatch.setattr(checkpoints, "verify_in_fresh_process", no_verdict)
+    monkeypatch.setattr(checkpoints, "verify", no_verdict)
     point = checkpoints.resume_point(config, store)
     assert point.step == 10 and checkpoints.unjudged_steps(config) == [20]
 
@@ -346,7 +370,7 @@ def test_validation_and_upload_run_at_the_lowest_cpu_priority(run, tmp_path, mon
 
     monkeypatch.setattr(ckpt, "verify_checkpoint", spy_verify)
     monkeypatch.setattr(type(store), "upload_dir", spy_upload)
-    # The verifier's entry point (what the validate task starts in a fresh process), here in a
+    # The verifier's entry point (what the validate task's verifier process runs), here in a
     # thread of its own, since it lowers the thread that runs it.
     verifier = threading.Thread(target=ckpt.main, args=(
         [str(config.run_dir.checkpoint(10)), "--background"],))

@@ -32,3 +32,13 @@ def keep_freed_memory() -> bool:
                     and libc.mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES))
     except (OSError, AttributeError):  # musl, macOS: their allocators are left as they are
         return False
+
+
+def return_freed_memory() -> bool:
+    """Give the heap's free pages back to the system (glibc's malloc_trim): for a process that
+    goes idle after a peak, such as a verifier between checkpoints. False where the C library
+    is not glibc."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

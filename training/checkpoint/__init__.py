@@ -8,8 +8,8 @@ step, committed by a manifest written last.
     writer      DCP's file writer hashing what it writes; the stager; the writer process
     replicas    ranks holding the same tensors split what they stage and write
     reader      loading, every file checked against the manifest; from disk or the store
-    verify      `python -m training.checkpoint.verify`: a fresh process judges a checkpoint,
-                in bounded memory
+    verify      `python -m training.checkpoint.verify`: a process apart from training judges a
+                checkpoint, in bounded memory (or each of a stream of them: --serve)
     errors, state   what a save or load raises; the state DCP saves
 
 The same save loads at any world size (DCP reshards). Paths, the commit marker and the

@@ -1,4 +1,4 @@
-"""Verify a committed checkpoint in one fresh process, in bounded memory.
+"""Verify a committed checkpoint in a process apart from training, in bounded memory.
 
     python -m training.checkpoint.verify STEP_DIR [--dataset DIR --eval-batches N] [--max-bytes B]
 
@@ -14,6 +14,16 @@ check holds the model's weights (not the optimizer state).
 
 Prints one JSON verdict, {"ok": bool, "reason": str, ...}; exits 0 when ok, 1 when not. A
 verifier that ends any other way has given no verdict.
+
+    python -m training.checkpoint.verify --serve [--background]
+
+judges one checkpoint per line of its standard input instead, each line a request
+{"cwd": DIR, "argv": [STEP_DIR, ...the options above]}, printing each verdict line as it
+goes; it exits at the end of its input or after IDLE_EXIT_S without a request. Importing
+torch and its checkpoint modules is most of a verifier's CPU on a small model: a flow
+keeps one serving process for the checkpoints of a run (goodput.verifier_pool). Each
+request builds its model anew from the checkpoint's files; nothing is kept between them.
+A request that raises ends the process without a verdict, as the one-shot form does.
 """
 
 from __future__ import annotations
@@ -21,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import select
 import sys
 import warnings
 from pathlib import Path
@@ -35,6 +47,7 @@ from storage.manifests import CheckpointManifest, verify_files
 from training.checkpoint.reader import load_all_tensors, model_state_from
 
 DEFAULT_MAX_BYTES = 256 * 2**20
+IDLE_EXIT_S = 300.0  # a served verifier left idle this long exits (its memory back to training)
 
 
 def verify_checkpoint(path: str | Path, dataset_dir: str | Path | None = None,
@@ -156,10 +169,10 @@ def _held_out_loss(model, dataset_dir: Path, batches: int, seq_len: int,
     return loss
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m training.checkpoint.verify", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", help="a checkpoint directory, step-XXXXXXXX")
+    parser.add_argument("path", nargs="?", help="a checkpoint directory, step-XXXXXXXX")
     parser.add_argument("--dataset", help="prepared dataset: also check the held-out loss")
     parser.add_argument("--eval-batches", type=int, default=0,
                         help="validation batches for the held-out loss check (0: off)")
@@ -172,11 +185,48 @@ def main(argv: list[str] | None = None) -> int:
                         help="tensor bytes read at once (a larger tensor is read alone)")
     parser.add_argument("--background", action="store_true",
                         help="run at the lowest CPU priority (beside training)")
+    parser.add_argument("--serve", action="store_true",
+                        help="judge one checkpoint per request line on standard input (see above)")
+    return parser
+
+
+def _verdict(args: argparse.Namespace) -> dict:
+    return verify_checkpoint(args.path, args.dataset, args.eval_batches, args.loss_tolerance,
+                             args.max_bytes, args.mix_weights)
+
+
+def serve(parser: argparse.ArgumentParser) -> int:
+    """Judge the checkpoint of each request line until the input ends (or stays idle for
+    IDLE_EXIT_S); see the module docstring."""
+    import gc
+
+    from training.allocator import return_freed_memory
+
+    while select.select([sys.stdin], [], [], IDLE_EXIT_S)[0]:
+        line = sys.stdin.readline()
+        if not line:
+            break
+        request = json.loads(line)
+        os.chdir(request["cwd"])  # relative paths mean what they meant to the one asking
+        args = parser.parse_args(request["argv"])
+        if args.path is None:
+            parser.error("a request names a checkpoint directory")
+        print(json.dumps(_verdict(args)), flush=True)
+        gc.collect()
+        return_freed_memory()  # idle between checkpoints, it holds no checkpoint's memory
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.background:  # before torch starts its intra-op threads, which inherit it
         lower_thread_priority()
-    result = verify_checkpoint(args.path, args.dataset, args.eval_batches, args.loss_tolerance,
-                               args.max_bytes, args.mix_weights)
+    if args.serve:
+        return serve(parser)
+    if args.path is None:
+        parser.error("name the checkpoint directory to verify (or --serve)")
+    result = _verdict(args)
     print(json.dumps(result))
     return 0 if result["ok"] else 1
 
