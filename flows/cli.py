@@ -258,36 +258,84 @@ def _server_configured() -> bool:
     return bool(PREFECT_API_URL.value())
 
 
-def _already_prepared(config: RunConfig) -> dict | None:
-    """`goodput prepare` with nothing to do, decided here before Prefect (its import, its
-    temporary server, a flow run) costs seconds: every source's dataset found prepared and
-    published, by the library check the prepare flow makes (goodput.data.prepare's
-    nothing_to_prepare: find_prepared, and what publish would send). Says what it found
-    where, records the stage in summary.json as the flow does, and returns the command's
-    result; None to run the flow, which then decides as always: when there is work, when the
-    check fails (the flow retries and reports the error), when the store's keys come from a
-    Prefect block, or when a Prefect server is configured (the run is shown there)."""
-    if config.storage.credentials_block:
+def _without_a_flow(command: str, config: RunConfig, checkpoint: str | None = None) -> dict | None:
+    """A command with nothing to do, decided here before Prefect (its import, its temporary
+    server, a flow run) costs seconds, by the library checks its flow makes:
+
+    - prepare: every source's dataset found prepared and published (goodput.data.prepare's
+      nothing_to_prepare: find_prepared, and what publish would send);
+    - train: that, and the run trained to max_steps with every checkpoint on this machine
+      judged and uploaded (checkpoint_lifecycle.run_finished, unjudged_steps, unsecured_steps);
+    - evaluate: that, and a report kept with the run for the checkpoint the stage picks, made
+      of the copy on this machine with these settings on this dataset (evaluation.report_to_reuse);
+    - pipeline: all three.
+
+    Says what it found where, records each stage in summary.json as its flow does, and
+    returns the command's result; None to run the flow, which then decides as always: when
+    there is work, when a check fails (the flow retries and reports the error), when keys
+    come from Prefect blocks, or when a Prefect server is configured (the run is shown there).
+    """
+    if config.storage.credentials_block or config.tracking.wandb_api_key_block:
         return None
+    from goodput import checkpoint_lifecycle as lifecycle
+    from goodput import evaluation
     from goodput.data import prepare as lib
+    from goodput.runs import record_training
     from storage.store import store_from_config
 
     started = time.time()
+    stages = {"pipeline": ("prepare", "train", "evaluate")}.get(command, (command,))
     try:
-        found = lib.nothing_to_prepare(config, store_from_config(config.storage))
-        if found is None or _server_configured():
+        store = store_from_config(config.storage)
+        found = lib.nothing_to_prepare(config, store)
+        if found is None:
             return None
         mix = lib.mixture_manifest([(source, manifest) for source, manifest, _ in found])
+        dataset = mix if config.data.sources else found[0][1]
+        if "train" in stages and not (lifecycle.run_finished(config, store)
+                                      and not lifecycle.unjudged_steps(config)
+                                      and not lifecycle.unsecured_steps(config)):
+            return None
+        report = None
+        if "evaluate" in stages:
+            report = evaluation.report_to_reuse(config, store, dataset.dataset_id, checkpoint)
+            if report is None:
+                return None
+        if _server_configured():
+            return None
     except Exception:  # the flow decides then: it retries what is transient, reports the rest
         return None
-    for source, manifest, where in found:
-        print(f"dataset {manifest.dataset_id}" + (f" (source {source.name})" if config.data.sources else "")
-              + f" is already prepared in {where} (from the same listing and settings) and "
-              "published: nothing to tokenize or upload", file=sys.stderr)
-    print("goodput: prepare: nothing to do; no flow run started", file=sys.stderr)
-    lib.record_prepare(config, [(source.name, manifest, None, None) for source, manifest, _ in found],
-                       started, mix if config.data.sources else None)
-    return (mix if config.data.sources else found[0][1]).model_dump(include={"dataset_id", "vocab_size"})
+    result = {}
+    if "prepare" in stages:
+        for source, manifest, where in found:
+            say(f"dataset {manifest.dataset_id}" + (f" (source {source.name})" if config.data.sources else "")
+                + f" is already prepared in {where} (from the same listing and settings) and "
+                "published: nothing to tokenize or upload")
+        lib.record_prepare(config, [(source.name, manifest, None, None) for source, manifest, _ in found],
+                           started, mix if config.data.sources else None)
+        result = dataset.model_dump(include={"dataset_id", "vocab_size"})
+    if "train" in stages:
+        trained = record_training(config, {"attempt": None, "step": None, "wall_time_s": 0.0,
+                                           "already_complete": True}, started)
+        say(f"run '{config.run.run_id}' is already trained to step {trained['final_step']} "
+            f"(training.max_steps={config.training.max_steps}), every checkpoint validated and "
+            "uploaded: nothing to train")
+        result = trained
+    if "evaluate" in stages:
+        evaluation.record_eval(config, report, started)
+        say(f"checkpoint step {report.step} is already evaluated with these eval settings on "
+            f"dataset {report.dataset_id}: {evaluation.report_path(config, Path(report.checkpoint))}")
+        result = report.model_dump(exclude={"samples"})
+    if command == "pipeline":
+        result = {"dataset_id": dataset.dataset_id, "final_step": trained["final_step"],
+                  "eval_loss": report.loss, "perplexity": report.perplexity,
+                  "run_dir": str(config.run_dir)}
+    say(f"{command}: nothing to do; no flow run started")
+    return result
+
+
+def say(message: str) -> None:
+    print(f"goodput: {message}", file=sys.stderr)
 
 
 def _die_with_parent() -> None:
@@ -466,8 +514,8 @@ def main(argv: list[str] | None = None) -> int:
                   train_time_limit_s=args.train_time_limit)
         return 0
 
-    if args.command == "prepare":
-        result = _already_prepared(config)
+    if args.command in ("prepare", "train", "evaluate", "pipeline"):
+        result = _without_a_flow(args.command, config, getattr(args, "checkpoint", None))
         if result is not None:
             print(json.dumps(result, indent=2, default=str))
             print(f"run directory: {config.run_dir.path.resolve()}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from core.config import RunConfig
@@ -12,7 +13,8 @@ from core.errors import ConfigError
 from core.files import sha256_bytes
 from core.protocol import copy_id, is_committed, step_of
 from goodput.checkpoint_lifecycle import download_checkpoint, ledger_of, restore_ledger
-from goodput.runs import write_run_config
+from goodput.accounting import summarize_goodput
+from goodput.runs import update_summary, write_run_config
 from storage.ledger import ResumePoint, choose_resume, readable_copy
 from storage.manifests import EvalReport, dataset_id_of
 
@@ -29,11 +31,16 @@ def check_tasks(config: RunConfig) -> dict[str, str]:
 
 
 def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = None) -> Path:
-    """A validated checkpoint of the run: the newest, or the given step, or a directory.
+    """A validated checkpoint of the run on this machine (pick_checkpoint's); one that only
+    the store holds any more is downloaded first."""
+    picked = pick_checkpoint(config, store, checkpoint)
+    return picked if isinstance(picked, Path) else on_this_machine(config, picked, store)
 
-    The newest is the one training would resume from (storage.ledger.choose_resume); a
-    checkpoint that only the store holds any more is downloaded first.
-    """
+
+def pick_checkpoint(config: RunConfig, store, checkpoint: str | int | None = None) -> Path | ResumePoint:
+    """The checkpoint to evaluate: the run's newest validated one (the one training would
+    resume from, storage.ledger.choose_resume), or the given step, or a directory. A
+    FileNotFoundError says why there is none."""
     if checkpoint is not None and not str(checkpoint).isdigit():
         path = Path(str(checkpoint))
         if not is_committed(path):
@@ -58,7 +65,7 @@ def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = N
                 f"checkpoint step {checkpoint} of run '{config.run.run_id}' is validated but not "
                 f"uploaded yet, and this machine has no copy; evaluate it where it was trained, "
                 f"or one of the uploaded steps {ledger.steps('uploaded')}")
-    return on_this_machine(config, point, store)
+    return point
 
 
 def on_this_machine(config: RunConfig, point: ResumePoint, store) -> Path:
@@ -89,18 +96,57 @@ def report_path(config: RunConfig, checkpoint: Path) -> Path:
     return config.run_dir.eval_dir / "other" / f"{key}-step-{step:08d}.json"
 
 
+def reusable_report(config: RunConfig, checkpoint: Path, dataset_id: str) -> EvalReport | None:
+    """The report of `checkpoint` already kept with the run, if it was made of this copy of
+    the checkpoint, on dataset `dataset_id`, with these eval settings."""
+    out = report_path(config, checkpoint)
+    if not out.is_file():
+        return None
+    report = EvalReport.model_validate_json(out.read_text())
+    if (report.checkpoint == str(checkpoint) and report.copy_id == copy_id(checkpoint)
+            and report.eval_hash == config.eval_hash() and report.dataset_id == dataset_id):
+        return report
+    return None
+
+
+def report_to_reuse(config: RunConfig, store, dataset_id: str,
+                    checkpoint: str | int | None = None) -> EvalReport | None:
+    """What the evaluate stage would do with nothing to evaluate: the reusable report
+    (reusable_report) of the checkpoint it picks (locate_checkpoint's newest validated, a
+    step, or a directory), when that checkpoint is on this machine. None when it would
+    evaluate, download, or fail (the stage then runs and says why); nothing is fetched."""
+    try:
+        picked = pick_checkpoint(config, store, checkpoint)
+    except FileNotFoundError:
+        return None
+    path = picked if isinstance(picked, Path) else picked.local
+    return None if path is None else reusable_report(config, path, dataset_id)
+
+
+def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
+    """Write the evaluate stage's part of summary.json and the report's scores into the
+    ledger; returns that part."""
+    values = {"step": report.step, "loss": report.loss, "perplexity": report.perplexity,
+              "bits_per_byte": report.bits_per_byte,
+              "tokens_evaluated": report.tokens_evaluated, "source_losses": report.source_losses,
+              "downstream": report.downstream,
+              "report": str(report_path(config, Path(report.checkpoint))),
+              "wall_time_s": time.time() - started}
+    update_summary(config.run_dir, "evaluate", values)
+    summarize_goodput(config)
+    keep_in_ledger(config, report)
+    return values
+
+
 def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background: bool = False) -> EvalReport:
     """Run `python -m training.evaluate` (`background`: beside training, at the lowest CPU
     priority, on eval.background_device). A report that exists is reused only if it was made of this copy of the
     checkpoint, on this dataset, with these eval settings; otherwise the checkpoint is
     evaluated again and the new report replaces it."""
+    report = reusable_report(config, checkpoint, dataset_id_of(dataset_dir))
+    if report is not None:
+        return report
     out = report_path(config, checkpoint)
-    if out.is_file():
-        report = EvalReport.model_validate_json(out.read_text())
-        if (report.checkpoint == str(checkpoint) and report.copy_id == copy_id(checkpoint)
-                and report.eval_hash == config.eval_hash()
-                and report.dataset_id == dataset_id_of(dataset_dir)):
-            return report
     config_path = write_run_config(config)
     proc = subprocess.run(
         [sys.executable, "-m", "training.evaluate", "--checkpoint", str(checkpoint),

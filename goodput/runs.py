@@ -14,9 +14,10 @@ from typing import Callable
 from core.config import ConfigError, RunConfig, dump_config, load_config
 from core.files import exclusive_lock, write_atomic
 from core.protocol import FailureClass, RunDir, step_of
+from goodput.accounting import data_wait_share, summarize_goodput
 from goodput.checkpoint_lifecycle import resume_point, resume_position, set_aside_damaged
 from infra.torchrun import AttemptResult, TrainingFailed, run_attempt
-from storage.ledger import DataSkip, Ledger, ResumePoint
+from storage.ledger import DataSkip, Ledger, ResumePoint, choose_resume
 
 
 def write_run_config(config: RunConfig) -> Path:
@@ -216,3 +217,24 @@ def update_summary(run_dir: RunDir | Path, section: str, values: dict | Callable
         summary["updated_at"] = time.time()
         write_atomic(path, json.dumps(summary, indent=2, default=str).encode())
     return summary
+
+
+def record_training(config: RunConfig, outcome: dict, started: float) -> dict:
+    """Write the train stage's part of summary.json: final step, ledger, wall time (this
+    flow run's and the total over every train flow run of the run); returns that part."""
+    ledger = Ledger(config.run_dir).read()
+    newest = choose_resume(config.run_dir, ledger)  # the newest checkpoint this machine can use
+    newest = ledger.entries[newest.step] if newest else None
+    wall = time.time() - started
+    values = {"final_step": newest.step if newest else None,
+              "final_train_loss": newest.loss if newest else None,
+              "last_attempt": outcome, "wall_time_s": wall,
+              "data_wait_share": data_wait_share(config.run_dir),
+              "ledger": {str(s): e.state for s, e in sorted(ledger.entries.items())}}
+
+    def with_total(previous: dict) -> dict:
+        return {**values, "wall_time_total_s": previous.get("wall_time_total_s", 0.0) + wall}
+
+    values = update_summary(config.run_dir, "train", with_total)["train"]
+    summarize_goodput(config)
+    return values

@@ -14,9 +14,7 @@ from prefect.logging import get_run_logger
 from core.config import RunConfig
 from core.errors import ConfigError
 from goodput import evaluation
-from goodput.accounting import summarize_goodput
 from goodput.checkpoint_lifecycle import eval_history, ledger_of
-from goodput.runs import update_summary
 from storage.ledger import readable_copy
 from storage.manifests import EvalReport
 from storage.store import store_from_config
@@ -91,16 +89,7 @@ def publish_eval_report(report: EvalReport) -> None:
 
 @task(name="record-eval", cache_policy=NO_CACHE, tags=["evaluate"])
 def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
-    values = {"step": report.step, "loss": report.loss, "perplexity": report.perplexity,
-              "bits_per_byte": report.bits_per_byte,
-              "tokens_evaluated": report.tokens_evaluated, "source_losses": report.source_losses,
-              "downstream": report.downstream,
-              "report": str(evaluation.report_path(config, Path(report.checkpoint))),
-              "wall_time_s": time.time() - started}
-    update_summary(config.run_dir, "evaluate", values)
-    summarize_goodput(config)
-    evaluation.keep_in_ledger(config, report)
-    return values
+    return evaluation.record_eval(config, report, started)
 
 
 @task(name="evaluate-validated", cache_policy=NO_CACHE, tags=["evaluate"],

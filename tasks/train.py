@@ -7,7 +7,6 @@ nor is a cancelled attempt.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 from prefect import task
@@ -19,11 +18,11 @@ from core.config import ConfigError, RunConfig
 from core.errors import DataError
 from core.protocol import TIME_LIMIT, FailureClass, read_heartbeat
 from goodput import checkpoint_lifecycle as lifecycle
-from goodput.accounting import data_wait_share, summarize_goodput
 from goodput.data.prepare import dataset_for_training
-from goodput.runs import train_attempt, update_summary
+from goodput import runs
+from goodput.runs import train_attempt
 from infra.torchrun import TrainingFailed
-from storage.ledger import LedgerEntry, choose_resume
+from storage.ledger import LedgerEntry
 from storage.store import store_from_config
 from tasks.control import TimeLimit
 from tasks.reporting import (
@@ -171,19 +170,4 @@ def locate_dataset(config: RunConfig) -> Path:
 @task(name="record-training", cache_policy=NO_CACHE, tags=["training"])
 def record_training(config: RunConfig, outcome: dict, started: float) -> dict:
     """Write the train stage's part of summary.json: final step, ledger, wall time."""
-    ledger = lifecycle.ledger_of(config).read()
-    newest = choose_resume(config.run_dir, ledger)  # the newest checkpoint this machine can use
-    newest = ledger.entries[newest.step] if newest else None
-    wall = time.time() - started
-    values = {"final_step": newest.step if newest else None,
-              "final_train_loss": newest.loss if newest else None,
-              "last_attempt": outcome, "wall_time_s": wall,
-              "data_wait_share": data_wait_share(config.run_dir),
-              "ledger": {str(s): e.state for s, e in sorted(ledger.entries.items())}}
-
-    def with_total(previous: dict) -> dict:  # across every train flow run of this run
-        return {**values, "wall_time_total_s": previous.get("wall_time_total_s", 0.0) + wall}
-
-    values = update_summary(config.run_dir, "train", with_total)["train"]
-    summarize_goodput(config)
-    return values
+    return runs.record_training(config, outcome, started)

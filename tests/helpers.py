@@ -22,6 +22,16 @@ from storage.shards import write_shard
 REPO = Path(__file__).resolve().parents[1]
 
 
+# `python -c` this with a goodput command's arguments: the command in a fresh process, then
+# which heavy modules it imported on the way ("imported: [...]").
+COMMAND_THEN_MODULES = (
+    "import sys, flows.cli\n"
+    "rc = flows.cli.main(sys.argv[1:])\n"
+    "print('imported:', sorted(m for m in ('prefect', 'torch', 'datasets', 'transformers') "
+    "if m in sys.modules))\n"
+    "sys.exit(rc)\n")
+
+
 def synthetic_dataset(directory: Path, vocab_size: int = 256, docs_per_shard: int = 200) -> Path:
     """A tokenized dataset of learnable counting sequences, in the real shard format."""
     directory.mkdir(parents=True, exist_ok=True)

@@ -14,15 +14,7 @@ from core.config import load_config
 from flows import cli
 from goodput.data import prepare as prep
 from storage.store import store_from_config
-
-# In a fresh process: the command, then which heavy modules it imported on the way.
-COMMAND_THEN_MODULES = (
-    "import sys, flows.cli\n"
-    "rc = flows.cli.main(sys.argv[1:])\n"
-    "print('imported:', sorted(m for m in ('prefect', 'torch', 'datasets', 'transformers') "
-    "if m in sys.modules))\n"
-    "sys.exit(rc)\n")
-
+from tests.helpers import COMMAND_THEN_MODULES
 
 def small_overrides(root: Path) -> list[str]:
     return [f"data.data_dir={root / 'data'}", f"storage.uri={root / 'store'}",
@@ -72,12 +64,12 @@ def test_the_flow_runs_when_there_is_something_to_publish_or_a_server_to_show_it
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path))  # no profile names a server
     monkeypatch.chdir(tmp_path)  # nor a settings file
-    found = cli._already_prepared(config)
+    found = cli._without_a_flow("prepare", config)
     assert found == {"dataset_id": manifest.dataset_id, "vocab_size": manifest.vocab_size}
 
     # A configured server shows every command's flow run: the flow decides there.
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
-    assert cli._already_prepared(config) is None
+    assert cli._without_a_flow("prepare", config) is None
     monkeypatch.delenv("PREFECT_API_URL")
 
     # What publish would send is work: the flow does it (a dataset prepared while the store
@@ -86,7 +78,7 @@ def test_the_flow_runs_when_there_is_something_to_publish_or_a_server_to_show_it
     store.delete(plan.store_key("manifest.json"))
     store.delete(f"datasets/{prep.BY_SETTINGS}/{plan.settings_key}.json")
     assert prep.unpublished(plan, store) == ["dataset", "pointer"]
-    assert cli._already_prepared(config) is None
+    assert cli._without_a_flow("prepare", config) is None
     prep.publish(plan, manifest, store)
     assert prep.unpublished(plan, store) == []
-    assert cli._already_prepared(config) == found
+    assert cli._without_a_flow("prepare", config) == found

@@ -18,7 +18,13 @@ from flows.train import train
 from storage import open_store
 from storage.ledger import Ledger
 from storage.manifests import CheckpointManifest
-from tests.helpers import REPO, losses_by_step, small_config, stop_process_tree
+from tests.helpers import (
+    COMMAND_THEN_MODULES,
+    REPO,
+    losses_by_step,
+    small_config,
+    stop_process_tree,
+)
 from training.metrics import read_metrics
 
 STEPS = 30
@@ -106,6 +112,41 @@ def test_rerun_redoes_no_finished_stage(finished):
     assert sorted(p.name for p in (config.run_dir / "attempts").iterdir()) == attempts
     assert {p: p.stat().st_mtime_ns for p in dataset_files} == dataset_files
     assert (config.run_dir / "eval" / "step-00000030.json").stat().st_mtime_ns == report_mtime
+
+
+def test_a_command_with_nothing_to_do_starts_no_flow_run(finished, tmp_path):
+    """Rerun on the finished run, `goodput pipeline`, `train` and `evaluate` find their work
+    done by the checks their flows make (dataset prepared and published; run trained to
+    max_steps, every checkpoint judged and uploaded; the newest checkpoint's report made
+    with these settings), say so and return the flow's result without importing Prefect
+    or torch: no temporary server, no flow run."""
+    config, result = finished
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(dump_config(config))
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect")
+    attempts = sorted(p.name for p in (config.run_dir / "attempts").iterdir())
+    report_file = config.run_dir / "eval" / "step-00000030.json"
+    report_mtime = report_file.stat().st_mtime_ns
+    outputs = {}
+    for command in ("pipeline", "train", "evaluate"):
+        proc = subprocess.run([sys.executable, "-c", COMMAND_THEN_MODULES, command, "--config",
+                               str(config_file)], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=120)  # elsewhere than the repository: no ./.env
+        assert proc.returncode == 0, proc.stderr
+        assert f"goodput: {command}: nothing to do; no flow run started" in proc.stderr
+        assert "imported: []" in proc.stdout
+        outputs[command] = json.loads(proc.stdout[:proc.stdout.rindex("}") + 1])
+    assert outputs["pipeline"] == result
+    assert outputs["train"]["final_step"] == STEPS
+    assert outputs["train"]["last_attempt"]["already_complete"]
+    assert outputs["evaluate"]["step"] == STEPS and outputs["evaluate"]["loss"] == result["eval_loss"]
+    assert not (tmp_path / "prefect" / "prefect.db").exists()
+    assert sorted(p.name for p in (config.run_dir / "attempts").iterdir()) == attempts
+    assert report_file.stat().st_mtime_ns == report_mtime
+    summary = json.loads((config.run_dir / "summary.json").read_text())
+    assert summary["train"]["final_step"] == STEPS and summary["evaluate"]["step"] == STEPS
 
 
 @pytest.mark.s3
