@@ -1,8 +1,9 @@
 """The prepare flow: list sources -> tokenizer -> work units (in parallel) -> manifest -> store,
 once per source of a mix (the first source's tokenizer serves them all).
 
-Work units run in a process pool on this machine and write the dataset here (then it is
-uploaded), or with prepare.runner=ray on a Ray cluster, writing it straight to the store.
+Work units run in a process pool on this machine (one unit at a time: in the flow's own
+process) and write the dataset here (then it is uploaded), or with prepare.runner=ray on a
+Ray cluster, writing it straight to the store.
 """
 
 from __future__ import annotations

@@ -42,10 +42,11 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
     out of memory say, fails the flow with the fix before any worker starts; so does a name
     in eval.tasks that no task index knows (check-eval-tasks).
 
-    While torchrun runs, every checkpoint it commits is validated in a verifier process (apart from training) and
-    uploaded to the store; a failed attempt is retried by Prefect and resumes from there.
-    One flow run at a time trains a given run id (it holds the run's lease); others wait
-    for it. Workers whose flow run's process dies stop by themselves (launch.orphan_timeout_s).
+    While torchrun runs, every checkpoint it commits is validated in a verifier process
+    (apart from training) and uploaded to the store; a failed attempt is retried by Prefect
+    and resumes from there. One flow run at a time trains a given run id (it holds the
+    run's lease); others wait for it. Workers whose flow run's process dies stop by
+    themselves (launch.orphan_timeout_s).
 
     Args:
         config: The run's configuration (the form); used unless `config_file` is set.

@@ -17,7 +17,7 @@ from urllib.parse import urlparse
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner
+from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
 from core.config import DataConfig, PrepareConfig, RunConfig, SourceConfig, StorageConfig
 from core.errors import ConfigError, DataError
@@ -53,16 +53,19 @@ def unit_runner(prepare: PrepareConfig, n_units: int, api_url: str | None,
     """Where work units run: a process per unit in flight (tokenizing holds the GIL).
 
     prepare.runner=process: a pool of at most prepare.workers processes (0: one per core),
-    never more than there are units. prepare.runner=ray: prefect-ray's RayTaskRunner on the
-    cluster at prepare.ray_address (unset: a Ray of this machine, started for the run), its
+    never more than there are units; one unit at a time runs in this process (a pool of one
+    process would only add its start, Prefect's import in it: seconds). prepare.runner=ray:
+    prefect-ray's RayTaskRunner on the cluster at prepare.ray_address (unset: a Ray of this
+    machine, started for the run), its
     workers handed what they cannot find on their own node: the Prefect API this flow run
     reports to (`api_url`), the store's credentials from this environment (AWS_*) and one
     tokenizer thread per process.
     """
     if prepare.runner == "process":
-        workers = prepare.workers or os.cpu_count() or 1
-        return ProcessPoolTaskRunner(max_workers=max(1, min(workers, n_units)),
-                                     initializer=_one_thread_per_process)
+        workers = max(1, min(prepare.workers or os.cpu_count() or 1, n_units))
+        if workers == 1:
+            return ThreadPoolTaskRunner(max_workers=1)
+        return ProcessPoolTaskRunner(max_workers=workers, initializer=_one_thread_per_process)
     try:
         from prefect_ray import RayTaskRunner
     except ImportError as e:
