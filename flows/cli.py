@@ -265,7 +265,9 @@ def _without_a_flow(command: str, config: RunConfig, checkpoint: str | None = No
     - prepare: every source's dataset found prepared and published (goodput.data.prepare's
       nothing_to_prepare: find_prepared, and what publish would send);
     - train: that, and the run trained to max_steps with every checkpoint on this machine
-      judged and uploaded (checkpoint_lifecycle.run_finished, unjudged_steps, unsecured_steps);
+      judged and uploaded (checkpoint_lifecycle.run_finished, unjudged_steps, unsecured_steps),
+      by this very config (goodput.runs.write_run_config refuses one the run's checkpoints do
+      not continue, as the flow does);
     - evaluate: that, and a report kept with the run for the checkpoint the stage picks, made
       of the copy on this machine with these settings on this dataset (evaluation.report_to_reuse);
     - pipeline: all three.
@@ -280,7 +282,7 @@ def _without_a_flow(command: str, config: RunConfig, checkpoint: str | None = No
     from goodput import checkpoint_lifecycle as lifecycle
     from goodput import evaluation
     from goodput.data import prepare as lib
-    from goodput.runs import record_training
+    from goodput.runs import record_training, write_run_config
     from storage.store import store_from_config
 
     started = time.time()
@@ -292,10 +294,11 @@ def _without_a_flow(command: str, config: RunConfig, checkpoint: str | None = No
             return None
         mix = lib.mixture_manifest([(source, manifest) for source, manifest, _ in found])
         dataset = mix if config.data.sources else found[0][1]
-        if "train" in stages and not (lifecycle.run_finished(config, store)
-                                      and not lifecycle.unjudged_steps(config)
-                                      and not lifecycle.unsecured_steps(config)):
-            return None
+        if "train" in stages:
+            if not (lifecycle.run_finished(config, store) and not lifecycle.unjudged_steps(config)
+                    and not lifecycle.unsecured_steps(config)):
+                return None
+            write_run_config(config)  # a config the run's checkpoints do not continue: ConfigError
         report = None
         if "evaluate" in stages:
             report = evaluation.report_to_reuse(config, store, dataset.dataset_id, checkpoint)

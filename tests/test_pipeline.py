@@ -114,7 +114,7 @@ def test_rerun_redoes_no_finished_stage(finished):
     assert (config.run_dir / "eval" / "step-00000030.json").stat().st_mtime_ns == report_mtime
 
 
-def test_a_command_with_nothing_to_do_starts_no_flow_run(finished, tmp_path):
+def test_a_command_with_nothing_to_do_starts_no_flow_run(finished, tmp_path, monkeypatch):
     """Rerun on the finished run, `goodput pipeline`, `train` and `evaluate` find their work
     done by the checks their flows make (dataset prepared and published; run trained to
     max_steps, every checkpoint judged and uploaded; the newest checkpoint's report made
@@ -147,6 +147,16 @@ def test_a_command_with_nothing_to_do_starts_no_flow_run(finished, tmp_path):
     assert report_file.stat().st_mtime_ns == report_mtime
     summary = json.loads((config.run_dir / "summary.json").read_text())
     assert summary["train"]["final_step"] == STEPS and summary["evaluate"]["step"] == STEPS
+    # Another learning rate is another run: not "nothing to do" (the flow says why it refuses).
+    from flows import cli
+
+    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PREFECT_HOME", env["PREFECT_HOME"])  # no profile names a server
+    monkeypatch.chdir(tmp_path)  # nor a settings file
+    other_lr = config.model_copy(update={"training": config.training.model_copy(update={"lr": 1e-4})})
+    assert cli._without_a_flow("train", config)["final_step"] == STEPS
+    assert cli._without_a_flow("train", other_lr) is None
 
 
 @pytest.mark.s3
