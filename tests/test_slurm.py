@@ -179,10 +179,13 @@ def test_failures_on_slurm_are_classed_from_what_slurm_reports_and_each_retry_re
     1. a worker crashes (the job FAILED) -> retryable;
     2. a worker freezes and the job reaches its time limit (TIMEOUT) -> retryable;
     3. node n2 is set DOWN mid-job (NODE_FAIL) -> node_lost;
-    and the fourth attempt finishes. Each retry resumes from the newest validated checkpoint."""
+    and the fourth attempt finishes. Each retry resumes from the newest validated checkpoint.
+    The third attempt has 11 steps left when n2 goes down: with 3, it once trained to the end
+    before Slurm's signal came (its emergency checkpoint was the last step, leaving the
+    fourth attempt nothing to do)."""
     prepare(small_config(tmp_path))  # the train flow finds the dataset its data settings name
     config = slurm_config(
-        tmp_path, "training.max_steps=12", "checkpoint.every_steps=2", "faults.crash_at_step=3",
+        tmp_path, "training.max_steps=20", "checkpoint.every_steps=2", "faults.crash_at_step=3",
         "faults.hang_at_step=6", "launch.slurm.time=0:30",  # Slurm rounds it up to a minute
         "run.hang_timeout_s=900")
     run_dir = config.run_dir
@@ -198,13 +201,13 @@ def test_failures_on_slurm_are_classed_from_what_slurm_reports_and_each_retry_re
                                "the third attempt at step 9", 0.2)
     trained = train(config)
     watcher.join(timeout=10)
-    assert trained["final_step"] == 12
+    assert trained["final_step"] == 20
     outcomes = read_outcomes(config)
     assert [o["class"] for o in outcomes] == ["retryable", "retryable", "node_lost", "done"], outcomes
     assert "time limit" in outcomes[1]["reason"] and "NODE_FAIL" in outcomes[2]["reason"]
     for before, retry in zip(outcomes, outcomes[1:]):
         assert retry["resumed_from"] > 0 and retry["resumed_from"] >= before["resumed_from"]
-    assert Ledger(run_dir).read().steps("uploaded")[-1] == 12
+    assert Ledger(run_dir).read().steps("uploaded")[-1] == 20
     assert processes_mentioning(str(run_dir)) == []
 
 
