@@ -311,7 +311,7 @@ def _without_a_flow(command: str, config: RunConfig, checkpoint: str | None = No
     result = {}
     if "prepare" in stages:
         for source, manifest, where in found:
-            say(f"dataset {manifest.dataset_id}" + (f" (source {source.name})" if config.data.sources else "")
+            _say(f"dataset {manifest.dataset_id}" + (f" (source {source.name})" if config.data.sources else "")
                 + f" is already prepared in {where} (from the same listing and settings) and "
                 "published: nothing to tokenize or upload")
         lib.record_prepare(config, [(source.name, manifest, None, None) for source, manifest, _ in found],
@@ -320,24 +320,24 @@ def _without_a_flow(command: str, config: RunConfig, checkpoint: str | None = No
     if "train" in stages:
         trained = record_training(config, {"attempt": None, "step": None, "wall_time_s": 0.0,
                                            "already_complete": True}, started)
-        say(f"run '{config.run.run_id}' is already trained to step {trained['final_step']} "
+        _say(f"run '{config.run.run_id}' is already trained to step {trained['final_step']} "
             f"(training.max_steps={config.training.max_steps}), every checkpoint validated and "
             "uploaded: nothing to train")
         result = trained
     if "evaluate" in stages:
         evaluation.record_eval(config, report, started)
-        say(f"checkpoint step {report.step} is already evaluated with these eval settings on "
+        _say(f"checkpoint step {report.step} is already evaluated with these eval settings on "
             f"dataset {report.dataset_id}: {evaluation.report_path(config, Path(report.checkpoint))}")
         result = report.model_dump(exclude={"samples"})
     if command == "pipeline":
         result = {"dataset_id": dataset.dataset_id, "final_step": trained["final_step"],
                   "eval_loss": report.loss, "perplexity": report.perplexity,
                   "run_dir": str(config.run_dir)}
-    say(f"{command}: nothing to do; no flow run started")
+    _say(f"{command}: nothing to do; no flow run started")
     return result
 
 
-def say(message: str) -> None:
+def _say(message: str) -> None:
     print(f"goodput: {message}", file=sys.stderr)
 
 
