@@ -16,7 +16,6 @@ from typing import Callable, Iterator
 
 from core.config import RunConfig
 from core.cpu_priority import at_background_priority
-from goodput.verifier_pool import VerifierCrashed, verify
 from core.protocol import (
     CHECKPOINT_MANIFEST,
     checkpoint_lock,
@@ -25,6 +24,7 @@ from core.protocol import (
     set_aside,
     step_of,
 )
+from goodput.verifier_pool import VerifierCrashed, verify
 from storage.ledger import (
     Ledger,
     LedgerEntry,

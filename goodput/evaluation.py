@@ -112,8 +112,8 @@ def reusable_report(config: RunConfig, checkpoint: Path, dataset_id: str) -> Eva
 def report_to_reuse(config: RunConfig, store, dataset_id: str,
                     checkpoint: str | int | None = None) -> EvalReport | None:
     """What the evaluate stage would do with nothing to evaluate: the reusable report
-    (reusable_report) of the checkpoint it picks (locate_checkpoint's newest validated, a
-    step, or a directory), when that checkpoint is on this machine. None when it would
+    (reusable_report) of the checkpoint it picks (pick_checkpoint: the newest validated,
+    a step, or a directory), when that checkpoint is on this machine. None when it would
     evaluate, download, or fail (the stage then runs and says why); nothing is fetched."""
     try:
         picked = pick_checkpoint(config, store, checkpoint)

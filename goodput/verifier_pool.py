@@ -90,14 +90,17 @@ class _Verifier:
             self.process.stdin.close()
             self.process.wait(wait_s)
         except (OSError, subprocess.TimeoutExpired):
-            self.process.kill()
-            self.process.wait()
+            self.kill()
         self.stderr.close()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.wait()
 
 
 _lock = threading.Lock()
 _idle: list[_Verifier] = []
-_running: set[_Verifier] = set()
+_started: set[_Verifier] = set()  # idle or busy, until stopped
 _owner = os.getpid()  # a forked child starts its own verifiers, never writes to its parent's
 
 
@@ -106,16 +109,16 @@ def _take() -> _Verifier:
     with _lock:
         if os.getpid() != _owner:
             _idle.clear()
-            _running.clear()
+            _started.clear()
             _owner = os.getpid()
         while _idle:
             verifier = _idle.pop()
             if verifier.usable():
                 return verifier
-            _running.discard(verifier)
+            _started.discard(verifier)
             verifier.stop(wait_s=0.5)
         verifier = _Verifier()
-        _running.add(verifier)
+        _started.add(verifier)
         return verifier
 
 
@@ -124,15 +127,14 @@ def _give_back(verifier: _Verifier) -> None:
         if len(_idle) < KEEP_IDLE:
             _idle.append(verifier)
             return
-        _running.discard(verifier)
+        _started.discard(verifier)
     verifier.stop()
 
 
 def _discard(verifier: _Verifier) -> None:
     with _lock:
-        _running.discard(verifier)
-    verifier.process.kill()
-    verifier.process.wait()
+        _started.discard(verifier)
+    verifier.kill()
     verifier.stderr.close()
 
 
@@ -166,8 +168,8 @@ def verify(path: Path, timeout_s: float = 600, held_out: list[str] = ()) -> dict
 def stop_all() -> None:
     """Stop every verifier this process started (idle ones exit at once)."""
     with _lock:
-        verifiers = list(_running) if os.getpid() == _owner else []
+        verifiers = list(_started) if os.getpid() == _owner else []
         _idle.clear()
-        _running.clear()
+        _started.clear()
     for verifier in verifiers:
         verifier.stop(wait_s=2.0)
