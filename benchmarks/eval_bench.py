@@ -389,6 +389,8 @@ BACKENDS = {  # name -> what it is, for the table
     "lm-eval hf": "lm-eval's own `hf` model on the `goodput export --format hf` copy",
     "goodput before": "ProjectLM before issue 37: every request whole",
     "goodput": "ProjectLM: an item's requests packed, context once",
+    "goodput bf16": "the same under bf16 autocast (eval.precision=bf16; what 'auto' picks on a CPU "
+                    "with AVX512-BF16 or AMX, and on a GPU)",
 }
 
 
@@ -424,8 +426,11 @@ def run_backend(name: str, task_names: list[str], manager, args, checkpoint: Pat
         model, _ = load_model(checkpoint, torch.device("cpu"))
         tokenizer = read_tokenizer(dataset_dir / "tokenizer.json")
         eos = DatasetManifest.load(dataset_dir).eos_id
-        make = project_lm if name == "goodput" else whole_requests_lm
-        lm = make(model.eval(), tokenizer, eos, args.batch_size, torch.device("cpu"))
+        if name == "goodput before":
+            lm = whole_requests_lm(model.eval(), tokenizer, eos, args.batch_size, torch.device("cpu"))
+        else:
+            lm = project_lm(model.eval(), tokenizer, eos, args.batch_size, torch.device("cpu"),
+                            precision="bf16" if name == "goodput bf16" else "fp32")
     results = evaluator.simple_evaluate(
         model=lm, tasks=task_names, task_manager=manager, limit=args.limit, bootstrap_iters=0,
         log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0, fewshot_random_seed=0)
@@ -433,10 +438,15 @@ def run_backend(name: str, task_names: list[str], manager, args, checkpoint: Pat
     scores = {task: {k.split(",")[0]: v for k, v in values.items()
                      if "," in k and "stderr" not in k and isinstance(v, float)}
               for task, values in results["results"].items()}
+    # lm-eval's own stderr of a mean (mean_stderr: the sample's standard deviation over
+    # sqrt(n)), per accuracy metric; bootstrap_iters=0 leaves it out of `results`.
+    stderrs = {task: {m: statistics.stdev(s[m] for s in samples) / len(samples) ** 0.5
+                      for m in scores[task] if m.startswith("acc") and len(samples) > 1}
+               for task, samples in results["samples"].items()}
     lls = {task: {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] if isinstance(
         s["filtered_resps"][0], (list, tuple)) else [float(x) for x in s["filtered_resps"]] for s in samples}
         for task, samples in results["samples"].items()}
-    return {"seconds": seconds, "scores": scores, "lls": lls}
+    return {"seconds": seconds, "scores": scores, "stderrs": stderrs, "lls": lls}
 
 
 def input_tokens(task_dir: Path, tasks: list[str], limit: int, dataset_dir: Path, max_length: int) -> dict:
@@ -505,15 +515,18 @@ def compare_backends(args, workdir: Path, dataset_dir: Path, task_dir: Path) -> 
     for task in args.tasks:
         median = {b: statistics.median(r["seconds"] for r in runs[task][b]) for b in backends}
         name = TASKS[task][0]
-        before, now, hf = (runs[task][b][0] for b in ("goodput before", "goodput", "lm-eval hf"))
+        before, now, hf, bf16 = (runs[task][b][0] for b in ("goodput before", "goodput", "lm-eval hf",
+                                                              "goodput bf16"))
         diffs = {f"{one} vs {other}": max(abs(a - b) for doc, lls in first["lls"][name].items()
                                           for a, b in zip(lls, second["lls"][name][doc]))
                  for one, first, other, second in (("goodput", now, "goodput before", before),
                                                    ("goodput", now, "lm-eval hf", hf),
-                                                   ("goodput before", before, "lm-eval hf", hf))}
+                                                   ("goodput before", before, "lm-eval hf", hf),
+                                                   ("goodput bf16", bf16, "goodput", now))}
         rows[task] = {**counts[task], "seconds": median,
                       "all_seconds": {b: [r["seconds"] for r in runs[task][b]] for b in backends},
                       "scores": {b: runs[task][b][0]["scores"][name] for b in backends},
+                      "stderrs": runs[task]["goodput"][0]["stderrs"].get(name, {}),
                       "max_ll_diff": diffs}
     return {"model": args.model, "params": params, "limit": args.limit, "batch_size": args.batch_size,
             "threads": torch.get_num_threads(), "repeats": args.repeats, "tasks": rows,
@@ -547,7 +560,7 @@ def backends_table(result: dict) -> str:
                      f"{row['tokens_packed']:,} | {s['lm-eval hf']:.1f} | {s['goodput before']:.1f} | "
                      f"{s['goodput']:.1f} | {s['lm-eval hf'] / s['goodput']:.2f}x | "
                      f"{s['goodput before'] / s['goodput']:.2f}x | " + " / ".join(
-                         f"{d:.1e}" for d in row["max_ll_diff"].values()) + " | " + f"{'yes' if same else 'within 1e-6' if close else 'no'} |")
+                         f"{d:.1e}" for pair, d in row["max_ll_diff"].items() if "bf16" not in pair) + " | " + f"{'yes' if same else 'within 1e-6' if close else 'no'} |")
     whole = sum(r["tokens_whole"] for r in per_task.values())
     packed = sum(r["tokens_packed"] for r in per_task.values())
     items, requests = sum(r["items"] for r in per_task.values()), sum(r["requests"] for r in per_task.values())
@@ -563,6 +576,26 @@ def backends_table(result: dict) -> str:
     lines.append("Scores (goodput): " + "; ".join(
         f"{task} " + ", ".join(f"{m} {v:.4g}" for m, v in row["scores"]["goodput"].items())
         for task, row in per_task.items()))
+    lines += ["", "bf16 (`eval.precision=bf16`) against the same packed path in fp32:", "",
+              "| task | goodput fp32, s | goodput bf16, s | bf16 vs fp32 | bf16 vs lm-eval hf | bf16 vs before "
+              "| max \\|Δ log-lik\\| vs fp32 | accuracies fp32 / bf16 (lm-eval's stderr) | within the stderr |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for task, row in per_task.items():
+        s, fp32, bf16 = row["seconds"], row["scores"]["goodput"], row["scores"]["goodput bf16"]
+        accs = [(m, v, bf16[m], row["stderrs"].get(m, 0.0)) for m, v in fp32.items() if m.startswith("acc")]
+        lines.append(f"| {task} | {s['goodput']:.1f} | {s['goodput bf16']:.1f} | {s['goodput'] / s['goodput bf16']:.2f}x "
+                     f"| {s['lm-eval hf'] / s['goodput bf16']:.2f}x | {s['goodput before'] / s['goodput bf16']:.2f}x "
+                     f"| {row['max_ll_diff']['goodput bf16 vs goodput']:.1e} | "
+                     + "; ".join(f"{m} {a:.3f} / {b:.3f} ({e:.3f})" for m, a, b, e in accs) + " | "
+                     + ("yes" if all(abs(a - b) <= e for _, a, b, e in accs) else "no") + " |")
+    lines.append(f"| all, each alone, summed | {total['goodput']:.1f} | {total['goodput bf16']:.1f} | "
+                 f"{total['goodput'] / total['goodput bf16']:.2f}x | {total['lm-eval hf'] / total['goodput bf16']:.2f}x | "
+                 f"{total['goodput before'] / total['goodput bf16']:.2f}x | | | |")
+    if "all" in rows:
+        s = rows["all"]["seconds"]
+        lines.append(f"| **all in one evaluation** | {s['goodput']:.1f} | **{s['goodput bf16']:.1f}** | "
+                     f"{s['goodput'] / s['goodput bf16']:.2f}x | **{s['lm-eval hf'] / s['goodput bf16']:.2f}x** | "
+                     f"**{s['goodput before'] / s['goodput bf16']:.2f}x** | | | |")
     return "\n".join(lines)
 
 

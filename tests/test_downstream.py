@@ -169,7 +169,8 @@ def test_scores_above_chance_and_equal_a_direct_computation(setup):
     tokenizer = setup["tokenizer"]
     model, _ = load_model(setup["checkpoint"], torch.device("cpu"))
     eos = tokenizer.token_to_id("<|endoftext|>")
-    scores, results = downstream_scores(model, tokenizer, eos, eval_config(setup["task_dir"]),
+    # fp32, as the direct computation: 'auto' takes bf16 on a CPU with bf16 instructions
+    scores, results = downstream_scores(model, tokenizer, eos, eval_config(setup["task_dir"], "eval.precision=fp32"),
                                         torch.device("cpu"), log_samples=True)
     assert set(scores) == set(TASKS)
 
@@ -249,7 +250,7 @@ def test_packed_scoring_equals_scoring_each_request_whole(setup, tmp_path):
     from lm_eval import evaluator
 
     from tests.helpers import REPO
-    from training.downstream import pack_requests, project_lm, task_manager_for
+    from training.downstream import native_bf16, pack_requests, project_lm, task_manager_for, uses_bf16
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     from eval_bench import whole_requests_lm
@@ -282,14 +283,19 @@ def test_packed_scoring_equals_scoring_each_request_whole(setup, tmp_path):
                 assert packed["results"][task][metric] == pytest.approx(value, rel=1e-5), (task, metric)
     assert packed["results"]["colors_mc"]["acc,none"] > 0.25 + 0.2  # a trained model, not chance
 
-    # eval.precision=bf16 (what 'auto' runs on a GPU), here on CPU: the same packed path
-    # under bf16 autocast, log-likelihoods near fp32's.
+    # eval.precision=bf16 (what 'auto' runs on a GPU, and on a CPU with bf16 instructions):
+    # the same packed path under bf16 autocast, log-likelihoods near fp32's and the accuracy
+    # within lm-eval's own stderr of fp32's.
     bf16 = evaluator.simple_evaluate(
         model=project_lm(model, tokenizer, eos, 3, torch.device("cpu"), precision="bf16"), tasks=["colors_mc"],
-        task_manager=task_manager_for(["colors_mc"], str(task_dir)), bootstrap_iters=0, log_samples=True)
+        task_manager=task_manager_for(["colors_mc"], str(task_dir)), bootstrap_iters=100, log_samples=True)
     for a, b in zip(bf16["samples"]["colors_mc"], packed["samples"]["colors_mc"]):
         assert [r[0] for r in a["filtered_resps"]] == pytest.approx([r[0] for r in b["filtered_resps"]], rel=0.05, abs=0.1)
-    assert bf16["results"]["colors_mc"]["acc,none"] > 0.25 + 0.2
+    acc = bf16["results"]["colors_mc"]
+    assert acc["acc,none"] == pytest.approx(packed["results"]["colors_mc"]["acc,none"], abs=acc["acc_stderr,none"])
+    assert acc["acc,none"] > 0.25 + 0.2
+    assert uses_bf16("auto", torch.device("cpu")) == native_bf16(torch.device("cpu"))
+    assert not uses_bf16("fp32", torch.device("cpu")) and uses_bf16("bf16", torch.device("cpu"))
 
     # What packing reads: each multiple-choice context once, the partial-scoring items' two
     # contexts up to where they differ once, and the long contexts cut to max_seq_len.
