@@ -350,7 +350,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
-def _start_temporary_api() -> None:
+def _start_temporary_api(while_it_starts=lambda: None) -> None:
     """With no Prefect server configured, start Prefect's temporary API in a session of its own.
 
     Prefect starts it on first use as a child in our process group, so Ctrl-C in a terminal
@@ -359,19 +359,49 @@ def _start_temporary_api() -> None:
     Ctrl-C reaches the flow only, the flow records the interruption, and the server stops at
     exit (Prefect's own atexit hook), or with us if we are killed outright (the kernel's
     parent-death signal; it follows the thread that started the server: the main thread).
+
+    `while_it_starts` is called once the server's process exists, before waiting for it to
+    answer (about 5 s, the server importing its app on a core of its own); without a server
+    to start, it is called at once.
     """
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        while_it_starts()
         return
-    popen = subprocess.Popen
+    popen, started = subprocess.Popen, []
 
     def own_session(*args, **kwargs):
-        return popen(*args, start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
+        server = popen(*args, start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
+        if not started:  # Prefect starts another on a port taken meanwhile
+            started.append(server)
+            while_it_starts()
+        return server
 
     with mock.patch.object(subprocess, "Popen", own_session):  # only while it starts
         SubprocessASGIServer().start()
+
+
+def _import_flows() -> None:
+    """Import the flows (Prefect's engine, torch: about 3 s of one core), ignoring a failure:
+    the command's own import of them raises it again, where it is reported."""
+    try:
+        import flows.pipeline  # noqa: F401 (it imports the other three flows)
+    except BaseException:
+        pass
+
+
+def _start_temporary_api_importing_flows() -> None:
+    """_start_temporary_api, the flows imported meanwhile on a thread: the command's two
+    slowest steps overlap (the server's start about 6 s, the import about 3 s). The thread
+    starts once this thread's imports are done, so no module is imported by both at once."""
+    importer = threading.Thread(target=_import_flows, name="import-flows", daemon=True)
+    try:
+        _start_temporary_api(while_it_starts=importer.start)
+    finally:
+        if importer.is_alive():
+            importer.join()
 
 
 def _let_the_api_record(since: float, timeout_s: float = 60.0, quiet_s: float = 2.0) -> None:
@@ -524,17 +554,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"run directory: {config.run_dir.path.resolve()}")
             return 0
 
-    from flows.evaluate import evaluate
-    from flows.pipeline import pipeline
-    from flows.prepare import prepare
-    from flows.train import train
-
     # Only the main thread may set a signal handler (main() may be called from another).
     ctrl_c = (_CtrlCStopsTraining() if threading.current_thread() is threading.main_thread()
               else nullcontext())
     began = time.time()
     try:
-        _start_temporary_api()  # one that does not start in time fails the command here
+        _start_temporary_api_importing_flows()  # one that does not start in time fails here
+        from flows.evaluate import evaluate
+        from flows.pipeline import pipeline
+        from flows.prepare import prepare
+        from flows.train import train
+
         with ctrl_c:
             if args.command == "prepare":
                 result = prepare(config).model_dump(include={"dataset_id", "vocab_size"})
