@@ -21,8 +21,7 @@ from storage.store import store_from_config
 from tasks.reporting import artifact_key
 
 
-@task(name="locate-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
-      tags=["evaluate"])
+@task(name="locate-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
 def locate_checkpoint(config: RunConfig, checkpoint: str | None) -> Path:
     return evaluation.locate_checkpoint(config, store_from_config(config.storage), checkpoint)
 
@@ -39,7 +38,7 @@ def _retry_unless_config_error(task, task_run, state) -> bool:
 
 
 @task(name="check-eval-tasks", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2,
-      retry_condition_fn=_retry_unless_config_error, tags=["config", "evaluate"])
+      retry_condition_fn=_retry_unless_config_error)
 def check_eval_tasks(config: RunConfig) -> dict[str, str]:
     """Resolve the names of eval.tasks (lm-eval's task index and eval.task_dir) so that a
     misspelt one fails the flow before anything launches, not at the first evaluation after
@@ -65,7 +64,7 @@ def evaluate_checkpoint(config: RunConfig, checkpoint: Path, dataset_dir: Path) 
     return report
 
 
-@task(name="publish-eval-report", cache_policy=NO_CACHE, tags=["evaluate"])
+@task(name="publish-eval-report", cache_policy=NO_CACHE)
 def publish_eval_report(report: EvalReport) -> None:
     rows = [{"metric": "held-out loss", "value": f"{report.loss:.4f}"},
             {"metric": "perplexity", "value": f"{report.perplexity:.2f}"},
@@ -87,7 +86,7 @@ def publish_eval_report(report: EvalReport) -> None:
                           description=f"Evaluation of {report.run_id} at step {report.step}")
 
 
-@task(name="record-eval", cache_policy=NO_CACHE, tags=["evaluate"])
+@task(name="record-eval", cache_policy=NO_CACHE)
 def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
     return evaluation.record_eval(config, report, started)
 
