@@ -38,7 +38,7 @@ from core.config import ConfigError, RunConfig, apply_overrides, config_from_dic
 from infra.torchrun import RunLease, stop_live_attempts
 
 
-@task(name="resolve-config", cache_policy=NO_CACHE)
+@task(name="resolve-config", cache_policy=NO_CACHE, tags=["config"])
 def resolve_config(config: RunConfig, config_file: str | None = None,
                    overrides: tuple[str, ...] = ()) -> RunConfig:
     """The run's configuration: the form (`config`) or `config_file`, then `overrides`.

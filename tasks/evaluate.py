@@ -21,7 +21,8 @@ from storage.store import store_from_config
 from tasks.reporting import artifact_key
 
 
-@task(name="locate-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+@task(name="locate-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
+      tags=["evaluate"])
 def locate_checkpoint(config: RunConfig, checkpoint: str | None) -> Path:
     return evaluation.locate_checkpoint(config, store_from_config(config.storage), checkpoint)
 
@@ -38,7 +39,7 @@ def _retry_unless_config_error(task, task_run, state) -> bool:
 
 
 @task(name="check-eval-tasks", cache_policy=NO_CACHE, retries=1, retry_delay_seconds=2,
-      retry_condition_fn=_retry_unless_config_error)
+      retry_condition_fn=_retry_unless_config_error, tags=["config", "evaluate"])
 def check_eval_tasks(config: RunConfig) -> dict[str, str]:
     """Resolve the names of eval.tasks (lm-eval's task index and eval.task_dir) so that a
     misspelt one fails the flow before anything launches, not at the first evaluation after
@@ -64,7 +65,7 @@ def evaluate_checkpoint(config: RunConfig, checkpoint: Path, dataset_dir: Path) 
     return report
 
 
-@task(name="publish-eval-report", cache_policy=NO_CACHE)
+@task(name="publish-eval-report", cache_policy=NO_CACHE, tags=["evaluate"])
 def publish_eval_report(report: EvalReport) -> None:
     rows = [{"metric": "held-out loss", "value": f"{report.loss:.4f}"},
             {"metric": "perplexity", "value": f"{report.perplexity:.2f}"},
@@ -86,7 +87,7 @@ def publish_eval_report(report: EvalReport) -> None:
                           description=f"Evaluation of {report.run_id} at step {report.step}")
 
 
-@task(name="record-eval", cache_policy=NO_CACHE)
+@task(name="record-eval", cache_policy=NO_CACHE, tags=["evaluate"])
 def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
     return evaluation.record_eval(config, report, started)
 

@@ -19,7 +19,7 @@ from goodput import planner
 from tasks.reporting import artifact_key
 
 
-@task(name="check-layout", cache_policy=NO_CACHE, retries=0)
+@task(name="check-layout", cache_policy=NO_CACHE, retries=0, tags=["config", "training"])
 def check_layout(config: RunConfig) -> dict:
     """Plan the config's layout on the cluster it launches on; raise ConfigError with the
     reason and the fix when it cannot run. Returns the estimate's headline numbers."""

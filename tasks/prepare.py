@@ -25,6 +25,7 @@ from goodput.data import prepare as lib
 from storage.manifests import DatasetManifest, MixtureManifest
 from storage.store import store_from_config
 
+TAGS = ["prepare"]
 _NOT_TRANSIENT = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS}
 
 
@@ -146,7 +147,7 @@ def _one_thread_per_process() -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
-@task(name="plan-dataset", cache_policy=NO_CACHE, **_io_retries)
+@task(name="plan-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
 def plan_dataset(config: RunConfig, tokenizer_from: str | None = None) -> lib.DatasetPlan:
     """The plan from the source listing; where the sources are not listable here (deleted
     after prepare, a worker that never had them), that of the dataset prepared from these
@@ -154,13 +155,13 @@ def plan_dataset(config: RunConfig, tokenizer_from: str | None = None) -> lib.Da
     return lib.locate(config, store_from_config(config.storage), tokenizer_from)
 
 
-@task(name="mix-datasets", cache_policy=NO_CACHE)
+@task(name="mix-datasets", cache_policy=NO_CACHE, tags=TAGS)
 def mix_datasets(sources: list[tuple[SourceConfig, DatasetManifest]]) -> MixtureManifest:
     """The mixture of the sources' datasets, refused unless they share one tokenizer."""
     return lib.mixture_manifest(sources)
 
 
-@task(name="find-prepared-dataset", cache_policy=NO_CACHE, **_io_retries)
+@task(name="find-prepared-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
 def find_prepared(plan: lib.DatasetPlan, storage: StorageConfig) -> tuple[DatasetManifest, str] | None:
     """The prepared dataset and where it lies (a directory here, or the store's prefix);
     None when it is neither here nor in the store."""
@@ -169,19 +170,21 @@ def find_prepared(plan: lib.DatasetPlan, storage: StorageConfig) -> tuple[Datase
     return None if manifest is None else (manifest, lib.prepared_location(plan, store))
 
 
-@task(name="plan-work-units", cache_policy=NO_CACHE, **_io_retries)
+@task(name="plan-work-units", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
 def plan_units(plan: lib.DatasetPlan, config: RunConfig) -> list[lib.WorkUnit]:
     return lib.plan_units(plan, config)
 
 
-@task(name="build-tokenizer", cache_policy=NO_CACHE, **_io_retries)
+@task(name="build-tokenizer", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
 def build_tokenizer(plan: lib.DatasetPlan, config: RunConfig, units: list[lib.WorkUnit],
                     to_store: bool = False) -> str:
     return lib.build_tokenizer(plan, config, units,
                                store_from_config(config.storage) if to_store else None)
 
 
-# What caps the units in flight is prepare.workers (no tag: see tasks/__init__.py).
+# No tags: a tagged task asks the server for its tags' concurrency slots before it starts,
+# which cost a work unit up to 2 s (a fifth of its work) on a busy machine. What caps the
+# units in flight is prepare.workers.
 @task(name="tokenize-unit", task_run_name="tokenize-unit-{unit.index}",
       cache_policy=NO_CACHE, **_io_retries)
 def tokenize_unit(plan: lib.DatasetPlan, unit: lib.WorkUnit, data: DataConfig,
@@ -193,19 +196,19 @@ def tokenize_unit(plan: lib.DatasetPlan, unit: lib.WorkUnit, data: DataConfig,
     return result
 
 
-@task(name="write-manifest", cache_policy=NO_CACHE)
+@task(name="write-manifest", cache_policy=NO_CACHE, tags=TAGS)
 def write_manifest(plan: lib.DatasetPlan, results: list[lib.UnitResult], tokenizer_path: str,
                    storage: StorageConfig | None = None) -> DatasetManifest:
     return lib.write_manifest(plan, results, tokenizer_path,
                               store_from_config(storage) if storage is not None else None)
 
 
-@task(name="publish-dataset", cache_policy=NO_CACHE, **_io_retries)
+@task(name="publish-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
 def publish(plan: lib.DatasetPlan, manifest: DatasetManifest, storage: StorageConfig) -> None:
     lib.publish(plan, manifest, store_from_config(storage))
 
 
-@task(name="record-prepare", cache_policy=NO_CACHE)
+@task(name="record-prepare", cache_policy=NO_CACHE, tags=TAGS)
 def record_prepare(config: RunConfig, prepared: list[tuple[str, DatasetManifest, float | None, list[str] | None]],
                    started: float, mix: MixtureManifest | None = None) -> dict:
     return lib.record_prepare(config, prepared, started, mix)

@@ -201,7 +201,8 @@ def worker_log(log: Callable[[str], None], ranks: WorkerLogs = "rank0") -> Calla
 
 # -- the report after training ---------------------------------------------------------------
 
-@task(name="publish-training-report", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+@task(name="publish-training-report", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
+      tags=["report"])
 def publish_training_report(config: RunConfig) -> Path | None:
     """Metrics table, loss curve, checkpoint ledger and goodput breakdown of the run.
 
@@ -341,7 +342,7 @@ def layout_changed_event(config: RunConfig, attempt: str, change: dict) -> None:
                         "global_batch": change["global_batch"]})
 
 
-@task(name="announce-run-finished", cache_policy=NO_CACHE)
+@task(name="announce-run-finished", cache_policy=NO_CACHE, tags=["report"])
 def announce_run_finished(config: RunConfig, trained: dict) -> bool:
     """Once the run has reached training.max_steps: emit `goodput.run.finished`, and if a
     schedule created this flow run (a continuation), switch that schedule off."""

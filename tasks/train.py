@@ -109,7 +109,7 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
 
 
 @task(name="validate-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=2,
-      task_run_name="validate-step-{step}")
+      tags=["checkpoint"], task_run_name="validate-step-{step}")
 def validate_checkpoint(config: RunConfig, step: int, dataset_dir: Path | None = None,
                         ) -> LedgerEntry | None:
     """Judge the checkpoint in a verifier process apart from training (its held-out loss on
@@ -131,7 +131,7 @@ def validate_checkpoint(config: RunConfig, step: int, dataset_dir: Path | None =
 
 
 @task(name="upload-checkpoint", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30],
-      tags=["upload"], task_run_name="upload-step-{step}")
+      tags=["checkpoint", "upload"], task_run_name="upload-step-{step}")
 def upload_checkpoint(config: RunConfig, step: int) -> LedgerEntry | None:
     if lifecycle.ledger_of(config).read().entries[step].state == "committed":
         get_run_logger().warning(f"checkpoint step {step} has no verdict: not uploaded")
@@ -146,7 +146,7 @@ def upload_checkpoint(config: RunConfig, step: int) -> LedgerEntry | None:
     return entry
 
 
-@task(name="apply-retention", cache_policy=NO_CACHE)
+@task(name="apply-retention", cache_policy=NO_CACHE, tags=["checkpoint"])
 def apply_retention(config: RunConfig) -> dict[str, list]:
     """Retention for both tiers (checkpoint.keep_local, checkpoint.store_keep_every) and for
     copies moved aside (checkpoint.keep_aside), after every upload: an interrupted run keeps
@@ -158,7 +158,7 @@ def apply_retention(config: RunConfig) -> dict[str, list]:
 
 
 @task(name="locate-dataset", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
-      retry_condition_fn=retry_unless_config_error)
+      retry_condition_fn=retry_unless_config_error, tags=["training"])
 def locate_dataset(config: RunConfig) -> Path:
     """The prepared dataset of this config: read in place when it is on this machine, else
     streamed from the store through a local cache (data.cache_limit); found by its data
@@ -167,7 +167,7 @@ def locate_dataset(config: RunConfig) -> Path:
     return dataset_for_training(config, store_from_config(config.storage))
 
 
-@task(name="record-training", cache_policy=NO_CACHE)
+@task(name="record-training", cache_policy=NO_CACHE, tags=["training"])
 def record_training(config: RunConfig, outcome: dict, started: float) -> dict:
     """Write the train stage's part of summary.json: final step, ledger, wall time."""
     return runs.record_training(config, outcome, started)

@@ -148,7 +148,7 @@ def test_eight_pipelines_at_once_complete_and_every_task_run_is_recorded(stack, 
 
 # -- the orchestrator fails -------------------------------------------------------------------
 
-# An upload task (tagged) that starts while the API is away fails acquiring Prefect's tag
+# A validate or upload task that starts while the API is away fails acquiring Prefect's tag
 # concurrency slots (a client of its own, never having connected, does not retry a refused
 # connection) outside the task's retries; the flow secures those checkpoints once training ends
 # (tasks.control.settle), and the run ends Completed.
