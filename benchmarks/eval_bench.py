@@ -517,24 +517,53 @@ def compare_backends(args, workdir: Path, dataset_dir: Path, task_dir: Path) -> 
         name = TASKS[task][0]
         before, now, hf, bf16 = (runs[task][b][0] for b in ("goodput before", "goodput", "lm-eval hf",
                                                               "goodput bf16"))
-        diffs = {f"{one} vs {other}": max(abs(a - b) for doc, lls in first["lls"][name].items()
-                                          for a, b in zip(lls, second["lls"][name][doc]))
+        def max_ll_diff(first: dict, second: dict) -> float:
+            return max(abs(a - b) for doc, lls in first["lls"][name].items()
+                       for a, b in zip(lls, second["lls"][name][doc]))
+
+        diffs = {f"{one} vs {other}": max_ll_diff(first, second)
                  for one, first, other, second in (("goodput", now, "goodput before", before),
                                                    ("goodput", now, "lm-eval hf", hf),
-                                                   ("goodput before", before, "lm-eval hf", hf),
-                                                   ("goodput bf16", bf16, "goodput", now))}
+                                                   ("goodput before", before, "lm-eval hf", hf))}
         rows[task] = {**counts[task], "seconds": median,
                       "all_seconds": {b: [r["seconds"] for r in runs[task][b]] for b in backends},
                       "scores": {b: runs[task][b][0]["scores"][name] for b in backends},
                       "stderrs": runs[task]["goodput"][0]["stderrs"].get(name, {}),
-                      "max_ll_diff": diffs}
+                      "max_ll_diff": diffs, "bf16_max_ll_diff": max_ll_diff(bf16, now)}
     return {"model": args.model, "params": params, "limit": args.limit, "batch_size": args.batch_size,
             "threads": torch.get_num_threads(), "repeats": args.repeats, "tasks": rows,
             "load_1min_after": os.getloadavg()[0]}
 
 
+def _table_row(cells: list, bold: bool = False) -> str:
+    return "| " + " | ".join(f"**{c}**" if bold and c != "" else str(c) for c in cells) + " |"
+
+
+def _speedups(seconds: dict, faster: str, *slower: str) -> list[str]:
+    return [f"{seconds[b] / seconds[faster]:.2f}x" for b in slower]
+
+
+def _fp32_timings(seconds: dict) -> list[str]:
+    """lm-eval hf, the path before and goodput fp32: seconds, then goodput's speed-ups."""
+    return ([f"{seconds[b]:.1f}" for b in ("lm-eval hf", "goodput before", "goodput")]
+            + _speedups(seconds, "goodput", "lm-eval hf", "goodput before"))
+
+
+def _bf16_timings(seconds: dict) -> list[str]:
+    """goodput fp32 and bf16: seconds, then bf16's speed-ups over fp32, lm-eval hf, before."""
+    return ([f"{seconds[b]:.1f}" for b in ("goodput", "goodput bf16")]
+            + _speedups(seconds, "goodput bf16", "goodput", "lm-eval hf", "goodput before"))
+
+
 def backends_table(result: dict) -> str:
     rows = result["tasks"]
+    per_task = {task: row for task, row in rows.items() if task != "all"}
+    total = {b: sum(row["seconds"][b] for row in per_task.values()) for b in BACKENDS}
+    together = rows["all"]["seconds"] if "all" in rows else None
+    whole = sum(r["tokens_whole"] for r in per_task.values())
+    packed = sum(r["tokens_packed"] for r in per_task.values())
+    items, requests = sum(r["items"] for r in per_task.values()), sum(r["requests"] for r in per_task.values())
+    sizes = [items, f"{requests:,}", f"{whole:,} / {packed:,}"]
     lines = [f"Model {result['model']} ({result['params'] / 1e6:.1f}M parameters), eval.limit={result['limit']}, "
              f"batch size {result['batch_size']}, torch threads {result['threads']}, median of "
              f"{result['repeats']} run(s) per task and backend, backends in turn; load (1 min) "
@@ -545,33 +574,20 @@ def backends_table(result: dict) -> str:
              "goodput vs hf / before vs hf "
              "| scores equal to before |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
-    total = dict.fromkeys(BACKENDS, 0.0)
-    per_task = {task: row for task, row in rows.items() if task != "all"}
     for task, row in per_task.items():
-        s = row["seconds"]
-        for b in total:
-            total[b] += s[b]
         now, before = row["scores"]["goodput"], row["scores"]["goodput before"]
-        same = now == before
         # accuracies exact; perplexities (sums in float64 now, float32 before) to 1e-6 relative
         close = all(v == before[m] if m.startswith("acc") else abs(v - before[m]) <= 1e-6 * abs(before[m])
                     for m, v in now.items())
-        lines.append(f"| {task} | {row['items']} | {row['requests']:,} | {row['tokens_whole']:,} / "
-                     f"{row['tokens_packed']:,} | {s['lm-eval hf']:.1f} | {s['goodput before']:.1f} | "
-                     f"{s['goodput']:.1f} | {s['lm-eval hf'] / s['goodput']:.2f}x | "
-                     f"{s['goodput before'] / s['goodput']:.2f}x | " + " / ".join(
-                         f"{d:.1e}" for pair, d in row["max_ll_diff"].items() if "bf16" not in pair) + " | " + f"{'yes' if same else 'within 1e-6' if close else 'no'} |")
-    whole = sum(r["tokens_whole"] for r in per_task.values())
-    packed = sum(r["tokens_packed"] for r in per_task.values())
-    items, requests = sum(r["items"] for r in per_task.values()), sum(r["requests"] for r in per_task.values())
-    lines.append(f"| all {len(per_task)}, each alone, summed | {items} | {requests:,} | {whole:,} / {packed:,} | "
-                 f"{total['lm-eval hf']:.1f} | {total['goodput before']:.1f} | {total['goodput']:.1f} | "
-                 f"{total['lm-eval hf'] / total['goodput']:.2f}x | {total['goodput before'] / total['goodput']:.2f}x | | |")
-    if "all" in rows:
-        s = rows["all"]["seconds"]
-        lines.append(f"| **all {len(per_task)} in one evaluation** | {items} | {requests:,} | {whole:,} / {packed:,} | "
-                     f"**{s['lm-eval hf']:.1f}** | **{s['goodput before']:.1f}** | **{s['goodput']:.1f}** | "
-                     f"**{s['lm-eval hf'] / s['goodput']:.2f}x** | **{s['goodput before'] / s['goodput']:.2f}x** | | |")
+        lines.append(_table_row([task, row["items"], f"{row['requests']:,}",
+                                 f"{row['tokens_whole']:,} / {row['tokens_packed']:,}",
+                                 *_fp32_timings(row["seconds"]),
+                                 " / ".join(f"{d:.1e}" for d in row["max_ll_diff"].values()),
+                                 "yes" if now == before else "within 1e-6" if close else "no"]))
+    lines.append(_table_row([f"all {len(per_task)}, each alone, summed", *sizes, *_fp32_timings(total), "", ""]))
+    if together:
+        lines.append(_table_row([f"all {len(per_task)} in one evaluation", *sizes, *_fp32_timings(together),
+                                 "", ""], bold=True))
     lines.append("")
     lines.append("Scores (goodput): " + "; ".join(
         f"{task} " + ", ".join(f"{m} {v:.4g}" for m, v in row["scores"]["goodput"].items())
@@ -581,21 +597,14 @@ def backends_table(result: dict) -> str:
               "| max \\|Δ log-lik\\| vs fp32 | accuracies fp32 / bf16 (lm-eval's stderr) | within the stderr |",
               "|---|---|---|---|---|---|---|---|---|"]
     for task, row in per_task.items():
-        s, fp32, bf16 = row["seconds"], row["scores"]["goodput"], row["scores"]["goodput bf16"]
+        fp32, bf16 = row["scores"]["goodput"], row["scores"]["goodput bf16"]
         accs = [(m, v, bf16[m], row["stderrs"].get(m, 0.0)) for m, v in fp32.items() if m.startswith("acc")]
-        lines.append(f"| {task} | {s['goodput']:.1f} | {s['goodput bf16']:.1f} | {s['goodput'] / s['goodput bf16']:.2f}x "
-                     f"| {s['lm-eval hf'] / s['goodput bf16']:.2f}x | {s['goodput before'] / s['goodput bf16']:.2f}x "
-                     f"| {row['max_ll_diff']['goodput bf16 vs goodput']:.1e} | "
-                     + "; ".join(f"{m} {a:.3f} / {b:.3f} ({e:.3f})" for m, a, b, e in accs) + " | "
-                     + ("yes" if all(abs(a - b) <= e for _, a, b, e in accs) else "no") + " |")
-    lines.append(f"| all, each alone, summed | {total['goodput']:.1f} | {total['goodput bf16']:.1f} | "
-                 f"{total['goodput'] / total['goodput bf16']:.2f}x | {total['lm-eval hf'] / total['goodput bf16']:.2f}x | "
-                 f"{total['goodput before'] / total['goodput bf16']:.2f}x | | | |")
-    if "all" in rows:
-        s = rows["all"]["seconds"]
-        lines.append(f"| **all in one evaluation** | {s['goodput']:.1f} | **{s['goodput bf16']:.1f}** | "
-                     f"{s['goodput'] / s['goodput bf16']:.2f}x | **{s['lm-eval hf'] / s['goodput bf16']:.2f}x** | "
-                     f"**{s['goodput before'] / s['goodput bf16']:.2f}x** | | | |")
+        lines.append(_table_row([task, *_bf16_timings(row["seconds"]), f"{row['bf16_max_ll_diff']:.1e}",
+                                 "; ".join(f"{m} {a:.3f} / {b:.3f} ({e:.3f})" for m, a, b, e in accs),
+                                 "yes" if all(abs(a - b) <= e for _, a, b, e in accs) else "no"]))
+    lines.append(_table_row(["all, each alone, summed", *_bf16_timings(total), "", "", ""]))
+    if together:
+        lines.append(_table_row(["all in one evaluation", *_bf16_timings(together), "", "", ""], bold=True))
     return "\n".join(lines)
 
 
