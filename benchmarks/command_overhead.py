@@ -14,7 +14,8 @@ flow machinery's share of `make pipeline`.
   it) and the library's evaluation of the last checkpoint. The flow machinery's share is
   1 - direct / pipeline, per pair, and the median over pairs; the pipeline's summary.json
   splits its wall time by stage. `rerun_s`: the same `goodput pipeline` again once it has
-  finished (every stage with nothing to do).
+  finished (every stage with nothing to do). `requests_retried`: the requests the temporary
+  server answered 503 (SQLite busy), each one a 2 s wait for the client.
 
 Every arm runs in a directory of its own under a temporary root, with no Prefect server
 configured (PREFECT_API_URL unset), on one PREFECT_HOME there whose database is created
@@ -62,8 +63,10 @@ PREFECT_HOME: Path  # set by main(): one for every arm, its database made first
 def environment() -> dict[str, str]:
     env = {name: value for name, value in os.environ.items()
            if name not in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH")}
+    # The temporary server logs each request it answers 503: counted per pipeline.
     return env | {"PREFECT_HOME": str(PREFECT_HOME), "OMP_NUM_THREADS": "1",
-                  "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false"}
+                  "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false",
+                  "PREFECT_API_LOG_RETRYABLE_ERRORS": "true"}
 
 
 def run(cmd: list[str]) -> tuple[float, float, float, str]:
@@ -156,7 +159,8 @@ def pipeline(config_file: str, root: Path, repeats: int) -> dict:
         direct = direct_stage_work(config_file, work / "direct")
         pairs.append({"pipeline_s": wall, "pipeline_stages_s": stages,
                       "pipeline_command_s": log_times(output, started, ended), "direct": direct,
-                      "share": 1 - direct["total_s"] / wall, "rerun_s": rerun_s})
+                      "share": 1 - direct["total_s"] / wall, "rerun_s": rerun_s,
+                      "requests_retried": output.count("Encountered retryable exception")})
         print(json.dumps(pairs[-1]), flush=True)
         shutil.rmtree(work, ignore_errors=True)
     return {"pairs": pairs, "pipeline_median_s": statistics.median(p["pipeline_s"] for p in pairs),
