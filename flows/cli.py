@@ -350,7 +350,7 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
-def _start_temporary_api(while_it_starts=lambda: None) -> None:
+def _start_temporary_api(while_it_starts=lambda: None) -> bool:
     """With no Prefect server configured, start Prefect's temporary API in a session of its own.
 
     Prefect starts it on first use as a child in our process group, so Ctrl-C in a terminal
@@ -362,14 +362,14 @@ def _start_temporary_api(while_it_starts=lambda: None) -> None:
 
     `while_it_starts` is called once the server's process exists, before waiting for it to
     answer (about 5 s, the server importing its app on a core of its own); without a server
-    to start, it is called at once.
+    to start, it is called at once. Returns whether it started one.
     """
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         while_it_starts()
-        return
+        return False
     popen, started = subprocess.Popen, []
 
     def own_session(*args, **kwargs):
@@ -381,6 +381,7 @@ def _start_temporary_api(while_it_starts=lambda: None) -> None:
 
     with mock.patch.object(subprocess, "Popen", own_session):  # only while it starts
         SubprocessASGIServer().start()
+    return True
 
 
 def _import_flows() -> None:
@@ -392,16 +393,47 @@ def _import_flows() -> None:
         pass
 
 
-def _start_temporary_api_importing_flows() -> None:
+def _start_temporary_api_importing_flows() -> bool:
     """_start_temporary_api, the flows imported meanwhile on a thread: the command's two
     slowest steps overlap (the server's start about 6 s, the import about 3 s). The thread
     starts once this thread's imports are done, so no module is imported by both at once."""
     importer = threading.Thread(target=_import_flows, name="import-flows", daemon=True)
     try:
-        _start_temporary_api(while_it_starts=importer.start)
+        return _start_temporary_api(while_it_starts=importer.start)
     finally:
         if importer.is_alive():
             importer.join()
+
+
+HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
+
+
+def _heartbeats_watched() -> bool:
+    """Whether an enabled automation on the API's database reacts to flow-run heartbeats
+    (Prefect's recipe for marking a run whose process died as crashed)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        automations = client.read_automations()
+    return any(automation.enabled and HEARTBEAT_EVENT in automation.trigger.model_dump_json()
+               for automation in automations)
+
+
+def _no_heartbeats_unless_watched():
+    """On Prefect's temporary server: flow runs send no heartbeats, unless an automation
+    reacts to them.
+
+    Each flow run's end waits up to 1 s for its heartbeat thread (it sleeps in 1 s steps):
+    about 1.2 s of a no-op prepare flow, five flow runs in a pipeline. The temporary server
+    lives only as long as the command, and nothing else watches the heartbeats there; but
+    it uses the database of `prefect server start` (PREFECT_HOME), where a user may have
+    made an automation that marks runs without heartbeats as crashed.
+    """
+    from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
+
+    if _heartbeats_watched():
+        return nullcontext()
+    return temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
 def _let_the_api_record(since: float, timeout_s: float = 60.0, quiet_s: float = 2.0) -> None:
@@ -569,13 +601,14 @@ def main(argv: list[str] | None = None) -> int:
               else nullcontext())
     began = time.time()
     try:
-        _start_temporary_api_importing_flows()  # one that does not start in time fails here
+        temporary = _start_temporary_api_importing_flows()  # one too slow to start fails here
+        heartbeats = _no_heartbeats_unless_watched() if temporary else nullcontext()
         from flows.evaluate import evaluate
         from flows.pipeline import pipeline
         from flows.prepare import prepare
         from flows.train import train
 
-        with ctrl_c:
+        with ctrl_c, heartbeats:
             if args.command == "prepare":
                 result = prepare(config).model_dump(include={"dataset_id", "vocab_size"})
             elif args.command == "train":

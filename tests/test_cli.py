@@ -82,3 +82,44 @@ def test_the_flow_runs_when_there_is_something_to_publish_or_a_server_to_show_it
     prep.publish(plan, manifest, store)
     assert prep.unpublished(plan, store) == []
     assert cli._without_a_flow("prepare", config) == found
+
+
+def test_flow_runs_on_the_temporary_server_send_heartbeats_only_where_an_automation_watches(
+        prefect_api):
+    """Each flow run's end waits up to 1 s for its heartbeat thread, and on the temporary
+    server nothing reads the heartbeats, unless its database (PREFECT_HOME, the one `prefect
+    server start` uses too) has an automation that marks runs without them as crashed:
+    Prefect's recipe, made here as a user would (matching no real run, so that it cannot
+    touch the other tests' runs on this shared server)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+    from prefect.settings import get_current_settings
+
+    def heartbeat_frequency_while_the_flows_run():
+        with cli._no_heartbeats_unless_watched():
+            return get_current_settings().flows.heartbeat_frequency
+
+    default = get_current_settings().flows.heartbeat_frequency
+    assert default and not cli._heartbeats_watched()
+    assert heartbeat_frequency_while_the_flows_run() is None
+
+    zombies = EventTrigger(
+        match={"prefect.resource.id": "prefect.flow-run.00000000-0000-0000-0000-000000000000"},
+        after={cli.HEARTBEAT_EVENT}, expect={cli.HEARTBEAT_EVENT, "prefect.flow-run.Completed"},
+        for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1, within=90)
+    with get_client(sync_client=True) as client:
+        ids = [client.create_automation(AutomationCore(
+            name=f"crash zombie flows ({state})", enabled=enabled, trigger=zombies,
+            actions=[ChangeFlowRunState(state=StateType.CRASHED)]))
+            for state, enabled in (("off", False), ("on", True))]
+        try:
+            assert cli._heartbeats_watched()
+            assert heartbeat_frequency_while_the_flows_run() == default
+            client.delete_automation(ids.pop())  # the enabled one: a disabled one acts on nothing
+            assert not cli._heartbeats_watched()
+            assert heartbeat_frequency_while_the_flows_run() is None
+        finally:
+            for automation_id in ids:
+                client.delete_automation(automation_id)

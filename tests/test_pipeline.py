@@ -13,6 +13,7 @@ import time
 import pytest
 
 from core.config import dump_config
+from flows.cli import HEARTBEAT_EVENT
 from flows.pipeline import pipeline
 from flows.train import train
 from storage import open_store
@@ -264,7 +265,8 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
 def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
     """On Prefect's temporary server (no server configured): the command's output holds no
     traceback, and before the server stops with it, it has recorded every task run the
-    flow logged as finished, in a final state."""
+    flow logged as finished, in a final state. Its flow runs sent no heartbeats (no
+    automation there watches them)."""
     config, _ = finished
     config_file = tmp_path / "run.yaml"
     config_file.write_text(dump_config(config))
@@ -283,6 +285,8 @@ def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
                         "NULL AND message LIKE 'Finished in state%'").fetchone()[0]
     states = dict(db.execute("SELECT state_type, count(*) FROM task_run GROUP BY state_type"))
     assert logged >= 5 and states == {"COMPLETED": logged}
+    events = dict(db.execute("SELECT event, count(*) FROM events GROUP BY event"))
+    assert events.get("prefect.flow-run.Completed") and HEARTBEAT_EVENT not in events
 
 
 def test_an_eval_report_is_reused_only_for_the_same_checkpoint_copy_and_settings(finished):
