@@ -47,9 +47,9 @@ from core.config import load_config  # noqa: E402
 
 GOODPUT = [sys.executable, "-m", "flows.cli"]
 # The command as it was before its nothing-to-do check: the same main(), the check taken out.
-WITHOUT_CHECK = [sys.executable, "-c", "import sys, flows.cli as cli\n"
+WITHOUT_CHECK = [sys.executable, "-c", "import flows.cli as cli\n"
                  "cli._without_a_flow = lambda *args, **kwargs: None\n"
-                 "sys.exit(cli.main(sys.argv[1:]))"]
+                 "cli.run()"]
 
 
 def dirs(work: Path) -> list[str]:

@@ -432,7 +432,11 @@ def _no_heartbeats_unless_watched():
     """
     from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY, temporary_settings
 
-    if _heartbeats_watched():
+    try:
+        watched = _heartbeats_watched()
+    except Exception:  # the automations unreadable: heartbeats as Prefect sends them
+        watched = True
+    if watched:
         return nullcontext()
     return temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
