@@ -517,11 +517,7 @@ def compare_backends(args, workdir: Path, dataset_dir: Path, task_dir: Path) -> 
         name = TASKS[task][0]
         before, now, hf, bf16 = (runs[task][b][0] for b in ("goodput before", "goodput", "lm-eval hf",
                                                               "goodput bf16"))
-        def max_ll_diff(first: dict, second: dict) -> float:
-            return max(abs(a - b) for doc, lls in first["lls"][name].items()
-                       for a, b in zip(lls, second["lls"][name][doc]))
-
-        diffs = {f"{one} vs {other}": max_ll_diff(first, second)
+        diffs = {f"{one} vs {other}": _max_ll_diff(first, second, name)
                  for one, first, other, second in (("goodput", now, "goodput before", before),
                                                    ("goodput", now, "lm-eval hf", hf),
                                                    ("goodput before", before, "lm-eval hf", hf))}
@@ -529,10 +525,16 @@ def compare_backends(args, workdir: Path, dataset_dir: Path, task_dir: Path) -> 
                       "all_seconds": {b: [r["seconds"] for r in runs[task][b]] for b in backends},
                       "scores": {b: runs[task][b][0]["scores"][name] for b in backends},
                       "stderrs": runs[task]["goodput"][0]["stderrs"].get(name, {}),
-                      "max_ll_diff": diffs, "bf16_max_ll_diff": max_ll_diff(bf16, now)}
+                      "max_ll_diff": diffs, "bf16_max_ll_diff": _max_ll_diff(bf16, now, name)}
     return {"model": args.model, "params": params, "limit": args.limit, "batch_size": args.batch_size,
             "threads": torch.get_num_threads(), "repeats": args.repeats, "tasks": rows,
             "load_1min_after": os.getloadavg()[0]}
+
+
+def _max_ll_diff(first: dict, second: dict, task_name: str) -> float:
+    """The largest |difference| between two backends' log-likelihoods of the same requests."""
+    return max(abs(a - b) for doc, lls in first["lls"][task_name].items()
+               for a, b in zip(lls, second["lls"][task_name][doc]))
 
 
 def _table_row(cells: list, bold: bool = False) -> str:

@@ -564,11 +564,11 @@ def main(argv: list[str] | None = None) -> int:
     # The temporary server's task-run recorder commits every task-run event on its own by
     # default. On SQLite those commits met the API's writes: a request whose transaction had
     # read before one of them failed with "database is locked", the server answered 503 and
-    # the client retried 2 s later (a subflow's start, a tagged task's slots; a tiny pipeline
-    # took 79.9 s, now 72.1 s). The failed statement's cursor was left to the garbage
-    # collector, which, freeing it on the server's event loop while its connection waited for
-    # the write lock, could freeze the server for SQLite's 60 s busy timeout. Committed once a
-    # second, the recorder's writes rarely meet the API's (benchmarks/RESULTS.md).
+    # the client retried 2 s later (a subflow's start, a tagged task's slots). The failed
+    # statement's cursor was left to the garbage collector, which, freeing it on the server's
+    # event loop while its connection waited for the write lock, could freeze the server for
+    # SQLite's 60 s busy timeout. Committed once a second, the recorder's writes rarely meet
+    # the API's (benchmarks/RESULTS.md, "the 60 s stall found").
     os.environ.setdefault("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE", "100")
     os.environ.setdefault("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL", "1")
     if args.command == "export":  # works on a checkpoint alone, no run configuration
