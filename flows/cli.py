@@ -19,22 +19,24 @@ Ctrl-C stops training (the workers save an emergency checkpoint first) and the c
 from __future__ import annotations
 
 import argparse
-import atexit
 import faulthandler
+import itertools
 import json
 import os
+import re
 import signal
-import subprocess
 import sys
 import threading
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from unittest import mock
+from typing import Iterator
 
 from core.config import ConfigError, RunConfig, load_config
+from core.process_exit import exit_without_teardown
 from infra.prefect_stack import LEASES_ON_DISK
+from infra.temporary_server import TemporaryServer
 
 
 def _config_args(parser: argparse.ArgumentParser) -> None:
@@ -342,51 +344,26 @@ def _say(message: str) -> None:
     print(f"goodput: {message}", file=sys.stderr)
 
 
-def _die_with_parent() -> None:
-    """In a child, before exec: the kernel ends it with SIGTERM when its parent dies (Linux)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
+def _temporary_server() -> TemporaryServer | None:
+    """For a flow command with no Prefect server configured: the temporary server its flow
+    runs will need, spawned now so that its imports overlap the command's own check
+    (infra.temporary_server). None where a server is configured, or where Prefect's settings
+    turn temporary servers off (PREFECT_SERVER_EPHEMERAL_ENABLED=false: Prefect then asks for
+    PREFECT_API_URL, as before)."""
+    if _server_configured():
+        return None
+    if "prefect.settings" in sys.modules or {"PREFECT_PROFILE", "PREFECT_PROFILES_PATH"} & os.environ.keys():
+        from prefect.settings import PREFECT_SERVER_EPHEMERAL_ENABLED
 
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-
-
-def _start_temporary_api(while_it_starts=lambda: None) -> bool:
-    """With no Prefect server configured, start Prefect's temporary API in a session of its own.
-
-    Prefect starts it on first use as a child in our process group, so Ctrl-C in a terminal
-    killed it along with the flow, and the command then hung for minutes retrying the dead API
-    instead of stopping. Started here first, it is the one Prefect uses (one per process):
-    Ctrl-C reaches the flow only, the flow records the interruption, and the server stops at
-    exit (Prefect's own atexit hook), or with us if we are killed outright (the kernel's
-    parent-death signal; it follows the thread that started the server: the main thread).
-
-    `while_it_starts` is called once the server's process exists, before waiting for it to
-    answer (about 5 s, the server importing its app on a core of its own); without a server
-    to start, it is called at once. Returns whether it started one.
-    """
-    from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        while_it_starts()
-        return False
-    popen, started = subprocess.Popen, []
-
-    def own_session(*args, **kwargs):
-        server = popen(*args, start_new_session=True, preexec_fn=_die_with_parent, **kwargs)
-        if not started:  # Prefect starts another on a port taken meanwhile
-            started.append(server)
-            while_it_starts()
-        return server
-
-    with mock.patch.object(subprocess, "Popen", own_session):  # only while it starts
-        SubprocessASGIServer().start()
-    return True
+        enabled = PREFECT_SERVER_EPHEMERAL_ENABLED.value()
+    else:  # Prefect's default profile ("ephemeral") turns them on; the environment may not
+        enabled = all(os.environ.get(name, "true").strip().lower() not in ("0", "false", "no", "off")
+                      for name in ("PREFECT_SERVER_EPHEMERAL_ENABLED", "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"))
+    return TemporaryServer() if enabled else None
 
 
 def _import_flows() -> None:
-    """Import the flows (Prefect's engine, torch: about 3 s of one core), ignoring a failure:
+    """Import the flows (Prefect's engine, torch: about 2.5 s of one core), ignoring a failure:
     the command's own import of them raises it again, where it is reported."""
     try:
         import flows.pipeline  # noqa: F401 (it imports the other three flows)
@@ -394,16 +371,38 @@ def _import_flows() -> None:
         pass
 
 
-def _start_temporary_api_importing_flows() -> bool:
-    """_start_temporary_api, the flows imported meanwhile on a thread: the command's two
-    slowest steps overlap (the server's start about 6 s, the import about 3 s). The thread
-    starts once this thread's imports are done, so no module is imported by both at once."""
-    importer = threading.Thread(target=_import_flows, name="import-flows", daemon=True)
+@contextmanager
+def _flow_runs_recorded_by(server: TemporaryServer | None) -> Iterator[None]:
+    """The flows imported, and with `server` (the command's temporary one): told to serve
+    meanwhile, Prefect pointed at it (PREFECT_API_URL: in the environment before Prefect's
+    import, so every thread and child process of the command sees it; in Prefect's settings
+    too where it was imported before), flow runs without heartbeats unless an automation
+    watches them. With no temporary server: Prefect's settings as they are."""
+    if server is None:
+        _import_flows()
+        yield
+        return
+    timeout_s = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or 120)
+    _say(f"Prefect's temporary server on {server.url} records this command's flow runs "
+         "(none configured: `goodput server` runs a dedicated one)")
+    previous = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = server.api_url
     try:
-        return _start_temporary_api(while_it_starts=importer.start)
+        server.serve(timeout_s, while_it_starts=_import_flows)
+        from prefect.context import _temporary_global_settings_context, get_settings_context
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        # Prefect's log and event workers run in threads of their own, which see the global
+        # settings, not this context's: both switch, as prefect_test_harness does.
+        with temporary_settings({PREFECT_API_URL: server.api_url}), \
+                _temporary_global_settings_context(get_settings_context()), \
+                _no_heartbeats_unless_watched():
+            yield
     finally:
-        if importer.is_alive():
-            importer.join()
+        if previous is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = previous
 
 
 HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"
@@ -441,51 +440,80 @@ def _no_heartbeats_unless_watched():
     return temporary_settings({PREFECT_FLOWS_HEARTBEAT_FREQUENCY: None})
 
 
-def _let_the_api_record(since: float, timeout_s: float = 60.0, quiet_s: float = 2.0) -> None:
-    """Before Prefect's temporary API stops with this process: wait until it has recorded
-    every task run of the flow runs started since `since` (Unix time).
+# Prefect's task engine logs "Finished in state <name>(...)" as each task run ends; these
+# names are of final states (Cached is a completed one, TimedOut a failed one).
+FINAL_STATE_NAMES = ("Completed", "Cached", "Failed", "TimedOut", "Crashed", "Cancelled")
+FINAL_STATE_TYPES = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
+_ENDED = re.compile(rf"Finished in state ({'|'.join(FINAL_STATE_NAMES)})\b")
+
+
+def _let_the_api_record(server: TemporaryServer | None, since: float, timeout_s: float = 60.0,
+                        quiet_s: float = 2.0, window_s: float = 60.0) -> None:
+    """Before the command's temporary server stops: wait until it has recorded every task run
+    of the flow runs started since `since` (Unix time), in its final state.
 
     Task-run states reach the server as events, which its recorder writes to the database
-    behind the API; the server stops at exit while the recorder still has a backlog (a flow
-    of 200 quick tasks kept 43 of them, most not final). Here the client's event and log
-    queues are sent first, then the task runs' states are counted until they stop changing
-    for `quiet_s`. A dedicated server (`goodput server`, PREFECT_API_URL) needs none of it.
+    behind the API about once a second; a server stopped before then loses them (a flow of
+    200 quick tasks kept 43 of them, most not final). The client's event and log queues are
+    sent first. Logs, unlike events, are written as they arrive: the task engine's "Finished
+    in state ..." lines of the last `window_s` name the task runs that ended lately, and the
+    wait ends once each of them is recorded final and no task run is recorded unfinished.
+    Otherwise (no such line: logging to the API is off; a task run recorded unfinished: one
+    whose process died, or whose end was logged elsewhere), the task runs' states are counted
+    until they stop changing for `quiet_s`. A dedicated server (`goodput server`,
+    PREFECT_API_URL) needs none of it.
     """
+    if server is None or not server.serving:
+        return
     import httpx
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
-    from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import PREFECT_API_URL
 
-    if PREFECT_API_URL.value():
-        return
     EventsWorker.drain_all()
     APILogWorker.drain_all()
-    url = SubprocessASGIServer().api_url
-    after = {"flow_runs": {"start_time": {"after_": time.strftime(
-        "%Y-%m-%dT%H:%M:%SZ", time.gmtime(since))}}}
+    url, http = server.api_url, httpx.Client(timeout=30)  # one SSL context for all requests
 
-    http = httpx.Client(timeout=30)  # one SSL context for the whole drain, not one a request
+    def utc(unix_time: float) -> str:
+        return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix_time))
 
-    def recorded() -> tuple[int, ...]:
-        counts = [http.post(f"{url}/task_runs/count", json={
-            **after, "task_runs": {"state": {"type": {"any_": [state]}}}}).json()
-                  for state in ("PENDING", "RUNNING", "COMPLETED", "FAILED", "CANCELLED",
-                                "CRASHED")]
-        return tuple(counts)
+    def ended_lately() -> list[str]:
+        ids, page, after = set(), 200, utc(max(since, time.time() - window_s))
+        for offset in itertools.count(0, page):
+            logs = http.post(f"{url}/logs/filter", json={
+                "logs": {"timestamp": {"after_": after}, "task_run_id": {"is_null_": False}},
+                "limit": page, "offset": offset}).json()
+            ids |= {log["task_run_id"] for log in logs if _ENDED.match(log["message"])}
+            if len(logs) < page:
+                return sorted(ids)
+
+    def count(state_types, ids=None) -> int:
+        task_runs = {"state": {"type": {"any_": list(state_types)}}}
+        if ids is not None:
+            return http.post(f"{url}/task_runs/count",
+                             json={"task_runs": {**task_runs, "id": {"any_": ids}}}).json()
+        return http.post(f"{url}/task_runs/count", json={
+            "flow_runs": {"start_time": {"after_": utc(since)}}, "task_runs": task_runs}).json()
 
     deadline = time.monotonic() + timeout_s
-    seen, seen_since = None, time.monotonic()
-    while time.monotonic() < deadline:
-        try:
-            now = recorded()
-        except (httpx.HTTPError, ValueError):
-            return  # the server is gone already: nothing more can be recorded
-        if now != seen:
-            seen, seen_since = now, time.monotonic()
-        elif time.monotonic() - seen_since >= quiet_s:
-            return
-        time.sleep(0.25)
+    try:
+        ids = ended_lately()
+        if ids:
+            while count(FINAL_STATE_TYPES, ids) < len(ids) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if not count(("PENDING", "RUNNING")):
+                return
+        seen, seen_since = None, time.monotonic()
+        while time.monotonic() < deadline:
+            now = tuple(count((state,)) for state in ("PENDING", "RUNNING", *FINAL_STATE_TYPES))
+            if now != seen:
+                seen, seen_since = now, time.monotonic()
+            elif time.monotonic() - seen_since >= quiet_s:
+                return
+            time.sleep(0.25)
+    except (httpx.HTTPError, ValueError):
+        return  # the server is gone already: nothing more can be recorded
+    finally:
+        http.close()
 
 
 class _CtrlCStopsTraining:
@@ -546,13 +574,13 @@ def _dump_stacks_on_sigusr1() -> None:
         pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    _dump_stacks_on_sigusr1()
+def _prefect_defaults() -> None:
+    """Prefect settings for this command's flows and its temporary server, where the
+    environment sets none."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    # With no server configured, Prefect starts a temporary one and gives up on it after 20 s
-    # by default: a busy machine (2 cores, tests or a data preparation beside) took longer.
+    # How long the temporary server may take to answer (Prefect's setting for its own; 20 s by
+    # default): a busy machine (2 cores, tests or a data preparation beside) took longer.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     # Concurrency leases (a run's training slot) on disk, not in the server's memory: the
     # temporary server of a command that was killed would otherwise take its lease with it
@@ -571,6 +599,12 @@ def main(argv: list[str] | None = None) -> int:
     # the API's (benchmarks/RESULTS.md, "the 60 s stall found").
     os.environ.setdefault("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE", "100")
     os.environ.setdefault("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL", "1")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _dump_stacks_on_sigusr1()
+    _prefect_defaults()
     if args.command == "export":  # works on a checkpoint alone, no run configuration
         return _export(args)
     if args.command == "plan":
@@ -594,36 +628,43 @@ def main(argv: list[str] | None = None) -> int:
                   train_time_limit_s=args.train_time_limit)
         return 0
 
-    if args.command in ("prepare", "train", "evaluate", "pipeline"):
+    # The four flow commands. The temporary server starts importing now, beside the check.
+    server = _temporary_server()
+    try:
         result = _without_a_flow(args.command, config, getattr(args, "checkpoint", None))
         if result is not None:
             print(json.dumps(result, indent=2, default=str))
             print(f"run directory: {config.run_dir.path.resolve()}")
             return 0
+        return _run_flow(args, config, server)
+    finally:
+        if server is not None:
+            server.stop()
 
+
+def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServer | None) -> int:
     # Only the main thread may set a signal handler (main() may be called from another).
     ctrl_c = (_CtrlCStopsTraining() if threading.current_thread() is threading.main_thread()
               else nullcontext())
     began = time.time()
     try:
-        temporary = _start_temporary_api_importing_flows()  # one too slow to start fails here
-        heartbeats = _no_heartbeats_unless_watched() if temporary else nullcontext()
-        from flows.evaluate import evaluate
-        from flows.pipeline import pipeline
-        from flows.prepare import prepare
-        from flows.train import train
+        with _flow_runs_recorded_by(server):  # a server too slow to start fails here
+            from flows.evaluate import evaluate
+            from flows.pipeline import pipeline
+            from flows.prepare import prepare
+            from flows.train import train
 
-        with ctrl_c, heartbeats:
-            if args.command == "prepare":
-                result = prepare(config).model_dump(include={"dataset_id", "vocab_size"})
-            elif args.command == "train":
-                result = train(config)
-            elif args.command == "evaluate":
-                result = evaluate(config, args.checkpoint).model_dump(exclude={"samples"})
-            else:
-                result = pipeline(config)
+            with ctrl_c:
+                if args.command == "prepare":
+                    result = prepare(config).model_dump(include={"dataset_id", "vocab_size"})
+                elif args.command == "train":
+                    result = train(config)
+                elif args.command == "evaluate":
+                    result = evaluate(config, args.checkpoint).model_dump(exclude={"samples"})
+                else:
+                    result = pipeline(config)
     except ConfigError as e:
-        _let_the_api_record(began)
+        _let_the_api_record(server, began)
         print(f"goodput: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -631,37 +672,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"run directory: {config.run_dir.path.resolve()}")
         return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
     except Exception as e:
-        _let_the_api_record(began)
+        _let_the_api_record(server, began)
         print(f"goodput: {args.command} failed: {e}", file=sys.stderr)
         print(f"run directory: {config.run_dir.path.resolve()}")
         return 1
-    _let_the_api_record(began)
+    _let_the_api_record(server, began)
     print(json.dumps(result, indent=2, default=str))
     print(f"run directory: {config.run_dir.path.resolve()}")
     return 0
 
 
 def run() -> None:
-    """The `goodput` command: main(), then an exit without Python's own teardown.
-
-    With torch and Prefect loaded, the interpreter's teardown after a command (a last
-    garbage collection over every module, torch's operator-library finalizers) took 1.5 s
-    once its work and its exit handlers were done. Here the exit handlers still run, as on a
-    normal exit (Prefect stops its temporary server, logging flushes, coverage saves); what
-    is skipped only frees memory, which the OS takes back anyway. A thread that is not a
-    daemon would be waited for on a normal exit: then the exit is the normal one.
-    """
-    code = main()
-    if any(not thread.daemon for thread in threading.enumerate()
-           if thread is not threading.main_thread()):
-        sys.exit(code)
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):  # a closed pipe or stream: nothing more can be written
-            pass
-    os._exit(code)
+    """The `goodput` command: main(), then an exit without Python's own teardown, which took
+    1.5 s after a command with torch and Prefect loaded (core.process_exit)."""
+    exit_without_teardown(main())
 
 
 if __name__ == "__main__":

@@ -126,16 +126,21 @@ def units_in_flight(prepare: PrepareConfig) -> int:
 def api_shared_with_unit_processes() -> Iterator[str | None]:
     """Point the work units' processes at this process's Prefect API; yields its URL.
 
-    A plain local run (no PREFECT_API_URL) talks to a temporary server of its own; the unit
-    processes, handed that setting (none), would each start another one: seconds and
-    hundreds of MB apiece, and their task runs out of the flow run's sight.
+    A flow called in Python with no PREFECT_API_URL talks to a temporary server that Prefect
+    started in this process; the unit processes, handed that setting (none), would each start
+    another one: seconds and hundreds of MB apiece, and their task runs out of the flow run's
+    sight. (`goodput` commands set PREFECT_API_URL to the temporary server they start.)
     """
-    from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
+    if PREFECT_API_URL.value() or "prefect.server.api.server" not in sys.modules:
+        yield PREFECT_API_URL.value()  # none started here: importing its module takes seconds
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
     server = SubprocessASGIServer()  # the temporary server, if this process started one
-    if PREFECT_API_URL.value() or not server.running:
-        yield PREFECT_API_URL.value()
+    if not server.running:
+        yield None
         return
     with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
         yield server.api_url

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,8 @@ from core.config import load_config
 from flows import cli
 from goodput.data import prepare as prep
 from storage.store import store_from_config
-from tests.helpers import COMMAND_THEN_MODULES
+from tests.helpers import COMMAND_THEN_MODULES, REPO
+
 
 def small_overrides(root: Path) -> list[str]:
     return [f"data.data_dir={root / 'data'}", f"storage.uri={root / 'store'}",
@@ -123,3 +126,82 @@ def test_flow_runs_on_the_temporary_server_send_heartbeats_only_where_an_automat
         finally:
             for automation_id in ids:
                 client.delete_automation(automation_id)
+
+
+def test_the_temporary_server_opens_nothing_until_told_to_serve(tmp_path, monkeypatch):
+    """Spawned beside the command's own check, the temporary server only imports until the
+    command tells it to serve: stopped before that (the command had nothing to do), it
+    exits at once, its port never answered and no database was made. Told to serve, it
+    answers on the port the command bound for it, on PREFECT_HOME's database."""
+    import urllib.request
+
+    from prefect.settings import PREFECT_HOME, temporary_settings
+
+    from infra.temporary_server import TemporaryServer
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    with temporary_settings({PREFECT_HOME: tmp_path}):  # where this process read it before
+        unused, served = TemporaryServer(), TemporaryServer()
+    assert unused.port != served.port
+    time.sleep(1.0)
+    assert not unused.healthy()
+    started = time.monotonic()
+    unused.stop()
+    assert time.monotonic() - started < 5 and unused.process.returncode is not None
+    assert not (tmp_path / "prefect.db").exists()
+
+    served.serve(timeout_s=120)
+    try:
+        with urllib.request.urlopen(f"{served.api_url}/health", timeout=10) as response:
+            assert response.read() == b"true"
+        assert (tmp_path / "prefect.db").exists()
+    finally:
+        served.stop()
+    assert served.process.returncode is not None and not served.healthy()
+
+
+# A flow of quick tasks on the command's temporary server, then the command's wait for the
+# server to record them (in the configuration a `goodput` command gives Prefect), then the stop.
+MANY_QUICK_TASKS = """
+import os, sys, time
+from flows import cli
+from infra.temporary_server import TemporaryServer
+
+cli._prefect_defaults()
+server = TemporaryServer()
+os.environ["PREFECT_API_URL"] = server.api_url
+server.serve(timeout_s=120)
+from prefect import flow, task
+
+@task
+def quick(i):
+    return i
+
+@flow
+def many(n):
+    return sum(future.result() for future in [quick.submit(i) for i in range(n)])
+
+began = time.time()
+assert many(int(sys.argv[1])) == sum(range(int(sys.argv[1])))
+waited = time.time()
+cli._let_the_api_record(server, began)
+print(f"waited {time.time() - waited:.2f} s")
+server.stop()
+"""
+
+
+@pytest.mark.parametrize("logs_to_api", [True, False], ids=["task-run-ends-logged", "no-api-logs"])
+def test_the_temporary_server_records_every_task_run_before_it_stops(tmp_path, logs_to_api):
+    """The recorder writes task runs about once a second, behind the flow: the command
+    waits, then stops the server, and every task run is in the database, final. With the
+    task runs' ends logged to the API (the default) the wait knows which to wait for;
+    without, it waits for the counts to settle."""
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH")}
+    env |= {"PREFECT_HOME": str(tmp_path), "PREFECT_LOGGING_TO_API_ENABLED": str(logs_to_api).lower()}
+    proc = subprocess.run([sys.executable, "-c", MANY_QUICK_TASKS, "150"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    db = sqlite3.connect(tmp_path / "prefect.db")
+    states = dict(db.execute("SELECT state_type, count(*) FROM task_run GROUP BY state_type"))
+    assert states == {"COMPLETED": 150}, proc.stdout

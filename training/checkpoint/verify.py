@@ -42,6 +42,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from core.cpu_priority import lower_thread_priority
+from core.process_exit import exit_without_teardown
 from core.protocol import CHECKPOINT_MANIFEST, is_committed, step_of
 from storage.manifests import CheckpointManifest, verify_files
 from training.checkpoint.reader import load_all_tensors, model_state_from
@@ -232,4 +233,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # A served verifier ends with the flow that kept it (goodput.verifier_pool.stop_all waits
+    # for it): the interpreter's teardown of torch would add to every such flow's end.
+    exit_without_teardown(main())

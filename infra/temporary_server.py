@@ -1,0 +1,154 @@
+"""Prefect's temporary API server for one `goodput` command, when no server is configured.
+
+Prefect starts the same server itself on first use (`SubprocessASGIServer`: uvicorn serving
+`prefect.server.api.server:create_app`, no UI, ephemeral services, on the SQLite database in
+PREFECT_HOME). Started here instead:
+
+- The command does not import Prefect's server module to start it: that import (the whole
+  API app) took 2.1 s of a core, and the process it starts imports it all again.
+- It starts early, beside the command's own work: the process imports the server (about
+  2 s) while the command decides whether it has anything to do and imports the flows.
+  It opens the database and serves only when told (`serve`). Told nothing, it exits having
+  touched neither the database nor its port: a command with nothing to do.
+- It runs in a session of its own, out of a terminal's Ctrl-C (which goes to the flow, which
+  records the interruption), and the kernel ends it if the command dies (parent-death
+  signal). Its port is bound here and handed to it: no other process can take it meanwhile.
+
+    server = TemporaryServer()               # spawned: importing, not serving
+    if there_is_work:
+        server.serve(timeout_s=120)          # then PREFECT_API_URL=server.api_url for the flows
+        ...
+    server.stop()                            # a server never told to serve: ends at once
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+SERVE = b"serve\n"
+# What Prefect's own temporary server runs with (SubprocessASGIServer._run_uvicorn_command):
+# no UI, the services of an ephemeral server.
+SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+# uvicorn's exit status when the server failed to start.
+STARTUP_FAILURE = 3
+
+
+def _die_with_parent() -> None:
+    """In a child, before exec: the kernel ends it with SIGTERM when its parent dies (Linux).
+    It follows the thread that started the child: start it from the main thread."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+
+
+def _settings_set_in_this_process() -> dict[str, str]:
+    """Prefect settings changed in this process (temporary_settings) since it read the
+    environment, as environment variables: Prefect hands them to its server the same way."""
+    if "prefect.settings" not in sys.modules:
+        return {}
+    from prefect.settings import get_current_settings
+
+    return get_current_settings().to_environment_variables(exclude_unset=True)
+
+
+class TemporaryServer:
+    """A Prefect API server process for the life of one command (see the module's doc)."""
+
+    def __init__(self) -> None:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        self.port = listener.getsockname()[1]
+        env = {**os.environ, **_settings_set_in_this_process(), **SERVER_ENV}
+        env.pop("PREFECT_API_URL", None)  # the server's own settings: it is the API
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "infra.temporary_server", str(listener.fileno())],
+                stdin=subprocess.PIPE, pass_fds=(listener.fileno(),), env=env,
+                start_new_session=True, preexec_fn=_die_with_parent)
+        finally:
+            listener.close()  # the child holds it now
+        self.serving = False
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.url}/api"
+
+    def serve(self, timeout_s: float = 120.0, while_it_starts=lambda: None) -> None:
+        """Tell it to serve, call `while_it_starts`, then wait until the API answers.
+        RuntimeError if it exits first or does not answer within `timeout_s`."""
+        self.serving = True
+        try:
+            self.process.stdin.write(SERVE)
+            self.process.stdin.flush()
+        except BrokenPipeError:  # it exited already: reported below with its status
+            pass
+        while_it_starts()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"Prefect's temporary server exited with status "
+                                   f"{self.process.returncode} before it answered on {self.url} "
+                                   "(its errors are above)")
+            if self.healthy():
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"Prefect's temporary server did not answer on {self.url} within "
+                           f"{timeout_s:.0f} s: a busy machine may need more "
+                           "(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS), or run a "
+                           "dedicated server (`goodput server`, PREFECT_API_URL)")
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Stop it as Prefect stops its own (SIGTERM: uvicorn shuts down, the services stop),
+        killing it if it has not exited within `timeout_s`. Never told to serve, it is still
+        importing or waiting: it has opened neither the database nor its port, and ends at
+        once."""
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            self.process.stdin.close()
+        except BrokenPipeError:
+            pass
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _serve_when_told(listener_fd: int) -> int:
+    """The server process: import the server, then serve on the inherited socket once the
+    command says so; exit quietly at the end of its input."""
+    import uvicorn
+    from prefect.server.api.server import create_app
+
+    listener = socket.socket(fileno=listener_fd)
+    if sys.stdin.buffer.readline() != SERVE:
+        return 0
+    config = uvicorn.Config(create_app, factory=True, log_level="error", lifespan="on")
+    server = uvicorn.Server(config)
+    server.run(sockets=[listener])
+    return 0 if server.started else STARTUP_FAILURE
+
+
+if __name__ == "__main__":
+    sys.exit(_serve_when_told(int(sys.argv[1])))
