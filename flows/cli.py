@@ -352,13 +352,15 @@ def _temporary_server() -> TemporaryServer | None:
     PREFECT_API_URL, as before)."""
     if _server_configured():
         return None
-    if "prefect.settings" in sys.modules or {"PREFECT_PROFILE", "PREFECT_PROFILES_PATH"} & os.environ.keys():
+    profiles = {"PREFECT_PROFILE", "PREFECT_PROFILES_PATH"} & os.environ.keys()
+    if "prefect.settings" in sys.modules or profiles:
         from prefect.settings import PREFECT_SERVER_EPHEMERAL_ENABLED
 
         enabled = PREFECT_SERVER_EPHEMERAL_ENABLED.value()
     else:  # Prefect's default profile ("ephemeral") turns them on; the environment may not
         enabled = all(os.environ.get(name, "true").strip().lower() not in ("0", "false", "no", "off")
-                      for name in ("PREFECT_SERVER_EPHEMERAL_ENABLED", "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"))
+                      for name in ("PREFECT_SERVER_EPHEMERAL_ENABLED",
+                                   "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"))
     return TemporaryServer() if enabled else None
 
 

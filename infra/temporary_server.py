@@ -35,7 +35,8 @@ import urllib.request
 SERVE = b"serve\n"
 # What Prefect's own temporary server runs with (SubprocessASGIServer._run_uvicorn_command):
 # no UI, the services of an ephemeral server.
-SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+              "PREFECT__SERVER_FINAL": "1"}
 # uvicorn's exit status when the server failed to start.
 STARTUP_FAILURE = 3
 
