@@ -13,13 +13,16 @@ def exit_without_teardown(code: int) -> None:
 
     With torch loaded, the teardown after the last exit handler (a last garbage collection
     over every module, torch's operator-library finalizers) took 0.3-1.5 s on 2 cores, and
-    frees only memory, which the OS takes back anyway. The exit handlers still run as on a
-    normal exit (logging flushes, coverage saves, child processes stopped). A thread that is
-    not a daemon would be waited for on a normal exit: then the exit is the normal one.
+    frees only memory, which the OS takes back anyway. The exit handlers still run, in the
+    order of a normal exit: first threading's (Prefect's log and event services send what
+    they hold), then atexit's (logging flushes, coverage saves, child processes stopped).
+    A thread that is not a daemon would be waited for on a normal exit: then the exit is the
+    normal one.
     """
     if any(not thread.daemon for thread in threading.enumerate()
            if thread is not threading.main_thread()):
         sys.exit(code)
+    threading._shutdown()  # what a normal exit runs first: the threading._register_atexit hooks
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:

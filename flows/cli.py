@@ -358,7 +358,8 @@ def _temporary_server() -> TemporaryServer | None:
 
         enabled = PREFECT_SERVER_EPHEMERAL_ENABLED.value()
     else:  # Prefect's default profile ("ephemeral") turns them on; the environment may not
-        enabled = all(os.environ.get(name, "true").strip().lower() not in ("0", "false", "no", "off")
+        off = ("0", "off", "f", "false", "n", "no")  # pydantic's false, as Prefect parses it
+        enabled = all(os.environ.get(name, "true").strip().lower() not in off
                       for name in ("PREFECT_SERVER_EPHEMERAL_ENABLED",
                                    "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE"))
     return TemporaryServer() if enabled else None
@@ -376,10 +377,11 @@ def _import_flows() -> None:
 @contextmanager
 def _flow_runs_recorded_by(server: TemporaryServer | None) -> Iterator[None]:
     """The flows imported, and with `server` (the command's temporary one): told to serve
-    meanwhile, Prefect pointed at it (PREFECT_API_URL: in the environment before Prefect's
-    import, so every thread and child process of the command sees it; in Prefect's settings
-    too where it was imported before), flow runs without heartbeats unless an automation
-    watches them. With no temporary server: Prefect's settings as they are."""
+    meanwhile, Prefect pointed at it (PREFECT_API_URL: in Prefect's settings, for this
+    context and for the threads of Prefect's log and event services, and in the environment,
+    for the command's child processes; all restored after), flow runs without heartbeats
+    unless an automation watches them. With no temporary server: Prefect's settings as they
+    are."""
     if server is None:
         _import_flows()
         yield
@@ -388,9 +390,11 @@ def _flow_runs_recorded_by(server: TemporaryServer | None) -> Iterator[None]:
     _say(f"Prefect's temporary server on {server.url} records this command's flow runs "
          "(none configured: `goodput server` runs a dedicated one)")
     previous = os.environ.get("PREFECT_API_URL")
-    os.environ["PREFECT_API_URL"] = server.api_url
     try:
         server.serve(timeout_s, while_it_starts=_import_flows)
+        # Prefect read its settings when the flows imported it, without this URL: those are
+        # the settings it returns to after the command (main() called again in-process).
+        os.environ["PREFECT_API_URL"] = server.api_url  # for the command's child processes
         from prefect.context import _temporary_global_settings_context, get_settings_context
         from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -443,10 +447,43 @@ def _no_heartbeats_unless_watched():
 
 
 # Prefect's task engine logs "Finished in state <name>(...)" as each task run ends; these
-# names are of final states (Cached is a completed one, TimedOut a failed one).
-FINAL_STATE_NAMES = ("Completed", "Cached", "Failed", "TimedOut", "Crashed", "Cancelled")
+# names are of states that are not final (any other name is: Completed, Cached, Failed,
+# TimedOut, Crashed, Cancelled, or a task's own name for one of those).
+NOT_FINAL_STATE_NAMES = ("Pending", "NotReady", "Scheduled", "Late", "AwaitingRetry",
+                         "AwaitingConcurrencySlot", "Running", "Retrying", "Paused",
+                         "Suspended", "Cancelling")
 FINAL_STATE_TYPES = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
-_ENDED = re.compile(rf"Finished in state ({'|'.join(FINAL_STATE_NAMES)})\b")
+_ENDED = re.compile(r"Finished in state (\w+)")
+
+
+def _task_run_ends_reach_the_api() -> bool:
+    """Whether this process sends the task engine's "Finished in state" lines (INFO) to the
+    API: logging to it is on, and the task-run logger lets INFO through to its handler."""
+    import logging
+
+    from prefect.logging.handlers import APILogHandler
+    from prefect.settings import PREFECT_LOGGING_TO_API_ENABLED
+
+    logger = logging.getLogger("prefect.task_runs")
+    if not (PREFECT_LOGGING_TO_API_ENABLED.value() and logger.isEnabledFor(logging.INFO)):
+        return False
+    while logger is not None:
+        if any(isinstance(handler, APILogHandler) and handler.level <= logging.INFO
+               for handler in logger.handlers):
+            return True
+        logger = logger.parent if logger.propagate else None
+    return False
+
+
+def _send_prefect_queues() -> None:
+    """Send the events and logs this process's Prefect client still holds (it sends them in
+    the background) to the API."""
+    if "prefect.events.worker" in sys.modules:
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
+        EventsWorker.drain_all()
+        APILogWorker.drain_all()
 
 
 def _let_the_api_record(server: TemporaryServer | None, since: float, timeout_s: float = 60.0,
@@ -460,53 +497,69 @@ def _let_the_api_record(server: TemporaryServer | None, since: float, timeout_s:
     sent first. Logs, unlike events, are written as they arrive: the task engine's "Finished
     in state ..." lines of the last `window_s` name the task runs that ended lately, and the
     wait ends once each of them is recorded final and no task run is recorded unfinished.
-    Otherwise (no such line: logging to the API is off; a task run recorded unfinished: one
-    whose process died, or whose end was logged elsewhere), the task runs' states are counted
-    until they stop changing for `quiet_s`. A dedicated server (`goodput server`,
-    PREFECT_API_URL) needs none of it.
+    The recorder writes events in the order they came, so the task runs that ended earlier
+    are recorded by then. Otherwise (those lines do not reach the API: logging to it off, or
+    above INFO; a task run recorded unfinished: one whose process died, or whose end was
+    logged elsewhere), the task runs' states are counted until they stop changing for
+    `quiet_s`. A request the server answers 503 (its database busy) is asked again. A
+    dedicated server (`goodput server`, PREFECT_API_URL) needs none of it.
     """
     if server is None or not server.serving:
         return
     import httpx
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
+    from prefect.settings import get_current_settings
 
-    EventsWorker.drain_all()
-    APILogWorker.drain_all()
+    _send_prefect_queues()
     url, http = server.api_url, httpx.Client(timeout=30)  # one SSL context for all requests
+    page = min(200, get_current_settings().server.api.default_limit)  # the most it returns
+
+    def post(path: str, body: dict):
+        response = http.post(f"{url}/{path}", json=body)
+        response.raise_for_status()
+        return response.json()
 
     def utc(unix_time: float) -> str:
         return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(unix_time))
 
     def ended_lately() -> list[str]:
-        ids, page, after = set(), 200, utc(max(since, time.time() - window_s))
+        ids, after = set(), utc(max(since, time.time() - window_s))
         for offset in itertools.count(0, page):
-            logs = http.post(f"{url}/logs/filter", json={
+            logs = post("logs/filter", {
                 "logs": {"timestamp": {"after_": after}, "task_run_id": {"is_null_": False}},
-                "limit": page, "offset": offset}).json()
-            ids |= {log["task_run_id"] for log in logs if _ENDED.match(log["message"])}
+                "limit": page, "offset": offset})
+            ids |= {log["task_run_id"] for log in logs
+                    if (ended := _ENDED.match(log["message"]))
+                    and ended[1] not in NOT_FINAL_STATE_NAMES}
             if len(logs) < page:
                 return sorted(ids)
 
     def count(state_types, ids=None) -> int:
         task_runs = {"state": {"type": {"any_": list(state_types)}}}
         if ids is not None:
-            return http.post(f"{url}/task_runs/count",
-                             json={"task_runs": {**task_runs, "id": {"any_": ids}}}).json()
-        return http.post(f"{url}/task_runs/count", json={
-            "flow_runs": {"start_time": {"after_": utc(since)}}, "task_runs": task_runs}).json()
+            return post("task_runs/count", {"task_runs": {**task_runs, "id": {"any_": ids}}})
+        return post("task_runs/count", {"flow_runs": {"start_time": {"after_": utc(since)}},
+                                        "task_runs": task_runs})
 
     deadline = time.monotonic() + timeout_s
+    ids, seen, seen_since = None, None, time.monotonic()
     try:
-        ids = ended_lately()
-        if ids:
-            while count(FINAL_STATE_TYPES, ids) < len(ids) and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if not count(("PENDING", "RUNNING")):
-                return
-        seen, seen_since = None, time.monotonic()
         while time.monotonic() < deadline:
-            now = tuple(count((state,)) for state in ("PENDING", "RUNNING", *FINAL_STATE_TYPES))
+            try:
+                if ids is None:
+                    ids = ended_lately() if _task_run_ends_reach_the_api() else []
+                if ids:
+                    if count(FINAL_STATE_TYPES, ids) < len(ids):
+                        time.sleep(0.1)
+                        continue
+                    if not count(("PENDING", "RUNNING")):
+                        return
+                    ids = []  # one recorded unfinished: counted until the counts settle
+                now = tuple(count((state,)) for state in ("PENDING", "RUNNING", *FINAL_STATE_TYPES))
+            except httpx.HTTPStatusError as e:
+                if e.response.status_code != 503:
+                    return  # nothing this wait can change: the command goes on to its end
+                time.sleep(0.5)  # its database busy: asked again
+                continue
             if now != seen:
                 seen, seen_since = now, time.monotonic()
             elif time.monotonic() - seen_since >= quiet_s:
@@ -641,6 +694,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_flow(args, config, server)
     finally:
         if server is not None:
+            if server.serving:  # also after Ctrl-C: what the client holds, sent while it runs
+                _send_prefect_queues()
             server.stop()
 
 

@@ -68,7 +68,7 @@ class TemporaryServer:
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.bind(("127.0.0.1", 0))
         self.port = listener.getsockname()[1]
-        env = {**os.environ, **_settings_set_in_this_process(), **SERVER_ENV}
+        env = {**os.environ, **SERVER_ENV, **_settings_set_in_this_process()}  # as Prefect does
         env.pop("PREFECT_API_URL", None)  # the server's own settings: it is the API
         try:
             self.process = subprocess.Popen(
@@ -77,7 +77,7 @@ class TemporaryServer:
                 start_new_session=True, preexec_fn=_die_with_parent)
         finally:
             listener.close()  # the child holds it now
-        self.serving = False
+        self.serving = False  # True once it has answered: Prefect's clients may use it
 
     @property
     def url(self) -> str:
@@ -90,7 +90,6 @@ class TemporaryServer:
     def serve(self, timeout_s: float = 120.0, while_it_starts=lambda: None) -> None:
         """Tell it to serve, call `while_it_starts`, then wait until the API answers.
         RuntimeError if it exits first or does not answer within `timeout_s`."""
-        self.serving = True
         try:
             self.process.stdin.write(SERVE)
             self.process.stdin.flush()
@@ -104,6 +103,7 @@ class TemporaryServer:
                                    f"{self.process.returncode} before it answered on {self.url} "
                                    "(its errors are above)")
             if self.healthy():
+                self.serving = True
                 return
             time.sleep(0.05)
         raise RuntimeError(f"Prefect's temporary server did not answer on {self.url} within "

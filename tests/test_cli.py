@@ -205,3 +205,27 @@ def test_the_temporary_server_records_every_task_run_before_it_stops(tmp_path, l
     db = sqlite3.connect(tmp_path / "prefect.db")
     states = dict(db.execute("SELECT state_type, count(*) FROM task_run GROUP BY state_type"))
     assert states == {"COMPLETED": 150}, proc.stdout
+
+
+# Exit hooks of both kinds, something left in stdout's buffer, then goodput's way out.
+EXIT_HOOKS = """
+import atexit, sys, threading
+from core.process_exit import exit_without_teardown
+
+threading._register_atexit(lambda: open(sys.argv[1], "a").write("threading\\n"))
+atexit.register(lambda: open(sys.argv[1], "a").write("atexit\\n"))
+print("buffered", end="")
+exit_without_teardown(3)
+"""
+
+
+def test_the_command_exits_without_the_teardown_but_after_every_exit_hook(tmp_path):
+    """`goodput` skips the interpreter's teardown (seconds with torch loaded), not what a
+    normal exit runs first: threading's exit hooks (where Prefect's log and event services
+    send what they hold), then atexit's, then the flush of stdout; with the exit status."""
+    hooks = tmp_path / "hooks.txt"
+    proc = subprocess.run([sys.executable, "-c", EXIT_HOOKS, str(hooks)], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert hooks.read_text() == "threading\natexit\n"
+    assert proc.stdout == "buffered"
