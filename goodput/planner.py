@@ -25,7 +25,7 @@ from pathlib import Path
 from core.config import ConfigError, RunConfig, parse_bytes  # noqa: F401 (parse_bytes: API)
 from core.hf_llama import given_tokenizer_file
 from core.layout import DEGREES, MESH_DIMS, LayoutError, ParallelDims, Problem, pipeline_bubble  # noqa: F401 (API)
-from training.model import ModelArgs, model_args_from_config
+from training.model_args import ModelArgs, model_args_from_config
 
 # A layout's degrees in the order of its name (core.layout: ParallelDims.degrees, cp before tp).
 LAYOUT_DEGREES = tuple(ParallelDims().degrees)

@@ -266,13 +266,14 @@ def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
     """On Prefect's temporary server (no server configured): the command's output holds no
     traceback, and before the server stops with it, it has recorded every task run the
     flow logged as finished, in a final state. Its flow runs sent no heartbeats (no
-    automation there watches them)."""
+    automation there watches them). The command's own process never imported torch: the
+    model runs in processes of their own."""
     config, _ = finished
     config_file = tmp_path / "run.yaml"
     config_file.write_text(dump_config(config))
     home = tmp_path / "prefect"
-    proc = subprocess.run([sys.executable, "-m", "flows.cli", "evaluate", "--config", str(config_file),
-                           "--checkpoint", "20", "eval.num_samples=1"],
+    proc = subprocess.run([sys.executable, "-c", COMMAND_THEN_MODULES, "evaluate", "--config",
+                           str(config_file), "--checkpoint", "20", "eval.num_samples=1"],
                           capture_output=True, text=True, cwd=REPO, timeout=300,
                           env={**os.environ, "PREFECT_HOME": str(home)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -280,6 +281,7 @@ def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
     report = json.loads((config.run_dir / "eval" / "step-00000020.json").read_text())
     assert report["step"] == 20 and report["loss"] > 0 and len(report["samples"]) == 1
     assert "Traceback" not in proc.stdout + proc.stderr
+    assert "imported: ['prefect']" in proc.stdout
     db = sqlite3.connect(home / "prefect.db")
     logged = db.execute("SELECT count(DISTINCT task_run_id) FROM log WHERE task_run_id IS NOT "
                         "NULL AND message LIKE 'Finished in state%'").fetchone()[0]

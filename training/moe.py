@@ -26,26 +26,11 @@ Load balancing, two ways (each its own setting in model.moe):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass
-class MoEArgs:
-    num_experts: int
-    top_k: int = 2
-    expert_dim: int | None = None  # width of each routed expert's SwiGLU; None: the dense width
-    shared_experts: int = 0  # experts every token passes through (one SwiGLU this many times wide)
-    first_dense_layers: int = 0  # the first blocks keep a dense feed-forward (DeepSeek-V3: 3)
-    score_func: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
-    route_norm: bool = False  # the top-k scores divided by their sum (Qwen3's norm_topk_prob)
-    route_scale: float = 1.0  # the weights of the routed outputs scaled by this (DeepSeek-V3: 2.5)
-    aux_loss_coeff: float = 0.0  # alpha of the sequence-wise balance loss; 0: off
-    bias_update_rate: float = 0.0  # gamma of the aux-loss-free bias update; 0: off
-    collapse_steps: int = 100  # an expert without tokens this many steps in a row: a warning
+from training.model_args import MoEArgs  # noqa: F401 (the experts' shape, torch-free)
 
 
 class Router(nn.Module):

@@ -1,0 +1,106 @@
+"""The model's shape, without torch: what the planner and the flows need to know of
+training/model.py's Transformer (and training/moe.py's experts) before, or without,
+building one. The flow process imports it: importing torch there took a second of every
+command's start, and the flows run the model only in processes of their own (training,
+the verifiers, evaluation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from core.config import ffn_hidden_width
+from core.errors import ConfigError
+
+
+@dataclass
+class MoEArgs:
+    num_experts: int
+    top_k: int = 2
+    expert_dim: int | None = None  # width of each routed expert's SwiGLU; None: the dense width
+    shared_experts: int = 0  # experts every token passes through (one SwiGLU this many times wide)
+    first_dense_layers: int = 0  # the first blocks keep a dense feed-forward (DeepSeek-V3: 3)
+    score_func: str = "softmax"  # softmax | sigmoid (DeepSeek-V3)
+    route_norm: bool = False  # the top-k scores divided by their sum (Qwen3's norm_topk_prob)
+    route_scale: float = 1.0  # the weights of the routed outputs scaled by this (DeepSeek-V3: 2.5)
+    aux_loss_coeff: float = 0.0  # alpha of the sequence-wise balance loss; 0: off
+    bias_update_rate: float = 0.0  # gamma of the aux-loss-free bias update; 0: off
+    collapse_steps: int = 100  # an expert without tokens this many steps in a row: a warning
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int
+    dim: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    ffn_multiple_of: int = 32
+    ffn_dim_multiplier: float | None = None
+    ffn_hidden_dim: int | None = None  # the SwiGLU width exactly (e.g. a checkpoint's); wins
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Llama 3.1's frequency-dependent RoPE scaling: {factor, low_freq_factor,
+    # high_freq_factor, original_max_position_embeddings}; None: plain RoPE.
+    rope_scaling: dict | None = None
+    max_seq_len: int = 256
+    tie_embeddings: bool = False  # the output layer uses the embedding matrix (Llama 3.2 1B/3B)
+    # Mixture-of-Experts feed-forwards (training.moe.MoEArgs' fields); None: dense.
+    moe: dict | None = None
+    head_dim: int | None = None  # width of a head; None: dim // n_heads (Qwen3 sets its own)
+    qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
+
+    def __post_init__(self):
+        if self.head_dim is None:
+            self.head_dim = self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        return ffn_hidden_width(self.dim, self.ffn_multiple_of, self.ffn_dim_multiplier,
+                                self.ffn_hidden_dim)
+
+    @property
+    def moe_args(self) -> MoEArgs | None:
+        return MoEArgs(**self.moe) if self.moe is not None else None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe is not None and layer >= self.moe_args.first_dense_layers
+
+    @property
+    def expert_hidden(self) -> int:
+        """The SwiGLU width of one expert: model.moe.expert_dim, else the dense width."""
+        return self.moe_args.expert_dim or self.ffn_hidden
+
+
+def moe_facts(a: ModelArgs) -> dict:
+    """What of model.moe gives weights their shapes and meaning (routing settings may change)."""
+    moe = a.moe_args
+    if moe is None:
+        return {"model.moe": "none"}
+    return {"model.moe.num_experts": moe.num_experts, "expert width": a.expert_hidden,
+            "model.moe.shared_experts": moe.shared_experts,
+            "model.moe.first_dense_layers": moe.first_dense_layers}
+
+
+def model_args_from_config(model_cfg, vocab_size: int) -> ModelArgs:
+    """ModelConfig (core.config) + the tokenizer's vocabulary -> ModelArgs: the vocabulary
+    rounded up to a multiple of model.vocab_multiple_of, or model.vocab_size where the config
+    fixes it (a model.init_from checkpoint's embedding rows)."""
+    fields = model_cfg.model_dump(exclude={"vocab_multiple_of", "vocab_size", "init_from",
+                                           "init_from_fingerprint"})
+    if model_cfg.vocab_size is None:
+        multiple = model_cfg.vocab_multiple_of
+        return ModelArgs(vocab_size=-(-vocab_size // multiple) * multiple, **fields)
+    if vocab_size > model_cfg.vocab_size:
+        source = (f"model.init_from={model_cfg.init_from} (its config.json)" if model_cfg.init_from
+                  else "the config")
+        raise ConfigError(
+            f"the tokenizer has {vocab_size} tokens but model.vocab_size={model_cfg.vocab_size} "
+            f"({source}) gives the model only that many embeddings; train on data tokenized "
+            "with the model's own tokenizer (leave tokenizer.path unset with model.init_from), "
+            "or raise model.vocab_size")
+    return ModelArgs(vocab_size=model_cfg.vocab_size, **fields)
