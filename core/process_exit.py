@@ -1,9 +1,10 @@
-"""Ending a process that has torch (and Prefect) loaded, without the interpreter's teardown."""
+"""A process's end: without the interpreter's teardown, and with its parent."""
 
 from __future__ import annotations
 
 import atexit
 import os
+import signal
 import sys
 import threading
 
@@ -30,3 +31,16 @@ def exit_without_teardown(code: int) -> None:
         except (OSError, ValueError):  # a closed pipe or stream: nothing more can be written
             pass
     os._exit(code)
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Have the kernel send this process `sig` when its parent dies (Linux: PR_SET_PDEATHSIG;
+    elsewhere nothing, False). It follows the thread that started the process. Called in a
+    child before exec, or first thing in one; True when set."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    return True

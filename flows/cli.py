@@ -366,7 +366,7 @@ def _temporary_server() -> TemporaryServer | None:
 
 
 def _import_flows() -> None:
-    """Import the flows (Prefect's engine, torch: about 2.5 s of one core), ignoring a failure:
+    """Import the flows (Prefect's engine: about 1 s of one core), ignoring a failure:
     the command's own import of them raises it again, where it is reported."""
     try:
         import flows.pipeline  # noqa: F401 (it imports the other three flows)

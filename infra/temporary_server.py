@@ -24,13 +24,14 @@ PREFECT_HOME). Started here instead:
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+
+from core.process_exit import die_with_parent
 
 SERVE = b"serve\n"
 # What Prefect's own temporary server runs with (SubprocessASGIServer._run_uvicorn_command):
@@ -39,16 +40,6 @@ SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
               "PREFECT__SERVER_FINAL": "1"}
 # uvicorn's exit status when the server failed to start.
 STARTUP_FAILURE = 3
-
-
-def _die_with_parent() -> None:
-    """In a child, before exec: the kernel ends it with SIGTERM when its parent dies (Linux).
-    It follows the thread that started the child: start it from the main thread."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def _settings_set_in_this_process() -> dict[str, str]:
@@ -74,7 +65,7 @@ class TemporaryServer:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "infra.temporary_server", str(listener.fileno())],
                 stdin=subprocess.PIPE, pass_fds=(listener.fileno(),), env=env,
-                start_new_session=True, preexec_fn=_die_with_parent)
+                start_new_session=True, preexec_fn=die_with_parent)  # SIGTERM: it stops as asked
         finally:
             listener.close()  # the child holds it now
         self.serving = False  # True once it has answered: Prefect's clients may use it

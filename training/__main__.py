@@ -129,14 +129,13 @@ def die_with_agent() -> None:
     is killed outright (SIGKILL, a node's supervisor gone) nobody would, and the orphan would
     go on training with the other nodes. Linux only; elsewhere a no-op.
     """
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
     import signal
 
+    from core.process_exit import die_with_parent
+
     agent = os.getppid()
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if not die_with_parent(signal.SIGKILL):
+        return
     if os.getppid() != agent:  # the agent died before the request took effect
         os._exit(FailureClass.RETRYABLE.exit_code)
 
