@@ -756,11 +756,42 @@ def _run_device(config: RunConfig) -> str:
     if par.device != "auto":
         return par.device
     if launch.kind == "local":
+        if not torch_build_has_gpu_support():
+            return "cpu"  # what torch.cuda.is_available() answers there, without importing torch
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
     requested = {"slurm": launch.slurm.gpus_per_node, "kubernetes": launch.kubernetes.gpus_per_node}
     return "cuda" if requested.get(launch.kind, 1) else "cpu"
+
+
+def torch_build_has_gpu_support() -> bool:
+    """Whether the installed torch was built for CUDA or ROCm, read from its version.py
+    without importing it (about 1 s of a core, which a flow's process spares itself on a
+    CPU build). When that cannot be told: True, and the caller asks torch."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    return gpu_build_in(Path(next(iter(spec.submodule_search_locations))) / "version.py")
+
+
+def gpu_build_in(version_py: Path) -> bool:
+    """torch's version.py names a CUDA or a ROCm build (`cuda` or `hip` not None); True
+    when the file does not say (unreadable, either name missing)."""
+    import ast
+
+    builds = {}
+    try:
+        for node in ast.parse(version_py.read_text()).body:
+            target = (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1
+                      else node.target if isinstance(node, ast.AnnAssign) else None)
+            if isinstance(target, ast.Name) and target.id in ("cuda", "hip") and node.value:
+                builds[target.id] = ast.literal_eval(node.value)
+    except (OSError, SyntaxError, ValueError):
+        return True
+    return set(builds) != {"cuda", "hip"} or any(builds.values())
 
 
 def local_device_memory(device: str, workers: int) -> tuple[int, str]:

@@ -1340,6 +1340,31 @@ def test_check_run_plans_on_the_run_s_own_hardware(tmp_path):
     assert planner.run_vocab_size(config) == tokenizer.get_vocab_size() != config.tokenizer.vocab_size
 
 
+def test_the_local_device_is_decided_as_torch_would_without_importing_a_cpu_build(tmp_path):
+    # The flow's process plans every run: on a CPU build of torch it learns "cpu" from
+    # torch's version.py, as torch.cuda.is_available() would answer, and never imports torch.
+    probe = ("import sys\nfrom core.config import load_config\nfrom goodput import planner\n"
+             "plan, cluster, source = planner.check_run(load_config(None, []))\n"
+             "print(cluster.device, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout.split()
+    import torch
+
+    cpu_build = torch.version.cuda is None and torch.version.hip is None
+    assert planner.torch_build_has_gpu_support() is not cpu_build
+    assert out[0] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert out[1] == str(not cpu_build)  # a CUDA/ROCm build: torch asked, as before
+    # What version.py says, both ways; a file that does not say leaves it to torch.
+    version_py = tmp_path / "version.py"
+    for text, gpu in [("cuda: Optional[str] = None\nhip: Optional[str] = None\n", False),
+                      ("cuda: Optional[str] = '12.8'\nhip: Optional[str] = None\n", True),
+                      ("cuda = None\nhip = '6.4.43484'\n", True),
+                      ("cuda = None\n", True), ("cuda = (\n", True)]:
+        version_py.write_text(text)
+        assert planner.gpu_build_in(version_py) is gpu, text
+    assert planner.gpu_build_in(tmp_path / "missing.py") is True
+
+
 def test_device_memory_must_be_a_size():
     with pytest.raises(ConfigError, match=r"parallelism: device_memory: 'lots' is not a memory size"):
         load_config(None, ["parallelism.device_memory=lots"])

@@ -203,6 +203,10 @@ def serve(parser: argparse.ArgumentParser) -> int:
 
     from training.allocator import return_freed_memory
 
+    # What the imports made (torch's modules: most of the heap's objects) lives as long as
+    # the process: out of the collections below, each of which walked it all (0.07 s quiet,
+    # 0.25 s at background priority beside training, per checkpoint).
+    gc.freeze()
     while select.select([sys.stdin], [], [], IDLE_EXIT_S)[0]:
         line = sys.stdin.readline()
         if not line:
