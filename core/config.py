@@ -633,6 +633,12 @@ class ParallelismConfig(_Section):
                           "them until backward (ZeRO-2-like, more memory, less communication).")
     activation_checkpointing: Literal["none", "selective", "full"] = Field("none")
     compile: bool = Field(False, description="torch.compile each transformer block, and the loss.")
+    loss_chunk_tokens: int = Field(
+        0, ge=0, description="The output layer and the loss computed this many tokens at a "
+        "time, their gradients at once (a fused linear cross-entropy): the whole micro-batch's "
+        "logits and their fp32 copy are never held, e.g. 16 x 1024 tokens x a 50k vocabulary: "
+        "3.3 GB of fp32 logits, against 0.2 GB at 1024. 0: the whole micro-batch at once. "
+        "Not with tp > 1 or pp > 1, whose output layer and loss are split their own way.")
     mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
         "auto", description="bf16 compute: FSDP2 casts the parameters to bf16 and reduces "
         "gradients in fp32; other layouts run forward under bf16 autocast. 'auto': bf16 on GPU, "
@@ -674,6 +680,15 @@ class ParallelismConfig(_Section):
             # or a saved config carries the default along, so it is not told apart).
             self.dp_replicate = 1
         self.dims()
+        return self
+
+    @model_validator(mode="after")
+    def _loss_chunks_without_tp_or_pp(self) -> "ParallelismConfig":
+        if self.loss_chunk_tokens and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} needs tp=1 and pp=1 "
+                             f"(here tp={self.tp}, pp={self.pp}): under tensor parallelism the "
+                             "output layer is split over the vocabulary, and a pipeline's last "
+                             "stage computes the loss in its schedule; set loss_chunk_tokens=0")
         return self
 
     @model_validator(mode="after")

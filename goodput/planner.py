@@ -363,13 +363,21 @@ def op_checkpointed_block_bytes(args: ModelArgs, tokens: int, tp: int, act_bytes
 
 def head_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_bytes: int,
                           residual_bytes: int | None = None, compiled: bool = False,
-                          vocab_parallel: bool = False, fused_norm: bool = False) -> float:
+                          vocab_parallel: bool = False, fused_norm: bool = False,
+                          chunk_tokens: int = 0) -> float:
     """Final norm, the output projection's input, and what the loss keeps: eagerly the fp32
     log-probabilities (training/model.py's cross_entropy casts the logits to fp32), compiled
     the logits as they come (the fused loss recomputes the softmax from them and its fp32
     log-sum-exp). The logits are all-gathered under TP (the loss works on the whole
-    vocabulary) unless the loss is vocabulary-parallel."""
+    vocabulary) unless the loss is vocabulary-parallel.
+
+    In chunks (parallelism.loss_chunk_tokens, training.model.linear_cross_entropy) the loss
+    keeps its two gradients instead: the hidden states' in the matmul's dtype, the same size
+    as the input a matmul keeps, and the output weight's in fp32, the whole matrix."""
     tokens = batch * seq
+    if chunk_tokens:
+        return (_norm_bytes(args, tokens, tp, residual_bytes or act_bytes, fused_norm)
+                + act_bytes * tokens * args.dim + 4 * args.vocab_size * args.dim)
     vocab = args.vocab_size / (tp if vocab_parallel else 1)
     logits = (act_bytes * vocab + 4) if compiled else 4 * vocab
     return (_norm_bytes(args, tokens, tp, residual_bytes or act_bytes, fused_norm)
@@ -377,11 +385,27 @@ def head_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_by
 
 
 def loss_workspace_bytes(args: ModelArgs, batch: int, seq: int, compiled: bool = False,
-                         act_bytes: int = 4, tp: int = 1) -> float:
+                         act_bytes: int = 4, tp: int = 1, chunk_tokens: int = 0,
+                         residual_bytes: int | None = None) -> float:
     """Backward's start: eagerly the fp32 gradients of the log-probabilities and of the
     logits, alive at once; compiled, only the logits' gradient, in their dtype (the fused
     kernel computes softmax minus one-hot from the saved logits and log-sum-exp without an
-    fp32 copy). `tp`: the vocabulary shard (vocabulary-parallel loss)."""
+    fp32 copy). `tp`: the vocabulary shard (vocabulary-parallel loss).
+
+    In chunks (`chunk_tokens`): the larger of one chunk's work in forward (its logits, their
+    fp32 copy, then the gradient cast back beside it; in fp32 the logits and the weight's
+    partial gradient) and backward's scaled copies of the two kept gradients."""
+    if chunk_tokens:
+        chunk, vocab_by_dim = min(chunk_tokens, batch * seq), args.vocab_size * args.dim
+        if act_bytes == 4:
+            forward = 4 * chunk * args.vocab_size + 4 * vocab_by_dim
+        else:
+            forward = max((4 + act_bytes) * chunk * args.vocab_size,
+                          act_bytes * (chunk * args.vocab_size + vocab_by_dim))
+        residual = residual_bytes or act_bytes
+        backward = (batch * seq * args.dim * (act_bytes + (residual if residual != act_bytes else 0))
+                    + 4 * vocab_by_dim)
+        return max(forward, backward)
     per_token = act_bytes if compiled else 2 * 4
     return per_token * batch * seq * args.vocab_size / tp
 
@@ -1072,15 +1096,17 @@ def _rank_memory(s: _Setup, dims: ParallelDims, checkpointing: str, rank: _Rank)
                       for kinds in rank.kinds)
     activations = rank.inflight * stage_bytes
     vocab_parallel = recipe.vocab_parallel_loss or recipe.sharded_saves
+    chunk = par.loss_chunk_tokens if tp == 1 and dims.pp == 1 else 0  # (the config's check)
     if rank.last:
         # The last stage's loss runs backward as soon as its forward is done (1F1B and
         # interleaved): one micro-batch's head at a time; GPipe keeps all of them.
         head_inflight = rank.inflight if dims.pp_schedule == "gpipe" else 1
         activations += head_inflight * head_activation_bytes(
             args, mb, seq, tp, s.act_bytes, residual, compiled=s.fused_loss,
-            vocab_parallel=vocab_parallel, fused_norm=s.fused_norm)
+            vocab_parallel=vocab_parallel, fused_norm=s.fused_norm, chunk_tokens=chunk)
     loss = (loss_workspace_bytes(args, mb, seq, s.fused_loss, s.act_bytes,
-                                 tp if vocab_parallel else 1) if rank.last else 0.0)
+                                 tp if vocab_parallel else 1, chunk, residual)
+            if rank.last else 0.0)
     recompute = (max(_block_saved_bytes(s, mb, dims, residual, "none", moe)
                      for moe in {kind for stage in rank.kinds for kind in stage})
                  if checkpointing != "none" else 0.0)

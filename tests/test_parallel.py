@@ -94,6 +94,10 @@ LAYOUTS_2 = {
                         "parallelism.pp_last_stage_less_layers=2", "training.micro_batch_size=4"),
     "fsdp-ac": ("parallelism.dp_replicate=1", "parallelism.dp_shard=2", "training.micro_batch_size=2",
                 "parallelism.activation_checkpointing=full"),
+    # The output layer and loss 48 tokens at a time (micro-batches of 128: two chunks and a
+    # part), through FSDP's gathered weights.
+    "fsdp-chunked-loss": ("parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                          "training.micro_batch_size=2", "parallelism.loss_chunk_tokens=48"),
 }
 
 
@@ -242,6 +246,56 @@ def test_a_model_given_its_weights_draws_no_initial_values_and_computes_the_same
     with pytest.raises(RuntimeError, match="size mismatch"):
         Transformer.with_weights(ModelArgs(vocab_size=128, dim=32, n_layers=2, n_heads=4),
                                  trained.state_dict())
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_loss_in_chunks_equals_the_loss_of_the_whole_logits(autocast):
+    # training.model.linear_cross_entropy against cross_entropy(F.linear(...)): the loss and
+    # both gradients, in fp32 and under bf16 autocast, with an ignored target, for chunks of
+    # one token, of a part of the batch (the last one shorter) and of all of it.
+    import torch
+    import torch.nn.functional as F
+
+    from training.model import IGNORE_INDEX, cross_entropy, linear_cross_entropy
+
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 70, 32, generator=generator)
+    weight = torch.randn(301, 32, generator=generator) * 0.1
+    targets = torch.randint(0, 301, (3, 70), generator=generator)
+    targets[0, :4] = IGNORE_INDEX
+
+    def loss_and_grads(chunk):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = (linear_cross_entropy(h, w, targets, chunk) if chunk
+                    else cross_entropy(F.linear(h, w), targets))
+        (loss / 2).backward()  # as the trainer divides by its accumulation steps
+        return loss.detach(), h.grad, w.grad
+
+    whole = loss_and_grads(0)
+    assert whole[1].dtype == whole[2].dtype == torch.float32
+    for chunk in (1, 64, 4096):
+        loss, grad_hidden, grad_weight = loss_and_grads(chunk)
+        assert grad_hidden.dtype == grad_weight.dtype == torch.float32
+        assert loss.item() == pytest.approx(whole[0].item(), rel=1e-5)
+        torch.testing.assert_close(grad_hidden, whole[1], rtol=1e-4, atol=1e-6)
+        # bf16: each chunk's weight gradient is rounded to bf16 before the chunks are summed
+        # in fp32; the whole batch's, once: equal within bf16's rounding of the largest values.
+        tolerance = 8e-3 * whole[2].abs().max().item() if autocast else 1e-6
+        torch.testing.assert_close(grad_weight, whole[2], rtol=1e-4, atol=tolerance)
+    with torch.no_grad():  # evaluation: the loss alone, the same
+        assert linear_cross_entropy(hidden, weight, targets, 64).item() == pytest.approx(
+            cross_entropy(F.linear(hidden, weight), targets).item(), rel=1e-5)
+
+
+def test_the_loss_in_chunks_is_refused_where_the_output_layer_is_split():
+    from core.config import ConfigError, load_config
+
+    for layout in (["parallelism.tp=2", "parallelism.dp_replicate=1"],
+                   ["parallelism.pp=2", "parallelism.dp_replicate=1"]):
+        with pytest.raises(ConfigError, match="loss_chunk_tokens=256 needs tp=1 and pp=1"):
+            load_config(None, ["parallelism.nproc_per_node=2", "parallelism.loss_chunk_tokens=256",
+                               *layout])
 
 
 def test_whole_model_names_drop_the_segments_wrappers_add():

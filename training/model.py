@@ -253,8 +253,11 @@ class Transformer(nn.Module):
         return model
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, mask: torch.Tensor | None = None):
-        """tokens: (batch, seq) ids. Returns logits, or the mean cross-entropy with targets.
+                positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                loss_chunk_tokens: int = 0):
+        """tokens: (batch, seq) ids. Returns logits, or the mean cross-entropy with targets:
+        with `loss_chunk_tokens`, from the output layer's weight that many tokens at a time,
+        never holding the whole batch's logits (linear_cross_entropy).
 
         A pipeline stage is this model with the parts of other stages set to None: then the
         input may be hidden states and the output is hidden states.
@@ -273,7 +276,10 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, mask=mask)
         if self.output is None:
             return x
-        logits = self.output(self.norm(x))
+        x = self.norm(x)
+        if targets is not None and loss_chunk_tokens:
+            return linear_cross_entropy(x, self.output.weight, targets, loss_chunk_tokens)
+        logits = self.output(x)
         if targets is None:
             return logits
         return cross_entropy(logits, targets)
@@ -331,6 +337,80 @@ class Transformer(nn.Module):
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over every position, computed in fp32."""
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+IGNORE_INDEX = -100  # F.cross_entropy's: a target that counts for nothing
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """The output projection and the mean cross-entropy, `chunk` tokens at a time.
+
+    Per chunk: its logits (the matmul in the ambient autocast dtype, as nn.Linear would run
+    it), their fp32 log-sum-exp and the loss, then at once the gradient of the loss with
+    respect to those logits (softmax minus one-hot) and through the matmul to the hidden
+    states and the weight. Only the two gradients are kept for backward, which scales them
+    by the loss's own gradient: the logits of the whole batch, and their fp32 copy, are
+    never alive at once. The same FLOPs as the unchunked path, every matmul in the same
+    dtype (Liger-Kernel's fused linear cross-entropy does the same on GPUs)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk):
+        wanted_hidden, wanted_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        counted = (targets != IGNORE_INDEX).sum()
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = grad_weight = None
+        for start in range(0, hidden.size(0), chunk):
+            h, t = hidden[start:start + chunk], targets[start:start + chunk]
+            logits = F.linear(h, weight)  # under autocast: bf16, as the output layer's
+            compute_dtype = logits.dtype
+            logits = logits.float()
+            valid = t != IGNORE_INDEX
+            picked = t.clamp(min=0).unsqueeze(1)
+            target_logits = logits.gather(1, picked).squeeze(1)
+            # The log-sum-exp and the softmax in the logits' own memory (torch.logsumexp
+            # would allocate two more chunks of fp32 logits).
+            shift = logits.amax(dim=1, keepdim=True)
+            probs = logits.sub_(shift).exp_()
+            sum_exp = probs.sum(dim=1)
+            total += ((sum_exp.log() + shift.squeeze(1) - target_logits) * valid).sum()
+            if not (wanted_hidden or wanted_weight):
+                continue
+            grad_logits = probs.div_(sum_exp.unsqueeze(1))  # softmax
+            grad_logits.scatter_add_(1, picked, -torch.ones_like(target_logits).unsqueeze(1))
+            # The mean's 1/count applied in fp32 before the cast, as autograd orders it.
+            grad_logits.mul_(valid.unsqueeze(1) / counted)
+            grad_logits = grad_logits.to(compute_dtype)  # as autograd hands it to the matmul
+            # Under autocast the two matmuls cast as the output layer's did (the weight's
+            # bf16 copy is autocast's cached one).
+            if wanted_hidden:
+                if grad_hidden is None:
+                    grad_hidden = torch.empty(hidden.shape, dtype=compute_dtype, device=hidden.device)
+                grad_hidden[start:start + chunk] = grad_logits @ weight
+            if wanted_weight:
+                part = grad_logits.t() @ h
+                if grad_weight is None:  # fp32 across chunks, rounded once at the end
+                    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+                grad_weight += part
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return total / counted
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        return (None if grad_hidden is None else (grad_hidden * grad_loss).to(hidden_dtype),
+                None if grad_weight is None else (grad_weight * grad_loss).to(weight_dtype),
+                None, None)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk_tokens: int) -> torch.Tensor:
+    """cross_entropy(F.linear(hidden, weight), targets), `chunk_tokens` tokens at a time
+    (_ChunkedLinearCrossEntropy): equal within float rounding, without the whole batch's
+    logits. hidden (..., dim), targets (...)."""
+    return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.size(-1)), weight,
+                                            targets.reshape(-1), chunk_tokens)
 
 
 def shape_differences(saved: dict, args: ModelArgs) -> list[str]:

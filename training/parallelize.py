@@ -50,6 +50,9 @@ class Layout:
     # whether forward runs under bf16 autocast (FSDP casts the parameters itself instead).
     loss_fn: Callable = cross_entropy
     autocast: bool = False
+    # parallelism.loss_chunk_tokens: the model computes its output layer and loss in chunks
+    # (training.model.linear_cross_entropy) instead of returning logits for loss_fn.
+    loss_chunk_tokens: int = 0
 
     @property
     def dp_size(self) -> int:
@@ -197,6 +200,7 @@ def _precision_and_loss(layout: Layout, par_cfg, device: torch.device) -> Layout
     fp32 (an fp32 embedding plus bf16 matmul outputs), so what they exchange is shaped the
     same either way. The loss compiled when parallelism.compile is set."""
     layout.autocast = uses_bf16(par_cfg, device) and not layout.fsdp
+    layout.loss_chunk_tokens = par_cfg.loss_chunk_tokens
     if par_cfg.compile:
         # The loss over the vocabulary is memory-bound: eagerly, the fp32 copy of the logits,
         # log-softmax and its gradient each go through memory (for GPT-2's 50k vocabulary,

@@ -364,7 +364,10 @@ def forward_backward(layout: Layout, inputs, targets, device, last_micro: bool, 
     sync = model.no_sync() if (layout.ddp and not last_micro) else nullcontext()
     with sync:
         with autocast:
-            loss = layout.loss_fn(model(inputs), targets) / accum
+            if layout.loss_chunk_tokens:
+                loss = model(inputs, targets, loss_chunk_tokens=layout.loss_chunk_tokens) / accum
+            else:
+                loss = layout.loss_fn(model(inputs), targets) / accum
         loss.backward()
     return loss.detach()
 
