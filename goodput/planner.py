@@ -386,7 +386,7 @@ def head_activation_bytes(args: ModelArgs, batch: int, seq: int, tp: int, act_by
 
 def loss_workspace_bytes(args: ModelArgs, batch: int, seq: int, compiled: bool = False,
                          act_bytes: int = 4, tp: int = 1, chunk_tokens: int = 0,
-                         residual_bytes: int | None = None) -> float:
+                         residual_bytes: int | None = None, weight_bytes: int = 4) -> float:
     """Backward's start: eagerly the fp32 gradients of the log-probabilities and of the
     logits, alive at once; compiled, only the logits' gradient, in their dtype (the fused
     kernel computes softmax minus one-hot from the saved logits and log-sum-exp without an
@@ -394,7 +394,8 @@ def loss_workspace_bytes(args: ModelArgs, batch: int, seq: int, compiled: bool =
 
     In chunks (`chunk_tokens`): the larger of one chunk's work in forward (its logits, their
     fp32 copy, then the gradient cast back beside it; in fp32 the logits and the weight's
-    partial gradient) and backward's scaled copies of the two kept gradients."""
+    partial gradient) and backward's scaled copies of the two kept gradients (cast to the
+    weight's dtype where it is bf16: FSDP2's bf16 parameters)."""
     if chunk_tokens:
         chunk, vocab_by_dim = min(chunk_tokens, batch * seq), args.vocab_size * args.dim
         if act_bytes == 4:
@@ -404,7 +405,7 @@ def loss_workspace_bytes(args: ModelArgs, batch: int, seq: int, compiled: bool =
                           act_bytes * (chunk * args.vocab_size + vocab_by_dim))
         residual = residual_bytes or act_bytes
         backward = (batch * seq * args.dim * (act_bytes + (residual if residual != act_bytes else 0))
-                    + 4 * vocab_by_dim)
+                    + (4 + (weight_bytes if weight_bytes != 4 else 0)) * vocab_by_dim)
         return max(forward, backward)
     per_token = act_bytes if compiled else 2 * 4
     return per_token * batch * seq * args.vocab_size / tp
@@ -802,8 +803,8 @@ def torch_build_has_gpu_support() -> bool:
 
 
 def gpu_build_in(version_py: Path) -> bool:
-    """torch's version.py names a CUDA or a ROCm build (`cuda` or `hip` not None); True
-    when the file does not say (unreadable, either name missing)."""
+    """torch's version.py names a CUDA or a ROCm build (`cuda`, `hip` or `rocm` not None);
+    True when the file does not say (unreadable, `cuda` or `hip` missing)."""
     import ast
 
     builds = {}
@@ -811,11 +812,11 @@ def gpu_build_in(version_py: Path) -> bool:
         for node in ast.parse(version_py.read_text()).body:
             target = (node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1
                       else node.target if isinstance(node, ast.AnnAssign) else None)
-            if isinstance(target, ast.Name) and target.id in ("cuda", "hip") and node.value:
+            if isinstance(target, ast.Name) and target.id in ("cuda", "hip", "rocm") and node.value:
                 builds[target.id] = ast.literal_eval(node.value)
     except (OSError, SyntaxError, ValueError):
         return True
-    return set(builds) != {"cuda", "hip"} or any(builds.values())
+    return not {"cuda", "hip"} <= set(builds) or any(builds.values())
 
 
 def local_device_memory(device: str, workers: int) -> tuple[int, str]:
@@ -1105,7 +1106,8 @@ def _rank_memory(s: _Setup, dims: ParallelDims, checkpointing: str, rank: _Rank)
             args, mb, seq, tp, s.act_bytes, residual, compiled=s.fused_loss,
             vocab_parallel=vocab_parallel, fused_norm=s.fused_norm, chunk_tokens=chunk)
     loss = (loss_workspace_bytes(args, mb, seq, s.fused_loss, s.act_bytes,
-                                 tp if vocab_parallel else 1, chunk, residual)
+                                 tp if vocab_parallel else 1, chunk, residual,
+                                 weight_bytes=compute_bytes if fsdp else MASTER_BYTES)
             if rank.last else 0.0)
     recompute = (max(_block_saved_bytes(s, mb, dims, residual, "none", moe)
                      for moe in {kind for stage in rank.kinds for kind in stage})

@@ -263,6 +263,7 @@ def test_the_loss_in_chunks_equals_the_loss_of_the_whole_logits(autocast):
     weight = torch.randn(301, 32, generator=generator) * 0.1
     targets = torch.randint(0, 301, (3, 70), generator=generator)
     targets[0, :4] = IGNORE_INDEX
+    targets[1, :64] = IGNORE_INDEX  # chunks of 64: the fourth counts for nothing at all
 
     def loss_and_grads(chunk):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -284,8 +285,15 @@ def test_the_loss_in_chunks_equals_the_loss_of_the_whole_logits(autocast):
         tolerance = 8e-3 * whole[2].abs().max().item() if autocast else 1e-6
         torch.testing.assert_close(grad_weight, whole[2], rtol=1e-4, atol=tolerance)
     with torch.no_grad():  # evaluation: the loss alone, the same
-        assert linear_cross_entropy(hidden, weight, targets, 64).item() == pytest.approx(
+        w = weight.clone().requires_grad_()  # a parameter, as in a model in eval
+        loss = linear_cross_entropy(hidden, w, targets, 64)
+        assert loss.grad_fn is None and loss.item() == pytest.approx(
             cross_entropy(F.linear(hidden, weight), targets).item(), rel=1e-5)
+    # No target counted: the loss is NaN and the gradients zero, as F.cross_entropy's.
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = linear_cross_entropy(h, w, torch.full_like(targets, IGNORE_INDEX), 64)
+    loss.backward()
+    assert loss.isnan() and not h.grad.any() and not w.grad.any()
 
 
 def test_the_loss_in_chunks_is_refused_where_the_output_layer_is_split():

@@ -351,12 +351,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     states and the weight. Only the two gradients are kept for backward, which scales them
     by the loss's own gradient: the logits of the whole batch, and their fp32 copy, are
     never alive at once. The same FLOPs as the unchunked path, every matmul in the same
-    dtype (Liger-Kernel's fused linear cross-entropy does the same on GPUs)."""
+    dtype (Liger-Kernel's fused linear cross-entropy does the same on GPUs). Without
+    `gradients` (evaluation) only the loss is computed."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk):
-        wanted_hidden, wanted_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+    def forward(ctx, hidden, weight, targets, chunk, gradients):
+        wanted_hidden = gradients and ctx.needs_input_grad[0]
+        wanted_weight = gradients and ctx.needs_input_grad[1]
         counted = (targets != IGNORE_INDEX).sum()
+        # The mean's 1/count, applied to each chunk's logit gradient in fp32 before the cast,
+        # as autograd orders it (no target counted: zero gradients, as F.cross_entropy's).
+        per_target = 1 / counted.clamp(min=1)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = grad_weight = None
         for start in range(0, hidden.size(0), chunk):
@@ -365,20 +370,24 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             compute_dtype = logits.dtype
             logits = logits.float()
             valid = t != IGNORE_INDEX
-            picked = t.clamp(min=0).unsqueeze(1)
+            # Ignored targets pick class 0 (and count for nothing); any other negative one
+            # fails in gather, as in F.cross_entropy.
+            picked = t.masked_fill(~valid, 0).unsqueeze(1)
             target_logits = logits.gather(1, picked).squeeze(1)
             # The log-sum-exp and the softmax in the logits' own memory (torch.logsumexp
             # would allocate two more chunks of fp32 logits).
             shift = logits.amax(dim=1, keepdim=True)
             probs = logits.sub_(shift).exp_()
+            del logits
             sum_exp = probs.sum(dim=1)
             total += ((sum_exp.log() + shift.squeeze(1) - target_logits) * valid).sum()
             if not (wanted_hidden or wanted_weight):
+                del probs  # before the next chunk's logits: one chunk alive at a time
                 continue
             grad_logits = probs.div_(sum_exp.unsqueeze(1))  # softmax
+            del probs
             grad_logits.scatter_add_(1, picked, -torch.ones_like(target_logits).unsqueeze(1))
-            # The mean's 1/count applied in fp32 before the cast, as autograd orders it.
-            grad_logits.mul_(valid.unsqueeze(1) / counted)
+            grad_logits.mul_(valid.unsqueeze(1) * per_target)
             grad_logits = grad_logits.to(compute_dtype)  # as autograd hands it to the matmul
             # Under autocast the two matmuls cast as the output layer's did (the weight's
             # bf16 copy is autocast's cached one).
@@ -391,26 +400,30 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if grad_weight is None:  # fp32 across chunks, rounded once at the end
                     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
                 grad_weight += part
+                del part
+            del grad_logits
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return total / counted
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
         hidden_dtype, weight_dtype = ctx.dtypes
         return (None if grad_hidden is None else (grad_hidden * grad_loss).to(hidden_dtype),
                 None if grad_weight is None else (grad_weight * grad_loss).to(weight_dtype),
-                None, None)
+                None, None, None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          chunk_tokens: int) -> torch.Tensor:
     """cross_entropy(F.linear(hidden, weight), targets), `chunk_tokens` tokens at a time
     (_ChunkedLinearCrossEntropy): equal within float rounding, without the whole batch's
-    logits. hidden (..., dim), targets (...)."""
+    logits. hidden (..., dim), targets (...). Under torch.no_grad only the loss."""
+    gradients = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     return _ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.size(-1)), weight,
-                                            targets.reshape(-1), chunk_tokens)
+                                            targets.reshape(-1), chunk_tokens, gradients)
 
 
 def shape_differences(saved: dict, args: ModelArgs) -> list[str]:

@@ -286,7 +286,10 @@ def batch_loss(layout: Layout, inputs, targets, device, accum: int) -> torch.Ten
                 return torch.zeros((), device=device)
             # pipeline_loss gives each micro-batch its share of a step's mean: undo the steps'
             return torch.stack(losses).sum().float() * accum
-        return layout.loss_fn(layout.model_parts[0](inputs), targets).float()
+        model = layout.model_parts[0]
+        if layout.loss_chunk_tokens:  # the memory the training step was planned with
+            return model(inputs, targets, loss_chunk_tokens=layout.loss_chunk_tokens).float()
+        return layout.loss_fn(model(inputs), targets).float()
 
 
 def flat_config(config: RunConfig) -> dict:

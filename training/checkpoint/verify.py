@@ -206,6 +206,7 @@ def serve(parser: argparse.ArgumentParser) -> int:
     # What the imports made (torch's modules: most of the heap's objects) lives as long as
     # the process: out of the collections below, each of which walked it all (0.07 s quiet,
     # 0.25 s at background priority beside training, per checkpoint).
+    gc.collect()  # what the imports left for collection goes first, not into the frozen set
     gc.freeze()
     while select.select([sys.stdin], [], [], IDLE_EXIT_S)[0]:
         line = sys.stdin.readline()
