@@ -1340,6 +1340,27 @@ def test_check_run_plans_on_the_run_s_own_hardware(tmp_path):
     assert planner.run_vocab_size(config) == tokenizer.get_vocab_size() != config.tokenizer.vocab_size
 
 
+def test_a_layout_out_of_memory_for_its_logits_is_told_to_compute_the_loss_in_chunks():
+    # A small model with GPT-2's vocabulary at 16 x 1024 tokens: the eager loss's fp32
+    # log-probabilities and their gradients are most of the step. The first fix named is the
+    # one that recomputes nothing, with the peak it gives, which the chunked config plans.
+    shape = ["tokenizer.vocab_size=50304", "model.dim=256", "model.n_layers=2", "model.n_heads=4",
+             "model.max_seq_len=1024", "training.seq_len=1024", "training.micro_batch_size=16",
+             "parallelism.device=cuda", "parallelism.device_memory=4GiB",
+             "parallelism.nproc_per_node=1", "parallelism.dp_replicate=1"]
+    plan, cluster, source = planner.check_run(load_config(None, shape))
+    assert not plan.ok and plan.memory.peak > 8 * 2**30
+    message = planner.failure_message(plan, cluster, source)
+    assert "fix: set parallelism.loss_chunk_tokens=1024" in message
+    chunked, _, _ = planner.check_run(load_config(None, [*shape, "parallelism.loss_chunk_tokens=1024"]))
+    assert chunked.ok and f"({planner._amount(chunked.memory.peak)})" in message
+    # Already in chunks, or split by TP: it is not offered.
+    with_tp = [*shape[:-2], "parallelism.nproc_per_node=2", "parallelism.dp_replicate=1",
+               "parallelism.tp=2", "parallelism.device_memory=1GiB"]
+    plan, cluster, source = planner.check_run(load_config(None, with_tp))
+    assert not plan.ok and "loss_chunk_tokens" not in planner.failure_message(plan, cluster, source)
+
+
 def test_the_local_device_is_decided_as_torch_would_without_importing_a_cpu_build(tmp_path):
     # The flow's process plans every run: on a CPU build of torch it learns "cpu" from
     # torch's version.py, as torch.cuda.is_available() would answer, and never imports torch.
