@@ -687,7 +687,7 @@ class ParallelismConfig(_Section):
 
     @model_validator(mode="after")
     def _loss_chunks_without_tp_or_pp(self) -> "ParallelismConfig":
-        if self.loss_chunk_tokens and (self.tp > 1 or self.pp > 1):
+        if self.loss_chunk_tokens and self.dims().splits_output_layer:
             raise ValueError(f"loss_chunk_tokens={self.loss_chunk_tokens} needs tp=1 and pp=1 "
                              f"(here tp={self.tp}, pp={self.pp}): under tensor parallelism the "
                              "output layer is split over the vocabulary, and a pipeline's last "

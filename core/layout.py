@@ -73,6 +73,12 @@ class ParallelDims:
     # of its 2 x cp chunks (i and 2cp-1-i, so that causal attention costs each the same).
     cp: int = 1
 
+    @property
+    def splits_output_layer(self) -> bool:
+        """The output layer and loss are split their own way: over the vocabulary by TP, into
+        the last pipeline stage's schedule by PP (so not in chunks: loss_chunk_tokens)."""
+        return self.tp > 1 or self.pp > 1
+
     @classmethod
     def resolve(cls, degrees: dict[str, int], world_size: int, world: str = "",
                 **pipeline) -> ParallelDims:

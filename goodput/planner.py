@@ -25,7 +25,7 @@ from pathlib import Path
 from core.config import ConfigError, RunConfig, parse_bytes  # noqa: F401 (parse_bytes: API)
 from core.hf_llama import given_tokenizer_file
 from core.layout import DEGREES, MESH_DIMS, LayoutError, ParallelDims, Problem, pipeline_bubble  # noqa: F401 (API)
-from training.model_args import ModelArgs, model_args_from_config
+from training.model_args import LOSS_CHUNK_TOKENS, ModelArgs, model_args_from_config
 
 # A layout's degrees in the order of its name (core.layout: ParallelDims.degrees, cp before tp).
 LAYOUT_DEGREES = tuple(ParallelDims().degrees)
@@ -1097,7 +1097,7 @@ def _rank_memory(s: _Setup, dims: ParallelDims, checkpointing: str, rank: _Rank)
                       for kinds in rank.kinds)
     activations = rank.inflight * stage_bytes
     vocab_parallel = recipe.vocab_parallel_loss or recipe.sharded_saves
-    chunk = par.loss_chunk_tokens if tp == 1 and dims.pp == 1 else 0  # (the config's check)
+    chunk = 0 if dims.splits_output_layer else par.loss_chunk_tokens
     if rank.last:
         # The last stage's loss runs backward as soon as its forward is done (1F1B and
         # interleaved): one micro-batch's head at a time; GPipe keeps all of them.
@@ -1212,9 +1212,6 @@ def _stage_activations(s: _Setup, mb: int, dims: ParallelDims, kinds: tuple[bool
                for mode, moe in _block_modes(s, kinds, checkpointing))
 
 
-SUGGESTED_LOSS_CHUNK = 1024  # tokens: 0.11x the memory at 0.96x the time of GPT-2's head on CPU
-
-
 def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory) -> Problem:
     """Name the first single change that makes the layout fit, with its estimate."""
     have, device = s.cluster.gpu_memory, _device_noun(s.cluster)
@@ -1222,12 +1219,12 @@ def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory) -> Problem:
     checkpointing = s.config.parallelism.activation_checkpointing
     options = []
     par = s.config.parallelism
-    if s.recipe == GOODPUT and not par.loss_chunk_tokens and dims.tp == 1 and dims.pp == 1:
+    if s.recipe == GOODPUT and not par.loss_chunk_tokens and not dims.splits_output_layer:
         # First: it recomputes nothing (a large vocabulary's logits are often the largest
         # activation of a small model).
         chunked = replace(s, config=s.config.model_copy(update={
-            "parallelism": par.model_copy(update={"loss_chunk_tokens": SUGGESTED_LOSS_CHUNK})}))
-        options.append((f"set parallelism.loss_chunk_tokens={SUGGESTED_LOSS_CHUNK} (the output "
+            "parallelism": par.model_copy(update={"loss_chunk_tokens": LOSS_CHUNK_TOKENS})}))
+        options.append((f"set parallelism.loss_chunk_tokens={LOSS_CHUNK_TOKENS} (the output "
                         "layer and loss a chunk of tokens at a time, never the whole "
                         "micro-batch's logits)", _memory(chunked, dims, checkpointing)))
     if checkpointing != "full":

@@ -10,12 +10,7 @@ import torch
 from core.errors import DataError
 from training.data import TokenStream, TrainingData, sequential_batches
 from training.model import Transformer
-
-# The loss over the output layer this many tokens at a time (training.model's
-# linear_cross_entropy, loss alone under no_grad): a batch's logits are never held whole,
-# e.g. 8 x 2,048 tokens x a 128k vocabulary are 8.6 GB in fp32. The same loss within float
-# rounding, and no slower on CPU (benchmarks/loss_chunks_bench.py).
-LOSS_CHUNK_TOKENS = 1024
+from training.model_args import LOSS_CHUNK_TOKENS
 
 
 @torch.no_grad()
@@ -25,6 +20,8 @@ def held_out_loss(model: Transformer, stream: TokenStream, seq_len: int, batch_s
     the tokens it covers."""
     total, tokens = 0.0, 0
     for inputs, targets in sequential_batches(stream, seq_len, batch_size, max_batches):
+        # In chunks (loss alone under no_grad): a batch's logits are never held whole, e.g.
+        # 8 x 2,048 tokens x a 128k vocabulary are 8.6 GB in fp32.
         loss = model(inputs.to(device), targets.to(device), loss_chunk_tokens=LOSS_CHUNK_TOKENS)
         total += loss.item() * targets.numel()
         tokens += targets.numel()

@@ -12,6 +12,12 @@ from dataclasses import dataclass
 from core.config import ffn_hidden_width
 from core.errors import ConfigError
 
+# Tokens per chunk of the output layer and loss (training.model.linear_cross_entropy) where
+# no config sets it: held-out losses use it, the planner suggests it for a layout out of
+# memory. GPT-2's head at 8 x 1024 tokens on CPU: 0.11x the memory at 0.96x the time
+# (benchmarks/loss_chunks_bench.py).
+LOSS_CHUNK_TOKENS = 1024
+
 
 @dataclass
 class MoEArgs:

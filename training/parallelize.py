@@ -54,6 +54,13 @@ class Layout:
     # (training.model.linear_cross_entropy) instead of returning logits for loss_fn.
     loss_chunk_tokens: int = 0
 
+    def mean_loss(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of `model` (this rank's whole model, not a pipeline stage)
+        on one micro-batch: in chunks of loss_chunk_tokens, or loss_fn on its logits."""
+        if self.loss_chunk_tokens:
+            return model(inputs, targets, loss_chunk_tokens=self.loss_chunk_tokens)
+        return self.loss_fn(model(inputs), targets)
+
     @property
     def dp_size(self) -> int:
         return self.dims.dp_size

@@ -286,10 +286,7 @@ def batch_loss(layout: Layout, inputs, targets, device, accum: int) -> torch.Ten
                 return torch.zeros((), device=device)
             # pipeline_loss gives each micro-batch its share of a step's mean: undo the steps'
             return torch.stack(losses).sum().float() * accum
-        model = layout.model_parts[0]
-        if layout.loss_chunk_tokens:  # the memory the training step was planned with
-            return model(inputs, targets, loss_chunk_tokens=layout.loss_chunk_tokens).float()
-        return layout.loss_fn(model(inputs), targets).float()
+        return layout.mean_loss(layout.model_parts[0], inputs, targets).float()
 
 
 def flat_config(config: RunConfig) -> dict:
@@ -367,10 +364,7 @@ def forward_backward(layout: Layout, inputs, targets, device, last_micro: bool, 
     sync = model.no_sync() if (layout.ddp and not last_micro) else nullcontext()
     with sync:
         with autocast:
-            if layout.loss_chunk_tokens:
-                loss = model(inputs, targets, loss_chunk_tokens=layout.loss_chunk_tokens) / accum
-            else:
-                loss = layout.loss_fn(model(inputs), targets) / accum
+            loss = layout.mean_loss(model, inputs, targets) / accum
         loss.backward()
     return loss.detach()
 
