@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 from prefect import flow
@@ -75,9 +76,13 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
             retries=config.run.max_attempts - 1, retry_delay_seconds=config.run.retry_delay_s,
         ).submit(config, dataset_dir, time_limit_s, worker_logs, started, lease_holder)
 
+        # Told by the future itself, not by asking the API its state each second (which
+        # was a request a second for the whole run).
+        finished = threading.Event()
+        training.add_done_callback(lambda _: finished.set())
+
         def still_running() -> bool:
-            training.wait(timeout=1.0)
-            return not training.state.is_final()
+            return not finished.wait(timeout=1.0)
 
         def secure(step: int):
             validated = validate_checkpoint.submit(config, step, dataset_dir)
