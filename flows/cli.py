@@ -374,6 +374,11 @@ def _import_flows() -> None:
         pass
 
 
+# The settings a command's clients of its temporary server get (in-process and in the
+# environment of its child processes), restored after.
+CLIENT_SETTINGS = ("PREFECT_API_URL", "PREFECT_CLIENT_CSRF_SUPPORT_ENABLED")
+
+
 @contextmanager
 def _flow_runs_recorded_by(server: TemporaryServer | None) -> Iterator[None]:
     """The flows imported, and with `server` (the command's temporary one): told to serve
@@ -389,26 +394,39 @@ def _flow_runs_recorded_by(server: TemporaryServer | None) -> Iterator[None]:
     timeout_s = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or 120)
     _say(f"Prefect's temporary server on {server.url} records this command's flow runs "
          "(none configured: `goodput server` runs a dedicated one)")
-    previous = os.environ.get("PREFECT_API_URL")
+    previous = {name: os.environ.get(name) for name in CLIENT_SETTINGS}
     try:
         server.serve(timeout_s, while_it_starts=_import_flows)
         # Prefect read its settings when the flows imported it, without this URL: those are
         # the settings it returns to after the command (main() called again in-process).
-        os.environ["PREFECT_API_URL"] = server.api_url  # for the command's child processes
         from prefect.context import _temporary_global_settings_context, get_settings_context
-        from prefect.settings import PREFECT_API_URL, temporary_settings
+        from prefect.settings import (
+            PREFECT_API_URL,
+            PREFECT_CLIENT_CSRF_SUPPORT_ENABLED,
+            PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED,
+            temporary_settings,
+        )
 
+        settings = {PREFECT_API_URL: server.api_url}
+        # The server has the command's settings: without CSRF protection (Prefect's default),
+        # each new client would ask it for a token and be told it needs none (16 requests in
+        # a pipeline).
+        if not PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED.value():
+            settings[PREFECT_CLIENT_CSRF_SUPPORT_ENABLED] = False
+        os.environ.update({setting.name: str(value).lower() if isinstance(value, bool) else value
+                           for setting, value in settings.items()})  # for child processes
         # Prefect's log and event workers run in threads of their own, which see the global
         # settings, not this context's: both switch, as prefect_test_harness does.
-        with temporary_settings({PREFECT_API_URL: server.api_url}), \
+        with temporary_settings(settings), \
                 _temporary_global_settings_context(get_settings_context()), \
                 _no_heartbeats_unless_watched():
             yield
     finally:
-        if previous is None:
-            os.environ.pop("PREFECT_API_URL", None)
-        else:
-            os.environ["PREFECT_API_URL"] = previous
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 HEARTBEAT_EVENT = "prefect.flow-run.heartbeat"

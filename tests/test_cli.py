@@ -160,6 +160,45 @@ def test_the_temporary_server_opens_nothing_until_told_to_serve(tmp_path, monkey
     assert served.process.returncode is not None and not served.healthy()
 
 
+@pytest.mark.parametrize("protected", [False, True], ids=["no-csrf-protection", "csrf-protected"])
+def test_clients_of_the_temporary_server_ask_it_for_csrf_tokens_only_where_it_wants_them(
+        tmp_path, monkeypatch, protected):
+    """The temporary server has the command's settings. Without CSRF protection (Prefect's
+    default) its clients ask for no token (each new one asked, and was told it needs none:
+    16 requests a pipeline); where a user turned protection on, they ask, and their changes
+    are accepted. Either way the command's environment is as it was afterwards."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import VariableCreate
+    from prefect.settings import (
+        PREFECT_HOME,
+        PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED,
+        get_current_settings,
+        temporary_settings,
+    )
+
+    from infra.temporary_server import TemporaryServer
+
+    for name in ("PREFECT_API_URL", "PREFECT_CLIENT_CSRF_SUPPORT_ENABLED"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    monkeypatch.setenv("PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED", str(protected).lower())
+    with temporary_settings({PREFECT_HOME: tmp_path,
+                             PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED: protected}):
+        server = TemporaryServer()
+        try:
+            with cli._flow_runs_recorded_by(server):
+                assert get_current_settings().client.csrf_support_enabled is protected
+                assert os.environ.get("PREFECT_CLIENT_CSRF_SUPPORT_ENABLED") == (
+                    None if protected else "false")
+                with get_client(sync_client=True) as client:
+                    client.create_variable(VariableCreate(name="csrf-checked", value=protected))
+                    assert client.read_variable_by_name("csrf-checked").value is protected
+        finally:
+            server.stop()
+    assert "PREFECT_CLIENT_CSRF_SUPPORT_ENABLED" not in os.environ
+    assert "PREFECT_API_URL" not in os.environ
+
+
 # A flow of quick tasks on the command's temporary server, then the command's wait for the
 # server to record them (in the configuration a `goodput` command gives Prefect), then the stop.
 MANY_QUICK_TASKS = """
