@@ -223,6 +223,50 @@ def test_training_logs_to_a_real_mlflow_server_and_a_resume_continues_its_run(tm
     marker = client.get_metric_history(run_id, "train/resumed_at_step")
     assert [(m.step, m.value) for m in marker] == [(8, 8.0)]  # the redone steps 9, 10 follow it
     assert runs[0].data.params["training.max_steps"] == "12"
+    assert runs[0].info.status == "FINISHED" and runs[0].info.end_time is not None
+
+
+def test_the_mlflow_run_status_follows_training(mlflow_server):
+    """RUNNING while an attempt trains, then how it ended (FINISHED, KILLED, FAILED);
+    RUNNING again when an attempt continues the run. An evaluation leaves the status alone,
+    unless it made the run itself."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=mlflow_server)
+
+    def status(goodput_run: str) -> str:
+        experiment = client.get_experiment_by_name("goodput").experiment_id
+        [run] = client.search_runs([experiment], f"tags.`goodput.run_id` = '{goodput_run}'")
+        return run.info.status
+
+    def attempt(goodput_run: str, ended: str, job: str = "train", steps=(1, 2)) -> None:
+        tracker = MLflowTracker(mlflow_server, "goodput", goodput_run, None, job=job)
+        for step in steps:
+            tracker.log(step, {"train/loss": 1.0 / step})
+        if job == "train":  # the run is made (or found) by the first send
+            wait_for(lambda: tracker.run is not None and status(goodput_run) == "RUNNING",
+                     timeout_s=30, what="the MLflow run RUNNING while the attempt trains")
+        tracker.close(ended)
+
+    attempt("preempted", "KILLED")
+    assert status("preempted") == "KILLED"
+    attempt("preempted", "FINISHED", steps=(3,))  # continued: RUNNING, then FINISHED
+    assert status("preempted") == "FINISHED"
+    attempt("preempted", "FINISHED", job="eval", steps=(3,))  # a score logged later
+    assert status("preempted") == "FINISHED"
+    attempt("failing", "FAILED")
+    assert status("failing") == "FAILED"
+
+    running = MLflowTracker(mlflow_server, "goodput", "evaluated-while-training", None)
+    running.log(1, {"train/loss": 1.0})
+    wait_for(lambda: running.run is not None, timeout_s=30, what="the MLflow run made")
+    attempt("evaluated-while-training", "FINISHED", job="eval", steps=(1,))
+    assert status("evaluated-while-training") == "RUNNING"  # training goes on
+    running.close()
+    assert status("evaluated-while-training") == "FINISHED"
+
+    attempt("evaluated-only", "FINISHED", job="eval", steps=(5,))  # no training logged there
+    assert status("evaluated-only") == "FINISHED"
 
 
 def test_in_loop_validation_gives_the_same_loss_under_pipeline_and_fsdp_layouts(tmp_path):

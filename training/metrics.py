@@ -41,12 +41,13 @@ class MetricsWriter:
         if self.enabled:
             write_heartbeat(self.run_dir, **fields)
 
-    def close(self) -> None:
-        """Idempotent: the trainer closes it at its end, and on its way out of a failure."""
+    def close(self, status: str = "FINISHED") -> None:
+        """Idempotent: the trainer closes it at its end, and on its way out of a failure
+        (`status` for the trackers: FINISHED, KILLED or FAILED)."""
         if self.enabled and not self._file.closed:
             self._file.close()
             if self.trackers is not None:
-                self.trackers.close()
+                self.trackers.close(status)
 
 
 class StepMetrics:

@@ -79,8 +79,8 @@ class TensorBoardTracker:
         summary = Summary(value=[Summary.Value(tag=tag, simple_value=value) for tag, value in values.items()])
         self.writer.file_writer.add_summary(summary, global_step=step)
 
-    def close(self) -> None:
-        self.writer.close()
+    def close(self, status: str = "FINISHED") -> None:
+        self.writer.close()  # TensorBoard has no status
 
 
 class _Background:
@@ -139,7 +139,8 @@ class _Background:
                     self._stopping.wait(delay)
                     delay = min(delay * 2, 60.0)
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
+        """Send what is left (waiting up to close_timeout_s); `status` is for subclasses."""
         self.pending.put(None)
         self.thread.join(self.close_timeout_s)
         if self.thread.is_alive() or self.unsent:
@@ -157,12 +158,20 @@ class MLflowTracker(_Background):
     """One MLflow run per Goodput run id, found by its tag, continued by every attempt.
 
     `earlier`: metrics.jsonl's records of the steps before this attempt; those the MLflow run
-    lacks (an attempt that crashed before its thread sent them) are sent first."""
+    lacks (an attempt that crashed before its thread sent them) are sent first.
+
+    The MLflow run's status follows training's: RUNNING while an attempt trains (set again
+    by each attempt that continues it), then FINISHED when the attempt ends normally (at
+    training.max_steps or at a time limit), KILLED when it was stopped (a cancellation, a
+    preemption) and FAILED when it failed. An evaluation (`job="eval"`) logs its scores
+    without touching the status, except that of a run it made itself (no training logged
+    there yet): FINISHED once its scores are in."""
 
     def __init__(self, uri: str, experiment: str, run_id: str, config: dict | None,
-                 earlier: list[dict] = ()):
+                 earlier: list[dict] = (), job: str = "train"):
         self.uri, self.experiment, self.goodput_run = uri, experiment, run_id
-        self.config, self.run, self.earlier = config, None, list(earlier)
+        self.config, self.run, self.earlier, self.job = config, None, list(earlier), job
+        self.made_here = False
         super().__init__(f"MLflow at {uri}", self._send)
 
     def _mlflow_run(self):
@@ -176,10 +185,12 @@ class MLflowTracker(_Background):
         if runs:
             run_id = runs[0].info.run_id
             have = {m.step for m in client.get_metric_history(run_id, TAGS["loss"])}
+            if self.job == "train" and runs[0].info.status != "RUNNING":
+                client.update_run(run_id, status="RUNNING")  # trained on again
         else:
             run_id = client.create_run(experiment_id, run_name=self.goodput_run,
                                        tags={"goodput.run_id": self.goodput_run}).info.run_id
-            have = set()
+            have, self.made_here = set(), True
             if self.config:
                 from mlflow.entities import Param
 
@@ -192,6 +203,15 @@ class MLflowTracker(_Background):
         if self.run is None:
             self.run = self._mlflow_run()
         self._log(*self.run, batch)
+
+    def close(self, status: str = "FINISHED") -> None:
+        """Send what is left, then end the MLflow run with `status` (see the class)."""
+        super().close(status)
+        if self.run is None or self.unsent or self.thread.is_alive():
+            return  # the server never answered: the run's status cannot be set either
+        if self.job == "train" or self.made_here:
+            client, run_id = self.run
+            client.set_terminated(run_id, status if self.job == "train" else "FINISHED")
 
     @staticmethod
     def _log(client, run_id: str, batch: list[tuple[int, dict[str, float]]]) -> None:
@@ -242,10 +262,10 @@ class WandbTracker(_Background):
             else:
                 self.run.log({**values, TRAINER_STEP: step})
 
-    def close(self) -> None:
-        super().close()
+    def close(self, status: str = "FINISHED") -> None:
+        super().close(status)
         if self.run is not None:
-            self.run.finish()
+            self.run.finish(exit_code=0 if status == "FINISHED" else 1)
 
 
 class Trackers:
@@ -263,10 +283,12 @@ class Trackers:
                 log.warning("%s stopped logging: %s", type(tracker).__name__, e)
                 self.trackers.remove(tracker)
 
-    def close(self) -> None:
+    def close(self, status: str = "FINISHED") -> None:
+        """`status`: how the process's work ended, as MLflow names it: FINISHED, KILLED (stopped
+        by a signal: cancelled, preempted) or FAILED."""
         for tracker in self.trackers:
             try:
-                tracker.close()
+                tracker.close(status)
             except Exception as e:
                 log.warning("%s did not close cleanly: %s", type(tracker).__name__, e)
 
@@ -285,7 +307,7 @@ def open_trackers(tracking, run_dir: Path, run_id: str, resumed_step: int | None
         trackers.append(TensorBoardTracker(Path(run_dir) / "tensorboard", resumed_step))
     if tracking.mlflow_uri:
         trackers.append(MLflowTracker(tracking.mlflow_uri, tracking.mlflow_experiment, run_id, config,
-                                      earlier))
+                                      earlier, job))
     if tracking.wandb_project:
         trackers.append(WandbTracker(tracking.wandb_project, tracking.wandb_entity, tracking.wandb_mode,
                                      run_id, Path(run_dir), config, job))

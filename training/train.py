@@ -181,7 +181,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
         with contextlib.suppress(Exception):  # never in place of the failure itself
             if isinstance(stop, Preempted):  # its emergency checkpoint keeps the unlogged steps
                 metrics.log_window()
-            metrics.writer.close()
+            metrics.writer.close("KILLED" if isinstance(stop, (Preempted, KeyboardInterrupt))
+                                 else "FAILED")
         raise
     metrics.writer.close()
     summary = {"final_step": progress.step, "tokens_seen": progress.tokens_seen, "final_loss": loss,
