@@ -121,6 +121,8 @@ class CheckpointManifest(BaseModel):
                                 "(training.seq_len); the held-out check uses the same.")
     eos_id: int | None = Field(None, description="The end-of-document id of the data the model "
                                "trained on (its dataset manifest's); export writes it.")
+    tokenizer_sha256: str | None = Field(None, description="The tokenizer of the data the model "
+                                         "trained on: a resume on data of another is refused.")
     created_at: float
 
     def save(self, directory: str | os.PathLike) -> Path:

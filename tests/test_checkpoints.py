@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from core.protocol import is_committed, set_aside
+from core.protocol import FailureClass, is_committed, set_aside
 from goodput import checkpoint_lifecycle as checkpoints
 from goodput.runs import train_attempt
 from infra.torchrun import TrainingFailed
@@ -105,6 +105,31 @@ def test_resuming_on_data_prepared_anew_says_so(run, tmp_path):
                      r"with 0 .* continues at sample \d+ of the new data", proc.stdout + proc.stderr)
     resumed = CheckpointManifest.load(config.run_dir.checkpoint(20))
     assert (resumed.dataset_id, resumed.eos_id) == ("reprepared", 1)
+
+
+def test_resuming_on_data_of_another_tokenizer_is_refused(run, tmp_path):
+    """A corpus that changed under a run has its tokenizer trained again: the checkpoint's
+    embeddings would be read by other token ids. The resume is refused (a config error, never
+    retried) with what to do, and nothing is written over."""
+    from storage.manifests import DatasetManifest
+
+    config, dataset = run
+    trained_with = CheckpointManifest.load(config.run_dir.checkpoint(20))
+    trained_with.tokenizer_sha256 = "1" * 64  # the synthetic dataset names no tokenizer
+    trained_with.save(config.run_dir.checkpoint(20))
+    retokenized = shutil.copytree(dataset, tmp_path / "retokenized")
+    manifest = DatasetManifest.load(retokenized)
+    manifest.dataset_id, manifest.tokenizer_sha256 = "retokenized", "0" * 64
+    manifest.save(retokenized)
+    saved = sorted(p.name for p in config.run_dir.checkpoints.iterdir())
+    proc = torchrun_training(config, retokenized, resume="auto")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and f"exitcode  : {FailureClass.CONFIG.exit_code} " in out, out[-3000:]
+    assert re.search(r"step-00000020 was trained on dataset synthetic, whose tokenizer \(sha256 "
+                     r"111111111111\) is not this attempt's dataset retokenized's \(000000000000\)"
+                     r".*restore them, or train the new data under a new run.run_id", out)
+    assert sorted(p.name for p in config.run_dir.checkpoints.iterdir()) == saved
+    assert CheckpointManifest.load(config.run_dir.checkpoint(20)) == trained_with
 
 
 def test_flipped_byte_is_rejected_and_kept_aside(run, tmp_path):

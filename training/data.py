@@ -63,6 +63,10 @@ class TrainingData:
         return self.sources[0].manifest.eos_id
 
     @property
+    def tokenizer_sha256(self) -> str:
+        return self.sources[0].manifest.tokenizer_sha256
+
+    @property
     def tokenizer_path(self) -> Path:
         first = self.sources[0]
         return first.dir / first.manifest.tokenizer

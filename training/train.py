@@ -100,7 +100,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     checkpointer = Checkpointer(
         config, layout.model_parts, optimizers, progress, loader,
         {"world_size": env.world_size, "layout": dims.degrees, "config_hash": config.config_hash(),
-         "dataset_id": data.dataset_id, "eos_id": data.eos_id, "model_args": model_args,
+         "dataset_id": data.dataset_id, "eos_id": data.eos_id,
+         "tokenizer_sha256": data.tokenizer_sha256, "model_args": model_args,
          "seq_len": tcfg.seq_len},
         # The supervisor passes the run's MTBF so far; a plain run has only the configured one.
         mtbf_s=float(os.environ.get(ENV_MTBF_S) or (config.faults.mtbf_hours or 0) * 3600),

@@ -116,6 +116,18 @@ class Checkpointer:
                 "resume with the model settings it was saved with (a vocabulary saved unpadded: "
                 "model.vocab_multiple_of=1), or train from scratch under a new run.run_id")
         saved, now = reader.manifest, self.manifest_fields
+        if saved.tokenizer_sha256 and now["tokenizer_sha256"] \
+                and saved.tokenizer_sha256 != now["tokenizer_sha256"]:
+            # Its embeddings would be read by other token ids: the loss jumps, and the model
+            # trained so far is lost without an error (a corpus that grew, its tokenizer
+            # trained again from the new sample).
+            raise ConfigError(
+                f"{reader} was trained on dataset {saved.dataset_id}, whose tokenizer "
+                f"(sha256 {saved.tokenizer_sha256[:12]}) is not this attempt's dataset "
+                f"{now['dataset_id']}'s ({now['tokenizer_sha256'][:12]}): its token ids mean "
+                "other text. The run's sources or tokenizer files changed since it began (a "
+                "tokenizer trained from the sources is trained again when they change): restore "
+                "them, or train the new data under a new run.run_id")
         if saved.dataset_id != now["dataset_id"] and self.saver.rank == 0:
             # The same config can prepare other data (its sources or tokenizer files changed):
             # allowed, the run goes on, but nobody should learn it from the loss curve.
