@@ -1416,6 +1416,21 @@ class RunConfig(_Section):
 
 # -- loading -------------------------------------------------------------------------------
 
+def trajectory_differences(run: RunConfig, here: RunConfig, most: int = 4) -> str:
+    """'field: X in the run, Y here' for the first trajectory fields whose values differ."""
+    found = []
+
+    def walk(a, b, name):
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(a.keys() | b.keys()):
+                walk(a.get(key), b.get(key), f"{name}.{key}" if name else key)
+        elif a != b:
+            found.append(f"{name}: {a} in the run, {b} here")
+
+    walk(run.trajectory(), here.trajectory(), "")
+    return "; ".join(found[:most]) + (f"; {len(found) - most} more" if len(found) > most else "")
+
+
 def _format_error(err: ValidationError, origin: str) -> str:
     lines = [f"invalid configuration ({origin}):"]
     for e in err.errors():

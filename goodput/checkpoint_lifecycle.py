@@ -138,7 +138,14 @@ def validate_checkpoint(config: RunConfig, step: int, dataset_dir: Path | None =
         manifest = CheckpointManifest.load(path)
         ledger.record(step, "committed", note=f"saved again after a {entry.state} copy" if saved_again else "",
                       loss=manifest.loss, tokens_seen=manifest.tokens_seen, copy_id=copy)
-        result = verify(path, verify_timeout_s(config, path), held_out_check(config, dataset_dir, step))
+        if manifest.config_hash != config.config_hash():  # e.g. torchrun with other overrides
+            result = {"ok": False, "reason": (
+                f"saved under another data/tokenizer/model/training config (hash "
+                f"{manifest.config_hash}) than the run's ({config.config_hash()}): not this "
+                "run's trajectory")}
+        else:
+            result = verify(path, verify_timeout_s(config, path),
+                            held_out_check(config, dataset_dir, step))
         if result["ok"]:
             note = f"{result['tensors']} tensors finite"
             if "held_out_loss" in result:

@@ -36,28 +36,13 @@ def write_run_config(config: RunConfig) -> Path:
             raise ConfigError(
                 f"run '{config.run.run_id}' already exists at {config.run_dir} with a different "
                 f"data/tokenizer/model/training config "
-                f"({_differences(previous.trajectory(), config.trajectory())}); its checkpoints "
+                f"({trajectory_differences(previous, config)}); its checkpoints "
                 f"would not continue this one. To continue or evaluate that run, give its own "
                 f"config (--config {path}); to start another, choose a new run.run_id (or delete "
                 "the run directory to start over).")
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, dump_config(config).encode())
     return path
-
-
-def _differences(run: dict, here: dict, most: int = 4) -> str:
-    """'field: X in the run, Y here' for the first fields whose values differ."""
-    found = []
-
-    def walk(a, b, name):
-        if isinstance(a, dict) and isinstance(b, dict):
-            for key in sorted(a.keys() | b.keys()):
-                walk(a.get(key), b.get(key), f"{name}.{key}" if name else key)
-        elif a != b:
-            found.append(f"{name}: {a} in the run, {b} here")
-
-    walk(run, here, "")
-    return "; ".join(found[:most]) + (f"; {len(found) - most} more" if len(found) > most else "")
 
 
 def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,

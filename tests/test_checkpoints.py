@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -19,6 +20,7 @@ from storage.ledger import checkpoint_key
 from storage.manifests import CheckpointManifest, list_files, verify_files
 from storage.store import store_from_config
 from tests.helpers import (
+    REPO,
     flip_bytes,
     losses_by_step,
     small_config,
@@ -83,7 +85,7 @@ def test_rerunning_a_finished_run_says_there_is_nothing_to_train(run):
     proc = torchrun_training(config, dataset, resume="auto")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout + proc.stderr
-    assert "step 20 is training.max_steps: nothing to train (raise it to train on)" in out
+    assert "step 20 is training.max_steps: nothing to train (a longer run is another run.run_id" in out
     assert "done: step 20 (no step to train)" in out and "loss nan" not in out
 
 
@@ -105,6 +107,29 @@ def test_resuming_on_data_prepared_anew_says_so(run, tmp_path):
                      r"with 0 .* continues at sample \d+ of the new data", proc.stdout + proc.stderr)
     resumed = CheckpointManifest.load(config.run_dir.checkpoint(20))
     assert (resumed.dataset_id, resumed.eos_id) == ("reprepared", 1)
+
+
+def test_torchrun_with_overrides_that_change_the_trajectory_does_not_continue_the_run(run):
+    """The path users debug by (torchrun on the run's config, overrides on the command line)
+    cannot stretch a run's schedule: a checkpoint saved under another trajectory config is
+    not resumed, with the fields that differ and what to do, and nothing is written."""
+    from infra.torchrun import free_port
+
+    config, dataset = run
+    saved = sorted(p.name for p in config.run_dir.checkpoints.iterdir())
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint=127.0.0.1:{free_port()}", "-m", "training", "--config",
+         str(config.run_dir.config_file), "--dataset", str(dataset), "--resume", "auto",
+         "training.max_steps=30"],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and f"exitcode  : {FailureClass.CONFIG.exit_code} " in out, out[-3000:]
+    assert re.search(r"step-00000020 was saved under another data/tokenizer/model/training config "
+                     r"than this one \(training.max_steps: 20 in the run, 30 here\).*Continue the "
+                     r"run with its own config \(--config \S+config.yaml", out), out[-3000:]
+    assert sorted(p.name for p in config.run_dir.checkpoints.iterdir()) == saved
 
 
 def test_resuming_on_data_of_another_tokenizer_is_refused(run, tmp_path):
@@ -130,6 +155,20 @@ def test_resuming_on_data_of_another_tokenizer_is_refused(run, tmp_path):
                      r".*restore them, or train the new data under a new run.run_id", out)
     assert sorted(p.name for p in config.run_dir.checkpoints.iterdir()) == saved
     assert CheckpointManifest.load(config.run_dir.checkpoint(20)) == trained_with
+
+
+def test_a_checkpoint_of_another_trajectory_is_rejected_and_kept_aside(run):
+    """Saved into the run's directory under another config (torchrun with other overrides,
+    from scratch): the orchestrator does not adopt it; it is kept aside, as any rejected copy."""
+    config, _ = run
+    manifest = CheckpointManifest.load(config.run_dir.checkpoint(20))
+    manifest.config_hash = "0" * 16
+    manifest.save(config.run_dir.checkpoint(20))
+    entry = checkpoints.validate_checkpoint(config, 20)
+    assert entry.state == "rejected"
+    assert "saved under another data/tokenizer/model/training config (hash 0000000000000000)" in entry.reason
+    assert not config.run_dir.checkpoint(20).exists()
+    assert list((config.run_dir / "checkpoints" / "rejected").glob("step-00000020-*"))
 
 
 def test_flipped_byte_is_rejected_and_kept_aside(run, tmp_path):

@@ -137,8 +137,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
                      "the global batch of %d samples is kept", env.world_size,
                      config.parallelism.world_size, accum, tcfg.grad_accum_steps, config.global_batch)
         if progress.step >= tcfg.max_steps:
-            log.info("step %d is training.max_steps: nothing to train (raise it to train on)",
-                     progress.step)
+            log.info("step %d is training.max_steps: nothing to train (a longer run is another "
+                     "run.run_id: its schedule is another one)", progress.step)
 
     loss = float("nan")
     try:
