@@ -88,7 +88,7 @@ def checkpoint_interval_advice(run_dir, failures: int, wall_s: float,
 
 def summarize_goodput(config) -> dict:
     """The run's goodput section of summary.json, from its metrics, attempts and stage times."""
-    from goodput.runs import read_outcomes, read_summary, update_summary
+    from goodput.runs import failures_of, read_outcomes, read_summary, update_summary
 
     summary = read_summary(config.run_dir)
     train_wall = summary.get("train", {}).get("wall_time_total_s", 0.0)
@@ -98,7 +98,7 @@ def summarize_goodput(config) -> dict:
     for o in outcomes:
         attempts[o["class"]] = attempts.get(o["class"], 0) + 1
     in_job = sum(o.get("restarts", 0) for o in outcomes)  # each one recovered a failure
-    failures = sum(n for cls, n in attempts.items() if cls != "done") + in_job
+    failures = failures_of(outcomes)  # a cancelled attempt failed nothing
     values = goodput_breakdown(config.run_dir, train_wall, eval_wall, config.parallelism.world_size)
     values["attempts"] = attempts
     values["in_job_restarts"] = in_job

@@ -223,3 +223,13 @@ def record_training(config: RunConfig, outcome: dict, started: float) -> dict:
     values = update_summary(config.run_dir, "train", with_total)["train"]
     summarize_goodput(config)
     return values
+
+
+def record_unfinished_training(config: RunConfig, started: float) -> None:
+    """A train flow run that ended without finishing (cancelled, failed, interrupted): its wall
+    time still counts in the run's total (the goodput breakdown's restart time), as that of
+    every train flow run does."""
+    wall = time.time() - started
+    update_summary(config.run_dir, "train", lambda previous: {
+        **previous, "wall_time_total_s": previous.get("wall_time_total_s", 0.0) + wall})
+    summarize_goodput(config)

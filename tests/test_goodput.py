@@ -76,3 +76,32 @@ def test_flows_updating_summary_at_once_lose_no_section(tmp_path):
     summary = read_summary(tmp_path)
     assert summary["train"]["wall_time_total_s"] == 200.0
     assert all(summary[f"evaluate-{step}"] == {"step": step} for step in range(100))
+
+
+def test_a_cancelled_train_flow_runs_time_counts_and_a_cancel_is_no_failure(tmp_path):
+    """Every train flow run's wall time adds to the run's total, also one that ended without
+    finishing (cancelled); and a cancelled attempt is not a failure to plan checkpoints for."""
+    import time
+
+    from goodput.runs import record_training, record_unfinished_training
+    from tests.helpers import small_config
+
+    config = small_config(tmp_path)
+    write_metrics(config.run_dir.path, [{"step": s, "step_time_s": 1.0, "checkpoint_s": 0.5 * (s == 5)}
+                                        for s in range(1, 11)])
+    for attempt, outcome in (("a-1", "cancelled"), ("b-1", "done")):
+        directory = config.run_dir.attempts / f"attempt-{attempt}"
+        directory.mkdir(parents=True)
+        (directory / "outcome.json").write_text(json.dumps(
+            {"class": outcome, "time": time.time(), "wall_time_s": 8.0, "restarts": 0,
+             "resumed_from": 0, "newest_checkpoint": 5}))
+    record_unfinished_training(config, started=time.time() - 20.0)  # the cancelled flow run
+    assert read_summary(config.run_dir)["train"]["wall_time_total_s"] == pytest.approx(20.0, abs=1.0)
+    record_training(config, {"class": "done"}, started=time.time() - 15.0)
+    summary = read_summary(config.run_dir)
+    assert summary["train"]["wall_time_total_s"] == pytest.approx(35.0, abs=1.0)
+    goodput = summary["goodput"]
+    assert goodput["attempts"] == {"cancelled": 1, "done": 1}
+    assert goodput["productive_s"] == pytest.approx(10.0)
+    assert goodput["total_s"] == pytest.approx(35.0, abs=1.0)
+    assert goodput["checkpoint_advice"]["mtbf_s"] is None  # no failure observed
