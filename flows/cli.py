@@ -697,8 +697,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         from flows.deployments import serve_all
 
-        serve_all(config, eval_cron=args.eval_cron, train_cron=args.train_cron,
-                  train_time_limit_s=args.train_time_limit)
+        try:
+            serve_all(config, eval_cron=args.eval_cron, train_cron=args.train_cron,
+                      train_time_limit_s=args.train_time_limit)
+        except ConfigError as e:
+            print(f"goodput: {e}", file=sys.stderr)
+            return 2
         return 0
 
     # The four flow commands. The temporary server starts importing now, beside the check.

@@ -24,6 +24,7 @@ from prefect.deployments.runner import RunnerDeployment
 from prefect.schedules import Cron
 
 from core.config import RunConfig
+from core.errors import ConfigError
 from flows.evaluate import evaluate
 from flows.pipeline import pipeline
 from flows.prepare import prepare
@@ -61,6 +62,38 @@ def build_deployments(config: RunConfig, eval_cron: str | None = None,
     return deployments
 
 
+def on_work_pools(deployments: list[RunnerDeployment]) -> list[str]:
+    """Those of `deployments` whose names the API already has on a work pool (`prefect
+    deploy` of prefect.yaml, `goodput server`), as "flow/deployment (work pool P)"."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    taken = []
+    with get_client(sync_client=True) as client:
+        for deployment in deployments:
+            name = f"{deployment.flow_name}/{deployment.name}"
+            try:
+                found = client.read_deployment_by_name(name)
+            except ObjectNotFound:
+                continue
+            if found.work_pool_name:
+                taken.append(f"{name} (work pool {found.work_pool_name})")
+    return taken
+
+
 def serve_all(config: RunConfig, eval_cron: str | None = None, train_cron: str | None = None,
               train_time_limit_s: float | None = None) -> None:
-    serve(*build_deployments(config, eval_cron, train_cron, train_time_limit_s))
+    """Serve the deployments from this process. Refused where the server has deployments of
+    the same names on a work pool: Prefect matches deployments by name, so serving would take
+    them over (their parameters, schedules and pull steps replaced), and their worker could no
+    longer run them once this process stopped."""
+    deployments = build_deployments(config, eval_cron, train_cron, train_time_limit_s)
+    taken = on_work_pools(deployments)
+    if taken:
+        raise ConfigError(
+            f"this Prefect server already has {', '.join(taken)}: deployed for a worker "
+            "(prefect deploy, goodput server), which runs them; trigger those. Serving the "
+            "same names from here would take them over. To serve anyway, use a server "
+            "without them (a `prefect server start` of your own, another PREFECT_API_URL), "
+            "or delete them first (prefect deployment delete <flow>/<deployment>)")
+    serve(*deployments)

@@ -673,3 +673,31 @@ def test_serving_a_finished_run_again_keeps_its_continuation_schedule_off(tmp_pa
     assert continuation_active()  # half way
     ledger_of(config).record(20, "uploaded")
     assert not continuation_active()  # the budget is spent: serving again must not revive it
+
+
+def test_serve_refuses_to_take_over_deployments_a_worker_runs(prefect_api, tmp_path):
+    """`goodput serve` beside `goodput server` (prefect.yaml deployed on a work pool): Prefect
+    matches deployments by name, and serving would replace theirs (parameters, schedules,
+    pull steps). Refused, naming them; they are left as they were."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    from core.errors import ConfigError
+    from flows.deployments import build_deployments, on_work_pools, serve_all
+
+    config = small_config(tmp_path, "run.run_id=taken")
+    prepare_deployment = build_deployments(config)[0]
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name="served-elsewhere", type="process"),
+                                overwrite=True)
+        deployment_id = prepare_deployment.apply(work_pool_name="served-elsewhere")
+        try:
+            assert on_work_pools(build_deployments(config)) == [
+                "prepare/goodput-prepare (work pool served-elsewhere)"]
+            with pytest.raises(ConfigError, match=r"already has prepare/goodput-prepare \(work "
+                                                  r"pool served-elsewhere\).*take them over"):
+                serve_all(config)
+            assert client.read_deployment(deployment_id).work_pool_name == "served-elsewhere"
+        finally:
+            client.delete_deployment(deployment_id)
+            client.delete_work_pool("served-elsewhere")
+        assert on_work_pools(build_deployments(config)) == []
