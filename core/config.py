@@ -1166,7 +1166,9 @@ class RunConfig(_Section):
         if self.training.warmup_steps >= self.training.max_steps:
             raise ValueError(
                 f"training.warmup_steps={self.training.warmup_steps} must be below "
-                f"training.max_steps={self.training.max_steps}")
+                f"training.max_steps={self.training.max_steps}: lower training.warmup_steps "
+                f"(e.g. training.warmup_steps={self.training.max_steps // 10}) or raise "
+                "training.max_steps")
         model = self.model
         problems = [p for p in self.parallelism.dims().problems(
             n_heads=model.n_heads, n_kv_heads=model.n_kv_heads or model.n_heads,
@@ -1434,11 +1436,12 @@ def trajectory_differences(run: RunConfig, here: RunConfig, most: int = 4) -> st
 def _format_error(err: ValidationError, origin: str) -> str:
     lines = [f"invalid configuration ({origin}):"]
     for e in err.errors():
-        field = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        field = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field; check the spelling against configs/tiny.yaml"
-        lines.append(f"  {field}: {msg}")
+        # A check across sections has no place of its own: its message names the fields.
+        lines.append(f"  {field}: {msg}" if field else f"  {msg}")
     return "\n".join(lines)
 
 

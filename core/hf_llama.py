@@ -79,10 +79,11 @@ def read_config(directory: str | Path) -> dict[str, Any]:
     architectures = config.get("architectures") or []
     kind = config.get("model_type")
     if kind not in ARCHITECTURES or (architectures and ARCHITECTURES[kind] not in architectures):
+        known = ", ".join(f"model_type {t!r} ({a})" for t, a in ARCHITECTURES.items())
         raise ConfigError(f"model.init_from: {config_file} describes model_type={kind!r} "
-                          f"{architectures}, not a Llama (model_type 'llama', LlamaForCausalLM) "
-                          "or a Mixtral (model_type 'mixtral', MixtralForCausalLM); Goodput's "
-                          "model is a Llama, with model.moe a Mixtral, so only those load into it")
+                          f"{architectures}; Goodput's model loads {known}: a Llama, and with "
+                          "model.moe the mixture-of-experts ones. Convert the model to one of "
+                          "those, or train from scratch (leave model.init_from unset)")
     if not (path / SINGLE_FILE).is_file() and not (path / SHARD_INDEX).is_file():
         raise ConfigError(f"model.init_from={directory}: neither {SINGLE_FILE} nor {SHARD_INDEX} "
                           "is there; save the model with safetensors (save_pretrained does by "

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from core.config import ConfigError, RunConfig, dump_config, load_config
+from core.config import ConfigError, RunConfig, dump_config, load_config, trajectory_differences
 from core.files import exclusive_lock, write_atomic
 from core.protocol import FailureClass, RunDir, step_of
 from goodput.accounting import data_wait_share, summarize_goodput

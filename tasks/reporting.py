@@ -209,12 +209,13 @@ def publish_training_report(config: RunConfig) -> Path | None:
     Returns the loss-curve PNG (None before the first logged step).
     """
     run_id, run_dir = config.run.run_id, config.run_dir
-    metrics = latest_per_step(read_metrics(run_dir))
+    logged = read_metrics(run_dir)
+    metrics = latest_per_step(logged)
     curve = None
     if metrics:
         create_table_artifact(metrics_rows(metrics), key=artifact_key("training-metrics", run_id),
                               description=f"Training metrics of {run_id} (sampled steps)")
-        curve = plot_loss_curve(metrics, run_dir.loss_curve, run_id)
+        curve = plot_loss_curve(metrics, run_dir.loss_curve, run_id, resumed_at(logged))
         encoded = base64.b64encode(curve.read_bytes()).decode()
         create_markdown_artifact(
             f"### Training loss of `{run_id}`\n\n"
@@ -232,6 +233,16 @@ def publish_training_report(config: RunConfig) -> Path | None:
         create_table_artifact(flatten(goodput), key=artifact_key("goodput", run_id),
                               description=f"Goodput breakdown of {run_id}")
     return curve
+
+
+def resumed_at(logged: list[dict]) -> list[int]:
+    """The steps training resumed from (metrics.jsonl's records in the order written): a retried
+    attempt, and a restart of the workers within one (torchrun's), which logs a step again."""
+    steps = set()
+    for previous, record in zip(logged, logged[1:]):
+        if record["step"] <= previous["step"] or record.get("attempt") != previous.get("attempt"):
+            steps.add(record["step"] - record.get("window_steps", 1))  # where its window began
+    return sorted(steps)
 
 
 def latest_per_step(metrics: list[dict]) -> list[dict]:
@@ -260,18 +271,17 @@ def ledger_rows(entries) -> list[dict]:
             for e in sorted(entries, key=lambda e: e.step)]
 
 
-def plot_loss_curve(metrics: list[dict], path: Path, title: str) -> Path:
-    """Training loss per step as a PNG (matplotlib's Agg canvas: no display, thread-safe)."""
+def plot_loss_curve(metrics: list[dict], path: Path, title: str, resumed: list[int] = ()) -> Path:
+    """Training loss per step as a PNG (matplotlib's Agg canvas: no display, thread-safe),
+    a dotted line at each step training `resumed` from."""
     from matplotlib.figure import Figure  # a Figure made directly renders with Agg
 
     steps = [m["step"] for m in metrics]
     fig = Figure(figsize=(7, 3.5), dpi=100, layout="constrained")
     ax = fig.add_subplot()
     ax.plot(steps, [m["loss"] for m in metrics], linewidth=1.2)
-    # Where the attempt changes, a resumed attempt picked up: mark it.
-    for prev, cur in zip(metrics, metrics[1:]):
-        if cur.get("attempt") != prev.get("attempt"):
-            ax.axvline(cur["step"], color="grey", linestyle=":", linewidth=1)
+    for step in resumed:
+        ax.axvline(step, color="grey", linestyle=":", linewidth=1)
     ax.set(xlabel="step", ylabel="training loss", title=title)
     ax.grid(alpha=0.3)
     buffer = io.BytesIO()

@@ -31,6 +31,15 @@ def test_fixed_interval_saves_every_n_steps_and_at_the_end(tmp_path):
     assert due == [10, 20, 25]
 
 
+def test_a_fixed_interval_saves_at_its_multiples_after_a_resume_between_them(tmp_path):
+    """Resumed from an emergency checkpoint at step 14 (every 10): saves at 20 and 30, as
+    torchtitan's step % interval, not at 24 and 34."""
+    schedule = CheckpointSchedule(small_config(tmp_path, "checkpoint.every_steps=10"))
+    schedule.last_saved = 14
+    due = [s for s in range(15, 36) if schedule.due(s, 35) and not schedule.saved(s, 0.1)]
+    assert due == [20, 30, 35]
+
+
 def test_auto_interval_follows_young_daly(tmp_path):
     config = small_config(tmp_path, "checkpoint.interval=auto", "checkpoint.every_steps=500",
                           "faults.mtbf_hours=0.5")

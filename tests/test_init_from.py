@@ -177,7 +177,8 @@ def test_directories_that_are_not_llama_checkpoints_are_config_errors(tmp_path, 
     (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2",
                                                   "architectures": ["GPT2LMHeadModel"]}))
     (gpt2 / "model.safetensors").write_bytes(b"")
-    assert "model_type='gpt2' ['GPT2LMHeadModel'], not a Llama" in error(gpt2)
+    assert "model_type='gpt2' ['GPT2LMHeadModel']; Goodput's model loads model_type 'llama'" in error(gpt2)
+    assert "'qwen3_moe' (Qwen3MoeForCausalLM)" in error(gpt2)
     yarn = tmp_path / "yarn"
     yarn.mkdir()
     config = json.loads((checkpoints["tied"] / "config.json").read_text())
@@ -409,18 +410,21 @@ def test_a_run_resumes_after_its_checkpoint_directory_moved(tmp_path, dataset, c
     config.yaml without it and resume from the run's own checkpoint."""
     original = tmp_path / "hf"
     shutil.copytree(checkpoints["tied"], original)
-    config, losses, _ = train(tmp_path, dataset, original, 1, "training.micro_batch_size=4")
+    config, losses, _ = train(tmp_path, dataset, original, 1, "training.micro_batch_size=4",
+                              "checkpoint.every_steps=1")
     assert sorted(losses) == list(range(1, STEPS + 1))
     shutil.move(original, tmp_path / "moved")
+    shutil.rmtree(config.run_dir.checkpoint(STEPS))  # the last step is trained again, from STEPS - 1
     proc = subprocess.run([sys.executable, "-m", "training", "--config", str(config.run_dir.config_file),
-                           "--dataset", str(dataset), f"training.max_steps={STEPS + 2}"],
+                           "--dataset", str(dataset)],
                           capture_output=True, text=True, cwd=REPO, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[init_from]" not in proc.stdout
+    assert f"resumed from {config.run_dir.checkpoint(STEPS - 1)}" in proc.stdout + proc.stderr
     resumed = losses_by_step(config.run_dir)
-    assert sorted(resumed) == list(range(1, STEPS + 3))
-    assert all(resumed[step] == losses[step] for step in losses)  # steps 1-3 not trained again
+    assert sorted(resumed) == list(range(1, STEPS + 1))
+    assert resumed == losses  # the steps before not trained again, the last the same again
 
 
 LAYOUTS = {

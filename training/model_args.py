@@ -104,9 +104,11 @@ def model_args_from_config(model_cfg, vocab_size: int) -> ModelArgs:
     if vocab_size > model_cfg.vocab_size:
         source = (f"model.init_from={model_cfg.init_from} (its config.json)" if model_cfg.init_from
                   else "the config")
+        fix = ("train on data tokenized with the model's own tokenizer (leave tokenizer.path "
+               "unset with model.init_from: the checkpoint fixes model.vocab_size)"
+               if model_cfg.init_from else "raise model.vocab_size, or leave it unset (the "
+               "tokenizer's size, padded to model.vocab_multiple_of)")
         raise ConfigError(
             f"the tokenizer has {vocab_size} tokens but model.vocab_size={model_cfg.vocab_size} "
-            f"({source}) gives the model only that many embeddings; train on data tokenized "
-            "with the model's own tokenizer (leave tokenizer.path unset with model.init_from), "
-            "or raise model.vocab_size")
+            f"({source}) gives the model only that many embeddings; {fix}")
     return ModelArgs(vocab_size=model_cfg.vocab_size, **fields)

@@ -60,7 +60,12 @@ class CheckpointSchedule:
         self.save_costs: deque[float] = deque(maxlen=5)
 
     def due(self, step: int, max_steps: int) -> bool:
-        return step - self.last_saved >= self.every or (step == max_steps and self.cfg.save_at_end)
+        # A fixed interval saves at its multiples, as torchtitan does, also after a resume from
+        # an emergency checkpoint between them (step 140, every 50: then 150, 200, ...). An
+        # auto one counts from the last save (its interval changes as it re-plans).
+        aligned = self.cfg.interval != "auto" and step % self.every == 0
+        return (aligned or step - self.last_saved >= self.every
+                or (step == max_steps and self.cfg.save_at_end))
 
     def saved(self, step: int, blocked_s: float) -> str:
         """Record a save; returns a note when the interval changed."""
