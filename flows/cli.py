@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Iterator
 
 from core.config import ConfigError, RunConfig, load_config
+from core.errors import DataError
 from core.process_exit import exit_without_teardown
 from infra.prefect_stack import LEASES_ON_DISK
 from infra.temporary_server import TemporaryServer
@@ -742,23 +743,30 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
                     result = evaluate(config, args.checkpoint).model_dump(exclude={"samples"})
                 else:
                     result = pipeline(config)
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:  # the input, which the message says how to change
         _let_the_api_record(server, began)
-        print(f"goodput: {e}", file=sys.stderr)
+        print(f"goodput: {args.command} failed: {e}", file=sys.stderr)
+        _say_run_directory(config)
         return 2
     except KeyboardInterrupt:
         print(f"goodput: {args.command} interrupted", file=sys.stderr)
-        print(f"run directory: {config.run_dir.path.resolve()}")
+        _say_run_directory(config)
         return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
     except Exception as e:
         _let_the_api_record(server, began)
         print(f"goodput: {args.command} failed: {e}", file=sys.stderr)
-        print(f"run directory: {config.run_dir.path.resolve()}")
+        _say_run_directory(config)
         return 1
     _let_the_api_record(server, began)
     print(json.dumps(result, indent=2, default=str))
     print(f"run directory: {config.run_dir.path.resolve()}")
     return 0
+
+
+def _say_run_directory(config: RunConfig) -> None:
+    """Where the run's files are, once there are any (a command that failed early made none)."""
+    if config.run_dir.path.is_dir():
+        print(f"run directory: {config.run_dir.path.resolve()}")
 
 
 def run() -> None:

@@ -17,10 +17,14 @@ when to stop, and that no worker outlives it.
 - `no_orphan_workers`: Prefect raises a cancellation in the flow's thread while the launch
   task's thread keeps supervising the attempt (local or ssh nodes in sessions of their own,
   or a Slurm or Kubernetes job); this stops it there and then.
+- `UserErrorsWithoutTracebacks`: a configuration or data error (ConfigError, DataError)
+  shows in a flow run's log as its message, which says what to change, without Prefect's
+  traceback of the engine around it (two of them a pipeline, about 100 lines each).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from contextlib import contextmanager
@@ -35,7 +39,21 @@ from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run
 
 from core.config import ConfigError, RunConfig, apply_overrides, config_from_dict, load_config
+from core.errors import DataError
 from infra.torchrun import RunLease, stop_live_attempts
+
+
+class UserErrorsWithoutTracebacks(logging.Filter):
+    """Drops the traceback from a log record of a ConfigError or DataError (see the module)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], (ConfigError, DataError)):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+# On the logger itself: Prefect's logging setup, run again, keeps a logger's filters.
+logging.getLogger("prefect.flow_runs").addFilter(UserErrorsWithoutTracebacks())
 
 
 @task(name="resolve-config", cache_policy=NO_CACHE, tags=["config"])

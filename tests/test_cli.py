@@ -60,6 +60,26 @@ def test_a_prepare_with_nothing_to_do_says_what_it_found_and_starts_no_flow_run(
     assert summary["dataset_id"] == manifest.dataset_id and summary["tokenize_s"] is None
 
 
+def test_a_data_error_through_the_flows_is_its_message_and_exit_status_2(tmp_path):
+    """A user's error (here a source path that matches nothing) reaches the flow runs' log as
+    its message, which says what to change, without Prefect's tracebacks around it (about 200
+    lines), and ends the command as a configuration error does: status 2, no run directory
+    named where none was made."""
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    missing = tmp_path / "missing.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "prepare", f"data.source={missing}",
+                           f"run.runs_dir={tmp_path / 'runs'}", f"data.data_dir={tmp_path / 'data'}",
+                           f"storage.uri={tmp_path / 'store'}"],
+                          capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert f"goodput: prepare failed: no files match '{missing}'" in proc.stderr
+    assert "Encountered exception during execution: DataError" in out  # the flow runs' log
+    assert "Traceback" not in out and "run directory:" not in out
+
+
 def test_the_flow_runs_when_there_is_something_to_publish_or_a_server_to_show_it(
         prepared, monkeypatch, tmp_path):
     _, config, manifest = prepared
