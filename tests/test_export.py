@@ -92,6 +92,8 @@ def test_exported_model_gives_the_trainers_logits(trained, tmp_path):
     checkpoint, tokenizer = trained
     summary = export_hf(checkpoint, tmp_path / "hf", tokenizer=tokenizer)
     assert summary["files"] == ["model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"]
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "hf").iterdir()}
+    assert len(set(modes.values())) == 1, modes  # the weights as readable as the other files
 
     ours, theirs = trainer_model(checkpoint), hf_model(tmp_path / "hf")
     assert theirs.config.num_key_value_heads == 2 < theirs.config.num_attention_heads

@@ -19,6 +19,7 @@ place at the end: a failed export leaves no half-written model behind.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import uuid
@@ -263,14 +264,21 @@ def write_safetensors(tensors: dict[str, torch.Tensor], directory: Path,
             shard_bytes = 0
         shards[-1][name] = tensor
         shard_bytes += size
-    # "format": "pt" tells transformers these are PyTorch tensors.
+    def save(shard: dict[str, torch.Tensor], file_name: str) -> None:
+        # "format": "pt" tells transformers these are PyTorch tensors. safetensors writes its
+        # file readable by its owner only; made as any other file (the umask's say).
+        save_file(shard, directory / file_name, metadata={"format": "pt"})
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(directory / file_name, 0o666 & ~umask)
+
     if len(shards) == 1:
-        save_file(shards[0], directory / SINGLE_FILE, metadata={"format": "pt"})
+        save(shards[0], SINGLE_FILE)
         return [SINGLE_FILE]
     names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     weight_map = {}
     for file_name, shard in zip(names, shards):
-        save_file(shard, directory / file_name, metadata={"format": "pt"})
+        save(shard, file_name)
         weight_map.update(dict.fromkeys(shard, file_name))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     _write_json(directory / SHARD_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
