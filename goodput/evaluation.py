@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 import time
@@ -147,6 +148,7 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
     if report is not None:
         return report
     out = report_path(config, checkpoint)
+    keep_aside(out)
     config_path = write_run_config(config)
     proc = subprocess.run(
         [sys.executable, "-m", "training.evaluate", "--checkpoint", str(checkpoint),
@@ -160,6 +162,22 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
         raise RuntimeError(f"evaluation of {checkpoint} failed (exit {proc.returncode}):\n"
                            f"{proc.stderr.strip()[-2000:]}")
     return EvalReport.model_validate_json(out.read_text())
+
+
+def keep_aside(report_file: Path) -> Path | None:
+    """A report about to be replaced (other eval settings, another dataset or copy of the
+    checkpoint) moves to earlier/ beside it, named by its settings: a downstream score a user
+    asked for once is not lost to a later evaluation with the defaults. Returns where."""
+    if not report_file.is_file():
+        return None
+    try:
+        settings = EvalReport.model_validate_json(report_file.read_text()).eval_hash or "unknown"
+    except ValueError:  # not a report (damaged): kept aside all the same
+        settings = "unreadable"
+    aside = report_file.parent / "earlier" / f"{report_file.stem}.{settings[:12]}.json"
+    aside.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(report_file, aside)
+    return aside
 
 
 def keep_in_ledger(config: RunConfig, report: EvalReport) -> None:

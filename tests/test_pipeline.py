@@ -18,7 +18,7 @@ from flows.pipeline import pipeline
 from flows.train import train
 from storage import open_store
 from storage.ledger import Ledger
-from storage.manifests import CheckpointManifest
+from storage.manifests import CheckpointManifest, EvalReport
 from tests.helpers import (
     COMMAND_THEN_MODULES,
     REPO,
@@ -306,6 +306,9 @@ def test_an_eval_report_is_reused_only_for_the_same_checkpoint_copy_and_settings
     more_samples = config.model_copy(update={"eval": config.eval.model_copy(update={"num_samples": 1})})
     second = evaluate(more_samples, checkpoint, dataset_dir)
     assert len(second.samples) == 1 != len(first.samples) and second.created_at > first.created_at
+    # The report it replaced (scores a user asked for once) is kept, named by its settings.
+    kept = config.run_dir.eval_dir / "earlier" / f"step-00000010.{first.eval_hash[:12]}.json"
+    assert EvalReport.model_validate_json(kept.read_text()) == first
 
     # The step saved again (an in-job restart re-trains it): another manifest, another copy.
     saved = CheckpointManifest.load(checkpoint)
