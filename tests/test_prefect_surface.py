@@ -675,29 +675,35 @@ def test_serving_a_finished_run_again_keeps_its_continuation_schedule_off(tmp_pa
     assert not continuation_active()  # the budget is spent: serving again must not revive it
 
 
-def test_serve_refuses_to_take_over_deployments_a_worker_runs(prefect_api, tmp_path):
+def test_serve_refuses_to_take_over_deployments_a_worker_runs(tmp_path, monkeypatch):
     """`goodput serve` beside `goodput server` (prefect.yaml deployed on a work pool): Prefect
     matches deployments by name, and serving would replace theirs (parameters, schedules,
-    pull steps). Refused, naming them; they are left as they were."""
+    pull steps). Refused, naming them; they are left as they were. (A server of its own: the
+    session's has prefect.yaml's deployments, which other tests use.)"""
     from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
 
     from core.errors import ConfigError
     from flows.deployments import build_deployments, on_work_pools, serve_all
+    from infra.temporary_server import TemporaryServer
 
-    config = small_config(tmp_path, "run.run_id=taken")
-    prepare_deployment = build_deployments(config)[0]
-    with get_client(sync_client=True) as client:
-        client.create_work_pool(WorkPoolCreate(name="served-elsewhere", type="process"),
-                                overwrite=True)
-        deployment_id = prepare_deployment.apply(work_pool_name="served-elsewhere")
-        try:
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+    with temporary_settings({PREFECT_HOME: tmp_path / "prefect-home"}):
+        server = TemporaryServer()
+    try:
+        server.serve(timeout_s=120)
+        config = small_config(tmp_path, "run.run_id=taken")
+        with temporary_settings({PREFECT_API_URL: server.api_url}), \
+                get_client(sync_client=True) as client:
+            client.create_work_pool(WorkPoolCreate(name="served-elsewhere", type="process"))
+            deployment_id = build_deployments(config)[0].apply(work_pool_name="served-elsewhere")
             assert on_work_pools(build_deployments(config)) == [
                 "prepare/goodput-prepare (work pool served-elsewhere)"]
             with pytest.raises(ConfigError, match=r"already has prepare/goodput-prepare \(work "
                                                   r"pool served-elsewhere\).*take them over"):
                 serve_all(config)
             assert client.read_deployment(deployment_id).work_pool_name == "served-elsewhere"
-        finally:
             client.delete_deployment(deployment_id)
-            client.delete_work_pool("served-elsewhere")
-        assert on_work_pools(build_deployments(config)) == []
+            assert on_work_pools(build_deployments(config)) == []
+    finally:
+        server.stop()
