@@ -7,6 +7,7 @@ validated before anything starts. Errors name the field and say what to do.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import re
@@ -1418,18 +1419,33 @@ class RunConfig(_Section):
 
 # -- loading -------------------------------------------------------------------------------
 
-def trajectory_differences(run: RunConfig, here: RunConfig, most: int = 4) -> str:
-    """'field: X in the run, Y here' for the first trajectory fields whose values differ."""
+def trajectory_conflicts(saved: dict, here: dict, saved_as: str = "the run",
+                         here_as: str = "here", both_only: bool = True) -> list[str]:
+    """'field: X in the run, Y here' for each trajectory field (RunConfig.trajectory, as JSON)
+    whose values differ. With `both_only`, a field only one tree has is no conflict: code that
+    added a field (with its default) reads the trees older code saved."""
     found = []
 
     def walk(a, b, name):
         if isinstance(a, dict) and isinstance(b, dict):
-            for key in sorted(a.keys() | b.keys()):
+            keys = a.keys() & b.keys() if both_only else a.keys() | b.keys()
+            for key in sorted(keys):
                 walk(a.get(key), b.get(key), f"{name}.{key}" if name else key)
         elif a != b:
-            found.append(f"{name}: {a} in the run, {b} here")
+            found.append(f"{name}: {a} in {saved_as}, {b} {here_as}")
 
-    walk(run.trajectory(), here.trajectory(), "")
+    walk(saved, here, "")
+    return found
+
+
+def trajectory_json(config: RunConfig) -> dict:
+    """config.trajectory() as it reads back from JSON (a manifest's), for comparing."""
+    return json.loads(canonical_json(config.trajectory()))
+
+
+def trajectory_differences(run: RunConfig, here: RunConfig, most: int = 4) -> str:
+    """The first trajectory fields whose values differ, as trajectory_conflicts names them."""
+    found = trajectory_conflicts(trajectory_json(run), trajectory_json(here), both_only=False)
     return "; ".join(found[:most]) + (f"; {len(found) - most} more" if len(found) > most else "")
 
 

@@ -76,6 +76,8 @@ def on_work_pools(deployments: list[RunnerDeployment]) -> list[str]:
                 found = client.read_deployment_by_name(name)
             except ObjectNotFound:
                 continue
+            except Exception:  # the API unreachable: serve says so itself, as before
+                return taken
             if found.work_pool_name:
                 taken.append(f"{name} (work pool {found.work_pool_name})")
     return taken

@@ -10,6 +10,7 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from core.config import RunConfig
+from core.errors import ConfigError, DataError
 from goodput.checkpoint_lifecycle import new_checkpoints, unsecured_steps
 from goodput.evaluation import evaluation_due
 from goodput.runs import record_unfinished_training
@@ -73,8 +74,10 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
     if eval_tasks is not None:
         eval_tasks.result()  # a misspelt task fails the run here, not after training
     dataset_dir = dataset.result()
+    trained_here = False  # this flow run held the run's lease: its time is the run's
     try:
         with training_slot(config) as lease_holder, no_orphan_workers():
+            trained_here = True
             training = launch_training.with_options(
                 retries=config.run.max_attempts - 1, retry_delay_seconds=config.run.retry_delay_s,
             ).submit(config, dataset_dir, time_limit_s, worker_logs, started, lease_holder)
@@ -85,7 +88,10 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
             training.add_done_callback(lambda _: finished.set())
 
             def still_running() -> bool:
-                return not finished.wait(timeout=1.0)
+                if finished.wait(timeout=1.0):
+                    return False
+                training.wait(timeout=0)  # where Prefect raises a requested suspension
+                return True
 
             def secure(step: int):
                 validated = validate_checkpoint.submit(config, step, dataset_dir)
@@ -116,9 +122,11 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
         outcome = training.result()  # raises when the last attempt failed
         for future in secured:
             future.result()
-    except BaseException:  # cancelled, failed or interrupted: its time still counts
-        with contextlib.suppress(Exception):  # never in place of the failure itself
-            record_unfinished_training(config, started)
+    except BaseException as ended:  # cancelled, failed or interrupted: its time still counts,
+        # unless it never trained (refused: another run's config, a lease never held)
+        if trained_here and not isinstance(ended, (ConfigError, DataError)):
+            with contextlib.suppress(Exception):  # never in place of the failure itself
+                record_unfinished_training(config, started)
         raise
     trained = record_training(config, outcome, started)
     publish_training_report(config)

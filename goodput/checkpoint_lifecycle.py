@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
-from core.config import RunConfig
+from core.config import RunConfig, trajectory_conflicts, trajectory_json
 from core.cpu_priority import at_background_priority
 from core.protocol import (
     CHECKPOINT_MANIFEST,
@@ -138,11 +138,12 @@ def validate_checkpoint(config: RunConfig, step: int, dataset_dir: Path | None =
         manifest = CheckpointManifest.load(path)
         ledger.record(step, "committed", note=f"saved again after a {entry.state} copy" if saved_again else "",
                       loss=manifest.loss, tokens_seen=manifest.tokens_seen, copy_id=copy)
-        if manifest.config_hash != config.config_hash():  # e.g. torchrun with other overrides
+        conflicts = trajectory_conflicts(manifest.trajectory or {}, trajectory_json(config),
+                                         "the checkpoint", "in the run")
+        if conflicts:  # e.g. torchrun with other overrides, from scratch
             result = {"ok": False, "reason": (
-                f"saved under another data/tokenizer/model/training config (hash "
-                f"{manifest.config_hash}) than the run's ({config.config_hash()}): not this "
-                "run's trajectory")}
+                f"saved under another data/tokenizer/model/training config than the run's "
+                f"({'; '.join(conflicts[:4])}): not this run's trajectory")}
         else:
             result = verify(path, verify_timeout_s(config, path),
                             held_out_check(config, dataset_dir, step))

@@ -103,7 +103,10 @@ def reusable_report(config: RunConfig, checkpoint: Path, dataset_id: str) -> Eva
     out = report_path(config, checkpoint)
     if not out.is_file():
         return None
-    report = EvalReport.model_validate_json(out.read_text())
+    try:
+        report = EvalReport.model_validate_json(out.read_text())
+    except ValueError:  # damaged: evaluated again (evaluate keeps the file aside)
+        return None
     if (report.checkpoint == str(checkpoint) and report.copy_id == copy_id(checkpoint)
             and report.eval_hash == config.eval_hash() and report.dataset_id == dataset_id):
         return report
@@ -148,11 +151,11 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
     if report is not None:
         return report
     out = report_path(config, checkpoint)
-    keep_aside(out)
+    new = out.with_name(f".{out.name}.new")  # the report it replaces stays until it exists
     config_path = write_run_config(config)
     proc = subprocess.run(
         [sys.executable, "-m", "training.evaluate", "--checkpoint", str(checkpoint),
-         "--dataset", str(dataset_dir), "--config", str(config_path), "--out", str(out),
+         "--dataset", str(dataset_dir), "--config", str(config_path), "--out", str(new),
          *(["--background", "--device", config.eval.background_device] if background else [])],
         capture_output=True, text=True)
     if proc.returncode == 2:  # the exit code of a configuration error (core.protocol)
@@ -161,6 +164,8 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
     if proc.returncode != 0:
         raise RuntimeError(f"evaluation of {checkpoint} failed (exit {proc.returncode}):\n"
                            f"{proc.stderr.strip()[-2000:]}")
+    keep_aside(out)
+    os.replace(new, out)
     return EvalReport.model_validate_json(out.read_text())
 
 
@@ -171,10 +176,11 @@ def keep_aside(report_file: Path) -> Path | None:
     if not report_file.is_file():
         return None
     try:
-        settings = EvalReport.model_validate_json(report_file.read_text()).eval_hash or "unknown"
+        report = EvalReport.model_validate_json(report_file.read_text())
+        name = f"{report_file.stem}.{(report.eval_hash or 'unknown')[:12]}.{report.created_at:.0f}"
     except ValueError:  # not a report (damaged): kept aside all the same
-        settings = "unreadable"
-    aside = report_file.parent / "earlier" / f"{report_file.stem}.{settings[:12]}.json"
+        name = f"{report_file.stem}.unreadable.{time.time():.0f}"
+    aside = report_file.parent / "earlier" / f"{name}.json"
     aside.parent.mkdir(parents=True, exist_ok=True)
     os.replace(report_file, aside)
     return aside

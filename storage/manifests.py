@@ -123,6 +123,8 @@ class CheckpointManifest(BaseModel):
                                "trained on (its dataset manifest's); export writes it.")
     tokenizer_sha256: str | None = Field(None, description="The tokenizer of the data the model "
                                          "trained on: a resume on data of another is refused.")
+    trajectory: dict | None = Field(None, description="RunConfig.trajectory() of the run that "
+                                    "saved it: a resume or an adoption under another is refused.")
     created_at: float
 
     def save(self, directory: str | os.PathLike) -> Path:

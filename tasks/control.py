@@ -52,8 +52,9 @@ class UserErrorsWithoutTracebacks(logging.Filter):
         return True
 
 
-# On the logger itself: Prefect's logging setup, run again, keeps a logger's filters.
-logging.getLogger("prefect.flow_runs").addFilter(UserErrorsWithoutTracebacks())
+# On the loggers themselves: Prefect's logging setup, run again, keeps a logger's filters.
+for _engine_logger in ("prefect.flow_runs", "prefect.task_runs"):
+    logging.getLogger(_engine_logger).addFilter(UserErrorsWithoutTracebacks())
 
 
 @task(name="resolve-config", cache_policy=NO_CACHE, tags=["config"])

@@ -127,7 +127,7 @@ def test_torchrun_with_overrides_that_change_the_trajectory_does_not_continue_th
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0 and f"exitcode  : {FailureClass.CONFIG.exit_code} " in out, out[-3000:]
     assert re.search(r"step-00000020 was saved under another data/tokenizer/model/training config "
-                     r"than this one \(training.max_steps: 20 in the run, 30 here\).*Continue the "
+                     r"than this one \(training.max_steps: 20 in the checkpoint, 30 here\).*Continue the "
                      r"run with its own config \(--config \S+config.yaml", out), out[-3000:]
     assert sorted(p.name for p in config.run_dir.checkpoints.iterdir()) == saved
 
@@ -162,11 +162,14 @@ def test_a_checkpoint_of_another_trajectory_is_rejected_and_kept_aside(run):
     from scratch): the orchestrator does not adopt it; it is kept aside, as any rejected copy."""
     config, _ = run
     manifest = CheckpointManifest.load(config.run_dir.checkpoint(20))
-    manifest.config_hash = "0" * 16
+    assert manifest.trajectory["training"]["max_steps"] == 20
+    manifest.trajectory["training"]["max_steps"] = 30
+    manifest.trajectory["training"]["a_field_newer_code_added"] = 1  # no conflict: only one has it
     manifest.save(config.run_dir.checkpoint(20))
     entry = checkpoints.validate_checkpoint(config, 20)
     assert entry.state == "rejected"
-    assert "saved under another data/tokenizer/model/training config (hash 0000000000000000)" in entry.reason
+    assert ("saved under another data/tokenizer/model/training config than the run's "
+            "(training.max_steps: 30 in the checkpoint, 20 in the run)") in entry.reason
     assert not config.run_dir.checkpoint(20).exists()
     assert list((config.run_dir / "checkpoints" / "rejected").glob("step-00000020-*"))
 

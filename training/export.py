@@ -268,9 +268,7 @@ def write_safetensors(tensors: dict[str, torch.Tensor], directory: Path,
         # "format": "pt" tells transformers these are PyTorch tensors. safetensors writes its
         # file readable by its owner only; made as any other file (the umask's say).
         save_file(shard, directory / file_name, metadata={"format": "pt"})
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(directory / file_name, 0o666 & ~umask)
+        os.chmod(directory / file_name, 0o666 & ~UMASK)
 
     if len(shards) == 1:
         save(shards[0], SINGLE_FILE)
@@ -283,6 +281,16 @@ def write_safetensors(tensors: dict[str, torch.Tensor], directory: Path,
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     _write_json(directory / SHARD_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
     return [*names, SHARD_INDEX]
+
+
+def _umask() -> int:
+    """The process's umask; reading it sets it, so once, at import (before any thread)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+UMASK = _umask()
 
 
 class TokenizerFiles(NamedTuple):

@@ -211,7 +211,15 @@ class MLflowTracker(_Background):
             return  # the server never answered: the run's status cannot be set either
         if self.job == "train" or self.made_here:
             client, run_id = self.run
-            client.set_terminated(run_id, status if self.job == "train" else "FINISHED")
+            # From a thread, waited for as long as the records were: a server gone now (its
+            # client retries for minutes) never holds a worker that is ending.
+            ending = threading.Thread(target=client.set_terminated, daemon=True,
+                                      args=(run_id, status if self.job == "train" else "FINISHED"))
+            ending.start()
+            ending.join(self.close_timeout_s)
+            if ending.is_alive():
+                log.warning("%s: the run's status (%s) was not set: the server did not answer "
+                            "within %.0f s", self.name, status, self.close_timeout_s)
 
     @staticmethod
     def _log(client, run_id: str, batch: list[tuple[int, dict[str, float]]]) -> None:

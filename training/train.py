@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from core.config import RunConfig
+from core.config import RunConfig, trajectory_json
 from core.errors import ConfigError, DataError
 from core.layout import ParallelDims
 from core.protocol import (ENV_LEASE_HOLDER, ENV_MTBF_S, ENV_ORPHAN_AFTER_S, ENV_RESTART_WAIT_S,
@@ -101,7 +101,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
         config, layout.model_parts, optimizers, progress, loader,
         {"world_size": env.world_size, "layout": dims.degrees, "config_hash": config.config_hash(),
          "dataset_id": data.dataset_id, "eos_id": data.eos_id,
-         "tokenizer_sha256": data.tokenizer_sha256, "model_args": model_args,
+         "tokenizer_sha256": data.tokenizer_sha256, "trajectory": trajectory_json(config),
+         "model_args": model_args,
          "seq_len": tcfg.seq_len},
         # The supervisor passes the run's MTBF so far; a plain run has only the configured one.
         mtbf_s=float(os.environ.get(ENV_MTBF_S) or (config.faults.mtbf_hours or 0) * 3600),

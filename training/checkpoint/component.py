@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from core.config import RunConfig, load_config, trajectory_differences
+from core.config import RunConfig, trajectory_conflicts
 from core.errors import ConfigError
 from core.protocol import ResumeSpec
 from training.checkpoint.errors import CheckpointFailed
@@ -121,15 +121,15 @@ class Checkpointer:
                 "resume with the model settings it was saved with (a vocabulary saved unpadded: "
                 "model.vocab_multiple_of=1), or train from scratch under a new run.run_id")
         saved, now = reader.manifest, self.manifest_fields
-        if saved.config_hash != now["config_hash"]:
+        conflicts = trajectory_conflicts(saved.trajectory or {}, now["trajectory"], "the checkpoint")
+        if conflicts:
             raise ConfigError(
                 f"{reader} was saved under another data/tokenizer/model/training config than "
-                f"this one ({self._config_differences(saved.config_hash)}): continuing it would "
-                "change its trajectory (a longer training.max_steps stretches the learning-rate "
-                f"schedule, say). Continue the run with its own config (--config "
-                f"{self.run_dir.config_file}, without overrides of those sections), or train "
-                "another run.run_id (from this one's weights: goodput export --format hf, then "
-                "model.init_from=<the export>)")
+                f"this one ({'; '.join(conflicts[:4])}): continuing it would change its "
+                "trajectory (a longer training.max_steps stretches the learning-rate schedule, "
+                f"say). Continue the run with its own config (--config {self.run_dir.config_file}, "
+                "without overrides of those sections), or train another run.run_id (from this "
+                "one's weights: goodput export --format hf, then model.init_from=<the export>)")
         if saved.tokenizer_sha256 and now["tokenizer_sha256"] \
                 and saved.tokenizer_sha256 != now["tokenizer_sha256"]:
             # Its embeddings would be read by other token ids: the loss jumps, and the model
@@ -161,17 +161,6 @@ class Checkpointer:
             log.info("rank %d fetched %s of %d files from %s", self.saver.rank,
                      ", ".join(reader.fetched) or "nothing new", len(reader.sha256), reader)
         return str(reader)
-
-    def _config_differences(self, saved_hash: str) -> str:
-        """What differs from the run's config.yaml, where that is the config the checkpoint
-        was saved under; else the two hashes."""
-        try:
-            run_config = load_config(self.run_dir.config_file)
-            if run_config.config_hash() == saved_hash:
-                return trajectory_differences(run_config, self.config)
-        except (OSError, ConfigError):
-            pass
-        return f"config hash {saved_hash} in the checkpoint, {self.config.config_hash()} here"
 
     # -- saving ---------------------------------------------------------------------------
     def before_update(self) -> float:
