@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 
@@ -10,10 +9,9 @@ from prefect import flow
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from core.config import RunConfig
-from core.errors import ConfigError, DataError
 from goodput.checkpoint_lifecycle import new_checkpoints, unsecured_steps
 from goodput.evaluation import evaluation_due
-from goodput.runs import record_unfinished_training
+from goodput.runs import unfinished_training_counted
 from tasks.control import no_orphan_workers, resolve_config, settle, training_slot
 from tasks.credentials import load_credentials, uses_blocks
 from tasks.evaluate import check_eval_tasks, evaluate_validated
@@ -74,60 +72,53 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
     if eval_tasks is not None:
         eval_tasks.result()  # a misspelt task fails the run here, not after training
     dataset_dir = dataset.result()
-    trained_here = False  # this flow run held the run's lease: its time is the run's
-    try:
-        with training_slot(config) as lease_holder, no_orphan_workers():
-            trained_here = True
-            training = launch_training.with_options(
-                retries=config.run.max_attempts - 1, retry_delay_seconds=config.run.retry_delay_s,
-            ).submit(config, dataset_dir, time_limit_s, worker_logs, started, lease_holder)
+    # A flow run that ends unfinished once it holds the run's lease: its time still counts.
+    with training_slot(config) as lease_holder, no_orphan_workers(), \
+            unfinished_training_counted(config, started):
+        training = launch_training.with_options(
+            retries=config.run.max_attempts - 1, retry_delay_seconds=config.run.retry_delay_s,
+        ).submit(config, dataset_dir, time_limit_s, worker_logs, started, lease_holder)
 
-            # Told by the future itself, not by asking the API its state each second (which
-            # was a request a second for the whole run).
-            finished = threading.Event()
-            training.add_done_callback(lambda _: finished.set())
+        # Told by the future itself, not by asking the API its state each second (which was
+        # a request a second for the whole run).
+        finished = threading.Event()
+        training.add_done_callback(lambda _: finished.set())
 
-            def still_running() -> bool:
-                if finished.wait(timeout=1.0):
-                    return False
-                training.wait(timeout=0)  # where Prefect raises a requested suspension
-                return True
+        def still_running() -> bool:
+            if finished.wait(timeout=1.0):
+                return False
+            training.wait(timeout=0)  # where Prefect raises a requested suspension
+            return True
 
-            def secure(step: int):
-                validated = validate_checkpoint.submit(config, step, dataset_dir)
-                uploaded = upload_checkpoint.submit(config, step, wait_for=[validated])
-                return validated, apply_retention.submit(config, wait_for=[uploaded])
+        def secure(step: int):
+            validated = validate_checkpoint.submit(config, step, dataset_dir)
+            uploaded = upload_checkpoint.submit(config, step, wait_for=[validated])
+            return validated, apply_retention.submit(config, wait_for=[uploaded])
 
-            secured, evaluations = [], []
-            # Evaluations (eval.every_validated) queue on a thread of their own, one at a time:
-            # however long they take, they never hold the threads that validate and upload.
-            with ThreadPoolTaskRunner(max_workers=1) as evaluating:
-                for step in new_checkpoints(config, still_running):
-                    announce_committed(config, step)
-                    validated, retained = secure(step)
-                    secured.append(retained)
-                    if evaluation_due(config, step):
-                        evaluated = evaluating.submit(evaluate_validated, {
-                            "config": config, "step": step, "dataset_dir": dataset_dir}, wait_for=[validated])
-                        # Retention again once the score is in (best-by-eval may keep this step),
-                        # on the evaluations' thread.
-                        evaluations.append(evaluating.submit(apply_retention, {"config": config},
-                                                             wait_for=[evaluated]))
-                settle(secured + evaluations)  # a failed evaluation shows in its task run, not as training's
-                # A task cannot start while the Prefect API is away (a server restart): the
-                # checkpoints it left unjudged or not uploaded are secured now, and their outcome
-                # is the one that counts.
-                secured = [secure(step)[1] for step in unsecured_steps(config)]
-                settle(secured)
+        secured, evaluations = [], []
+        # Evaluations (eval.every_validated) queue on a thread of their own, one at a time:
+        # however long they take, they never hold the threads that validate and upload.
+        with ThreadPoolTaskRunner(max_workers=1) as evaluating:
+            for step in new_checkpoints(config, still_running):
+                announce_committed(config, step)
+                validated, retained = secure(step)
+                secured.append(retained)
+                if evaluation_due(config, step):
+                    evaluated = evaluating.submit(evaluate_validated, {
+                        "config": config, "step": step, "dataset_dir": dataset_dir}, wait_for=[validated])
+                    # Retention again once the score is in (best-by-eval may keep this step),
+                    # on the evaluations' thread.
+                    evaluations.append(evaluating.submit(apply_retention, {"config": config},
+                                                         wait_for=[evaluated]))
+            settle(secured + evaluations)  # a failed evaluation shows in its task run, not as training's
+            # A task cannot start while the Prefect API is away (a server restart): the
+            # checkpoints it left unjudged or not uploaded are secured now, and their outcome
+            # is the one that counts.
+            secured = [secure(step)[1] for step in unsecured_steps(config)]
+            settle(secured)
         outcome = training.result()  # raises when the last attempt failed
         for future in secured:
             future.result()
-    except BaseException as ended:  # cancelled, failed or interrupted: its time still counts,
-        # unless it never trained (refused: another run's config, a lease never held)
-        if trained_here and not isinstance(ended, (ConfigError, DataError)):
-            with contextlib.suppress(Exception):  # never in place of the failure itself
-                record_unfinished_training(config, started)
-        raise
     trained = record_training(config, outcome, started)
     publish_training_report(config)
     announce_run_finished(config, trained)

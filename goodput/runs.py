@@ -6,12 +6,15 @@ summary.json and each attempt's outcome.json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from core.config import ConfigError, RunConfig, dump_config, load_config, trajectory_differences
+from core.errors import DataError
 from core.files import exclusive_lock, write_atomic
 from core.protocol import FailureClass, RunDir, step_of
 from goodput.accounting import data_wait_share, summarize_goodput
@@ -223,6 +226,22 @@ def record_training(config: RunConfig, outcome: dict, started: float) -> dict:
     values = update_summary(config.run_dir, "train", with_total)["train"]
     summarize_goodput(config)
     return values
+
+
+@contextmanager
+def unfinished_training_counted(config: RunConfig, started: float) -> Iterator[None]:
+    """Around a train flow run's training, once it holds the run's lease: if it ends without
+    finishing (cancelled, failed, interrupted), its wall time still counts
+    (record_unfinished_training). Not for a refusal of its input (ConfigError, DataError):
+    that run never trained."""
+    try:
+        yield
+    except (ConfigError, DataError):
+        raise
+    except BaseException:
+        with contextlib.suppress(Exception):  # never in place of the failure itself
+            record_unfinished_training(config, started)
+        raise
 
 
 def record_unfinished_training(config: RunConfig, started: float) -> None:

@@ -105,3 +105,20 @@ def test_a_cancelled_train_flow_runs_time_counts_and_a_cancel_is_no_failure(tmp_
     assert goodput["productive_s"] == pytest.approx(10.0)
     assert goodput["total_s"] == pytest.approx(35.0, abs=1.0)
     assert goodput["checkpoint_advice"]["mtbf_s"] is None  # no failure observed
+
+
+def test_a_refused_train_flow_run_adds_no_time(tmp_path):
+    """The flow's guard counts an unfinished run's time, but not a refusal of its input."""
+    import time
+
+    from core.errors import ConfigError
+    from goodput.runs import unfinished_training_counted
+    from tests.helpers import small_config
+
+    config = small_config(tmp_path)
+    with pytest.raises(ConfigError), unfinished_training_counted(config, time.time() - 5.0):
+        raise ConfigError("another run's config")
+    assert "train" not in read_summary(config.run_dir)
+    with pytest.raises(RuntimeError), unfinished_training_counted(config, time.time() - 5.0):
+        raise RuntimeError("the last attempt failed")
+    assert read_summary(config.run_dir)["train"]["wall_time_total_s"] == pytest.approx(5.0, abs=1.0)
