@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextvars
 import math
 import os
+import re
+import signal
 import sys
 import threading
 import time
@@ -171,6 +173,7 @@ def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt:
                on_progress: Callable[[dict], None] | None, mtbf_s: float, start: ResumeSpec,
                stop_after: float | None, lease_holder: str,
                on_layout_change: Callable[[dict], None] | None = None) -> AttemptResult:
+    log = WorkerFailures(log)  # torchrun's word on which worker failed first, and how
     launcher = make_launcher(NodeLaunch.of(
         config, torchrun_command(config, config_path, dataset_dir, attempt, start),
         worker_env(config, attempt, mtbf_s, stop_after, lease_holder),
@@ -224,7 +227,8 @@ def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt:
         if progress is not None:
             progress.close()
     result = classify(config.run_dir, attempt, returncode, hung, time.monotonic() - started,
-                      scheduler_state=getattr(launcher, "final_state", None))
+                      scheduler_state=getattr(launcher, "final_state", None),
+                      worker_failures=log.found)
     result.worlds = worlds
     if live.cancelled and result.failure_class != FailureClass.DONE:
         result.failure_class, result.reason = FailureClass.CANCELLED, "stopped by a cancellation"
@@ -481,6 +485,81 @@ class HangWatch:
         return f"{what} for {waited:.0f}s (limit {limit:.0f}s)" if waited > limit else ""
 
 
+class WorkerFailures:
+    """Passes an attempt's output lines on, and reads torchrun's own account of the worker
+    that failed first on each node: its global rank and exit code (negative: the signal
+    that killed it).
+
+    A worker killed by a signal (SIGKILL from the kernel's OOM killer, a scheduler or a user)
+    writes no exit record; the others then fail on the connection it closed, which is all
+    their records can tell. torchrun, its parent, saw how it ended, and prints it under "Root
+    Cause (first observed failure)" when it gives up on the worker group. Lines are read per
+    thread: each node's output has a reader thread of its own."""
+
+    ROOT_CAUSE = "Root Cause (first observed failure):"
+    RANK = re.compile(r"\brank\s*:\s*(\d+)\s*\(local_rank")
+    EXIT_CODE = re.compile(r"\bexitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
+
+    def __init__(self, log: Callable[[str], None]):
+        self._log = log
+        self._reading: dict[int, dict] = {}  # reader thread -> the root cause read so far
+        self.found: list[dict] = []  # {"rank", "exit_code", "pid"}, in the order printed
+
+    def __call__(self, line: str) -> None:
+        self._log(line)
+        reader = threading.get_ident()
+        if self.ROOT_CAUSE in line:
+            self._reading[reader] = {}
+            return
+        found = self._reading.get(reader)
+        if found is None:
+            return
+        if (match := self.RANK.search(line)) is not None:
+            found["rank"] = int(match.group(1))
+        elif (match := self.EXIT_CODE.search(line)) is not None:
+            found["exit_code"], found["pid"] = int(match.group(1)), int(match.group(2))
+        if "rank" in found and "exit_code" in found:
+            del self._reading[reader]
+            self.found.append(found)
+
+
+def _how_it_ended(exit_code: int) -> str:
+    if exit_code >= 0:
+        return f"exited with code {exit_code} and no exit record"
+    try:
+        name = signal.Signals(-exit_code).name
+    except ValueError:
+        name = f"signal {-exit_code}"
+    if -exit_code == signal.SIGKILL:
+        return (f"was killed by {name}, as the kernel's OOM killer does when a host runs out of "
+                "memory (see `dmesg` on its node)")
+    return f"was killed by {name}"
+
+
+def crash_reason(records: list[dict], failures: list[dict], returncode: int) -> str:
+    """Why a worker group crashed, the worker that failed first leading: one that ended
+    without a word (killed by a signal; torchrun says how), else the earliest exit record (a
+    worker that raised writes its record before it exits and closes its connections; the
+    others' errors on those connections come after), each named by its rank where the
+    ranks tell different stories."""
+    latest = max((r.get("restart", 0) for r in records), default=0)
+    recorded = {r["rank"] for r in records if r.get("restart", 0) == latest}
+    crashes = sorted((r for r in records if r["class"] == FailureClass.RETRYABLE
+                      and r.get("restart", 0) == latest), key=lambda r: r.get("time", 0.0))
+    silent = next((f for f in failures if f["rank"] not in recorded), None)
+    if silent is not None:
+        reason = f"rank {silent['rank']} {_how_it_ended(silent['exit_code'])}"
+        if crashes:
+            reason += f"; rank {crashes[0]['rank']} then failed: {crashes[0]['reason']}"
+        return reason
+    if not crashes:
+        return f"a worker died (torchrun exit {returncode})"
+    first = crashes[0]
+    if all(r["reason"] == first["reason"] for r in crashes):
+        return first["reason"]
+    return f"rank {first['rank']}: {first['reason']}"
+
+
 # How a scheduler says it ended a job, when that explains the attempt's end better than the
 # workers can (they saw only a SIGTERM, or nothing: killed with their node).
 SCHEDULER_ENDINGS = {
@@ -498,10 +577,12 @@ SCHEDULER_ENDINGS = {
 
 
 def classify(run_dir, attempt: str, returncode: int, hung: bool, wall: float,
-             scheduler_state: str | None = None) -> AttemptResult:
+             scheduler_state: str | None = None,
+             worker_failures: list[dict] = ()) -> AttemptResult:
     """The attempt's failure class from how it ended, what the scheduler says of it (Slurm's
     job state) and the ranks' exit records: the most specific record wins, then the
-    scheduler's word; an exit nothing explains is a crash, retried."""
+    scheduler's word; an exit nothing explains is a crash, retried, its reason led by the
+    worker that failed first (`worker_failures`: torchrun's word, WorkerFailures.found)."""
     records = read_exit_records(run_dir, attempt)
     restarts = in_job_restarts(run_dir, attempt)
     beat = read_heartbeat(run_dir)
@@ -522,6 +603,4 @@ def classify(run_dir, attempt: str, returncode: int, hung: bool, wall: float,
             return result(failure, reason)
     if scheduler_state in SCHEDULER_ENDINGS:
         return result(*SCHEDULER_ENDINGS[scheduler_state])
-    return result(FailureClass.RETRYABLE,
-                  next((r["reason"] for r in records if r["class"] == FailureClass.RETRYABLE),
-                       f"a worker died (torchrun exit {returncode})"))
+    return result(FailureClass.RETRYABLE, crash_reason(records, list(worker_failures), returncode))

@@ -139,6 +139,56 @@ def test_failures_a_restart_cannot_fix_block_in_job_restarts(tmp_path):
     assert protocol.restart_blocker(tmp_path, "a-2") is None  # per attempt
 
 
+def _torchrun_failure_report(failures: dict[int, int]) -> list[str]:
+    """What torchrun prints when it gives up on a worker group: torch's own formatting of
+    its ChildFailedError, global rank -> exit code (negative: killed by that signal)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    report = ChildFailedError("training", {
+        rank: ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file="<N/A>")
+        for rank, code in failures.items()})
+    return f"torch.distributed.elastic.multiprocessing.errors.ChildFailedError: {report}".splitlines()
+
+
+def test_a_crash_is_told_by_the_worker_that_failed_first(tmp_path):
+    """A rank killed by a signal writes no exit record and the others then fail on its closed
+    connection: the reason leads with torchrun's word on the killed rank, not their echo."""
+    from core import protocol
+    from core.protocol import FailureClass
+    from infra.torchrun import WorkerFailures, classify, crash_reason
+
+    passed_on: list[str] = []
+    failures = WorkerFailures(passed_on.append)
+    for line in _torchrun_failure_report({1: -signal.SIGKILL}):
+        failures(line)
+    assert passed_on and failures.found == [{"rank": 1, "exit_code": -9, "pid": 1001}]
+
+    peer = "RuntimeError: Connection closed by peer [127.0.0.1]:22414"
+    protocol.write_exit_record(tmp_path, "a-1", 0, FailureClass.RETRYABLE, peer, 60)
+    result = classify(tmp_path, "a-1", 1, hung=False, wall=1.0, worker_failures=failures.found)
+    assert result.failure_class == FailureClass.RETRYABLE
+    assert result.reason.startswith("rank 1 was killed by SIGKILL, as the kernel's OOM killer does")
+    assert result.reason.endswith(f"rank 0 then failed: {peer}")
+    # Without torchrun's word, the same records give what they know.
+    assert classify(tmp_path, "a-1", 1, hung=False, wall=1.0).reason == peer
+
+    # A rank that raised wrote its record first; the earliest record leads, named by its rank.
+    protocol.write_exit_record(tmp_path, "a-2", 0, FailureClass.RETRYABLE, peer, 60)
+    time.sleep(0.01)
+    protocol.write_exit_record(tmp_path, "a-2", 1, FailureClass.RETRYABLE, "ValueError: bad batch", 60)
+    records = protocol.read_exit_records(tmp_path, "a-2")
+    records[1]["time"] = records[0]["time"] - 1.0  # rank 1's record was written first
+    assert crash_reason(records, [], 1) == "rank 1: ValueError: bad batch"
+    # torchrun naming rank 0 (it noticed that exit first) does not hide rank 1's own error.
+    assert crash_reason(records, [{"rank": 0, "exit_code": 4, "pid": 1}], 1) == "rank 1: ValueError: bad batch"
+    # Every rank saying the same (a preemption's emergency save): said once.
+    same = [{**r, "reason": "preempted"} for r in records]
+    assert crash_reason(same, [], 4) == "preempted"
+    # Nothing recorded, nothing printed.
+    assert crash_reason([], [], 1) == "a worker died (torchrun exit 1)"
+    assert crash_reason([], [{"rank": 3, "exit_code": -15, "pid": 1}], 1) == "rank 3 was killed by SIGTERM"
+
+
 def test_loader_skips_windows_deterministically(tmp_path):
     from storage.manifests import DatasetManifest
 
