@@ -455,14 +455,17 @@ def read_heartbeat(run_dir: RunDir | Path) -> dict | None:
 
 # -- the run's lease: one supervisor, and no workers without one ------------------------------
 
-def write_lease(run_dir: RunDir | Path, holder: str, released: bool = False) -> None:
+def write_lease(run_dir: RunDir | Path, holder: str, released: bool = False,
+                since: float | None = None) -> None:
     """`holder` (a flow run, or an attempt) is in charge of the run: renewed while it lives,
-    or let go of (`released`)."""
+    or let go of (`released`); `since`: when it took the lease (default now)."""
     import socket
 
+    now = time.time()
     _write_json_atomically(RunDir.of(run_dir).lease_file,
                            {"holder": holder, "pid": os.getpid(), "host": socket.gethostname(),
-                            "time": time.time(), "released": released})
+                            "time": now, "since": now if since is None else since,
+                            "released": released})
 
 
 def read_lease(run_dir: RunDir | Path) -> dict | None:

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 from core.config import ConfigError, RunConfig, dump_config, load_config, trajectory_differences
 from core.errors import DataError
 from core.files import exclusive_lock, write_atomic
-from core.protocol import FailureClass, RunDir, step_of
+from core.protocol import FailureClass, RunDir, read_exit_records, read_starts, step_of
 from goodput.accounting import data_wait_share, summarize_goodput
 from goodput.checkpoint_lifecycle import resume_point, resume_position, set_aside_damaged
 from infra.torchrun import AttemptResult, TrainingFailed, run_attempt
@@ -242,6 +242,56 @@ def unfinished_training_counted(config: RunConfig, started: float) -> Iterator[N
         with contextlib.suppress(Exception):  # never in place of the failure itself
             record_unfinished_training(config, started)
         raise
+
+
+def record_abandoned_training(config: RunConfig, lease: dict) -> dict:
+    """A supervisor that held the run's lease and vanished without letting go (its flow
+    process killed, its host lost) recorded nothing of how its training ended. From what it
+    left: its time (from taking the lease to its last renewal) counts in the run's total,
+    and each attempt it launched gets the outcome its workers' records tell (orphaned: they
+    saved and stopped by themselves, or were killed with it; done: they had finished).
+    Returns {"holder", "wall_time_s", "outcomes"}."""
+    from training.metrics import read_metrics
+
+    since, until = lease["since"], lease["time"]
+    run_dir = config.run_dir
+    committed = run_dir.committed_checkpoints()
+    metrics = None
+    outcomes = []
+    for directory in sorted(run_dir.attempts.glob("attempt-*")) if run_dir.attempts.is_dir() else []:
+        attempt = directory.name.removeprefix("attempt-")
+        starts, records = read_starts(run_dir, attempt), read_exit_records(run_dir, attempt)
+        # Its workers started while that holder held the lease (a minute's slack for the
+        # clocks of other nodes); attempts of earlier holders are not its to answer for.
+        if (directory / "outcome.json").exists() or not starts or starts[0]["time"] < since - 60:
+            continue
+        if metrics is None:
+            metrics = read_metrics(run_dir)
+        steps = [m["step"] for m in metrics if m.get("attempt") == attempt]
+        ended = max([r["time"] for r in records] + [s["time"] for s in starts])
+        done = bool(records) and all(r["class"] == FailureClass.DONE for r in records)
+        told = next((r["reason"] for r in records if r["class"] != FailureClass.DONE), None)
+        reason = (f"its supervisor ({lease['holder']}) ended without recording it (its process "
+                  "was killed or its host lost); "
+                  + (f"the workers: {told}" if told else "the workers had finished" if done
+                     else "no worker left an exit record (killed with it)"))
+        outcome = {"attempt": attempt,
+                   "class": (FailureClass.DONE if done else FailureClass.ORPHANED).value,
+                   "reason": reason,
+                   "step": max([r["step"] for r in records if r.get("step") is not None] + steps,
+                               default=None),
+                   "exit_code": None, "resumed_from": steps[0] - 1 if steps else None,
+                   "newest_checkpoint": step_of(committed[-1]) if committed else 0,
+                   "restarts": max(0, len(starts) - 1),
+                   "wall_time_s": max(0.0, ended - starts[0]["time"]), "time": ended,
+                   "recorded_by": "the next holder of the run's lease"}
+        write_atomic(directory / "outcome.json", json.dumps(outcome).encode())
+        outcomes.append(outcome)
+    wall = max(0.0, until - since)
+    update_summary(run_dir, "train", lambda previous: {
+        **previous, "wall_time_total_s": previous.get("wall_time_total_s", 0.0) + wall})
+    summarize_goodput(config)
+    return {"holder": lease["holder"], "wall_time_s": wall, "outcomes": outcomes}
 
 
 def record_unfinished_training(config: RunConfig, started: float) -> None:

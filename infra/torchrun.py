@@ -306,6 +306,10 @@ class RunLease:
     they stop by themselves within launch.orphan_timeout_s of their supervisor's last
     renewal, after an emergency checkpoint). `held` acquires, renews every few seconds on a
     thread while the caller works, and lets go at the end.
+
+    A lease taken over without its holder having let go (`abandoned`: the lease as that
+    holder left it) tells of a supervisor that vanished: nothing it would have recorded was
+    (goodput.runs.record_abandoned_training).
     """
 
     def __init__(self, config: RunConfig, holder: str):
@@ -313,6 +317,8 @@ class RunLease:
         self.orphan_after_s = config.launch.orphan_timeout_s
         self.save_s = config.faults.emergency_save_s
         self.renew_every_s = min(5.0, self.orphan_after_s / 4)
+        self.since: float | None = None
+        self.abandoned: dict | None = None
 
     def blocker(self) -> str:
         """Why the lease cannot be taken yet ("" when it can)."""
@@ -345,7 +351,12 @@ class RunLease:
             with exclusive_lock(self.run_dir / ".lease.lock"):
                 blocker = self.blocker()
                 if not blocker:
-                    write_lease(self.run_dir, self.holder)
+                    before = read_lease(self.run_dir)
+                    if (before is not None and not before["released"]
+                            and before["holder"] != self.holder):
+                        self.abandoned = before
+                    self.since = time.time()
+                    write_lease(self.run_dir, self.holder, since=self.since)
                     return
             if blocker.split(" (")[0] != told:
                 log(f"waiting: {blocker}")
@@ -353,22 +364,22 @@ class RunLease:
             time.sleep(every_s)
 
     @contextmanager
-    def held(self, log: Callable[[str], None]) -> Iterator[None]:
+    def held(self, log: Callable[[str], None]) -> Iterator["RunLease"]:
         self.acquire(log)
         done = threading.Event()
 
         def keep_renewing():
             while not done.wait(self.renew_every_s):
-                write_lease(self.run_dir, self.holder)
+                write_lease(self.run_dir, self.holder, since=self.since)
 
         thread = threading.Thread(target=keep_renewing, name="run-lease", daemon=True)
         thread.start()
         try:
-            yield
+            yield self
         finally:
             done.set()
             thread.join()
-            write_lease(self.run_dir, self.holder, released=True)
+            write_lease(self.run_dir, self.holder, released=True, since=self.since)
 
 
 class _LiveAttempt:

@@ -40,6 +40,7 @@ from prefect.runtime import deployment, flow_run
 
 from core.config import ConfigError, RunConfig, apply_overrides, config_from_dict, load_config
 from core.errors import DataError
+from goodput.runs import record_abandoned_training
 from infra.torchrun import RunLease, stop_live_attempts
 
 
@@ -104,14 +105,25 @@ def training_slot(config: RunConfig) -> Iterator[str]:
     log, while another flow run trains the run, or while workers whose flow process was
     killed still train it (they stop by themselves). Yields the holder's name, which every
     attempt's workers watch: if this process dies, they stop within
-    launch.orphan_timeout_s.
+    launch.orphan_timeout_s, and the next holder records what it could not (its time, its
+    attempts' outcomes: goodput.runs.record_abandoned_training).
 
     A file in the run directory rather than a Prefect concurrency slot: a slot's lease
     lives in the server's memory, so a restarted server forgot it (and killed the flow run
     holding it), and Prefect's temporary server never frees the slot of a killed command.
     """
     holder = lease_holder()
-    with RunLease(config, holder).held(get_run_logger().info):
+    logger = get_run_logger()
+    with RunLease(config, holder).held(logger.info) as lease:
+        if lease.abandoned is not None and "since" in lease.abandoned:
+            found = record_abandoned_training(config, lease.abandoned)
+            logger.warning(
+                f"{found['holder']} held run {config.run.run_id} until "
+                f"{time.strftime('%H:%M:%S', time.localtime(lease.abandoned['time']))} and "
+                "vanished without letting it go (its process killed or its host lost): its "
+                f"{found['wall_time_s']:.0f}s count in the run's wall time"
+                + "".join(f"; attempt {o['attempt']} recorded as {o['class']} at step {o['step']}"
+                          for o in found["outcomes"]))
         yield holder
 
 

@@ -122,3 +122,63 @@ def test_a_refused_train_flow_run_adds_no_time(tmp_path):
     with pytest.raises(RuntimeError), unfinished_training_counted(config, time.time() - 5.0):
         raise RuntimeError("the last attempt failed")
     assert read_summary(config.run_dir)["train"]["wall_time_total_s"] == pytest.approx(5.0, abs=1.0)
+
+
+def test_a_vanished_supervisors_time_and_attempts_are_recorded_by_the_next_holder(tmp_path):
+    """A supervisor killed outright (SIGKILL: no cleanup) leaves the run's lease unreleased and
+    its attempts without outcomes. The next holder of the lease records them: the time that
+    supervisor held the run, and each attempt as its workers' exit records tell."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from core.protocol import FailureClass, record_start, write_exit_record
+    from goodput.runs import read_outcomes, record_abandoned_training
+    from infra.torchrun import RunLease
+    from tests.helpers import small_config
+
+    config = small_config(tmp_path, "launch.orphan_timeout_s=2")
+    earlier = config.run_dir.attempts / "attempt-old-1"  # an attempt of an earlier holder
+    earlier.mkdir(parents=True)
+    (earlier / "starts.jsonl").write_text(json.dumps({"start": 0, "time": time.time() - 3600}) + "\n")
+    holder = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from core.config import load_config
+from infra.torchrun import RunLease
+config = load_config(None, {[f'run.runs_dir={config.run.runs_dir}', 'run.run_id=test',
+                             'launch.orphan_timeout_s=2']!r})
+with RunLease(config, "flow run killed").held(print):
+    print("held", flush=True)
+    time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
+    assert holder.stdout.readline().strip() == "held"
+    # Its attempt's workers: started, trained to step 7, then saved and stopped when nobody
+    # renewed the lease (as training/__main__ records an orphaned end).
+    record_start(config.run_dir, "killed-1")
+    write_metrics(config.run_dir.path, [{"step": s, "attempt": "killed-1", "step_time_s": 0.1}
+                                        for s in range(5, 8)])
+    time.sleep(2.0)  # it renews the lease every 0.5 s meanwhile
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    for rank in (0, 1):
+        write_exit_record(config.run_dir, "killed-1", rank, FailureClass.ORPHANED,
+                          "no supervisor renewed the lease for 2s: saved step 7 and stopped", 7)
+
+    taken = time.time()
+    with RunLease(config, "flow run next").held(print) as lease:
+        assert time.time() - taken >= 1.0  # it waited for the dead holder's lease to run out
+        assert lease.abandoned["holder"] == "flow run killed" and not lease.abandoned["released"]
+        found = record_abandoned_training(config, lease.abandoned)
+    assert found["wall_time_s"] >= 1.0
+    [outcome] = found["outcomes"]
+    assert (outcome["attempt"], outcome["class"], outcome["step"]) == ("killed-1", "orphaned", 7)
+    assert outcome["resumed_from"] == 4 and "saved step 7 and stopped" in outcome["reason"]
+    assert [o["attempt"] for o in read_outcomes(config)] == ["killed-1"]  # not the earlier one
+    summary = read_summary(config.run_dir)
+    assert summary["train"]["wall_time_total_s"] == pytest.approx(found["wall_time_s"])
+    assert summary["goodput"]["attempts"] == {"orphaned": 1}
+    # A holder that let go leaves nothing to record.
+    with RunLease(config, "flow run after").held(print) as lease:
+        assert lease.abandoned is None

@@ -218,6 +218,15 @@ def test_workers_of_a_killed_flow_process_stop_and_the_next_flow_run_waits_for_t
     b_steps = [m for m in steps if m["attempt"].startswith(str(b)[-8:])]
     assert b_steps[0]["step"] > 1, "B should resume from a checkpoint A left"
     assert b_steps[0]["time"] > a_steps[-1]["time"], "B trained while A's workers still did"
+    # B recorded what A's killed process could not: A's attempt, and A's time in the total.
+    [a_outcome] = [json.loads(p.read_text())
+                   for p in run_dir.glob(f"attempts/attempt-{a_attempt}-*/outcome.json")]
+    assert a_outcome["class"] == "orphaned" and a_outcome["step"] >= 45, a_outcome
+    assert any("vanished without letting it go" in log["message"] for log in api.logs(b))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["goodput"]["attempts"].get("orphaned") == 1
+    train = summary["train"]  # its total: B's time, and A's while it held the lease
+    assert train["wall_time_total_s"] - train["wall_time_s"] > a_steps[-1]["time"] - a_steps[0]["time"]
 
 
 def _unix(stamp: str) -> float:
