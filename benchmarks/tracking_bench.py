@@ -11,7 +11,6 @@ Printed: microseconds per logged step and the share of a --step-ms training step
 from __future__ import annotations
 
 import argparse
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,11 +22,7 @@ from types import SimpleNamespace
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from infra.launchers import free_port  # noqa: E402
 
 
 def record(step: int) -> dict:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 import shlex
 import signal
@@ -39,6 +40,23 @@ STOPPED = -signal.SIGTERM  # exit code reported for a scheduler job this process
 
 
 def free_port() -> int:
+    """A port free on the loopback now, for a server that another process binds a moment
+    later (a rendezvous, a test's server). Chosen below the kernel's ephemeral range where
+    there is room: the kernel gives connections their source ports from that range (gloo
+    alone opens one per pair of workers), and one of them taking the port in between failed
+    the server's start. Below it, only another explicit bind can."""
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    below = range(max(1024, low - 12000), low)
+    for port in random.sample(below, min(64, len(below))):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

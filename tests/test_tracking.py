@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import struct
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from infra.launchers import free_port
 from tests.helpers import losses_by_step, small_config, synthetic_dataset, torchrun_training, wait_for
 from training.metrics import read_metrics
 from training.tracking import MLflowTracker, curves
@@ -151,10 +151,6 @@ def test_scores_of_checkpoints_training_has_passed_reach_wandb(tmp_path):
     assert [(row[TRAINER_STEP], row["eval/loss"]) for row in rows] == [(30, 2.0), (10, 3.0)]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_a_tracking_server_that_is_down_never_slows_the_trainer(caplog):
