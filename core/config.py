@@ -1499,9 +1499,18 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(tree: dict, overrides: list[str]) -> dict:
+    """`tree` (a file's, a form's) with `overrides` applied, last one winning. A
+    `model.init_from` override also displaces the model shape `tree` states (written for
+    another model: configs/tiny.yaml's, say) by its checkpoint's; shape fields that are
+    overrides themselves must still agree with the checkpoint."""
     tree = dict(tree)
-    for text in overrides:
-        path, value = parse_override(text)
+    parsed = [parse_override(text) for text in overrides]
+    init_from = [value for path, value in parsed if path == ["model", "init_from"]]
+    if init_from and init_from[-1] and isinstance(tree.get("model"), dict):
+        stated = {path[1] for path, _ in parsed if len(path) == 2 and path[0] == "model"}
+        tree["model"] = {k: v for k, v in tree["model"].items()
+                         if k not in (*_FIXED_BY_CHECKPOINT, *_FFN_FIELDS) or k in stated}
+    for text, (path, value) in zip(overrides, parsed):
         node = tree
         for part in path[:-1]:
             child = node.get(part)

@@ -153,6 +153,23 @@ def test_a_stated_shape_that_conflicts_names_the_field(checkpoints, override, me
     assert "config.json (model.init_from)" in str(err.value) and "leave these fields out" in str(err.value)
 
 
+def test_an_init_from_override_displaces_the_files_model_shape(checkpoints, tmp_path):
+    """`--config configs/tiny.yaml model.init_from=DIR`: the file's shape was written for the
+    tiny model trained from scratch; the checkpoint's replaces it, the file's other choices
+    (max_seq_len, training) stay. A shape field that is an override too must still agree,
+    and a file stating init_from and another shape is inconsistent in itself."""
+    directory = checkpoints["tied"]
+    config = load_config(REPO / "configs" / "tiny.yaml", [f"model.init_from={directory}"])
+    assert (config.model.dim, config.model.n_layers, config.model.n_kv_heads) == (64, 2, 2)
+    assert config.model.max_seq_len == 256 and config.training.seq_len == 128  # the file's
+    with pytest.raises(ConfigError, match="model.dim=128 but hidden_size is 64"):
+        load_config(REPO / "configs" / "tiny.yaml", [f"model.init_from={directory}", "model.dim=128"])
+    own = tmp_path / "own.yaml"
+    own.write_text(f"model:\n  init_from: {directory}\n  dim: 128\n")
+    with pytest.raises(ConfigError, match="model.dim=128 but hidden_size is 64"):
+        load_config(own, [f"training.seq_len={SEQ}"])
+
+
 def test_tied_checkpoints_refuse_pipeline_parallelism(checkpoints):
     with pytest.raises(ConfigError, match="tie_embeddings=true .* pp=2 .* set parallelism.pp=1"):
         load_config(None, [f"model.init_from={checkpoints['tied']}", f"training.seq_len={SEQ}",
