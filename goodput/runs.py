@@ -90,8 +90,10 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
     if result.failure_class == FailureClass.DONE:
         return result
     if result.failure_class == FailureClass.CANCELLED:
-        log(f"attempt {attempt} cancelled at step {result.step}: not retrying")
-        raise TrainingFailed(f"training attempt {attempt} was cancelled at step {result.step}",
+        # The flow run, interrupted, may have summed up its time before this outcome was in.
+        summarize_goodput(config)
+        log(f"attempt {attempt} cancelled {at_step(result.step)}: not retrying")
+        raise TrainingFailed(f"training attempt {attempt} was cancelled {at_step(result.step)}",
                              FailureClass.CANCELLED, result.step, retry=False)
     if result.failure_class == FailureClass.ROLLBACK:
         skip = skip_data_before(config, store, result)
@@ -103,11 +105,16 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
         log(f"checkpoint step {entry.step} failed its checksums at load: now {entry.state} "
             f"({entry.history[-1].note})")
     retry, why = retry_decision(config, read_outcomes(config, attempt_prefix(attempt)))
-    log(f"attempt {attempt} ended: {outcome['class']} at step {outcome['step']} ({outcome['reason']}); "
+    log(f"attempt {attempt} ended: {outcome['class']} {at_step(outcome['step'])} ({outcome['reason']}); "
         + ("retrying" if retry else f"not retrying: {why}"))
     raise TrainingFailed(f"training attempt {attempt} ended: {result.failure_class} "
-                         f"({result.reason}) at step {result.step}" + ("" if retry else f"; {why}"),
+                         f"({result.reason}) {at_step(result.step)}" + ("" if retry else f"; {why}"),
                          result.failure_class, result.step, retry=retry)
+
+
+def at_step(step: int | None) -> str:
+    """Where an attempt ended, for a message."""
+    return "before its first step" if step is None else f"at step {step}"
 
 
 def attempt_prefix(attempt: str) -> str:

@@ -173,7 +173,7 @@ def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt:
                on_progress: Callable[[dict], None] | None, mtbf_s: float, start: ResumeSpec,
                stop_after: float | None, lease_holder: str,
                on_layout_change: Callable[[dict], None] | None = None) -> AttemptResult:
-    log = WorkerFailures(log)  # torchrun's word on which worker failed first, and how
+    log = TorchrunOutput(log)  # reads torchrun's word on which worker failed first
     launcher = make_launcher(NodeLaunch.of(
         config, torchrun_command(config, config_path, dataset_dir, attempt, start),
         worker_env(config, attempt, mtbf_s, stop_after, lease_holder),
@@ -224,11 +224,12 @@ def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt:
         # survives. Workers that can still run get time for an emergency checkpoint; hung
         # ones do not deserve the wait.
         returncode = live.stop(grace_s=5.0 if hung else None)
+        log.flush()
         if progress is not None:
             progress.close()
     result = classify(config.run_dir, attempt, returncode, hung, time.monotonic() - started,
                       scheduler_state=getattr(launcher, "final_state", None),
-                      worker_failures=log.found)
+                      worker_failures=log.failures)
     result.worlds = worlds
     if live.cancelled and result.failure_class != FailureClass.DONE:
         result.failure_class, result.reason = FailureClass.CANCELLED, "stopped by a cancellation"
@@ -496,29 +497,62 @@ class HangWatch:
         return f"{what} for {waited:.0f}s (limit {limit:.0f}s)" if waited > limit else ""
 
 
-class WorkerFailures:
-    """Passes an attempt's output lines on, and reads torchrun's own account of the worker
-    that failed first on each node: its global rank and exit code (negative: the signal
-    that killed it).
+class TorchrunOutput:
+    """Passes an attempt's output lines on to the log, reading torchrun's own lines on the way.
 
-    A worker killed by a signal (SIGKILL from the kernel's OOM killer, a scheduler or a user)
-    writes no exit record; the others then fail on the connection it closed, which is all
-    their records can tell. torchrun, its parent, saw how it ended, and prints it under "Root
-    Cause (first observed failure)" when it gives up on the worker group. Lines are read per
-    thread: each node's output has a reader thread of its own."""
+    - `failures`: torchrun's account of the worker that failed first on each node, its
+      global rank and exit code (negative: the signal that killed it). A worker killed by a
+      signal (SIGKILL from the kernel's OOM killer, a scheduler or a user) writes no exit
+      record; the others then fail on the connection it closed, which is all their records
+      can tell. torchrun, its parent, saw how it ended, and prints it under "Root Cause
+      (first observed failure)" when it gives up on the worker group.
+    - The traceback torchrun prints of the signal that stopped it (SIGTERM: a cancellation,
+      a preemption) says only that, in some 30 lines: it becomes one line.
+
+    Lines are read per thread (each node's output has a reader thread of its own); `flush`
+    passes on what a thread held back when its output ended.
+    """
 
     ROOT_CAUSE = "Root Cause (first observed failure):"
     RANK = re.compile(r"\brank\s*:\s*(\d+)\s*\(local_rank")
     EXIT_CODE = re.compile(r"\bexitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
+    TRACEBACK = "Traceback (most recent call last):"  # torchrun's own: workers' are prefixed
+    STOPPED = re.compile(r"SignalException: Process (\d+) got signal: (\d+)$")
 
     def __init__(self, log: Callable[[str], None]):
         self._log = log
         self._reading: dict[int, dict] = {}  # reader thread -> the root cause read so far
-        self.found: list[dict] = []  # {"rank", "exit_code", "pid"}, in the order printed
+        self._held: dict[int, list[str]] = {}  # reader thread -> a traceback's lines so far
+        self.failures: list[dict] = []  # {"rank", "exit_code", "pid"}, in the order printed
 
     def __call__(self, line: str) -> None:
-        self._log(line)
         reader = threading.get_ident()
+        held = self._held.get(reader)
+        if held is not None:
+            if line[:1].isspace():  # the traceback's frames
+                held.append(line)
+                return
+            del self._held[reader]
+            stopped = self.STOPPED.search(line)
+            if stopped is not None:
+                sig = int(stopped.group(2))
+                self._log(f"torchrun (pid {stopped.group(1)}) stopped on "
+                          f"{_signal_name(sig)}, after its workers (its traceback left out)")
+                return
+            for earlier in held:
+                self._log(earlier)
+        if line == self.TRACEBACK:
+            self._held[reader] = [line]
+            return
+        self._log(line)
+        self._read_failure(reader, line)
+
+    def flush(self) -> None:
+        for reader in list(self._held):
+            for line in self._held.pop(reader, []):
+                self._log(line)
+
+    def _read_failure(self, reader: int, line: str) -> None:
         if self.ROOT_CAUSE in line:
             self._reading[reader] = {}
             return
@@ -531,16 +565,20 @@ class WorkerFailures:
             found["exit_code"], found["pid"] = int(match.group(1)), int(match.group(2))
         if "rank" in found and "exit_code" in found:
             del self._reading[reader]
-            self.found.append(found)
+            self.failures.append(found)
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _how_it_ended(exit_code: int) -> str:
     if exit_code >= 0:
         return f"exited with code {exit_code} and no exit record"
-    try:
-        name = signal.Signals(-exit_code).name
-    except ValueError:
-        name = f"signal {-exit_code}"
+    name = _signal_name(-exit_code)
     if -exit_code == signal.SIGKILL:
         return (f"was killed by {name}, as the kernel's OOM killer does when a host runs out of "
                 "memory (see `dmesg` on its node)")
@@ -593,7 +631,7 @@ def classify(run_dir, attempt: str, returncode: int, hung: bool, wall: float,
     """The attempt's failure class from how it ended, what the scheduler says of it (Slurm's
     job state) and the ranks' exit records: the most specific record wins, then the
     scheduler's word; an exit nothing explains is a crash, retried, its reason led by the
-    worker that failed first (`worker_failures`: torchrun's word, WorkerFailures.found)."""
+    worker that failed first (`worker_failures`: torchrun's word, TorchrunOutput.failures)."""
     records = read_exit_records(run_dir, attempt)
     restarts = in_job_restarts(run_dir, attempt)
     beat = read_heartbeat(run_dir)

@@ -40,7 +40,7 @@ from prefect.runtime import deployment, flow_run
 
 from core.config import ConfigError, RunConfig, apply_overrides, config_from_dict, load_config
 from core.errors import DataError
-from goodput.runs import record_abandoned_training
+from goodput.runs import at_step, record_abandoned_training
 from infra.torchrun import RunLease, stop_live_attempts
 
 
@@ -122,7 +122,7 @@ def training_slot(config: RunConfig) -> Iterator[str]:
                 f"{time.strftime('%H:%M:%S', time.localtime(lease.abandoned['time']))} and "
                 "vanished without letting it go (its process killed or its host lost): its "
                 f"{found['wall_time_s']:.0f}s count in the run's wall time"
-                + "".join(f"; attempt {o['attempt']} recorded as {o['class']} at step {o['step']}"
+                + "".join(f"; attempt {o['attempt']} recorded as {o['class']} {at_step(o['step'])}"
                           for o in found["outcomes"]))
         yield holder
 

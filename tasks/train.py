@@ -13,6 +13,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run, task_run
+from prefect.states import Cancelled
 
 from core.config import ConfigError, RunConfig
 from core.errors import DataError
@@ -65,6 +66,8 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
                     worker_logs: WorkerLogs = "rank0", started: float | None = None,
                     lease_holder: str | None = None) -> dict:
     """Run torchrun to max_steps (one attempt per Prefect try), worker output in this log.
+    An attempt stopped by a cancellation (of the flow run, Ctrl-C) ends the task run
+    Cancelled, not Failed.
 
     Each heartbeat updates the progress artifact. `time_limit_s` after `started` (the flow
     run's start; retries share the budget) the workers stop right after the next checkpoint
@@ -96,8 +99,9 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
         ended = result.reason  # done, time limit
     except TrainingFailed as failure:
         ended = str(failure.failure_class)
-        if failure.failure_class != FailureClass.CANCELLED:  # a cancel is no failure to act on
-            attempt_failed_event(config, attempt, failure.failure_class, str(failure), failure.step)
+        if failure.failure_class == FailureClass.CANCELLED:  # no failure: the task run says so
+            return Cancelled(message=str(failure))
+        attempt_failed_event(config, attempt, failure.failure_class, str(failure), failure.step)
         raise
     finally:  # the job may have ended between two polls of its heartbeat: show where it ended
         progress.show_last(read_heartbeat(config.run_dir), ended)

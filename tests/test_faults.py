@@ -155,17 +155,19 @@ def test_a_crash_is_told_by_the_worker_that_failed_first(tmp_path):
     connection: the reason leads with torchrun's word on the killed rank, not their echo."""
     from core import protocol
     from core.protocol import FailureClass
-    from infra.torchrun import WorkerFailures, classify, crash_reason
+    from infra.torchrun import TorchrunOutput, classify, crash_reason
 
     passed_on: list[str] = []
-    failures = WorkerFailures(passed_on.append)
-    for line in _torchrun_failure_report({1: -signal.SIGKILL}):
-        failures(line)
-    assert passed_on and failures.found == [{"rank": 1, "exit_code": -9, "pid": 1001}]
+    output = TorchrunOutput(passed_on.append)
+    report = _torchrun_failure_report({1: -signal.SIGKILL})
+    for line in report:
+        output(line)
+    assert passed_on == report  # passed on as they came
+    assert output.failures == [{"rank": 1, "exit_code": -9, "pid": 1001}]
 
     peer = "RuntimeError: Connection closed by peer [127.0.0.1]:22414"
     protocol.write_exit_record(tmp_path, "a-1", 0, FailureClass.RETRYABLE, peer, 60)
-    result = classify(tmp_path, "a-1", 1, hung=False, wall=1.0, worker_failures=failures.found)
+    result = classify(tmp_path, "a-1", 1, hung=False, wall=1.0, worker_failures=output.failures)
     assert result.failure_class == FailureClass.RETRYABLE
     assert result.reason.startswith("rank 1 was killed by SIGKILL, as the kernel's OOM killer does")
     assert result.reason.endswith(f"rank 0 then failed: {peer}")
@@ -187,6 +189,38 @@ def test_a_crash_is_told_by_the_worker_that_failed_first(tmp_path):
     # Nothing recorded, nothing printed.
     assert crash_reason([], [], 1) == "a worker died (torchrun exit 1)"
     assert crash_reason([], [{"rank": 3, "exit_code": -15, "pid": 1}], 1) == "rank 3 was killed by SIGTERM"
+
+
+def test_torchruns_traceback_of_the_signal_that_stopped_it_is_one_line():
+    """torchrun, stopped by SIGTERM (a cancellation, a preemption), prints some 30 lines of
+    its own traceback that say only that; any other traceback is passed on whole, as is one
+    whose end never came."""
+    from infra.torchrun import TorchrunOutput
+
+    frames = ["Traceback (most recent call last):",
+              '  File "/site-packages/torch/distributed/run.py", line 1032, in <module>',
+              "    main()",
+              "           ^^^^",
+              '  File "/site-packages/torch/distributed/elastic/multiprocessing/api.py", line 86, in _terminate_process_handler',
+              '    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)']
+    stopped = "torch.distributed.elastic.multiprocessing.api.SignalException: Process 18528 got signal: 15"
+    passed_on: list[str] = []
+    output = TorchrunOutput(passed_on.append)
+    for line in ["[node0 rank0] [train] preempted (SIGTERM or SIGHUP)", *frames, stopped, "after"]:
+        output(line)
+    assert passed_on == ["[node0 rank0] [train] preempted (SIGTERM or SIGHUP)",
+                         "torchrun (pid 18528) stopped on SIGTERM, after its workers (its traceback "
+                         "left out)", "after"]
+    passed_on.clear()
+    for line in [*frames, "RuntimeError: rendezvous closed"]:
+        output(line)
+    assert passed_on == [*frames, "RuntimeError: rendezvous closed"]
+    passed_on.clear()
+    for line in frames:  # the output ended here
+        output(line)
+    assert passed_on == []
+    output.flush()
+    assert passed_on == frames
 
 
 def test_loader_skips_windows_deterministically(tmp_path):

@@ -259,6 +259,8 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
     assert proc.returncode == 130, text[-3000:]
     assert "goodput: pipeline interrupted" in text
     assert re.search(r"attempt \S+ cancelled at step \d+: not retrying", text), text[-3000:]
+    assert re.search(r"launch-training-\w+' - Finished in state Cancelled\('training attempt", text)
+    assert "SignalException" not in text  # torchrun's traceback of its SIGTERM: one line
     assert (config.run_dir.path / "checkpoints" / "step-00000010").is_dir()
 
 

@@ -32,7 +32,7 @@ from flows.train import train
 from storage.ledger import Ledger
 from tasks.control import TimeLimit
 from tasks.reporting import TrainingProgress, worker_log
-from tests.helpers import REPO, logs_of, small_config, stop_process_tree, subflow_runs, wait_for
+from tests.helpers import REPO, logs_of, small_config, stop_process_tree, subflow_runs, task_runs_of, wait_for
 from training.metrics import read_metrics
 
 SERVE_CRON = "* * * * *"  # the continuation schedule: a run every minute
@@ -557,6 +557,12 @@ class TestServedDeployments:
                     (run_dir / "attempts").glob(f"attempt-{str(a)[-8:]}-*/outcome.json")]
         assert [o["class"] for o in outcomes] == ["cancelled"]
         assert events(api, "goodput.attempt.failed", "long") == []
+        # Its launch task says the same: Cancelled, not Failed; torchrun's traceback of the
+        # SIGTERM that stopped it is one line.
+        launched = task_runs_of(a)["launch-training"]
+        assert launched.state.is_cancelled(), launched.state
+        assert not any("SignalException" in line for line in logs_of(a))
+        assert any("stopped on SIGTERM, after its workers" in line for line in logs_of(a))
 
 
     # -- what a person sees ----------------------------------------------------------
