@@ -1506,8 +1506,11 @@ def apply_overrides(tree: dict, overrides: list[str]) -> dict:
     tree = dict(tree)
     parsed = [parse_override(text) for text in overrides]
     init_from = [value for path, value in parsed if path == ["model", "init_from"]]
-    if init_from and init_from[-1] and isinstance(tree.get("model"), dict):
-        stated = {path[1] for path, _ in parsed if len(path) == 2 and path[0] == "model"}
+    # (Not one whose directory is gone: a run's saved config.yaml then stands on the shape
+    # it states.)
+    if (init_from and init_from[-1] and Path(_absolute(str(init_from[-1]))).is_dir()
+            and isinstance(tree.get("model"), dict)):
+        stated = {path[1] for path, _ in parsed if len(path) >= 2 and path[0] == "model"}
         tree["model"] = {k: v for k, v in tree["model"].items()
                          if k not in (*_FIXED_BY_CHECKPOINT, *_FFN_FIELDS) or k in stated}
     for text, (path, value) in zip(overrides, parsed):

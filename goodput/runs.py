@@ -91,7 +91,8 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
         return result
     if result.failure_class == FailureClass.CANCELLED:
         # The flow run, interrupted, may have summed up its time before this outcome was in.
-        summarize_goodput(config)
+        with contextlib.suppress(Exception):  # never in place of the cancellation
+            summarize_goodput(config)
         log(f"attempt {attempt} cancelled {at_step(result.step)}: not retrying")
         raise TrainingFailed(f"training attempt {attempt} was cancelled {at_step(result.step)}",
                              FailureClass.CANCELLED, result.step, retry=False)
@@ -260,7 +261,7 @@ def record_abandoned_training(config: RunConfig, lease: dict) -> dict:
     Returns {"holder", "wall_time_s", "outcomes"}."""
     from training.metrics import read_metrics
 
-    since, until = lease["since"], lease["time"]
+    since, until = lease["since"], lease["time"]  # the holder's clock
     run_dir = config.run_dir
     committed = run_dir.committed_checkpoints()
     metrics = None
@@ -268,9 +269,10 @@ def record_abandoned_training(config: RunConfig, lease: dict) -> dict:
     for directory in sorted(run_dir.attempts.glob("attempt-*")) if run_dir.attempts.is_dir() else []:
         attempt = directory.name.removeprefix("attempt-")
         starts, records = read_starts(run_dir, attempt), read_exit_records(run_dir, attempt)
-        # Its workers started while that holder held the lease (a minute's slack for the
-        # clocks of other nodes); attempts of earlier holders are not its to answer for.
-        if (directory / "outcome.json").exists() or not starts or starts[0]["time"] < since - 60:
+        # Its own attempts only: their workers name their supervisor (not a plain torchrun
+        # run's, nor another holder's).
+        if (directory / "outcome.json").exists() or not starts or any(
+                s.get("holder") != lease["holder"] for s in starts):
             continue
         if metrics is None:
             metrics = read_metrics(run_dir)
@@ -287,7 +289,8 @@ def record_abandoned_training(config: RunConfig, lease: dict) -> dict:
                    "reason": reason,
                    "step": max([r["step"] for r in records if r.get("step") is not None] + steps,
                                default=None),
-                   "exit_code": None, "resumed_from": steps[0] - 1 if steps else None,
+                   # (the first logged step's: training.log_every may skip a few)
+                   "exit_code": None, "resumed_from": max(0, steps[0] - 1) if steps else 0,
                    "newest_checkpoint": step_of(committed[-1]) if committed else 0,
                    "restarts": max(0, len(starts) - 1),
                    "wall_time_s": max(0.0, ended - starts[0]["time"]), "time": ended,

@@ -44,16 +44,17 @@ def free_port() -> int:
     later (a rendezvous, a test's server). Chosen below the kernel's ephemeral range where
     there is room: the kernel gives connections their source ports from that range (gloo
     alone opens one per pair of workers), and one of them taking the port in between failed
-    the server's start. Below it, only another explicit bind can."""
+    the server's start. Below it, only another explicit bind can. (Below 30000 too: from
+    there on, kube-proxy may redirect a NodePort even on the loopback.)"""
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         low = 0
-    below = range(max(1024, low - 12000), low)
+    below = range(max(1024, low - 12000), min(low, 30000))
     for port in random.sample(below, min(64, len(below))):
         with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
+            try:  # every interface: a rendezvous binds them all
+                s.bind(("", port))
             except OSError:
                 continue
             return port

@@ -223,8 +223,10 @@ def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt:
         # Hang, cancellation, a failed node or the normal end: make sure no node and no worker
         # survives. Workers that can still run get time for an emergency checkpoint; hung
         # ones do not deserve the wait.
-        returncode = live.stop(grace_s=5.0 if hung else None)
-        log.flush()
+        try:
+            returncode = live.stop(grace_s=5.0 if hung else None)
+        finally:
+            log.flush()
         if progress is not None:
             progress.close()
     result = classify(config.run_dir, attempt, returncode, hung, time.monotonic() - started,
@@ -517,7 +519,8 @@ class TorchrunOutput:
     RANK = re.compile(r"\brank\s*:\s*(\d+)\s*\(local_rank")
     EXIT_CODE = re.compile(r"\bexitcode\s*:\s*(-?\d+)\s*\(pid:\s*(\d+)\)")
     TRACEBACK = "Traceback (most recent call last):"  # torchrun's own: workers' are prefixed
-    STOPPED = re.compile(r"SignalException: Process (\d+) got signal: (\d+)$")
+    STOPPED = re.compile(r"SignalException: Process (\d+) got signal: (?:Signals\.)?(\w+)$")
+    HANDLER = "_terminate_process_handler"  # torch's, in the frame that raised it
 
     def __init__(self, log: Callable[[str], None]):
         self._log = log
@@ -534,10 +537,13 @@ class TorchrunOutput:
                 return
             del self._held[reader]
             stopped = self.STOPPED.search(line)
-            if stopped is not None:
-                sig = int(stopped.group(2))
+            # Only torch's frames, ending in its signal handler: nothing else (another node's
+            # lines on a shared stream) is left out.
+            if stopped is not None and any(self.HANDLER in frame for frame in held[-3:]):
+                sig = stopped.group(2)
                 self._log(f"torchrun (pid {stopped.group(1)}) stopped on "
-                          f"{_signal_name(sig)}, after its workers (its traceback left out)")
+                          f"{_signal_name(int(sig)) if sig.isdigit() else sig}, after its "
+                          "workers (its traceback left out)")
                 return
             for earlier in held:
                 self._log(earlier)

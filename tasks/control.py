@@ -116,15 +116,26 @@ def training_slot(config: RunConfig) -> Iterator[str]:
     logger = get_run_logger()
     with RunLease(config, holder).held(logger.info) as lease:
         if lease.abandoned is not None and "since" in lease.abandoned:
-            found = record_abandoned_training(config, lease.abandoned)
-            logger.warning(
-                f"{found['holder']} held run {config.run.run_id} until "
-                f"{time.strftime('%H:%M:%S', time.localtime(lease.abandoned['time']))} and "
-                "vanished without letting it go (its process killed or its host lost): its "
-                f"{found['wall_time_s']:.0f}s count in the run's wall time"
-                + "".join(f"; attempt {o['attempt']} recorded as {o['class']} {at_step(o['step'])}"
-                          for o in found["outcomes"]))
+            _record_abandoned(config, lease.abandoned, logger)
         yield holder
+
+
+def _record_abandoned(config: RunConfig, lease: dict, logger) -> None:
+    """Say, and record, what a holder that vanished with the run's lease left unrecorded;
+    what a killed host left may be cut short, which is never a reason not to train."""
+    try:
+        found = record_abandoned_training(config, lease)
+    except Exception as e:
+        logger.warning(f"{lease['holder']} vanished without letting run {config.run.run_id} go; "
+                       f"its time and attempts could not be recorded: {type(e).__name__}: {e}")
+        return
+    logger.warning(
+        f"{found['holder']} held run {config.run.run_id} until "
+        f"{time.strftime('%H:%M:%S', time.localtime(lease['time']))} and vanished without "
+        f"letting it go (its process killed or its host lost): its {found['wall_time_s']:.0f}s "
+        "count in the run's wall time"
+        + "".join(f"; attempt {o['attempt']} recorded as {o['class']} {at_step(o['step'])}"
+                  for o in found["outcomes"]))
 
 
 class TimeLimit:

@@ -124,7 +124,8 @@ def test_a_refused_train_flow_run_adds_no_time(tmp_path):
     assert read_summary(config.run_dir)["train"]["wall_time_total_s"] == pytest.approx(5.0, abs=1.0)
 
 
-def test_a_vanished_supervisors_time_and_attempts_are_recorded_by_the_next_holder(tmp_path):
+def test_a_vanished_supervisors_time_and_attempts_are_recorded_by_the_next_holder(tmp_path,
+                                                                                  monkeypatch):
     """A supervisor killed outright (SIGKILL: no cleanup) leaves the run's lease unreleased and
     its attempts without outcomes. The next holder of the lease records them: the time that
     supervisor held the run, and each attempt as its workers' exit records tell."""
@@ -134,7 +135,7 @@ def test_a_vanished_supervisors_time_and_attempts_are_recorded_by_the_next_holde
     import sys
     import time
 
-    from core.protocol import FailureClass, record_start, write_exit_record
+    from core.protocol import ENV_LEASE_HOLDER, FailureClass, record_start, write_exit_record
     from goodput.runs import read_outcomes, record_abandoned_training
     from infra.torchrun import RunLease
     from tests.helpers import small_config
@@ -154,8 +155,11 @@ with RunLease(config, "flow run killed").held(print):
     time.sleep(600)
 """], stdout=subprocess.PIPE, text=True, cwd=os.getcwd())
     assert holder.stdout.readline().strip() == "held"
+    # A plain `torchrun -m training` run meanwhile (attempt "0", no supervisor): not its.
+    record_start(config.run_dir, "0")
     # Its attempt's workers: started, trained to step 7, then saved and stopped when nobody
     # renewed the lease (as training/__main__ records an orphaned end).
+    monkeypatch.setenv(ENV_LEASE_HOLDER, "flow run killed")
     record_start(config.run_dir, "killed-1")
     write_metrics(config.run_dir.path, [{"step": s, "attempt": "killed-1", "step_time_s": 0.1}
                                         for s in range(5, 8)])

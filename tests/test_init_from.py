@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from core.config import ConfigError, ParallelismConfig, config_from_dict, load_config
+from core.config import config_from_dict, ConfigError, dump_config, load_config, ParallelismConfig
 from core.layout import ParallelDims
 from goodput.runs import train_attempt, write_run_config
 from infra.torchrun import free_port
@@ -164,6 +164,15 @@ def test_an_init_from_override_displaces_the_files_model_shape(checkpoints, tmp_
     assert config.model.max_seq_len == 256 and config.training.seq_len == 128  # the file's
     with pytest.raises(ConfigError, match="model.dim=128 but hidden_size is 64"):
         load_config(REPO / "configs" / "tiny.yaml", [f"model.init_from={directory}", "model.dim=128"])
+    # A run's saved config.yaml, its checkpoint directory gone since: an init_from override
+    # of that directory leaves the shape the file states (there is no checkpoint to read).
+    gone = tmp_path / "gone"
+    shutil.copytree(directory, gone)
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(dump_config(load_config(None, [f"model.init_from={gone}", f"training.seq_len={SEQ}"])))
+    shutil.rmtree(gone)
+    reloaded = load_config(saved, [f"model.init_from={gone}"])
+    assert (reloaded.model.dim, reloaded.model.n_layers, reloaded.model.n_kv_heads) == (64, 2, 2)
     own = tmp_path / "own.yaml"
     own.write_text(f"model:\n  init_from: {directory}\n  dim: 128\n")
     with pytest.raises(ConfigError, match="model.dim=128 but hidden_size is 64"):
