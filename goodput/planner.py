@@ -758,12 +758,20 @@ def efficiency_from_run(run_dir: str | Path, cluster: Cluster) -> Cluster:
 def run_cluster(config: RunConfig) -> tuple[Cluster, str]:
     """The cluster a run launches on: parallelism.nnodes nodes of nproc_per_node workers, each
     device with parallelism.device_memory or, for a local launch, this machine's (the GPU's
-    memory; on CPU, the host memory shared by the workers). Returns the cluster and where its
-    memory figure comes from (or why memory cannot be checked)."""
+    memory; on CPU, the host memory shared by the workers, which also caps a
+    device_memory stated for GPUs). Returns the cluster and where its memory figure comes
+    from (or why memory cannot be checked)."""
     par = config.parallelism
     device = _run_device(config)
     if par.device_memory is not None:
         memory, source = parse_bytes(par.device_memory), f"parallelism.device_memory={par.device_memory}"
+        if device == "cpu" and config.launch.kind == "local":
+            # A GPU's figure (configs/llama3.2-1b.yaml's 80GiB) for workers that run on this
+            # CPU: they share this machine's memory, and past it the kernel's OOM killer picks.
+            here, where = local_device_memory(device, par.world_size)
+            if here < memory:
+                memory, source = here, (f"{where}; parallelism.device_memory="
+                                        f"{par.device_memory} is more than a CPU worker has here")
     elif config.launch.kind == "local":
         memory, source = local_device_memory(device, par.world_size)
     else:

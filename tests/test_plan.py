@@ -1228,6 +1228,22 @@ def test_cli_plans_what_the_train_flow_checks(tmp_path, capsys):
     assert "estimated step time" not in out
 
 
+def test_a_gpu_memory_figure_does_not_pass_cpu_workers_that_share_this_machine(tmp_path):
+    """configs/llama3.2-1b.yaml states 80GiB per device (an H100's). Launched here, on CPU, its
+    8 workers share this machine's memory: that is what the check counts (else the kernel's
+    OOM killer is the check); a smaller stated figure still counts as stated."""
+    overrides = ["parallelism.device=cpu", f"run.runs_dir={tmp_path}"]
+    config = load_config(str(REPO / "configs/llama3.2-1b.yaml"), overrides)
+    plan, cluster, source = planner.check_run(config)
+    here, _ = planner.local_device_memory("cpu", config.parallelism.world_size)
+    assert cluster.gpu_memory == min(here, 80 * 2**30)
+    if here < 80 * 2**30:
+        assert "parallelism.device_memory=80GiB is more than a CPU worker has here" in source
+        assert not plan.ok  # 61 GiB per worker
+    small = load_config(str(REPO / "configs/tiny.yaml"), [*overrides, "parallelism.device_memory=1MiB"])
+    assert planner.check_run(small)[2] == "parallelism.device_memory=1MiB"
+
+
 # -- the train flow checks the run's layout before it launches ----------------------------------
 
 def layout_artifact(flow_run_id) -> str:
