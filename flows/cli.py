@@ -85,10 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["hf"], default="hf",
                    help="hf: safetensors + config.json for transformers' LlamaForCausalLM")
     p.add_argument("--out", required=True, help="output directory (must be empty or new)")
-    p.add_argument("--tokenizer", help="tokenizer.json, or the dataset directory holding it, to include")
+    p.add_argument("--tokenizer", help="tokenizer.json, or the directory of the dataset (or mixture) "
+                                       "the run trained on, to include")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default: as saved)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty --out directory")
+    p.add_argument("--force", action="store_true", help="replace an earlier export in --out")
+    p.add_argument("--ignore-tokenizer-mismatch", action="store_true",
+                   help="include --tokenizer although it is not the file the checkpoint's data "
+                        "was tokenized with (the same tokenizer saved again)")
     p = sub.add_parser("plan", help="validate the config's parallelism layout on a cluster, or "
                                     "rank every layout when it leaves the degrees at defaults")
     _config_args(p)
@@ -125,12 +129,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _prepared(config, dataset) -> dict:
+    """What `goodput prepare` prints: the dataset (or mixture) and, where it lies here, the
+    directory to give `torchrun -m training --dataset` or `goodput export --tokenizer`."""
+    from goodput.data.prepare import MIXES_DIR
+
+    result = dataset.model_dump(include={"dataset_id", "vocab_size"})
+    data_dir = Path(config.data.data_dir)
+    directory = (data_dir / MIXES_DIR if config.data.sources else data_dir) / dataset.dataset_id
+    if directory.is_dir():
+        result["dataset_dir"] = str(directory)
+    return result
+
+
 def _export(args: argparse.Namespace) -> int:
     from training.export import ExportError, export_hf
 
     try:
         summary = export_hf(args.checkpoint, args.out, tokenizer=args.tokenizer, dtype=args.dtype,
-                            force=args.force)
+                            force=args.force,
+                            ignore_tokenizer_mismatch=args.ignore_tokenizer_mismatch)
     except ExportError as e:
         print(f"goodput: export: {e}", file=sys.stderr)
         return 2
@@ -320,7 +338,7 @@ def _without_a_flow(command: str, config: RunConfig, checkpoint: str | None = No
                 "published: nothing to tokenize or upload")
         lib.record_prepare(config, [(source.name, manifest, None, None) for source, manifest, _ in found],
                            started, mix if config.data.sources else None)
-        result = dataset.model_dump(include={"dataset_id", "vocab_size"})
+        result = _prepared(config, dataset)
     if "train" in stages:
         trained = record_training(config, {"attempt": None, "step": None, "wall_time_s": 0.0,
                                            "already_complete": True}, started)
@@ -736,7 +754,7 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
 
             with ctrl_c:
                 if args.command == "prepare":
-                    result = prepare(config).model_dump(include={"dataset_id", "vocab_size"})
+                    result = _prepared(config, prepare(config))
                 elif args.command == "train":
                     result = train(config)
                 elif args.command == "evaluate":

@@ -198,9 +198,58 @@ def test_cli_refuses_to_overwrite_unless_forced(trained, tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
     assert [p.name for p in out.iterdir()] == ["keep.txt"]
 
+    # --force replaces an earlier export only, never a user's files.
+    assert cli_main([*argv, "--force"]) == 2
+    assert "holds files that are not an earlier export (keep.txt)" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+    (out / "keep.txt").unlink()
+    assert cli_main(argv) == 0
+    assert cli_main(argv) == 2 and "not empty" in capsys.readouterr().err
     assert cli_main([*argv, "--force"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert not list(tmp_path.glob(".out.*"))  # no staging or replaced directories left behind
+
+
+def test_export_never_replaces_the_checkpoint_or_the_directories_above_it(trained, tmp_path,
+                                                                          monkeypatch):
+    """--out at the checkpoint, at its run (or any directory above the checkpoint), or at the
+    working directory would have been swapped out whole, with everything in it."""
+    checkpoint, _ = trained
+    run_dir = checkpoint.parents[1]
+    before = sorted(p.name for p in run_dir.iterdir())
+    for out in (checkpoint, checkpoint.parent, run_dir):
+        with pytest.raises(ExportError, match="the checkpoint exported"):
+            export_hf(checkpoint, out, force=True)
+    work = tmp_path / "project"
+    (work / "src").mkdir(parents=True)
+    monkeypatch.chdir(work / "src")
+    for out in (".", ".."):
+        with pytest.raises(ExportError, match="the working directory"):
+            export_hf(checkpoint, out, force=True)
+    assert sorted(p.name for p in run_dir.iterdir()) == before and (work / "src").is_dir()
+
+
+def test_a_tokenizer_other_than_the_checkpoints_is_refused(trained, tmp_path):
+    """The checkpoint records the sha256 of the tokenizer its data was tokenized with: another
+    one (its ids decode to other text) is refused unless the user says it is the same one."""
+    from core.files import sha256_file
+    from storage.manifests import MixSource, MixtureManifest
+    from training.export import _tokenizer_files
+
+    _, tokenizer_json = trained
+    right = sha256_file(tokenizer_json)
+    assert _tokenizer_files(tokenizer_json, 512, "ds", 0, right).path == tokenizer_json
+    with pytest.raises(ExportError, match=r"is not the tokenizer the checkpoint's data was "
+                                          r"tokenized with \(sha256 0123456789ab, dataset ds\)"):
+        _tokenizer_files(tokenizer_json, 512, "ds", 0, "0123456789ab" + right[12:])
+    assert _tokenizer_files(tokenizer_json, 512, "ds", 0, "0" * 64, ignore_mismatch=True).eos_id == 0
+    # A mixture's directory (data.data_dir/mixes/<id>) gives its sources' tokenizer.
+    mix = tmp_path / "mixes" / "m1"
+    MixtureManifest(dataset_id="m1", tokenizer_sha256=right, vocab_size=VOCAB, eos_id=0, sources=[
+        MixSource(name="a", weight=1.0, dataset_id="ds", dir=str(tokenizer_json.parent))]).save(mix)
+    assert _tokenizer_files(mix, 512, "m1", 0, right).path == tokenizer_json
+    with pytest.raises(ExportError, match="no tokenizer.json there; give the directory of the dataset"):
+        _tokenizer_files(tmp_path, 512, "m1", 0, right)
 
 
 def test_rejects_what_is_not_a_committed_intact_checkpoint(trained, tmp_path):

@@ -110,7 +110,9 @@ def open_training_data(directory: str | Path) -> TrainingData:
         manifest = DatasetManifest.load(directory)
         return TrainingData(manifest.dataset_id, [SourceData(SINGLE_SOURCE, 1.0, directory, manifest)])
     raise ConfigError(f"--dataset {directory}: no prepared dataset there (no {DATASET_MANIFEST} "
-                      f"or {MIXTURE_MANIFEST}); prepare it (goodput prepare) and pass its directory")
+                      f"or {MIXTURE_MANIFEST}); prepare it (goodput prepare) and pass the "
+                      "dataset_dir it prints (data.data_dir/<dataset_id>; a mixture of "
+                      "data.sources: data.data_dir/mixes/<id>)")
 
 
 class TokenStream:

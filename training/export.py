@@ -29,9 +29,10 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import save_file
 
+from core.files import sha256_file
 from core.hf_llama import SHARD_INDEX, SINGLE_FILE
 from core.protocol import CHECKPOINT_MANIFEST, is_committed
-from storage.manifests import CheckpointManifest, verify_files
+from storage.manifests import MIXTURE_MANIFEST, CheckpointManifest, MixtureManifest, verify_files
 from training.checkpoint.reader import load_all_tensors, model_state_from
 from training.model import ModelArgs, Transformer
 
@@ -299,19 +300,45 @@ class TokenizerFiles(NamedTuple):
     eos_id: int
 
 
+def _mixture_tokenizer(directory: Path) -> Path:
+    """A mixture's tokenizer (data.sources share one): its first source's dataset's."""
+    first = MixtureManifest.load(directory).sources[0]
+    if first.dir is None:
+        raise ExportError(f"--tokenizer {directory}: the mixture does not say where its source "
+                          f"{first.name} (dataset {first.dataset_id}) lies; give that dataset's "
+                          "directory")
+    return Path(first.dir)
+
+
 def _tokenizer_files(tokenizer: str | Path, vocab_size: int, dataset_id: str | None = None,
-                     trained_eos_id: int | None = None) -> TokenizerFiles:
+                     trained_eos_id: int | None = None, trained_sha256: str | None = None,
+                     ignore_mismatch: bool = False) -> TokenizerFiles:
     """A tokenizer.json, given itself or the directory holding it, checked against the model
     (trained on `dataset_id`). The end-of-document id is the one the model trained on
     (`trained_eos_id`, from the checkpoint); for a checkpoint that does not record it, the
     one the directory states (a prepared dataset's manifest, or a Hugging Face tokenizer
-    directory's tokenizer_config.json), else a known end-of-text token."""
+    directory's tokenizer_config.json), else a known end-of-text token. A tokenizer other
+    than the one the checkpoint records (`trained_sha256`) is refused unless
+    `ignore_mismatch`."""
     from core.errors import DataError
     from training.tokenizer import EOS_CANDIDATES, eos_id, read_tokenizer, stated_eos_token
 
     path = Path(tokenizer)
+    if path.is_dir() and (path / MIXTURE_MANIFEST).is_file() and not (path / "tokenizer.json").is_file():
+        path = _mixture_tokenizer(path)
     if path.is_dir():
         path = path / "tokenizer.json"
+    if not path.is_file():
+        raise ExportError(f"--tokenizer {tokenizer}: no tokenizer.json there; give the directory "
+                          f"of the dataset the run trained on (data.data_dir/"
+                          f"{dataset_id or '<dataset_id>'}, or data.data_dir/mixes/<id> for "
+                          "data.sources) or its tokenizer.json")
+    if trained_sha256 and not ignore_mismatch and sha256_file(path) != trained_sha256:
+        raise ExportError(
+            f"--tokenizer {path} (sha256 {sha256_file(path)[:12]}) is not the tokenizer the "
+            f"checkpoint's data was tokenized with (sha256 {trained_sha256[:12]}, dataset "
+            f"{dataset_id}): its ids would decode to other text. Give that dataset's directory; "
+            "if this file is the same tokenizer saved again, pass --ignore-tokenizer-mismatch")
     try:
         loaded = read_tokenizer(path)
         if trained_eos_id is not None:
@@ -352,12 +379,35 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
-def _check_out(out: Path, force: bool) -> None:
+def _check_out(out: Path, force: bool, checkpoint: Path | None = None) -> None:
+    """`out` may become the export: a new or empty directory, or with `force` an earlier
+    export (its config.json says it is one). Nothing else is replaced: not the checkpoint or a
+    directory above it, not the working directory or one above it, not a user's files."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file; give a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
+    cwd = Path.cwd().resolve()
+    for what, path in (("the checkpoint exported", checkpoint), ("the working directory", cwd)):
+        if path is not None and (out == path or out in path.parents):
+            raise ExportError(f"--out {out} is {'' if out == path else 'above '}{what} "
+                              f"({path}); the export replaces its directory: give another one")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not force:
         raise ExportError(f"--out {out} is not empty; choose another directory or pass --force "
-                          "to replace its contents")
+                          "to replace an earlier export there")
+    if not _is_export(out):
+        held = sorted(p.name for p in out.iterdir())
+        raise ExportError(f"--out {out} holds files that are not an earlier export "
+                          f"({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}); --force "
+                          "replaces only an export of this command: choose another directory")
+
+
+def _is_export(directory: Path) -> bool:
+    """An export of this command: its config.json records where it came from."""
+    try:
+        return "goodput" in json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
 
 
 def _check_dtype(dtype: str | None) -> None:
@@ -378,14 +428,17 @@ def _move_into_place(staging: Path, out: Path) -> None:
 
 def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path | None = None,
               dtype: str | None = None, force: bool = False,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> dict:
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+              ignore_tokenizer_mismatch: bool = False) -> dict:
     """Write `checkpoint` to `out` as a LlamaForCausalLM; returns a summary of what was written.
 
     `dtype` (float32, bfloat16, float16) defaults to the dtype the weights were saved in.
-    A non-empty `out` is replaced only with `force`.
+    A non-empty `out` is replaced only with `force`, and only when it holds an earlier export.
+    A `tokenizer` other than the one the checkpoint records is refused unless
+    `ignore_tokenizer_mismatch`.
     """
     out = Path(out).resolve()  # so the staging directory beside it has a name ("." has none)
-    _check_out(out, force)  # fail fast, before reading a possibly large checkpoint
+    _check_out(out, force, Path(checkpoint).resolve())  # before reading a possibly large checkpoint
     _check_dtype(dtype)
     manifest, state = read_checkpoint(checkpoint)
     problems = export_problems(model_args_of(manifest), state)
@@ -400,22 +453,26 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
                   "config_hash": manifest.config_hash}
     summary = write_hf(model_args_of(manifest), state, out, tokenizer=tokenizer, dtype=dtype,
                        provenance=provenance, max_shard_bytes=max_shard_bytes,
-                       eos_id=manifest.eos_id)
+                       eos_id=manifest.eos_id, tokenizer_sha256=manifest.tokenizer_sha256,
+                       ignore_tokenizer_mismatch=ignore_tokenizer_mismatch)
     return {**summary, "step": manifest.step}
 
 
 def write_hf(args: ModelArgs, state: dict[str, torch.Tensor], out: str | Path, *,
              tokenizer: str | Path | None = None, dtype: str | None = None,
              provenance: dict | None = None,
-             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, eos_id: int | None = None) -> dict:
+             max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, eos_id: int | None = None,
+             tokenizer_sha256: str | None = None, ignore_tokenizer_mismatch: bool = False) -> dict:
     """Write the model `state` (training.model names, whole tensors) of shape `args` to the
     directory `out` (empty, or replaced by the caller's choice) as a LlamaForCausalLM.
-    `eos_id`: the end-of-document id the model trained on, where known."""
+    `eos_id`, `tokenizer_sha256`: the end-of-document id and the tokenizer the model trained
+    on, where known."""
     out = Path(out).resolve()
     _check_dtype(dtype)
     target = DTYPES[dtype] if dtype else state["tok_embeddings.weight"].dtype
     tok = (_tokenizer_files(tokenizer, args.vocab_size, (provenance or {}).get("dataset_id"),
-                            eos_id) if tokenizer is not None else None)
+                            eos_id, tokenizer_sha256, ignore_tokenizer_mismatch)
+           if tokenizer is not None else None)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
