@@ -31,7 +31,7 @@ import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from core.config import ConfigError, RunConfig, load_config
 from core.errors import DataError
@@ -96,18 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="validate the config's parallelism layout on a cluster, or "
                                     "rank every layout when it leaves the degrees at defaults")
     _config_args(p)
-    p.add_argument("--nodes", type=int, help="default: the config's parallelism.nnodes")
-    p.add_argument("--gpus-per-node", type=int,
+    p.add_argument("--nodes", type=_positive(int), help="default: the config's parallelism.nnodes")
+    p.add_argument("--gpus-per-node", type=_positive(int),
                    help="default: the config's parallelism.nproc_per_node (one worker per GPU)")
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB or 141GB; default: the "
                                         "config's parallelism.device_memory")
-    p.add_argument("--gpu-tflops", type=float,
+    p.add_argument("--gpu-tflops", type=_positive(float),
                    help="peak dense bf16 TFLOP/s per GPU, for the step-time estimate; default: "
                         "the config's training.peak_flops_per_device, else an H100's 989 (on "
                         "parallelism.device=cpu: no estimate)")
-    p.add_argument("--intra-node-gbps", type=float, default=450.0,
+    p.add_argument("--intra-node-gbps", type=_positive(float), default=450.0,
                    help="GB/s per GPU within a node (NVLink, one direction)")
-    p.add_argument("--inter-node-gbps", type=float, default=50.0,
+    p.add_argument("--inter-node-gbps", type=_positive(float), default=50.0,
                    help="GB/s per GPU between nodes (400 Gb/s InfiniBand)")
     p.add_argument("--compute-efficiency", type=float, metavar="SHARE",
                    help="share of peak FLOP/s the GPUs' matmuls sustain, for the step-time "
@@ -127,6 +127,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "per token, bytes per GPU of each kind, each collective's volume and "
                         "time, the bubble, as a table to check by hand")
     return parser
+
+
+def _positive(kind: type) -> Callable[[str], float]:
+    """An argparse type: a number above 0 (a speed or a count of 0 has no plan)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} must be above 0")
+        return value
+
+    return parse
 
 
 def _prepared(config, dataset) -> dict:
@@ -175,6 +189,8 @@ def _plan(args: argparse.Namespace) -> int:
         if memory is None:
             raise ConfigError("memory per GPU unknown: pass --gpu-memory (e.g. 80GiB) or set "
                               "parallelism.device_memory in the config")
+        if planner.parse_bytes(memory) <= 0:
+            raise ConfigError(f"--gpu-memory {memory}: give the memory of one GPU, e.g. 80GiB")
         par = config.parallelism
         # GPUs unless the config says CPU: a laptop plans the GPU cluster it will launch on.
         device = "cpu" if par.device == "cpu" else "cuda"

@@ -1213,6 +1213,23 @@ def test_cli_takes_the_cluster_from_the_config_and_flags_override_it(capsys):
     assert "--gpu-memory" in err and "parallelism.device_memory" in err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--gpu-tflops", "0"], "argument --gpu-tflops: 0 must be above 0"),
+    (["--inter-node-gbps", "-1", "--nodes", "2"], "argument --inter-node-gbps: -1 must be above 0"),
+    (["--intra-node-gbps", "0"], "argument --intra-node-gbps: 0 must be above 0"),
+    (["--nodes", "0"], "argument --nodes: 0 must be above 0"),
+    (["--gpu-memory", "0"], "--gpu-memory 0: give the memory of one GPU"),
+])
+def test_cli_refuses_hardware_figures_of_zero_or_less(flags, message, capsys):
+    from flows.cli import main
+
+    try:
+        code = main(["plan", "--config", str(REPO / "configs/llama3.2-1b.yaml"), *flags])
+    except SystemExit as e:  # argparse's own refusal
+        code = e.code
+    assert code == 2 and message in capsys.readouterr().err
+
+
 def test_cli_plans_what_the_train_flow_checks(tmp_path, capsys):
     """parallelism.device=cpu plans CPU workers, with the same estimate as check_run (the
     train flow's check), and no step time without a FLOP/s figure."""
