@@ -1317,6 +1317,10 @@ class RunConfig(_Section):
                 raise ValueError(f"{stated(i)} does not start after {stated(i - 1)}: give the "
                                  "stages in order, each starting at a later step than the one "
                                  "before")
+            if start >= self.training.max_steps * self.global_batch:
+                raise ValueError(f"{stated(i)} starts after the run's last step (training."
+                                 f"max_steps={self.training.max_steps}), so its weights would "
+                                 "never be used: start it earlier, or raise training.max_steps")
 
     def _init_from_has_a_tokenizer(self) -> None:
         """model.init_from holds the tokenizer.json that tokenizer.path defaults to (checked

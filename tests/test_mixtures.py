@@ -64,6 +64,10 @@ def write_sources(root: Path, names, docs: int = 400) -> None:
      "weights would never be used: put these weights in data.sources instead"),
     (["data.sources=[{name: a, weight: 1, source: x}]", "data.stages=[{start_tokens: 0, weights: {a: 1}}]"],
      "data.stages[0].start_tokens=0 starts the stage at the run's first step"),
+    (["data.sources=[{name: a, weight: 1, source: x}]", "training.max_steps=30",
+      "data.stages=[{start_step: 40, weights: {a: 1}}]"],
+     "data.stages[0].start_step=40 starts after the run's last step (training.max_steps=30), so "
+     "its weights would never be used"),
     (["data.stages=[{start_step: 5, weights: {a: 1}}]"], "list the sources with their weights"),
     (["data.source=/corpus", "data.sources=[{name: a, weight: 1, source: x}]"],
      "data.source='/corpus' and data.sources are both set"),
