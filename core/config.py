@@ -1489,6 +1489,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     path = [p for p in key.strip().split(".") if p]
     if not path:
         raise ConfigError(f"override {text!r} has an empty field name")
+    listed = next((p for p in path if re.fullmatch(r"\w+\[\d+\]", p) or p.isdigit()), None)
+    if listed is not None:
+        whole = ".".join(path[:path.index(listed) + (not listed.isdigit())]).split("[")[0]
+        raise ConfigError(f"override {text!r}: an item of a list is not overridden on its own; "
+                          f"give the whole list, e.g. '{whole}=[{{...}}, {{...}}]' (YAML), or "
+                          "edit it in the config file")
     try:
         value = _load_yaml(raw) if raw.strip() else None
     except yaml.YAMLError as e:

@@ -115,7 +115,9 @@ class ParallelDims:
 
     @property
     def name(self) -> str:
-        return " x ".join(f"{k}={v}" for k, v in self.degrees.items())
+        """The degrees, and "x ep=N" after them under expert parallelism (which adds no ranks)."""
+        ep = {"ep": self.ep} if self.ep > 1 else {}
+        return " x ".join(f"{k}={v}" for k, v in {**self.degrees, **ep}.items())
 
     @property
     def world_size(self) -> int:
@@ -376,13 +378,15 @@ class ParallelDims:
             return problems
         if seq_len % (2 * cp):
             multiple = self.sequence_multiple
+            # Degrees of CP this sequence splits for, among those the world has room for.
+            fitting = [d for d in _divisors(seq_len // 2) if d > 1 and self.world_size % d == 0]
             problems.append(Problem(
                 f"training.seq_len={seq_len} does not split into 2 x cp = {2 * cp} equal chunks: "
                 f"parallelism.cp={cp} gives each rank two chunks of every sequence (the i-th and "
                 "the i-th from the end, which balances causal attention)",
                 f"set training.seq_len to a multiple of {multiple}, e.g. "
-                f"{multiple * -(-seq_len // multiple)}, or parallelism.cp to one of "
-                f"{[d for d in _divisors(seq_len // 2) if d > 1] or [1]}"))
+                f"{multiple * -(-seq_len // multiple)}"
+                + (f", or parallelism.cp to one of {fitting}" if fitting else "")))
         if num_experts is not None:
             # An MoE layer's balance loss and routing statistics are computed per sequence,
             # which CP would cut into parts; expert parallelism borrows dp_shard x tp, not cp.

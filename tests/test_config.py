@@ -1,6 +1,7 @@
 """RunConfig: YAML + overrides, and errors that name the field and the fix."""
 
 import importlib.util
+import re
 import shutil
 import sys
 
@@ -106,6 +107,12 @@ def test_malformed_override_and_missing_file():
         load_config(None, ["training.max_steps"])
     with pytest.raises(ConfigError, match="not found"):
         load_config("configs/nope.yaml")
+    # An item of a list (data.stages, data.sources) by index, either way of writing it.
+    for override in ("data.stages[0].start_step=200", "data.stages.0.start_step=200"):
+        with pytest.raises(ConfigError, match=re.escape(
+                f"override '{override}': an item of a list is not overridden on its own; give "
+                "the whole list, e.g. 'data.stages=[{...}, {...}]'")):
+            load_config(None, [override])
 
 
 def test_yaml_that_is_not_a_mapping(tmp_path):

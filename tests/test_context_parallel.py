@@ -100,7 +100,8 @@ def test_cp_is_a_degree_of_the_layout_and_shards_the_weights_over_dp_shard_x_cp(
     (("parallelism.cp=2", "parallelism.nproc_per_node=4", "parallelism.dp_replicate=1"),
      r"dp_replicate\*dp_shard\*cp\*tp\*pp = 2 does not match world size 4"),
     (("parallelism.cp=4", "parallelism.nproc_per_node=4", "training.seq_len=36"),
-     r"training.seq_len=36 does not split into 2 x cp = 8 equal chunks.*multiple of 8, e.g. 40"),
+     r"training.seq_len=36 does not split into 2 x cp = 8 equal chunks.*multiple of 8, e.g. 40, "
+     r"or parallelism.cp to one of \[2\]$"),  # 3, 6, 9 and 18 split 36 but not 4 workers
     (("parallelism.cp=2", "parallelism.tp=4", "parallelism.nproc_per_node=8", "model.n_heads=4",
       "training.seq_len=36"),
      r"tp=4 does not divide the 18 tokens of training.seq_len=36 each of cp=2 ranks holds"

@@ -77,9 +77,11 @@ class ReplicaSplit:
         mine = assign_units(units, digests, me)
         if me == 0 and self.reported != digests[0]:  # once, unless the holdings change
             self.reported = digests[0]
-            log.info("rank 0 stages and writes %.3f MB of the %.3f MB of tensors it holds; "
-                     "%d ranks hold the same and split them", sum(units[u] for u in mine) / 1e6,
-                     sum(units.values()) / 1e6, digests.count(digests[0]))
+            sharing = digests.count(digests[0])
+            log.info("rank 0 stages and writes %.3f MB of the %.3f MB of tensors it holds; %s",
+                     sum(units[u] for u in mine) / 1e6, sum(units.values()) / 1e6,
+                     f"{sharing} ranks hold the same and split them" if sharing > 1
+                     else "no other rank holds the same")
         others = {(section, key) for section, key, _ in units.keys() - mine}
         return {name: ({k: v for k, v in value.items() if (name, k) not in others}
                        if name in ("model", "optim") else value)
