@@ -634,14 +634,21 @@ class _CtrlCStopsTraining:
     Started from the signal, the stop depends on no path the exception may take through
     Prefect's engine: the workers get CANCEL_GRACE_S for an emergency checkpoint and the
     attempt ends as cancelled (never retried). Until the flow is out, an attempt that the
-    launch task starts after Ctrl-C (it was about to) is stopped as well. A second Ctrl-C
-    interrupts again, without waiting for the flow's tasks.
+    launch task starts after Ctrl-C (it was about to) is stopped as well.
+
+    A second Ctrl-C (a double press is a habit) is told that the workers are still saving;
+    interrupting the flow's unwinding again tore down the API while the stop still logged to
+    it. A third leaves at once: the workers then stop by themselves (launch.orphan_timeout_s).
+    The command waits for the stop (`wait_for_stop`) and puts Ctrl-C back (`restore`).
     """
 
     POLL_S = 0.25
 
+    def __init__(self):
+        self.interrupted = 0  # Ctrl-C presses so far
+        self.stops: list[threading.Thread] = []
+
     def __enter__(self) -> "_CtrlCStopsTraining":
-        self.interrupted = False
         self.done = threading.Event()
         # A daemon: it never holds the process up. The stop threads it starts are not.
         self.watcher = threading.Thread(target=self._stop_training, name="ctrl-c-stops-training",
@@ -651,10 +658,19 @@ class _CtrlCStopsTraining:
         return self
 
     def _on_ctrl_c(self, signum, frame) -> None:
-        # Runs in the main thread, between any two of its bytecodes: only a flag here, as
-        # taking a lock that the interrupted code holds would deadlock; the watcher stops.
-        self.interrupted = True
-        raise KeyboardInterrupt
+        # Runs in the main thread, between any two of its bytecodes: only a flag and a raw
+        # write here, as taking a lock that the interrupted code holds would deadlock (print
+        # included); the watcher stops the attempts.
+        self.interrupted += 1
+        if self.interrupted == 1:
+            raise KeyboardInterrupt
+        if self.interrupted == 2:
+            os.write(2, b"goodput: stopping: the workers are saving an emergency checkpoint; "
+                        b"Ctrl-C once more leaves without waiting\n")
+            return
+        os.write(2, b"goodput: leaving without waiting; the workers stop by themselves "
+                    b"(launch.orphan_timeout_s)\n")
+        os._exit(130)
 
     def _stop_training(self) -> None:
         from infra.torchrun import stop_live_attempts
@@ -662,12 +678,24 @@ class _CtrlCStopsTraining:
 
         while not self.done.wait(self.POLL_S):
             if self.interrupted:
-                stop_live_attempts(grace_s=CANCEL_GRACE_S)  # each attempt once
+                self.stops += stop_live_attempts(grace_s=CANCEL_GRACE_S)  # each attempt once
 
     def __exit__(self, *exc_info) -> None:
-        signal.signal(signal.SIGINT, self.previous)
         self.done.set()
         self.watcher.join()
+        if not self.interrupted:
+            self.restore()
+
+    def wait_for_stop(self) -> None:
+        """After Ctrl-C: until the attempts it stopped have ended (their emergency
+        checkpoints written), Ctrl-C still answering as above."""
+        from tasks.control import CANCEL_GRACE_S
+
+        for thread in self.stops:
+            thread.join(timeout=CANCEL_GRACE_S + 30)
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGINT, self.previous)
 
 
 def _dump_stacks_on_sigusr1() -> None:
@@ -742,24 +770,28 @@ def main(argv: list[str] | None = None) -> int:
 
     # The four flow commands. The temporary server starts importing now, beside the check.
     server = _temporary_server()
+    ctrl_c = None
     try:
         result = _without_a_flow(args.command, config, getattr(args, "checkpoint", None))
         if result is not None:
             print(json.dumps(result, indent=2, default=str))
             print(f"run directory: {config.run_dir.path.resolve()}")
             return 0
-        return _run_flow(args, config, server)
+        # Only the main thread may set a signal handler (main() may be called from another).
+        ctrl_c = (_CtrlCStopsTraining() if threading.current_thread() is threading.main_thread()
+                  else None)
+        return _run_flow(args, config, server, ctrl_c)
     finally:
         if server is not None:
             if server.serving:  # also after Ctrl-C: what the client holds, sent while it runs
                 _send_prefect_queues()
             server.stop()
+        if ctrl_c is not None and ctrl_c.interrupted:  # answered Ctrl-C until the server stopped
+            ctrl_c.restore()
 
 
-def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServer | None) -> int:
-    # Only the main thread may set a signal handler (main() may be called from another).
-    ctrl_c = (_CtrlCStopsTraining() if threading.current_thread() is threading.main_thread()
-              else nullcontext())
+def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServer | None,
+              ctrl_c: _CtrlCStopsTraining | None) -> int:
     began = time.time()
     try:
         with _flow_runs_recorded_by(server):  # a server too slow to start fails here
@@ -768,7 +800,7 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
             from flows.prepare import prepare
             from flows.train import train
 
-            with ctrl_c:
+            with ctrl_c or nullcontext():
                 if args.command == "prepare":
                     result = _prepared(config, prepare(config))
                 elif args.command == "train":
@@ -783,6 +815,8 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
         _say_run_directory(config)
         return 2
     except KeyboardInterrupt:
+        if ctrl_c is not None:
+            ctrl_c.wait_for_stop()
         print(f"goodput: {args.command} interrupted", file=sys.stderr)
         _say_run_directory(config)
         return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended

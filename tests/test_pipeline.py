@@ -220,7 +220,9 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
     """No server configured: Ctrl-C in a terminal signals the whole foreground process group.
     It used to kill Prefect's temporary API server too, and the command then hung for minutes
     retrying the dead API instead of stopping. The workers, in sessions of their own, are
-    stopped by the command (attempt cancelled, not retried); their checkpoints are kept."""
+    stopped by the command (attempt cancelled, not retried); their checkpoints are kept. A
+    second press while they save (it tore the API down under the stop's logging) is told to
+    wait."""
     config = small_config(tmp_path, "training.max_steps=2000", "launch.max_restarts=1")
     config_file = tmp_path / "run.yaml"
     config_file.write_text(dump_config(config))
@@ -238,6 +240,8 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
         else:
             pytest.fail("the CLI ended before its first checkpoint:\n" + "".join(output)[-5000:])
         os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does
+        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)  # a double press: the stop goes on, said so
         started = time.monotonic()
         try:
             output.append(proc.communicate(timeout=40)[0])
@@ -261,6 +265,8 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
     assert re.search(r"attempt \S+ cancelled at step \d+: not retrying", text), text[-3000:]
     assert re.search(r"launch-training-\w+' - Finished in state Cancelled\('training attempt", text)
     assert "SignalException" not in text  # torchrun's traceback of its SIGTERM: one line
+    assert "goodput: stopping: the workers are saving an emergency checkpoint" in text
+    assert "Logging error" not in text and "Traceback" not in text
     assert (config.run_dir.path / "checkpoints" / "step-00000010").is_dir()
 
 
