@@ -61,6 +61,21 @@ def data_wait_share(run_dir) -> float | None:
     return sum(r["data_wait_s"] for r in records) / step_time if step_time > 0 else None
 
 
+def mix_drawn(run_dir, step: int | None) -> dict | None:
+    """A mix's samples drawn from each source up to `step`, and their shares (the realized
+    mix: the metrics record of that step, its latest where a resume redid it); None for a
+    single source or a step with no record."""
+    found = None
+    for record in read_metrics(run_dir):
+        if record["step"] == step and any(k.startswith("samples/") for k in record):
+            found = record
+    if found is None:
+        return None
+    samples = {k.removeprefix("samples/"): v for k, v in found.items() if k.startswith("samples/")}
+    total = sum(samples.values()) or 1
+    return {name: {"samples": n, "share": round(n / total, 4)} for name, n in samples.items()}
+
+
 def checkpoint_interval_advice(run_dir, failures: int, wall_s: float,
                                mtbf_hours: float | None, every_steps: int) -> dict | None:
     """Young/Daly: the interval that minimises expected lost time is sqrt(2 * C * MTBF),

@@ -260,6 +260,38 @@ def test_a_mix_streams_from_the_store_within_its_cache_limit(mix, tmp_path):
             streamed.next_batch()
 
 
+def test_training_logs_each_stage_and_records_the_samples_drawn_from_each_source(mix):
+    """Where the mix changes, the log says so; every metrics record carries the samples drawn
+    from each source so far (the realized shares), and the run's summary the shares at its
+    newest checkpoint."""
+    from goodput.accounting import mix_drawn
+    from tests.helpers import torchrun_training
+    from training.metrics import read_metrics
+
+    config, _ = mix
+    staged = make_config(Path(config.data.data_dir).parent, mix_overrides(Path(config.data.data_dir).parent),
+                         "data.max_docs=null", "training.seq_len=32", "data.shard_tokens=4096",
+                         "data.stages=[{start_step: 5, weights: {code: 1}}]", "run.run_id=staged",
+                         "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
+                         "training.micro_batch_size=4", "training.max_steps=8",
+                         "training.warmup_steps=2", "checkpoint.every_steps=8", "launch.max_restarts=0")
+    directory = prep.dataset_for_training(staged, store_from_config(staged.storage))
+    proc = torchrun_training(staged, directory)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    assert "[data] mix stage 0 of 1 from step 1 on: weights {'web': 0.6, 'code': 0.3, 'books': 0.1}" in output
+    assert "[data] mix stage 1 from step 5 on: weights {'code': 1.0}" in output
+    drawn = {r["step"]: {k.removeprefix("samples/"): v for k, v in r.items() if k.startswith("samples/")}
+             for r in read_metrics(staged.run_dir)}
+    batch = 4 * 2  # micro-batch x 2 ranks
+    assert all(sum(counts.values()) == step * batch for step, counts in drawn.items())
+    assert drawn[4] == {"web": 19, "code": 10, "books": 3}  # 0.6 / 0.3 / 0.1 of 32, to a sample
+    assert drawn[8] == {"web": 19, "code": 10 + 4 * batch, "books": 3}  # then code alone
+    assert mix_drawn(staged.run_dir, 8) == {"web": {"samples": 19, "share": 0.2969},
+                                            "code": {"samples": 42, "share": 0.6562},
+                                            "books": {"samples": 3, "share": 0.0469}}
+
+
 # -- the pipeline ---------------------------------------------------------------------------
 
 @pytest.mark.slow  # about 3.5 min; the mixing itself is tested above, the pipeline by tests/test_pipeline

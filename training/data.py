@@ -422,6 +422,22 @@ class DistributedSampleLoader:
         """The next global sample to hand out, across all ranks."""
         return self.schedule.position
 
+    @property
+    def stage(self) -> int:
+        """The mix stage (0: data.sources' weights, i: data.stages[i - 1]) of the next sample."""
+        return int(np.searchsorted(self.schedule.starts, self.schedule.position, side="right")) - 1
+
+    def stage_weights(self, stage: int) -> dict[str, float]:
+        return {name: round(float(w), 6) for name, w in zip(self.schedule.names,
+                                                            self.schedule.weights[stage]) if w > 0}
+
+    def mix_figures(self) -> dict[str, int]:
+        """For a mix: the samples drawn from each source so far, across all ranks
+        (`samples/<source>`), the realized shares on every record; nothing for one source."""
+        if len(self.schedule.names) == 1:
+            return {}
+        return {f"samples/{name}": int(n) for name, n in zip(self.schedule.names, self.schedule.taken)}
+
     def skip_windows(self, windows: list[tuple[int, int]]) -> None:
         """Never hand out global samples in these windows (each starts on a step boundary)."""
         self.skips = sorted(windows)

@@ -74,7 +74,8 @@ class StepMetrics:
              model_stats: dict | None = None) -> None:
         """`validation`: the in-loop held-out losses measured after this step (and
         `val_time_s`, outside the step's time); a step with them is always logged.
-        `model_stats`: the step's own figures of the model (a mixture of experts' loads)."""
+        `model_stats`: the step's own figures of the model (a mixture of experts' loads) and
+        of its data (a mix's samples drawn from each source)."""
         tokens_per_s = self.tokens_per_step / step_time_s
         self.window_steps += 1
         self.window_time_s += step_time_s

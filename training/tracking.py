@@ -43,8 +43,9 @@ TAGS = {
     "resumed_at_step": "train/resumed_at_step",  # where an attempt resumed: later steps redone
     "world_size": "elastic/world_size",  # drops where an elastic job lost nodes, rises where they joined
 }
-# per-source and evaluation scores; a mixture of experts' loads (training.moe_balance)
-_PREFIXES = {"val_loss/": "val/loss/", "eval/": "eval/", "moe/": "moe/"}
+# per-source and evaluation scores; a mixture of experts' loads (training.moe_balance);
+_PREFIXES = {"val_loss/": "val/loss/", "eval/": "eval/", "moe/": "moe/",
+             "samples/": "data/samples/"}  # a mix's samples drawn from each source
 TRAINER_STEP = "trainer/step"  # the x axis of a W&B evaluation run (WandbTracker)
 
 

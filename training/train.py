@@ -142,6 +142,10 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
                      "run.run_id: its schedule is another one)", progress.step)
 
     loss = float("nan")
+    stage = loader.stage
+    if env.is_main and len(data.sources) > 1:
+        log.info("[data] mix stage %d of %d from step %d on: weights %s", stage,
+                 len(config.mix_stages()) - 1, progress.step + 1, loader.stage_weights(stage))
     try:
         while progress.step < tcfg.max_steps:
             step_start = time.perf_counter()
@@ -168,7 +172,12 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
             metrics.step(progress.step, loss=loss, lr=lr, grad_norm=grad_norm,
                          tokens_seen=progress.tokens_seen, step_time_s=step_time, checkpoint_s=stall,
                          data_wait_s=loader.take_wait_s(), save_in_flight=checkpointer.in_flight,
-                         validation=validation.maybe_run(progress.step), model_stats=moe_stats)
+                         validation=validation.maybe_run(progress.step),
+                         model_stats={**moe_stats, **loader.mix_figures()})
+            if loader.stage != stage and env.is_main:  # the next step draws by new weights
+                stage = loader.stage
+                log.info("[data] mix stage %d from step %d on: weights %s", stage,
+                         progress.step + 1, loader.stage_weights(stage))
             if resilience.after_step(progress.step, loss):
                 if env.is_main:
                     log.info("time limit: stopping after the checkpoint of step %d", progress.step)
