@@ -668,7 +668,21 @@ def search(config: RunConfig, cluster: Cluster, strict: bool | None = None) -> l
     plans = [plan_layout(config, cluster, d, strict, suggest=False) for d in factorisations(world)]
     valid = sorted((p for p in plans if p.ok),
                    key=lambda p: (bool(p.departures), -(p.tokens_per_s or 0.0), p.memory.peak))
-    ranked = valid + [p for p in plans if not p.ok]
+    # Of those that cannot run, the one explained when none can is the nearest: fewest
+    # problems (memory alone, which its fix addresses), then the smallest peak it could reach
+    # with activation checkpointing and the loss in chunks (its fix names what it takes).
+    eased = {}
+    if not valid:
+        par = config.parallelism
+        saving = config.model_copy(update={"parallelism": par.model_copy(update={
+            "activation_checkpointing": "full",
+            "loss_chunk_tokens": par.loss_chunk_tokens or LOSS_CHUNK_TOKENS})})
+        for d in factorisations(world):
+            easier = plan_layout(saving, cluster, d, strict, suggest=False)
+            eased[easier.name] = easier.memory.peak
+    failing = sorted((p for p in plans if not p.ok), key=lambda p: (
+        len(p.problems), eased.get(p.name, p.memory.peak)))
+    ranked = valid + failing
     if ranked[0].degrees["pp"] > 1 and ranked[0].step_time_s is not None:  # the one explained
         ranked[0].best_virtual_stages = _best_virtual_stages(config, cluster, ranked[0].degrees,
                                                              GOODPUT)
@@ -1254,8 +1268,21 @@ def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory) -> Problem:
     for text, alternative in options:
         if alternative.peak <= have:
             return Problem(reason, f"{text} ({_amount(alternative.peak)})")
-    return Problem(reason, "lower training.micro_batch_size, split the model over more tp or pp "
-                           f"ranks, or use more {device}s")
+    # No one change is enough: the recomputation and chunking ones together, then what is left.
+    together = s
+    if chunked_too := (s.recipe == GOODPUT and not par.loss_chunk_tokens
+                       and not dims.splits_output_layer):
+        together = replace(s, config=s.config.model_copy(update={
+            "parallelism": par.model_copy(update={"loss_chunk_tokens": LOSS_CHUNK_TOKENS})}))
+    if checkpointing != "full" and chunked_too:
+        both = _memory(together, dims, "full")
+        if both.peak <= have:
+            return Problem(reason, "set parallelism.activation_checkpointing=full and "
+                                   f"parallelism.loss_chunk_tokens={LOSS_CHUNK_TOKENS} "
+                                   f"({_amount(both.peak)})")
+    left = (["lower training.micro_batch_size"] if s.config.training.micro_batch_size > 1 else [])
+    left += ["split the model over more tp or pp ranks", f"use more {device}s"]
+    return Problem(reason, ", ".join(left[:-1]) + f", or {left[-1]}")
 
 
 def _device_noun(cluster: Cluster) -> str:

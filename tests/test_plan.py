@@ -1245,6 +1245,24 @@ def test_cli_plans_what_the_train_flow_checks(tmp_path, capsys):
     assert "estimated step time" not in out
 
 
+def test_when_no_layout_fits_the_one_explained_is_the_nearest_with_the_changes_it_takes():
+    """1B on 8 GPUs of 12 GiB: no layout fits as configured. The one explained is not a layout
+    ruled out by its structure (pp with tied embeddings) but the one that fits with
+    activation checkpointing and the loss in chunks together, which its fix names; where
+    nothing would, the fix does not offer a smaller micro-batch than 1."""
+    config = load_config(str(REPO / "configs/llama3.2-1b.yaml"))
+    plans = planner.search(config, planner.Cluster(1, 8, 12 * 2**30))
+    assert not any(p.ok for p in plans)
+    nearest = plans[0]
+    assert nearest.degrees["dp_shard"] == 8 and len(nearest.problems) == 1
+    assert str(nearest.problems[0]).endswith(
+        "fix: set parallelism.activation_checkpointing=full and parallelism.loss_chunk_tokens=1024 "
+        "(10.7 GiB)")
+    hopeless = planner.search(config, planner.Cluster(1, 8, 4 * 2**30))[0]
+    assert str(hopeless.problems[0]).endswith(
+        "fix: split the model over more tp or pp ranks, or use more GPUs")
+
+
 def test_a_gpu_memory_figure_does_not_pass_cpu_workers_that_share_this_machine(tmp_path):
     """configs/llama3.2-1b.yaml states 80GiB per device (an H100's). Launched here, on CPU, its
     8 workers share this machine's memory: that is what the check counts (else the kernel's
