@@ -435,7 +435,8 @@ def table(rows: list[dict], peak: float) -> str:
 
     lines = [f"MFU = (6 x N_non_embedding + 12 x layers x heads x head_dim x seq) x tokens/s / "
              f"{peak:.4g} FLOP/s", "",
-             "| size | params without the input embedding (output layer included) | seq | micro-batch | tokens/s | step (ms) | MFU "
+             "| size | params without the input embedding (output layer included) | seq "
+             "| micro-batch | tokens/s | step (ms) | MFU "
              "| trainer MFU | peak mem (GiB) | SDPA default | flash only | status |",
              "|---" * 12 + "|"]
     for r in rows:
