@@ -72,12 +72,13 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
     if eval_tasks is not None:
         eval_tasks.result()  # a misspelt task fails the run here, not after training
     dataset_dir = dataset.result()
-    # A flow run that ends unfinished once it holds the run's lease: its time still counts.
-    with training_slot(config) as lease_holder, no_orphan_workers(), \
-            unfinished_training_counted(config, started):
+    # A flow run that ends unfinished once it holds the run's lease: its time still counts,
+    # less its wait for the lease (the time of the run that held it, which counts already).
+    with training_slot(config) as lease, no_orphan_workers(), \
+            unfinished_training_counted(config, started + lease.waited_s):
         training = launch_training.with_options(
             retries=config.run.max_attempts - 1, retry_delay_seconds=config.run.retry_delay_s,
-        ).submit(config, dataset_dir, time_limit_s, worker_logs, started, lease_holder)
+        ).submit(config, dataset_dir, time_limit_s, worker_logs, started, lease.holder)
 
         # Told by the future itself, not by asking the API its state each second (which was
         # a request a second for the whole run).
@@ -119,7 +120,7 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
         outcome = training.result()  # raises when the last attempt failed
         for future in secured:
             future.result()
-    trained = record_training(config, outcome, started)
+    trained = record_training(config, outcome, started + lease.waited_s)
     publish_training_report(config)
     announce_run_finished(config, trained)
     return trained

@@ -256,7 +256,8 @@ def unfinished_training_counted(config: RunConfig, started: float) -> Iterator[N
 def record_abandoned_training(config: RunConfig, lease: dict) -> dict:
     """A supervisor that held the run's lease and vanished without letting go (its flow
     process killed, its host lost) recorded nothing of how its training ended. From what it
-    left: its time (from taking the lease to its last renewal) counts in the run's total,
+    left: its time (from taking the lease to its last renewal, or to the end of the workers
+    it left, which train on until they notice) counts in the run's total,
     and each attempt it launched gets the outcome its workers' records tell (orphaned: they
     saved and stopped by themselves, or were killed with it; done: they had finished).
     Returns {"holder", "wall_time_s", "outcomes"}."""
@@ -277,8 +278,11 @@ def record_abandoned_training(config: RunConfig, lease: dict) -> dict:
             continue
         if metrics is None:
             metrics = read_metrics(run_dir)
-        steps = [m["step"] for m in metrics if m.get("attempt") == attempt]
-        ended = max([r["time"] for r in records] + [s["time"] for s in starts])
+        mine = [m for m in metrics if m.get("attempt") == attempt]
+        steps = [m["step"] for m in mine]
+        # Its workers went on until they stopped by themselves (launch.orphan_timeout_s).
+        ended = max([r["time"] for r in records] + [s["time"] for s in starts]
+                    + [m["time"] for m in mine if "time" in m])
         done = bool(records) and all(r["class"] == FailureClass.DONE for r in records)
         told = next((r["reason"] for r in records if r["class"] != FailureClass.DONE), None)
         reason = (f"its supervisor ({lease['holder']}) ended without recording it (its process "
@@ -298,7 +302,8 @@ def record_abandoned_training(config: RunConfig, lease: dict) -> dict:
                    "recorded_by": "the next holder of the run's lease"}
         write_atomic(directory / "outcome.json", json.dumps(outcome).encode())
         outcomes.append(outcome)
-    wall = max(0.0, until - since)
+    # Until its last renewal, or until the workers it left stopped, whichever is later.
+    wall = max(0.0, max([until] + [o["time"] for o in outcomes]) - since)
     update_summary(run_dir, "train", lambda previous: {
         **previous, "wall_time_total_s": previous.get("wall_time_total_s", 0.0) + wall})
     summarize_goodput(config)

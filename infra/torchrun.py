@@ -321,6 +321,7 @@ class RunLease:
         self.save_s = config.faults.emergency_save_s
         self.renew_every_s = min(5.0, self.orphan_after_s / 4)
         self.since: float | None = None
+        self.waited_s = 0.0  # for another holder, or for workers with none, before taking it
         self.abandoned: dict | None = None
 
     def blocker(self) -> str:
@@ -350,6 +351,7 @@ class RunLease:
 
     def acquire(self, log: Callable[[str], None], every_s: float = 1.0) -> None:
         told = ""
+        began = time.time()
         while True:
             with exclusive_lock(self.run_dir / ".lease.lock"):
                 blocker = self.blocker()
@@ -359,6 +361,7 @@ class RunLease:
                             and before["holder"] != self.holder):
                         self.abandoned = before
                     self.since = time.time()
+                    self.waited_s = self.since - began
                     write_lease(self.run_dir, self.holder, since=self.since)
                     return
             if blocker.split(" (")[0] != told:

@@ -100,11 +100,12 @@ def lease_holder() -> str:
 
 
 @contextmanager
-def training_slot(config: RunConfig) -> Iterator[str]:
+def training_slot(config: RunConfig) -> Iterator[RunLease]:
     """Hold the run's lease (infra.torchrun.RunLease) while training; wait, saying so in the
     log, while another flow run trains the run, or while workers whose flow process was
-    killed still train it (they stop by themselves). Yields the holder's name, which every
-    attempt's workers watch: if this process dies, they stop within
+    killed still train it (they stop by themselves). Yields the lease: its holder's name,
+    which every attempt's workers watch, and how long it waited (`waited_s`, time another
+    holder's training already counts): if this process dies, they stop within
     launch.orphan_timeout_s, and the next holder records what it could not (its time, its
     attempts' outcomes: goodput.runs.record_abandoned_training).
 
@@ -117,7 +118,7 @@ def training_slot(config: RunConfig) -> Iterator[str]:
     with RunLease(config, holder).held(logger.info) as lease:
         if lease.abandoned is not None and "since" in lease.abandoned:
             _record_abandoned(config, lease.abandoned, logger)
-        yield holder
+        yield lease
 
 
 def _record_abandoned(config: RunConfig, lease: dict, logger) -> None:
