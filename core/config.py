@@ -999,7 +999,10 @@ class RunSection(_Section):
 
 class SshLaunch(_Section):
     options: list[str] = Field(
-        default_factory=lambda: ["-o", "BatchMode=yes"],
+        # Keepalives: a host that vanishes without closing the connection is noticed within a
+        # minute, not when TCP gives up (hours).
+        default_factory=lambda: ["-o", "BatchMode=yes", "-o", "ServerAliveInterval=15",
+                                 "-o", "ServerAliveCountMax=4"],
         description="Extra ssh options, e.g. ['-i', 'key', '-o', 'StrictHostKeyChecking=no'].")
 
 

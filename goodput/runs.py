@@ -146,10 +146,13 @@ def read_outcomes(config: RunConfig, prefix: str = "") -> list[dict]:
 
 
 def failures_of(outcomes: list[dict]) -> int:
-    """Failures the outcomes record: failed attempts and the in-job restarts each recovered
-    (a cancelled attempt failed nothing)."""
-    return sum((o["class"] not in (FailureClass.DONE, FailureClass.CANCELLED))
-               + (o.get("restarts") or 0) for o in outcomes)
+    """Failures the outcomes record, those that cost training: failed attempts that had
+    trained a step and the in-job restarts each recovered. A cancelled attempt failed
+    nothing, and one that never reached a step (a host that never answered, a crash at
+    start) lost no work to checkpoint against: counted, a few such in a row made the
+    mean time between failures seconds, and checkpoint.interval=auto a save every step."""
+    return sum((o["class"] not in (FailureClass.DONE, FailureClass.CANCELLED)
+                and o.get("step") is not None) + (o.get("restarts") or 0) for o in outcomes)
 
 
 def observed_mtbf_s(config: RunConfig) -> float:

@@ -495,6 +495,26 @@ class SchedulerJob:
             return False
 
 
+def slurm_time_s(text: str) -> int | None:
+    """sbatch --time in seconds ("minutes", "minutes:seconds", "hours:minutes:seconds",
+    "days-hours[:minutes[:seconds]]"); None for no limit or a form not known here."""
+    days, _, rest = text.strip().rpartition("-") if "-" in text else ("0", "", text.strip())
+    try:
+        parts = [int(p) for p in rest.split(":")]
+        days_n = int(days)
+    except ValueError:
+        return None
+    if "-" in text:  # days-hours[:minutes[:seconds]]
+        hours, minutes, seconds = (parts + [0, 0])[:3]
+    elif len(parts) == 3:
+        hours, minutes, seconds = parts
+    elif len(parts) == 2:
+        hours, (minutes, seconds) = 0, parts
+    else:
+        hours, minutes, seconds = 0, parts[0], 0
+    return ((days_n * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
 class SlurmLauncher(SchedulerJob):
     """An sbatch script with one `srun` task (one torchrun) per node; srun ends every node
     when one fails (--kill-on-bad-exit). Watched with squeue/sacct, cancelled with scancel."""
@@ -505,6 +525,7 @@ class SlurmLauncher(SchedulerJob):
         self.output: Path | None = None
         self._offset = 0
         self._partial = ""
+        self._pending_reason = ""
 
     def script(self) -> str:
         spec, slurm = self.spec, self.spec.launch.slurm
@@ -518,6 +539,12 @@ class SlurmLauncher(SchedulerJob):
         nodes = f"{spec.min_nodes}-{spec.nnodes}" if spec.elastic else str(spec.nnodes)
         per_node = ["--no-kill"] if spec.elastic else ["--ntasks-per-node=1"]
         options = [f"--nodes={nodes}", *per_node, f"--time={slurm.time}", "--no-requeue"]
+        # SIGTERM to the job's steps before the time limit, time for an emergency checkpoint
+        # (Slurm's own at the limit leaves KillWait, often 30 s); Slurm checks every minute.
+        warn_s = int(spec.grace_s) + 60
+        limit_s = slurm_time_s(slurm.time)
+        if limit_s is not None and limit_s >= 3 * warn_s:
+            options.append(f"--signal=TERM@{warn_s}")
         options += [f"--partition={slurm.partition}"] if slurm.partition else []
         options += [f"--account={slurm.account}"] if slurm.account else []
         options += [f"--gpus-per-node={slurm.gpus_per_node}"] if slurm.gpus_per_node else []
@@ -589,8 +616,13 @@ class SlurmLauncher(SchedulerJob):
         log(f"submitted Slurm job {self.job_id}: {path}")
 
     def _queue_state(self) -> str:
-        """The job's state in the queue; "" once it has left it."""
-        return _run(["squeue", "-h", "-j", self.job_id, "-o", "%T"]).strip()
+        """The job's state in the queue; "" once it has left it. Why a pending job waits is
+        logged whenever it changes (a drained node, the partition's limits, priority)."""
+        state, _, reason = _run(["squeue", "-h", "-j", self.job_id, "-o", "%T|%r"]).strip().partition("|")
+        if state == "PENDING" and reason not in ("", "None", self._pending_reason):
+            self._pending_reason = reason
+            self._log(f"Slurm job {self.job_id} is pending: {reason}")
+        return state
 
     def query(self) -> int | None:
         state = self._queue_state()

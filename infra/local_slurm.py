@@ -25,6 +25,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -260,13 +261,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", default="./slurm", help="where the cluster keeps its files")
     args = parser.parse_args()
+    # Ctrl-C or SIGTERM stops the cluster: handled, not the default (which ended this process
+    # at once and left munged, slurmctld and both slurmd running).
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
     names = ensure_names_resolve(["n1", "n2"])
     slurm = LocalSlurm(args.dir)
     try:
         with slurm:
             print(f"export SLURM_CONF={slurm.conf}   # then: sinfo; Ctrl-C stops the cluster",
                   flush=True)
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+            while not stop.wait(1.0):
+                pass
     finally:
         if names:
             forget_names()

@@ -58,10 +58,13 @@ def test_auto_interval_follows_young_daly(tmp_path):
 
 def test_auto_interval_uses_observed_failures_without_configured_mtbf(tmp_path):
     config = small_config(tmp_path, "checkpoint.interval=auto", "checkpoint.every_steps=1000")
-    for i, (cls, wall) in enumerate([("retryable", 300.0), ("hang", 500.0), ("done", 400.0)]):
+    # The third never reached a step (a host that never answered): no work lost, no failure.
+    for i, (cls, wall, step) in enumerate([("retryable", 300.0, 40), ("hang", 500.0, 90),
+                                           ("node_lost", 0.5, None), ("done", 399.5, 200)]):
         directory = config.run_dir / "attempts" / f"attempt-a-{i}"
         directory.mkdir(parents=True)
-        (directory / "outcome.json").write_text(json.dumps({"class": cls, "wall_time_s": wall}))
+        (directory / "outcome.json").write_text(json.dumps({"class": cls, "wall_time_s": wall,
+                                                            "step": step}))
     schedule = CheckpointSchedule(config, observed_mtbf_s(config))
     assert schedule.mtbf_s == 1200.0 / 2  # 1200 s of attempts, 2 failures
     schedule.step_times.append(1.0)

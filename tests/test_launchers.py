@@ -138,7 +138,8 @@ def squeue():
     queried = job_file(job, "queried")
     if job_file(job, "exit").exists() or job_file(job, "cancelled").exists() or not alive(job):
         return
-    print("RUNNING" if queried.exists() else "PENDING")  # queued at the first look
+    reason = os.environ.get("FAKE_PENDING_REASON", "None")
+    print("RUNNING|None" if queried.exists() else f"PENDING|{reason}")  # queued at the first look
     queried.touch()
 
 
@@ -414,9 +415,14 @@ def test_slurm_script(tmp_path, fakes):
     assert lines[0] == "#!/bin/bash"
     assert [line for line in lines if line.startswith("#SBATCH")] == [
         "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --time=02:00:00",
-        "#SBATCH --no-requeue", "#SBATCH --partition=gpu", "#SBATCH --account=proj7",
+        "#SBATCH --no-requeue", f"#SBATCH --signal=TERM@{int(config.faults.emergency_save_s) + 60}",
+        "#SBATCH --partition=gpu", "#SBATCH --account=proj7",
         "#SBATCH --gpus-per-node=8", "#SBATCH --cpus-per-task=96", "#SBATCH --exclusive",
         "#SBATCH --qos=high"]
+    # The workers are told before the time limit, with time for an emergency checkpoint; a
+    # limit too short for that leaves it at Slurm's own signal at the limit.
+    short = make_launcher(spec_of(launch_config(tmp_path, fakes, *SLURM, "launch.slurm.time=0:30")))
+    assert not any("--signal" in line for line in short.script().splitlines())
     assert f"cd {tmp_path}" in lines and "export FAKE_SETUP_RAN=1" in lines
     assert "export GOODPUT_ATTEMPT=t1" in lines
     assert 'export PET_RDZV_ENDPOINT="$head_node:29400"' in lines
@@ -443,7 +449,7 @@ def test_slurm_job_is_submitted_watched_and_its_output_streamed(tmp_path, fakes)
                                        f"--output={attempt_dir.resolve()}/slurm-%j.out",
                                        str(attempt_dir / "sbatch.sh")]]
     queries = calls(fakes, "squeue")
-    assert len(queries) >= 2 and set(map(tuple, queries)) == {("-h", "-j", "1", "-o", "%T")}
+    assert len(queries) >= 2 and set(map(tuple, queries)) == {("-h", "-j", "1", "-o", "%T|%r")}
     # Gone from the queue (real squeue then prints nothing): the controller's record says how.
     assert calls(fakes, "scontrol")[-1] == ["show", "job", "-o", "1"]
     assert calls(fakes, "sacct") == []
@@ -483,8 +489,30 @@ def test_slurm_job_gets_sigterm_when_the_attempt_stops(tmp_path, fakes, monkeypa
     result = attempt(config, lines=lines)
     assert result.failure_class == "hang" and result.exit_code == STOPPED  # never beat: hung
     assert calls(fakes, "scancel") == [["--signal=TERM", "1"]]
-    assert calls(fakes, "squeue")[-1] == ["-h", "-j", "1", "-o", "%T"]  # seen gone before returning
+    assert calls(fakes, "squeue")[-1] == ["-h", "-j", "1", "-o", "%T|%r"]  # seen gone before returning
     assert not [line for line in lines if line.startswith("cancelled Slurm job")]
+
+
+def test_why_a_slurm_job_waits_is_logged_and_a_job_cancelled_before_it_ran_is_not_retried(
+        tmp_path, fakes, monkeypatch):
+    """A pending job says why it waits (a drained node, limits); cancelled outside goodput
+    before any worker ran, it is no crash to retry."""
+    from core.protocol import FailureClass, write_exit_record
+    from infra.torchrun import classify
+
+    monkeypatch.setenv("FAKE_PENDING_REASON", "ReqNodeNotAvail, UnavailableNodes:n2")
+    lines: list[str] = []
+    result = attempt(launch_config(tmp_path, fakes, *SLURM), lines=lines)
+    assert result.failure_class == "done"
+    assert lines.count("Slurm job 1 is pending: ReqNodeNotAvail, UnavailableNodes:n2") == 1
+
+    cancelled = classify(tmp_path, "c-1", 143, hung=False, wall=1.0, scheduler_state="CANCELLED")
+    assert cancelled.failure_class == FailureClass.CANCELLED
+    assert "cancelled before any worker ran" in cancelled.reason
+    # Cancelled while training: the workers' emergency save tells it (preempted, retried).
+    write_exit_record(tmp_path, "c-2", 0, FailureClass.RETRYABLE, "preempted: emergency checkpoint", 9)
+    assert classify(tmp_path, "c-2", 143, hung=False, wall=1.0,
+                    scheduler_state="CANCELLED").failure_class == FailureClass.RETRYABLE
 
 
 def test_a_slurm_job_still_queued_is_cancelled_at_once(tmp_path, fakes, monkeypatch):
