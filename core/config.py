@@ -1029,9 +1029,21 @@ class KubernetesLaunch(_Section):
                                                 "environment installed.")
     gpus_per_node: int | None = Field(None, ge=1, description="nvidia.com/gpu limit per pod.")
     volume_claim: str | None = Field(
-        None, description="PersistentVolumeClaim holding the run and data directories, mounted "
-                          "at mount_path (they must be at the same paths as here).")
+        None, description="PersistentVolumeClaim (ReadWriteMany) holding the run and data "
+                          "directories, mounted at mount_path in the training pods and where the "
+                          "flow runs (run.runs_dir and data.data_dir must lie under it).")
     mount_path: str = "/goodput"
+    shm_size: str = Field("16Gi", description="The pods' /dev/shm (a memory-backed emptyDir): "
+                          "NCCL and DataLoader workers need more than a container's 64 MB.")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="The training pods' nodeSelector, e.g. "
+        "{cloud.google.com/gke-accelerator: nvidia-h100-80gb}.")
+    tolerations: list[dict] = Field(
+        default_factory=list, description="The training pods' tolerations, e.g. [{key: "
+        "nvidia.com/gpu, operator: Exists, effect: NoSchedule}] for a tainted GPU pool.")
+    cpu: str | int | None = Field(None, description="CPU request and limit per pod, e.g. 96 or "
+                                  "'95500m'.")
+    memory: str | None = Field(None, description="Memory request and limit per pod, e.g. '1800Gi'.")
 
 
 class LaunchConfig(_Section):
@@ -1186,6 +1198,8 @@ class RunConfig(_Section):
             raise ValueError(f"launch.kind=ssh needs one host per node: {len(self.launch.hosts)} "
                              f"launch.hosts for parallelism.nnodes={self.parallelism.nnodes}")
         self._stages_in_order()
+        if self.launch.kind == "kubernetes":
+            self._kubernetes_pods_share_the_run()
         if self.faults.crash_rank >= self.parallelism.world_size:
             raise ValueError(f"faults.crash_rank={self.faults.crash_rank} is not a rank of "
                              f"world size {self.parallelism.world_size}")
@@ -1295,6 +1309,26 @@ class RunConfig(_Section):
                 f"{self.eval.tasks[0]}/acc)" if self.eval.tasks else
                 ", or set eval.tasks and name '<task>/<metric>' (e.g. hellaswag/acc_norm)"))
         return self
+
+    def _kubernetes_pods_share_the_run(self) -> None:
+        """The training pods and the flow that supervises them read and write one run and
+        data directory (heartbeats, exit records, checkpoints, the dataset): a volume both
+        mount, and the directories on it."""
+        k8s = self.launch.kubernetes
+        if not k8s.volume_claim:
+            raise ValueError(
+                "launch.kind=kubernetes needs launch.kubernetes.volume_claim: the training pods "
+                "and this flow read and write the same run and data directories (heartbeats, "
+                "exit records, checkpoints, the dataset); name a PersistentVolumeClaim "
+                "(ReadWriteMany) mounted at launch.kubernetes.mount_path in both")
+        mount = Path(k8s.mount_path)
+        for field, value in (("run.runs_dir", self.run.runs_dir), ("data.data_dir", self.data.data_dir)):
+            path = Path(value).absolute()
+            if mount != path and mount not in path.parents:
+                raise ValueError(
+                    f"{field}={value} is not under launch.kubernetes.mount_path={mount}: the "
+                    f"training pods see only that volume; set {field} under it (e.g. "
+                    f"{field}={mount / Path(value).name})")
 
     def _stages_in_order(self) -> None:
         """Each stage of data.stages starts at a later step than the one before, and none at

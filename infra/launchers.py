@@ -797,17 +797,29 @@ class KubernetesLauncher(SchedulerJob):
         container = {"name": "pytorch",  # the name the PyTorchJob operator looks for
                      "image": k8s.image, "workingDir": self.spec.workdir, "command": command,
                      "env": env, "ports": [{"containerPort": launch.rdzv_port}]}
-        if k8s.gpus_per_node:
-            container["resources"] = {"limits": {"nvidia.com/gpu": k8s.gpus_per_node}}
+        limits = {"nvidia.com/gpu": k8s.gpus_per_node} if k8s.gpus_per_node else {}
+        requests = {k: v for k, v in (("cpu", k8s.cpu), ("memory", k8s.memory)) if v}
+        if limits or requests:
+            container["resources"] = {"limits": {**limits, **requests},
+                                      **({"requests": requests} if requests else {})}
         # Deleting the job gives each pod this long between SIGTERM and SIGKILL: the time
         # the workers have for an emergency checkpoint (faults.emergency_save_s), and more.
         grace = int(self.spec.grace_s) + 30
         spec = {"restartPolicy": "Never", "terminationGracePeriodSeconds": grace,
                 "containers": [container]}
+        # /dev/shm in memory (a container's default is 64 MB, too little for NCCL), and the
+        # volume the run and data directories are on.
+        container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+        spec["volumes"] = [{"name": "dshm", "emptyDir": {"medium": "Memory",
+                                                         "sizeLimit": k8s.shm_size}}]
         if k8s.volume_claim:
-            container["volumeMounts"] = [{"name": "shared", "mountPath": k8s.mount_path}]
-            spec["volumes"] = [{"name": "shared",
-                                "persistentVolumeClaim": {"claimName": k8s.volume_claim}}]
+            container["volumeMounts"].append({"name": "shared", "mountPath": k8s.mount_path})
+            spec["volumes"].append({"name": "shared",
+                                    "persistentVolumeClaim": {"claimName": k8s.volume_claim}})
+        if k8s.node_selector:
+            spec["nodeSelector"] = dict(k8s.node_selector)
+        if k8s.tolerations:
+            spec["tolerations"] = list(k8s.tolerations)
         return {"metadata": {"labels": {self.LABEL: self.name}}, "spec": spec}
 
     def start(self, log: Log) -> None:

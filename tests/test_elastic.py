@@ -120,7 +120,7 @@ def test_the_goodput_breakdown_counts_time_in_a_degraded_layout(tmp_path):
 # -- a lost node, as each launcher sees it ----------------------------------------------------
 
 K8S = ("launch.kind=kubernetes", "launch.kubernetes.image=goodput:test",
-       "launch.kubernetes.namespace=ml", "launch.poll_s=0.05")
+       "launch.kubernetes.namespace=ml", "launch.poll_s=0.05", "launch.kubernetes.volume_claim=runs")
 
 
 def test_pod_statuses_that_mean_a_lost_node():
@@ -133,7 +133,7 @@ def test_pod_statuses_that_mean_a_lost_node():
 
 
 def test_an_evicted_kubernetes_pod_fails_the_attempt_as_node_lost(tmp_path, fakes):  # noqa: F811
-    config = launch_config(tmp_path, fakes, *K8S)
+    config = launch_config(tmp_path, fakes, *K8S, f"launch.kubernetes.mount_path={tmp_path}")
     set_k8s(fakes, [{"conditions": [{"type": "Running", "status": "True"}]},
                     {"conditions": [{"type": "Failed", "status": "True"}]}], pods=[137, 75])
     pods = json.loads((fakes / "k8s-pods.json").read_text())
@@ -167,7 +167,8 @@ def test_an_elastic_ssh_run_starts_on_the_hosts_that_answer(tmp_path, fakes, mon
 
 def test_elastic_kubernetes_is_refused_naming_the_setting(tmp_path):
     with pytest.raises(ConfigError, match="drop elastic.min_nodes"):
-        load_config(None, [*ELASTIC, *K8S])
+        load_config(None, [*ELASTIC, *K8S, f"launch.kubernetes.mount_path={tmp_path}",
+                           f"run.runs_dir={tmp_path}/runs", f"data.data_dir={tmp_path}/data"])
 
 
 def node_processes(tmp_path, *overrides: str) -> LocalLauncher:

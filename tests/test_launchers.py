@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core.config import ConfigError
 from core.protocol import ResumeSpec
 from infra.launchers import (
     STOPPED,
@@ -576,7 +577,13 @@ def test_a_failing_scheduler_query_is_retried_at_the_next_poll(tmp_path, fakes, 
 
 K8S = ("launch.kind=kubernetes", "launch.kubernetes.image=registry.example/goodput:1.0",
        "launch.kubernetes.namespace=ml", "launch.kubernetes.gpus_per_node=8",
-       "launch.kubernetes.volume_claim=shared-runs", "launch.kubernetes.mount_path=/goodput")
+       "launch.kubernetes.volume_claim=shared-runs")
+
+
+def k8s_config(tmp_path, fakes, *overrides: str):
+    """A 2-node Kubernetes run whose run and data directories are on the shared volume."""
+    return launch_config(tmp_path, fakes, *K8S, f"launch.kubernetes.mount_path={tmp_path}",
+                         *overrides)
 
 
 def run_container(container: dict, fakes: Path, env: dict[str, str]) -> None:
@@ -587,7 +594,7 @@ def run_container(container: dict, fakes: Path, env: dict[str, str]) -> None:
 
 
 def test_jobset_manifest(tmp_path, fakes):
-    config = launch_config(tmp_path, fakes, *K8S)
+    config = k8s_config(tmp_path, fakes)
     spec = spec_of(config)
     manifest = KubernetesLauncher(spec).manifest()
     assert manifest["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and manifest["kind"] == "JobSet"
@@ -602,8 +609,11 @@ def test_jobset_manifest(tmp_path, fakes):
     [container] = pod["containers"]
     assert container["image"] == "registry.example/goodput:1.0"
     assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}}
-    assert container["volumeMounts"] == [{"name": "shared", "mountPath": "/goodput"}]
-    assert pod["volumes"] == [{"name": "shared", "persistentVolumeClaim": {"claimName": "shared-runs"}}]
+    assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"},
+                                         {"name": "shared", "mountPath": str(tmp_path)}]
+    assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
+                              {"name": "shared", "persistentVolumeClaim": {"claimName": "shared-runs"}}]
+    assert "nodeSelector" not in pod and "tolerations" not in pod
     assert pod["restartPolicy"] == "Never"
     assert pod["terminationGracePeriodSeconds"] == 90  # faults.emergency_save_s (60) and more
     env = {e["name"]: e for e in container["env"]}
@@ -619,6 +629,27 @@ def test_jobset_manifest(tmp_path, fakes):
                          ["10.9.0.1", "10.9.0.2"])
 
 
+def test_kubernetes_pods_land_on_a_gpu_pool_and_share_the_run(tmp_path, fakes):
+    """Pods for a tainted GPU pool (tolerations, nodeSelector) with CPU and memory requests;
+    a run whose directories the pods cannot see is refused before anything is applied."""
+    config = k8s_config(tmp_path, fakes, "launch.kubernetes.cpu=96", "launch.kubernetes.memory=1800Gi",
+                        "launch.kubernetes.node_selector={pool: h100}",
+                        "launch.kubernetes.tolerations=[{key: nvidia.com/gpu, operator: Exists, "
+                        "effect: NoSchedule}]")
+    manifest = KubernetesLauncher(spec_of(config)).manifest()
+    pod = manifest["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "h100"}
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["containers"][0]["resources"] == {
+        "limits": {"nvidia.com/gpu": 8, "cpu": 96, "memory": "1800Gi"},
+        "requests": {"cpu": 96, "memory": "1800Gi"}}
+    with pytest.raises(ConfigError, match="needs launch.kubernetes.volume_claim"):
+        small_config(tmp_path, "launch.kind=kubernetes", "launch.kubernetes.image=x")
+    with pytest.raises(ConfigError, match=r"run.runs_dir=.* is not under launch.kubernetes."
+                                          r"mount_path=/goodput: the training pods see only that volume"):
+        small_config(tmp_path, *K8S)
+
+
 def test_kubernetes_names_of_two_attempts_differ_when_cut():
     long = [kubernetes_name(f"goodput-llama3-8b-fineweb-edu-v2-0f3c2a1-{n}") for n in (1, 2)]
     assert long[0] != long[1]
@@ -628,7 +659,7 @@ def test_kubernetes_names_of_two_attempts_differ_when_cut():
 
 
 def test_pytorchjob_manifest(tmp_path, fakes):
-    config = launch_config(tmp_path, fakes, *K8S, "launch.kubernetes.kind=pytorchjob",
+    config = k8s_config(tmp_path, fakes, "launch.kubernetes.kind=pytorchjob",
                            "parallelism.nnodes=3")
     manifest = KubernetesLauncher(spec_of(config)).manifest()
     assert manifest["apiVersion"] == "kubeflow.org/v1" and manifest["kind"] == "PyTorchJob"
@@ -657,7 +688,7 @@ RUNNING = {"replicatedJobsStatus": [{"name": "node", "ready": 2, "active": 2}]}
 
 
 def test_kubernetes_job_is_applied_watched_streamed_and_deleted(tmp_path, fakes):
-    config = launch_config(tmp_path, fakes, *K8S)
+    config = k8s_config(tmp_path, fakes)
     set_k8s(fakes, [{}, RUNNING, RUNNING, {"conditions": [{"type": "Completed", "status": "True"}]}],
             logs="[node0 rank0] [train] done: step 30, loss 1.0\n")
     lines: list[str] = []
@@ -684,7 +715,7 @@ def test_a_kubernetes_log_stream_that_ends_early_is_followed_again_without_repea
     ends one: while the job runs, the stream is followed again from the last line passed on
     (by timestamp: the server keeps whole seconds, the lines of that second are not repeated)."""
     monkeypatch.setattr(KubernetesLauncher, "LOG_REFOLLOW_S", 0.0)
-    config = launch_config(tmp_path, fakes, *K8S)
+    config = k8s_config(tmp_path, fakes)
     logged = [f"[node0 rank0] [train] step {i}" for i in range(1, 6)]
     set_k8s(fakes, [{}, *[RUNNING] * 20, {"conditions": [{"type": "Completed", "status": "True"}]}],
             logs="".join(line + "\n" for line in logged))
@@ -701,7 +732,7 @@ def test_a_kubernetes_log_stream_that_ends_early_is_followed_again_without_repea
 
 
 def test_kubernetes_failure_reports_the_pods_exit_code(tmp_path, fakes):
-    config = launch_config(tmp_path, fakes, *K8S, "launch.kubernetes.kind=pytorchjob")
+    config = k8s_config(tmp_path, fakes, "launch.kubernetes.kind=pytorchjob")
     set_k8s(fakes, [{"conditions": [{"type": "Running", "status": "True"}]},
                     {"conditions": [{"type": "Failed", "status": "True"}]}], pods=[0, 75])
     result = attempt(config)
@@ -713,7 +744,7 @@ def test_kubernetes_failure_reports_the_pods_exit_code(tmp_path, fakes):
 
 
 def test_kubernetes_job_is_deleted_when_the_attempt_stops(tmp_path, fakes):
-    config = launch_config(tmp_path, fakes, *K8S, "run.startup_timeout_s=0.5")
+    config = k8s_config(tmp_path, fakes, "run.startup_timeout_s=0.5")
     set_k8s(fakes, [RUNNING])  # running forever, never a heartbeat
     result = attempt(config)
     assert result.failure_class == "hang" and result.exit_code == STOPPED
