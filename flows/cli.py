@@ -639,7 +639,8 @@ class _CtrlCStopsTraining:
     A second Ctrl-C (a double press is a habit) is told that the workers are still saving;
     interrupting the flow's unwinding again tore down the API while the stop still logged to
     it. A third leaves at once: the workers then stop by themselves (launch.orphan_timeout_s).
-    The command waits for the stop (`wait_for_stop`) and puts Ctrl-C back (`restore`).
+    With no training to stop (prepare, evaluate), every Ctrl-C interrupts. The command waits
+    for the stop (`wait_for_stop`) before its server stops, and puts Ctrl-C back (`restore`).
     """
 
     POLL_S = 0.25
@@ -649,6 +650,9 @@ class _CtrlCStopsTraining:
         self.stops: list[threading.Thread] = []
 
     def __enter__(self) -> "_CtrlCStopsTraining":
+        from infra.torchrun import attempts_running
+
+        self.attempts_running = attempts_running  # imported now: not in the signal handler
         self.done = threading.Event()
         # A daemon: it never holds the process up. The stop threads it starts are not.
         self.watcher = threading.Thread(target=self._stop_training, name="ctrl-c-stops-training",
@@ -662,7 +666,8 @@ class _CtrlCStopsTraining:
         # write here, as taking a lock that the interrupted code holds would deadlock (print
         # included); the watcher stops the attempts.
         self.interrupted += 1
-        if self.interrupted == 1:
+        stopping = self.attempts_running() or any(thread.is_alive() for thread in self.stops)
+        if self.interrupted == 1 or not stopping:  # nothing to wait for: interrupt again
             raise KeyboardInterrupt
         if self.interrupted == 2:
             os.write(2, b"goodput: stopping: the workers are saving an emergency checkpoint; "
@@ -782,12 +787,16 @@ def main(argv: list[str] | None = None) -> int:
                   else None)
         return _run_flow(args, config, server, ctrl_c)
     finally:
-        if server is not None:
-            if server.serving:  # also after Ctrl-C: what the client holds, sent while it runs
-                _send_prefect_queues()
-            server.stop()
-        if ctrl_c is not None and ctrl_c.interrupted:  # answered Ctrl-C until the server stopped
-            ctrl_c.restore()
+        try:
+            if ctrl_c is not None and ctrl_c.interrupted:  # the stop logs to the server
+                ctrl_c.wait_for_stop()
+            if server is not None:
+                if server.serving:  # also after Ctrl-C: what the client holds, sent while it runs
+                    _send_prefect_queues()
+                server.stop()
+        finally:
+            if ctrl_c is not None and ctrl_c.interrupted:  # answered Ctrl-C until the server stopped
+                ctrl_c.restore()
 
 
 def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServer | None,

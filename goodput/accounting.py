@@ -63,11 +63,14 @@ def data_wait_share(run_dir) -> float | None:
 
 def mix_drawn(run_dir, step: int | None) -> dict | None:
     """A mix's samples drawn from each source up to `step`, and their shares (the realized
-    mix: the metrics record of that step, its latest where a resume redid it); None for a
-    single source or a step with no record."""
+    mix: the newest metrics record at or before that step, training.log_every apart at most;
+    the latest where a resume redid it); None for a single source or no record."""
+    if step is None:
+        return None
     found = None
-    for record in read_metrics(run_dir):
-        if record["step"] == step and any(k.startswith("samples/") for k in record):
+    for record in read_metrics(run_dir):  # in time order: a redone step's later record wins
+        if record["step"] <= step and any(k.startswith("samples/") for k in record) and (
+                found is None or record["step"] >= found["step"]):
             found = record
     if found is None:
         return None

@@ -668,10 +668,15 @@ def search(config: RunConfig, cluster: Cluster, strict: bool | None = None) -> l
     plans = [plan_layout(config, cluster, d, strict, suggest=False) for d in factorisations(world)]
     valid = sorted((p for p in plans if p.ok),
                    key=lambda p: (bool(p.departures), -(p.tokens_per_s or 0.0), p.memory.peak))
-    # Of those that cannot run, the one explained when none can is the nearest: fewest
-    # problems (memory alone, which its fix addresses), then the smallest peak it could reach
-    # with activation checkpointing and the loss in chunks (its fix names what it takes).
-    eased = {}
+    # Of those that cannot run, the one explained when none can is the nearest: short of
+    # memory alone (which its fix addresses) before any other problem, fewer problems first,
+    # then the smallest peak it could reach with activation checkpointing and the loss in
+    # chunks (its fix names what it takes). A layout with no estimate (a stage without a
+    # layer, degrees that make no layout) comes last.
+    def peak(p: LayoutPlan) -> float:
+        return p.memory.peak if p.memory is not None else math.inf
+
+    eased: dict[str, float] = {}
     if not valid:
         par = config.parallelism
         saving = config.model_copy(update={"parallelism": par.model_copy(update={
@@ -679,9 +684,13 @@ def search(config: RunConfig, cluster: Cluster, strict: bool | None = None) -> l
             "loss_chunk_tokens": par.loss_chunk_tokens or LOSS_CHUNK_TOKENS})})
         for d in factorisations(world):
             easier = plan_layout(saving, cluster, d, strict, suggest=False)
-            eased[easier.name] = easier.memory.peak
+            eased[easier.name] = peak(easier)
+
+    def memory_only(p: LayoutPlan) -> bool:
+        return len(p.problems) == 1 and peak(p) > (cluster.gpu_memory or math.inf)
+
     failing = sorted((p for p in plans if not p.ok), key=lambda p: (
-        len(p.problems), eased.get(p.name, p.memory.peak)))
+        not memory_only(p), len(p.problems), eased[p.name] if p.name in eased else peak(p)))
     ranked = valid + failing
     if ranked[0].degrees["pp"] > 1 and ranked[0].step_time_s is not None:  # the one explained
         ranked[0].best_virtual_stages = _best_virtual_stages(config, cluster, ranked[0].degrees,

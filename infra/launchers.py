@@ -33,7 +33,7 @@ from typing import Callable
 
 import yaml
 
-from core.config import LaunchConfig, RunConfig
+from core.config import ConfigError, LaunchConfig, RunConfig
 
 Log = Callable[[str], None]
 STOPPED = -signal.SIGTERM  # exit code reported for a scheduler job this process ended
@@ -785,6 +785,24 @@ class KubernetesLauncher(SchedulerJob):
     def _metadata(self) -> dict:
         return {"name": self.name, "namespace": self.namespace, "labels": {self.LABEL: self.name}}
 
+    def check_shared(self) -> None:
+        """The pods see only launch.kubernetes' volume: the run directory, the dataset and
+        the config the command names must lie on it, at the paths this process uses.
+        Refused before anything is applied (a ConfigError: no retry makes it work)."""
+        mount = Path(self.spec.launch.kubernetes.mount_path)
+        command = self.spec.command
+        needed = [("the run directory (run.runs_dir)", self.spec.attempt_dir.parents[1])]
+        needed += [(f"{flag} ({field})", Path(command[command.index(flag) + 1]))
+                   for flag, field in (("--dataset", "data.data_dir"), ("--config", "run.runs_dir"))
+                   if flag in command]
+        for what, path in needed:
+            path = Path(os.path.normpath(path.absolute()))
+            if mount != path and mount not in path.parents:
+                raise ConfigError(f"{what} {path} is not under launch.kubernetes.mount_path="
+                                  f"{mount}, the volume the training pods see; set run.runs_dir "
+                                  "and data.data_dir under it, where this flow sees the same "
+                                  "volume")
+
     def _pod(self, endpoint: str, node_env: list[dict], node: str) -> dict:
         launch = self.spec.launch
         k8s = launch.kubernetes
@@ -824,6 +842,7 @@ class KubernetesLauncher(SchedulerJob):
 
     def start(self, log: Log) -> None:
         self._log = log
+        self.check_shared()
         path = self.spec.attempt_dir / "kubernetes.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(yaml.safe_dump(self.manifest(), sort_keys=False))

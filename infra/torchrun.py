@@ -431,6 +431,12 @@ class _LiveAttempt:
             return list(cls._registry)
 
 
+def attempts_running() -> bool:
+    """Whether this process supervises an attempt that has not ended yet. Takes no lock: a
+    signal handler may ask (the interrupted thread may hold the registry's lock)."""
+    return bool(_LiveAttempt._registry)
+
+
 def stop_live_attempts(grace_s: float | None = None) -> list[threading.Thread]:
     """Stop every attempt this process runs, on every node: local and ssh nodes get SIGTERM
     then SIGKILL, Slurm jobs SIGTERM then scancel, Kubernetes jobs are deleted. Workers get

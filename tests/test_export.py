@@ -208,6 +208,11 @@ def test_cli_refuses_to_overwrite_unless_forced(trained, tmp_path, capsys):
     assert cli_main([*argv, "--force"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert not list(tmp_path.glob(".out.*"))  # no staging or replaced directories left behind
+    # An earlier export the user has since added to is theirs too.
+    (out / "README.md").write_text("my model card")
+    assert cli_main([*argv, "--force"]) == 2
+    assert "holds files that are not an earlier export (README.md)" in capsys.readouterr().err
+    assert (out / "README.md").read_text() == "my model card"
 
 
 def test_export_never_replaces_the_checkpoint_or_the_directories_above_it(trained, tmp_path,
@@ -217,7 +222,7 @@ def test_export_never_replaces_the_checkpoint_or_the_directories_above_it(traine
     checkpoint, _ = trained
     run_dir = checkpoint.parents[1]
     before = sorted(p.name for p in run_dir.iterdir())
-    for out in (checkpoint, checkpoint.parent, run_dir):
+    for out in (checkpoint, checkpoint.parent, run_dir, checkpoint / "hf"):
         with pytest.raises(ExportError, match="the checkpoint exported"):
             export_hf(checkpoint, out, force=True)
     work = tmp_path / "project"

@@ -272,15 +272,16 @@ def launch_config(tmp_path, fakes: Path, *overrides: str):
 
 
 def spec_of(config, attempt: str = "t1") -> NodeLaunch:
-    command = torchrun_command(config, config.run_dir / "config.yaml", Path("/data/set"), attempt)
+    command = torchrun_command(config, config.run_dir / "config.yaml",
+                               Path(config.data.data_dir) / "set", attempt)
     return NodeLaunch.of(config, command, worker_env(config, attempt),
                          config.run_dir.attempt(attempt), f"goodput-test-{attempt}")
 
 
 def attempt(config, attempt_id: str = "t1", lines: list[str] | None = None):
     log = lines.append if lines is not None else (lambda line: None)
-    return run_attempt(config, config.run_dir / "config.yaml", Path("/data/set"), attempt_id,
-                       log, poll_s=0.05)
+    return run_attempt(config, config.run_dir / "config.yaml", Path(config.data.data_dir) / "set",
+                       attempt_id, log, poll_s=0.05)
 
 
 def assert_node_settings(records: dict[str, dict], endpoint: str, addresses: list[str],
@@ -645,9 +646,13 @@ def test_kubernetes_pods_land_on_a_gpu_pool_and_share_the_run(tmp_path, fakes):
         "requests": {"cpu": 96, "memory": "1800Gi"}}
     with pytest.raises(ConfigError, match="needs launch.kubernetes.volume_claim"):
         small_config(tmp_path, "launch.kind=kubernetes", "launch.kubernetes.image=x")
-    with pytest.raises(ConfigError, match=r"run.runs_dir=.* is not under launch.kubernetes."
-                                          r"mount_path=/goodput: the training pods see only that volume"):
-        small_config(tmp_path, *K8S)
+    # Where the directories lie is checked where the pods are made, before anything is applied.
+    elsewhere = make_launcher(spec_of(launch_config(tmp_path, fakes, *K8S)))  # mount_path /goodput
+    with pytest.raises(ConfigError, match=r"the run directory \(run.runs_dir\) .* is not under "
+                                          r"launch.kubernetes.mount_path=/goodput, the volume the "
+                                          r"training pods see"):
+        elsewhere.start(print)
+    assert not (fakes / "calls.jsonl").exists() or calls(fakes, "kubectl") == []
 
 
 def test_kubernetes_names_of_two_attempts_differ_when_cut():

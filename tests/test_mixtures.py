@@ -290,6 +290,8 @@ def test_training_logs_each_stage_and_records_the_samples_drawn_from_each_source
     assert mix_drawn(staged.run_dir, 8) == {"web": {"samples": 19, "share": 0.2969},
                                             "code": {"samples": 42, "share": 0.6562},
                                             "books": {"samples": 3, "share": 0.0469}}
+    # A checkpoint between two records (training.log_every) takes the one before it.
+    assert mix_drawn(staged.run_dir, 9) == mix_drawn(staged.run_dir, 8)
 
 
 # -- the pipeline ---------------------------------------------------------------------------

@@ -1261,6 +1261,11 @@ def test_when_no_layout_fits_the_one_explained_is_the_nearest_with_the_changes_i
     hopeless = planner.search(config, planner.Cluster(1, 8, 4 * 2**30))[0]
     assert str(hopeless.problems[0]).endswith(
         "fix: split the model over more tp or pp ranks, or use more GPUs")
+    # Layouts with no memory estimate at all (pp=8 over 4 layers) rank after the others.
+    tiny = load_config(str(REPO / "configs/tiny.yaml"))
+    for memory in (80 * 2**30, 2**20):
+        ranked = planner.search(tiny, planner.Cluster(1, 8, memory))
+        assert ranked[-1].memory is None and ranked[0].memory is not None
 
 
 def test_a_gpu_memory_figure_does_not_pass_cpu_workers_that_share_this_machine(tmp_path):

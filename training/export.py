@@ -390,16 +390,25 @@ def _check_out(out: Path, force: bool, checkpoint: Path | None = None) -> None:
         if path is not None and (out == path or out in path.parents):
             raise ExportError(f"--out {out} is {'' if out == path else 'above '}{what} "
                               f"({path}); the export replaces its directory: give another one")
+    if checkpoint is not None and checkpoint in out.parents:  # retention would delete it
+        raise ExportError(f"--out {out} is inside the checkpoint exported ({checkpoint}); give a "
+                          "directory outside it")
     if not out.is_dir() or not any(out.iterdir()):
         return
     if not force:
         raise ExportError(f"--out {out} is not empty; choose another directory or pass --force "
                           "to replace an earlier export there")
-    if not _is_export(out):
-        held = sorted(p.name for p in out.iterdir())
+    others = sorted(p.name for p in out.iterdir() if not EXPORT_FILES.fullmatch(p.name))
+    if not _is_export(out) or others:
+        held = others or sorted(p.name for p in out.iterdir())
         raise ExportError(f"--out {out} holds files that are not an earlier export "
                           f"({', '.join(held[:5])}{', ...' if len(held) > 5 else ''}); --force "
                           "replaces only an export of this command: choose another directory")
+
+
+# What an export writes (write_hf): --force replaces a directory of these files only.
+EXPORT_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|"
+                          r"config\.json|tokenizer\.json|tokenizer_config\.json")
 
 
 def _is_export(directory: Path) -> bool:
