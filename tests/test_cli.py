@@ -50,7 +50,8 @@ def test_a_prepare_with_nothing_to_do_says_what_it_found_and_starts_no_flow_run(
             "listing and settings) and published: nothing to tokenize or upload") in proc.stderr
     assert "nothing to do; no flow run started" in proc.stderr
     result = json.loads(proc.stdout[:proc.stdout.index("}") + 1])
-    assert result == {"dataset_id": manifest.dataset_id, "vocab_size": manifest.vocab_size}
+    assert result == {"dataset_id": manifest.dataset_id, "vocab_size": manifest.vocab_size,
+                      "dataset_dir": str(where)}  # for torchrun --dataset, export --tokenizer
     # Neither Prefect (nor torch) was imported, so no flow run and no temporary server, whose
     # database would be in PREFECT_HOME.
     assert "imported: []" in proc.stdout
@@ -88,7 +89,8 @@ def test_the_flow_runs_when_there_is_something_to_publish_or_a_server_to_show_it
     monkeypatch.setenv("PREFECT_HOME", str(tmp_path))  # no profile names a server
     monkeypatch.chdir(tmp_path)  # nor a settings file
     found = cli._without_a_flow("prepare", config)
-    assert found == {"dataset_id": manifest.dataset_id, "vocab_size": manifest.vocab_size}
+    assert found == {"dataset_id": manifest.dataset_id, "vocab_size": manifest.vocab_size,
+                     "dataset_dir": str(prep.plan_dataset(config).dir)}
 
     # A configured server shows every command's flow run: the flow decides there.
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
