@@ -1092,10 +1092,20 @@ class LaunchConfig(_Section):
     kubernetes: KubernetesLaunch = Field(default_factory=KubernetesLaunch)
 
     @model_validator(mode="after")
-    def _kubernetes_image(self) -> "LaunchConfig":
+    def _kubernetes_image_and_volume(self) -> "LaunchConfig":
         if self.kind == "kubernetes" and not self.kubernetes.image:
             raise ValueError("kind=kubernetes needs kubernetes.image: an image with this "
                              "repository and its environment")
+        # The training pods and the flow that supervises them read and write one run and data
+        # directory (heartbeats, exit records, checkpoints, the dataset): a volume both mount.
+        # Where the directories lie is checked where the pods are made (infra.launchers'
+        # KubernetesLauncher.check_shared): a config planned on a laptop has them elsewhere.
+        if self.kind == "kubernetes" and not self.kubernetes.volume_claim:
+            raise ValueError(
+                "launch.kind=kubernetes needs launch.kubernetes.volume_claim: the training pods "
+                "and this flow read and write the same run and data directories (heartbeats, "
+                "exit records, checkpoints, the dataset); name a PersistentVolumeClaim "
+                "(ReadWriteMany) mounted at launch.kubernetes.mount_path in both")
         return self
 
 
@@ -1198,8 +1208,6 @@ class RunConfig(_Section):
             raise ValueError(f"launch.kind=ssh needs one host per node: {len(self.launch.hosts)} "
                              f"launch.hosts for parallelism.nnodes={self.parallelism.nnodes}")
         self._stages_in_order()
-        if self.launch.kind == "kubernetes":
-            self._kubernetes_pods_share_the_run()
         if self.faults.crash_rank >= self.parallelism.world_size:
             raise ValueError(f"faults.crash_rank={self.faults.crash_rank} is not a rank of "
                              f"world size {self.parallelism.world_size}")
@@ -1309,20 +1317,6 @@ class RunConfig(_Section):
                 f"{self.eval.tasks[0]}/acc)" if self.eval.tasks else
                 ", or set eval.tasks and name '<task>/<metric>' (e.g. hellaswag/acc_norm)"))
         return self
-
-    def _kubernetes_pods_share_the_run(self) -> None:
-        """The training pods and the flow that supervises them read and write one run and
-        data directory (heartbeats, exit records, checkpoints, the dataset): a volume both
-        mount."""
-        k8s = self.launch.kubernetes
-        if not k8s.volume_claim:
-            raise ValueError(
-                "launch.kind=kubernetes needs launch.kubernetes.volume_claim: the training pods "
-                "and this flow read and write the same run and data directories (heartbeats, "
-                "exit records, checkpoints, the dataset); name a PersistentVolumeClaim "
-                "(ReadWriteMany) mounted at launch.kubernetes.mount_path in both")
-        # Where the directories lie is checked where the pods are made (infra.launchers'
-        # KubernetesLauncher): a config planned on a laptop has them elsewhere.
 
     def _stages_in_order(self) -> None:
         """Each stage of data.stages starts at a later step than the one before, and none at

@@ -146,11 +146,11 @@ def _positive(kind: type) -> Callable[[str], float]:
 def _prepared(config, dataset) -> dict:
     """What `goodput prepare` prints: the dataset (or mixture) and, where it lies here, the
     directory to give `torchrun -m training --dataset` or `goodput export --tokenizer`."""
-    from goodput.data.prepare import MIXES_DIR
+    from goodput.data.prepare import mixture_dir
 
     result = dataset.model_dump(include={"dataset_id", "vocab_size"})
-    data_dir = Path(config.data.data_dir)
-    directory = (data_dir / MIXES_DIR if config.data.sources else data_dir) / dataset.dataset_id
+    directory = (mixture_dir(config, dataset.dataset_id) if config.data.sources
+                 else Path(config.data.data_dir) / dataset.dataset_id)
     if directory.is_dir():
         result["dataset_dir"] = str(directory)
     return result

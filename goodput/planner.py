@@ -678,10 +678,7 @@ def search(config: RunConfig, cluster: Cluster, strict: bool | None = None) -> l
 
     eased: dict[str, float] = {}
     if not valid:
-        par = config.parallelism
-        saving = config.model_copy(update={"parallelism": par.model_copy(update={
-            "activation_checkpointing": "full",
-            "loss_chunk_tokens": par.loss_chunk_tokens or LOSS_CHUNK_TOKENS})})
+        saving = _with_loss_chunks(config, activation_checkpointing="full")
         for d in factorisations(world):
             easier = plan_layout(saving, cluster, d, strict, suggest=False)
             eased[easier.name] = peak(easier)
@@ -1249,12 +1246,12 @@ def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory) -> Problem:
     reason = f"needs {_amount(mem.peak)} per {device}, more than the {_amount(have)} it has"
     checkpointing = s.config.parallelism.activation_checkpointing
     options = []
-    par = s.config.parallelism
-    if s.recipe == GOODPUT and not par.loss_chunk_tokens and not dims.splits_output_layer:
+    chunked = None
+    if (s.recipe == GOODPUT and not s.config.parallelism.loss_chunk_tokens
+            and not dims.splits_output_layer):
         # First: it recomputes nothing (a large vocabulary's logits are often the largest
         # activation of a small model).
-        chunked = replace(s, config=s.config.model_copy(update={
-            "parallelism": par.model_copy(update={"loss_chunk_tokens": LOSS_CHUNK_TOKENS})}))
+        chunked = replace(s, config=_with_loss_chunks(s.config))
         options.append((f"set parallelism.loss_chunk_tokens={LOSS_CHUNK_TOKENS} (the output "
                         "layer and loss a chunk of tokens at a time, never the whole "
                         "micro-batch's logits)", _memory(chunked, dims, checkpointing)))
@@ -1278,13 +1275,8 @@ def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory) -> Problem:
         if alternative.peak <= have:
             return Problem(reason, f"{text} ({_amount(alternative.peak)})")
     # No one change is enough: the recomputation and chunking ones together, then what is left.
-    together = s
-    if chunked_too := (s.recipe == GOODPUT and not par.loss_chunk_tokens
-                       and not dims.splits_output_layer):
-        together = replace(s, config=s.config.model_copy(update={
-            "parallelism": par.model_copy(update={"loss_chunk_tokens": LOSS_CHUNK_TOKENS})}))
-    if checkpointing != "full" and chunked_too:
-        both = _memory(together, dims, "full")
+    if checkpointing != "full" and chunked is not None:
+        both = _memory(chunked, dims, "full")
         if both.peak <= have:
             return Problem(reason, "set parallelism.activation_checkpointing=full and "
                                    f"parallelism.loss_chunk_tokens={LOSS_CHUNK_TOKENS} "
@@ -1292,6 +1284,14 @@ def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory) -> Problem:
     left = (["lower training.micro_batch_size"] if s.config.training.micro_batch_size > 1 else [])
     left += ["split the model over more tp or pp ranks", f"use more {device}s"]
     return Problem(reason, ", ".join(left[:-1]) + f", or {left[-1]}")
+
+
+def _with_loss_chunks(config: RunConfig, **parallelism) -> RunConfig:
+    """`config` with the output layer and loss in chunks (parallelism.loss_chunk_tokens, the
+    planner's LOSS_CHUNK_TOKENS unless set) and any other `parallelism` settings given."""
+    par = config.parallelism
+    return config.model_copy(update={"parallelism": par.model_copy(update={
+        "loss_chunk_tokens": par.loss_chunk_tokens or LOSS_CHUNK_TOKENS, **parallelism})})
 
 
 def _device_noun(cluster: Cluster) -> str:

@@ -20,7 +20,7 @@ from core.protocol import FailureClass, RunDir, read_exit_records, read_starts, 
 from goodput.accounting import data_wait_share, mix_drawn, summarize_goodput
 from goodput.checkpoint_lifecycle import resume_point, resume_position, set_aside_damaged
 from infra.torchrun import AttemptResult, TrainingFailed, run_attempt
-from storage.ledger import DataSkip, Ledger, ResumePoint, choose_resume
+from storage.ledger import DataSkip, Ledger, choose_resume
 
 
 def write_run_config(config: RunConfig) -> Path:
@@ -84,7 +84,7 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
     result = run_attempt(config, config_path, dataset_dir, attempt, log, on_progress=on_progress,
                          mtbf_s=observed_mtbf_s(config), stop_after=stop_after,
                          lease_holder=lease_holder, on_layout_change=on_layout_change)
-    outcome = record_outcome(config, attempt, result, resume)
+    outcome = record_outcome(config, attempt, result, resume.step if resume else 0)
     if result.restarts:
         log(f"attempt {attempt}: torchrun restarted the workers {result.restarts} time(s) in-job")
     if result.failure_class == FailureClass.DONE:
@@ -123,16 +123,17 @@ def attempt_prefix(attempt: str) -> str:
     return attempt.rsplit("-", 1)[0]
 
 
-def record_outcome(config: RunConfig, attempt: str, result: AttemptResult,
-                   resumed_from: ResumePoint | None) -> dict:
-    """Why the attempt ended, where it started and what it left: the retry policy's input."""
+def record_outcome(config: RunConfig, attempt: str, result: AttemptResult, resumed_from: int,
+                   ended: float | None = None, **details) -> dict:
+    """Why the attempt ended, where it started (the step it resumed from) and what it left:
+    the retry policy's input. `ended`: when (default now)."""
     committed = config.run_dir.committed_checkpoints()
     outcome = {"attempt": attempt, "class": result.failure_class.value, "reason": result.reason,
-               "step": result.step, "exit_code": result.exit_code,
-               "resumed_from": resumed_from.step if resumed_from else 0,
+               "step": result.step, "exit_code": result.exit_code, "resumed_from": resumed_from,
                "newest_checkpoint": step_of(committed[-1]) if committed else 0,
                "restarts": result.restarts,  # in-job (torchrun) restarts within the attempt
-               "wall_time_s": result.wall_time_s, "time": time.time()}
+               "wall_time_s": result.wall_time_s,
+               "time": time.time() if ended is None else ended, **details}
     directory = config.run_dir.attempt(attempt)
     directory.mkdir(parents=True, exist_ok=True)
     write_atomic(directory / "outcome.json", json.dumps(outcome).encode())
@@ -268,7 +269,6 @@ def record_abandoned_training(config: RunConfig, lease: dict) -> dict:
 
     since, until = lease["since"], lease["time"]  # the holder's clock
     run_dir = config.run_dir
-    committed = run_dir.committed_checkpoints()
     metrics = None
     outcomes = []
     for directory in sorted(run_dir.attempts.glob("attempt-*")) if run_dir.attempts.is_dir() else []:
@@ -292,24 +292,16 @@ def record_abandoned_training(config: RunConfig, lease: dict) -> dict:
                   "was killed or its host lost); "
                   + (f"the workers: {told}" if told else "the workers had finished" if done
                      else "no worker left an exit record (killed with it)"))
-        outcome = {"attempt": attempt,
-                   "class": (FailureClass.DONE if done else FailureClass.ORPHANED).value,
-                   "reason": reason,
-                   "step": max([r["step"] for r in records if r.get("step") is not None] + steps,
-                               default=None),
-                   # (the first logged step's: training.log_every may skip a few)
-                   "exit_code": None, "resumed_from": max(0, steps[0] - 1) if steps else 0,
-                   "newest_checkpoint": step_of(committed[-1]) if committed else 0,
-                   "restarts": max(0, len(starts) - 1),
-                   "wall_time_s": max(0.0, ended - starts[0]["time"]), "time": ended,
-                   "recorded_by": "the next holder of the run's lease"}
-        write_atomic(directory / "outcome.json", json.dumps(outcome).encode())
-        outcomes.append(outcome)
+        result = AttemptResult(
+            None, FailureClass.DONE if done else FailureClass.ORPHANED, reason,
+            max([r["step"] for r in records if r.get("step") is not None] + steps, default=None),
+            max(0.0, ended - starts[0]["time"]), records, restarts=max(0, len(starts) - 1))
+        # (resumed from: the first logged step's, training.log_every may skip a few)
+        outcomes.append(record_outcome(config, attempt, result, max(0, steps[0] - 1) if steps else 0,
+                                       ended, recorded_by="the next holder of the run's lease"))
     # Until its last renewal, or until the workers it left stopped, whichever is later.
     wall = max(0.0, max([until] + [o["time"] for o in outcomes]) - since)
-    update_summary(run_dir, "train", lambda previous: {
-        **previous, "wall_time_total_s": previous.get("wall_time_total_s", 0.0) + wall})
-    summarize_goodput(config)
+    count_training_time(config, wall)
     return {"holder": lease["holder"], "wall_time_s": wall, "outcomes": outcomes}
 
 
@@ -317,7 +309,11 @@ def record_unfinished_training(config: RunConfig, started: float) -> None:
     """A train flow run that ended without finishing (cancelled, failed, interrupted): its wall
     time still counts in the run's total (the goodput breakdown's restart time), as that of
     every train flow run does."""
-    wall = time.time() - started
+    count_training_time(config, time.time() - started)
+
+
+def count_training_time(config: RunConfig, wall_s: float) -> None:
+    """Add `wall_s` of training to the run's total (summary.json) and sum up its goodput."""
     update_summary(config.run_dir, "train", lambda previous: {
-        **previous, "wall_time_total_s": previous.get("wall_time_total_s", 0.0) + wall})
+        **previous, "wall_time_total_s": previous.get("wall_time_total_s", 0.0) + wall_s})
     summarize_goodput(config)

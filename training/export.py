@@ -407,8 +407,9 @@ def _check_out(out: Path, force: bool, checkpoint: Path | None = None) -> None:
 
 
 # What an export writes (write_hf): --force replaces a directory of these files only.
-EXPORT_FILES = re.compile(r"model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json|"
-                          r"config\.json|tokenizer\.json|tokenizer_config\.json")
+EXPORT_FILES = re.compile("|".join([
+    re.escape(SINGLE_FILE), r"model-\d+-of-\d+\.safetensors", re.escape(SHARD_INDEX),
+    *(re.escape(name) for name in ("config.json", "tokenizer.json", "tokenizer_config.json"))]))
 
 
 def _is_export(directory: Path) -> bool:

@@ -407,6 +407,11 @@ def mixture_manifest(sources: list[tuple[SourceConfig, DatasetManifest]]) -> Mix
                  for source, manifest in sources])
 
 
+def mixture_dir(config: RunConfig, mix_id: str) -> Path:
+    """Where a mix of data.sources is read from (its mixture.json names each source's dir)."""
+    return Path(config.data.data_dir) / MIXES_DIR / mix_id
+
+
 def dataset_for_training(config: RunConfig, store: Store) -> Path:
     """The directory that training, checkpoint validation and evaluation read: the dataset's
     (a mix of one) or, for data.sources, a mixture.json naming each source's.
@@ -428,7 +433,7 @@ def dataset_for_training(config: RunConfig, store: Store) -> Path:
     if not config.data.sources:
         return Path(dirs[SINGLE_SOURCE])
     mix = mix.model_copy(update={"sources": [s.model_copy(update={"dir": dirs[s.name]}) for s in mix.sources]})
-    directory = Path(config.data.data_dir) / MIXES_DIR / mix.dataset_id
+    directory = mixture_dir(config, mix.dataset_id)
     mix.save(directory)
     log.info("mix %s: %s", mix.dataset_id, ", ".join(f"{s.name} {s.weight:g} ({s.dataset_id})"
                                                       for s in mix.sources))
