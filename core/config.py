@@ -1138,8 +1138,8 @@ class ElasticConfig(_Section):
         "failure rate.")
     grow: bool = Field(
         True, description="Take nodes back in: the local and ssh launchers start a lost node's "
-        "agent again (at most launch.max_restarts times per node), and the world grows at "
-        "the next restart of the workers. false: the world only shrinks.")
+        "agent again once the others train on without it (at most launch.max_restarts "
+        "times per node), and the world grows at the next restart of the workers. false: the world only shrinks.")
 
 
 class RunConfig(_Section):

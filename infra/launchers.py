@@ -145,7 +145,9 @@ class NodeProcesses:
     an ssh client's exit 255 (the connection or the host is gone). Elastic runs go on while
     nodes remain (torchrun's rendezvous restarts the workers on them); with elastic.grow a
     lost node's agent is started again once elastic.wait_for_replacement_s has passed, at
-    most launch.max_restarts times, and the world grows at the workers' next restart."""
+    most launch.max_restarts times, once the remaining nodes train on without it (a node
+    back sooner would join their rendezvous and the world would never have shrunk), and the
+    world grows at the workers' next restart."""
 
     started = True
     LOST_EXIT = None  # an exit code that means the node was lost (ssh: 255)
@@ -159,6 +161,7 @@ class NodeProcesses:
         self.lost_nodes: list[int] = []  # node indexes, once per loss
         self._lost_at: dict[int, float] = {}  # lost and not started again yet
         self._restarts: dict[int, int] = {}
+        self._world_started_at: float | None = None  # the workers' newest start (world_started)
         self._log: Log = print
 
     def node_commands(self) -> list[tuple[list[str], dict[str, str]]]:
@@ -201,12 +204,17 @@ class NodeProcesses:
                           "node(s) ran" + (f"; training goes on on them (elastic.min_nodes="
                                            f"{self.spec.min_nodes})" if self.spec.elastic else ""))
 
+    def world_started(self, world_size: int) -> None:
+        """The supervisor saw the workers start on a world of `world_size`."""
+        self._world_started_at = time.monotonic()
+
     def _restart_lost(self) -> None:
         """elastic.grow: start a lost node's agent again (never node 0: it hosts the
-        rendezvous, whose loss ends the attempt)."""
+        rendezvous, whose loss ends the attempt) once the others have started without it."""
         wait = self.spec.restart_lost_after_s
         for i, since in list(self._lost_at.items()):
-            if (wait is None or i == 0 or time.monotonic() - since < wait
+            shrunk = self._world_started_at is not None and self._world_started_at > since
+            if (wait is None or i == 0 or not shrunk or time.monotonic() - since < wait
                     or self._restarts.get(i, 0) >= self.spec.launch.max_restarts):
                 continue
             self._restarts[i] = self._restarts.get(i, 0) + 1
@@ -479,6 +487,10 @@ class SchedulerJob:
 
     def follow_logs(self) -> None:
         """Pass new worker output to the log."""
+
+    def world_started(self, world_size: int) -> None:
+        """The supervisor saw the workers start on a world of `world_size` (a scheduler's
+        job takes no node back)."""
 
     def query(self) -> int | None:
         """Ask the scheduler; set `started`; the exit code once the job is over."""

@@ -212,6 +212,7 @@ def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt:
                         on_layout_change(change)
                 if world is not None:
                     worlds.append(world)
+                    launcher.world_started(world)
             elif beat is not None and progress is not None:
                 progress.put(beat)
             stalled = watch.stalled()

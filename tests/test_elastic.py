@@ -219,7 +219,12 @@ def test_an_elastic_attempt_goes_on_while_nodes_remain_and_starts_a_lost_one_aga
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
         assert launcher.poll() is None and launcher.lost_nodes == [1]  # node 0 trains on
-        # elastic.grow: after elastic.wait_for_replacement_s, node 1's agent starts again.
+        # elastic.grow: node 1's agent starts again after elastic.wait_for_replacement_s, and
+        # only once node 0's workers started without it: sooner, it would join their
+        # rendezvous and the world would not have shrunk.
+        time.sleep(0.7)
+        assert launcher.poll() is None and launcher.procs[1] is first
+        launcher.world_started(2)
         wait_until(lambda: launcher.poll() or (True if launcher.procs[1] is not first else None))
         assert launcher.procs[1].poll() is None
         os.kill(launcher.procs[1].pid, signal.SIGKILL)  # lost again: its restarts are spent
@@ -360,7 +365,8 @@ def test_a_lost_node_of_a_fixed_world_fails_the_attempt_as_node_lost(tmp_path, d
 @pytest.mark.slow
 def test_a_lost_node_started_again_grows_the_world_back_at_the_next_restart(tmp_path, dataset):
     """elastic.grow: the launcher starts node 1's agent again once
-    elastic.wait_for_replacement_s has passed; torchrun's agent on node 0 sees it waiting,
+    elastic.wait_for_replacement_s has passed and node 0 trains on alone (started sooner, it
+    joined node 0's rendezvous and the world never shrank); torchrun's agent on node 0 sees it waiting,
     restarts its workers (a membership change, not a failure: no restart budget spent), and
     the world is 4 again, accumulation back to 1."""
     steps = 200
