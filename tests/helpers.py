@@ -145,14 +145,27 @@ def thread_nice() -> int:
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
 
-def task_runs_of(flow_run_id) -> dict[str, object]:
-    """The flow run's task runs by task name (names are `<task>-<suffix>`)."""
+def task_runs_of(flow_run_id, *named: str, timeout_s: float = 30.0) -> dict[str, object]:
+    """The flow run's task runs by task name (names are `<task>-<suffix>`). With `named`,
+    once the API has those task runs and every task run it has is final: task runs and their
+    states reach the API as events, which its recorder may not have stored yet (a busy
+    machine: seconds after the flow run ended)."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
-    return {run.name.rsplit("-", 1)[0]: run for run in runs}
+    def read() -> dict[str, object]:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+        return {run.name.rsplit("-", 1)[0]: run for run in runs}
+
+    runs = read()
+    deadline = time.monotonic() + timeout_s
+    while named and time.monotonic() < deadline and not (
+            set(named) <= set(runs) and all(run.state and run.state.is_final() for run in runs.values())):
+        time.sleep(0.5)
+        runs = read()
+    return runs
 
 
 def wait_for(probe, timeout_s: float, what: str, every_s: float = 1.0):

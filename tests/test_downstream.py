@@ -462,7 +462,7 @@ def test_flows_refuse_an_unknown_task_before_anything_launches(prefect_api, setu
     with pytest.raises(ConfigError, match=r"^eval.tasks: 'colors_mcq' \(did you mean colors_mc, .*\) is "
                                           r"not a task, group or tag of lm-eval .* or of eval.task_dir="):
         state.result()
-    runs = task_runs_of(state.state_details.flow_run_id)
+    runs = task_runs_of(state.state_details.flow_run_id, "check-eval-tasks")
     assert "launch-training" not in runs and runs["check-eval-tasks"].state.is_failed()
     assert runs["check-eval-tasks"].run_count == 1  # a configuration error is not retried
     assert not config.run_dir.checkpoints.exists()
@@ -476,8 +476,8 @@ def test_flows_refuse_an_unknown_task_before_anything_launches(prefect_api, setu
         state.result()
     assert "eval.tasks: 'hellaswg' (did you mean hellaswag" in str(err.value)
     assert f"`lm-eval ls tasks --include_path {task_dir}`" in str(err.value)
-    assert set(task_runs_of(state.state_details.flow_run_id)) == {
-        "resolve-config", "check-eval-tasks", "check-layout"}
+    expected = {"resolve-config", "check-eval-tasks", "check-layout"}
+    assert set(task_runs_of(state.state_details.flow_run_id, *expected)) == expected
     assert not (tmp_path / "pipeline" / "data").exists()
 
     # evaluate (`goodput evaluate`): before a checkpoint is located, downloaded or read.
@@ -487,4 +487,4 @@ def test_flows_refuse_an_unknown_task_before_anything_launches(prefect_api, setu
     assert state.is_failed()
     with pytest.raises(ConfigError, match="eval.tasks: 'colors_texts' \\(did you mean colors_text"):
         state.result()
-    assert "locate-checkpoint" not in task_runs_of(state.state_details.flow_run_id)
+    assert "locate-checkpoint" not in task_runs_of(state.state_details.flow_run_id, "check-eval-tasks")

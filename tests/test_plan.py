@@ -1324,7 +1324,7 @@ def test_train_flow_fails_an_out_of_memory_layout_before_launch(prefect_api, tmp
 
     # Nothing launched: the check was the last task, tried once (never retried), and no
     # worker left a trace in the run directory.
-    runs = task_runs_of(state.state_details.flow_run_id)
+    runs = task_runs_of(state.state_details.flow_run_id, "resolve-config", "check-layout")
     assert set(runs) == {"resolve-config", "check-layout"}
     assert runs["check-layout"].state.is_failed() and runs["check-layout"].run_count == 1
     assert not config.run_dir.path.exists()
@@ -1343,7 +1343,7 @@ def test_pipeline_fails_an_invalid_layout_before_preparing_the_dataset(prefect_a
     with pytest.raises(ConfigError, match=r"(?s)cannot run.*more than the 1 MiB it has"):
         state.result()
     # The check ran first, and nothing after it: no prepare (or train) subflow, no dataset.
-    runs = task_runs_of(state.state_details.flow_run_id)
+    runs = task_runs_of(state.state_details.flow_run_id, "resolve-config", "check-layout")
     assert set(runs) == {"resolve-config", "check-layout"}
     assert runs["check-layout"].state.is_failed() and runs["check-layout"].run_count == 1
     assert not (tmp_path / "data").exists() and not config.run_dir.path.exists()

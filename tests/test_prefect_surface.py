@@ -559,7 +559,7 @@ class TestServedDeployments:
         assert events(api, "goodput.attempt.failed", "long") == []
         # Its launch task says the same: Cancelled, not Failed; torchrun's traceback of the
         # SIGTERM that stopped it is one line.
-        launched = task_runs_of(a)["launch-training"]
+        launched = task_runs_of(a, "launch-training")["launch-training"]
         assert launched.state.is_cancelled(), launched.state
         assert not any("SignalException" in line for line in logs_of(a))
         assert any("stopped on SIGTERM, after its workers" in line for line in logs_of(a))
