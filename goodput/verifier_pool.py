@@ -45,7 +45,11 @@ class _Verifier:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "training.checkpoint.verify", "--serve",
              "--background"],  # validation runs beside training: at background priority
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, bufsize=0)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, bufsize=0,
+            # Out of the terminal's process group: a Ctrl-C stops training, and the
+            # checkpoint being judged still gets its verdict (the verifier exits when the
+            # flow process closes its input).
+            start_new_session=True)
         self.idle_since = time.monotonic()
 
     def judge(self, argv: list[str], timeout_s: float) -> dict | None:

@@ -256,6 +256,8 @@ def test_one_verifier_process_judges_checkpoint_after_checkpoint(run, tmp_path, 
     config, dataset = run
     first = checkpoints.verify(config.run_dir.checkpoint(10))
     server = verifier_pool._idle[-1].process
+    # Out of the terminal's process group: a Ctrl-C that stops training leaves it judging.
+    assert os.getpgid(server.pid) != os.getpgid(0)
     monkeypatch.chdir(config.run_dir.checkpoint(20).parent)
     assert checkpoints.verify(os.path.relpath(config.run_dir.checkpoint(20)))["ok"]
     flip_bytes(next(p for p in config.run_dir.checkpoint(10).iterdir() if p.suffix == ".distcp"))
