@@ -7,8 +7,11 @@
 - base-job-template.json: Prefect's own Kubernetes base job template (the one bundled with
   the installed Prefect, so it matches the worker's version) plus what a GPU node pool
   needs: `gpus` (nvidia.com/gpu limit), `node_selector`, `tolerations`, and a
-  memory-backed /dev/shm of `shm_size` (NCCL and data loaders outgrow the 64 MB default).
-  Every addition is optional: unset, it disappears from the rendered Job.
+  memory-backed /dev/shm of `shm_size` (NCCL and data loaders outgrow the 64 MB default),
+  and the run's shared volume (`shared_volume`, mounted by `shared_volume_mount`): the
+  claim that launch.kubernetes.volume_claim names, at its mount_path, where the flow and
+  the training pods it starts both see the run directories and the dataset. Every addition
+  is optional: unset, it disappears from the rendered Job.
 - job-variables.json: the orchestrating pod on ordinary nodes (prepare, evaluate, and the
   flow that launches a multi-node training job through infra/'s Kubernetes launcher).
 - job-variables-gpu.json: a train flow run that runs torchrun itself, on one GPU node.
@@ -38,6 +41,14 @@ GPU_VARIABLES = {
     "shm_size": {"title": "Shared Memory Size", "type": "string",
                  "description": "Size of a memory-backed /dev/shm, e.g. '64Gi'; unset: the "
                                 "container runtime's default (64 MB)."},
+    "shared_volume": {"title": "Shared Volume", "type": "object",
+                      "description": "The pod volume holding runs and data, e.g. {\"name\": "
+                                     "\"shared\", \"persistentVolumeClaim\": {\"claimName\": "
+                                     "\"goodput-shared\"}}: launch.kubernetes.volume_claim's claim."},
+    "shared_volume_mount": {"title": "Shared Volume Mount", "type": "object",
+                            "description": "Where the container mounts it, e.g. {\"name\": "
+                                           "\"shared\", \"mountPath\": \"/goodput\"}: "
+                                           "launch.kubernetes.mount_path."},
 }
 
 
@@ -50,15 +61,23 @@ def base_job_template() -> dict:
     pod = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
     pod["nodeSelector"] = "{{ node_selector }}"
     pod["tolerations"] = "{{ tolerations }}"
+    # A list item that is a placeholder alone is left out while its variable is unset.
     pod["volumes"] = [{"name": "dshm",
-                       "emptyDir": {"medium": "Memory", "sizeLimit": "{{ shm_size }}"}}]
+                       "emptyDir": {"medium": "Memory", "sizeLimit": "{{ shm_size }}"}},
+                      "{{ shared_volume }}"]
     container = pod["containers"][0]
     container["resources"]["limits"]["nvidia.com/gpu"] = "{{ gpus }}"
-    container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"}]
+    container["volumeMounts"] = [{"name": "dshm", "mountPath": "/dev/shm"},
+                                 "{{ shared_volume_mount }}"]
     return template
 
 
 def job_variables(args: argparse.Namespace) -> dict:
+    shared = {}
+    if args.volume_claim:  # the flow's pod sees what the training pods write
+        shared = {"shared_volume": {"name": "shared",
+                                    "persistentVolumeClaim": {"claimName": args.volume_claim}},
+                  "shared_volume_mount": {"name": "shared", "mountPath": args.mount_path}}
     return {
         "image": args.image,
         "namespace": args.namespace,
@@ -69,6 +88,7 @@ def job_variables(args: argparse.Namespace) -> dict:
         "cpu_request": "2",
         "memory_request": "8Gi",
         "finished_job_ttl": 3600,
+        **shared,
     }
 
 
@@ -105,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cpus", type=int, default=64, help="CPU request of a GPU pod")
     parser.add_argument("--memory", default="512Gi", help="memory request of a GPU pod")
     parser.add_argument("--shm-size", default="64Gi")
+    parser.add_argument("--volume-claim", default="goodput-shared",
+                        help="ReadWriteMany claim holding runs and data, as "
+                             "launch.kubernetes.volume_claim ('' for none)")
+    parser.add_argument("--mount-path", default="/goodput",
+                        help="where pods mount it, as launch.kubernetes.mount_path")
     parser.add_argument("--gpu-node-label", default="goodput.dev/pool=gpu",
                         help="KEY=VALUE label of the GPU node pool's nodes")
     return parser

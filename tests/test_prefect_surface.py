@@ -174,13 +174,26 @@ def worker_processes(attempt_prefix: str) -> list[psutil.Process]:
 
 # -- work pool files (no server needed) ---------------------------------------------------------
 
-def render_kubernetes(tmp_path) -> dict[str, dict]:
+def render_kubernetes(tmp_path, *options: str) -> dict[str, dict]:
     script = REPO / "scripts" / "render_deploy.py"
     spec = importlib.util.spec_from_file_location("render_deploy", script)
     render_deploy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(render_deploy)
-    render_deploy.main(["--out", str(tmp_path)])
+    render_deploy.main(["--out", str(tmp_path), *options])
     return {p.name: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+
+
+def render_job(files: dict[str, dict], variables: str) -> dict:
+    """The Job a Kubernetes worker makes of the template and these job variables (the
+    template's defaults, then the deployment's job variables), validated as it validates."""
+    import jsonschema
+    from prefect.utilities.templating import apply_values
+
+    template, values = files["base-job-template.json"], files[variables]
+    schema = template["variables"]
+    jsonschema.validate(values, {**schema, "additionalProperties": False})
+    defaults = {k: v["default"] for k, v in schema["properties"].items() if "default" in v}
+    return apply_values(template["job_configuration"], {**defaults, **values})["job_manifest"]
 
 
 def test_kubernetes_files_are_rendered_and_current(tmp_path):
@@ -197,15 +210,9 @@ def test_kubernetes_files_are_rendered_and_current(tmp_path):
 def test_kubernetes_job_variables_render_a_job(variables, tmp_path):
     """Validate the job variables against the template's schema, then render the Job the way
     a Kubernetes worker does (the template's defaults, then the deployment's job variables)."""
-    import jsonschema
-    from prefect.utilities.templating import apply_values
-
     files = render_kubernetes(tmp_path)
-    template, values = files["base-job-template.json"], files[variables]
-    schema = template["variables"]
-    jsonschema.validate(values, {**schema, "additionalProperties": False})
-    defaults = {k: v["default"] for k, v in schema["properties"].items() if "default" in v}
-    job = apply_values(template["job_configuration"], {**defaults, **values})["job_manifest"]
+    values = files[variables]
+    job = render_job(files, variables)
     pod = job["spec"]["template"]["spec"]
     container = pod["containers"][0]
     assert job["kind"] == "Job" and job["metadata"]["namespace"] == "goodput"
@@ -217,10 +224,26 @@ def test_kubernetes_job_variables_render_a_job(variables, tmp_path):
         assert pod["nodeSelector"] == {"goodput.dev/pool": "gpu"}
         assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
         assert pod["volumes"][0]["emptyDir"] == {"medium": "Memory", "sizeLimit": "64Gi"}
-        assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
     else:  # unset GPU variables leave nothing behind
         assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
         assert "nodeSelector" not in pod and "tolerations" not in pod
+    # The flow's pod mounts the claim the training pods mount (launch.kubernetes'
+    # volume_claim and mount_path, as the README's example sets them).
+    assert pod["volumes"][1] == {"name": "shared",
+                                 "persistentVolumeClaim": {"claimName": "goodput-shared"}}
+    assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"},
+                                         {"name": "shared", "mountPath": "/goodput"}]
+
+
+def test_kubernetes_job_variables_without_a_shared_volume(tmp_path):
+    files = render_kubernetes(tmp_path, "--volume-claim", "", "--mount-path", "/data")
+    pod = render_job(files, "job-variables.json")["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["dshm"]
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
+    files = render_kubernetes(tmp_path, "--volume-claim", "team-runs", "--mount-path", "/data")
+    pod = render_job(files, "job-variables-gpu.json")["spec"]["template"]["spec"]
+    assert pod["volumes"][1]["persistentVolumeClaim"] == {"claimName": "team-runs"}
+    assert pod["containers"][0]["volumeMounts"][1] == {"name": "shared", "mountPath": "/data"}
 
 
 def test_worker_logs_keep_rank_0_by_default():
