@@ -146,11 +146,13 @@ def _positive(kind: type) -> Callable[[str], float]:
 def _prepared(config, dataset) -> dict:
     """What `goodput prepare` prints: the dataset (or mixture) and, where it lies here, the
     directory to give `torchrun -m training --dataset` or `goodput export --tokenizer`."""
-    from goodput.data.prepare import mixture_dir
+    from goodput.data.prepare import local_mixture, mixture_dir
 
     result = dataset.model_dump(include={"dataset_id", "vocab_size"})
-    directory = (mixture_dir(config, dataset.dataset_id) if config.data.sources
-                 else Path(config.data.data_dir) / dataset.dataset_id)
+    if config.data.sources:
+        directory = local_mixture(config, dataset) or mixture_dir(config, dataset.dataset_id)
+    else:
+        directory = Path(config.data.data_dir) / dataset.dataset_id
     if directory.is_dir():
         result["dataset_dir"] = str(directory)
     return result

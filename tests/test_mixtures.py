@@ -196,6 +196,36 @@ def test_a_mix_shares_the_first_sources_tokenizer_and_adding_a_source_prepares_o
         prep.mixture_manifest(sources)
 
 
+def test_prepare_names_the_mix_directory_training_reads(mix, monkeypatch, tmp_path):
+    """`goodput prepare` of a mix prints the directory to give `torchrun -m training
+    --dataset` (or `goodput export --tokenizer`): the mix's mixture.json, naming each
+    source's dataset here. It used to appear only once a train flow had read the mix."""
+    from flows import cli
+    from goodput.data.prepare import mixture_dir
+    from training.data import open_training_data
+
+    config, manifest = mix
+    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))  # no profile names a server
+    monkeypatch.chdir(tmp_path)  # nor a settings file
+    shutil.rmtree(mixture_dir(config, manifest.dataset_id), ignore_errors=True)
+    found = cli._without_a_flow("prepare", config)
+    assert found["dataset_id"] == manifest.dataset_id
+    assert found["dataset_dir"] == str(mixture_dir(config, manifest.dataset_id))
+    data = open_training_data(found["dataset_dir"])
+    assert [s.name for s in data.sources] == list(WEIGHTS)
+    # A source only in the store: no such directory yet (training makes it, with a cache).
+    one = Path(config.data.data_dir) / manifest.sources[0].dataset_id
+    shutil.rmtree(mixture_dir(config, manifest.dataset_id))
+    moved = tmp_path / "moved"
+    shutil.move(one, moved)
+    try:
+        assert prep.local_mixture(config, manifest) is None
+    finally:
+        shutil.move(moved, one)
+
+
 def test_ranks_of_a_mix_together_see_what_one_rank_sees_and_resume_at_another_world_size(mix):
     config, _ = mix
     directory = prep.dataset_for_training(config, store_from_config(config.storage))

@@ -59,7 +59,8 @@ from goodput.data.sources import (
     split_into_pieces,
 )
 from goodput.runs import update_summary
-from storage.manifests import DATASET_MANIFEST, DatasetManifest, MixSource, MixtureManifest, ShardInfo
+from storage.manifests import (DATASET_MANIFEST, MIXTURE_MANIFEST, DatasetManifest, MixSource,
+                               MixtureManifest, ShardInfo)
 from storage.shards import ShardWriter, token_dtype
 from storage.store import Store, store_from_config, usable_anywhere
 from training.shard_cache import check_cache_limit, write_cache_settings
@@ -410,6 +411,20 @@ def mixture_manifest(sources: list[tuple[SourceConfig, DatasetManifest]]) -> Mix
 def mixture_dir(config: RunConfig, mix_id: str) -> Path:
     """Where a mix of data.sources is read from (its mixture.json names each source's dir)."""
     return Path(config.data.data_dir) / MIXES_DIR / mix_id
+
+
+def local_mixture(config: RunConfig, mix: MixtureManifest) -> Path | None:
+    """The mix's directory (`torchrun -m training --dataset`) when every source's dataset is
+    complete on this machine, its mixture.json written if missing; None when one lies only in
+    the store (training then streams it, and dataset_for_training makes the directory)."""
+    dirs = [Path(config.data.data_dir) / source.dataset_id for source in mix.sources]
+    if not all((d / DATASET_MANIFEST).is_file() for d in dirs):
+        return None
+    directory = mixture_dir(config, mix.dataset_id)
+    if not (directory / MIXTURE_MANIFEST).is_file():
+        mix.model_copy(update={"sources": [source.model_copy(update={"dir": str(d.resolve())})
+                                           for source, d in zip(mix.sources, dirs)]}).save(directory)
+    return directory
 
 
 def dataset_for_training(config: RunConfig, store: Store) -> Path:
