@@ -18,9 +18,13 @@ Two example schedules:
 
 from __future__ import annotations
 
-from prefect import serve
+import asyncio
+import os
+import signal
+
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.deployments.runner import RunnerDeployment
+from prefect.runner import Runner
 from prefect.schedules import Cron
 
 from core.config import RunConfig
@@ -98,4 +102,38 @@ def serve_all(config: RunConfig, eval_cron: str | None = None, train_cron: str |
             "same names from here would take them over. To serve anyway, use a server "
             "without them (a `prefect server start` of your own, another PREFECT_API_URL), "
             "or delete them first (prefect deployment delete <flow>/<deployment>)")
-    serve(*deployments)
+    runner = StopsItsRunsOnSigterm()  # what prefect.serve makes, less its SIGTERM
+    for deployment in deployments:
+        runner.add_deployment(deployment)
+    names = ", ".join(f"{d.flow_name}/{d.name}" for d in deployments)
+    print(f"goodput serve: serving {names}; trigger them in the UI (Deployments) or with "
+          "`prefect deployment run <flow>/<deployment>`. Ctrl-C or SIGTERM stops serving: "
+          "runs in progress are cancelled, their workers saving an emergency checkpoint",
+          flush=True)
+    try:
+        asyncio.run(runner.start())
+    except KeyboardInterrupt:
+        pass
+
+
+class StopsItsRunsOnSigterm(Runner):
+    """Prefect's runner, stopped by SIGTERM as it stops for a cancellation: each flow run it
+    started is cancelled (a training run's workers save an emergency checkpoint, and the run
+    ends Cancelled on the server), then it exits.
+
+    Prefect's own handler calls the runner's stop from inside its event loop, where that
+    only makes a coroutine nobody awaits, and exits at once: `systemctl stop` or `docker
+    stop` of `goodput serve` left its flow runs Running on the server, and their workers
+    training until launch.orphan_timeout_s. A second SIGTERM exits at once."""
+
+    sigterm_seen = False
+
+    def handle_sigterm(self, *args) -> None:
+        if self.sigterm_seen:
+            os._exit(128 + signal.SIGTERM)
+        self.sigterm_seen = True
+        self._logger.info("SIGTERM: cancelling the flow runs this process started (their "
+                          "workers save an emergency checkpoint), then stopping; a second "
+                          "SIGTERM stops at once")
+        # In the main thread, between two steps of the loop that runs the runner.
+        self._stop_task = asyncio.get_running_loop().create_task(self.astop())

@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -641,6 +642,43 @@ class TestServedDeployments:
 
 
 # -- prefect.yaml on a process work pool ---------------------------------------------------------
+
+def test_sigterm_stops_serve_after_cancelling_the_runs_it_started(prefect_api, base, dataset,
+                                                                 workdir):
+    """`systemctl stop` or `docker stop` of `goodput serve` (SIGTERM): the training run it
+    was running is cancelled as from the UI (its workers save an emergency checkpoint, the
+    attempt ends cancelled, the flow run Cancelled on the server), no worker is left, and
+    serve exits. Prefect's own handler exited at once, leaving the run Running on the
+    server and its workers training until launch.orphan_timeout_s."""
+    config_file = workdir / "sigterm.yaml"
+    config_file.write_text(dump_config(base))
+    log_path = workdir / "serve-sigterm.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--config", str(config_file)],
+                                cwd=REPO, env=prefect_api.env(PREFECT_RUNNER_POLL_FREQUENCY="1"),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: "goodput serve: serving" in log_path.read_text(), timeout_s=120,
+                 what="serve started")
+        deployment = read_deployments(["train/goodput-train"])["goodput-train"]
+        run_dir = base.run_dir.path.parent / "sigterm"
+        run = trigger_like_the_ui(prefect_api.api_url, deployment.id, {"config": form(
+            base, "run.run_id=sigterm", "training.max_steps=100000", "checkpoint.every_steps=20")})
+        wait_for(lambda: any(m["step"] > 20 for m in read_metrics(run_dir)), timeout_s=300,
+                 what="training past its first checkpoint")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            stop_process_tree(proc)
+    text = log_path.read_text()
+    assert "SIGTERM: cancelling the flow runs this process started" in text
+    assert read_run(run).state.is_cancelled(), (read_run(run).state, text[-3000:])
+    assert not worker_processes(str(run)[-8:]), "workers left training"
+    outcomes = [json.loads(p.read_text()) for p in (run_dir / "attempts").glob("*/outcome.json")]
+    assert [o["class"] for o in outcomes] == ["cancelled"], outcomes
+    assert outcomes[0]["newest_checkpoint"] == outcomes[0]["step"]  # an emergency checkpoint
+
 
 def test_work_pool_script_deploys_prefect_yaml_and_runs_it(prefect_api, base, dataset, workdir):
     """scripts/work-pool.sh: create the pool, `prefect deploy --all`, a worker; then a run
