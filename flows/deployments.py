@@ -110,30 +110,35 @@ def serve_all(config: RunConfig, eval_cron: str | None = None, train_cron: str |
           "`prefect deployment run <flow>/<deployment>`. Ctrl-C or SIGTERM stops serving: "
           "runs in progress are cancelled, their workers saving an emergency checkpoint",
           flush=True)
+    signal.signal(signal.SIGINT, runner.handle_sigterm)  # Ctrl-C stops it the same way
     try:
         asyncio.run(runner.start())
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the runner started
         pass
 
 
 class StopsItsRunsOnSigterm(Runner):
-    """Prefect's runner, stopped by SIGTERM as it stops for a cancellation: each flow run it
-    started is cancelled (a training run's workers save an emergency checkpoint, and the run
+    """Prefect's runner, stopped by SIGTERM (or Ctrl-C) as it stops for a cancellation: each
+    flow run it started is cancelled (a training run's workers save an emergency checkpoint, and the run
     ends Cancelled on the server), then it exits.
 
     Prefect's own handler calls the runner's stop from inside its event loop, where that
     only makes a coroutine nobody awaits, and exits at once: `systemctl stop` or `docker
     stop` of `goodput serve` left its flow runs Running on the server, and their workers
-    training until launch.orphan_timeout_s. A second SIGTERM exits at once."""
+    training until launch.orphan_timeout_s; so did Ctrl-C. A second signal exits at once."""
 
     sigterm_seen = False
 
-    def handle_sigterm(self, *args) -> None:
+    def handle_sigterm(self, signum: int = signal.SIGTERM, *args) -> None:
+        try:
+            # In the main thread, between two steps of the loop that runs the runner.
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not serving yet
+            raise KeyboardInterrupt from None
         if self.sigterm_seen:
-            os._exit(128 + signal.SIGTERM)
+            os._exit(128 + signum)
         self.sigterm_seen = True
-        self._logger.info("SIGTERM: cancelling the flow runs this process started (their "
-                          "workers save an emergency checkpoint), then stopping; a second "
-                          "SIGTERM stops at once")
-        # In the main thread, between two steps of the loop that runs the runner.
-        self._stop_task = asyncio.get_running_loop().create_task(self.astop())
+        self._logger.info("%s: cancelling the flow runs this process started (their workers "
+                          "save an emergency checkpoint), then stopping; once more stops at once",
+                          signal.Signals(signum).name)
+        self._stop_task = loop.create_task(self.astop())
