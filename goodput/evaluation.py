@@ -9,13 +9,13 @@ import sys
 import time
 from pathlib import Path
 
-from core.config import RunConfig
+from core.config import RunConfig, dump_config
 from core.errors import ConfigError
-from core.files import sha256_bytes
+from core.files import sha256_bytes, write_atomic
 from core.protocol import copy_id, is_committed, step_of
 from goodput.checkpoint_lifecycle import download_checkpoint, ledger_of, restore_ledger
 from goodput.accounting import summarize_goodput
-from goodput.runs import update_summary, write_run_config
+from goodput.runs import check_run_config, update_summary
 from storage.ledger import ResumePoint, choose_resume, readable_copy
 from storage.manifests import EvalReport, dataset_id_of
 
@@ -152,12 +152,21 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
         return report
     out = report_path(config, checkpoint)
     new = out.with_name(f".{out.name}.new")  # the report it replaces stays until it exists
-    config_path = write_run_config(config)
-    proc = subprocess.run(
-        [sys.executable, "-m", "training.evaluate", "--checkpoint", str(checkpoint),
-         "--dataset", str(dataset_dir), "--config", str(config_path), "--out", str(new),
-         *(["--background", "--device", config.eval.background_device] if background else [])],
-        capture_output=True, text=True)
+    # The evaluation's settings go to the process in a file of its own: the run's
+    # config.yaml keeps the run's (a one-off eval.tasks=[...] there became the run's default,
+    # and stayed after a failed evaluation).
+    check_run_config(config)
+    config_path = out.with_name(f".{out.stem}.config.yaml")
+    config_path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(config_path, dump_config(config).encode())
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "training.evaluate", "--checkpoint", str(checkpoint),
+             "--dataset", str(dataset_dir), "--config", str(config_path), "--out", str(new),
+             *(["--background", "--device", config.eval.background_device] if background else [])],
+            capture_output=True, text=True)
+    finally:
+        config_path.unlink(missing_ok=True)
     if proc.returncode == 2:  # the exit code of a configuration error (core.protocol)
         raise ConfigError(proc.stderr.strip().splitlines()[-1].removeprefix("[eval] ")
                           if proc.stderr.strip() else f"evaluation of {checkpoint}: configuration error")

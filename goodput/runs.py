@@ -25,6 +25,15 @@ from storage.ledger import DataSkip, Ledger, choose_resume
 
 def write_run_config(config: RunConfig) -> Path:
     """Write config.yaml; refuse to continue a run whose trajectory-defining config changed."""
+    path = check_run_config(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, dump_config(config).encode())
+    return path
+
+
+def check_run_config(config: RunConfig) -> Path:
+    """The run's config.yaml, once `config` is known to continue the run saved there (the
+    same data, tokenizer, model and training; a ConfigError that says what differs)."""
     path = config.run_dir.config_file
     if path.is_file():
         try:
@@ -43,8 +52,6 @@ def write_run_config(config: RunConfig) -> Path:
                 f"would not continue this one. To continue or evaluate that run, give its own "
                 f"config (--config {path}); to start another, choose a new run.run_id (or delete "
                 "the run directory to start over).")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, dump_config(config).encode())
     return path
 
 

@@ -312,8 +312,13 @@ def test_an_eval_report_is_reused_only_for_the_same_checkpoint_copy_and_settings
     assert evaluate(config, checkpoint, dataset_dir) == first  # the same: reused
 
     more_samples = config.model_copy(update={"eval": config.eval.model_copy(update={"num_samples": 1})})
+    saved_config = config.run_dir.config_file.read_bytes()
     second = evaluate(more_samples, checkpoint, dataset_dir)
     assert len(second.samples) == 1 != len(first.samples) and second.created_at > first.created_at
+    # A one-off evaluation's settings stay out of the run's config.yaml (they became its
+    # defaults), and its own copy of them is gone.
+    assert config.run_dir.config_file.read_bytes() == saved_config
+    assert not list(config.run_dir.eval_dir.glob(".*config.yaml"))
     # The report it replaced (scores a user asked for once) is kept, named by its settings.
     [kept] = (config.run_dir.eval_dir / "earlier").glob(f"step-00000010.{first.eval_hash[:12]}.*.json")
     assert EvalReport.model_validate_json(kept.read_text()) == first
