@@ -99,17 +99,21 @@ def test_training_logs_to_tensorboard_and_wandb_and_validates_in_the_loop(tmp_pa
         assert tag in scalars, tag
     assert scalars["train/resumed_at_step"] == {8: 8.0}
 
-    # W&B offline: both attempts are the same W&B run (one id, a directory each, named by
-    # start time); the second continued at step 9. The killed attempt's own .wandb file may
-    # be lost with it: W&B's service writes it, and rank 0 was SIGKILLed 2 steps in.
+    # W&B offline: W&B cannot resume an offline run, so each attempt is a run of its own in
+    # the run's group (a directory each, named by start time and id); the second continued at
+    # step 9, marked, against trainer/step. The killed attempt's own .wandb file may be lost
+    # with it: W&B's service writes it, and rank 0 was SIGKILLed 2 steps in.
+    from training.tracking import TRAINER_STEP
+
     attempts = sorted((config.run_dir.path / "wandb").glob("offline-run-*"))
-    assert len(attempts) == 2 and len({d.name.rsplit("-", 1)[1] for d in attempts}) == 1
+    assert len(attempts) == 2 and len({d.name.rsplit("-", 1)[1] for d in attempts}) == 2
     second = wandb_history(next(attempts[1].glob("run-*.wandb")))
-    steps = [row["_step"] for row in second if "train/loss" in row]
+    steps = [row[TRAINER_STEP] for row in second if "train/loss" in row]
     assert steps == list(range(9, STEPS + 1))
     assert [row["train/loss"] for row in second if "train/loss" in row] == pytest.approx(
         [losses[s] for s in steps], rel=1e-6)
     assert any(row.get("val/loss") == pytest.approx(validated[12]) for row in second)
+    assert [row[TRAINER_STEP] for row in second if "train/resumed_at_step" in row] == [8]
 
 
 def test_an_attempt_that_fails_before_its_first_checkpoint_flushes_and_is_hidden_by_the_retry(tmp_path):
@@ -141,6 +145,12 @@ def test_scores_of_checkpoints_training_has_passed_reach_wandb(tmp_path):
     train = WandbTracker("goodput-test", None, "offline", "run-x", tmp_path, None)
     assert train._init["id"] != tracker._init["id"] and train._init["group"] == tracker._init["group"] == "run-x"
     train.close()
+    # Online, every attempt resumes the one run of its id; offline, each is a run of its own.
+    ids = [WandbTracker("goodput-test", None, mode, "run-x", tmp_path / mode, None)
+           for mode in ("online", "online", "offline", "offline")]
+    for tracker in ids:
+        tracker.close()
+    assert ids[0]._init["id"] == ids[1]._init["id"] != ids[2]._init["id"] != ids[3]._init["id"]
     (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     # W&B's service process writes the file: under load, after finish() has returned.
     def scores() -> list[dict] | None:

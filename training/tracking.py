@@ -10,9 +10,12 @@ every attempt:
 - MLflow: the run tagged `goodput.run_id` in `tracking.mlflow_experiment`, found again by
   each attempt. MLflow keeps every value it was sent, so a resume logs `resumed_at_step`
   at the step it resumed from: the redone steps after it are marked.
-- W&B: the run id follows from the Goodput run id, resumed with `resume="allow"` (W&B itself
-  refuses a step below one it has, so a redone step keeps its first values; the
-  `resumed_at_step` marker says where).
+- W&B: the run id follows from the Goodput run id, resumed with `resume="allow"`. Every
+  value is logged against `trainer/step` (W&B's own step only counts the records: it drops
+  a value logged at a step below one it has, and a resume redoes steps), so like MLflow it
+  keeps every value, and the `resumed_at_step` marker says where an attempt resumed.
+  Offline, W&B cannot resume a run (and `wandb sync` of two folders of one id keeps the
+  later one's history only): each process logs a run of its own, all in the run's group.
 
 MLflow and W&B send from a background thread with a bounded buffer: a tracking server that
 is slow or down never stops or slows training; its records wait and are retried with backoff,
@@ -27,6 +30,7 @@ import math
 import queue
 import threading
 import time
+import uuid
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -235,16 +239,19 @@ class MLflowTracker(_Background):
 class WandbTracker(_Background):
     """The W&B run whose id follows from the Goodput run id, resumed by every attempt.
 
-    `job="eval"` (evaluation processes): a run of its own in the training run's group. W&B
-    ignores values logged at a step below the run's current one, and training is past a
-    checkpoint's step when it is evaluated, so scores are plotted against their own
-    `trainer/step` axis instead of W&B's step."""
+    `job="eval"` (evaluation processes): a run of its own in the training run's group.
+    Values are plotted against a `trainer/step` axis of their own: W&B ignores a value logged
+    at a step below its run's current one, and a resumed attempt redoes steps, as an
+    evaluation logs checkpoints training has passed. Offline (no resume there), each process
+    is a run of its own in the group."""
 
     def __init__(self, project: str, entity: str | None, mode: str, run_id: str, directory: Path,
                  config: dict | None, job: str = "train"):
         import wandb
 
         key = f"goodput:{project}:{run_id}" + (f":{job}" if job != "train" else "")
+        if mode == "offline":  # not resumable: syncing two folders of one id loses one
+            key += f":{uuid.uuid4()}"
         directory.mkdir(parents=True, exist_ok=True)
         # wandb.init starts W&B's own service process and returns at once in offline mode;
         # online, it may wait for the server, so the background thread does it.
@@ -262,14 +269,10 @@ class WandbTracker(_Background):
 
         if self.run is None:
             self.run = wandb.init(**self._init)
-            if self.job != "train":
-                self.run.define_metric(TRAINER_STEP)
-                self.run.define_metric("*", step_metric=TRAINER_STEP)
+            self.run.define_metric(TRAINER_STEP)
+            self.run.define_metric("*", step_metric=TRAINER_STEP)
         for step, values in batch:
-            if self.job == "train":
-                self.run.log(values, step=step)
-            else:
-                self.run.log({**values, TRAINER_STEP: step})
+            self.run.log({**values, TRAINER_STEP: step})
 
     def close(self, status: str = "FINISHED") -> None:
         super().close(status)
