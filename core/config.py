@@ -910,6 +910,12 @@ class TrackingConfig(_Section):
                              "not installed here; install the tracking extra, pip install "
                              f"'goodput[tracking]', on every node (or leave {info.field_name} "
                              "unset)")
+        if (info.field_name == "mlflow_uri" and value and ("://" not in value or value.startswith("file:"))
+                and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1")):
+            # MLflow 3 refuses a directory store at its first call: every record would be lost.
+            raise ValueError(f"mlflow_uri={value!r} is a directory, which MLflow 3 no longer "
+                             "records to; give a database (sqlite:///mlflow.db) or a tracking "
+                             "server (http://host:5000)")
         return value
 
 

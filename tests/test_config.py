@@ -218,3 +218,17 @@ def test_llama3_fields_default_to_llama2_behaviour():
     old_manifest = {"vocab_size": 4096, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": None,
                     "ffn_multiple_of": 32, "norm_eps": 1e-5, "rope_theta": 10000.0, "max_seq_len": 256}
     assert ModelArgs(**old_manifest) == args
+
+
+@pytest.mark.parametrize("uri", ["./mlruns", "mlruns", "/srv/mlruns", "file:///srv/mlruns"])
+def test_an_mlflow_directory_store_is_refused_naming_what_works(monkeypatch, uri):
+    """MLflow 3 refuses a directory store at its first call, so every record was lost while
+    training went on; a database or a server is what it records to."""
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(ConfigError, match=r"tracking.mlflow_uri: mlflow_uri=.* is a directory, "
+                                          r"which MLflow 3 no longer records to; give a database "
+                                          r"\(sqlite:///mlflow.db\)"):
+        load_config(None, [f"tracking.mlflow_uri={uri}"])
+    load_config(None, ["tracking.mlflow_uri=sqlite:///mlflow.db"])
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's own way to keep one
+    load_config(None, [f"tracking.mlflow_uri={uri}"])
