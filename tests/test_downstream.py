@@ -316,6 +316,37 @@ def test_packed_scoring_equals_scoring_each_request_whole(setup, tmp_path):
     assert max(row.positions) == 63 and len(row.tokens) < sum(min(64, len(c) + len(t) - 1) for c, t in long_pairs)
 
 
+def test_generation_cuts_a_long_context_once_as_lm_evals_hf_model_does(setup):
+    """generate_until is greedy and stops at `until`; a context longer than the model's
+    window keeps its last max_length - max_gen_toks tokens, cut once (lm-eval's hf model), so
+    the generated tokens never push the context's end out of the window. A window slid per
+    token gave other text than the hf model on every long prompt."""
+    from types import SimpleNamespace
+
+    from training.downstream import project_lm
+
+    tokenizer, eos = setup["tokenizer"], setup["tokenizer"].token_to_id("<|endoftext|>")
+    model, _ = load_model(setup["checkpoint"], torch.device("cpu"))
+    lm = project_lm(model, tokenizer, eos, 2, torch.device("cpu"))
+    thing, color = TRAINED[0]
+    short = f"the color of the {thing} is"
+    long = " ".join(sentence(*fact) for fact in FACTS) + " " + short
+    ids = tokenizer.encode(long).ids
+    assert len(ids) > model.args.max_seq_len
+    max_new = 6
+    texts = lm.generate_until([SimpleNamespace(args=(short, {"until": ["\n"], "max_gen_toks": 3})),
+                               SimpleNamespace(args=(long, {"until": [], "max_gen_toks": max_new}))])
+    assert texts[0].strip() == color  # what it was trained on
+    tokens = torch.tensor([ids[-(model.args.max_seq_len - max_new):]])
+    with torch.no_grad():
+        for _ in range(max_new):  # the window never slides: the context's end stays in it
+            tokens = torch.cat([tokens, model(tokens)[:, -1, :VOCAB].argmax(-1, keepdim=True)], dim=1)
+    generated = tokens[0, model.args.max_seq_len - max_new:].tolist()
+    if eos in generated:
+        generated = generated[:generated.index(eos)]
+    assert texts[1] == tokenizer.decode(generated)
+
+
 def test_the_evaluation_process_reports_scores_and_bits_per_byte(setup):
     """python -m training.evaluate (goodput.evaluation.evaluate), as the evaluate flow runs it."""
     tmp = setup["tmp"]

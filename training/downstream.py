@@ -259,7 +259,11 @@ def _make_lm_class():
                 until = gen_kwargs.get("until") or []
                 until = [until] if isinstance(until, str) else list(until)
                 max_new = int(gen_kwargs.get("max_gen_toks", 256))
-                tokens = torch.tensor([self.tok_encode(context) or [self.eot_token_id]], device=self.device)
+                # The context's last max_length - max_gen_toks tokens, cut once, as lm-eval's
+                # hf model does: the generated tokens then never push it out of the window (a
+                # window slid per token gave other text than the hf model on long prompts).
+                context_ids = (self.tok_encode(context) or [self.eot_token_id])[-max(1, self.max_length - max_new):]
+                tokens = torch.tensor([context_ids], device=self.device)
                 start, text = tokens.shape[1], ""
                 for _ in range(max_new):
                     tokens = self.model.generate(tokens, 1, temperature=0, n_tokens=n_tokens)
