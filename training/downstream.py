@@ -459,11 +459,12 @@ def load_tasks(tasks: list[str], task_dir: str | None) -> tuple[object, list]:
 
 
 def downstream_scores(model: Transformer, tokenizer: Tokenizer, eos_id: int, eval_cfg, device: torch.device,
-                      seed: int = 0, loaded: tuple | None = None,
+                      loaded: tuple | None = None,
                       log_samples: bool = False) -> tuple[dict[str, dict[str, float]], dict]:
     """Run lm-eval's tasks (eval.tasks; `loaded`: load_tasks' result, if already loaded) on the
     model: task -> metric -> value, and lm-eval's whole results dict (per-item samples with
-    log_samples)."""
+    log_samples). lm-eval's own default seeds pick the few-shot examples, so scores compare
+    with `lm_eval` runs of other models."""
     from lm_eval import evaluator
 
     start = time.perf_counter()
@@ -472,8 +473,7 @@ def downstream_scores(model: Transformer, tokenizer: Tokenizer, eos_id: int, eva
         model=project_lm(model, tokenizer, eos_id, eval_cfg.batch_size, device, eval_cfg.precision),
         tasks=tasks,
         task_manager=manager, limit=eval_cfg.limit, num_fewshot=eval_cfg.num_fewshot,
-        bootstrap_iters=eval_cfg.bootstrap_iters, log_samples=log_samples,
-        random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+        bootstrap_iters=eval_cfg.bootstrap_iters, log_samples=log_samples)
     scores = {task: _metrics(values) for task, values in results["results"].items()}
     log.info("downstream (%d items per task at most) in %.1f s: %s",
              eval_cfg.limit or 0, time.perf_counter() - start,

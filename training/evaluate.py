@@ -90,7 +90,7 @@ def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_c
                                eval_cfg.sample_tokens, eval_cfg.temperature, eval_cfg.top_k, seed, device)
     downstream, lower_better = {}, []
     if eval_cfg.tasks:
-        downstream, results = downstream_scores(model, tokenizer, data.eos_id, eval_cfg, device, seed,
+        downstream, results = downstream_scores(model, tokenizer, data.eos_id, eval_cfg, device,
                                                 loaded=downstream_tasks)
         lower_better = lower_is_better_scores(results)
     return EvalReport(run_id=run_id, step=ckpt.step, checkpoint=str(checkpoint),
