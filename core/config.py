@@ -1222,6 +1222,8 @@ class RunConfig(_Section):
             # which save_pretrained of a tokenizer writes beside the model).
             self._init_from_has_a_tokenizer()
             self.tokenizer.path = self.model.init_from
+        elif self.model.init_from:
+            self._tokenizer_means_init_froms_ids()
         if self.tokenizer.eos_token is not None and self.tokenizer.path is None:
             raise ValueError(f"tokenizer.eos_token={self.tokenizer.eos_token!r} names the "
                              "end-of-document token of a given tokenizer (tokenizer.path or "
@@ -1369,6 +1371,37 @@ class RunConfig(_Section):
                 f"`AutoTokenizer.from_pretrained('{directory}').save_pretrained('{directory}')` "
                 f"(a fast tokenizer saves {hf_llama.TOKENIZER_FILE}), or set tokenizer.path to "
                 f"a {hf_llama.TOKENIZER_FILE} of the same tokenizer")
+
+    def _tokenizer_means_init_froms_ids(self) -> None:
+        """A tokenizer.path given beside model.init_from must be the checkpoint's tokenizer
+        (the same tokens with the same ids, saved elsewhere): another one's ids would index
+        embeddings trained for other tokens, and training would run on without a word."""
+        from core import hf_llama
+
+        try:
+            given = hf_llama.given_tokenizer_file(self.tokenizer.path)
+        except DataError:  # not there (any more): tokenizer.path's own check says so
+            return
+        own = Path(self.model.init_from) / hf_llama.TOKENIZER_FILE
+        if own.is_file() and (own.resolve() == given.resolve() or sha256_file(own) == sha256_file(given)):
+            return
+        from tokenizers import Tokenizer
+
+        vocab = Tokenizer.from_file(str(given)).get_vocab(with_added_tokens=True)
+        if own.is_file():
+            theirs = Tokenizer.from_file(str(own)).get_vocab(with_added_tokens=True)
+            if vocab != theirs:
+                moved = sum(theirs.get(token) != i for token, i in vocab.items())
+                raise ValueError(
+                    f"tokenizer.path={self.tokenizer.path} is another tokenizer than "
+                    f"model.init_from's own ({own}): {moved} of its {len(vocab)} tokens have "
+                    f"other ids there ({len(theirs)} tokens), and the checkpoint's embeddings "
+                    "mean that tokenizer's ids; leave tokenizer.path unset to use it")
+        elif max(vocab.values(), default=-1) >= self.model.vocab_size:
+            raise ValueError(
+                f"tokenizer.path={self.tokenizer.path} has ids up to {max(vocab.values())}, "
+                f"beyond model.init_from's vocab_size={self.model.vocab_size}: it is not the "
+                "checkpoint's tokenizer; give the one it was trained with")
 
     def _name_the_tokenizer(self) -> None:
         """tokenizer.sha256 from the file tokenizer.path names, where it is there."""

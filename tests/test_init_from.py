@@ -257,6 +257,36 @@ def test_a_checkpoint_without_tokenizer_json_is_refused_when_the_config_is_read(
     assert config.tokenizer.path == str(given)
 
 
+def test_a_tokenizer_other_than_the_checkpoints_is_refused(tmp_path, checkpoints):
+    """tokenizer.path beside model.init_from: the checkpoint's own tokenizer saved elsewhere
+    is taken; another one (its ids would index embeddings trained for other tokens) is
+    refused, naming both. It used to train on without a word."""
+    import json
+
+    directory = checkpoints["tied"]
+    base = [f"model.init_from={directory}", f"training.seq_len={SEQ}"]
+    same = tmp_path / "same" / "tokenizer.json"  # the same tokenizer, written out again
+    same.parent.mkdir()
+    same.write_text(json.dumps(json.loads((directory / "tokenizer.json").read_text()), indent=1))
+    assert load_config(None, [*base, f"tokenizer.path={same.parent}"]).tokenizer.path == str(same.parent)
+    other = tmp_path / "other.json"
+    train_tokenizer(["a different corpus of other words entirely"] * 30, vocab_size=VOCAB,
+                    min_frequency=1).save(str(other))
+    with pytest.raises(ConfigError, match=rf"tokenizer.path={other} is another tokenizer than "
+                       rf"model.init_from's own \({directory / 'tokenizer.json'}\): \d+ of its "
+                       r"\d+ tokens have other ids there"):
+        load_config(None, [*base, f"tokenizer.path={other}"])
+    # Without a tokenizer.json beside the checkpoint: ids past its vocabulary are refused.
+    bare = tmp_path / "bare"
+    shutil.copytree(directory, bare)
+    (bare / "tokenizer.json").unlink()
+    larger = tmp_path / "larger.json"
+    train_tokenizer([f"word{i} token{i * 7}" for i in range(400)], vocab_size=2 * VOCAB,
+                    min_frequency=1).save(str(larger))
+    with pytest.raises(ConfigError, match=rf"has ids up to \d+, beyond model.init_from's vocab_size={VOCAB}"):
+        load_config(None, [f"model.init_from={bare}", f"training.seq_len={SEQ}", f"tokenizer.path={larger}"])
+
+
 # -- where the checkpoint lies -----------------------------------------------------------------------
 
 def test_a_run_is_tied_to_the_checkpoint_not_to_where_it_lies(tmp_path, monkeypatch, checkpoints):
