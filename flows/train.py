@@ -32,6 +32,18 @@ from tasks.train import (
 )
 
 
+class _OneAtATime(ThreadPoolTaskRunner):
+    """Tasks in the order given, one at a time. Prefect warns at each submission with
+    wait_for that a task with tags may deadlock a runner of one thread; none can here (what an
+    evaluation waits for runs on the flow's own runner, and retention waits for the
+    evaluation submitted before it), so that warning, 6 lines a run, is left out."""
+
+    def __init__(self):
+        super().__init__(max_workers=1)
+        self.logger = self.logger.getChild("one-at-a-time")
+        self.logger.addFilter(lambda record: "workers available" not in record.getMessage())
+
+
 # The launch task holds one thread for the whole run; the others validate and upload. The
 # bound keeps checkpoints that come faster than they verify from piling up processes.
 @flow(name="train", task_runner=ThreadPoolTaskRunner(max_workers=4))
@@ -99,7 +111,7 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
         secured, evaluations = [], []
         # Evaluations (eval.every_validated) queue on a thread of their own, one at a time:
         # however long they take, they never hold the threads that validate and upload.
-        with ThreadPoolTaskRunner(max_workers=1) as evaluating:
+        with _OneAtATime() as evaluating:
             for step in new_checkpoints(config, still_running):
                 announce_committed(config, step)
                 validated, retained = secure(step)
