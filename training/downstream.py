@@ -526,7 +526,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _, tasks = load_tasks(args.fetch, args.task_dir)
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        cause = e.__cause__ or e  # not load_tasks' advice to run this very command
+        print(f"error: the data of {', '.join(args.fetch)} could not be fetched "
+              f"({type(cause).__name__}: {cause}); this needs access to the Hugging Face Hub "
+              "(or HF_ENDPOINT's mirror): run it where there is network, with the same "
+              "--datasets-cache as eval.datasets_cache, and copy that cache here", file=sys.stderr)
         return 2
     log.info("fetched the data of %s into %s", ", ".join(args.fetch),
              os.environ.get("HF_DATASETS_CACHE", "the default datasets cache (~/.cache/huggingface)"))
