@@ -519,7 +519,9 @@ class TorchrunOutput:
       can tell. torchrun, its parent, saw how it ended, and prints it under "Root Cause
       (first observed failure)" when it gives up on the worker group.
     - The traceback torchrun prints of the signal that stopped it (SIGTERM: a cancellation,
-      a preemption) says only that, in some 30 lines: it becomes one line.
+      a preemption) says only that, in some 30 lines: it becomes one line. So does its
+      traceback above the report of failed workers (ChildFailedError), about 20 lines of
+      its own frames; the report itself is passed on.
 
     Lines are read per thread (each node's output has a reader thread of its own); `flush`
     passes on what a thread held back when its output ended.
@@ -531,6 +533,7 @@ class TorchrunOutput:
     TRACEBACK = "Traceback (most recent call last):"  # torchrun's own: workers' are prefixed
     STOPPED = re.compile(r"SignalException: Process (\d+) got signal: (?:Signals\.)?(\w+)$")
     HANDLER = "_terminate_process_handler"  # torch's, in the frame that raised it
+    WORKERS_FAILED = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"
 
     def __init__(self, log: Callable[[str], None]):
         self._log = log
@@ -554,6 +557,10 @@ class TorchrunOutput:
                 self._log(f"torchrun (pid {stopped.group(1)}) stopped on "
                           f"{_signal_name(int(sig)) if sig.isdigit() else sig}, after its "
                           "workers (its traceback left out)")
+                return
+            if line.rstrip() == self.WORKERS_FAILED and any("raise ChildFailedError(" in frame for frame in held[-3:]):
+                self._log("torchrun gave up on its workers; its report follows (its traceback "
+                          "left out)")
                 return
             for earlier in held:
                 self._log(earlier)

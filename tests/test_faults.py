@@ -223,6 +223,27 @@ def test_torchruns_traceback_of_the_signal_that_stopped_it_is_one_line():
     assert passed_on == frames
 
 
+def test_torchruns_traceback_above_its_report_of_failed_workers_is_one_line():
+    """When torchrun gives up on its workers it prints about 20 lines of its own frames, then
+    its report (which worker failed first, how): the frames become one line, the report is
+    passed on and read."""
+    from infra.torchrun import TorchrunOutput
+
+    frames = ["Traceback (most recent call last):",
+              '  File "<frozen runpy>", line 198, in _run_module_as_main',
+              '  File "/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent',
+              "    raise ChildFailedError("]
+    report = _torchrun_failure_report({0: -signal.SIGKILL})
+    assert report[0].rstrip() == "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"
+    passed_on: list[str] = []
+    output = TorchrunOutput(passed_on.append)
+    for line in [*frames, *report]:
+        output(line)
+    assert passed_on == ["torchrun gave up on its workers; its report follows (its traceback "
+                         "left out)", *report[1:]]
+    assert output.failures == [{"rank": 0, "exit_code": -9, "pid": 1000}]
+
+
 def test_loader_skips_windows_deterministically(tmp_path):
     from storage.manifests import DatasetManifest
 
