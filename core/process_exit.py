@@ -24,6 +24,7 @@ def exit_without_teardown(code: int) -> None:
            if thread is not threading.main_thread()):
         sys.exit(code)
     threading._shutdown()  # what a normal exit runs first: the threading._register_atexit hooks
+    stop_pool_processes_left()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -31,6 +32,24 @@ def exit_without_teardown(code: int) -> None:
         except (OSError, ValueError):  # a closed pipe or stream: nothing more can be written
             pass
     os._exit(code)
+
+
+def stop_pool_processes_left(wait_s: float = 5.0) -> list[int]:
+    """Terminate the multiprocessing children still alive (their pids). A process pool whose
+    manager thread died (a Ctrl-C reaches its workers too, and the KeyboardInterrupt one of
+    them returned is raised again in that thread) never tells its workers to stop, and
+    multiprocessing's own exit handler then waits for them forever: `goodput prepare` hung
+    after "interrupted" until two more Ctrl-C. At a normal end none is left."""
+    if "multiprocessing" not in sys.modules:
+        return []
+    import multiprocessing
+
+    children = multiprocessing.active_children()
+    for child in children:
+        child.terminate()
+    for child in children:
+        child.join(wait_s)
+    return [child.pid for child in children]
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> bool:

@@ -290,3 +290,49 @@ def test_the_command_exits_without_the_teardown_but_after_every_exit_hook(tmp_pa
     assert proc.returncode == 3, proc.stderr
     assert hooks.read_text() == "threading\natexit\n"
     assert proc.stdout == "buffered"
+
+
+def test_ctrl_c_ends_a_prepare_whose_units_run_in_a_process_pool(tmp_path):
+    """Ctrl-C reaches the pool's workers too; the KeyboardInterrupt one returns kills the
+    pool's manager thread, which then never tells the others to stop, and multiprocessing's
+    exit handler waited for them forever: the command hung after "interrupted". It ends,
+    leaving no process behind; a rerun redoes only the units that did not finish."""
+    import psutil
+    import signal
+
+    from tests.test_prepare import write_source
+
+    words = [f"word{i}" for i in range(3000)]
+    docs = [" ".join(words[(d * 31 + j) % 3000] for j in range(120)) for d in range(12000)]
+    write_source(tmp_path / "corpus", "jsonl", docs)  # about 9 MB: 9 units of 1 MiB
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "prepare", f"data.source={tmp_path / 'corpus'}",
+         f"run.runs_dir={tmp_path / 'runs'}", f"data.data_dir={tmp_path / 'data'}",
+         f"storage.uri={tmp_path / 'store'}", "data.unit_bytes=1MiB", "prepare.workers=2",
+         "tokenizer.vocab_size=512", "prepare.progress=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
+        start_new_session=True)  # a terminal's foreground group
+    output = []
+    try:
+        for line in proc.stdout:
+            output.append(line)
+            if "Task run 'tokenize-unit-" in line and "Finished in state Completed" in line:
+                break
+        else:
+            pytest.fail("prepare ended before its first unit:\n" + "".join(output)[-3000:])
+        family = [proc.pid] + [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does
+        output.append(proc.communicate(timeout=60)[0])
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    text = "".join(output)
+    assert proc.returncode == 130, text[-3000:]
+    assert "goodput: prepare interrupted" in text
+    time.sleep(1)
+    assert not [pid for pid in family if psutil.pid_exists(pid)
+                and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], "processes left"
