@@ -186,6 +186,31 @@ def test_training_goes_on_through_a_server_restart(stack, api, workdir):
     assert down_at < back_at
 
 
+def test_a_killed_worker_leaves_its_flow_runs_training(stack, api, workdir):
+    """The worker dies (SIGKILL) while its flow run trains, and is started again, as `goodput
+    server` does: the flow run goes on and ends Completed with every checkpoint secured. Its
+    output used to be piped to the worker; the first log line after the worker's death ended
+    it (Crashed), its torchrun workers training on unsupervised."""
+    run_dir = workdir / "runs" / "worker-killed"
+    flow_run = api.trigger("train/goodput-train", {"config": form(
+        workdir, "run.run_id=worker-killed", "training.max_steps=1000", "checkpoint.every_steps=50")})
+    wait_for(lambda: trained_to(run_dir) >= 55, 600, "training past the first checkpoint", 0.5)
+    # Its output goes nowhere the worker holds: with a pipe to it, rich's broken-pipe
+    # handler raised SystemExit in whichever thread logged first (the main one: Crashed;
+    # the one reading torchrun's output: training on, unread).
+    flow = flow_process(flow_run).pid
+    assert {os.readlink(f"/proc/{flow}/fd/{fd}") for fd in (1, 2)} == {"/dev/null"}
+    stack.kill_worker()
+    step = trained_to(run_dir)
+    wait_for(lambda: trained_to(run_dir) >= step + 110, 300, "two more checkpoints", 0.5)
+    assert api.flow_run(flow_run)["state"]["type"] == "RUNNING"
+    stack.start_worker()
+    finished = api.wait_final(flow_run, 600)
+    failures = [log["message"][-1500:] for log in api.logs(flow_run) if log["level"] >= 40]
+    assert finished["state"]["type"] == "COMPLETED", (finished["state"], failures[-5:])
+    assert Ledger(run_dir).read().steps("uploaded") == list(range(50, 1001, 50))
+
+
 def test_workers_of_a_killed_flow_process_stop_and_the_next_flow_run_waits_for_them(
         stack, api, workdir):
     """Flow run A trains; B, for the same run, waits for A's lease. A's process is killed
