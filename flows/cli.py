@@ -250,8 +250,9 @@ def _server(args: argparse.Namespace) -> int:
               f"  export PREFECT_API_URL={stack.api_url}\n"
               f"  export PREFECT_API_AUTH_STRING=\"$(cat {auth_file})\"\n"
               f"Work pool '{stack.pool}'" + (" with a worker" if stack.with_worker else "")
-              + "; deployments from prefect.yaml. Ctrl-C stops it all; the data stays in "
-              f"{stack.directory}.", flush=True)
+              + "; deployments from prefect.yaml. Ctrl-C stops it all (flow runs under way "
+              "are cancelled first: training saves an emergency checkpoint); the data stays "
+              f"in {stack.directory}.", flush=True)
         if args.host not in ("127.0.0.1", "localhost", "::1"):
             print(f"goodput: server: listening on {args.host}: anyone who can reach it and has "
                   "the auth string can start training; serve it over TLS (a reverse proxy)",

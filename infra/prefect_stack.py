@@ -19,6 +19,7 @@ the database listen on 127.0.0.1 unless told otherwise, and the database wants i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import secrets
@@ -280,7 +281,35 @@ class PrefectStack:
     def kill_worker(self) -> None:
         _end(self.worker, signal.SIGKILL, group=False)  # only the worker: its flow runs go on
 
+    def cancel_flow_runs(self, timeout_s: float = 120) -> list[str]:
+        """Cancel the flow runs under way on the work pool, as the UI's Cancel does (the worker
+        stops each one's process; training saves an emergency checkpoint, the attempt ends
+        cancelled), and wait up to `timeout_s` for them to end. Their ids."""
+        if not (self.with_worker and self.worker is not None and self.worker.poll() is None
+                and self.healthy()):
+            return []  # nothing here could stop them: they stop by themselves (orphan timeout)
+        client = self.client()
+        running = [run["id"] for run in client.post("/flow_runs/filter", {
+            "flow_runs": {"state": {"type": {"any_": ["RUNNING", "PENDING", "CANCELLING"]}}},
+            "work_pools": {"name": {"any_": [self.pool]}}}).json()]
+        for flow_run in running:
+            client.post(f"/flow_runs/{flow_run}/set_state", {"state": {
+                "type": "CANCELLING", "name": "Cancelling",
+                "message": "goodput server is stopping"}, "force": True})
+        deadline = time.monotonic() + timeout_s
+        for flow_run in running:
+            with contextlib.suppress(TimeoutError):
+                client.wait_final(flow_run, max(1.0, deadline - time.monotonic()))
+        return running
+
     def stop(self) -> None:
+        # Flow runs under way first, while the worker can still stop them: stopped with it,
+        # their workers trained on unsupervised, and the server, back, called them Crashed.
+        try:
+            self.cancel_flow_runs()
+        except Exception as e:  # the API away: they stop by themselves (orphan timeout)
+            print(f"goodput: server: flow runs not cancelled ({e}); their training workers stop "
+                  "by themselves (launch.orphan_timeout_s)", file=sys.stderr)
         # A worker ignores SIGTERM while flow runs are under way and can leave a child
         # behind (STACK_NOTES): its whole group goes, then the server, then the database.
         _end(self.worker, signal.SIGKILL)

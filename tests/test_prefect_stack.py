@@ -211,6 +211,23 @@ def test_a_killed_worker_leaves_its_flow_runs_training(stack, api, workdir):
     assert Ledger(run_dir).read().steps("uploaded") == list(range(50, 1001, 50))
 
 
+def test_stopping_the_stack_cancels_the_flow_runs_under_way_first(stack, api, workdir):
+    """What `goodput server` does on Ctrl-C or SIGTERM before it stops the worker: each flow
+    run under way is cancelled as from the UI, its workers saving an emergency checkpoint.
+    Stopped with the stack, training went on unsupervised, and the server, back, called the
+    flow run Crashed with its checkpoints unsecured."""
+    run_dir = workdir / "runs" / "stack-stop"
+    flow_run = api.trigger("train/goodput-train", {"config": form(
+        workdir, "run.run_id=stack-stop", "training.max_steps=100000", "checkpoint.every_steps=50")})
+    wait_for(lambda: trained_to(run_dir) >= 55, 600, "training past the first checkpoint", 0.5)
+    assert stack.cancel_flow_runs() == [flow_run]
+    assert api.flow_run(flow_run)["state"]["type"] == "CANCELLED"
+    wait_for(lambda: not processes_of(run_dir), 30, "the run's torchrun and workers to end", 0.5)
+    outcomes = [json.loads(p.read_text()) for p in run_dir.glob("attempts/*/outcome.json")]
+    assert [o["class"] for o in outcomes] == ["cancelled"]
+    assert outcomes[0]["newest_checkpoint"] == outcomes[0]["step"]  # an emergency checkpoint
+
+
 def test_workers_of_a_killed_flow_process_stop_and_the_next_flow_run_waits_for_them(
         stack, api, workdir):
     """Flow run A trains; B, for the same run, waits for A's lease. A's process is killed
