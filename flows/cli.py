@@ -836,7 +836,10 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
         _let_the_api_record(server, began)
         print(f"goodput: {args.command} failed: {e}", file=sys.stderr)
         _say_run_directory(config)
-        return 1
+        # The input again, as the exception that carried it says: an attempt refused for its
+        # configuration or data (infra.torchrun.TrainingFailed, class config), or a store
+        # refusing the credentials given.
+        return 2 if isinstance(e, PermissionError) or getattr(e, "failure_class", None) == "config" else 1
     _let_the_api_record(server, began)
     print(json.dumps(result, indent=2, default=str))
     print(f"run directory: {config.run_dir.path.resolve()}")

@@ -336,3 +336,29 @@ def test_ctrl_c_ends_a_prepare_whose_units_run_in_a_process_pool(tmp_path):
     time.sleep(1)
     assert not [pid for pid in family if psutil.pid_exists(pid)
                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], "processes left"
+
+
+@pytest.mark.parametrize("error, status", [
+    ("config", 2), ("retryable", 1), ("permission", 2), ("other", 1)])
+def test_an_input_error_that_ends_training_exits_2(monkeypatch, tmp_path, capsys, error, status):
+    """Scripts tell the input from a crash by the exit status: 2 also when the refusal reached
+    the command as a training attempt's failure of class config (a worker refused the data),
+    or as the store refusing the credentials; 1 for what is not the input's fault."""
+    from core.protocol import FailureClass
+    from infra.torchrun import TrainingFailed
+    import flows.train
+
+    raised = {"config": TrainingFailed("attempt a-1 ended: config (the dataset's tokenizer ...)",
+                                       FailureClass.CONFIG, 5, retry=False),
+              "retryable": TrainingFailed("attempt a-1 ended: retryable", FailureClass.RETRYABLE, 5),
+              "permission": PermissionError("s3://b/p: access denied (SignatureDoesNotMatch)"),
+              "other": RuntimeError("boom")}[error]
+
+    def train(config):
+        raise raised
+
+    monkeypatch.setattr(flows.train, "train", train)
+    config = load_config(None, small_overrides(tmp_path))
+    args = cli.build_parser().parse_args(["train"])
+    assert cli._run_flow(args, config, None, None) == status
+    assert f"goodput: train failed: {raised}" in capsys.readouterr().err
