@@ -320,35 +320,27 @@ def _without_a_flow(command: str, config: RunConfig, checkpoint: str | None = No
     """
     if config.storage.credentials_block or config.tracking.wandb_api_key_block:
         return None
-    from goodput import checkpoint_lifecycle as lifecycle
     from goodput import evaluation
     from goodput.data import prepare as lib
-    from goodput.runs import record_training, write_run_config
-    from storage.store import store_from_config
+    from goodput.runs import record_training
 
     started = time.time()
     stages = {"pipeline": ("prepare", "train", "evaluate")}.get(command, (command,))
-    try:
-        store = store_from_config(config.storage)
-        found = lib.nothing_to_prepare(config, store)
-        if found is None:
-            return None
-        mix = lib.mixture_manifest([(source, manifest) for source, manifest, _ in found])
-        dataset = mix if config.data.sources else found[0][1]
-        if "train" in stages:
-            if not (lifecycle.run_finished(config, store) and not lifecycle.unjudged_steps(config)
-                    and not lifecycle.unsecured_steps(config)):
-                return None
-            write_run_config(config)  # a config the run's checkpoints do not continue: ConfigError
-        report = None
-        if "evaluate" in stages:
-            report = evaluation.report_to_reuse(config, store, dataset.dataset_id, checkpoint)
-            if report is None:
-                return None
-        if _server_configured():
-            return None
-    except Exception:  # the flow decides then: it retries what is transient, reports the rest
+    decided: list = []
+    # The checks may read the store: one slow or unreachable there (each request retried, then
+    # the whole operation) held the command for minutes before its flow, which retries the
+    # same and reports it, even started. They get PRECHECK_S; past it, the flow decides.
+    check = threading.Thread(target=lambda: decided.append(_nothing_to_do(stages, config, checkpoint)),
+                             name="nothing-to-do", daemon=True)
+    check.start()
+    check.join(PRECHECK_S)
+    if check.is_alive():
+        _say(f"the check for work to do took over {PRECHECK_S:g} s (is the store slow or "
+             "unreachable?): the flow decides")
         return None
+    if not decided or decided[0] is None:
+        return None
+    found, mix, dataset, report = decided[0]
     result = {}
     if "prepare" in stages:
         for source, manifest, where in found:
@@ -376,6 +368,43 @@ def _without_a_flow(command: str, config: RunConfig, checkpoint: str | None = No
                   "run_dir": str(config.run_dir)}
     _say(f"{command}: nothing to do; no flow run started")
     return result
+
+
+PRECHECK_S = 15.0  # what a command's check for work to do may take before its flow decides
+
+
+def _nothing_to_do(stages: tuple[str, ...], config: RunConfig, checkpoint: str | None) -> tuple | None:
+    """_without_a_flow's checks: (found, mix, dataset, report) when `stages` have nothing to
+    do; None when one has work, or a check fails (the flow then retries what is transient and
+    reports the rest)."""
+    from goodput import checkpoint_lifecycle as lifecycle
+    from goodput import evaluation
+    from goodput.data import prepare as lib
+    from goodput.runs import write_run_config
+    from storage.store import store_from_config
+
+    try:
+        store = store_from_config(config.storage)
+        found = lib.nothing_to_prepare(config, store)
+        if found is None:
+            return None
+        mix = lib.mixture_manifest([(source, manifest) for source, manifest, _ in found])
+        dataset = mix if config.data.sources else found[0][1]
+        if "train" in stages:
+            if not (lifecycle.run_finished(config, store) and not lifecycle.unjudged_steps(config)
+                    and not lifecycle.unsecured_steps(config)):
+                return None
+            write_run_config(config)  # a config the run's checkpoints do not continue: ConfigError
+        report = None
+        if "evaluate" in stages:
+            report = evaluation.report_to_reuse(config, store, dataset.dataset_id, checkpoint)
+            if report is None:
+                return None
+        if _server_configured():
+            return None
+    except Exception:
+        return None
+    return found, mix, dataset, report
 
 
 def _say(message: str) -> None:

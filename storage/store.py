@@ -413,7 +413,7 @@ class S3Store(Store):
         region: str | None = None,
         part_size: int = 8 * MiB,
         max_concurrency: int = 10,
-        request_attempts: int = 10,
+        request_attempts: int = 5,
         retry: RetryPolicy = RetryPolicy(),
     ):
         self.bucket, self.prefix = parse_s3_uri(uri)

@@ -362,3 +362,26 @@ def test_an_input_error_that_ends_training_exits_2(monkeypatch, tmp_path, capsys
     args = cli.build_parser().parse_args(["train"])
     assert cli._run_flow(args, config, None, None) == status
     assert f"goodput: train failed: {raised}" in capsys.readouterr().err
+
+
+def test_a_store_too_slow_to_answer_leaves_the_decision_to_the_flow(prepared, monkeypatch, tmp_path, capsys):
+    """The nothing-to-do check reads the store; an unreachable endpoint, each request retried,
+    held the command for minutes before its flow (which retries the same and reports it) even
+    started. Past PRECHECK_S the flow decides."""
+    _, config, _ = prepared
+    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    slow = prep.nothing_to_prepare
+
+    def unreachable(*args):
+        time.sleep(3)
+        return slow(*args)
+
+    monkeypatch.setattr(prep, "nothing_to_prepare", unreachable)
+    monkeypatch.setattr(cli, "PRECHECK_S", 0.5)
+    started = time.monotonic()
+    assert cli._without_a_flow("prepare", config) is None
+    assert time.monotonic() - started < 2.5
+    assert "the check for work to do took over 0.5 s" in capsys.readouterr().err
