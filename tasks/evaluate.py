@@ -18,7 +18,7 @@ from goodput.checkpoint_lifecycle import eval_history, ledger_of
 from storage.ledger import readable_copy
 from storage.manifests import EvalReport
 from storage.store import store_from_config
-from tasks.reporting import artifact_key
+from tasks.reporting import artifact_key, publish_goodput
 
 
 @task(name="locate-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
@@ -89,7 +89,9 @@ def publish_eval_report(report: EvalReport) -> None:
 
 @task(name="record-eval", cache_policy=NO_CACHE, tags=["evaluate"])
 def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
-    return evaluation.record_eval(config, report, started)
+    values = evaluation.record_eval(config, report, started)
+    publish_goodput(config)  # the evaluation's time is the run's too
+    return values
 
 
 @task(name="evaluate-validated", cache_policy=NO_CACHE, tags=["evaluate"],

@@ -373,6 +373,9 @@ class TestServedDeployments:
         breakdown = {r["metric"]: r["value"] for r in
                      json.loads(artifacts(api, "goodput-ui")[0]["data"])}
         assert 0 < float(breakdown["goodput"]) <= 1 and breakdown["attempts.retryable"] == "1"
+        # The newest breakdown, the evaluation's time included, as summary.json has it.
+        summary = json.loads((run_dir / "summary.json").read_text())["goodput"]
+        assert breakdown["goodput"] == f"{summary['goodput']:.4g}", (breakdown, summary)
 
 
     def test_retention_runs_after_every_upload(self, ui_run):
