@@ -259,14 +259,9 @@ def _server(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         while True:
             time.sleep(5)
-            if stack.server.poll() is not None:
-                print(f"goodput: server: the Prefect server exited ({stack.server.returncode}); "
-                      f"starting it again (log: {stack.log('server')})", file=sys.stderr)
-                stack.start_server()
-            if stack.with_worker and stack.worker.poll() is not None:
-                print(f"goodput: server: the worker exited ({stack.worker.returncode}); starting "
-                      f"it again (log: {stack.log('worker')})", file=sys.stderr)
-                stack.start_worker()
+            for what, log in stack.keep_up():
+                print(f"goodput: server: {what} had exited; started again (log: {log})",
+                      file=sys.stderr)
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError, OSError) as e:

@@ -153,6 +153,10 @@ class Postgres:
             raise RuntimeError(f"psql: {proc.stderr.strip()}")
         return proc.stdout
 
+    def running(self) -> bool:
+        return subprocess.run(self._as_owner([_postgres_bin("pg_ctl"), "-D", str(self.data),
+                                              "status"]), capture_output=True).returncode == 0
+
     def stop(self) -> None:
         if (self.data / "postmaster.pid").exists():
             subprocess.run(self._as_owner([_postgres_bin("pg_ctl"), "-D", str(self.data),
@@ -256,6 +260,24 @@ class PrefectStack:
                 raise TimeoutError(f"prefect server not healthy after {timeout_s:.0f}s: "
                                    f"{self.log('server').read_text()[-3000:]}")
             time.sleep(0.5)
+
+    def keep_up(self) -> list[tuple[str, Path]]:
+        """Start again what of the stack exited (PostgreSQL, the server, the worker): what
+        was, with its log. PostgreSQL back, the server is started again too: its
+        connections to the database died with it, and its health check, which reads none,
+        kept answering while every other request failed (500)."""
+        restarted = []
+        if not self.postgres.running():
+            restarted.append(("PostgreSQL", self.postgres.log))
+            self.postgres.start()
+            _end(self.server, signal.SIGTERM)
+        if self.server.poll() is not None:
+            restarted.append(("the Prefect server", self.log("server")))
+            self.start_server()
+        if self.with_worker and self.worker.poll() is not None:
+            restarted.append(("the worker", self.log("worker")))
+            self.start_worker()
+        return restarted
 
     def healthy(self) -> bool:
         import httpx

@@ -211,6 +211,18 @@ def test_a_killed_worker_leaves_its_flow_runs_training(stack, api, workdir):
     assert Ledger(run_dir).read().steps("uploaded") == list(range(50, 1001, 50))
 
 
+def test_the_stack_starts_a_stopped_database_again(stack, api):
+    """PostgreSQL stopped under the stack: `goodput server`'s watch (keep_up) starts it
+    again on its port, and the server with it (its connections died; its health check, which
+    reads no table, had answered all along while every other request failed)."""
+    stack.postgres.stop()
+    assert not stack.postgres.running()
+    assert [what for what, _ in stack.keep_up()] == ["PostgreSQL", "the Prefect server"]
+    assert stack.postgres.running() and stack.healthy()
+    assert api.post("/flows/filter", {"limit": 1}).status_code == 200
+    assert stack.keep_up() == []  # all up: nothing to do
+
+
 def test_stopping_the_stack_cancels_the_flow_runs_under_way_first(stack, api, workdir):
     """What `goodput server` does on Ctrl-C or SIGTERM before it stops the worker: each flow
     run under way is cancelled as from the UI, its workers saving an emergency checkpoint.
