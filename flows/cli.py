@@ -858,16 +858,31 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
         return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
     except Exception as e:
         _let_the_api_record(server, began)
-        print(f"goodput: {args.command} failed: {e}", file=sys.stderr)
+        print(f"goodput: {args.command} failed: {e}{_api_advice(e)}", file=sys.stderr)
         _say_run_directory(config)
         # The input again, as the exception that carried it says: an attempt refused for its
         # configuration or data (infra.torchrun.TrainingFailed, class config), or a store
         # refusing the credentials given.
-        return 2 if isinstance(e, PermissionError) or getattr(e, "failure_class", None) == "config" else 1
+        refused = isinstance(e, PermissionError) or "401 Unauthorized" in str(e)
+        return 2 if refused or getattr(e, "failure_class", None) == "config" else 1
     _let_the_api_record(server, began)
     print(json.dumps(result, indent=2, default=str))
     print(f"run directory: {config.run_dir.path.resolve()}")
     return 0
+
+
+def _api_advice(error: Exception) -> str:
+    """What to do when the Prefect server configured (PREFECT_API_URL) refused this client
+    or could not be reached; "" for other errors."""
+    text = str(error)
+    if "401 Unauthorized" in text or "403 Forbidden" in text:
+        return ("\n  the Prefect server refused this client: give it the server's auth string, "
+                "PREFECT_API_AUTH_STRING (a `goodput server`'s: export PREFECT_API_AUTH_STRING="
+                "\"$(cat .goodput/server/api-auth-string)\"), or PREFECT_API_KEY for Prefect Cloud")
+    if "Failed to reach API at" in text:
+        return ("\n  is the Prefect server up? (`goodput server`, `prefect server start`); or "
+                "unset PREFECT_API_URL to run on a temporary server of this command's own")
+    return ""
 
 
 def _say_run_directory(config: RunConfig) -> None:

@@ -385,3 +385,16 @@ def test_a_store_too_slow_to_answer_leaves_the_decision_to_the_flow(prepared, mo
     assert cli._without_a_flow("prepare", config) is None
     assert time.monotonic() - started < 2.5
     assert "the check for work to do took over 0.5 s" in capsys.readouterr().err
+
+
+def test_a_prefect_server_that_cannot_be_reached_is_named_with_what_to_do(tmp_path):
+    from infra.launchers import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env |= {"PREFECT_API_URL": f"http://127.0.0.1:{free_port()}/api",
+            "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "prepare", *small_overrides(tmp_path)],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "Failed to reach API at" in proc.stderr
+    assert "is the Prefect server up? (`goodput server`, `prefect server start`)" in proc.stderr

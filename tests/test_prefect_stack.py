@@ -13,6 +13,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -23,7 +25,7 @@ import pytest
 from infra.launchers import free_port
 from infra.prefect_stack import PrefectStack, StackClient, missing_postgres
 from storage.ledger import Ledger
-from tests.helpers import small_config, wait_for
+from tests.helpers import REPO, small_config, wait_for
 from training.metrics import read_metrics
 
 pytestmark = pytest.mark.prefect_stack
@@ -119,6 +121,13 @@ def test_the_api_asks_for_the_auth_string_and_listens_on_loopback_only(stack, ap
     assert (stack.directory / "api-auth-string").stat().st_mode & 0o777 == 0o600
     deployments = {d["name"] for d in api.post("/deployments/filter", {}).json()}
     assert {"goodput-prepare", "goodput-train", "goodput-evaluate", "goodput-pipeline"} <= deployments
+    # A command without the auth string is told which one to give (exit 2: its input).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "prepare", "run.run_id=no-auth"],
+                          env={**env, "PREFECT_API_URL": stack.api_url}, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "401 Unauthorized" in proc.stderr and "PREFECT_API_AUTH_STRING" in proc.stderr
 
 
 # -- load -------------------------------------------------------------------------------------
