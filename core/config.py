@@ -1610,7 +1610,8 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise ConfigError(f"config file {p} not found; pass an existing YAML file "
+            where = "" if p.is_absolute() else f" (in {Path.cwd()})"
+            raise ConfigError(f"config file {p} not found{where}; pass an existing YAML file "
                               "(e.g. configs/tiny.yaml)")
         try:
             tree = _load_yaml(p.read_text()) or {}

@@ -232,3 +232,11 @@ def test_an_mlflow_directory_store_is_refused_naming_what_works(monkeypatch, uri
     load_config(None, ["tracking.mlflow_uri=sqlite:///mlflow.db"])
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's own way to keep one
     load_config(None, [f"tracking.mlflow_uri={uri}"])
+
+
+def test_a_missing_config_file_is_named_with_where_it_was_looked_for(tmp_path, monkeypatch):
+    """A flow run reads a relative config_file where it runs ($GOODPUT_REPO on a worker)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=rf"config file configs/tinyy.yaml not found \(in {tmp_path}\); "
+                                          r"pass an existing YAML file"):
+        load_config("configs/tinyy.yaml")
