@@ -81,7 +81,9 @@ def test_a_damaged_shard_in_the_store_is_an_error_naming_it(prepared):
 def test_a_cache_too_small_for_two_windows_is_refused_naming_the_fields(prepared):
     _, _, config = prepared
     small = config.model_copy(update={"data": config.data.model_copy(update={"cache_limit": 5000})})
-    with pytest.raises(ConfigError, match="data.cache_limit=5,000 .*training.shuffle_window_tokens"):
+    with pytest.raises(ConfigError, match=r"data.cache_limit=5,000 .*raise data.cache_limit to at "
+                                          r"least [\d,]+ bytes \(data.cache_limit=\d+MiB\) or lower "
+                                          "training.shuffle_window_tokens"):
         prep.dataset_for_training(small, store_from_config(config.storage))
 
 

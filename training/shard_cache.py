@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 import queue
 import threading
@@ -219,8 +220,8 @@ def check_cache_limit(limit_bytes: int | None, manifest: DatasetManifest, window
             f"data.cache_limit={limit_bytes * sharers:,} bytes{shared} cannot hold what training "
             f"reads at once (two windows of training.shuffle_window_tokens={window_tokens:,} and "
             f"a few shards of up to {largest:,} bytes{' per source' if sharers > 1 else ''}): "
-            f"raise data.cache_limit to at least {needed * sharers:,} bytes or lower "
-            "training.shuffle_window_tokens")
+            f"raise data.cache_limit to at least {needed * sharers:,} bytes (data.cache_limit="
+            f"{math.ceil(needed * sharers / 2**20)}MiB) or lower training.shuffle_window_tokens")
 
 
 class _Pending:
