@@ -233,7 +233,8 @@ class PrepareConfig(_Section):
         "starts a Ray of this machine for the run.")
     workers: int = Field(0, ge=0, description="Work units tokenized at once, one per process: "
                          "0 = one per CPU core (of the Ray cluster with prepare.runner=ray).")
-    progress: bool = Field(True, description="A progress bar on the console while preparing.")
+    progress: bool = Field(True, description="A progress bar on the console (a terminal) while "
+                           "preparing.")
 
 
 class TokenizerConfig(_Section):

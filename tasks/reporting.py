@@ -140,8 +140,10 @@ class PrepareProgress:
         self.key = artifact_key("prepare-progress", run_id)
         self.dataset_id = dataset_id
         self.artifact_id = None
+        # On a terminal only (tqdm's disable=None): in a log file or a pipe its redraws ran
+        # into the log lines; the artifact and the log say the same there.
         self.bar = tqdm(total=n_units, unit="unit", desc=f"prepare {dataset_id}",
-                        disable=not show_bar, dynamic_ncols=True)
+                        disable=None if show_bar else True, dynamic_ncols=True)
 
     def __call__(self, docs: int, tokens: int, skipped: int) -> None:
         self.done += 1
