@@ -911,7 +911,9 @@ class TrackingConfig(_Section):
                              "not installed here; install the tracking extra, pip install "
                              f"'goodput[tracking]', on every node (or leave {info.field_name} "
                              "unset)")
-        if (info.field_name == "mlflow_uri" and value and ("://" not in value or value.startswith("file:"))
+        directory = value and ("://" not in value or value.startswith("file:")) and \
+            value.split(":")[0] not in ("databricks", "databricks-uc")  # MLflow's own names
+        if (info.field_name == "mlflow_uri" and directory
                 and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1")):
             # MLflow 3 refuses a directory store at its first call: every record would be lost.
             raise ValueError(f"mlflow_uri={value!r} is a directory, which MLflow 3 no longer "
@@ -1145,8 +1147,9 @@ class ElasticConfig(_Section):
         "failure rate.")
     grow: bool = Field(
         True, description="Take nodes back in: the local and ssh launchers start a lost node's "
-        "agent again once the others train on without it (at most launch.max_restarts "
-        "times per node), and the world grows at the next restart of the workers. false: the world only shrinks.")
+        "agent again once elastic.wait_for_replacement_s has passed and the others train on "
+        "without it (at most launch.max_restarts times per node), and the world grows at the "
+        "next restart of the workers. false: the world only shrinks.")
 
 
 class RunConfig(_Section):
@@ -1483,7 +1486,14 @@ class RunConfig(_Section):
                                                       "best_metric"}),
                 "seq_len": self.training.seq_len,
                 "seed": self.training.seed}
+        if self.eval.tasks:  # how downstream tasks are scored: a report scored otherwise is not reused
+            tree["scoring"] = DOWNSTREAM_SCORING
         return sha256_bytes(canonical_json(tree))[:16]
+
+
+# The version of how lm-eval tasks are scored (training.downstream): 2, lm-eval's own few-shot
+# seeds and generation's context cut once as its hf model cuts it (29 Nov).
+DOWNSTREAM_SCORING = 2
 
 
 # -- loading -------------------------------------------------------------------------------

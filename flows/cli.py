@@ -231,8 +231,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _server(args: argparse.Namespace) -> int:
-    """Start the stack, say how to reach it, keep it up (a server or worker that dies is
-    started again) until Ctrl-C or SIGTERM, then stop it; its data stays in --dir."""
+    """Start the stack, say how to reach it, keep it up (PostgreSQL, the server or the worker,
+    when one dies, is started again) until Ctrl-C or SIGTERM, then stop it, cancelling its
+    worker's flow runs first; its data stays in --dir."""
     from infra.prefect_stack import PrefectStack, missing_postgres
 
     missing = missing_postgres()
@@ -259,16 +260,20 @@ def _server(args: argparse.Namespace) -> int:
                   file=sys.stderr)
         while True:
             time.sleep(5)
-            for what, log in stack.keep_up():
-                print(f"goodput: server: {what} had exited; started again (log: {log})",
-                      file=sys.stderr)
+            try:
+                for what, log in stack.keep_up():
+                    print(f"goodput: server: {what} had exited; started again (log: {log})",
+                          file=sys.stderr)
+            except (RuntimeError, TimeoutError, OSError) as e:  # tried again in 5 s
+                print(f"goodput: server: {e}; trying again", file=sys.stderr)
     except KeyboardInterrupt:
         return 0
     except (RuntimeError, TimeoutError, OSError) as e:
         print(f"goodput: server: {e}", file=sys.stderr)
         return 1
     finally:
-        stack.stop()
+        stack.stop(say=lambda message: print(f"goodput: server: {message}", file=sys.stderr,
+                                             flush=True))
 
 
 def _server_configured() -> bool:
@@ -863,7 +868,7 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
         # The input again, as the exception that carried it says: an attempt refused for its
         # configuration or data (infra.torchrun.TrainingFailed, class config), or a store
         # refusing the credentials given.
-        refused = isinstance(e, PermissionError) or "401 Unauthorized" in str(e)
+        refused = isinstance(e, PermissionError) or _refused_by_the_prefect_server(e)
         return 2 if refused or getattr(e, "failure_class", None) == "config" else 1
     _let_the_api_record(server, began)
     print(json.dumps(result, indent=2, default=str))
@@ -871,11 +876,26 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
     return 0
 
 
+def _refused_by_the_prefect_server(error: Exception) -> bool:
+    """Whether `error` is the configured Prefect server (PREFECT_API_URL) answering 401 or
+    403 (not another service's refusal, such as the Hugging Face Hub's for a gated dataset)."""
+    if getattr(getattr(error, "response", None), "status_code", None) not in (401, 403):
+        return False
+    try:
+        request = error.request  # httpx's HTTPStatusError has it
+    except (AttributeError, RuntimeError):
+        return False
+    from prefect.settings import PREFECT_API_URL  # the settings' (a profile's too)
+
+    api_url = PREFECT_API_URL.value() or ""
+    return bool(api_url) and str(request.url).startswith(api_url.rstrip("/"))
+
+
 def _api_advice(error: Exception) -> str:
     """What to do when the Prefect server configured (PREFECT_API_URL) refused this client
     or could not be reached; "" for other errors."""
     text = str(error)
-    if "401 Unauthorized" in text or "403 Forbidden" in text:
+    if _refused_by_the_prefect_server(error):
         return ("\n  the Prefect server refused this client: give it the server's auth string, "
                 "PREFECT_API_AUTH_STRING (a `goodput server`'s: export PREFECT_API_AUTH_STRING="
                 "\"$(cat .goodput/server/api-auth-string)\"), or PREFECT_API_KEY for Prefect Cloud")

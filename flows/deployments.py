@@ -133,12 +133,18 @@ class StopsItsRunsOnSigterm(Runner):
         try:
             # In the main thread, between two steps of the loop that runs the runner.
             loop = asyncio.get_running_loop()
-        except RuntimeError:  # not serving yet
+        except RuntimeError:  # not serving yet: nothing to cancel
             raise KeyboardInterrupt from None
         if self.sigterm_seen:
             os._exit(128 + signum)
+        if not self.started:  # still starting: no flow run of its own yet
+            raise KeyboardInterrupt
         self.sigterm_seen = True
         self._logger.info("%s: cancelling the flow runs this process started (their workers "
                           "save an emergency checkpoint), then stopping; once more stops at once",
                           signal.Signals(signum).name)
-        self._stop_task = loop.create_task(self.astop())
+        # Through the loop's wakeup pipe: a task made here would wait for the loop's next wake.
+        loop.call_soon_threadsafe(self._stop)
+
+    def _stop(self) -> None:
+        self._stop_task = asyncio.ensure_future(self.astop())

@@ -38,8 +38,8 @@ class _OneAtATime(ThreadPoolTaskRunner):
     evaluation waits for runs on the flow's own runner, and retention waits for the
     evaluation submitted before it), so that warning, 6 lines a run, is left out."""
 
-    def __init__(self):
-        super().__init__(max_workers=1)
+    def __init__(self, max_workers: int = 1):  # the argument: Prefect's duplicate() passes it
+        super().__init__(max_workers=max_workers)
         self.logger = self.logger.getChild("one-at-a-time")
         self.logger.addFilter(lambda record: "workers available" not in record.getMessage())
 

@@ -29,7 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from infra.launchers import free_port
 
@@ -154,8 +154,19 @@ class Postgres:
         return proc.stdout
 
     def running(self) -> bool:
-        return subprocess.run(self._as_owner([_postgres_bin("pg_ctl"), "-D", str(self.data),
-                                              "status"]), capture_output=True).returncode == 0
+        """Whether the postmaster its pid file names is alive (what `pg_ctl status` reads,
+        without a runuser session every few seconds)."""
+        try:
+            pid = int((self.data / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # alive, another user's
+            pass
+        return True
 
     def stop(self) -> None:
         if (self.data / "postmaster.pid").exists():
@@ -303,17 +314,27 @@ class PrefectStack:
     def kill_worker(self) -> None:
         _end(self.worker, signal.SIGKILL, group=False)  # only the worker: its flow runs go on
 
-    def cancel_flow_runs(self, timeout_s: float = 120) -> list[str]:
-        """Cancel the flow runs under way on the work pool, as the UI's Cancel does (the worker
+    def cancel_flow_runs(self, timeout_s: float = 120,
+                         say: Callable[[str], None] = lambda message: None) -> list[str]:
+        """Cancel the flow runs this stack's worker runs, as the UI's Cancel does (the worker
         stops each one's process; training saves an emergency checkpoint, the attempt ends
-        cancelled), and wait up to `timeout_s` for them to end. Their ids."""
+        cancelled), and wait up to `timeout_s` for them to end. Their ids. Runs of workers on
+        other machines, on the same pool, are theirs: they go on."""
+        import psutil
+
         if not (self.with_worker and self.worker is not None and self.worker.poll() is None
                 and self.healthy()):
             return []  # nothing here could stop them: they stop by themselves (orphan timeout)
+        started_here = {str(child.pid) for child in psutil.Process(self.worker.pid).children(recursive=True)}
         client = self.client()
         running = [run["id"] for run in client.post("/flow_runs/filter", {
-            "flow_runs": {"state": {"type": {"any_": ["RUNNING", "PENDING", "CANCELLING"]}}},
-            "work_pools": {"name": {"any_": [self.pool]}}}).json()]
+            "flow_runs": {"state": {"type": {"any_": ["RUNNING", "CANCELLING"]}}},
+            "work_pools": {"name": {"any_": [self.pool]}}}).json()
+            if run.get("infrastructure_pid") in started_here]
+        if not running:
+            return []
+        say(f"cancelling {len(running)} flow run(s) of this worker first (training saves an "
+            f"emergency checkpoint; up to {timeout_s:.0f} s; Ctrl-C again stops without waiting)")
         for flow_run in running:
             client.post(f"/flow_runs/{flow_run}/set_state", {"state": {
                 "type": "CANCELLING", "name": "Cancelling",
@@ -324,14 +345,17 @@ class PrefectStack:
                 client.wait_final(flow_run, max(1.0, deadline - time.monotonic()))
         return running
 
-    def stop(self) -> None:
+    def stop(self, say: Callable[[str], None] = lambda message: None) -> None:
         # Flow runs under way first, while the worker can still stop them: stopped with it,
         # their workers trained on unsupervised, and the server, back, called them Crashed.
         try:
-            self.cancel_flow_runs()
+            self.cancel_flow_runs(say=say)
+        except KeyboardInterrupt:  # a second Ctrl-C: stop the rest without waiting
+            say("not waiting for the flow runs; their training workers stop by themselves "
+                "(launch.orphan_timeout_s)")
         except Exception as e:  # the API away: they stop by themselves (orphan timeout)
-            print(f"goodput: server: flow runs not cancelled ({e}); their training workers stop "
-                  "by themselves (launch.orphan_timeout_s)", file=sys.stderr)
+            say(f"flow runs not cancelled ({e}); their training workers stop by themselves "
+                "(launch.orphan_timeout_s)")
         # A worker ignores SIGTERM while flow runs are under way and can leave a child
         # behind (STACK_NOTES): its whole group goes, then the server, then the database.
         _end(self.worker, signal.SIGKILL)

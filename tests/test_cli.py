@@ -339,20 +339,26 @@ def test_ctrl_c_ends_a_prepare_whose_units_run_in_a_process_pool(tmp_path):
 
 
 @pytest.mark.parametrize("error, status", [
-    ("config", 2), ("retryable", 1), ("permission", 2), ("other", 1)])
+    ("config", 2), ("retryable", 1), ("permission", 2), ("other", 1), ("hub", 1)])
 def test_an_input_error_that_ends_training_exits_2(monkeypatch, tmp_path, capsys, error, status):
     """Scripts tell the input from a crash by the exit status: 2 also when the refusal reached
     the command as a training attempt's failure of class config (a worker refused the data),
     or as the store refusing the credentials; 1 for what is not the input's fault."""
+    import httpx
+
+    import flows.train
     from core.protocol import FailureClass
     from infra.torchrun import TrainingFailed
-    import flows.train
 
     raised = {"config": TrainingFailed("attempt a-1 ended: config (the dataset's tokenizer ...)",
                                        FailureClass.CONFIG, 5, retry=False),
               "retryable": TrainingFailed("attempt a-1 ended: retryable", FailureClass.RETRYABLE, 5),
               "permission": PermissionError("s3://b/p: access denied (SignatureDoesNotMatch)"),
-              "other": RuntimeError("boom")}[error]
+              "other": RuntimeError("boom"),
+              # Another service's refusal (a gated dataset) is no word from the Prefect server.
+              "hub": httpx.HTTPStatusError(
+                  "403 Forbidden: gated repo", request=httpx.Request("GET", "https://huggingface.co/d"),
+                  response=httpx.Response(403))}[error]
 
     def train(config):
         raise raised
@@ -361,7 +367,8 @@ def test_an_input_error_that_ends_training_exits_2(monkeypatch, tmp_path, capsys
     config = load_config(None, small_overrides(tmp_path))
     args = cli.build_parser().parse_args(["train"])
     assert cli._run_flow(args, config, None, None) == status
-    assert f"goodput: train failed: {raised}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"goodput: train failed: {raised}" in err and "PREFECT_API_AUTH_STRING" not in err
 
 
 def test_a_store_too_slow_to_answer_leaves_the_decision_to_the_flow(prepared, monkeypatch, tmp_path, capsys):

@@ -229,7 +229,9 @@ def test_an_mlflow_directory_store_is_refused_naming_what_works(monkeypatch, uri
                                           r"which MLflow 3 no longer records to; give a database "
                                           r"\(sqlite:///mlflow.db\)"):
         load_config(None, [f"tracking.mlflow_uri={uri}"])
-    load_config(None, ["tracking.mlflow_uri=sqlite:///mlflow.db"])
+    for fine in ("sqlite:///mlflow.db", "http://mlflow:5000", "databricks", "databricks-uc",
+                 "databricks://profile"):
+        load_config(None, [f"tracking.mlflow_uri={fine}"])
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow's own way to keep one
     load_config(None, [f"tracking.mlflow_uri={uri}"])
 

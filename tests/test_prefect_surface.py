@@ -646,16 +646,17 @@ class TestServedDeployments:
 
 # -- prefect.yaml on a process work pool ---------------------------------------------------------
 
-def test_sigterm_stops_serve_after_cancelling_the_runs_it_started(prefect_api, base, dataset,
-                                                                 workdir):
-    """`systemctl stop` or `docker stop` of `goodput serve` (SIGTERM): the training run it
-    was running is cancelled as from the UI (its workers save an emergency checkpoint, the
-    attempt ends cancelled, the flow run Cancelled on the server), no worker is left, and
-    serve exits. Prefect's own handler exited at once, leaving the run Running on the
-    server and its workers training until launch.orphan_timeout_s."""
-    config_file = workdir / "sigterm.yaml"
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
+def test_a_stopped_serve_cancels_the_runs_it_started(prefect_api, base, dataset, workdir, stop):
+    """`systemctl stop` or `docker stop` of `goodput serve` (SIGTERM to it), or Ctrl-C in its
+    terminal (SIGINT to its whole process group, its flow runs' processes included): the
+    training run it was running is cancelled as from the UI (its workers save an emergency
+    checkpoint, the attempt ends cancelled, the flow run Cancelled on the server), no worker
+    is left, and serve exits. Prefect's own handler exited at once, leaving the run Running
+    on the server and its workers training until launch.orphan_timeout_s."""
+    config_file = workdir / f"{stop}.yaml"
     config_file.write_text(dump_config(base))
-    log_path = workdir / "serve-sigterm.log"
+    log_path = workdir / f"serve-{stop}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--config", str(config_file)],
                                 cwd=REPO, env=prefect_api.env(PREFECT_RUNNER_POLL_FREQUENCY="1"),
@@ -664,18 +665,22 @@ def test_sigterm_stops_serve_after_cancelling_the_runs_it_started(prefect_api, b
         wait_for(lambda: "goodput serve: serving" in log_path.read_text(), timeout_s=120,
                  what="serve started")
         deployment = read_deployments(["train/goodput-train"])["goodput-train"]
-        run_dir = base.run_dir.path.parent / "sigterm"
+        run_dir = base.run_dir.path.parent / f"stopped-{stop}"
         run = trigger_like_the_ui(prefect_api.api_url, deployment.id, {"config": form(
-            base, "run.run_id=sigterm", "training.max_steps=100000", "checkpoint.every_steps=20")})
+            base, f"run.run_id=stopped-{stop}", "training.max_steps=100000",
+            "checkpoint.every_steps=20")})
         wait_for(lambda: any(m["step"] > 20 for m in read_metrics(run_dir)), timeout_s=300,
                  what="training past its first checkpoint")
-        proc.send_signal(signal.SIGTERM)
+        if stop == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
     finally:
         if proc.poll() is None:
             stop_process_tree(proc)
     text = log_path.read_text()
-    assert "SIGTERM: cancelling the flow runs this process started" in text
+    assert f"{'SIGTERM' if stop == 'sigterm' else 'SIGINT'}: cancelling the flow runs this process started" in text
     assert read_run(run).state.is_cancelled(), (read_run(run).state, text[-3000:])
     assert not worker_processes(str(run)[-8:]), "workers left training"
     outcomes = [json.loads(p.read_text()) for p in (run_dir / "attempts").glob("*/outcome.json")]

@@ -150,7 +150,8 @@ def test_scores_of_checkpoints_training_has_passed_reach_wandb(tmp_path):
            for mode in ("online", "online", "offline", "offline")]
     for tracker in ids:
         tracker.close()
-    assert ids[0]._init["id"] == ids[1]._init["id"] != ids[2]._init["id"] != ids[3]._init["id"]
+    assert ids[0]._init["id"] == ids[1]._init["id"]
+    assert len({ids[0]._init["id"], ids[2]._init["id"], ids[3]._init["id"]}) == 3
     (run,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
     # W&B's service process writes the file: under load, after finish() has returned.
     def scores() -> list[dict] | None:

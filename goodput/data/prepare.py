@@ -59,8 +59,7 @@ from goodput.data.sources import (
     split_into_pieces,
 )
 from goodput.runs import update_summary
-from storage.manifests import (DATASET_MANIFEST, MIXTURE_MANIFEST, DatasetManifest, MixSource,
-                               MixtureManifest, ShardInfo)
+from storage.manifests import DATASET_MANIFEST, DatasetManifest, MixSource, MixtureManifest, ShardInfo
 from storage.shards import ShardWriter, token_dtype
 from storage.store import Store, store_from_config, usable_anywhere
 from training.shard_cache import check_cache_limit, write_cache_settings
@@ -415,15 +414,20 @@ def mixture_dir(config: RunConfig, mix_id: str) -> Path:
 
 def local_mixture(config: RunConfig, mix: MixtureManifest) -> Path | None:
     """The mix's directory (`torchrun -m training --dataset`) when every source's dataset is
-    complete on this machine, its mixture.json written if missing; None when one lies only in
-    the store (training then streams it, and dataset_for_training makes the directory)."""
-    dirs = [Path(config.data.data_dir) / source.dataset_id for source in mix.sources]
-    if not all((d / DATASET_MANIFEST).is_file() for d in dirs):
+    complete on this machine, its mixture.json naming them; None when one lies only in the
+    store (training then streams it, and dataset_for_training makes the directory)."""
+    dirs = {source.name: Path(config.data.data_dir) / source.dataset_id for source in mix.sources}
+    if not all((d / DATASET_MANIFEST).is_file() for d in dirs.values()):
         return None
+    return _save_mixture(config, mix, {name: str(d.resolve()) for name, d in dirs.items()})
+
+
+def _save_mixture(config: RunConfig, mix: MixtureManifest, dirs: dict[str, str]) -> Path:
+    """`mix` with where each source is read on this machine (`dirs`, by source name), saved
+    in the mix's directory; that directory."""
+    mix = mix.model_copy(update={"sources": [s.model_copy(update={"dir": dirs[s.name]}) for s in mix.sources]})
     directory = mixture_dir(config, mix.dataset_id)
-    if not (directory / MIXTURE_MANIFEST).is_file():
-        mix.model_copy(update={"sources": [source.model_copy(update={"dir": str(d.resolve())})
-                                           for source, d in zip(mix.sources, dirs)]}).save(directory)
+    mix.save(directory)
     return directory
 
 
@@ -447,9 +451,7 @@ def dataset_for_training(config: RunConfig, store: Store) -> Path:
             for source, plan, manifest in found}
     if not config.data.sources:
         return Path(dirs[SINGLE_SOURCE])
-    mix = mix.model_copy(update={"sources": [s.model_copy(update={"dir": dirs[s.name]}) for s in mix.sources]})
-    directory = mixture_dir(config, mix.dataset_id)
-    mix.save(directory)
+    directory = _save_mixture(config, mix, dirs)
     log.info("mix %s: %s", mix.dataset_id, ", ".join(f"{s.name} {s.weight:g} ({s.dataset_id})"
                                                       for s in mix.sources))
     return directory
