@@ -146,14 +146,11 @@ def _positive(kind: type) -> Callable[[str], float]:
 def _prepared(config, dataset) -> dict:
     """What `goodput prepare` prints: the dataset (or mixture) and, where it lies here, the
     directory to give `torchrun -m training --dataset` or `goodput export --tokenizer`."""
-    from goodput.data.prepare import local_mixture, mixture_dir
+    from goodput.data.prepare import local_dataset_dir
 
     result = dataset.model_dump(include={"dataset_id", "vocab_size"})
-    if config.data.sources:
-        directory = local_mixture(config, dataset) or mixture_dir(config, dataset.dataset_id)
-    else:
-        directory = Path(config.data.data_dir) / dataset.dataset_id
-    if directory.is_dir():
+    directory = local_dataset_dir(config, dataset)
+    if directory is not None:
         result["dataset_dir"] = str(directory)
     return result
 
@@ -850,11 +847,6 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
                     result = evaluate(config, args.checkpoint).model_dump(exclude={"samples"})
                 else:
                     result = pipeline(config)
-    except (ConfigError, DataError) as e:  # the input, which the message says how to change
-        _let_the_api_record(server, began)
-        print(f"goodput: {args.command} failed: {e}", file=sys.stderr)
-        _say_run_directory(config)
-        return 2
     except KeyboardInterrupt:
         if ctrl_c is not None:
             ctrl_c.wait_for_stop()
@@ -865,15 +857,21 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
         _let_the_api_record(server, began)
         print(f"goodput: {args.command} failed: {e}{_api_advice(e)}", file=sys.stderr)
         _say_run_directory(config)
-        # The input again, as the exception that carried it says: an attempt refused for its
-        # configuration or data (infra.torchrun.TrainingFailed, class config), or a store
-        # refusing the credentials given.
-        refused = isinstance(e, PermissionError) or _refused_by_the_prefect_server(e)
-        return 2 if refused or getattr(e, "failure_class", None) == "config" else 1
+        return 2 if _the_inputs_fault(e) else 1
     _let_the_api_record(server, began)
     print(json.dumps(result, indent=2, default=str))
     print(f"run directory: {config.run_dir.path.resolve()}")
     return 0
+
+
+def _the_inputs_fault(error: Exception) -> bool:
+    """Whether `error` is the input's, which its message says how to change (exit 2): a
+    configuration or data error, raised as such or carried by a training attempt of class
+    config (infra.torchrun.TrainingFailed), or credentials refused by the store or the
+    Prefect server."""
+    return (isinstance(error, (ConfigError, DataError, PermissionError))
+            or getattr(error, "failure_class", None) == "config"
+            or _refused_by_the_prefect_server(error))
 
 
 def _refused_by_the_prefect_server(error: Exception) -> bool:

@@ -22,7 +22,7 @@ from goodput.data.prepare import (
     require_sources,
 )
 from storage.manifests import DatasetManifest, MixtureManifest
-from storage.store import store_from_config, usable_anywhere
+from storage.store import usable_anywhere
 from tasks.control import resolve_config
 from tasks.credentials import load_credentials, uses_blocks
 from tasks.prepare import (
@@ -108,12 +108,12 @@ def prepare_source(config: RunConfig, tokenizer_from: str | None = None,
         workers = sorted({result.worker for result in results})
         manifest = write_manifest(plan, results, tokenizer_path, config.storage if to_store else None)
     # Also when found: a dataset prepared here while the store was down still gets uploaded.
-    publish(plan, manifest, config.storage)
+    published = publish(plan, manifest, config.storage)
     logger.info("dataset %s: %d train tokens in %d shards, %d validation tokens (%s); "
                 "%d records without text dropped, %d bad records skipped; in the store at %s",
                 manifest.dataset_id, manifest.n_tokens("train"), len(manifest.splits["train"]),
                 manifest.n_tokens("validation"), manifest.dtype, manifest.empty_records,
-                manifest.skipped_records, store_from_config(config.storage).url(plan.store_prefix))
+                manifest.skipped_records, published)
     return manifest, tokenize_s, workers
 
 

@@ -61,7 +61,8 @@ def base_job_template() -> dict:
     pod = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
     pod["nodeSelector"] = "{{ node_selector }}"
     pod["tolerations"] = "{{ tolerations }}"
-    # A list item that is a placeholder alone is left out while its variable is unset.
+    # Prefect's templating drops a list item that is a placeholder alone whose variable is
+    # unset: without shared_volume the pod has /dev/shm only.
     pod["volumes"] = [{"name": "dshm",
                        "emptyDir": {"medium": "Memory", "sizeLimit": "{{ shm_size }}"}},
                       "{{ shared_volume }}"]

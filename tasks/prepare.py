@@ -209,8 +209,8 @@ def write_manifest(plan: lib.DatasetPlan, results: list[lib.UnitResult], tokeniz
 
 
 @task(name="publish-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
-def publish(plan: lib.DatasetPlan, manifest: DatasetManifest, storage: StorageConfig) -> None:
-    lib.publish(plan, manifest, store_from_config(storage))
+def publish(plan: lib.DatasetPlan, manifest: DatasetManifest, storage: StorageConfig) -> str:
+    return lib.publish(plan, manifest, store_from_config(storage))
 
 
 @task(name="record-prepare", cache_policy=NO_CACHE, tags=TAGS)

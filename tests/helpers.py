@@ -159,13 +159,14 @@ def task_runs_of(flow_run_id, *named: str, timeout_s: float = 30.0) -> dict[str,
                 flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
         return {run.name.rsplit("-", 1)[0]: run for run in runs}
 
-    runs = read()
-    deadline = time.monotonic() + timeout_s
-    while named and time.monotonic() < deadline and not (
-            set(named) <= set(runs) and all(run.state and run.state.is_final() for run in runs.values())):
-        time.sleep(0.5)
+    def settled() -> dict[str, object] | None:
         runs = read()
-    return runs
+        final = all(run.state and run.state.is_final() for run in runs.values())
+        return runs if set(named) <= set(runs) and final else None
+
+    if not named:
+        return read()
+    return wait_for(settled, timeout_s, f"task runs {', '.join(named)} recorded final", every_s=0.5)
 
 
 def wait_for(probe, timeout_s: float, what: str, every_s: float = 1.0):

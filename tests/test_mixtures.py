@@ -221,7 +221,7 @@ def test_prepare_names_the_mix_directory_training_reads(mix, monkeypatch, tmp_pa
     moved = tmp_path / "moved"
     shutil.move(one, moved)
     try:
-        assert prep.local_mixture(config, manifest) is None
+        assert prep.local_dataset_dir(config, manifest) is None
     finally:
         shutil.move(moved, one)
 

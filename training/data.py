@@ -112,7 +112,7 @@ def open_training_data(directory: str | Path) -> TrainingData:
     raise ConfigError(f"--dataset {directory}: no prepared dataset there (no {DATASET_MANIFEST} "
                       f"or {MIXTURE_MANIFEST}); prepare it (goodput prepare) and pass the "
                       "dataset_dir it prints (data.data_dir/<dataset_id>; a mixture of "
-                      "data.sources: data.data_dir/mixes/<id>, once a train flow has read it)")
+                      "data.sources: data.data_dir/mixes/<id>)")
 
 
 class TokenStream:

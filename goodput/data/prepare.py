@@ -204,7 +204,7 @@ def _plan(config: RunConfig, dataset_id: str, files: list[SourceFile],
           tokenizer_from: str | None, eos_token: str | None = None) -> DatasetPlan:
     source = builtin_description() if config.data.source == BUILTIN else config.data.source
     return DatasetPlan(dataset_id=dataset_id, source=source,
-                       local_dir=str(Path(config.data.data_dir) / dataset_id),
+                       local_dir=str(dataset_dir(config, dataset_id)),
                        store_prefix=f"datasets/{dataset_id}",
                        settings_key=settings_key(config, tokenizer_from), files=files,
                        tokenizer_from=tokenizer_from, field_prefix=config.data.field_prefix,
@@ -407,19 +407,29 @@ def mixture_manifest(sources: list[tuple[SourceConfig, DatasetManifest]]) -> Mix
                  for source, manifest in sources])
 
 
+def dataset_dir(config: RunConfig, dataset_id: str) -> Path:
+    """Where a prepared dataset lies on this machine (its manifest, tokenizer and shards)."""
+    return Path(config.data.data_dir) / dataset_id
+
+
 def mixture_dir(config: RunConfig, mix_id: str) -> Path:
     """Where a mix of data.sources is read from (its mixture.json names each source's dir)."""
     return Path(config.data.data_dir) / MIXES_DIR / mix_id
 
 
-def local_mixture(config: RunConfig, mix: MixtureManifest) -> Path | None:
-    """The mix's directory (`torchrun -m training --dataset`) when every source's dataset is
-    complete on this machine, its mixture.json naming them; None when one lies only in the
-    store (training then streams it, and dataset_for_training makes the directory)."""
-    dirs = {source.name: Path(config.data.data_dir) / source.dataset_id for source in mix.sources}
-    if not all((d / DATASET_MANIFEST).is_file() for d in dirs.values()):
-        return None
-    return _save_mixture(config, mix, {name: str(d.resolve()) for name, d in dirs.items()})
+def local_dataset_dir(config: RunConfig, dataset: DatasetManifest | MixtureManifest) -> Path | None:
+    """The directory to give `torchrun -m training --dataset` (or `goodput export
+    --tokenizer`) where `dataset` lies on this machine, else None. A mix's is written here
+    when every source's dataset is complete on this machine; one that streams a source from
+    the store has it once training made it (dataset_for_training)."""
+    if not config.data.sources:
+        directory = dataset_dir(config, dataset.dataset_id)
+        return directory if directory.is_dir() else None
+    dirs = {source.name: dataset_dir(config, source.dataset_id) for source in dataset.sources}
+    if all((d / DATASET_MANIFEST).is_file() for d in dirs.values()):
+        return _save_mixture(config, dataset, {name: str(d.resolve()) for name, d in dirs.items()})
+    directory = mixture_dir(config, dataset.dataset_id)
+    return directory if directory.is_dir() else None
 
 
 def _save_mixture(config: RunConfig, mix: MixtureManifest, dirs: dict[str, str]) -> Path:
@@ -835,8 +845,9 @@ def _remove_unlisted(directory: Path, keep: set[str]) -> None:
             path.unlink()
 
 
-def publish(plan: DatasetPlan, manifest: DatasetManifest, store: Store) -> None:
-    """Upload the dataset dir to `datasets/<dataset_id>/`, manifest last, then the pointer.
+def publish(plan: DatasetPlan, manifest: DatasetManifest, store: Store) -> str:
+    """Upload the dataset dir to `datasets/<dataset_id>/`, manifest last, then the pointer;
+    where the dataset lies in the store.
 
     Nothing is sent when the store already holds this very manifest: it is uploaded last,
     so everything it lists is there already.
@@ -852,6 +863,7 @@ def publish(plan: DatasetPlan, manifest: DatasetManifest, store: Store) -> None:
                  store.url(plan.store_prefix), manifest.n_tokens("train"))
     if "pointer" in missing:
         store.put_bytes(_pointer_key(plan), _pointer(plan))
+    return store.url(plan.store_prefix)
 
 
 def unpublished(plan: DatasetPlan, store: Store) -> list[str]:
