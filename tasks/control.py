@@ -20,6 +20,10 @@ when to stop, and that no worker outlives it.
 - `UserErrorsWithoutTracebacks`: a configuration or data error (ConfigError, DataError)
   shows in a flow run's log as its message, which says what to change, without Prefect's
   traceback of the engine around it (two of them a pipeline, about 100 lines each).
+- `LibraryRecordsToTheRun`: what the library logs while a flow runs (a store request
+  retried, a file of no known format left out, a ledger the store could not give) is in
+  that flow run's log too, where a deployed run's user looks; before, it reached only the
+  console of the process, which a worker's flow run has none of.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
+from prefect.logging.handlers import APILogHandler
 from prefect.runtime import deployment, flow_run
 
 from core.config import ConfigError, RunConfig, apply_overrides, config_from_dict, load_config
@@ -56,6 +61,27 @@ class UserErrorsWithoutTracebacks(logging.Filter):
 # On the loggers themselves: Prefect's logging setup, run again, keeps a logger's filters.
 for _engine_logger in ("prefect.flow_runs", "prefect.task_runs"):
     logging.getLogger(_engine_logger).addFilter(UserErrorsWithoutTracebacks())
+
+
+class LibraryRecordsToTheRun(APILogHandler):
+    """Sends a record of the library's loggers to the log of the flow run it happens in
+    (Prefect's PREFECT_LOGGING_EXTRA_LOGGERS, which leaves the loggers at the root's WARNING
+    and warns for each record logged outside a run). Outside a run (the command's own check,
+    a script calling the library) there is no run to send to: the console has the record."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from prefect.context import FlowRunContext, TaskRunContext
+
+        if FlowRunContext.get() or TaskRunContext.get():
+            super().emit(record)
+
+
+LIBRARY_LOGGERS = ("goodput", "storage", "tasks", "training", "infra")
+for _library_logger in map(logging.getLogger, LIBRARY_LOGGERS):
+    if not any(isinstance(h, LibraryRecordsToTheRun) for h in _library_logger.handlers):
+        _library_logger.addHandler(LibraryRecordsToTheRun())
+    if _library_logger.level == logging.NOTSET:  # a level the user set stays
+        _library_logger.setLevel(logging.INFO)
 
 
 @task(name="resolve-config", cache_policy=NO_CACHE, tags=["config"])

@@ -204,7 +204,7 @@ def test_a_dataset_in_the_store_is_found_there_and_never_downloaded(tmp_path, ca
     assert len(TokenStream(cache, manifest, "train").window(0, 100)) == 100  # a shard read
     data_dir = Path(config.data.data_dir)
     before = sorted(p.relative_to(data_dir) for p in data_dir.rglob("*"))
-    caplog.set_level(logging.INFO, logger=prep.__name__)
+    caplog.set_level(logging.DEBUG, logger=prep.__name__)  # the prepare flow says it at INFO
     assert prep.prepare_dataset(config) == manifest
     assert not plan.dir.exists() and sorted(p.relative_to(data_dir) for p in data_dir.rglob("*")) == before
     assert f"dataset {manifest.dataset_id} is prepared in {store.url(plan.store_prefix)}" in caplog.text
@@ -738,6 +738,22 @@ def test_prefect_flow_runs_units_in_processes_and_writes_the_library_s_bytes(pre
         run.id for run in subflow_runs(parent).values()))), timeout_s=30, what=repr(said), every_s=0.5)
 
 
+def test_what_the_library_logs_is_in_the_flow_run_s_log(prefect_api, tmp_path):
+    """A deployed flow run has no console anyone reads: the library's records (a file of the
+    folder left out, the tokenizer trained) are in the flow run's log, where the UI shows it."""
+    from flows.prepare import prepare
+
+    folder = write_source(tmp_path / "in", "jsonl", DOCS).parent
+    (folder / "README.md").write_text("# not a corpus\n")
+    state = prepare(make_config(tmp_path, f"data.source={folder}"), return_state=True)
+    assert state.is_completed(), state
+    parent = state.state_details.flow_run_id
+    said = ("left out 1 file(s) of no known format (README.md)", "trained a 512-token BPE")
+    wait_for(lambda: all(any(s in line for line in logs_of(parent, *(
+        run.id for run in subflow_runs(parent).values()))) for s in said),
+        timeout_s=30, what=f"{said} in the flow runs' logs", every_s=0.5)
+
+
 def test_prefect_flow_fails_bad_input_without_retries(prefect_api, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId, FlowRunFilterParentFlowRunId
@@ -804,7 +820,7 @@ def test_publishes_to_s3_and_finds_it_there_without_downloading(tmp_path, s3_uri
     manifest = prep.prepare_dataset(config)
     plan = prep.plan_dataset(config)
     shutil.rmtree(plan.dir)
-    caplog.set_level(logging.INFO, logger=prep.__name__)
+    caplog.set_level(logging.DEBUG, logger=prep.__name__)  # the prepare flow says it at INFO
     assert prep.prepare_dataset(config) == manifest
     store = store_from_config(config.storage)
     assert f"dataset {manifest.dataset_id} is prepared in {store.url(plan.store_prefix)}" in caplog.text

@@ -312,7 +312,8 @@ def locate(config: RunConfig, store: Store, tokenizer_from: str | None = None) -
             raise DataError(f"{unlisted}; and no dataset was prepared from these data settings "
                             "(none in the store either)") from unlisted
         dataset_id = json.loads(pointer)["dataset_id"]
-        log.info("the sources are not listable here (%s); using dataset %s, prepared from these "
+        # debug: the prepare flow says so in its log (this would print it twice there).
+        log.debug("the sources are not listable here (%s); using dataset %s, prepared from these "
                  "data settings", unlisted, dataset_id)
         return _plan(config, dataset_id, [], tokenizer_from)
 
@@ -335,12 +336,12 @@ def find_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest | None:
     so a prepare with nothing to do moves nothing."""
     manifest = _verified_manifest(plan.dir)
     if manifest is not None:
-        log.info("dataset %s is prepared in %s", plan.dataset_id, plan.dir)
+        log.debug("dataset %s is prepared in %s", plan.dataset_id, plan.dir)  # the flow says where
         return manifest
     key = plan.store_key(DATASET_MANIFEST)
     if not store.exists(key):
         return None
-    log.info("dataset %s is prepared in %s", plan.dataset_id, store.url(plan.store_prefix))
+    log.debug("dataset %s is prepared in %s", plan.dataset_id, store.url(plan.store_prefix))
     return DatasetManifest.model_validate_json(store.get_bytes(key))
 
 
