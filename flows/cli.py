@@ -22,6 +22,7 @@ import argparse
 import faulthandler
 import itertools
 import json
+import logging
 import os
 import re
 import signal
@@ -541,8 +542,6 @@ _ENDED = re.compile(r"Finished in state (\w+)")
 def _task_run_ends_reach_the_api() -> bool:
     """Whether this process sends the task engine's "Finished in state" lines (INFO) to the
     API: logging to it is on, and the task-run logger lets INFO through to its handler."""
-    import logging
-
     from prefect.logging.handlers import APILogHandler
     from prefect.settings import PREFECT_LOGGING_TO_API_ENABLED
 
@@ -828,11 +827,52 @@ def main(argv: list[str] | None = None) -> int:
                 ctrl_c.restore()
 
 
+class _EachErrorOnceOnTheConsole(logging.Filter):
+    """The terminal shows an error where it happened (the task run, or the flow run that
+    raised it), not again as each flow run around it fails: a pipeline's DataError was
+    printed 7 times, each 200 characters or more. The flow runs' own logs (the UI) keep
+    theirs; task runs' lines all show (a retry's error may read as the last one did)."""
+
+    KEPT = 80  # characters of an error's text that identify it
+
+    def __init__(self):
+        super().__init__()
+        self.shown: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
+            return True
+        message = record.getMessage()
+        if record.name.startswith("prefect.flow_runs") and any(t in message for t in self.shown):
+            return False
+        error = record.exc_info[1] if record.exc_info else None
+        said = re.search(r'Failed\("\w[\w ]* exception:? \w+: (.+)', message)
+        text = str(error) if error is not None else said.group(1) if said else ""
+        if len(text) >= 12:  # a text that short could be part of any line
+            self.shown.add(text[:self.KEPT])
+        return True
+
+
+@contextmanager
+def _each_error_once_on_the_console() -> Iterator[None]:
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    consoles = [h for h in logging.getLogger().handlers if isinstance(h, PrefectConsoleHandler)]
+    once = _EachErrorOnceOnTheConsole()
+    for console in consoles:
+        console.addFilter(once)
+    try:
+        yield
+    finally:
+        for console in consoles:
+            console.removeFilter(once)
+
+
 def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServer | None,
               ctrl_c: _CtrlCStopsTraining | None) -> int:
     began = time.time()
     try:
-        with _flow_runs_recorded_by(server):  # a server too slow to start fails here
+        with _flow_runs_recorded_by(server), _each_error_once_on_the_console():
             from flows.evaluate import evaluate
             from flows.pipeline import pipeline
             from flows.prepare import prepare

@@ -62,10 +62,10 @@ def test_a_prepare_with_nothing_to_do_says_what_it_found_and_starts_no_flow_run(
 
 
 def test_a_data_error_through_the_flows_is_its_message_and_exit_status_2(tmp_path):
-    """A user's error (here a source path that matches nothing) reaches the flow runs' log as
-    its message, which says what to change, without Prefect's tracebacks around it (about 200
-    lines), and ends the command as a configuration error does: status 2, no run directory
-    named where none was made."""
+    """A user's error (here a source path that matches nothing) reaches the terminal as its
+    message, which says what to change, without Prefect's tracebacks around it (about 200
+    lines) and once, not once per flow run around it; it ends the command as a configuration
+    error does: status 2, no run directory named where none was made."""
     env = {name: value for name, value in os.environ.items()
            if name not in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
@@ -77,8 +77,11 @@ def test_a_data_error_through_the_flows_is_its_message_and_exit_status_2(tmp_pat
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert f"goodput: prepare failed: no files match '{missing}'" in proc.stderr
-    assert "Encountered exception during execution: DataError" in out  # the flow runs' log
     assert "Traceback" not in out and "run directory:" not in out
+    # Once where it happened (the task run's line), once as the command's answer: not again
+    # as each of the two flow runs around it fails (7 times in all, before).
+    assert out.count(f"no files match '{missing}'") == 2, out[-3000:]
+    assert "exception DataError: no files match" in out
 
 
 def test_the_flow_runs_when_there_is_something_to_publish_or_a_server_to_show_it(
