@@ -890,6 +890,8 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
     except KeyboardInterrupt:
         if ctrl_c is not None:
             ctrl_c.wait_for_stop()
+        if args.command in ("train", "pipeline"):
+            _secure_what_training_left(config)
         print(f"goodput: {args.command} interrupted", file=sys.stderr)
         _say_run_directory(config)
         return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
@@ -902,6 +904,40 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
     print(json.dumps(result, indent=2, default=str))
     print(f"run directory: {config.run_dir.path.resolve()}")
     return 0
+
+
+def _secure_what_training_left(config: RunConfig) -> None:
+    """After Ctrl-C stopped training: the checkpoints it committed that are not validated and
+    uploaded yet (the workers' emergency checkpoint, at least) are judged and sent to the
+    store before the command ends, as the train flow would have; before, they waited for the
+    next run, and a machine given back after Ctrl-C took them with it. Ctrl-C again leaves
+    them to the next run, which secures them first."""
+    from goodput import checkpoint_lifecycle as lifecycle
+    from storage.store import store_from_config
+
+    if not config.run_dir.path.is_dir():
+        return
+    steps = lifecycle.unsecured_steps(config)
+    if not steps:
+        return
+    print(f"goodput: securing checkpoint step(s) {', '.join(map(str, steps))} (validate, then "
+          "upload to the store); Ctrl-C again leaves them to the next run", file=sys.stderr)
+    step = steps[0]
+    try:
+        store = store_from_config(config.storage)
+        for step in steps:
+            entry = lifecycle.validate_checkpoint(config, step)
+            if entry.state == "validated":
+                entry = lifecycle.upload_checkpoint(config, step, store)
+            print(f"goodput: checkpoint step {step} " + (
+                f"validated and uploaded to {entry.store_url}" if entry.state == "uploaded"
+                else f"{entry.state}: {entry.reason}"), file=sys.stderr)
+        lifecycle.apply_retention(config, store)
+    except KeyboardInterrupt:
+        print(f"goodput: checkpoint step {step} and after left to the next run", file=sys.stderr)
+    except Exception as e:  # the store away, a verifier that crashed: the next run tries again
+        print(f"goodput: checkpoint step {step} not secured ({e}); the next run secures it",
+              file=sys.stderr)
 
 
 def _the_inputs_fault(error: Exception) -> bool:

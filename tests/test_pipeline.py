@@ -220,9 +220,9 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
     """No server configured: Ctrl-C in a terminal signals the whole foreground process group.
     It used to kill Prefect's temporary API server too, and the command then hung for minutes
     retrying the dead API instead of stopping. The workers, in sessions of their own, are
-    stopped by the command (attempt cancelled, not retried); their checkpoints are kept. A
-    second press while they save (it tore the API down under the stop's logging) is told to
-    wait."""
+    stopped by the command (attempt cancelled, not retried); their checkpoints are kept, and
+    the emergency one is validated and uploaded before the command ends. A second press while
+    they save (it tore the API down under the stop's logging) is told to wait."""
     config = small_config(tmp_path, "training.max_steps=2000", "launch.max_restarts=1")
     config_file = tmp_path / "run.yaml"
     config_file.write_text(dump_config(config))
@@ -268,6 +268,13 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
     assert "goodput: stopping: the workers are saving an emergency checkpoint" in text
     assert "Logging error" not in text and "Traceback" not in text
     assert (config.run_dir.path / "checkpoints" / "step-00000010").is_dir()
+    # The emergency checkpoint is secured before the command ends, not by the next run.
+    from goodput.checkpoint_lifecycle import ledger_of
+
+    entries = ledger_of(config).read().entries
+    last = max(entries)
+    assert last > 10 and entries[last].state == "uploaded", entries
+    assert f"checkpoint step {last} validated and uploaded to " in text, text[-3000:]
 
 
 def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
