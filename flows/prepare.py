@@ -14,6 +14,7 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
 from core.config import RunConfig
+from core.process_exit import stop_pool_processes_left
 from goodput.data.prepare import (
     DatasetPlan,
     UnitResult,
@@ -140,5 +141,11 @@ def tokenize_units(plan: DatasetPlan, units: list[WorkUnit], config: RunConfig,
             result = finished.result()
             progress(result.docs, result.tokens, result.skipped)
             results.append(result)
+    except BaseException:
+        # Ctrl-C or a cancel: the units in flight stop now. The pool's processes ignore
+        # Ctrl-C (each printed Prefect's traceback of it, about 150 lines in all), and the
+        # runner's exit would wait for their units to finish (minutes for 256 MiB units).
+        stop_pool_processes_left()
+        raise
     finally:
         progress.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import signal
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,7 +66,7 @@ def unit_runner(prepare: PrepareConfig, n_units: int, api_url: str | None,
         workers = max(1, min(prepare.workers or os.cpu_count() or 1, n_units))
         if workers == 1:
             return ThreadPoolTaskRunner(max_workers=1)
-        return ProcessPoolTaskRunner(max_workers=workers, initializer=_one_thread_per_process)
+        return ProcessPoolTaskRunner(max_workers=workers, initializer=_unit_process_setup)
     try:
         from prefect_ray import RayTaskRunner
     except ImportError as e:
@@ -146,10 +147,14 @@ def api_shared_with_unit_processes() -> Iterator[str | None]:
         yield server.api_url
 
 
-def _one_thread_per_process() -> None:
+def _unit_process_setup() -> None:
     # Each unit's process tokenizes on one core: the processes are the parallelism, and
     # tokenizers' own thread pool on top of them would only oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # Ctrl-C reaches the terminal's whole process group: the flow's process stops the units
+    # (flows.prepare.tokenize_units), and a KeyboardInterrupt here as well only printed
+    # Prefect's traceback of it, and killed the pool's manager thread on its way back.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 @task(name="plan-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)

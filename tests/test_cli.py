@@ -298,8 +298,9 @@ def test_the_command_exits_without_the_teardown_but_after_every_exit_hook(tmp_pa
 def test_ctrl_c_ends_a_prepare_whose_units_run_in_a_process_pool(tmp_path):
     """Ctrl-C reaches the pool's workers too; the KeyboardInterrupt one returns kills the
     pool's manager thread, which then never tells the others to stop, and multiprocessing's
-    exit handler waited for them forever: the command hung after "interrupted". It ends,
-    leaving no process behind; a rerun redoes only the units that did not finish."""
+    exit handler waited for them forever: the command hung after "interrupted". Now they
+    ignore it and the flow's process stops them: the command ends without their tracebacks,
+    leaving no process behind."""
     import psutil
     import signal
 
@@ -336,6 +337,9 @@ def test_ctrl_c_ends_a_prepare_whose_units_run_in_a_process_pool(tmp_path):
     text = "".join(output)
     assert proc.returncode == 130, text[-3000:]
     assert "goodput: prepare interrupted" in text
+    # The pool's processes ignore Ctrl-C: the flow's process stops them, and none prints its
+    # traceback of the KeyboardInterrupt (about 150 lines before).
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
     time.sleep(1)
     assert not [pid for pid in family if psutil.pid_exists(pid)
                 and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE], "processes left"
