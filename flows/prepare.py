@@ -139,7 +139,7 @@ def tokenize_units(plan: DatasetPlan, units: list[WorkUnit], config: RunConfig,
             finished = next(as_completed(in_flight))
             in_flight.remove(finished)
             result = finished.result()
-            progress(result.docs, result.tokens, result.skipped)
+            progress(result.docs, result.tokens, result.skipped, result.reused)
             results.append(result)
     except BaseException:
         # Ctrl-C or a cancel: the units in flight stop now. The pool's processes ignore

@@ -136,6 +136,9 @@ class PrepareProgress:
         from tqdm import tqdm
 
         self.n_units, self.done, self.docs, self.tokens, self.skipped = n_units, 0, 0, 0, 0
+        # What this run tokenized, apart from units an earlier run had done (they return at
+        # once): the speed and the ETA count only these.
+        self.new_units, self.new_tokens = 0, 0
         self.started = time.monotonic()
         self.key = artifact_key("prepare-progress", run_id)
         self.dataset_id = dataset_id
@@ -145,9 +148,11 @@ class PrepareProgress:
         self.bar = tqdm(total=n_units, unit="unit", desc=f"prepare {dataset_id}",
                         disable=None if show_bar else True, dynamic_ncols=True)
 
-    def __call__(self, docs: int, tokens: int, skipped: int) -> None:
+    def __call__(self, docs: int, tokens: int, skipped: int, reused: bool = False) -> None:
         self.done += 1
         self.docs, self.tokens, self.skipped = self.docs + docs, self.tokens + tokens, self.skipped + skipped
+        if not reused:
+            self.new_units, self.new_tokens = self.new_units + 1, self.new_tokens + tokens
         self.bar.set_postfix_str(self.describe(with_units=False), refresh=False)
         self.bar.update(1)
         try:
@@ -164,11 +169,15 @@ class PrepareProgress:
         """E.g. "12 / 40 units · 120,000 docs · 31,000,000 tokens · 2,500,000 tokens/s · ETA 0m31s"."""
         elapsed = max(time.monotonic() - self.started, 1e-9)
         parts = [f"{self.done} / {self.n_units} units"] if with_units else []
-        parts += [f"{self.docs:,} docs", f"{self.tokens:,} tokens", f"{self.tokens / elapsed:,.0f} tokens/s"]
+        parts += [f"{self.docs:,} docs", f"{self.tokens:,} tokens"]
+        if self.new_units:
+            parts.append(f"{self.new_tokens / elapsed:,.0f} tokens/s")
+        if self.new_units < self.done:
+            parts.append(f"{self.done - self.new_units} done before")
         if self.skipped:
             parts.append(f"{self.skipped:,} bad records skipped")
-        if 0 < self.done < self.n_units:
-            parts.append(f"ETA {format_duration(elapsed * (self.n_units - self.done) / self.done)}")
+        if 0 < self.new_units and self.done < self.n_units:
+            parts.append(f"ETA {format_duration(elapsed * (self.n_units - self.done) / self.new_units)}")
         return " · ".join(parts)
 
     def close(self) -> None:

@@ -678,8 +678,9 @@ def test_units_writing_to_the_store_resume_and_seal_the_dataset_there(tmp_path):
     tokenizer_path = prep.build_tokenizer(plan, config, units, store)
     first = [prep.tokenize_unit(plan, unit, config.data, config.storage, to_store=True) for unit in units]
     assert len(units) >= 3 and not list(plan.dir.glob("*.arrow"))
-    assert [prep.tokenize_unit(plan, unit, config.data, config.storage, to_store=True)
-            for unit in units] == first  # recorded: not redone (same timings)
+    again = [prep.tokenize_unit(plan, unit, config.data, config.storage, to_store=True) for unit in units]
+    assert all(r.reused for r in again) and not any(r.reused for r in first)
+    assert [r.model_copy(update={"reused": False}) for r in again] == first  # recorded: not redone (same timings)
 
     lost = f"{plan.store_prefix}/{first[1].shards['train'][0].path}"
     store.delete(lost)
@@ -752,6 +753,34 @@ def test_what_the_library_logs_is_in_the_flow_run_s_log(prefect_api, tmp_path):
     wait_for(lambda: all(any(s in line for line in logs_of(parent, *(
         run.id for run in subflow_runs(parent).values()))) for s in said),
         timeout_s=30, what=f"{said} in the flow runs' logs", every_s=0.5)
+
+
+def test_the_progress_of_a_rerun_counts_as_speed_only_what_it_tokenized(prefect_api, tmp_path):
+    """Units an earlier run finished return at once: the progress counts them done and says
+    so, but its tokens/s and ETA are of the units this run tokenized (it counted them all)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    from flows.prepare import prepare
+
+    source = write_source(tmp_path / "in", "jsonl", DOCS * 20)
+    config = make_config(tmp_path, f"data.source={source}", "data.max_docs=null",
+                         "data.unit_bytes=16KiB", "tokenizer.vocab_size=300", "prepare.workers=1")
+    plan = prep.plan_dataset(config)
+    units = prep.plan_units(plan, config)
+    prep.build_tokenizer(plan, config, units)
+    before = [prep.tokenize_unit(plan, unit, config.data, config.storage) for unit in units[:2]]
+    state = prepare(config, return_state=True)
+    assert state.is_completed(), state
+    source_run = subflow_runs(state.state_details.flow_run_id)["prepare-source"]
+    units_run = subflow_runs(source_run.id)["tokenize-units"]
+    with get_client(sync_client=True) as client:
+        [progress] = [a for a in client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[units_run.id]))) if a.type == "progress"]
+    assert progress.data == 100.0
+    said = progress.description
+    assert f"{len(units)} / {len(units)} units" in said and "2 done before" in said, said
+    assert f"{sum(r.tokens for r in before):,} tokens" not in said  # the total has all units'
 
 
 def test_prefect_flow_fails_bad_input_without_retries(prefect_api, tmp_path):

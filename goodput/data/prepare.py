@@ -150,6 +150,7 @@ class UnitResult(BaseModel):
     seconds: float
     empty: int = 0  # records without text (empty, whitespace, null), dropped
     worker: str = ""  # host:pid where the unit ran, for the log of a cluster run
+    reused: bool = False  # recorded done by an earlier run: nothing tokenized now
 
     @property
     def tokens(self) -> int:
@@ -755,7 +756,9 @@ def _finished_unit(read_record: Callable[[], bytes], key: str,
     except (FileNotFoundError, ValueError):
         return None
     shards = [s for split in result.shards.values() for s in split]
-    return result if result.key == key and all(present(s) for s in shards) else None
+    if result.key != key or not all(present(s) for s in shards):
+        return None
+    return result.model_copy(update={"reused": True})
 
 
 def _has_size(path: Path, size: int) -> bool:
