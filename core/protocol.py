@@ -422,6 +422,7 @@ def record_start(run_dir: RunDir | Path, attempt: int | str, fresh: bool = False
     before = len(read_starts(run_dir, attempt))
     line = {"start": before, "restart": restart_count(), "time": time.time(), "pid": os.getpid(),
             "node": int(os.environ.get("GROUP_RANK", "0")),
+            "world_size": int(os.environ.get("WORLD_SIZE", "1")),  # an elastic job's changes
             "holder": os.environ.get(ENV_LEASE_HOLDER)}  # who supervises: None for a plain run
     with open(directory / STARTS_FILE, "a") as f:
         f.write(json.dumps(line) + "\n")

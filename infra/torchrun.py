@@ -34,7 +34,8 @@ from core.files import exclusive_lock
 from core.protocol import (ENV_ATTEMPT, ENV_LEASE_HOLDER, ENV_MTBF_S, ENV_ORPHAN_AFTER_S,
                            ENV_RESTART_WAIT_S,
                            ENV_RUN_DIR, ENV_STOP_AFTER, FailureClass, ResumeSpec, in_job_restarts,
-                           read_exit_records, read_heartbeat, read_lease, write_lease)
+                           read_exit_records, read_heartbeat, read_lease, read_starts,
+                           write_lease)
 from infra.launchers import (RDZV_CONF_ENV, NodeLaunch, free_port,  # noqa: F401 (free_port: API)
                              make_launcher)
 
@@ -198,22 +199,24 @@ def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt:
             if not launcher.started:  # queued by a scheduler: waiting is not hanging
                 watch.restart()
                 continue
-            beat = watch.observe(read_heartbeat(config.run_dir))
-            if beat is not None and beat.get("phase") == "startup":
-                world = beat.get("world_size")
-                if beat.get("start"):
-                    log(f"workers restarted in-job (restart {beat['start']} of this attempt; "
+            # Each start of the workers from its line in starts.jsonl, which stays: the
+            # heartbeat says "startup" only until the first step, and a poll can miss that.
+            starts = read_starts(config.run_dir, attempt)
+            for begun in starts[len(worlds):]:
+                world = begun.get("world_size", 1)
+                if begun["start"]:
+                    log(f"workers restarted in-job (restart {begun['start']} of this attempt; "
                         f"launch.max_restarts={config.launch.max_restarts} per node): resuming "
                         "from the newest validated checkpoint")
-                if world is not None and worlds and world != worlds[-1]:
+                if worlds and world != worlds[-1]:
                     change = layout_change(config, worlds[-1], world)
                     log(change["text"])
                     if on_layout_change is not None:
                         on_layout_change(change)
-                if world is not None:
-                    worlds.append(world)
-                    launcher.world_started(world)
-            elif beat is not None and progress is not None:
+                worlds.append(world)
+                launcher.world_started(world)
+            beat = watch.observe(read_heartbeat(config.run_dir))
+            if beat is not None and beat.get("phase") != "startup" and progress is not None:
                 progress.put(beat)
             stalled = watch.stalled()
             if stalled:
