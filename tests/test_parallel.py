@@ -135,6 +135,22 @@ LAYOUTS_4 = {  # HSDP: test_hsdp_matches_single_process_and_its_background_saves
 }
 
 
+def test_with_clipping_active_fsdp_and_tp_train_the_single_process_curve(tmp_path, dataset):
+    """training.grad_clip below every step's gradient norm: the clip factor is the norm's,
+    so a norm that depends on how the gradients are sharded (float32 on the CPU: about 4e-6
+    relative on the embedding's) made the curves part, 2.5e-4 relative by step 15."""
+    clipped = "training.grad_clip=0.05"
+    single = run_training(tmp_path / "single", dataset, 1, clipped, "training.micro_batch_size=4",
+                          steps=12)
+    config = small_config(tmp_path / "single", "run.run_id=layout")
+    norms = [json.loads(line).get("grad_norm") for line in
+             (config.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert min(n for n in norms if n is not None) > 0.05  # clipped at every step
+    for name in ("fsdp", "tp"):
+        assert_same_curve(run_training(tmp_path / name, dataset, 2, clipped, *LAYOUTS_2[name],
+                                       steps=12), single)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS_4)
 def test_four_process_layouts_match_single_process(layout, tmp_path, dataset, reference):
     assert_same_curve(run_training(tmp_path, dataset, 4, *LAYOUTS_4[layout], steps=STEPS_4),

@@ -477,10 +477,15 @@ def clip_grad_norm_(layout: Layout, max_norm: float) -> torch.Tensor:
 
 
 def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    """The 2-norm of `grads`, accumulated in float64. In float32 a CPU norm of a 500k-element
+    gradient is off by about 4e-6 relative (no pairwise summation), and by another amount for
+    each way the gradient is sharded: with clipping active the clip factor, then through
+    AdamW the loss curve, differed by layout (2.5e-4 relative by step 15 under FSDP)."""
+    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+    norm = torch.linalg.vector_norm(torch.stack(norms))
     if hasattr(norm, "full_tensor"):  # DTensor: reduce over its mesh
         norm = norm.full_tensor()
-    return norm
+    return norm.to(grads[0].dtype)
 
 
 def _reduce_partial_grads(params: list[nn.Parameter]) -> None:
