@@ -782,6 +782,10 @@ def main(argv: list[str] | None = None) -> int:
         return _server(args)
     try:
         config = load_config(args.config, args.overrides)
+        if args.command in ("train", "pipeline"):
+            from goodput.runs import check_run_config
+
+            check_run_config(config)  # a run this config would not continue: before anything starts
     except ConfigError as e:
         print(f"goodput: {e}", file=sys.stderr)
         return 2

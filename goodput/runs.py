@@ -49,10 +49,32 @@ def check_run_config(config: RunConfig) -> Path:
                 f"run '{config.run.run_id}' already exists at {config.run_dir} with a different "
                 f"data/tokenizer/model/training config "
                 f"({trajectory_differences(previous, config)}); its checkpoints "
-                f"would not continue this one. To continue or evaluate that run, give its own "
-                f"config (--config {path}); to start another, choose a new run.run_id (or delete "
-                "the run directory to start over).")
+                f"would not continue this one.{_what_keeps_it(previous, config)} To continue or "
+                f"evaluate that run, give its own config (--config {path}) without overrides "
+                "that change these; to start another, choose a new run.run_id (or delete the "
+                "run directory to start over).")
     return path
+
+
+def _what_keeps_it(run: RunConfig, here: RunConfig) -> str:
+    """Advice for the differences a user makes on purpose: another number of workers (the
+    global batch follows it), a longer run (max_steps)."""
+    advice = ""
+    if run.global_batch != here.global_batch:
+        micro, accum = here.training.micro_batch_size, here.training.grad_accum_steps
+        dp = here.global_batch // (micro * accum)  # this layout's data-parallel degree
+        keep = [f"training.{field}={run.global_batch // (other * dp)}"
+                for field, other in (("micro_batch_size", accum), ("grad_accum_steps", micro))
+                if run.global_batch % (other * dp) == 0]
+        advice += (f" Another layout continues the run when the global batch stays "
+                   f"{run.global_batch} (micro_batch_size x grad_accum_steps x data-parallel "
+                   f"degree, {dp} here)" + (f": add {' or '.join(keep)}." if keep else "."))
+    if run.training.max_steps != here.training.max_steps:
+        advice += (" A run's length is part of its trajectory (the learning-rate schedule is "
+                   "laid out over training.max_steps): to train on from its weights, export a "
+                   "checkpoint (goodput export CHECKPOINT_DIR --format hf --out DIR) and start "
+                   "a new run.run_id with model.init_from=DIR.")
+    return advice
 
 
 def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,

@@ -412,3 +412,31 @@ def test_a_prefect_server_that_cannot_be_reached_is_named_with_what_to_do(tmp_pa
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "Failed to reach API at" in proc.stderr
     assert "is the Prefect server up? (`goodput server`, `prefect server start`)" in proc.stderr
+
+
+def test_a_config_that_would_not_continue_the_run_is_refused_before_anything_starts(tmp_path):
+    """Another worker count changes the global batch, a longer max_steps the LR schedule: the
+    command refuses at once (no flow run, no temporary server: it took 15 s and printed the
+    refusal three times), with status 2 and the overrides that keep the run's trajectory."""
+    from goodput.runs import write_run_config
+
+    overrides = [f"run.runs_dir={tmp_path / 'runs'}", f"data.data_dir={tmp_path / 'data'}",
+                 f"storage.uri={tmp_path / 'store'}"]
+    saved = write_run_config(load_config(None, overrides))  # 2 workers x 8 samples: 16
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    env.pop("PREFECT_API_URL", None)
+
+    def refusal(*changes: str) -> str:
+        proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--config", str(saved),
+                               *changes], capture_output=True, text=True, cwd=REPO, env=env,
+                              timeout=120)
+        assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+        assert proc.stderr.count("already exists") == 1, proc.stderr
+        return proc.stderr
+
+    said = refusal("parallelism.nproc_per_node=1")
+    assert "training.global_batch: 16 in the run, 8 here" in said
+    assert ("add training.micro_batch_size=16 or training.grad_accum_steps=2" in said), said
+    said = refusal("training.max_steps=600")
+    assert "model.init_from=DIR" in said and "goodput export" in said
+    assert not (tmp_path / "prefect-home" / "prefect.db").exists()  # no server was started
