@@ -379,8 +379,16 @@ class RunLease:
         done = threading.Event()
 
         def keep_renewing():
+            failing = False
             while not done.wait(self.renew_every_s):
-                write_lease(self.run_dir, self.holder, since=self.since)
+                try:
+                    write_lease(self.run_dir, self.holder, since=self.since)
+                    failing = False
+                except OSError as e:  # a full disk, say: said once; the attempt decides the rest
+                    if not failing:
+                        log(f"the run's lease could not be renewed ({e}); trying again every "
+                            f"{self.renew_every_s:.0f} s")
+                    failing = True
 
         thread = threading.Thread(target=keep_renewing, name="run-lease", daemon=True)
         thread.start()

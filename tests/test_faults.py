@@ -359,6 +359,40 @@ def test_configuration_errors_are_not_retried(workdir):
     assert "no-such-dataset" in outcomes[0]["reason"]
 
 
+@pytest.mark.chaos
+def test_a_full_disk_under_the_supervisor_ends_the_attempt_as_disk_full_unretried(workdir, monkeypatch):
+    """The run directory's disk full where the launch task itself writes (the run's config,
+    the lease, the records): no retry can help (it retried five times a second apart), and the
+    workers' disk_full record could not be written there. The task says so, with the fix."""
+    from prefect import flow
+
+    import tasks.train as train_tasks
+    from infra.torchrun import TrainingFailed
+
+    tries = []
+
+    def on_a_full_disk(*args, **kwargs):
+        tries.append(1)
+        with open("/dev/full", "w") as f:  # the kernel's ENOSPC, as a full disk gives it
+            f.write("config.yaml")
+            f.flush()
+
+    monkeypatch.setattr(train_tasks, "train_attempt", on_a_full_disk)
+    config = small_config(workdir, "run.run_id=fulldisk")
+
+    @flow
+    def launch_on_a_full_disk():
+        return train_tasks.launch_training.with_options(retries=3, retry_delay_seconds=0)(
+            config, workdir / "data")
+
+    state = launch_on_a_full_disk(return_state=True)
+    assert state.is_failed()
+    with pytest.raises(TrainingFailed, match="No space left on device .*free space on it, lower "
+                                             "checkpoint.keep_local") as failed:
+        state.result()
+    assert str(failed.value.failure_class) == "disk_full" and len(tries) == 1  # not retried
+
+
 def test_a_file_missing_in_a_worker_is_a_crash_to_retry_not_a_config_error(tmp_path):
     """Only errors raised as configuration or data errors where they are detected end a run
     unretried; a shard the manifest lists but a shared filesystem lost for a moment is a
