@@ -458,16 +458,33 @@ def read_heartbeat(run_dir: RunDir | Path) -> dict | None:
 # -- the run's lease: one supervisor, and no workers without one ------------------------------
 
 def write_lease(run_dir: RunDir | Path, holder: str, released: bool = False,
-                since: float | None = None) -> None:
+                since: float | None = None, orphan_after_s: float | None = None) -> None:
     """`holder` (a flow run, or an attempt) is in charge of the run: renewed while it lives,
-    or let go of (`released`); `since`: when it took the lease (default now)."""
+    or let go of (`released`); `since`: when it took the lease (default now);
+    `orphan_after_s`: the holder's launch.orphan_timeout_s, which its workers go by."""
     import socket
 
     now = time.time()
     _write_json_atomically(RunDir.of(run_dir).lease_file,
                            {"holder": holder, "pid": os.getpid(), "host": socket.gethostname(),
                             "time": now, "since": now if since is None else since,
-                            "released": released})
+                            "released": released, "orphan_after_s": orphan_after_s})
+
+
+def lease_holder_gone(lease: dict) -> bool:
+    """Whether the process that holds `lease` is known to be dead: it ran on this host and
+    its pid is gone. (A pid reused since reads as alive: the lease then runs out as usual.)"""
+    import socket
+
+    if lease.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(int(lease["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OSError, ValueError, KeyError):
+        return False
+    return False
 
 
 def read_lease(run_dir: RunDir | Path) -> dict | None:

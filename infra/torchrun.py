@@ -34,8 +34,8 @@ from core.files import exclusive_lock
 from core.protocol import (ENV_ATTEMPT, ENV_LEASE_HOLDER, ENV_MTBF_S, ENV_ORPHAN_AFTER_S,
                            ENV_RESTART_WAIT_S,
                            ENV_RUN_DIR, ENV_STOP_AFTER, FailureClass, ResumeSpec, in_job_restarts,
-                           read_exit_records, read_heartbeat, read_lease, read_starts,
-                           write_lease)
+                           lease_holder_gone, read_exit_records, read_heartbeat, read_lease,
+                           read_starts, write_lease)
 from infra.launchers import (RDZV_CONF_ENV, NodeLaunch, free_port,  # noqa: F401 (free_port: API)
                              make_launcher)
 
@@ -332,8 +332,11 @@ class RunLease:
         """Why the lease cannot be taken yet ("" when it can)."""
         now = time.time()
         lease = read_lease(self.run_dir)
+        # The holder's own orphan timeout, which its workers go by (a lease written before
+        # it was recorded: this config's).
+        orphan_after_s = (lease or {}).get("orphan_after_s") or self.orphan_after_s
         if (lease is not None and lease["holder"] != self.holder and not lease["released"]
-                and now - lease["time"] < self.orphan_after_s):
+                and now - lease["time"] < orphan_after_s and not lease_holder_gone(lease)):
             return (f"run {self.run_dir.run_id} is being trained by {lease['holder']} (pid "
                     f"{lease['pid']} on {lease['host']}, lease renewed {now - lease['time']:.0f}s "
                     "ago)")
@@ -347,10 +350,10 @@ class RunLease:
                for r in read_exit_records(self.run_dir, other)):
             return ""  # its workers have stopped
         age = now - beat["time"]
-        if age < self.orphan_after_s + self.save_s:
+        if age < orphan_after_s + self.save_s:
             return (f"the workers of attempt {other} still train with no supervisor (heartbeat "
                     f"{age:.0f}s ago); they stop by themselves once launch.orphan_timeout_s="
-                    f"{self.orphan_after_s:.0f}s passes without one")
+                    f"{orphan_after_s:.0f}s passes without one")
         return ""
 
     def acquire(self, log: Callable[[str], None], every_s: float = 1.0) -> None:
@@ -366,7 +369,8 @@ class RunLease:
                         self.abandoned = before
                     self.since = time.time()
                     self.waited_s = self.since - began
-                    write_lease(self.run_dir, self.holder, since=self.since)
+                    write_lease(self.run_dir, self.holder, since=self.since,
+                            orphan_after_s=self.orphan_after_s)
                     return
             if blocker.split(" (")[0] != told:
                 log(f"waiting: {blocker}")
@@ -382,7 +386,8 @@ class RunLease:
             failing = False
             while not done.wait(self.renew_every_s):
                 try:
-                    write_lease(self.run_dir, self.holder, since=self.since)
+                    write_lease(self.run_dir, self.holder, since=self.since,
+                            orphan_after_s=self.orphan_after_s)
                     failing = False
                 except OSError as e:  # a full disk, say: said once; the attempt decides the rest
                     if not failing:
@@ -397,7 +402,8 @@ class RunLease:
         finally:
             done.set()
             thread.join()
-            write_lease(self.run_dir, self.holder, released=True, since=self.since)
+            write_lease(self.run_dir, self.holder, released=True, since=self.since,
+                        orphan_after_s=self.orphan_after_s)
 
 
 class _LiveAttempt:

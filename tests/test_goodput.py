@@ -1,6 +1,9 @@
 """Goodput accounting on metrics as the trainer writes them (pure: no training)."""
 
 import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -173,7 +176,8 @@ with RunLease(config, "flow run killed").held(print):
 
     stopped = time.time()
     with RunLease(config, "flow run next").held(print) as lease:
-        assert lease.waited_s >= 1.0  # for the dead holder's lease to run out: not its time
+        # Its process is gone from this host: no wait for its lease to run out.
+        assert lease.waited_s < 1.0
         assert lease.abandoned["holder"] == "flow run killed" and not lease.abandoned["released"]
         found = record_abandoned_training(config, lease.abandoned)
     # Its time runs until its workers stopped, past its last renewal of the lease.
@@ -189,3 +193,34 @@ with RunLease(config, "flow run killed").held(print):
     # A holder that let go leaves nothing to record.
     with RunLease(config, "flow run after").held(print) as lease:
         assert lease.abandoned is None
+
+
+def test_a_lease_runs_out_by_its_holders_orphan_timeout_and_a_dead_local_holder_holds_none(tmp_path):
+    """A waiting supervisor judges a lease by the timeout its holder's workers go by (the
+    holder's launch.orphan_timeout_s, 20 s, not its own default of 120 s: it waited a minute
+    for nothing), and a holder on this host whose process is gone holds nothing."""
+    import socket
+    import time
+
+    from core.protocol import RunDir
+    from infra.torchrun import RunLease
+    from tests.helpers import small_config
+
+    config = small_config(tmp_path, "launch.orphan_timeout_s=120")
+    lease_file = RunDir.of(config.run_dir).lease_file
+    lease_file.parent.mkdir(parents=True, exist_ok=True)
+
+    def held_by(host: str, pid: int, renewed_s_ago: float, orphan_after_s: float | None) -> str:
+        now = time.time()
+        lease_file.write_text(json.dumps({
+            "holder": "flow run other", "pid": pid, "host": host, "time": now - renewed_s_ago,
+            "since": now - 100, "released": False, "orphan_after_s": orphan_after_s}))
+        return RunLease(config, "flow run here").blocker()
+
+    assert "is being trained by flow run other" in held_by("elsewhere", 1, 30, None)
+    assert held_by("elsewhere", 1, 30, 20.0) == ""  # ran out by the holder's 20 s
+    assert "is being trained" in held_by("elsewhere", 1, 10, 20.0)
+    assert "is being trained" in held_by(socket.gethostname(), os.getpid(), 10, 20.0)  # alive
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    assert held_by(socket.gethostname(), int(gone.stdout), 10, 20.0) == ""  # its process is gone
