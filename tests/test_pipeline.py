@@ -209,6 +209,33 @@ def test_training_needs_only_the_store_once_the_data_is_prepared(prefect_api, tm
     assert prepare(config) == manifest
 
 
+def test_training_publishes_a_dataset_its_store_lacks(prefect_api, tmp_path):
+    """Prepared with one storage.uri and trained with another: the run's checkpoints go to
+    the second store, and so does the dataset now (it stayed on the first machine, and a
+    machine with only that store could resume the checkpoints but not find their data)."""
+    import shutil
+
+    from flows.prepare import prepare
+    from goodput.data.corpus import build_builtin_corpus
+    from goodput.data.prepare import dataset_for_training
+    from storage.store import store_from_config
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    shutil.copy(build_builtin_corpus(tmp_path / "builtin"), corpus / "docs.jsonl")
+    overrides = ("run.run_id=moved", f"data.source={corpus}", "training.max_steps=10")
+    manifest = prepare(small_config(tmp_path, *overrides, f"storage.uri={tmp_path / 'first'}"))
+    config = small_config(tmp_path, *overrides, f"storage.uri={tmp_path / 'second'}")
+    assert train(config)["final_step"] == 10
+    store = store_from_config(config.storage)
+    assert store.exists(f"datasets/{manifest.dataset_id}/manifest.json")
+    # Another machine, with only the second store: the sources and the data dir are not there.
+    shutil.rmtree(corpus)
+    elsewhere = small_config(tmp_path / "elsewhere", *overrides, f"storage.uri={tmp_path / 'second'}")
+    assert dataset_for_training(elsewhere, store).parent.name == "cache"  # streamed from the store
+    assert Ledger(config.run_dir, "moved").read().steps("uploaded") == [10]
+
+
 def test_cli_reports_config_errors_before_starting_anything():
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "model.n_heads=3"],
                           capture_output=True, text=True, cwd=REPO, timeout=60)

@@ -886,6 +886,19 @@ def unpublished(plan: DatasetPlan, store: Store) -> list[str]:
     return missing
 
 
+def publish_for_training(config: RunConfig, store: Store) -> list[str]:
+    """Publish each source's dataset that lies complete on this machine but not in `store`
+    (prepared with another storage.uri, or while the store was down), where training is about
+    to checkpoint to that store: a machine with only the store can then resume the run. The
+    store locations sent to; empty when the store had them all."""
+    sent = []
+    for _, plan in mix_plans(config, store):
+        manifest = DatasetManifest.load(plan.dir) if (plan.dir / DATASET_MANIFEST).is_file() else None
+        if manifest is not None and unpublished(plan, store):
+            sent.append(publish(plan, manifest, store))
+    return sent
+
+
 def _pointer_key(plan: DatasetPlan) -> str:
     return f"datasets/{BY_SETTINGS}/{plan.settings_key}.json"
 
