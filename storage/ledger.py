@@ -13,6 +13,7 @@ take turns training a run each see, and keep, the other's checkpoints.
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from core.protocol import ResumeSpec, RunDir, copy_id, is_committed, step_of
 
 State = Literal["committed", "validated", "uploaded", "rejected", "pruned"]
 RESUMABLE: tuple[State, ...] = ("validated", "uploaded")
+log = logging.getLogger(__name__)
 
 
 class Transition(BaseModel):
@@ -82,9 +84,24 @@ class Ledger:
         self.run_id = run_id or run_dir.run_id
 
     def read(self) -> LedgerData:
-        if not self.path.is_file():
+        """The ledger; empty when there is none. A damaged file (it is only ever replaced
+        whole, so this is the disk's doing or a hand's) is set aside and read as empty: the
+        store's copy, merged on the next restore, and the checkpoints on disk, judged again,
+        take its place, where reading it failed every command of the run."""
+        try:
+            return LedgerData.model_validate_json(self.path.read_text())
+        except FileNotFoundError:
             return LedgerData(run_id=self.run_id)
-        return LedgerData.model_validate_json(self.path.read_text())
+        except ValueError as e:  # not JSON, or not a ledger
+            aside = self.path.with_name(f"{self.path.name}.damaged-{time.time():.0f}")
+            try:
+                self.path.replace(aside)
+            except FileNotFoundError:  # another reader set it aside first
+                return self.read()
+            log.warning("the ledger %s is damaged (%s), set aside as %s: the store's copy and "
+                        "the checkpoints on disk, judged again, take its place",
+                        self.path, str(e).splitlines()[0], aside.name)
+            return LedgerData(run_id=self.run_id)
 
     @contextmanager
     def edit(self) -> Iterator[LedgerData]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import re
 import socket
@@ -539,3 +540,28 @@ def test_open_read_refuses_to_mix_versions_and_names_a_vanished_object(s3_uri):
         store.delete("blob")
         with pytest.raises(FileNotFoundError, match=f"no such object: {re.escape(store.url('blob'))}"):
             f.read(1)
+
+
+def test_a_damaged_local_ledger_is_set_aside_and_the_stores_copy_takes_its_place(tmp_path, caplog):
+    """A ledger.json damaged on disk (truncated here) failed every command of the run, and
+    the warning blamed the store: it is set aside, named, and the store's copy restores it."""
+    from core.config import load_config
+    from goodput.checkpoint_lifecycle import ledger_of, restore_ledger
+    from storage.store import store_from_config
+
+    config = load_config(None, [f"run.runs_dir={tmp_path / 'runs'}", f"storage.uri={tmp_path / 'store'}"])
+    store = store_from_config(config.storage)
+    ledger = ledger_of(config)
+    ledger.path.parent.mkdir(parents=True)
+    ledger.record(10, "committed", loss=3.0)
+    ledger.record(10, "validated")
+    ledger.add_data_skip(160, 320, "non-finite loss at step 11")
+    ledger.push(store)
+    ledger.path.write_bytes(ledger.path.read_bytes()[:200])  # truncated
+
+    with caplog.at_level(logging.WARNING, logger="storage.ledger"):
+        restore_ledger(config, store)
+    data = ledger.read()
+    assert data.steps("validated") == [10] and [(s.start, s.end) for s in data.data_skips] == [(160, 320)]
+    [aside] = ledger.path.parent.glob("ledger.json.damaged-*")
+    assert f"the ledger {ledger.path} is damaged" in caplog.text and aside.name in caplog.text
