@@ -1185,6 +1185,9 @@ class RunConfig(_Section):
                              "range MIN:MAX (e.g. 2:4) to train elastically on whatever count "
                              "is at hand within it")
         low, high = int(match.group(1)), int(match.group(2))
+        if low > high:
+            raise ValueError(f"parallelism.nnodes={nnodes.strip()} is a reversed range: give "
+                             f"it as MIN:MAX, fewest nodes first (parallelism.nnodes={high}:{low})")
         elastic = dict(tree.get("elastic") or {})
         if elastic.get("min_nodes") not in (None, low):
             raise ValueError(f"parallelism.nnodes={nnodes} says at least {low} nodes, "
@@ -1598,6 +1601,10 @@ def apply_overrides(tree: dict, overrides: list[str]) -> dict:
         stated = {path[1] for path, _ in parsed if len(path) >= 2 and path[0] == "model"}
         tree["model"] = {k: v for k, v in tree["model"].items()
                          if k not in (*_FIXED_BY_CHECKPOINT, *_FFN_FIELDS) or k in stated}
+        if isinstance(tree["model"].get("moe"), dict):  # (model.moe={...} replaces it whole)
+            tree["model"] = _file_moe_displaced(tree["model"], _absolute(str(init_from[-1])),
+                                               {path[2] for path, _ in parsed if len(path) >= 3
+                                                and path[:2] == ["model", "moe"]})
     for text, (path, value) in zip(overrides, parsed):
         node = tree
         for part in path[:-1]:
@@ -1611,6 +1618,24 @@ def apply_overrides(tree: dict, overrides: list[str]) -> dict:
             node = child
         node[path[-1]] = value
     return tree
+
+
+def _file_moe_displaced(model: dict, directory: str, stated: set[str]) -> dict:
+    """The file's model.moe under a `model.init_from` override, as apply_overrides treats the
+    file's dim and n_layers: the fields the checkpoint fixes (a Mixtral's or Qwen3-MoE's experts
+    and routing) give way to the checkpoint's, unless `stated` as overrides too (which must
+    then agree); the run's own settings (balancing, collapse warning) stay. A dense checkpoint
+    displaces the file's model.moe whole."""
+    from core import hf_llama
+
+    try:
+        found = hf_llama.model_fields(directory).get("moe")
+    except ConfigError:
+        return model  # the checkpoint itself is refused when the config is validated
+    if found is None and not stated:
+        return {k: v for k, v in model.items() if k != "moe"}
+    return {**model, "moe": {k: v for k, v in model["moe"].items()
+                             if found is None or k not in found or k in stated}}
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None,

@@ -98,9 +98,8 @@ class ParallelDims:
         fixed = cp * math.prod(v for v in named.values() if v != -1)
         if free:
             if world_size % fixed:
-                raise LayoutError(Problem(
-                    f"{fixed} (the product of the fixed degrees) does not divide {world}",
-                    "choose degrees whose product divides it"))
+                raise LayoutError(_fixed_degrees_problem({**named, "cp": cp}, free[0],
+                                                         world_size, world))
             named[free[0]] = world_size // fixed
         elif fixed != world_size:
             raise LayoutError(Problem(f"dp_replicate*dp_shard*cp*tp*pp = {fixed} does not match {world}",
@@ -235,8 +234,7 @@ class ParallelDims:
             return None
         if n_layers < self.n_stages:
             return Problem(f"{self.n_stages} pipeline stages ({where}) exceed n_layers={n_layers}: "
-                           "each stage needs at least one layer",
-                           "lower parallelism.pp, or use a non-interleaved pp_schedule")
+                           "each stage needs at least one layer", self._fewer_stages_fix(n_layers))
         sizes = default_split(n_layers, self.n_stages, first_less=first, last_less=last)
         if min(sizes) >= 1:
             return None
@@ -252,6 +250,20 @@ class ParallelDims:
             f"set {' and '.join(f'{name}={fitted}' for name, _, _, fitted in dry)} or less "
             f"(split {default_split(n_layers, self.n_stages, first_less=fit[0], last_less=fit[1])})"
             ", or lower parallelism.pp")
+
+    def _fewer_stages_fix(self, n_layers: int) -> str:
+        """The changes that give each of the stages a layer: fewer pipeline ranks, fewer
+        stages per rank (only under interleaving), or more layers."""
+        v = self.stages_per_rank
+        most = max(1, n_layers // v)
+        fixes = ["set parallelism.pp=1" if most == 1 else f"lower parallelism.pp to {most} or less"]
+        if v > 1:
+            if n_layers // self.pp >= 2:
+                fixes.append(f"parallelism.pp_virtual_stages to {n_layers // self.pp} or less")
+            if n_layers >= self.pp:
+                fixes.append("use a non-interleaved parallelism.pp_schedule (1f1b or gpipe: "
+                             "one stage per pipeline rank)")
+        return ", or ".join(fixes) + f", or raise model.n_layers to {self.n_stages} or more"
 
     def stage_layers(self, n_layers: int) -> list[int]:
         """Layers per pipeline stage: the one stage rule, which the config's validation, the
@@ -299,8 +311,15 @@ class ParallelDims:
                 f"choose tp in {_divisors(gpus_per_node)} and move the rest to dp_shard or pp"))
         head_tp = math.gcd(n_heads, n_kv_heads)
         if head_tp % tp:
-            problems.append(Problem(f"tp={tp} does not divide n_heads={n_heads} and n_kv_heads={n_kv_heads}",
-                                    f"choose tp in {_divisors(head_tp, limit)}"))
+            # Each TP rank holds whole heads: tp divides the query heads and the key/value ones.
+            heads = {"model.n_heads": n_heads, "model.n_kv_heads": n_kv_heads}
+            undivided = [f"{name}={value}" for name, value in heads.items() if value % tp]
+            if n_kv_heads == n_heads:
+                undivided = undivided[:1]  # no GQA: n_kv_heads is n_heads
+            problems.append(Problem(
+                f"parallelism.tp={tp} does not divide {' and '.join(undivided)}: each tensor-"
+                "parallel rank holds whole attention heads",
+                f"choose parallelism.tp in {_divisors(head_tp, limit)}"))
         if vocab_size is not None and vocab_size % tp:
             problems.append(Problem(
                 f"tp={tp} does not divide the vocabulary ({vocab_size}) that TP splits",
@@ -352,15 +371,36 @@ class ParallelDims:
                 f"set parallelism.microbatches={2 * pp} (or more) and training.micro_batch_size "
                 f"to a multiple of it (bubble {pipeline_bubble(pp, 2 * pp, v):.1%})", advice=True))
         if micro_batch_size % m:
-            problems.append(Problem(
-                f"training.micro_batch_size={micro_batch_size} does not split into {m} pipeline "
-                "micro-batches", f"set training.micro_batch_size to a multiple of {m}"))
+            problems.append(self._microbatch_split_problem(micro_batch_size))
         if v > 1 and m % max(1, m // pp):  # the schedule runs m in rounds of equal size
             problems.append(Problem(
                 f"microbatches={m} do not split into equal rounds of interleaved-1f1b over pp={pp}",
                 f"set parallelism.microbatches to a multiple of {pp}, or at most {pp}"))
         return problems
 
+    def _microbatch_split_problem(self, micro_batch_size: int) -> Problem:
+        """training.micro_batch_size does not split into the pipeline micro-batches: either
+        side may change (parallelism.microbatches to a divisor the schedule runs)."""
+        pp, m, v = self.pp, self.microbatches_per_step, self.stages_per_rank
+        source = ("parallelism.microbatches" if self.microbatches else
+                  f"parallelism.microbatches' default 2*pp={2 * pp}")
+        runs = [d for d in _divisors(micro_batch_size)
+                if (self.pp_schedule != "1f1b" or d >= pp) and (v == 1 or d % max(1, d // pp) == 0)]
+        fix = f"set training.micro_batch_size to a multiple of {m} (e.g. {m * -(-micro_batch_size // m)})"
+        if len(runs) == 1:
+            fix += f", or parallelism.microbatches={runs[0]}"
+        elif runs:
+            fix += (f", or parallelism.microbatches to one of {runs} (the divisors of "
+                    f"training.micro_batch_size={micro_batch_size}"
+                    + (" that pp_schedule=1f1b runs" if self.pp_schedule == "1f1b" else "") + ")")
+        else:  # 1f1b needs at least pp micro-batches, and the micro-batch has fewer samples
+            fix += (f", or parallelism.microbatches={pp} (pp_schedule=1f1b needs at least pp) "
+                    f"with training.micro_batch_size a multiple of {pp}")
+        if min(runs or [pp]) < 2 * pp:
+            fix += (f"; fewer than 2*pp={2 * pp} micro-batches run, with a larger pipeline "
+                    "bubble (goodput plan says how much)")
+        return Problem(f"training.micro_batch_size={micro_batch_size} does not split into {m} "
+                       f"pipeline micro-batches ({source})", fix)
 
     @property
     def sequence_multiple(self) -> int:
@@ -516,6 +556,25 @@ def _weights_that_fit(n_layers: int, n_stages: int, first: int, last: int) -> tu
 
 def pipeline_bubble(pp: int, microbatches: int, stages_per_rank: int = 1) -> float:
     return (pp - 1) / (stages_per_rank * microbatches + pp - 1)
+
+
+def _fixed_degrees_problem(degrees: dict[str, int], free: str, world_size: int,
+                           world: str) -> Problem:
+    """The degrees given (all but `free`, the -1 that takes the rest) multiply to a number
+    that does not divide the world: name them, and the values of each that would fit."""
+    given = {d: v for d, v in degrees.items() if d != free and v != 1}
+    fixed = math.prod(given.values())
+    named = " x ".join(f"parallelism.{d}={v}" for d, v in given.items())
+    product = named if len(given) == 1 else f"{named} = {fixed}"
+    choices = []
+    for d, v in given.items():
+        others = fixed // v
+        if world_size % others == 0:
+            choices.append(f"parallelism.{d} in {_divisors(world_size // others)}")
+    fix = ("choose " + ", or ".join(choices) if choices else
+           "choose degrees whose product divides it")
+    return Problem(f"{product} (the degrees given; parallelism.{free}=-1 takes the rest) does "
+                   f"not divide {world}", fix + ", or change the world size")
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:

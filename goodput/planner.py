@@ -24,7 +24,7 @@ from pathlib import Path
 
 from core.config import ConfigError, RunConfig, parse_bytes  # noqa: F401 (parse_bytes: API)
 from core.hf_llama import given_tokenizer_file
-from core.layout import DEGREES, MESH_DIMS, LayoutError, ParallelDims, Problem, pipeline_bubble  # noqa: F401 (API)
+from core.layout import DEGREES, MESH_DIMS, LayoutError, ParallelDims, Problem, follow_world, pipeline_bubble  # noqa: F401 (API)
 from training.model_args import LOSS_CHUNK_TOKENS, ModelArgs, model_args_from_config
 
 # A layout's degrees in the order of its name (core.layout: ParallelDims.degrees, cp before tp).
@@ -609,8 +609,7 @@ def plan_layout(config: RunConfig, cluster: Cluster, degrees: dict[str, int],
     tcfg = config.training
     plan.tokens_per_step = tcfg.micro_batch_size * tcfg.grad_accum_steps * tcfg.seq_len * dims.dp_size
     _estimate_step(s, dims, plan)
-    if cluster.gpu_memory is not None and plan.memory.peak > cluster.gpu_memory:
-        plan.problems.append(_out_of_memory(s, dims, plan.memory))
+    plan.problems += _memory_problems(s, dims, plan.memory)
     plan.departures = _departures(plan, cluster)
     if suggest and dims.pp > 1 and plan.step_time_s is not None:
         plan.best_virtual_stages = _best_virtual_stages(config, cluster, dims.degrees, recipe)
@@ -1240,8 +1239,58 @@ def _stage_activations(s: _Setup, mb: int, dims: ParallelDims, kinds: tuple[bool
                for mode, moe in _block_modes(s, kinds, checkpointing))
 
 
-def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory) -> Problem:
-    """Name the first single change that makes the layout fit, with its estimate."""
+def _memory_problems(s: _Setup, dims: ParallelDims, mem: Memory) -> list[Problem]:
+    """Out of memory on the cluster, and, for an elastic run (parallelism.nnodes=MIN:MAX), on
+    any smaller node count it trains on after losing nodes: there the data-parallel degree
+    shrinks (core.layout.follow_world), so FSDP shards the states over fewer GPUs, and the
+    accumulation that keeps the global batch grows (gradients then live through backward).
+    An out-of-memory crash after a shrink has no retry budget, so the count that needs the
+    most is the one checked and named. A layout that cannot follow a smaller world at all
+    (core.config checks the configured one; the search's others) is a problem of its own."""
+    have, nodes = s.cluster.gpu_memory, s.cluster.nodes
+    low, high = s.config.node_range
+    checkpointing = s.config.parallelism.activation_checkpointing
+    problems, peaks = [], {nodes: (s, dims, mem)}
+    for fewer in range(low, nodes) if s.config.elastic_run else ():
+        after = f"at {fewer} of {low}-{high} nodes (after losing {nodes - fewer})"
+        try:
+            shrunk, accum = follow_world(dims, s.config.training.grad_accum_steps,
+                                         fewer * s.cluster.gpus_per_node,
+                                         f"{fewer} node(s) x {s.cluster.gpus_per_node} workers")
+        except LayoutError as e:
+            problems.append(Problem(f"{after} {e.problem.reason}", e.problem.fix))
+            continue
+        training = s.config.training.model_copy(update={"grad_accum_steps": accum})
+        there = replace(s, config=s.config.model_copy(update={"training": training}),
+                        cluster=replace(s.cluster, nodes=fewer))
+        peaks[fewer] = (there, shrunk, _memory(there, shrunk, checkpointing))
+    if have is None:
+        return problems
+    # The full count wins a tie: a non-elastic run, or one whose peak no loss raises, reads
+    # as before.
+    worst = max(peaks, key=lambda n: (peaks[n][2].peak, n == nodes))
+    there, shrunk, need = peaks[worst]
+    if need.peak <= have:
+        return problems
+    problem = _out_of_memory(there, shrunk, need, full=dims)
+    if worst == nodes:
+        return [problem, *problems]
+    fix = problem.fix
+    if peaks[nodes][2].peak <= have:  # the full count fits: so does a narrower range
+        enough = nodes  # the fewest nodes from which every count up to the full one fits
+        while enough - 1 in peaks and peaks[enough - 1][2].peak <= have:
+            enough -= 1
+        fix += (f", or raise the minimum to {enough} nodes (parallelism.nnodes={enough}:{high})"
+                if enough < nodes else f", or do not shrink: parallelism.nnodes={high}")
+    reason = f"at {worst} of {low}-{high} nodes (after losing {nodes - worst}) it {problem.reason}"
+    return [Problem(reason, fix), *problems]
+
+
+def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory,
+                   full: ParallelDims | None = None) -> Problem:
+    """Name the first single change that makes the layout fit, with its estimate. `full`:
+    the full world's layout where `dims` is an elastic run's after losing nodes (the degrees
+    a fix names are the config's, which it shrinks from)."""
     have, device = s.cluster.gpu_memory, _device_noun(s.cluster)
     reason = f"needs {_amount(mem.peak)} per {device}, more than the {_amount(have)} it has"
     checkpointing = s.config.parallelism.activation_checkpointing
@@ -1260,8 +1309,8 @@ def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory) -> Problem:
                         _memory(s, dims, "full")))
     if dims.dp_replicate > 1:
         shard = dims.dp_size
-        options.append((f"shard instead of replicating: dp_shard={shard}, dp_replicate=1 (FSDP "
-                        "shards weights, gradients and optimizer state)",
+        options.append((f"shard instead of replicating: dp_shard={(full or dims).dp_size}, "
+                        "dp_replicate=1 (FSDP shards weights, gradients and optimizer state)",
                         _memory(s, replace(dims, dp_shard=shard, dp_replicate=1), checkpointing)))
     if s.params.moe is not None:
         # More expert parallelism splits the experts further (their states shard over fewer

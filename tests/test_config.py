@@ -242,3 +242,99 @@ def test_a_missing_config_file_is_named_with_where_it_was_looked_for(tmp_path, m
     with pytest.raises(ConfigError, match=rf"config file configs/tinyy.yaml not found \(in {tmp_path}\); "
                                           r"pass an existing YAML file"):
         load_config("configs/tinyy.yaml")
+
+
+@pytest.mark.parametrize("overrides, says, not_says", [
+    # Stages beyond the layers: only the fixes that apply (no schedule advice without
+    # interleaving).
+    ("parallelism.dp_replicate=1 parallelism.pp=2 parallelism.pp_schedule=1f1b model.n_layers=1",
+     "2 pipeline stages (pp=2, 1f1b) exceed n_layers=1: each stage needs at least one layer; set "
+     "parallelism.pp=1, or raise model.n_layers to 2 or more", "pp_schedule"),
+    ("parallelism.dp_replicate=1 parallelism.pp=2 parallelism.pp_schedule=interleaved-1f1b "
+     "parallelism.pp_virtual_stages=3 model.n_layers=4 training.micro_batch_size=4",
+     "6 pipeline stages (pp=2, interleaved-1f1b) exceed n_layers=4: each stage needs at least one "
+     "layer; set parallelism.pp=1, or parallelism.pp_virtual_stages to 2 or less, or use a "
+     "non-interleaved parallelism.pp_schedule (1f1b or gpipe: one stage per pipeline rank), or "
+     "raise model.n_layers to 6 or more", None),
+    # TP and heads: only the head count tp does not divide, by its full name.
+    ("parallelism.nproc_per_node=4 parallelism.dp_replicate=1 parallelism.tp=4 model.n_kv_heads=2",
+     "parallelism.tp=4 does not divide model.n_kv_heads=2: each tensor-parallel rank holds whole "
+     "attention heads; choose parallelism.tp in [1, 2]", "model.n_heads"),
+    ("parallelism.nproc_per_node=8 parallelism.dp_replicate=1 parallelism.tp=8",
+     "parallelism.tp=8 does not divide model.n_heads=4: each tensor-parallel rank holds whole "
+     "attention heads; choose parallelism.tp in [1, 2, 4]", "n_kv_heads"),
+    # Degrees whose product does not divide the world: named, with the values that fit.
+    ("parallelism.tp=3", "parallelism.tp=3 (the degrees given; parallelism.dp_replicate=-1 takes "
+     "the rest) does not divide world size 2 (nnodes x nproc_per_node); choose parallelism.tp in "
+     "[1, 2], or change the world size", "product of the fixed degrees"),
+    ("parallelism.nproc_per_node=8 parallelism.tp=2 parallelism.pp=3",
+     "parallelism.tp=2 x parallelism.pp=3 = 6 (the degrees given; parallelism.dp_replicate=-1 "
+     "takes the rest) does not divide world size 8 (nnodes x nproc_per_node); choose "
+     "parallelism.pp in [1, 2, 4], or change the world size", None),
+    # A reversed node range is said to be one, not blamed on a field the user never set.
+    ("parallelism.nnodes=3:2", "parallelism.nnodes=3:2 is a reversed range: give it as MIN:MAX, "
+     "fewest nodes first (parallelism.nnodes=2:3)", "elastic.min_nodes"),
+    # A micro-batch that does not split into the pipeline micro-batches: either side may change.
+    ("parallelism.dp_replicate=1 parallelism.pp=2 training.micro_batch_size=6",
+     "training.micro_batch_size=6 does not split into 4 pipeline micro-batches "
+     "(parallelism.microbatches' default 2*pp=4); set training.micro_batch_size to a multiple of "
+     "4 (e.g. 8), or parallelism.microbatches to one of [2, 3, 6] (the divisors of "
+     "training.micro_batch_size=6 that pp_schedule=1f1b runs); fewer than 2*pp=4 micro-batches "
+     "run, with a larger pipeline bubble", None),
+    ("parallelism.dp_replicate=1 parallelism.pp=2 training.micro_batch_size=1",
+     "training.micro_batch_size=1 does not split into 4 pipeline micro-batches "
+     "(parallelism.microbatches' default 2*pp=4); set training.micro_batch_size to a multiple of "
+     "4 (e.g. 4), or parallelism.microbatches=2 (pp_schedule=1f1b needs at least pp) with "
+     "training.micro_batch_size a multiple of 2", None),
+    ("parallelism.dp_replicate=1 parallelism.pp=2 parallelism.pp_schedule=gpipe "
+     "parallelism.microbatches=4 training.micro_batch_size=2",
+     "training.micro_batch_size=2 does not split into 4 pipeline micro-batches "
+     "(parallelism.microbatches); set training.micro_batch_size to a multiple of 4 (e.g. 4), or "
+     "parallelism.microbatches to one of [1, 2] (the divisors of training.micro_batch_size=2)",
+     None),
+])
+def test_layout_errors_offer_only_the_fixes_that_apply(overrides, says, not_says):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/tiny.yaml", overrides.split())
+    assert says in str(err.value)
+    assert not_says is None or not_says not in str(err.value)
+
+
+def test_an_init_from_override_displaces_the_files_model_moe(tmp_path):
+    """`--config configs/tiny-moe.yaml model.init_from=MIXTRAL`: the file's experts and routing
+    (8 experts of 176, a dense first block) give way to the checkpoint's as its dim and
+    n_layers do; its balancing settings stay. model.moe fields given as overrides too must
+    agree with the checkpoint, and a dense checkpoint drops the file's model.moe."""
+    transformers = pytest.importorskip("transformers")
+    from training.tokenizer import train_tokenizer
+
+    mixtral = tmp_path / "mixtral"
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=256)).save_pretrained(mixtral)
+    train_tokenizer(["the quick brown fox jumps over the lazy dog"] * 20, vocab_size=4096,
+                    min_frequency=1).save(str(mixtral / "tokenizer.json"))
+    model = load_config("configs/tiny-moe.yaml", [f"model.init_from={mixtral}"]).model
+    assert (model.dim, model.n_layers) == (64, 2)
+    moe = model.moe
+    assert (moe.num_experts, moe.top_k, moe.expert_dim, moe.first_dense_layers) == (4, 2, 128, 0)
+    assert (moe.bias_update_rate, moe.aux_loss_coeff) == (1e-3, 1e-3)  # the file's own
+    for override, message in (("model.moe.num_experts=8", "model.moe.num_experts=8 but the checkpoint's is 4"),
+                              ("model.moe.first_dense_layers=1",
+                               "model.moe.first_dense_layers=1 but the checkpoint's is 0")):
+        with pytest.raises(ConfigError) as err:
+            load_config("configs/tiny-moe.yaml", [f"model.init_from={mixtral}", override])
+        assert message in str(err.value) and "leave these fields out" in str(err.value)
+        assert str(err.value).count(" but ") == 1  # only the override, not the file's fields
+    # The same fields stated in agreement pass.
+    load_config("configs/tiny-moe.yaml", [f"model.init_from={mixtral}", "model.moe.num_experts=4"])
+    llama = tmp_path / "llama"
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=256)).save_pretrained(llama)
+    shutil.copy(mixtral / "tokenizer.json", llama / "tokenizer.json")
+    dense = load_config("configs/tiny-moe.yaml", [f"model.init_from={llama}", "parallelism.ep=1"])
+    assert dense.model.moe is None
+    with pytest.raises(ConfigError, match="model.moe is set but the checkpoint is a dense Llama"):
+        load_config("configs/tiny-moe.yaml", [f"model.init_from={llama}", "model.moe.top_k=2"])

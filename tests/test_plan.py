@@ -1063,10 +1063,10 @@ def test_parse_bytes():
 
 @pytest.mark.parametrize("overrides, degrees, reason, fix", [
     ((), layout(tp=16), "tp=16 does not fit inside a node of 8 GPUs", "choose tp in [1, 2, 4, 8]"),
-    (("model.n_kv_heads=8",), layout(dp_shard=1, tp=16), "does not divide n_heads=32 and n_kv_heads=8",
-     "choose tp in [1, 2, 4, 8]"),
+    (("model.n_kv_heads=8",), layout(dp_shard=1, tp=16), "parallelism.tp=16 does not divide model.n_kv_heads=8",
+     "choose parallelism.tp in [1, 2, 4, 8]"),
     (("model.n_heads=12", "model.dim=4080"), layout(dp_shard=2, tp=8),
-     "tp=8 does not divide n_heads=12", "choose tp in [1, 2, 3, 4, 6]"),
+     "parallelism.tp=8 does not divide model.n_heads=12", "choose parallelism.tp in [1, 2, 3, 4, 6]"),
     (("tokenizer.vocab_size=32001", "model.vocab_multiple_of=1"), layout(dp_shard=8, tp=2),
      "does not divide the vocabulary (32001)", "choose tp in [1], or a model.vocab_multiple_of divisible by 2"),
     (("parallelism.microbatches=2", "training.micro_batch_size=2"), layout(dp_shard=4, pp=4),
@@ -1416,6 +1416,59 @@ def test_a_layout_out_of_memory_for_its_logits_is_told_to_compute_the_loss_in_ch
     plan, cluster, source = planner.check_run(load_config(None, with_tp))
     assert not plan.ok and "loss_chunk_tokens" not in planner.failure_message(plan, cluster, source)
 
+
+# Llama 2 7B with FSDP x TP=8, elastic over 2 to 4 nodes: losing two shrinks dp_shard from 4
+# to 2, so each GPU holds twice the weights, gradients and optimizer state (accumulation
+# doubles to keep the global batch).
+ELASTIC_7B = ("parallelism.nnodes=2:4", "training.grad_accum_steps=6", "parallelism.dp_replicate=1",
+              "parallelism.dp_shard=-1", "parallelism.tp=8")
+
+
+def llama2_7b(*overrides: str):
+    return load_config(str(REPO / "configs/llama2-7b.yaml"), list(overrides))
+
+
+def planned(config, nodes: int, memory: str, degrees=None) -> planner.LayoutPlan:
+    return planner.plan_layout(config, cluster(nodes=nodes, memory=memory),
+                               degrees or planner.configured_degrees(config))
+
+
+def test_an_elastic_range_is_planned_at_the_node_count_that_needs_the_most_memory():
+    config = llama2_7b(*ELASTIC_7B)
+    two = planned(llama2_7b(*ELASTIC_7B[2:], "parallelism.nnodes=2", "training.grad_accum_steps=12"),
+                  2, "12.5GiB")
+    plan = planned(config, 4, "12.5GiB")
+    # The full count fits (its estimate is the one shown); two nodes, as planned on their own,
+    # do not, and the fix names what fits there or a minimum that never goes there.
+    assert plan.memory.peak < 12.5 * 2**30 < two.memory.peak and not plan.ok
+    assert [str(p) for p in plan.problems] == [
+        f"at 2 of 2-4 nodes (after losing 2) it {two.problems[0]}, or do not shrink: "
+        "parallelism.nnodes=4"]
+    assert str(plan.problems[0]) == (
+        "at 2 of 2-4 nodes (after losing 2) it needs 15.3 GiB per GPU, more than the 12.5 GiB "
+        "it has; fix: set parallelism.activation_checkpointing=full (11.2 GiB), or do not "
+        "shrink: parallelism.nnodes=4")
+    # Three nodes fit in 13.5 GiB: the range can keep them.
+    assert str(planned(config, 4, "13.5GiB").problems[0]).endswith(
+        "or raise the minimum to 3 nodes (parallelism.nnodes=3:4)")
+    assert planned(config, 4, "16GiB").ok
+    # Not elastic: the full count alone, as before.
+    assert planned(llama2_7b(*ELASTIC_7B[1:], "parallelism.nnodes=4"), 4, "12.5GiB").ok
+    # A layout of the search that cannot follow a smaller world is ruled out there.
+    hsdp = planned(config, 4, "80GiB", layout(dp_replicate=2, dp_shard=16))
+    assert [str(p) for p in hsdp.problems] == [
+        "at 3 of 2-4 nodes (after losing 1) 3 node(s) x 8 workers gives a data-parallel degree "
+        "of 24, which HSDP's dp_shard=16 does not divide (dp_shard stays; dp_replicate changes); "
+        "fix: choose nodes whose data-parallel degree is a multiple of dp_shard"]
+
+
+def test_the_pre_launch_check_fails_an_elastic_run_that_would_not_fit_after_a_shrink():
+    """check_run is what the check-layout task runs and fails the flow on."""
+    config = llama2_7b(*ELASTIC_7B, "parallelism.device=cuda", "parallelism.device_memory=12.5GiB")
+    plan, on, source = planner.check_run(config)
+    assert not plan.ok and on.nodes == 4
+    assert ("at 2 of 2-4 nodes (after losing 2) it needs 15.3 GiB per GPU"
+            in planner.failure_message(plan, on, source))
 
 def test_the_local_device_is_decided_as_torch_would_without_importing_a_cpu_build(tmp_path):
     # The flow's process plans every run: on a CPU build of torch it learns "cpu" from
