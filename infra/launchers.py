@@ -200,9 +200,15 @@ class NodeProcesses:
                 self._lost_at[i] = time.monotonic()
                 how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
                 remaining = sum(c is None for c in codes)
+                if not self.spec.elastic:
+                    then = ""
+                elif remaining >= self.spec.min_nodes:
+                    then = f"; training goes on on them (elastic.min_nodes={self.spec.min_nodes})"
+                else:
+                    then = (f"; fewer than elastic.min_nodes={self.spec.min_nodes}: the rendezvous "
+                            "waits for nodes to join, then the attempt ends as node_lost")
                 self._log(f"node {i} lost: its torchrun agent ended ({how}) while {remaining} "
-                          "node(s) ran" + (f"; training goes on on them (elastic.min_nodes="
-                                           f"{self.spec.min_nodes})" if self.spec.elastic else ""))
+                          f"node(s) ran{then}")
 
     def world_started(self, world_size: int) -> None:
         """The supervisor saw the workers start on a world of `world_size`."""

@@ -348,6 +348,9 @@ def test_a_shrink_below_min_nodes_waits_then_fails_as_node_lost(tmp_path, datase
     assert "fewer than elastic.min_nodes=2 remained" in result.reason
     assert "elastic.wait_for_replacement_s=3s" in result.reason
     assert result.step is not None and result.step < 40
+    # The second loss is not told to train on below the minimum.
+    lost = [line for line in lines if " lost: its torchrun agent ended" in line]
+    assert "training goes on" not in lost[-1] and "fewer than elastic.min_nodes=2" in lost[-1], lost
     assert time.monotonic() - started < 240
 
 
