@@ -6,7 +6,7 @@
     goodput serve                             # deployments for the Prefect UI and schedules
     goodput server                            # the production stack: PostgreSQL, Prefect
                                               # server (auth on), work pool, worker, deployments
-    goodput export CHECKPOINT_DIR --format hf --out DIR   # a transformers Llama model
+    goodput export CHECKPOINT_DIR --format hf --out DIR   # a transformers model
     goodput plan --config FILE --nodes 4 --gpus-per-node 8 --gpu-memory 80GiB   # layouts
     goodput plan --config FILE                # the cluster the config names (parallelism.*)
     goodput plan --config FILE --from-run runs/ID   # step time from a run's measured MFU
@@ -81,10 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no worker here (workers run on other machines)")
     p = sub.add_parser("show-config", help="print the resolved configuration")
     _config_args(p)
-    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama model")
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face transformers model "
+                                      "(Llama; an MoE model as Qwen3-MoE or Mixtral)")
     p.add_argument("checkpoint", help="a committed checkpoint directory (step-XXXXXXXX)")
     p.add_argument("--format", choices=["hf"], default="hf",
-                   help="hf: safetensors + config.json for transformers' LlamaForCausalLM")
+                   help="hf: safetensors + config.json that transformers' AutoModelForCausalLM "
+                        "loads (LlamaForCausalLM; Qwen3MoeForCausalLM or MixtralForCausalLM)")
     p.add_argument("--out", required=True, help="output directory (must be empty or new)")
     p.add_argument("--tokenizer", help="tokenizer.json, or the directory of the dataset (or mixture) "
                                        "the run trained on, to include")

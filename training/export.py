@@ -1,4 +1,5 @@
-"""Export a committed checkpoint as a Hugging Face Llama model: safetensors + config.json.
+"""Export a committed checkpoint as a Hugging Face model: safetensors + config.json (a Llama; an
+MoE model as Qwen3-MoE or Mixtral, training/hf_weights.py).
 
     goodput export runs/x/checkpoints/step-00000300 --format hf --out exported/ \
         [--tokenizer DATASET_DIR_OR_TOKENIZER_JSON] [--dtype bfloat16] [--force]
