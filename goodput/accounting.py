@@ -106,7 +106,7 @@ def checkpoint_interval_advice(run_dir, failures: int, wall_s: float,
 
 def summarize_goodput(config) -> dict:
     """The run's goodput section of summary.json, from its metrics, attempts and stage times."""
-    from goodput.runs import failures_of, read_outcomes, read_summary, update_summary
+    from goodput.runs import failed_restarts, failures_of, read_outcomes, read_summary, update_summary
 
     summary = read_summary(config.run_dir)
     train_wall = summary.get("train", {}).get("wall_time_total_s", 0.0)
@@ -115,11 +115,14 @@ def summarize_goodput(config) -> dict:
     attempts: dict[str, int] = {}
     for o in outcomes:
         attempts[o["class"]] = attempts.get(o["class"], 0) + 1
-    in_job = sum(o.get("restarts", 0) for o in outcomes)  # each one recovered a failure
+    in_job = sum(map(failed_restarts, outcomes))  # each one recovered a failure
     failures = failures_of(outcomes)  # a cancelled attempt failed nothing
     values = goodput_breakdown(config.run_dir, train_wall, eval_wall, config.parallelism.world_size)
     values["attempts"] = attempts
     values["in_job_restarts"] = in_job
+    grows = sum(o.get("grows") or 0 for o in outcomes)
+    if grows:
+        values["elastic_grows"] = grows  # restarts that let a lost node back in: no failure
     values["checkpoint_advice"] = checkpoint_interval_advice(
         config.run_dir, failures, train_wall, config.faults.mtbf_hours, config.checkpoint.every_steps)
     update_summary(config.run_dir, "goodput", values)

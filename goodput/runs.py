@@ -161,6 +161,8 @@ def record_outcome(config: RunConfig, attempt: str, result: AttemptResult, resum
                "step": result.step, "exit_code": result.exit_code, "resumed_from": resumed_from,
                "newest_checkpoint": step_of(committed[-1]) if committed else 0,
                "restarts": result.restarts,  # in-job (torchrun) restarts within the attempt
+               # Of those, an elastic world growing back (elastic.grow): planned, no failure.
+               "grows": sum(b > a for a, b in zip(result.worlds, result.worlds[1:])),
                "wall_time_s": result.wall_time_s,
                "time": time.time() if ended is None else ended, **details}
     directory = config.run_dir.attempt(attempt)
@@ -182,7 +184,14 @@ def failures_of(outcomes: list[dict]) -> int:
     start) lost no work to checkpoint against: counted, a few such in a row made the
     mean time between failures seconds, and checkpoint.interval=auto a save every step."""
     return sum((o["class"] not in (FailureClass.DONE, FailureClass.CANCELLED)
-                and o.get("step") is not None) + (o.get("restarts") or 0) for o in outcomes)
+                and o.get("step") is not None) + failed_restarts(o) for o in outcomes)
+
+
+def failed_restarts(outcome: dict) -> int:
+    """The in-job restarts of an attempt that recovered a failure: not the restarts that
+    let a lost node back into an elastic world (elastic.grow), which the workers' own
+    membership change makes."""
+    return (outcome.get("restarts") or 0) - (outcome.get("grows") or 0)
 
 
 def observed_mtbf_s(config: RunConfig) -> float:

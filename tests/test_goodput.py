@@ -224,3 +224,20 @@ def test_a_lease_runs_out_by_its_holders_orphan_timeout_and_a_dead_local_holder_
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     assert held_by(socket.gethostname(), int(gone.stdout), 10, 20.0) == ""  # its process is gone
+
+
+def test_an_elastic_world_growing_back_is_no_failure_in_the_accounting(tmp_path):
+    """One node lost (the workers restart on 2 of 4), then let back in (they restart on 4):
+    two in-job restarts, one failure. Counted as two, the observed MTBF was halved and the
+    checkpoint-interval advice with it."""
+    from core.protocol import FailureClass
+    from goodput.runs import failures_of, read_outcomes, record_outcome
+    from infra.torchrun import AttemptResult
+    from tests.helpers import small_config
+
+    config = small_config(tmp_path)
+    result = AttemptResult(exit_code=0, failure_class=FailureClass.DONE, reason="done", step=30,
+                           wall_time_s=100.0, restarts=2, worlds=[4, 2, 4])
+    outcome = record_outcome(config, "a-1", result, resumed_from=0)
+    assert (outcome["restarts"], outcome["grows"]) == (2, 1)
+    assert failures_of(read_outcomes(config)) == 1
