@@ -37,6 +37,7 @@ from storage.ledger import (
     unsecured_copies,
 )
 from storage.manifests import CheckpointManifest, EvalReport, lower_is_better, verify_files
+from storage.store import IntegrityError
 
 log = logging.getLogger("goodput.checkpoints")
 
@@ -157,8 +158,13 @@ def validate_checkpoint(config: RunConfig, step: int, dataset_dir: Path | None =
 
 
 def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
-    """validated -> uploaded: every shard first, the manifest last, then the ledger."""
+    """validated -> uploaded: every shard first, the manifest last, then the ledger.
+
+    A stored copy that differs from the manifest's digests because the local file does too
+    (damaged on disk since validation) is the local copy's fault, not the store's: the copy
+    is set aside (set_aside_damaged), not uploaded again and again."""
     ledger = ledger_of(config)
+    damaged: list[str] = []
     with _step_lock(config, step):
         entry = ledger.read().entries.get(step)
         if entry is None or entry.state == "committed":
@@ -179,9 +185,18 @@ def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
             known = {f.path: f.sha256 for f in CheckpointManifest.load(path).files}
             # Training runs meanwhile: the upload (its transfer threads included) takes the
             # cycles training leaves idle (core.cpu_priority).
-            at_background_priority(store.upload_dir, path, key, last=(CHECKPOINT_MANIFEST,),
-                                   known_sha256=known)
-            entry = ledger.record(step, "uploaded", store_url=store.url(key))
+            try:
+                at_background_priority(store.upload_dir, path, key, last=(CHECKPOINT_MANIFEST,),
+                                       known_sha256=known)
+            except IntegrityError:
+                damaged = verify_files(path, CheckpointManifest.load(path).files)
+                if not damaged:  # the transfer's or the store's doing: the task retries
+                    raise
+            else:
+                entry = ledger.record(step, "uploaded", store_url=store.url(key))
+    if damaged:
+        return set_aside_damaged(config, step, from_store=False,
+                                 reason="its local files changed since validation: " + "; ".join(damaged[:3]))
     # Every time, so that the store's ledger (what a new machine resumes from) names this step.
     ledger.push(store)
     return entry

@@ -157,8 +157,8 @@ def upload_checkpoint(config: RunConfig, step: int) -> LedgerEntry | None:
     except lifecycle.CopySuperseded as e:  # not a failure: the new copy has its own upload
         get_run_logger().warning(f"{e}; its new copy is validated and uploaded on its own")
         return None
-    if entry.state == "rejected":  # judged bad meanwhile (a copy saved again, say): never sent
-        get_run_logger().info(f"checkpoint step {step} was rejected: not uploaded")
+    if entry.state == "rejected":  # judged bad (its files changed since validation, say)
+        get_run_logger().warning(f"checkpoint step {step} rejected: {entry.reason}; not uploaded")
         return entry
     checkpoint_event(config, entry)
     get_run_logger().info(f"checkpoint step {step} uploaded to {entry.store_url}")

@@ -354,6 +354,22 @@ def test_a_retried_upload_pushes_the_ledger_the_failed_try_could_not(run, tmp_pa
     assert json.loads(store.get_bytes("runs/test/ledger.json"))["entries"]["20"]["state"] == "uploaded"
 
 
+def test_a_checkpoint_damaged_on_disk_after_validation_is_set_aside_not_uploaded(run, tmp_path):
+    """Its upload finds the stored copy differing from the manifest's digests: the local file
+    does too, so the local copy is to blame (the error named the store's copy, and the task
+    uploaded it three more times): it is set aside and rejected, and nothing is retried."""
+    config, _ = run
+    store = open_store(str(tmp_path / "store"))
+    assert checkpoints.validate_checkpoint(config, 20).state == "validated"
+    shard = next(config.run_dir.checkpoint(20).glob("*.distcp"))
+    flip_bytes(shard)
+    entry = checkpoints.upload_checkpoint(config, 20, store)
+    assert entry.state == "rejected" and "changed since validation" in entry.reason, entry
+    assert f"{shard.name}: sha256" in entry.reason
+    assert not config.run_dir.checkpoint(20).exists()  # set aside, never loaded
+    assert not store.exists(f"{checkpoint_key('test', 20)}/manifest.json")
+
+
 def test_upload_then_resume_from_the_store_alone(run, tmp_path):
     config, dataset = run
     store = open_store(str(tmp_path / "store"))
