@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "pipeline micro-batches); also parallelism.strict_layout=true")
     p.add_argument("--search", action="store_true", help="rank all layouts even when the "
                                                          "config sets one")
-    p.add_argument("--top", type=int, default=10, help="layouts shown in the ranking")
+    p.add_argument("--top", type=_positive(int), default=10, help="layouts shown in the ranking")
     p.add_argument("--explain", action="store_true",
                    help="the arithmetic behind each figure of the best (or given) layout: FLOPs "
                         "per token, bytes per GPU of each kind, each collective's volume and "
@@ -138,7 +138,9 @@ def _positive(kind: type) -> Callable[[str], float]:
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+            hint = (" (a node range is the config's: parallelism.nnodes=" + text + ")"
+                    if ":" in text else "")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number{hint}") from None
         if not value > 0:
             raise argparse.ArgumentTypeError(f"{text} must be above 0")
         return value
