@@ -190,9 +190,12 @@ def _plan(args: argparse.Namespace) -> int:
                              if value is not None]
         config = planner.with_run_vocab(load_config(args.config, [*args.overrides, *cluster_overrides]))
         memory = args.gpu_memory or config.parallelism.device_memory
+        if memory is None and config.parallelism.device == "cpu":  # workers on this machine
+            memory = str(planner.local_device_memory("cpu", config.parallelism.nproc_per_node)[0])
         if memory is None:
             raise ConfigError("memory per GPU unknown: pass --gpu-memory (e.g. 80GiB) or set "
-                              "parallelism.device_memory in the config")
+                              "parallelism.device_memory in the config (or parallelism.device=cpu "
+                              "to plan CPU workers on this machine's memory)")
         if planner.parse_bytes(memory) <= 0:
             raise ConfigError(f"--gpu-memory {memory}: give the memory of one GPU, e.g. 80GiB")
         par = config.parallelism

@@ -1820,7 +1820,7 @@ def explain(p: LayoutPlan, cluster: Cluster) -> str:
                   f"max({backward}, gradients + update workspace)"]
     if p.degrees["pp"] > 1:
         lines.append(f"  pipeline: {_pipeline_facts(p)}")
-    lines += [f"  {fact}" for fact in _step_facts(p, "GPU", cluster)]
+    lines += [f"  {fact}" for fact in _step_facts(p, _device_noun(cluster), cluster)]
     lines += [f"  warning: {warning}" for warning in p.warnings]
     lines += [f"  ruled out: {problem}" for problem in p.problems]
     return "\n".join(lines)
