@@ -14,6 +14,7 @@ long-lived thread hands the work to a new one (`at_background_priority`).
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
 import threading
@@ -55,7 +56,9 @@ def at_background_priority(fn: Callable[..., T], *args, **kwargs) -> T:
         except BaseException as e:  # handed to the caller, re-raised there
             outcome["error"] = e
 
-    worker = threading.Thread(target=run, name=f"background-{getattr(fn, '__name__', 'work')}")
+    # In the caller's context (contextvars): a record logged there still knows its flow run.
+    worker = threading.Thread(target=contextvars.copy_context().run, args=(run,),
+                              name=f"background-{getattr(fn, '__name__', 'work')}")
     worker.start()
     worker.join()
     if "error" in outcome:

@@ -857,10 +857,12 @@ class _EachErrorOnceOnTheConsole(logging.Filter):
         if record.name.startswith("prefect.flow_runs") and any(t in message for t in self.shown):
             return False
         error = record.exc_info[1] if record.exc_info else None
-        said = re.search(r'Failed\("\w[\w ]* exception:? \w+: (.+)', message)
-        text = str(error) if error is not None else said.group(1) if said else ""
+        # A state's message as Prefect writes it: repr(), so in '...' or, with a ' in it, "...".
+        said = re.search(r"""Failed\((["'])\w[\w ]* exception:? \w+: (.*?)\1\)""", message)
+        text = str(error) if error is not None else said.group(2) if said else ""
         if len(text) >= 12:  # a text that short could be part of any line
             self.shown.add(text[:self.KEPT])
+            self.shown.add(repr(text)[1:self.KEPT + 1])  # as it reads inside a repr()
         return True
 
 

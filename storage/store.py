@@ -13,6 +13,7 @@ this module never takes, stores or prints them.
 from __future__ import annotations
 
 import base64
+import contextvars
 import hashlib
 import io
 import logging
@@ -217,7 +218,8 @@ def _run_parallel(jobs: list[Callable[[], None]], max_workers: int) -> None:
     if not jobs:
         return
     with ThreadPoolExecutor(max_workers=max_workers) as pool:
-        futures = [pool.submit(job) for job in jobs]
+        # Each in a copy of the caller's context: a retry's warning still knows its flow run.
+        futures = [pool.submit(contextvars.copy_context().run, job) for job in jobs]
         try:
             for future in as_completed(futures):
                 future.result()

@@ -440,3 +440,28 @@ def test_a_config_that_would_not_continue_the_run_is_refused_before_anything_sta
     said = refusal("training.max_steps=600")
     assert "model.init_from=DIR" in said and "goodput export" in said
     assert not (tmp_path / "prefect-home" / "prefect.db").exists()  # no server was started
+
+
+@pytest.mark.parametrize("error", ["no files match /data/x*.jsonl: check data.source",
+                                   "no files match '/data/x*.jsonl': check data.source",
+                                   "two lines:\nthe second names data.source"])
+def test_the_console_shows_an_error_once_however_prefect_quotes_it(error):
+    """Prefect writes a state's message with repr(): in '...' unless the text holds a ',
+    newlines escaped. The task run's line shows; the flow runs' lines around it do not, and
+    their other lines do."""
+    import logging
+
+    def record(logger: str, message: str, error: Exception | None = None) -> logging.LogRecord:
+        exc_info = (type(error), error, None) if error is not None else None
+        return logging.LogRecord(logger, logging.INFO, __file__, 1, message, None, exc_info)
+
+    once = cli._EachErrorOnceOnTheConsole()
+    raised = ValueError(error)
+    state = f"Finished in state Failed({('Task run encountered an exception ValueError: ' + error)!r})"
+    assert once.filter(record("prefect.task_runs", state))
+    assert not once.filter(record("prefect.flow_runs", f"Encountered exception during execution: "
+                                                       f"{raised!r}", raised))
+    flow_state = f"Finished in state Failed({('Flow run encountered an exception: ValueError: ' + error)!r})"
+    assert not once.filter(record("prefect.flow_runs", flow_state))
+    assert once.filter(record("prefect.flow_runs", "Finished in state Completed()"))
+    assert once.filter(record("prefect.task_runs", state))  # a retry's own line still shows

@@ -754,6 +754,22 @@ def test_what_the_library_logs_is_in_the_flow_run_s_log(prefect_api, tmp_path):
         run.id for run in subflow_runs(parent).values()))) for s in said),
         timeout_s=30, what=f"{said} in the flow runs' logs", every_s=0.5)
 
+    # Also from the threads the library's transfers run in (a checkpoint upload, a store's
+    # parallel parts): their records know the flow run they work for.
+    from prefect import flow
+
+    from core.cpu_priority import at_background_priority
+    from storage.store import _run_parallel
+
+    @flow
+    def logs_from_threads():
+        at_background_priority(logging.getLogger("storage.store").warning, "from a background thread")
+        _run_parallel([lambda: logging.getLogger("storage.store").warning("from a pool thread")], 2)
+
+    run = logs_from_threads(return_state=True).state_details.flow_run_id
+    wait_for(lambda: {"from a background thread", "from a pool thread"} <= set(logs_of(run)),
+             timeout_s=30, what="the threads' records in the flow run's log", every_s=0.5)
+
 
 def test_the_progress_of_a_rerun_counts_as_speed_only_what_it_tokenized(prefect_api, tmp_path):
     """Units an earlier run finished return at once: the progress counts them done and says
