@@ -207,9 +207,11 @@ def restore_ledger(config: RunConfig, store) -> None:
     it, and a machine that trained the run before learns what others did since (without it
     it would resume from its own older checkpoint and upload over theirs).
 
+    A local ledger that no longer reads is set aside first (Ledger.set_aside_if_damaged).
     With a local ledger to go on, a store that cannot be read right now is reported and
     skipped; without one it is an error, as nothing could be resumed or evaluated."""
     ledger, key = ledger_of(config), ledger_key(config.run.run_id)
+    ledger.set_aside_if_damaged()
     try:
         if store.exists(key):
             ledger.merge(store.get_bytes(key))

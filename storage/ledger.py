@@ -30,6 +30,10 @@ RESUMABLE: tuple[State, ...] = ("validated", "uploaded")
 log = logging.getLogger(__name__)
 
 
+class LedgerDamaged(ValueError):
+    """The ledger file does not read as a ledger."""
+
+
 class Transition(BaseModel):
     state: State
     at: float
@@ -85,23 +89,31 @@ class Ledger:
 
     def read(self) -> LedgerData:
         """The ledger; empty when there is none. A damaged file (it is only ever replaced
-        whole, so this is the disk's doing or a hand's) is set aside and read as empty: the
-        store's copy, merged on the next restore, and the checkpoints on disk, judged again,
-        take its place, where reading it failed every command of the run."""
+        whole, so that is the disk's doing or a hand's) raises LedgerDamaged, naming it: every
+        reader (the workers' too) sees the same, until `set_aside_if_damaged` repairs it."""
         try:
             return LedgerData.model_validate_json(self.path.read_text())
         except FileNotFoundError:
             return LedgerData(run_id=self.run_id)
         except ValueError as e:  # not JSON, or not a ledger
-            aside = self.path.with_name(f"{self.path.name}.damaged-{time.time():.0f}")
+            raise LedgerDamaged(f"the ledger {self.path} is damaged ({str(e).splitlines()[0]}); "
+                                "the next run sets it aside and takes the store's copy") from None
+
+    def set_aside_if_damaged(self) -> Path | None:
+        """Move a damaged ledger file aside (under the ledger's lock, so no writer's good copy
+        is moved instead); where it went, or None when it reads. The store's copy, merged
+        next (restore_ledger), and the checkpoints on disk, judged again, take its place."""
+        if not self.path.is_file():
+            return None
+        with exclusive_lock(self.path.with_suffix(".lock")):
             try:
+                self.read()
+                return None
+            except LedgerDamaged as e:
+                aside = self.path.with_name(f"{self.path.name}.damaged-{time.time_ns()}")
                 self.path.replace(aside)
-            except FileNotFoundError:  # another reader set it aside first
-                return self.read()
-            log.warning("the ledger %s is damaged (%s), set aside as %s: the store's copy and "
-                        "the checkpoints on disk, judged again, take its place",
-                        self.path, str(e).splitlines()[0], aside.name)
-            return LedgerData(run_id=self.run_id)
+                log.warning("%s: set aside as %s", str(e).split("; the next run")[0], aside.name)
+                return aside
 
     @contextmanager
     def edit(self) -> Iterator[LedgerData]:

@@ -543,8 +543,9 @@ def test_open_read_refuses_to_mix_versions_and_names_a_vanished_object(s3_uri):
 
 
 def test_a_damaged_local_ledger_is_set_aside_and_the_stores_copy_takes_its_place(tmp_path, caplog):
-    """A ledger.json damaged on disk (truncated here) failed every command of the run, and
-    the warning blamed the store: it is set aside, named, and the store's copy restores it."""
+    """A ledger.json damaged on disk (truncated here) failed every command of the run with a
+    pydantic error, and the warning blamed the store: reading it names the file, and the next
+    restore sets it aside (under the ledger's lock) and takes the store's copy."""
     from core.config import load_config
     from goodput.checkpoint_lifecycle import ledger_of, restore_ledger
     from storage.store import store_from_config
@@ -558,6 +559,10 @@ def test_a_damaged_local_ledger_is_set_aside_and_the_stores_copy_takes_its_place
     ledger.add_data_skip(160, 320, "non-finite loss at step 11")
     ledger.push(store)
     ledger.path.write_bytes(ledger.path.read_bytes()[:200])  # truncated
+    from storage.ledger import LedgerDamaged
+
+    with pytest.raises(LedgerDamaged, match=re.escape(f"the ledger {ledger.path} is damaged")):
+        ledger.read()  # every reader, the workers too, until the next run repairs it
 
     with caplog.at_level(logging.WARNING, logger="storage.ledger"):
         restore_ledger(config, store)
