@@ -467,16 +467,29 @@ def write_lease(run_dir: RunDir | Path, holder: str, released: bool = False,
     now = time.time()
     _write_json_atomically(RunDir.of(run_dir).lease_file,
                            {"holder": holder, "pid": os.getpid(), "host": socket.gethostname(),
-                            "time": now, "since": now if since is None else since,
+                            "pid_space": _pid_space(), "time": now,
+                            "since": now if since is None else since,
                             "released": released, "orphan_after_s": orphan_after_s})
 
 
+def _pid_space() -> str | None:
+    """Which pids a process sees: this boot of this kernel and this pid namespace (containers
+    sharing a host name, or a network namespace, need not share their pids)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
 def lease_holder_gone(lease: dict) -> bool:
-    """Whether the process that holds `lease` is known to be dead: it ran on this host and
-    its pid is gone. (A pid reused since reads as alive: the lease then runs out as usual.)"""
+    """Whether the process that holds `lease` is known to be dead: it ran where this process
+    sees the same pids (same host, boot and pid namespace) and its pid is gone. (A pid reused
+    since reads as alive: the lease then runs out as usual.)"""
     import socket
 
-    if lease.get("host") != socket.gethostname():
+    here = _pid_space()
+    if lease.get("host") != socket.gethostname() or here is None or lease.get("pid_space") != here:
         return False
     try:
         os.kill(int(lease["pid"]), 0)
