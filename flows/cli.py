@@ -904,7 +904,7 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
         if ctrl_c is not None:
             ctrl_c.wait_for_stop()
         if args.command in ("train", "pipeline"):
-            _secure_what_training_left(config)
+            _secure_what_training_left(config, args.command)
         print(f"goodput: {args.command} interrupted", file=sys.stderr)
         _say_run_directory(config)
         return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
@@ -919,7 +919,7 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
     return 0
 
 
-def _secure_what_training_left(config: RunConfig) -> None:
+def _secure_what_training_left(config: RunConfig, command: str) -> None:
     """After Ctrl-C stopped training: the checkpoints it committed that are not validated and
     uploaded yet (the workers' emergency checkpoint, at least) are judged and sent to the
     store before the command ends, as the train flow would have; before, they waited for the
@@ -935,22 +935,27 @@ def _secure_what_training_left(config: RunConfig) -> None:
         return
     print(f"goodput: securing checkpoint step(s) {', '.join(map(str, steps))} (validate, then "
           "upload to the store); Ctrl-C again leaves them to the next run", file=sys.stderr)
-    step = steps[0]
+    left = list(steps)
     try:
         store = store_from_config(config.storage)
         for step in steps:
             entry = lifecycle.validate_checkpoint(config, step)
             if entry.state == "validated":
                 entry = lifecycle.upload_checkpoint(config, step, store)
+            left.remove(step)
             print(f"goodput: checkpoint step {step} " + (
                 f"validated and uploaded to {entry.store_url}" if entry.state == "uploaded"
                 else f"{entry.state}: {entry.reason}"), file=sys.stderr)
         lifecycle.apply_retention(config, store)
     except KeyboardInterrupt:
-        print(f"goodput: checkpoint step {step} and after left to the next run", file=sys.stderr)
+        # Now, as a third Ctrl-C during training's stop does: an upload's transfer threads
+        # would hold the process until they finished. The temporary server dies with it.
+        os.write(2, f"goodput: checkpoint step(s) {', '.join(map(str, left))} left to the next "
+                    f"run\ngoodput: {command} interrupted\n".encode())
+        os._exit(130)
     except Exception as e:  # the store away, a verifier that crashed: the next run tries again
-        print(f"goodput: checkpoint step {step} not secured ({e}); the next run secures it",
-              file=sys.stderr)
+        print(f"goodput: checkpoint step(s) {', '.join(map(str, left))} not secured ({e}); the "
+              "next run secures them", file=sys.stderr)
 
 
 def _the_inputs_fault(error: Exception) -> bool:

@@ -271,7 +271,7 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
         os.killpg(proc.pid, signal.SIGINT)  # a double press: the stop goes on, said so
         started = time.monotonic()
         try:
-            output.append(proc.communicate(timeout=40)[0])
+            output.append(proc.communicate(timeout=100)[0])
         except subprocess.TimeoutExpired:  # where is it stuck? (the CLI dumps its threads on SIGUSR1)
             os.kill(proc.pid, signal.SIGUSR1)
             try:
@@ -281,7 +281,7 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
                 output.append(proc.communicate()[0])
         text = "".join(output)
         dump = re.search(r"^(Current thread|Thread) 0x", text, re.MULTILINE)
-        assert time.monotonic() - started < 60, (text[dump.start():dump.start() + 12000] if dump
+        assert time.monotonic() - started < 130, (text[dump.start():dump.start() + 12000] if dump
                                                   else text[-3000:])
     finally:
         if proc.poll() is None:
@@ -300,8 +300,9 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
 
     entries = ledger_of(config).read().entries
     last = max(entries)
-    assert last > 10 and entries[last].state == "uploaded", entries
-    assert f"checkpoint step {last} validated and uploaded to " in text, text[-3000:]
+    assert last >= 10 and entries[last].state == "uploaded", entries
+    if last > 10:  # (a stop exactly at step 10 has no emergency checkpoint of its own)
+        assert f"checkpoint step {last} validated and uploaded to " in text, text[-3000:]
 
 
 def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
