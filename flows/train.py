@@ -26,6 +26,7 @@ from tasks.train import (
     apply_retention,
     launch_training,
     locate_dataset,
+    publish_dataset,
     record_training,
     upload_checkpoint,
     validate_checkpoint,
@@ -84,6 +85,7 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
     if eval_tasks is not None:
         eval_tasks.result()  # a misspelt task fails the run here, not after training
     dataset_dir = dataset.result()
+    published = publish_dataset.submit(config)  # beside training, where the store lacks it
     # A flow run that ends unfinished once it holds the run's lease: its time still counts,
     # less its wait for the lease (the time of the run that held it, which counts already).
     with training_slot(config) as lease, no_orphan_workers(), \
@@ -123,7 +125,7 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
                     # on the evaluations' thread.
                     evaluations.append(evaluating.submit(apply_retention, {"config": config},
                                                          wait_for=[evaluated]))
-            settle(secured + evaluations)  # a failed evaluation shows in its task run, not as training's
+            settle(secured + evaluations + [published])  # a failed evaluation shows in its task run, not as training's
             # A task cannot start while the Prefect API is away (a server restart): the
             # checkpoints it left unjudged or not uploaded are secured now, and their outcome
             # is the one that counts.

@@ -17,6 +17,7 @@ from prefect.runtime import flow_run, task_run
 from prefect.states import Cancelled
 
 from core.config import ConfigError, RunConfig
+from core.cpu_priority import at_background_priority
 from core.errors import DataError
 from core.protocol import TIME_LIMIT, FailureClass, read_heartbeat
 from goodput import checkpoint_lifecycle as lifecycle
@@ -182,22 +183,27 @@ def locate_dataset(config: RunConfig) -> Path:
     """The prepared dataset of this config: read in place when it is on this machine, else
     streamed from the store through a local cache (data.cache_limit); found by its data
     settings where the raw sources are gone. One never prepared or damaged fails at once,
-    saying which.
+    saying which."""
+    return dataset_for_training(config, store_from_config(config.storage))
 
-    A dataset on this machine that the run's store lacks (prepared with another storage.uri)
-    is published there first: the run's checkpoints go to that store, and a machine with
-    only the store could resume them but not find their data."""
-    store = store_from_config(config.storage)
-    directory = dataset_for_training(config, store)
+
+@task(name="publish-dataset", cache_policy=NO_CACHE, tags=["training"])
+def publish_dataset(config: RunConfig) -> list[str]:
+    """A dataset on this machine that the run's store lacks (prepared with another
+    storage.uri) is published there while training runs, at background priority: the run's
+    checkpoints go to that store, and a machine with only the store could resume them but
+    not find their data. A failure is logged, not the run's: its next start tries again."""
     try:
-        for url in publish_for_training(config, store):
-            get_run_logger().info(f"published the dataset to {url}, this run's store, where it "
-                                  "was missing: a machine with only the store can resume the run")
-    except Exception as e:  # noqa: BLE001 - the run trains on; its next start tries again
+        sent = at_background_priority(publish_for_training, config, store_from_config(config.storage))
+    except Exception as e:  # noqa: BLE001 - the run trains on
         get_run_logger().warning(f"the dataset could not be published to the run's store ({e}): "
                                  "a machine with only the store could not resume this run; "
                                  "the next start tries again")
-    return directory
+        return []
+    for url in sent:
+        get_run_logger().info(f"published the dataset to {url}, this run's store, where it was "
+                              "missing: a machine with only the store can resume the run")
+    return sent
 
 
 @task(name="record-training", cache_policy=NO_CACHE, tags=["training"])
