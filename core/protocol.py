@@ -430,10 +430,15 @@ def record_start(run_dir: RunDir | Path, attempt: int | str, fresh: bool = False
 
 
 def read_starts(run_dir: RunDir | Path, attempt: int | str) -> list[dict]:
+    """The starts recorded so far; a last line still being appended (no newline yet, as a
+    reader polling it may see on a shared filesystem) is not one yet."""
     path = RunDir.of(run_dir).attempt(attempt) / STARTS_FILE
-    if not path.is_file():
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    complete = text[:text.rfind("\n") + 1]
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
 
 
 def in_job_restarts(run_dir: RunDir | Path, attempt: int | str) -> int:

@@ -188,6 +188,7 @@ def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt:
     watch = HangWatch(config.run, attempt, config.elastic.wait_for_replacement_s + RDZV_SETTLE_S
                       if config.elastic_run else 0.0)
     worlds: list[int] = []
+    starts_seen = 0
     progress = _NewestOnly(on_progress) if on_progress is not None else None
     # The launcher's grace and torchrun's (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, worker_env) are
     # both faults.emergency_save_s: whichever ends first, the workers had that long.
@@ -202,12 +203,15 @@ def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt:
             # Each start of the workers from its line in starts.jsonl, which stays: the
             # heartbeat says "startup" only until the first step, and a poll can miss that.
             starts = read_starts(config.run_dir, attempt)
-            for begun in starts[len(worlds):]:
-                world = begun.get("world_size", 1)
+            for begun in starts[starts_seen:]:
+                starts_seen += 1
                 if begun["start"]:
                     log(f"workers restarted in-job (restart {begun['start']} of this attempt; "
                         f"launch.max_restarts={config.launch.max_restarts} per node): resuming "
                         "from the newest validated checkpoint")
+                world = begun.get("world_size")
+                if world is None:  # recorded by a version that did not note it
+                    continue
                 if worlds and world != worlds[-1]:
                     change = layout_change(config, worlds[-1], world)
                     log(change["text"])

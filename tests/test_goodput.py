@@ -248,3 +248,15 @@ def test_an_elastic_world_growing_back_is_no_failure_in_the_accounting(tmp_path)
     outcome = record_outcome(config, "a-1", result, resumed_from=0)
     assert (outcome["restarts"], outcome["grows"]) == (2, 1)
     assert failures_of(read_outcomes(config)) == 1
+
+
+def test_a_start_still_being_appended_is_not_read_yet(tmp_path):
+    """The supervisor reads starts.jsonl every poll: a last line without its newline (an
+    append under way, seen on a shared filesystem) is left for the next poll, not a
+    JSONDecodeError that ends the supervision."""
+    from core.protocol import RunDir, read_starts
+
+    attempt = RunDir.of(tmp_path / "run").attempt("a-1")
+    attempt.mkdir(parents=True)
+    (attempt / "starts.jsonl").write_text('{"start": 0, "world_size": 4}\n{"start": 1, "wor')
+    assert read_starts(tmp_path / "run", "a-1") == [{"start": 0, "world_size": 4}]
