@@ -164,7 +164,6 @@ def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
     (damaged on disk since validation) is the local copy's fault, not the store's: the copy
     is set aside (set_aside_damaged), not uploaded again and again."""
     ledger = ledger_of(config)
-    damaged: list[str] = []
     with _step_lock(config, step):
         entry = ledger.read().entries.get(step)
         if entry is None or entry.state == "committed":
@@ -189,14 +188,12 @@ def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
                 at_background_priority(store.upload_dir, path, key, last=(CHECKPOINT_MANIFEST,),
                                        known_sha256=known)
             except IntegrityError:
-                damaged = verify_files(path, CheckpointManifest.load(path).files)
+                damaged = at_background_priority(verify_files, path, CheckpointManifest.load(path).files)
                 if not damaged:  # the transfer's or the store's doing: the task retries
                     raise
-            else:
-                entry = ledger.record(step, "uploaded", store_url=store.url(key))
-    if damaged:
-        return set_aside_damaged(config, step, from_store=False,
-                                 reason="its local files changed since validation: " + "; ".join(damaged[:3]))
+                # Still under the step's lock: the copy set aside is the one just checked.
+                return _set_aside_local(ledger, config, step, entry, "; ".join(damaged[:3]))
+            entry = ledger.record(step, "uploaded", store_url=store.url(key))
     # Every time, so that the store's ledger (what a new machine resumes from) names this step.
     ledger.push(store)
     return entry
@@ -272,15 +269,20 @@ def set_aside_damaged(config: RunConfig, step: int, from_store: bool, reason: st
     ledger = ledger_of(config)
     with _step_lock(config, step):
         entry = ledger.read().entries.get(step)
-        path = config.run_dir.checkpoint(step)
         if from_store:
             shutil.rmtree(config.run_dir.fetched_from_store(step), ignore_errors=True)
             return ledger.record(step, "rejected", note=f"store copy damaged: {reason}")
-        aside = set_aside(path, "rejected")
-        if entry is not None and entry.state == "uploaded":
-            return ledger.record(step, "uploaded", note=f"local copy damaged ({reason}), moved to "
-                                                        f"{aside}; resuming from the store copy")
-        return ledger.record(step, "rejected", note=f"damaged since validation: {reason} (kept at {aside})")
+        return _set_aside_local(ledger, config, step, entry, reason)
+
+
+def _set_aside_local(ledger, config: RunConfig, step: int, entry: LedgerEntry | None,
+                     reason: str) -> LedgerEntry:
+    """set_aside_damaged's local case, under the step's lock (held by the caller)."""
+    aside = set_aside(config.run_dir.checkpoint(step), "rejected")
+    if entry is not None and entry.state == "uploaded":
+        return ledger.record(step, "uploaded", note=f"local copy damaged ({reason}), moved to "
+                                                    f"{aside}; resuming from the store copy")
+    return ledger.record(step, "rejected", note=f"damaged since validation: {reason} (kept at {aside})")
 
 
 def download_checkpoint(config: RunConfig, step: int, store) -> Path:

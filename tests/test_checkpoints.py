@@ -364,7 +364,7 @@ def test_a_checkpoint_damaged_on_disk_after_validation_is_set_aside_not_uploaded
     shard = next(config.run_dir.checkpoint(20).glob("*.distcp"))
     flip_bytes(shard)
     entry = checkpoints.upload_checkpoint(config, 20, store)
-    assert entry.state == "rejected" and "changed since validation" in entry.reason, entry
+    assert entry.state == "rejected" and "damaged since validation" in entry.reason, entry
     assert f"{shard.name}: sha256" in entry.reason
     assert not config.run_dir.checkpoint(20).exists()  # set aside, never loaded
     assert not store.exists(f"{checkpoint_key('test', 20)}/manifest.json")
