@@ -141,6 +141,8 @@ def tokenize_units(plan: DatasetPlan, units: list[WorkUnit], config: RunConfig,
             result = finished.result()
             progress(result.docs, result.tokens, result.skipped, result.reused)
             results.append(result)
+    except Exception:
+        raise  # a unit that failed: the others in flight finish, and a rerun keeps their work
     except BaseException:
         # Ctrl-C or a cancel: the units in flight stop now. The pool's processes ignore
         # Ctrl-C (each printed Prefect's traceback of it, about 150 lines in all), and the

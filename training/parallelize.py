@@ -464,12 +464,13 @@ def clip_grad_norm_(layout: Layout, max_norm: float) -> torch.Tensor:
     by_mesh: dict[object, list[nn.Parameter]] = {}
     for p in params:
         by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    norms = [_norm([p.grad for p in group]) for group in by_mesh.values()]
+    norms = [_norm([p.grad for p in group]) for group in by_mesh.values()]  # float64
     norm = norms[0] if len(norms) == 1 else torch.stack(norms).square().sum().sqrt()
     if layout.dims.pp > 1:  # each stage saw only its own parameters
         squared = norm ** 2
         dist.all_reduce(squared, group=layout.group("pp"))
         norm = squared.sqrt()
+    norm = norm.to(params[0].grad.dtype)
     if max_norm > 0:
         for group in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)
@@ -485,7 +486,7 @@ def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
     norm = torch.linalg.vector_norm(torch.stack(norms))
     if hasattr(norm, "full_tensor"):  # DTensor: reduce over its mesh
         norm = norm.full_tensor()
-    return norm.to(grads[0].dtype)
+    return norm  # float64: the meshes' and stages' norms are combined in it too
 
 
 def _reduce_partial_grads(params: list[nn.Parameter]) -> None:
