@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="validate the config's parallelism layout on a cluster, or "
                                     "rank every layout when it leaves the degrees at defaults")
     _config_args(p)
-    p.add_argument("--nodes", type=_positive(int), help="default: the config's parallelism.nnodes")
+    p.add_argument("--nodes", type=_positive(int, ranged="parallelism.nnodes"), help="default: the config's parallelism.nnodes")
     p.add_argument("--gpus-per-node", type=_positive(int),
                    help="default: the config's parallelism.nproc_per_node (one worker per GPU)")
     p.add_argument("--gpu-memory", help="memory per GPU, e.g. 80GiB or 141GB; default: the "
@@ -132,14 +132,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive(kind: type) -> Callable[[str], float]:
-    """An argparse type: a number above 0 (a speed or a count of 0 has no plan)."""
+def _positive(kind: type, ranged: str | None = None) -> Callable[[str], float]:
+    """An argparse type: a number above 0 (a speed or a count of 0 has no plan). `ranged`:
+    the config field that takes a MIN:MAX range where the flag takes a number."""
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
-            hint = (" (a node range is the config's: parallelism.nnodes=" + text + ")"
-                    if ":" in text else "")
+            hint = f" (a range is the config's: {ranged}={text})" if ranged and ":" in text else ""
             raise argparse.ArgumentTypeError(f"{text!r} is not a number{hint}") from None
         if not value > 0:
             raise argparse.ArgumentTypeError(f"{text} must be above 0")
