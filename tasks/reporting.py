@@ -149,10 +149,7 @@ class PrepareProgress:
                         disable=None if show_bar else True, dynamic_ncols=True)
 
     def __call__(self, docs: int, tokens: int, skipped: int, reused: bool = False) -> None:
-        self.done += 1
-        self.docs, self.tokens, self.skipped = self.docs + docs, self.tokens + tokens, self.skipped + skipped
-        if not reused:
-            self.new_units, self.new_tokens = self.new_units + 1, self.new_tokens + tokens
+        self.count(docs, tokens, skipped, reused)
         self.bar.set_postfix_str(self.describe(with_units=False), refresh=False)
         self.bar.update(1)
         try:
@@ -164,6 +161,13 @@ class PrepareProgress:
                 update_progress_artifact(self.artifact_id, progress, description=self.describe())
         except Exception as e:  # a view of the run: it must never stop preparation
             get_run_logger().warning(f"progress artifact not updated: {e!r}")
+
+    def count(self, docs: int, tokens: int, skipped: int, reused: bool = False) -> None:
+        """One unit finished (`reused`: an earlier run had done it)."""
+        self.done += 1
+        self.docs, self.tokens, self.skipped = self.docs + docs, self.tokens + tokens, self.skipped + skipped
+        if not reused:
+            self.new_units, self.new_tokens = self.new_units + 1, self.new_tokens + tokens
 
     def describe(self, with_units: bool = True) -> str:
         """E.g. "12 / 40 units · 120,000 docs · 31,000,000 tokens · 2,500,000 tokens/s · ETA 0m31s"."""

@@ -16,3 +16,24 @@ def test_the_loss_curve_marks_every_resume_in_job_restarts_too(tmp_path):
     curve = plot_loss_curve(latest_per_step(logged), tmp_path / "loss_curve.png", "run",
                             resumed_at(logged))
     assert curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_prepare_progress_times_only_what_this_run_tokenized(monkeypatch):
+    """Units an earlier run finished return at once: counted done (and said so), but the
+    speed and the ETA are those of the units this run tokenized (they counted the reused
+    units' tokens as made in no time)."""
+    import time
+
+    from tasks.reporting import PrepareProgress
+
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    progress = PrepareProgress("run", "d0", n_units=6, show_bar=False)
+    progress.count(docs=10, tokens=5_000, skipped=0, reused=True)
+    progress.count(docs=10, tokens=5_000, skipped=0, reused=True)
+    assert progress.describe() == "2 / 6 units · 20 docs · 10,000 tokens · 2 done before"
+    clock[0] += 10.0
+    progress.count(docs=10, tokens=1_000, skipped=0)  # 10 s for the first new unit
+    said = progress.describe()
+    assert "100 tokens/s" in said and "2 done before" in said
+    assert said.endswith("ETA 0m30s")  # 3 units left at 10 s each, not 3 x 10 s / 3 units done
