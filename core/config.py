@@ -1538,8 +1538,9 @@ def _format_error(err: ValidationError, origin: str) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field; check the spelling against configs/tiny.yaml"
-        # A check across sections has no place of its own: its message names the fields.
-        lines.append(f"  {field}: {msg}" if field else f"  {msg}")
+        # A check across sections has no place of its own: its message names the fields (as
+        # does a section's message that starts with one of its fields).
+        lines.append(f"  {field}: {msg}" if field and not msg.startswith(f"{field}.") else f"  {msg}")
     return "\n".join(lines)
 
 

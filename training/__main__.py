@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = train(config, Path(args.dataset), resume)
     except RollbackRequested as e:
-        log.warning("rollback: %s", e)
+        log.warning("rollback: %s (the step is not applied: the attempt ends at step %d)", e, e.step - 1)
         return ended(FailureClass.ROLLBACK, e.reason, e.step, sample_end=e.sample_end)
     except Orphaned as e:  # not restarted in-job: nobody would watch the restarted workers
         return ended(FailureClass.ORPHANED, str(e), e.step)
