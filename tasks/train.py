@@ -150,7 +150,8 @@ def validate_checkpoint(config: RunConfig, step: int, dataset_dir: Path | None =
 @task(name="upload-checkpoint", cache_policy=NO_CACHE, retries=3, retry_delay_seconds=[2, 10, 30],
       tags=["checkpoint", "upload"], task_run_name="upload-step-{step}")
 def upload_checkpoint(config: RunConfig, step: int) -> LedgerEntry | None:
-    if lifecycle.ledger_of(config).read().entries[step].state == "committed":
+    before = lifecycle.ledger_of(config).read().entries[step].state
+    if before == "committed":
         get_run_logger().warning(f"checkpoint step {step} has no verdict: not uploaded")
         return None
     try:
@@ -158,8 +159,10 @@ def upload_checkpoint(config: RunConfig, step: int) -> LedgerEntry | None:
     except lifecycle.CopySuperseded as e:  # not a failure: the new copy has its own upload
         get_run_logger().warning(f"{e}; its new copy is validated and uploaded on its own")
         return None
-    if entry.state == "rejected":  # judged bad (its files changed since validation, say)
-        get_run_logger().warning(f"checkpoint step {step} rejected: {entry.reason}; not uploaded")
+    if entry.state == "rejected":
+        if before != "rejected":  # rejected here (its files changed since validation): said once
+            checkpoint_event(config, entry)
+            get_run_logger().warning(f"checkpoint step {step} rejected: {entry.reason}; not uploaded")
         return entry
     checkpoint_event(config, entry)
     get_run_logger().info(f"checkpoint step {step} uploaded to {entry.store_url}")
