@@ -15,6 +15,7 @@ productive, is the time of the steps an elastic job trained on fewer workers tha
 
 from __future__ import annotations
 
+from core.protocol import FailureClass
 from training.metrics import read_metrics, young_daly_interval_s
 
 
@@ -52,6 +53,17 @@ def goodput_breakdown(run_dir, train_wall_s: float, eval_wall_s: float = 0.0,
             "restart_s": restart, "evaluation_s": evaluation, "total_s": total,
             "degraded_s": sum(t for step, t in last_run.items() if degraded[step]),
             "goodput": productive / total if total > 0 else None}
+
+
+def hung_s(records: list[dict], outcomes: list[dict]) -> float:
+    """Time the attempts that ended hung (class hang) spent after their last logged step,
+    until the supervisor killed them (run.hang_timeout_s and the like)."""
+    last_step_at: dict[str, float] = {}
+    for record in records:
+        if "attempt" in record and "time" in record:
+            last_step_at[record["attempt"]] = record["time"]
+    return sum(max(0.0, o["time"] - last_step_at[o["attempt"]]) for o in outcomes
+               if o["class"] == FailureClass.HANG and o["attempt"] in last_step_at)
 
 
 def data_wait_share(run_dir) -> float | None:
@@ -118,6 +130,9 @@ def summarize_goodput(config) -> dict:
     in_job = sum(map(failed_restarts, outcomes))  # each one recovered a failure
     failures = failures_of(outcomes)  # a cancelled attempt failed nothing
     values = goodput_breakdown(config.run_dir, train_wall, eval_wall, config.parallelism.world_size)
+    # An attempt that hung: from its last step to the supervisor's kill, no restart's time.
+    values["hung_s"] = hung_s(read_metrics(config.run_dir), outcomes)
+    values["restart_s"] = max(0.0, values["restart_s"] - values["hung_s"])
     values["attempts"] = attempts
     values["in_job_restarts"] = in_job
     grows = sum(o.get("grows") or 0 for o in outcomes)

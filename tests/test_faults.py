@@ -319,6 +319,8 @@ def test_a_frozen_worker_is_detected_killed_and_resumed(workdir, clean):
     assert [o["class"] for o in outcomes] == ["hang", "done"]
     assert outcomes[1]["resumed_from"] == 10
     assert losses_by_step(config.run_dir) == clean
+    # The hang is an item of its own in the breakdown: at least run.hang_min_s of it.
+    assert read_summary(config.run_dir)["goodput"]["hung_s"] >= 4
 
 
 @pytest.mark.chaos

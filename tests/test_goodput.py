@@ -260,3 +260,15 @@ def test_a_start_still_being_appended_is_not_read_yet(tmp_path):
     attempt.mkdir(parents=True)
     (attempt / "starts.jsonl").write_text('{"start": 0, "world_size": 4}\n{"start": 1, "wor')
     assert read_starts(tmp_path / "run", "a-1") == [{"start": 0, "world_size": 4}]
+
+
+def test_a_hung_attempts_time_after_its_last_step_is_its_own_item():
+    """From the last step of an attempt that hung to the supervisor's kill: counted as
+    restart time before, which hid the hang."""
+    from goodput.accounting import hung_s
+
+    records = [{"step": 29, "attempt": "a-1", "time": 100.0}, {"step": 30, "attempt": "a-1", "time": 101.0},
+               {"step": 31, "attempt": "a-2", "time": 160.0}]
+    outcomes = [{"attempt": "a-1", "class": "hang", "time": 125.0},
+                {"attempt": "a-2", "class": "done", "time": 170.0}]
+    assert hung_s(records, outcomes) == 24.0
