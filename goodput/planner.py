@@ -1316,8 +1316,10 @@ def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory,
         # More expert parallelism splits the experts further (their states shard over fewer
         # ranks, but each rank holds fewer experts).
         experts, ranks = s.args.moe_args.num_experts, dims.dp_shard * dims.tp
+        # An elastic run's shrunk world (`full` given): an ep the configured world takes too.
+        full_ranks = (full or dims).dp_shard * (full or dims).tp
         for ep in range(dims.ep + 1, ranks + 1):
-            if ranks % ep == 0 and experts % ep == 0:
+            if ranks % ep == 0 and full_ranks % ep == 0 and experts % ep == 0:
                 options.append((f"set parallelism.ep={ep} (each MoE layer's experts split {ep} "
                                 "ways)", _memory(s, replace(dims, ep=ep), checkpointing)))
     for text, alternative in options:
