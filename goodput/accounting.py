@@ -29,7 +29,8 @@ def step_times(record: dict) -> dict[int, float]:
 
 
 def goodput_breakdown(run_dir, train_wall_s: float, eval_wall_s: float = 0.0,
-                      full_world: int | None = None) -> dict:
+                      full_world: int | None = None, outcomes: list[dict] = ()) -> dict:
+    """`outcomes`: the attempts' (goodput.runs.read_outcomes), for the time hung ones spent."""
     records = read_metrics(run_dir)
     last_run: dict[int, float] = {}
     degraded: dict[int, bool] = {}  # the last run of each step was on fewer workers than full_world
@@ -46,11 +47,14 @@ def goodput_breakdown(run_dir, train_wall_s: float, eval_wall_s: float = 0.0,
     productive = sum(last_run.values())
     checkpoint = sum(r.get("checkpoint_s", 0.0) for r in records)
     validation = sum(last_validation.values())
-    restart = max(0.0, train_wall_s - productive - lost - checkpoint - validation)
+    between = max(0.0, train_wall_s - productive - lost - checkpoint - validation)
+    # Of the time between steps, what hung attempts spent from their last step to the kill.
+    hung = min(between, hung_s(records, outcomes))
+    restart = between - hung
     evaluation = eval_wall_s + validation
-    total = productive + lost + checkpoint + restart + evaluation
+    total = productive + lost + checkpoint + hung + restart + evaluation
     return {"productive_s": productive, "lost_work_s": lost, "checkpoint_s": checkpoint,
-            "restart_s": restart, "evaluation_s": evaluation, "total_s": total,
+            "hung_s": hung, "restart_s": restart, "evaluation_s": evaluation, "total_s": total,
             "degraded_s": sum(t for step, t in last_run.items() if degraded[step]),
             "goodput": productive / total if total > 0 else None}
 
@@ -129,10 +133,8 @@ def summarize_goodput(config) -> dict:
         attempts[o["class"]] = attempts.get(o["class"], 0) + 1
     in_job = sum(map(failed_restarts, outcomes))  # each one recovered a failure
     failures = failures_of(outcomes)  # a cancelled attempt failed nothing
-    values = goodput_breakdown(config.run_dir, train_wall, eval_wall, config.parallelism.world_size)
-    # An attempt that hung: from its last step to the supervisor's kill, no restart's time.
-    values["hung_s"] = hung_s(read_metrics(config.run_dir), outcomes)
-    values["restart_s"] = max(0.0, values["restart_s"] - values["hung_s"])
+    values = goodput_breakdown(config.run_dir, train_wall, eval_wall, config.parallelism.world_size,
+                               outcomes)
     values["attempts"] = attempts
     values["in_job_restarts"] = in_job
     grows = sum(o.get("grows") or 0 for o in outcomes)

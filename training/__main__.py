@@ -152,9 +152,9 @@ def announce_start(run_dir, attempt: str) -> None:
         log.info("in-job restart %d of attempt %s (torchrun restart count %d on this node)",
                  start, attempt, restart_count())
     run_dir.path.mkdir(parents=True, exist_ok=True)
-    # The world torchrun gave this start: an elastic job's shrinks and grows with its nodes.
+    # (The world torchrun gave this start is in its starts.jsonl line, which the supervisor reads.)
     write_heartbeat(run_dir, attempt=attempt, phase="startup", step=None, start=start,
-                    restart=restart_count(), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+                    restart=restart_count())
 
 
 if __name__ == "__main__":
