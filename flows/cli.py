@@ -939,9 +939,7 @@ def _secure_what_training_left(config: RunConfig, command: str) -> None:
     try:
         store = store_from_config(config.storage)
         for step in steps:
-            entry = lifecycle.validate_checkpoint(config, step)
-            if entry.state == "validated":
-                entry = lifecycle.upload_checkpoint(config, step, store)
+            entry = lifecycle.secure_checkpoint(config, step, store)
             left.remove(step)
             print(f"goodput: checkpoint step {step} " + (
                 f"validated and uploaded to {entry.store_url}" if entry.state == "uploaded"

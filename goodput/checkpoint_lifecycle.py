@@ -199,6 +199,14 @@ def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
     return entry
 
 
+def secure_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
+    """committed -> validated -> uploaded in one go, outside the train flow (whose tasks do
+    each on its own thread): what Ctrl-C's stopped training left (flows.cli). Its entry:
+    uploaded, or rejected with the reason."""
+    entry = validate_checkpoint(config, step)
+    return upload_checkpoint(config, step, store) if entry.state == "validated" else entry
+
+
 def restore_ledger(config: RunConfig, store) -> None:
     """Merge the store's copy of the ledger into the local one: a new machine starts from
     it, and a machine that trained the run before learns what others did since (without it

@@ -7,6 +7,7 @@ summary.json and each attempt's outcome.json.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import time
 from contextlib import contextmanager
@@ -78,20 +79,32 @@ def _what_keeps_it(run: RunConfig, here: RunConfig) -> str:
 
 
 def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
-                  log: Callable[[str], None],
-                  on_progress: Callable[[dict], None] | None = None,
-                  stop_after: float | None = None, lease_holder: str | None = None,
-                  on_layout_change: Callable[[dict], None] | None = None) -> AttemptResult:
+                  log: Callable[[str], None], **options) -> AttemptResult:
     """One attempt: resume from the newest validated checkpoint and train to max_steps, or
     to the first checkpoint saved after `stop_after` (Unix time; the result's reason is then
     core.protocol.TIME_LIMIT). `lease_holder`: who holds the run's lease (infra.torchrun's
     RunLease) for it; None: the attempt takes it. `on_layout_change`: each new world of an
-    elastic job (infra.torchrun.layout_change).
+    elastic job (infra.torchrun.layout_change). `on_progress`: each new heartbeat.
 
     Raises TrainingFailed with the failure class and the retry policy's verdict when the
     attempt does not finish (a cancelled attempt: class cancelled, never retried). A rollback
-    first records the data window to skip.
+    first records the data window to skip. The run directory's disk full under this process
+    (its config, lease or records) is disk_full, never retried: the workers' own record of it
+    could not be written there.
     """
+    try:
+        return _attempt(config, dataset_dir, store, attempt, log, **options)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise TrainingFailed(f"{e} (under {config.run_dir}): {FailureClass.DISK_FULL.hint}",
+                             FailureClass.DISK_FULL, retry=False) from None
+
+
+def _attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
+             log: Callable[[str], None], on_progress: Callable[[dict], None] | None = None,
+             stop_after: float | None = None, lease_holder: str | None = None,
+             on_layout_change: Callable[[dict], None] | None = None) -> AttemptResult:
     if not config.checkpoint.save_at_end:
         raise ConfigError(
             "checkpoint.save_at_end=false is for throughput measurements (benchmarks/mfu_bench.py), "

@@ -7,7 +7,6 @@ nor is a cancelled attempt.
 
 from __future__ import annotations
 
-import errno
 from pathlib import Path
 
 from prefect import task
@@ -105,17 +104,6 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
             return Cancelled(message=str(failure))
         attempt_failed_event(config, attempt, failure.failure_class, str(failure), failure.step)
         raise
-    except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-            raise
-        # The run directory's disk, full under this process (its config, lease or records):
-        # no retry helps until space is freed, and the workers' own disk_full record could
-        # not be written there.
-        ended = str(FailureClass.DISK_FULL)
-        failure = TrainingFailed(f"{e} (under {config.run_dir}): {FailureClass.DISK_FULL.hint}",
-                                 FailureClass.DISK_FULL, retry=False)
-        attempt_failed_event(config, attempt, failure.failure_class, str(failure), None)
-        raise failure from None
     finally:  # the job may have ended between two polls of its heartbeat: show where it ended
         progress.show_last(read_heartbeat(config.run_dir), ended)
     outcome = {"attempt": attempt, "step": result.step, "wall_time_s": result.wall_time_s}

@@ -368,18 +368,19 @@ def test_a_full_disk_under_the_supervisor_ends_the_attempt_as_disk_full_unretrie
     workers' disk_full record could not be written there. The task says so, with the fix."""
     from prefect import flow
 
+    import goodput.runs
     import tasks.train as train_tasks
     from infra.torchrun import TrainingFailed
 
     tries = []
 
-    def on_a_full_disk(*args, **kwargs):
+    def on_a_full_disk(config):  # the run's config.yaml, written first in an attempt
         tries.append(1)
         with open("/dev/full", "w") as f:  # the kernel's ENOSPC, as a full disk gives it
             f.write("config.yaml")
             f.flush()
 
-    monkeypatch.setattr(train_tasks, "train_attempt", on_a_full_disk)
+    monkeypatch.setattr(goodput.runs, "write_run_config", on_a_full_disk)
     config = small_config(workdir, "run.run_id=fulldisk")
 
     @flow
