@@ -493,16 +493,12 @@ def lease_holder_gone(lease: dict) -> bool:
     since reads as alive: the lease then runs out as usual.)"""
     import socket
 
+    import psutil
+
     here = _pid_space()
     if lease.get("host") != socket.gethostname() or here is None or lease.get("pid_space") != here:
         return False
-    try:
-        os.kill(int(lease["pid"]), 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, OSError, ValueError, KeyError):
-        return False
-    return False
+    return isinstance(lease.get("pid"), int) and not psutil.pid_exists(lease["pid"])
 
 
 def read_lease(run_dir: RunDir | Path) -> dict | None:

@@ -26,7 +26,7 @@ from tasks.train import (
     apply_retention,
     launch_training,
     locate_dataset,
-    publish_dataset,
+    publish_dataset_to_run_store,
     record_training,
     upload_checkpoint,
     validate_checkpoint,
@@ -85,7 +85,7 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
     if eval_tasks is not None:
         eval_tasks.result()  # a misspelt task fails the run here, not after training
     dataset_dir = dataset.result()
-    published = publish_dataset.submit(config)  # beside training, where the store lacks it
+    published = publish_dataset_to_run_store.submit(config)  # beside training, where the store lacks it
     # A flow run that ends unfinished once it holds the run's lease: its time still counts,
     # less its wait for the lease (the time of the run that held it, which counts already).
     with training_slot(config) as lease, no_orphan_workers(), \

@@ -178,8 +178,8 @@ def locate_dataset(config: RunConfig) -> Path:
     return dataset_for_training(config, store_from_config(config.storage))
 
 
-@task(name="publish-dataset", cache_policy=NO_CACHE, tags=["training"])
-def publish_dataset(config: RunConfig) -> list[str]:
+@task(name="publish-dataset-to-run-store", cache_policy=NO_CACHE, tags=["training"])
+def publish_dataset_to_run_store(config: RunConfig) -> list[str]:
     """A dataset on this machine that the run's store lacks (prepared with another
     storage.uri) is published there while training runs, at background priority: the run's
     checkpoints go to that store, and a machine with only the store could resume them but
