@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from core.files import fsync_dir
+from core.protocol import FailureClass, attempt_of_worker, write_exit_record
 from training.distributed import any_rank
 from training.logs import get_logger
 
@@ -147,6 +148,7 @@ class FaultInjector:
     def __init__(self, config, rank: int):
         self.faults, self.rank = config.faults, rank
         self.marker_dir: Path = config.run_dir.fault_markers
+        self.run_dir = config.run_dir
 
     @classmethod
     def for_config(cls, config, rank: int) -> FaultInjector:
@@ -169,6 +171,14 @@ class FaultInjector:
         fsync_dir(self.marker_dir)
         return True
 
+    def _kill_self(self, fault: str, step: int) -> None:
+        """SIGKILL this worker, as the kernel's OOM killer or a lost host would. It first
+        leaves the exit record a killed worker cannot, so that the attempt's end names the
+        injected fault instead of sending the user to look for an OOM kill in `dmesg`."""
+        write_exit_record(self.run_dir, attempt_of_worker(), self.rank, FailureClass.RETRYABLE,
+                          f"killed by SIGKILL, injected by faults.{fault}", step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
     def poison_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         # Every rank checks the marker before rank 0 writes it: all ranks see the same NaN.
         marker = self.marker_dir / f"nan_at_step-{step}.fired"
@@ -190,12 +200,12 @@ class FaultInjector:
                 raise OSError(f"injected: rank {self.rank} could not stage step {step} "
                               "(as with /dev/shm or pinned memory exhausted)")
             log.info("killing rank %d during the save of step %d (%s)", self.rank, step, point)
-            os.kill(os.getpid(), signal.SIGKILL)
+            self._kill_self(f"save_crash_at_step={step} (save_crash_point={point})", step)
 
     def after_step(self, step: int) -> None:
         if self._fire_once("crash_at_step", self.faults.crash_at_step, step, self.faults.crash_rank):
             log.info("killing rank %d (pid %d) at step %d", self.rank, os.getpid(), step)
-            os.kill(os.getpid(), signal.SIGKILL)
+            self._kill_self(f"crash_at_step={step}", step)
         if self._fire_once("hang_at_step", self.faults.hang_at_step, step, self.faults.crash_rank):
             log.info("freezing rank %d (SIGSTOP) at step %d", self.rank, step)
             os.kill(os.getpid(), signal.SIGSTOP)
