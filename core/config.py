@@ -6,6 +6,7 @@ validated before anything starts. Errors name the field and say what to do.
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import json
 import math
@@ -338,16 +339,18 @@ class MoEConfig(_Section):
 # The fields a model.init_from checkpoint's config.json fixes (core.hf_llama.HF_FIELDS,
 # plus RoPE). max_seq_len is not among them: a run may use a shorter or longer context.
 _FIXED_BY_CHECKPOINT = ("dim", "n_layers", "n_heads", "n_kv_heads", "norm_eps", "rope_theta",
-                        "rope_scaling", "vocab_size", "tie_embeddings", "head_dim", "qk_norm")
+                        "rope_scaling", "vocab_size", "tie_embeddings", "head_dim", "qk_norm",
+                        "qkv_bias")
 _FFN_FIELDS = ("ffn_hidden_dim", "ffn_multiple_of", "ffn_dim_multiplier")
 # What a config read from the checkpoint states, so that it stands without the checkpoint
-# (head_dim and qk_norm came later: a run's config.yaml from before them stands without them).
-_SAVED_FROM_CHECKPOINT = (*_FIXED_BY_CHECKPOINT[:-2], "ffn_hidden_dim", "max_seq_len")
+# (head_dim, qk_norm and qkv_bias came later: a run's config.yaml from before them stands
+# without them).
+_SAVED_FROM_CHECKPOINT = (*_FIXED_BY_CHECKPOINT[:-3], "ffn_hidden_dim", "max_seq_len")
 
 
 class ModelConfig(_Section):
     init_from: str | None = Field(
-        None, description="A Hugging Face Llama, Qwen3-MoE or Mixtral checkpoint directory (config.json + "
+        None, description="A Hugging Face Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE or Mixtral checkpoint directory (config.json + "
         "model.safetensors, or sharded with model.safetensors.index.json) to start from instead "
         "of random weights: the shape comes from its config.json (fields stated here must "
         "agree), tokenizer.path defaults to it (its tokenizer.json), and each worker reads only "
@@ -397,6 +400,8 @@ class ModelConfig(_Section):
         "its own (Qwen3-30B-A3B: 128 with dim 2048 and 32 heads).")
     qk_norm: bool = Field(False, description="RMSNorm of each query and key head before RoPE "
                           "(Qwen3).")
+    qkv_bias: bool = Field(False, description="A bias on the query, key and value projections "
+                           "(Qwen2 and Qwen2.5; the output projection stays bias-free).")
 
     @model_validator(mode="before")
     @classmethod
@@ -908,9 +913,9 @@ class TrackingConfig(_Section):
         package = {"mlflow_uri": "mlflow", "wandb_project": "wandb"}[info.field_name]
         if value and not _installed(package):
             raise ValueError(f"{info.field_name}={value!r} needs the {package} package, which is "
-                             "not installed here; install the tracking extra, pip install "
-                             f"'goodput[tracking]', on every node (or leave {info.field_name} "
-                             "unset)")
+                             "not installed here; install the tracking extra from the goodput "
+                             "checkout, pip install -e '.[tracking]' (goodput is not on PyPI), "
+                             f"on every node (or leave {info.field_name} unset)")
         directory = value and ("://" not in value or value.startswith("file:")) and \
             value.split(":")[0] not in ("databricks", "databricks-uc")  # MLflow's own names
         if (info.field_name == "mlflow_uri" and directory
@@ -1331,6 +1336,13 @@ class RunConfig(_Section):
                 f"{', '.join(known)}" + (", or '<task>/<metric>' of eval.tasks (e.g. "
                 f"{self.eval.tasks[0]}/acc)" if self.eval.tasks else
                 ", or set eval.tasks and name '<task>/<metric>' (e.g. hellaswag/acc_norm)"))
+        # A task outside eval.tasks may be a subtask of one of its groups (the flows check it
+        # against lm-eval's index before training); one spelt almost as a task of eval.tasks
+        # is a typo, refused here.
+        close = difflib.get_close_matches(task, self.eval.tasks, n=1, cutoff=0.8)
+        if task not in self.eval.tasks and close:
+            raise ValueError(f"eval.best_metric={metric!r}: {task!r} is not in eval.tasks "
+                             f"({', '.join(self.eval.tasks)}); did you mean {close[0]}/{score}?")
         return self
 
     def _stages_in_order(self) -> None:
@@ -1600,8 +1612,11 @@ def apply_overrides(tree: dict, overrides: list[str]) -> dict:
     if (init_from and init_from[-1] and Path(_absolute(str(init_from[-1]))).is_dir()
             and isinstance(tree.get("model"), dict)):
         stated = {path[1] for path, _ in parsed if len(path) >= 2 and path[0] == "model"}
+        # The file's max_seq_len too: the checkpoint's context (max_position_embeddings) is
+        # what it was trained for, and what an export tells lm-eval; an override still wins.
         tree["model"] = {k: v for k, v in tree["model"].items()
-                         if k not in (*_FIXED_BY_CHECKPOINT, *_FFN_FIELDS) or k in stated}
+                         if k not in (*_FIXED_BY_CHECKPOINT, *_FFN_FIELDS, "max_seq_len")
+                         or k in stated}
         if isinstance(tree["model"].get("moe"), dict):  # (model.moe={...} replaces it whole)
             tree["model"] = _file_moe_displaced(tree["model"], _absolute(str(init_from[-1])),
                                                {path[2] for path, _ in parsed if len(path) >= 3

@@ -1,6 +1,10 @@
-"""A Hugging Face Llama (or Mixtral) checkpoint directory, in the config's terms
-(model.init_from). Mixtral is Llama with a mixture-of-experts feed-forward in every block
+"""A Hugging Face Llama (or Qwen2, Qwen3, Mistral, Qwen3-MoE, Mixtral) checkpoint directory,
+in the config's terms (model.init_from). Each is a Llama with a part more: Qwen2 q/k/v
+biases (model.qkv_bias), Qwen3 q/k norms (model.qk_norm); Mistral without a sliding window
+is Llama. Mixtral is Llama with a mixture-of-experts feed-forward in every block
 (softmax router, top-k renormalised, no shared experts): `model_fields` gives it as model.moe.
+`model_fields` also checks, from the index and the safetensors headers, that every tensor
+the model needs is there (`needed_tensors`), before any worker starts.
 
 Such a directory holds config.json (LlamaConfig), the weights as model.safetensors or as
 model-0000i-of-0000n.safetensors with model.safetensors.index.json, and usually the
@@ -40,8 +44,18 @@ HF_FIELDS = {
     "max_seq_len": "max_position_embeddings",
     "tie_embeddings": "tie_word_embeddings",
 }
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+# model_type -> class. Qwen2 is Llama with q/k/v biases (model.qkv_bias), Qwen3 with q/k
+# norms (model.qk_norm) and a head_dim of its own, Mistral without a sliding window is Llama.
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# What training/model.py is, said for the config.json field that asks for something else.
+_NOT_IMPLEMENTED = {
+    "hidden_act": "its feed-forward is SwiGLU (hidden_act 'silu')",
+    "attention_bias": "its attention projections are bias-free, but for Qwen2's q/k/v biases "
+                      "(model_type qwen2); attention_bias=true also puts one on o_proj",
+    "mlp_bias": "its feed-forward is bias-free",
+}
 # model.moe field <- Mixtral's config.json key; the rest of a Mixtral's routing is fixed
 # (MIXTRAL_ROUTING): softmax scores, the top-k renormalised, every block an MoE one.
 MIXTRAL_FIELDS = {"num_experts": "num_local_experts", "top_k": "num_experts_per_tok",
@@ -138,30 +152,130 @@ def model_fields(directory: str | Path) -> dict[str, Any]:
     if missing:
         raise ConfigError(f"model.init_from: {where} lacks {missing}; a LlamaConfig saved by "
                           "transformers has them all")
-    qwen3 = config["model_type"] == "qwen3_moe"
+    kind = config["model_type"]
     head_dim = config["hidden_size"] // config["num_attention_heads"]
-    unsupported = [f"{key}={config.get(key)!r}" for key, ok in (
+    unsupported = [f"{key}={config.get(key)!r} ({_NOT_IMPLEMENTED[key]})" for key, ok in (
         ("hidden_act", config.get("hidden_act", "silu") == "silu"),
         ("attention_bias", not config.get("attention_bias", False)),
         ("mlp_bias", not config.get("mlp_bias", False)),
-        ("head_dim", qwen3 or config.get("head_dim") in (None, head_dim)),
     ) if not ok]
     if unsupported:
-        raise ConfigError(f"model.init_from: {where} has {', '.join(unsupported)}, which "
-                          "training/model.py does not implement (it is Llama's SwiGLU, "
-                          "bias-free, head_dim = hidden_size / num_attention_heads)")
+        raise ConfigError(f"model.init_from: {where} has {'; '.join(unsupported)}, which "
+                          "training/model.py does not implement; start from a checkpoint "
+                          "without it, or train from scratch (leave model.init_from unset)")
+    _attends_to_whole_context(config, where)
     fields = {field: config[key] for field, key in HF_FIELDS.items() if key in config}
     fields["n_kv_heads"] = config.get("num_key_value_heads") or config["num_attention_heads"]
     # Absent means LlamaConfig's default (untied), as transformers would build the model.
     fields["tie_embeddings"] = bool(config.get("tie_word_embeddings", False))
     fields["rope_theta"], fields["rope_scaling"] = _rope(config, where)
     fields["head_dim"] = None if config.get("head_dim") in (None, head_dim) else config["head_dim"]
-    fields["qk_norm"] = qwen3  # Qwen3's q_norm and k_norm
-    if config["model_type"] == "mixtral":
+    fields["qk_norm"] = kind in ("qwen3", "qwen3_moe")  # Qwen3's q_norm and k_norm
+    fields["qkv_bias"] = kind == "qwen2"  # Qwen2's q/k/v projections always have one
+    if kind == "mixtral":
         fields["moe"] = _mixtral_moe(config, where)
-    if qwen3:
+    if kind == "qwen3_moe":
         fields["moe"] = _qwen3_moe(config, where)
+    _check_weights(Path(directory), needed_tensors(kind, fields))
     return fields
+
+
+def stored_tensors(directory: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Every tensor of the checkpoint in `directory`: HF name -> (file, shape), from the
+    index and the safetensors headers only (an 8-byte length, then that much JSON): no
+    tensor data is read, so a checkpoint of any size is checked in milliseconds."""
+    directory = Path(directory)
+    index = directory / SHARD_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"model.init_from: {index} is not a safetensors index with a "
+                              f"weight_map ({e}); re-save the model with save_pretrained") from None
+        files = sorted(set(weight_map.values()))
+    else:
+        files = [SINGLE_FILE]
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for name in files:
+        path = directory / name
+        if not path.is_file():
+            raise ConfigError(f"model.init_from: {path} is missing ({SHARD_INDEX} lists it); copy "
+                              "every shard of the checkpoint into the directory")
+        for key, shape in _safetensors_header(path).items():
+            found[key] = (name, shape)
+    return found
+
+
+def _safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape, from the header of the safetensors file at `path`."""
+    try:
+        with open(path, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 2 <= length <= path.stat().st_size - 8:
+                raise ValueError(f"a header of {length} bytes")
+            header = json.loads(f.read(length))
+        return {key: tuple(entry["shape"]) for key, entry in header.items() if key != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"model.init_from: {path} is not a safetensors file ({e}); copy it "
+                          "again, or re-save the model with save_pretrained") from None
+
+
+def needed_tensors(kind: str, fields: dict[str, Any]) -> list[str]:
+    """The names of the tensors the model of `fields` (model_fields') reads from a checkpoint
+    of model_type `kind`: training/export.py's hf_name and hf_expert_names, from the config's
+    side, so a checkpoint lacking one is refused before any worker starts."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not fields["tie_embeddings"]:
+        names.append("lm_head.weight")
+    moe = fields.get("moe")
+    for i in range(fields["n_layers"]):
+        layer = f"model.layers.{i}"
+        names += [f"{layer}.input_layernorm.weight", f"{layer}.post_attention_layernorm.weight"]
+        names += [f"{layer}.self_attn.{p}_proj.weight" for p in "qkvo"]
+        names += [f"{layer}.self_attn.{p}_proj.bias" for p in "qkv" if fields["qkv_bias"]]
+        names += [f"{layer}.self_attn.{p}_norm.weight" for p in "qk" if fields["qk_norm"]]
+        if moe is None or i < moe["first_dense_layers"]:
+            names += [f"{layer}.mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        elif kind == "mixtral":
+            names.append(f"{layer}.block_sparse_moe.gate.weight")
+            names += [f"{layer}.block_sparse_moe.experts.{e}.{w}.weight"
+                      for e in range(moe["num_experts"]) for w in ("w1", "w2", "w3")]
+        else:  # qwen3_moe
+            names.append(f"{layer}.mlp.gate.weight")
+            names += [f"{layer}.mlp.experts.{e}.{p}_proj.weight"
+                      for e in range(moe["num_experts"]) for p in ("gate", "up", "down")]
+    return names
+
+
+def check_complete(needed, stored: dict, directory: Path) -> None:
+    """Every tensor `needed` is `stored` (stored_tensors'); ConfigError naming what is not."""
+    missing = sorted(set(needed) - set(stored))
+    if missing:
+        listing = SHARD_INDEX if (directory / SHARD_INDEX).is_file() else SINGLE_FILE
+        raise ConfigError(
+            f"model.init_from={directory}: the checkpoint lacks {len(missing)} tensor(s) the model "
+            f"needs, e.g. {missing[:3]} (in {listing}); "
+            "its weights do not match its config.json (a partial copy, or another architecture "
+            "under a Llama config): re-save it with save_pretrained")
+
+
+def _check_weights(directory: Path, needed: list[str]) -> None:
+    check_complete(needed, stored_tensors(directory), directory)
+
+
+def _attends_to_whole_context(config: dict, where: Path) -> None:
+    """training/model.py attends to the whole context: a checkpoint whose layers attend to a
+    sliding window (Mistral's and Mixtral's sliding_window; Qwen's use_sliding_window) is
+    refused, one whose window is off loads."""
+    kind = config["model_type"]
+    if kind in ("mistral", "mixtral") and config.get("sliding_window") is not None:
+        raise ConfigError(f"model.init_from: {where} has sliding_window="
+                          f"{config['sliding_window']}; training/model.py attends to the whole "
+                          f"context (a {kind} config with sliding_window null loads)")
+    if kind.startswith("qwen") and config.get("use_sliding_window"):
+        raise ConfigError(f"model.init_from: {where} has use_sliding_window=true; "
+                          "training/model.py attends to the whole context (a config with "
+                          "use_sliding_window false loads)")
 
 
 def _qwen3_moe(config: dict, where: Path) -> dict[str, Any]:
@@ -179,9 +293,6 @@ def _qwen3_moe(config: dict, where: Path) -> dict[str, Any]:
                           f"decoder_sparse_step={step}; training/model.py keeps the dense "
                           "blocks first (model.moe.first_dense_layers): mlp_only_layers must "
                           "be [0, 1, ..., k-1] and decoder_sparse_step 1")
-    if config.get("use_sliding_window"):
-        raise ConfigError(f"model.init_from: {where} has use_sliding_window=true; "
-                          "training/model.py attends to the whole context")
     fields = {field: config[key] for field, key in QWEN3_MOE_FIELDS.items()}
     return {**fields, "route_norm": bool(fields["route_norm"]), "first_dense_layers": len(dense),
             **QWEN3_MOE_ROUTING}
@@ -193,10 +304,6 @@ def _mixtral_moe(config: dict, where: Path) -> dict[str, Any]:
     if missing:
         raise ConfigError(f"model.init_from: {where} lacks {missing}; a MixtralConfig saved by "
                           "transformers has them all")
-    if config.get("sliding_window") is not None:
-        raise ConfigError(f"model.init_from: {where} has sliding_window="
-                          f"{config['sliding_window']}; training/model.py attends to the whole "
-                          "context (a Mixtral with sliding_window null loads)")
     return {**{field: config[key] for field, key in MIXTRAL_FIELDS.items()}, **MIXTRAL_ROUTING}
 
 
@@ -209,8 +316,11 @@ def _rope(config: dict, where: Path) -> tuple[float, dict | None]:
     if kind == "default":
         return float(theta), None
     if kind != "llama3":
-        raise ConfigError(f"model.init_from: {where} asks for rope_type={kind!r}; training/model.py "
-                          "implements plain RoPE and Llama 3's scaling ('llama3') only")
+        raise ConfigError(f"model.init_from: {where} asks for rope_type={kind!r}, which "
+                          "training/model.py does not implement (it has plain RoPE, 'default', "
+                          "and Llama 3's scaling, 'llama3'): the model would see its positions "
+                          "otherwise than it was trained to. Start from a checkpoint with one "
+                          "of those, or train from scratch (leave model.init_from unset)")
     missing = [k for k in ROPE_SCALING_KEYS if k not in params]
     if missing:
         raise ConfigError(f"model.init_from: {where}'s llama3 rope scaling lacks {missing}")

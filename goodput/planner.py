@@ -243,7 +243,8 @@ class ParamCount:
 def count_params(args: ModelArgs) -> ParamCount:
     dim, q_dim, kv_dim = args.dim, args.n_heads * args.head_dim, args.kv_heads * args.head_dim
     attention = 2 * dim * q_dim + 2 * dim * kv_dim  # wq, wo; wk, wv
-    vector = 2 * dim + (2 * args.head_dim if args.qk_norm else 0)  # norms; Qwen3's q/k norms
+    vector = (2 * dim + (2 * args.head_dim if args.qk_norm else 0)  # norms; Qwen3's q/k norms
+              + (q_dim + 2 * kv_dim if args.qkv_bias else 0))  # Qwen2's q/k/v biases
     moe, first_moe = None, 0
     if args.moe is not None:
         m = args.moe_args

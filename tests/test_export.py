@@ -91,7 +91,8 @@ def sample_tokens(batch: int = 2, seq: int = 64) -> torch.Tensor:
 def test_exported_model_gives_the_trainers_logits(trained, tmp_path):
     checkpoint, tokenizer = trained
     summary = export_hf(checkpoint, tmp_path / "hf", tokenizer=tokenizer)
-    assert summary["files"] == ["model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"]
+    assert summary["files"] == ["model.safetensors", "config.json", "tokenizer.json",
+                                "tokenizer_config.json", "generation_config.json"]
     modes = {path.name: path.stat().st_mode & 0o777 for path in (tmp_path / "hf").iterdir()}
     assert len(set(modes.values())) == 1, modes  # the weights as readable as the other files
 
@@ -136,6 +137,92 @@ def test_exported_tokenizer_loads_with_autotokenizer(trained, tmp_path):
     assert hf_tokenizer.eos_token == EOS_TOKEN
     config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
     assert config.eos_token_id == hf_tokenizer.eos_token_id == 0
+    # generate() stops at the end of a document: the EOS the model trained on (also BOS).
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
+    assert (generation.eos_token_id, generation.bos_token_id) == (0, 0)
+    assert config.bos_token_id == 0 and config.pad_token_id is None
+
+
+# -- a Hugging Face tokenizer's settings carried through prepare to the export ----------------------
+
+LLAMA3_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")  # ids 0, 1, 2
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+
+
+def save_llama3_style(directory: Path, style: str) -> Path:
+    """A small LlamaForCausalLM with Llama 3's special tokens (BOS prepended by tokenizer.json's
+    post-processor, EOS, a pad token) in config.json and generation_config.json, its tokenizer
+    written as the Hub's Llama 3 has it ("hub": chat_template in tokenizer_config.json, a
+    special_tokens_map.json) or as transformers 5's save_pretrained writes it ("saved":
+    chat_template.jinja)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    bos, eos, pad = LLAMA3_SPECIAL
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=100, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072,
+        bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(
+        ["the quick brown fox jumps over the lazy dog", "hello world, hello tokenizer"] * 20,
+        trainer=trainers.BpeTrainer(vocab_size=VOCAB, min_frequency=1, special_tokens=list(LLAMA3_SPECIAL),
+                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                    show_progress=False))
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, 0)])
+    if style == "saved":
+        transformers.PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer, bos_token=bos, eos_token=eos, pad_token=pad,
+            model_max_length=131072, chat_template=CHAT_TEMPLATE).save_pretrained(directory)
+        assert (directory / "chat_template.jinja").is_file()
+        return directory
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": bos, "eos_token": eos, "pad_token": pad, "chat_template": CHAT_TEMPLATE,
+        "model_input_names": ["input_ids", "attention_mask"], "model_max_length": 131072,
+        "tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": True}))
+    (directory / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": bos, "lstrip": False, "normalized": False, "rstrip": False,
+                       "single_word": False}, "eos_token": eos, "pad_token": pad}))
+    return directory
+
+
+@pytest.mark.parametrize("style", ["hub", "saved"])
+def test_an_init_from_tokenizers_settings_carry_over_to_the_export(tmp_path, style):
+    """model.init_from a Llama 3-style directory, prepared (its tokenizer.json and side files
+    copied into the dataset directory), exported with --tokenizer <dataset dir>: the export's
+    tokenizer has the checkpoint's BOS, EOS, pad and chat template, config.json and
+    generation_config.json their ids. It used to say BOS = EOS = <|end_of_text|>, no pad, no
+    template, and wrote no generation_config.json."""
+    from goodput.data.prepare import prepare_dataset
+    from storage.manifests import DatasetManifest
+    from training.export import write_hf
+    from training.model import model_args_from_config
+
+    source = save_llama3_style(tmp_path / "llama3", style)
+    config = small_config(tmp_path, f"model.init_from={source}", "data.max_docs=50")
+    manifest = prepare_dataset(config)
+    dataset = Path(config.data.data_dir) / manifest.dataset_id
+    sides = {"hub": ["special_tokens_map.json"], "saved": ["chat_template.jinja"]}[style]
+    for name in ("tokenizer_config.json", "generation_config.json", *sides):
+        assert (dataset / name).read_bytes() == (source / name).read_bytes(), name
+    assert manifest.eos_id == 1 and DatasetManifest.load(dataset) == manifest  # intact
+
+    args = model_args_from_config(config.model, manifest.vocab_size)
+    write_hf(args, Transformer(args).state_dict(), tmp_path / "out", tokenizer=dataset, eos_id=manifest.eos_id,
+             tokenizer_sha256=manifest.tokenizer_sha256)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == LLAMA3_SPECIAL
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 1, 2)
+    assert tokenizer.chat_template == CHAT_TEMPLATE
+    assert tokenizer("hello world").input_ids[0] == 0  # BOS first, as the model was trained
+    assert tokenizer.model_max_length == 64  # capped at the exported context (model.max_seq_len)
+    hf = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (hf["bos_token_id"], hf["eos_token_id"], hf["pad_token_id"]) == (0, 1, 2)
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "out")
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (0, 1, 2)
 
 
 @torch.no_grad()
@@ -206,7 +293,9 @@ def test_cli_refuses_to_overwrite_unless_forced(trained, tmp_path, capsys):
     assert cli_main(argv) == 0
     assert cli_main(argv) == 2 and "not empty" in capsys.readouterr().err
     assert cli_main([*argv, "--force"]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    # (the model's generation_config.json too: generate() stops at the EOS it trained on)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json",
+                                                     "model.safetensors"]
     assert not list(tmp_path.glob(".out.*"))  # no staging or replaced directories left behind
     # An earlier export the user has since added to is theirs too.
     (out / "README.md").write_text("my model card")

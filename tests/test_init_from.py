@@ -37,7 +37,7 @@ from storage.manifests import DatasetManifest
 from storage.store import store_from_config
 from tests.helpers import REPO, losses_by_step, small_config, synthetic_dataset
 from training.data import DistributedSampleLoader, TokenStream
-from training.export import write_hf
+from training.export import hf_config, write_hf
 from training.hf_weights import load_hf_weights
 from training.model import Transformer, model_args_from_config
 from training.parallelize import parallelize
@@ -88,13 +88,14 @@ def hf_model(directory: Path):
     return model.eval()
 
 
-def goodput_model(directory: Path, **overrides) -> Transformer:
-    """The model the trainer builds for model.init_from=directory in one process: on the meta
-    device, laid out without initial values, then loaded."""
+def goodput_model(directory: Path, par: ParallelismConfig | None = None,
+                  dims: ParallelDims = ParallelDims()) -> Transformer:
+    """The model the trainer builds for model.init_from=directory (in one process, or laid out
+    by `par`): on the meta device, laid out without initial values, then loaded."""
     config = load_config(None, [f"model.init_from={directory}", f"training.seq_len={SEQ}"])
     with torch.device("meta"):
         model = Transformer(model_args_from_config(config.model, VOCAB))
-    layout = parallelize(model, ParallelismConfig(device="cpu"), ParallelDims(), torch.device("cpu"),
+    layout = parallelize(model, par or ParallelismConfig(device="cpu"), dims, torch.device("cpu"),
                          None, seed=None)
     load_hf_weights(layout.model_parts, directory, config.model.tie_embeddings)
     return layout.model_parts[0].eval()
@@ -155,13 +156,26 @@ def test_a_stated_shape_that_conflicts_names_the_field(checkpoints, override, me
 
 def test_an_init_from_override_displaces_the_files_model_shape(checkpoints, tmp_path):
     """`--config configs/tiny.yaml model.init_from=DIR`: the file's shape was written for the
-    tiny model trained from scratch; the checkpoint's replaces it, the file's other choices
-    (max_seq_len, training) stay. A shape field that is an override too must still agree,
-    and a file stating init_from and another shape is inconsistent in itself."""
-    directory = checkpoints["tied"]
+    tiny model trained from scratch; the checkpoint's replaces it (its context too), the
+    file's other choices (training) stay. A shape field that is an override too must still
+    agree, and a file stating init_from and another shape is inconsistent in itself."""
+    directory = tmp_path / "long-context"  # Llama 3's context: the file's 256 used to stay
+    shutil.copytree(checkpoints["tied"], directory)
+    hf = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**hf, "max_position_embeddings": 131072}))
     config = load_config(REPO / "configs" / "tiny.yaml", [f"model.init_from={directory}"])
     assert (config.model.dim, config.model.n_layers, config.model.n_kv_heads) == (64, 2, 2)
-    assert config.model.max_seq_len == 256 and config.training.seq_len == 128  # the file's
+    assert config.model.max_seq_len == 131072 and config.training.seq_len == 128  # the file's
+    assert json.loads(json.dumps(hf_config(model_args_from_config(config.model, VOCAB),
+                                           torch.float32)))["max_position_embeddings"] == 131072
+    # A max_seq_len stated on the command line wins, and must still hold training.seq_len.
+    stated = load_config(REPO / "configs" / "tiny.yaml", [f"model.init_from={directory}",
+                                                          "model.max_seq_len=512"])
+    assert stated.model.max_seq_len == 512
+    with pytest.raises(ConfigError, match="training.seq_len=128 exceeds model.max_seq_len=64; "
+                                          "raise model.max_seq_len or lower training.seq_len"):
+        load_config(REPO / "configs" / "tiny.yaml", [f"model.init_from={directory}", "model.max_seq_len=64"])
+    directory = checkpoints["tied"]
     with pytest.raises(ConfigError, match="model.dim=128 but hidden_size is 64"):
         load_config(REPO / "configs" / "tiny.yaml", [f"model.init_from={directory}", "model.dim=128"])
     # A run's saved config.yaml, its checkpoint directory gone since: an init_from override
@@ -215,17 +229,23 @@ def test_directories_that_are_not_llama_checkpoints_are_config_errors(tmp_path, 
 
 
 def test_a_missing_tensor_or_shard_is_a_config_error_naming_it(tmp_path, checkpoints):
+    """When the config is read (the index and the safetensors headers only), not ~30 s later
+    in the workers; the workers' own check stays for a directory changed since."""
     partial = tmp_path / "partial"
     partial.mkdir()
     for name in ("config.json", "tokenizer.json"):
         (partial / name).write_text((checkpoints["tied"] / name).read_text())
     tensors = stored(checkpoints["tied"])
-    del tensors["model.layers.1.mlp.down_proj.weight"]
+    lacks = (r"lacks 1 tensor\(s\) the model needs, e\.g\. \['model\.layers\.1\.mlp\.down_proj\."
+             r"weight'\] \(in model\.safetensors\).*re-save it")
     save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=r"lacks 1 tensor\(s\) the model needs, e\.g\. "
-                                          r"\['model\.layers\.1\.mlp\.down_proj\.weight'\] "
-                                          r"\(in model\.safetensors\).*re-save it"):
-        goodput_model(partial)
+    config = load_config(None, [f"model.init_from={partial}", f"training.seq_len={SEQ}"])
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})  # since read
+    with pytest.raises(ConfigError, match=lacks):
+        load_hf_weights([Transformer(model_args_from_config(config.model, VOCAB))], partial, True)
+    with pytest.raises(ConfigError, match=lacks):
+        load_config(None, [f"model.init_from={partial}", f"training.seq_len={SEQ}"])
 
     sharded = tmp_path / "sharded"
     sharded.mkdir()
@@ -234,7 +254,25 @@ def test_a_missing_tensor_or_shard_is_a_config_error_naming_it(tmp_path, checkpo
     gone = sorted(sharded.glob("model-*.safetensors"))[1]
     gone.unlink()
     with pytest.raises(ConfigError, match=f"{gone} is missing .*copy every shard"):
-        goodput_model(sharded)
+        load_config(None, [f"model.init_from={sharded}", f"training.seq_len={SEQ}"])
+    (sharded / gone.name).write_bytes(b"\xff" * 16)  # not a safetensors file
+    with pytest.raises(ConfigError, match=f"{gone} is not a safetensors file"):
+        load_config(None, [f"model.init_from={sharded}", f"training.seq_len={SEQ}"])
+
+
+def test_the_tensors_the_config_check_asks_for_are_those_transformers_stores(checkpoints, relatives):
+    """core.hf_llama.needed_tensors (the config's side) names every tensor save_pretrained
+    wrote, no other (a tied checkpoint has no lm_head): what the workers then read."""
+    from core.hf_llama import model_fields, needed_tensors
+    from tests.test_moe_interchange import save_mixtral, save_qwen3_moe
+
+    moe = {"mixtral": save_mixtral, "qwen3_moe": save_qwen3_moe}
+    directories = {**checkpoints, **relatives,
+                   **{kind: save(checkpoints["tied"].parent / kind) for kind, save in moe.items()}}
+    for kind, directory in directories.items():
+        model_type = json.loads((directory / "config.json").read_text())["model_type"]
+        assert sorted(needed_tensors(model_type, model_fields(directory))) == \
+            sorted(stored(directory)), kind
 
 
 def test_a_checkpoint_without_tokenizer_json_is_refused_when_the_config_is_read(tmp_path, checkpoints):
@@ -362,6 +400,21 @@ def test_a_tokenizer_larger_than_the_checkpoints_vocabulary_is_refused(checkpoin
     config = load_config(None, [f"model.init_from={checkpoints['tied']}", f"training.seq_len={SEQ}"])
     with pytest.raises(ConfigError, match=f"the tokenizer has 400 tokens but model.vocab_size={VOCAB}"):
         model_args_from_config(config.model, 400)
+
+
+def test_a_checkpoint_whose_own_tokenizer_outgrows_its_vocab_size_names_both_files(checkpoints, tmp_path):
+    """tokenizer.path unset (the checkpoint's own tokenizer): not "leave tokenizer.path unset",
+    which it is, but the two files of the checkpoint that disagree."""
+    directory = tmp_path / "grown"
+    shutil.copytree(checkpoints["tied"], directory)
+    train_tokenizer([f"word{i} token{i * 7}" for i in range(400)], vocab_size=400,
+                    min_frequency=1).save(str(directory / "tokenizer.json"))
+    config = load_config(None, [f"model.init_from={directory}", f"training.seq_len={SEQ}"])
+    with pytest.raises(ConfigError) as err:
+        model_args_from_config(config.model, 400)
+    assert (f"the checkpoint's own tokenizer ({directory}/tokenizer.json) has 400 tokens but its "
+            f"config.json's vocab_size is {VOCAB}") in str(err.value)
+    assert "leave tokenizer.path unset" not in str(err.value)
 
 
 # -- the weights -----------------------------------------------------------------------------------
@@ -546,3 +599,137 @@ def test_the_pipeline_prepares_with_the_checkpoints_tokenizer_and_trains_from_it
 
     assert manifest.tokenizer_sha256 == sha256_file(checkpoint / "tokenizer.json")
     assert math.isfinite(result["eval_loss"])
+
+
+# -- Llama's relatives: Qwen2, Qwen3, Mistral, a head_dim of its own --------------------------------
+
+def save_pretrained(model, directory: Path) -> Path:
+    """`model` (a transformers model) with std-0.3 weights, saved with its tokenizer.json."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    model.save_pretrained(directory)
+    texts = ["the quick brown fox jumps over the lazy dog", "hello world, hello tokenizer"] * 20
+    train_tokenizer(texts, vocab_size=VOCAB, min_frequency=1).save(str(directory / "tokenizer.json"))
+    return directory
+
+
+SHAPE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=100, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+             rms_norm_eps=1e-6)
+RELATIVES = {
+    # Qwen2.5: q/k/v biases, tied embeddings, its sliding window off
+    "qwen2": lambda: transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        **SHAPE, tie_word_embeddings=True, use_sliding_window=False, rope_theta=1000000.0)),
+    # Qwen3: q/k norms and a head_dim other than hidden_size / heads
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, head_dim=32)),
+    # Mistral without a sliding window: a Llama
+    "mistral": lambda: transformers.MistralForCausalLM(transformers.MistralConfig(
+        **SHAPE, sliding_window=None)),
+    # a Llama whose heads are not hidden_size / heads wide
+    "llama-head-dim": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, head_dim=24)),
+}
+EXPORTED_AS = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+               "mistral": "LlamaForCausalLM", "llama-head-dim": "LlamaForCausalLM"}
+
+
+@pytest.fixture(scope="module")
+def relatives(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("relatives")
+    return {kind: save_pretrained(build(), root / kind) for kind, build in RELATIVES.items()}
+
+
+def auto_model(directory: Path):
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        directory, dtype=torch.float32, output_loading_info=True)
+    assert not any(info.values()), info
+    return model.eval()
+
+
+def test_relatives_set_their_model_fields(relatives):
+    def model(kind):
+        return load_config(None, [f"model.init_from={relatives[kind]}", f"training.seq_len={SEQ}"]).model
+
+    assert (model("qwen2").qkv_bias, model("qwen2").qk_norm, model("qwen2").tie_embeddings) == (True, False, True)
+    assert (model("qwen3").qkv_bias, model("qwen3").qk_norm, model("qwen3").head_dim) == (False, True, 32)
+    assert (model("mistral").qkv_bias, model("mistral").qk_norm, model("mistral").head_dim) == (False, False, None)
+    assert model("llama-head-dim").head_dim == 24
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", RELATIVES)
+def test_relatives_give_transformers_logits_and_export_back(relatives, kind, tmp_path):
+    """Loaded: transformers' logits on the same tokens. Exported again: every stored tensor,
+    bit for bit, as the architecture transformers loads with the same logits."""
+    directory = relatives[kind]
+    ours, x = goodput_model(directory), tokens()
+    torch.testing.assert_close(ours(x), auto_model(directory)(x).logits, **PARITY)
+    write_hf(ours.args, ours.state_dict(), tmp_path / "out")
+    original, exported = stored(directory), stored(tmp_path / "out")
+    assert exported.keys() == original.keys()
+    assert all(torch.equal(exported[k], original[k]) for k in original)
+    again = auto_model(tmp_path / "out")
+    assert type(again).__name__ == EXPORTED_AS[kind]
+    torch.testing.assert_close(again(x).logits, ours(x), **PARITY)
+    if kind == "qwen2":  # the biases are used: without them, other logits
+        layer = ours.layers["0"].attention
+        layer.wq.bias.zero_(), layer.wk.bias.zero_(), layer.wv.bias.zero_()
+        assert (ours(x) - again(x).logits).abs().max() > 1e-2
+
+
+def _tp_worker(rank: int, world: int, directory: str, port: int, results) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        par = ParallelismConfig(device="cpu", nproc_per_node=world, dp_replicate=1, tp=world)
+        model = goodput_model(Path(directory), par=par, dims=par.dims())
+        bias = model.layers["0"].attention.wq.bias
+        x = tokens()
+        with torch.no_grad():
+            difference = (model(x) - auto_model(Path(directory))(x).logits).abs().max().item()
+        results.put((rank, (tuple(bias.to_local().shape), tuple(bias.shape), difference)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tensor_parallelism_splits_the_qkv_biases_with_their_heads(relatives):
+    """Two gloo ranks under TP: each holds the q bias of its own heads (ColwiseParallel splits
+    it with the projection's rows) and the model gives transformers' logits."""
+    from tests.helpers import spawn_ranks
+
+    results = spawn_ranks(_tp_worker, 2, str(relatives["qwen2"]))
+    for rank in (0, 1):
+        local, whole, difference = results[rank]
+        assert (local, whole) == ((32,), (64,))
+        assert difference <= 1e-5, (rank, difference)
+
+
+def test_relatives_with_a_sliding_window_or_other_parts_are_refused(tmp_path, relatives):
+    def error(kind: str, **changes) -> str:
+        directory = tmp_path / f"{kind}-{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(relatives[kind], directory)
+        config = json.loads((directory / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, **changes}))
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"model.init_from={directory}", f"training.seq_len={SEQ}"])
+        return str(err.value)
+
+    assert "has sliding_window=4096; training/model.py attends to the whole context (a mistral " \
+           "config with sliding_window null loads)" in error("mistral", sliding_window=4096)
+    assert "has use_sliding_window=true" in error("qwen2", use_sliding_window=True)
+    # Each refusal says what of training/model.py the field asks otherwise, and only that.
+    gelu = error("mistral", hidden_act="gelu")
+    assert "hidden_act='gelu' (its feed-forward is SwiGLU (hidden_act 'silu'))" in gelu
+    assert "bias" not in gelu and "head_dim" not in gelu
+    biased = error("mistral", attention_bias=True)
+    assert "attention_bias=True (its attention projections are bias-free, but for Qwen2's " \
+           "q/k/v biases (model_type qwen2); attention_bias=true also puts one on o_proj)" in biased
+    assert "SwiGLU" not in biased and "head_dim" not in biased
+    linear = error("mistral", rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+    assert "rope_type='linear', which training/model.py does not implement" in linear
+    assert "Start from a checkpoint with one of those, or train from scratch (leave " \
+           "model.init_from unset)" in linear

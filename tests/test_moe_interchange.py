@@ -20,11 +20,11 @@ import torch
 from core.config import ConfigError, ParallelismConfig, load_config
 from core.layout import ParallelDims
 from tests.test_init_from import PARITY, SEQ, VOCAB, save_llama, stored, tokens
+from tests.test_init_from import save_pretrained as _save
 from training.export import write_hf
 from training.hf_weights import load_hf_weights
 from training.model import Transformer, model_args_from_config
 from training.parallelize import parallelize
-from training.tokenizer import train_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -44,17 +44,6 @@ def save_qwen3_moe(directory: Path) -> Path:
         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0],
         max_position_embeddings=SEQ, rms_norm_eps=1e-6, tie_word_embeddings=False)
     return _save(transformers.Qwen3MoeForCausalLM(config), directory)
-
-
-def _save(model, directory: Path) -> Path:
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.3)
-    model.save_pretrained(directory)
-    texts = ["the quick brown fox jumps over the lazy dog", "hello world, hello tokenizer"] * 20
-    train_tokenizer(texts, vocab_size=VOCAB, min_frequency=1).save(str(directory / "tokenizer.json"))
-    return directory
 
 
 @pytest.fixture(scope="module")

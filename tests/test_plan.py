@@ -41,11 +41,12 @@ def layout(dp_replicate=1, dp_shard=1, tp=1, pp=1, cp=1) -> dict[str, int]:
 
 # -- arithmetic -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kv_heads, tied, multiplier", [(None, False, None), (2, False, None),
-                                                     (2, True, 1.3)])
-def test_parameter_count_matches_the_model(kv_heads, tied, multiplier):
+@pytest.mark.parametrize("kv_heads, tied, multiplier, qkv_bias", [
+    (None, False, None, False), (2, False, None, False), (2, True, 1.3, False),
+    (2, True, None, True)])  # Qwen2's q/k/v biases
+def test_parameter_count_matches_the_model(kv_heads, tied, multiplier, qkv_bias):
     args = ModelArgs(vocab_size=512, dim=64, n_layers=3, n_heads=4, n_kv_heads=kv_heads,
-                     tie_embeddings=tied, ffn_dim_multiplier=multiplier)
+                     tie_embeddings=tied, ffn_dim_multiplier=multiplier, qkv_bias=qkv_bias)
     model = Transformer(args)
     count = planner.count_params(args)
     assert count.total == model.num_params(non_embedding=False)

@@ -1,5 +1,7 @@
-"""Export a committed checkpoint as a Hugging Face model: safetensors + config.json (a Llama; an
-MoE model as Qwen3-MoE or Mixtral, training/hf_weights.py).
+"""Export a committed checkpoint as a Hugging Face model: safetensors + config.json (a Llama; with
+model.qkv_bias a Qwen2, with model.qk_norm a Qwen3; an MoE model as Qwen3-MoE or Mixtral,
+training/hf_weights.py), and with --tokenizer the tokenizer and its settings
+(hf_tokenizer_files) and generation_config.json.
 
     goodput export runs/x/checkpoints/step-00000300 --format hf --out exported/ \
         [--tokenizer DATASET_DIR_OR_TOKENIZER_JSON] [--dtype bfloat16] [--force]
@@ -36,6 +38,7 @@ from core.protocol import CHECKPOINT_MANIFEST, is_committed
 from storage.manifests import MIXTURE_MANIFEST, CheckpointManifest, MixtureManifest, verify_files
 from training.checkpoint.reader import load_all_tensors, model_state_from
 from training.model import ModelArgs, Transformer
+from training.tokenizer import HF_TOKENIZER_SIDE_FILES
 
 # Hugging Face's default shard size ("5GB"); smaller models are one model.safetensors.
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -59,17 +62,19 @@ _LAYER_NAMES = {
 }
 # A mixture of experts exports as Mixtral (Llama's attention) or, with model.qk_norm, as
 # Qwen3-MoE: their names for the router and the experts, which they store one per expert
-# (Goodput stacks each weight: experts, out, in).
+# (Goodput stacks each weight: experts, out, in). A dense model with model.qk_norm is a
+# Qwen3 (q/k norms), with model.qkv_bias a Qwen2 (whose q/k/v biases take _LAYER_NAMES').
+_QK_NORM_NAMES = {"attention.q_norm": "self_attn.q_norm", "attention.k_norm": "self_attn.k_norm"}
 _MOE_LAYER_NAMES = {
     "mixtral": {"moe.router.gate": "block_sparse_moe.gate"},
-    "qwen3_moe": {"moe.router.gate": "mlp.gate", "attention.q_norm": "self_attn.q_norm",
-                  "attention.k_norm": "self_attn.k_norm"},
+    "qwen3_moe": {"moe.router.gate": "mlp.gate", **_QK_NORM_NAMES},
+    "qwen3": _QK_NORM_NAMES,
 }
 _EXPERT_NAMES = {
     "mixtral": ("block_sparse_moe.experts", {"w1": "w1", "w2": "w2", "w3": "w3"}),
     "qwen3_moe": ("mlp.experts", {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}),
 }
-_LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.(.+)\.weight$")
+_LAYER_TENSOR = re.compile(r"^layers\.(\d+)\.(.+)\.(weight|bias)$")
 _EXPERTS = re.compile(r"^layers\.(\d+)\.moe\.experts\.(w[123])$")
 
 
@@ -80,10 +85,11 @@ class ExportError(ValueError):
 # -- names, config and weights in Hugging Face's terms -----------------------------------------
 
 def hf_architecture(args: ModelArgs) -> str:
-    """The transformers model_type a model exports as: llama, or for a mixture of experts
-    qwen3_moe (with model.qk_norm) or mixtral."""
+    """The transformers model_type a model exports as: llama, qwen2 (with model.qkv_bias) or
+    qwen3 (with model.qk_norm); for a mixture of experts qwen3_moe (with model.qk_norm) or
+    mixtral. (export_problems says which combinations none of them has.)"""
     if args.moe is None:
-        return "llama"
+        return "qwen2" if args.qkv_bias else "qwen3" if args.qk_norm else "llama"
     return "qwen3_moe" if args.qk_norm else "mixtral"
 
 
@@ -96,7 +102,7 @@ def hf_name(name: str, architecture: str = "llama") -> str:
     match = _LAYER_TENSOR.match(name)
     names = {**_LAYER_NAMES, **_MOE_LAYER_NAMES.get(architecture, {})}
     if match and match.group(2) in names:
-        return f"model.layers.{match.group(1)}.{names[match.group(2)]}.weight"
+        return f"model.layers.{match.group(1)}.{names[match.group(2)]}.{match.group(3)}"
     raise ExportError(f"checkpoint tensor {name!r} has no counterpart in a {architecture} model; "
                       "training.export knows only the tensors of training.model.Transformer")
 
@@ -134,8 +140,12 @@ def export_problems(args: ModelArgs, state: dict[str, torch.Tensor]) -> list[str
     from core.hf_llama import MIXTRAL_ROUTING, QWEN3_MOE_ROUTING
 
     architecture = hf_architecture(args)
-    if architecture == "llama":
-        return ["model.qk_norm=true without model.moe (a dense Qwen3)"] if args.qk_norm else []
+    if args.qkv_bias and (args.qk_norm or args.moe is not None):
+        # Qwen3's attention_bias would put a bias on the output projection too.
+        return ["model.qkv_bias=true with " + ("model.qk_norm" if args.qk_norm else "model.moe")
+                + " (Qwen2 has q/k/v biases but neither q/k norms nor experts)"]
+    if architecture in ("llama", "qwen2", "qwen3"):
+        return []
     fixed, label = ((MIXTRAL_ROUTING, "Mixtral") if architecture == "mixtral"
                     else (QWEN3_MOE_ROUTING, "Qwen3-MoE"))
     moe = vars(args.moe_args)
@@ -148,8 +158,10 @@ def export_problems(args: ModelArgs, state: dict[str, torch.Tensor]) -> list[str
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, eos_id: int | None = None,
-              provenance: dict | None = None) -> dict:
-    """config.json for LlamaForCausalLM, readable by transformers 4.x and 5.x."""
+              provenance: dict | None = None, token_ids: dict | None = None) -> dict:
+    """config.json for LlamaForCausalLM (or the architecture hf_architecture names), readable
+    by transformers 4.x and 5.x. `token_ids`: bos_token_id, eos_token_id and pad_token_id of
+    the tokenizer exported with it (hf_tokenizer_files); without, EOS serves as BOS."""
     dtype_name = str(dtype).removeprefix("torch.")
     config = {
         "architectures": ["LlamaForCausalLM"],
@@ -180,6 +192,7 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, eos_id: int | None = None,
         "bos_token_id": eos_id,
         "eos_token_id": eos_id,
         "pad_token_id": None,
+        **(token_ids or {}),
     }
     if args.rope_scaling:
         config["rope_scaling"] = {"rope_type": "llama3", **args.rope_scaling}
@@ -190,6 +203,17 @@ def hf_config(args: ModelArgs, dtype: torch.dtype, eos_id: int | None = None,
                        "num_local_experts": moe.num_experts, "num_experts_per_tok": moe.top_k,
                        "router_aux_loss_coef": moe.aux_loss_coeff, "output_router_logits": False,
                        "router_jitter_noise": 0.0, "sliding_window": None})
+        config.pop("mlp_bias")
+    if architecture == "qwen2":  # Llama with q/k/v biases (always on: no attention_bias key)
+        config.update({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+                       "use_sliding_window": False, "sliding_window": None,
+                       "max_window_layers": args.n_layers})
+        config.pop("attention_bias")
+        config.pop("mlp_bias")
+    if architecture == "qwen3":  # Llama with q/k norms and its own head_dim
+        config.update({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                       "use_sliding_window": False, "sliding_window": None,
+                       "max_window_layers": args.n_layers})
         config.pop("mlp_bias")
     if architecture == "qwen3_moe":  # and q/k norms, dense blocks first, its own head_dim
         config.update({"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
@@ -370,14 +394,83 @@ def _tokenizer_files(tokenizer: str | Path, vocab_size: int, dataset_id: str | N
 
 
 def _tokenizer_config(eos_token: str, max_len: int) -> dict:
-    # The minimum AutoTokenizer needs to wrap tokenizer.json as a fast tokenizer.
+    # The minimum AutoTokenizer needs to wrap tokenizer.json as a fast tokenizer (a tokenizer
+    # Goodput trained, or a dataset prepared before the side files were kept).
     return {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos_token,
             "eos_token": eos_token, "model_max_length": max_len,
             "clean_up_tokenization_spaces": False}
 
 
+def _read_json_object(path: Path) -> dict:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ExportError(f"--tokenizer: {path} is not valid JSON ({e}); save the tokenizer "
+                          "again with save_pretrained, or remove the file") from None
+    if not isinstance(found, dict):
+        raise ExportError(f"--tokenizer: {path} must hold a JSON object")
+    return found
+
+
+def _token_text(token) -> str | None:
+    """A special token as tokenizer_config.json states it: a string, or an AddedToken
+    written out ({"content": ...})."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def hf_tokenizer_files(tok: TokenizerFiles, max_len: int) -> tuple[dict[str, str], dict]:
+    """The tokenizer files of the export besides tokenizer.json (name -> text), and the
+    bos/eos/pad ids config.json states with them.
+
+    A tokenizer from a Hugging Face directory (a model.init_from checkpoint's, or
+    tokenizer.path's: prepare keeps its side files beside the dataset's tokenizer.json) keeps
+    its own: tokenizer_config.json (special tokens, chat template), special_tokens_map.json,
+    chat_template.jinja and generation_config.json, copied as they are, the special tokens'
+    ids read from tokenizer.json. Only model_max_length is capped at the exported context.
+    Otherwise (a tokenizer Goodput trained) EOS also serves as BOS, as documents in the token
+    stream follow an EOS (GPT-2's convention), and no token pads."""
+    from training.tokenizer import read_tokenizer, tokenizer_side_files
+
+    side = {path.name: path for path in tokenizer_side_files(tok.path)}
+    if "tokenizer_config.json" not in side:
+        ids = {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id, "pad_token_id": None}
+        files = {"tokenizer_config.json": _json_text(_tokenizer_config(tok.eos_token, max_len)),
+                 "generation_config.json": _json_text(_generation_config(ids))}
+        return files, ids
+    tokenizer_config = _read_json_object(side["tokenizer_config.json"])
+    special = {}
+    if "special_tokens_map.json" in side:
+        special = _read_json_object(side["special_tokens_map.json"])
+    tokenizer = read_tokenizer(tok.path)
+    ids = {}
+    for role in ("bos", "eos", "pad"):
+        text = _token_text(tokenizer_config.get(f"{role}_token", special.get(f"{role}_token")))
+        ids[f"{role}_token_id"] = tokenizer.token_to_id(text) if isinstance(text, str) else None
+    if ids["eos_token_id"] is None:  # it declares none: the id its documents ended with
+        ids["eos_token_id"] = tok.eos_id
+    # Hugging Face's "unset" is 1e30 (VERY_LARGE_INTEGER): lm-eval and pipelines would
+    # then feed sequences longer than the positions the model was trained for.
+    stated = tokenizer_config.get("model_max_length")
+    tokenizer_config["model_max_length"] = (min(int(stated), max_len)
+                                            if isinstance(stated, (int, float)) else max_len)
+    tokenizer_config.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    files = {name: path.read_text() for name, path in side.items()}
+    files["tokenizer_config.json"] = _json_text(tokenizer_config)
+    files.setdefault("generation_config.json", _json_text(_generation_config(ids)))
+    return files, ids
+
+
+def _generation_config(ids: dict) -> dict:
+    # What generate() reads: it stops at eos_token_id (without it, only at max_new_tokens).
+    return {key: value for key, value in ids.items() if value is not None}
+
+
+def _json_text(obj: dict) -> str:
+    return json.dumps(obj, indent=2) + "\n"
+
+
 def _write_json(path: Path, obj: dict) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
+    path.write_text(_json_text(obj))
 
 
 def _check_out(out: Path, force: bool, checkpoint: Path | None = None) -> None:
@@ -410,7 +503,7 @@ def _check_out(out: Path, force: bool, checkpoint: Path | None = None) -> None:
 # What an export writes (write_hf): --force replaces a directory of these files only.
 EXPORT_FILES = re.compile("|".join([
     re.escape(SINGLE_FILE), r"model-\d+-of-\d+\.safetensors", re.escape(SHARD_INDEX),
-    *(re.escape(name) for name in ("config.json", "tokenizer.json", "tokenizer_config.json"))]))
+    *(re.escape(name) for name in ("config.json", "tokenizer.json", *HF_TOKENIZER_SIDE_FILES))]))
 
 
 def _is_export(directory: Path) -> bool:
@@ -490,13 +583,18 @@ def write_hf(args: ModelArgs, state: dict[str, torch.Tensor], out: str | Path, *
     try:
         files = write_safetensors(hf_state_dict(state, target, args.tie_embeddings,
                                                 hf_architecture(args)), staging, max_shard_bytes)
-        _write_json(staging / "config.json",
-                    hf_config(args, target, tok.eos_id if tok else eos_id, provenance))
+        tokenizer_files, token_ids = hf_tokenizer_files(tok, args.max_seq_len) if tok else ({}, {})
+        if not tok and eos_id is not None:  # without a tokenizer: the id documents ended with
+            token_ids = {"bos_token_id": eos_id, "eos_token_id": eos_id}
+            tokenizer_files = {"generation_config.json": _json_text(_generation_config(token_ids))}
+        _write_json(staging / "config.json", hf_config(args, target, eos_id, provenance, token_ids))
         files.append("config.json")
         if tok:
             shutil.copyfile(tok.path, staging / "tokenizer.json")
-            _write_json(staging / "tokenizer_config.json", _tokenizer_config(tok.eos_token, args.max_seq_len))
-            files += ["tokenizer.json", "tokenizer_config.json"]
+            files.append("tokenizer.json")
+        for name, text in tokenizer_files.items():
+            (staging / name).write_text(text)
+            files.append(name)
         _move_into_place(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -20,7 +20,6 @@ once, as model.embed_tokens.weight.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import warnings
@@ -31,8 +30,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+from core import hf_llama
 from core.errors import ConfigError
-from core.hf_llama import SHARD_INDEX, SINGLE_FILE, read_config
+from core.hf_llama import check_complete, read_config
 from training.export import hf_expert_names, hf_name
 from training.logs import get_logger
 
@@ -41,32 +41,13 @@ log = get_logger("init_from")
 
 def stored_tensors(directory: str | Path) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Every tensor of the checkpoint in `directory`: HF name -> (file, shape), from the
-    safetensors headers only (no tensor data is read)."""
+    safetensors headers only (no tensor data is read; the config check reads the same)."""
     directory = Path(directory)
     if not directory.is_dir():  # moved since the config was read
         raise ConfigError(f"model.init_from={directory}: no such directory; the run has no "
                           "checkpoint of its own yet, so it starts from these weights: point "
                           "model.init_from at the Hugging Face checkpoint's directory")
-    index = directory / SHARD_INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"model.init_from: {index} is not a safetensors index with a "
-                              f"weight_map ({e}); re-save the model with save_pretrained") from None
-        files = sorted(set(weight_map.values()))
-    else:
-        files = [SINGLE_FILE]
-    found: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for name in files:
-        path = directory / name
-        if not path.is_file():
-            raise ConfigError(f"model.init_from: {path} is missing ({SHARD_INDEX} lists it); copy "
-                              "every shard of the checkpoint into the directory")
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                found[key] = (name, tuple(f.get_slice(key).get_shape()))
-    return found
+    return hf_llama.stored_tensors(directory)
 
 
 class _Reader(dcp.HuggingFaceStorageReader):
@@ -145,15 +126,9 @@ def _load_stack(tensor: torch.Tensor, names: tuple[str, ...], directory: Path,
 
 def _check_complete(wanted: dict[str, torch.Tensor], stored: dict, directory: Path) -> None:
     """Every tensor the model needs is stored with the model's (whole) shape: DCP's own
-    errors for a missing key or a size mismatch would not say which file or what to do."""
-    missing = sorted(set(wanted) - set(stored))
-    if missing:
-        listing = SHARD_INDEX if (directory / SHARD_INDEX).is_file() else SINGLE_FILE
-        raise ConfigError(
-            f"model.init_from={directory}: the checkpoint lacks {len(missing)} tensor(s) the model "
-            f"needs, e.g. {missing[:3]} (in {listing}); "
-            "its weights do not match its config.json (a partial copy, or another architecture "
-            "under a Llama config): re-save it with save_pretrained")
+    errors for a missing key or a size mismatch would not say which file or what to do.
+    (The config's check said so already, core.hf_llama.needed_tensors: this is the model's.)"""
+    check_complete(wanted, stored, directory)
     wrong = [f"{name} {stored[name][1]} in {stored[name][0]}, model {tuple(t.shape)}"
              for name, t in wanted.items() if stored[name][1] != tuple(t.shape)]
     if wrong:

@@ -100,9 +100,11 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=False)
+        # Qwen2's q/k/v biases (args.qkv_bias): tensor parallelism splits each with its
+        # projection's output rows, so a rank adds the bias of its own heads.
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.kv_heads * args.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
@@ -224,6 +226,8 @@ class Transformer(nn.Module):
         not depend on which other parameters a module holds, so a pipeline stage and a
         tensor- or data-parallel shard start from exactly the whole model's weights.
         """
+        if name.endswith(".bias"):
+            return torch.zeros(shape, device=device)  # q/k/v biases start at nothing
         if len(shape) == 1:
             return torch.ones(shape, device=device)  # norm weights
         std = 0.02
@@ -434,7 +438,7 @@ def shape_differences(saved: dict, args: ModelArgs) -> list[str]:
         return {"vocab_size (padded)": a.vocab_size, "dim": a.dim, "n_layers": a.n_layers,
                 "n_heads": a.n_heads, "n_kv_heads": a.kv_heads, "SwiGLU width": a.ffn_hidden,
                 "tie_embeddings": a.tie_embeddings, "head_dim": a.head_dim,
-                "qk_norm": a.qk_norm, **moe_facts(a)}
+                "qk_norm": a.qk_norm, "qkv_bias": a.qkv_bias, **moe_facts(a)}
 
     before, now = facts(ModelArgs(**saved)), facts(args)
     return [f"{name} {before[name]} in the checkpoint, {now[name]} now"

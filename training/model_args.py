@@ -8,6 +8,7 @@ the verifiers, evaluation).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from core.config import ffn_hidden_width
 from core.errors import ConfigError
@@ -55,6 +56,7 @@ class ModelArgs:
     moe: dict | None = None
     head_dim: int | None = None  # width of a head; None: dim // n_heads (Qwen3 sets its own)
     qk_norm: bool = False  # RMSNorm of each query and key head before RoPE (Qwen3)
+    qkv_bias: bool = False  # a bias on wq, wk and wv (Qwen2); wo stays bias-free
 
     def __post_init__(self):
         if self.head_dim is None:
@@ -92,6 +94,15 @@ def moe_facts(a: ModelArgs) -> dict:
             "model.moe.first_dense_layers": moe.first_dense_layers}
 
 
+def _own_tokenizer_size(init_from: str | None) -> int | None:
+    """The number of tokens of model.init_from's own tokenizer.json (None: none there)."""
+    if not init_from or not (Path(init_from) / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(init_from) / "tokenizer.json")).get_vocab_size()
+
+
 def model_args_from_config(model_cfg, vocab_size: int) -> ModelArgs:
     """ModelConfig (core.config) + the tokenizer's vocabulary -> ModelArgs: the vocabulary
     rounded up to a multiple of model.vocab_multiple_of, or model.vocab_size where the config
@@ -101,6 +112,15 @@ def model_args_from_config(model_cfg, vocab_size: int) -> ModelArgs:
     if model_cfg.vocab_size is None:
         multiple = model_cfg.vocab_multiple_of
         return ModelArgs(vocab_size=-(-vocab_size // multiple) * multiple, **fields)
+    if vocab_size > model_cfg.vocab_size and _own_tokenizer_size(model_cfg.init_from) == vocab_size:
+        directory = model_cfg.init_from
+        raise ConfigError(
+            f"model.init_from={directory}: the checkpoint's own tokenizer ({directory}/"
+            f"tokenizer.json) has {vocab_size} tokens but its config.json's vocab_size is "
+            f"{model_cfg.vocab_size}, so the model has embeddings for only that many: the two "
+            "files are not of one model. Save the model and its tokenizer together again "
+            "(save_pretrained; resize_token_embeddings first if tokens were added), or set "
+            "tokenizer.path to the tokenizer the model was trained with")
     if vocab_size > model_cfg.vocab_size:
         source = (f"model.init_from={model_cfg.init_from} (its config.json)" if model_cfg.init_from
                   else "the config")

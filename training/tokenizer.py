@@ -19,6 +19,16 @@ EOS_TOKEN = "<|endoftext|>"
 # End-of-document tokens of common tokenizers, in order of preference (Llama 3's is
 # <|end_of_text|>: a model.init_from checkpoint's tokenizer must be usable as it is).
 EOS_CANDIDATES = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>")
+# What a Hugging Face tokenizer directory (a model.init_from checkpoint's, or tokenizer.path's)
+# holds beside tokenizer.json that a model exported with it needs: the special tokens and
+# the chat template (tokenizer_config.json and special_tokens_map.json; transformers 5 writes
+# the template apart, as chat_template.jinja), and generation_config.json, whose bos, eos and
+# pad ids `generate()` stops and pads with. Prepare copies them into the dataset directory
+# beside tokenizer.json, export from there into the model it writes. They do not name the
+# dataset (its id and manifest hash tokenizer.json alone): a dataset prepared without them
+# exports with a minimal tokenizer_config.json, as before they were copied.
+HF_TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json",
+                           "chat_template.jinja", "generation_config.json")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, min_frequency: int) -> Tokenizer:
@@ -118,6 +128,12 @@ def declared_eos_token(directory: str | Path) -> str | None:
         if isinstance(token, str) and token:
             return token
     return None
+
+
+def tokenizer_side_files(tokenizer_json: str | Path) -> list[Path]:
+    """The HF_TOKENIZER_SIDE_FILES that lie beside `tokenizer_json`."""
+    directory = Path(tokenizer_json).parent
+    return [directory / name for name in HF_TOKENIZER_SIDE_FILES if (directory / name).is_file()]
 
 
 def _as_text_encoder(tokenizer: Tokenizer) -> Tokenizer:

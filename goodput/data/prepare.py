@@ -63,8 +63,8 @@ from storage.manifests import DATASET_MANIFEST, DatasetManifest, MixSource, Mixt
 from storage.shards import ShardWriter, token_dtype
 from storage.store import Store, store_from_config, usable_anywhere
 from training.shard_cache import check_cache_limit, write_cache_settings
-from training.tokenizer import (eos_id, load_tokenizer, read_tokenizer, stated_eos_token,
-                                train_tokenizer)
+from training.tokenizer import (HF_TOKENIZER_SIDE_FILES, eos_id, load_tokenizer, read_tokenizer,
+                                stated_eos_token, tokenizer_side_files, train_tokenizer)
 
 log = logging.getLogger(__name__)
 
@@ -557,6 +557,8 @@ def build_tokenizer(plan: DatasetPlan, config: RunConfig, units: list[WorkUnit],
     evenly over the corpus, tokenizer.sample_bytes of text in all. An existing tokenizer.json
     is kept: shards already written by a crashed run used it. With `store` (units that
     write to the store), the tokenizer is the store's when it has one, else it goes there.
+    A given tokenizer's Hugging Face side files (its special tokens, chat template and
+    generation settings: training.tokenizer.HF_TOKENIZER_SIDE_FILES) come along, for export.
     """
     path = plan.tokenizer_path
     if store is not None:
@@ -567,11 +569,13 @@ def build_tokenizer(plan: DatasetPlan, config: RunConfig, units: list[WorkUnit],
     if config.tokenizer.path is not None:
         given = given_tokenizer_file(config.tokenizer.path)
         load_tokenizer(given, plan.eos_token)  # validate before adopting it
+        _copy_side_files(given, plan.dir)  # first: tokenizer.json's presence means all is there
         write_atomic(path, given.read_bytes())
         return str(path)
     if plan.tokenizer_from is not None:  # the mix's first source's, here or in the store
         first = plan.dir.parent / plan.tokenizer_from / TOKENIZER_FILE
         if first.is_file():
+            _copy_side_files(first, plan.dir)
             write_atomic(path, first.read_bytes())
         else:
             store_from_config(config.storage).get_file(f"datasets/{plan.tokenizer_from}/{TOKENIZER_FILE}", path)
@@ -584,12 +588,24 @@ def build_tokenizer(plan: DatasetPlan, config: RunConfig, units: list[WorkUnit],
     return str(path)
 
 
+def _copy_side_files(tokenizer_json: Path, directory: Path) -> None:
+    """The Hugging Face side files beside `tokenizer_json`, copied into `directory`."""
+    for side in tokenizer_side_files(tokenizer_json):
+        write_atomic(directory / side.name, side.read_bytes())
+
+
 def _shared_tokenizer(plan: DatasetPlan, config: RunConfig, units: list[WorkUnit], store: Store) -> str:
     key = plan.store_key(TOKENIZER_FILE)
-    if store.exists(key):  # units recorded done in the store used this one
+    if store.exists(key):  # units recorded done in the store used this one (and its side files)
+        plan.dir.mkdir(parents=True, exist_ok=True)
+        for name in HF_TOKENIZER_SIDE_FILES:
+            if store.exists(plan.store_key(name)):
+                store.get_file(plan.store_key(name), plan.dir / name)
         store.get_file(key, plan.tokenizer_path)
         return str(plan.tokenizer_path)
     path = build_tokenizer(plan, config, units)
+    for side in tokenizer_side_files(path):  # first: the tokenizer in the store means all is
+        store.put_file(side, plan.store_key(side.name), sha256=sha256_file(side))
     store.put_file(path, key, sha256=sha256_file(path))
     return path
 
@@ -808,6 +824,9 @@ def write_manifest(plan: DatasetPlan, results: list[UnitResult], tokenizer_path:
         created_at=time.time(),
     )
     listed = {manifest.tokenizer} | {s.path for ss in splits.values() for s in ss}
+    # The tokenizer's Hugging Face side files stay beside it (unlisted in the manifest: they
+    # do not name the dataset, and one prepared without them is complete as it is).
+    listed |= {side.name for side in tokenizer_side_files(tokenizer_path)}
     if store is None:
         _remove_unlisted(plan.dir, listed)
         manifest.save(plan.dir)
@@ -890,12 +909,16 @@ def publish_for_training(config: RunConfig, store: Store) -> list[str]:
     """Publish each source's dataset that lies complete on this machine but not in `store`
     (prepared with another storage.uri, or while the store was down), where training is about
     to checkpoint to that store: a machine with only the store can then resume the run. The
-    store locations sent to; empty when the store had them all."""
+    store locations a dataset was sent to; empty when the store had them all (a pointer
+    alone, from these data settings to a dataset the store holds, is sent but not counted)."""
     sent = []
     for _, plan in mix_plans(config, store):
         manifest = DatasetManifest.load(plan.dir) if (plan.dir / DATASET_MANIFEST).is_file() else None
-        if manifest is not None and unpublished(plan, store):
-            sent.append(publish(plan, manifest, store))
+        missing = unpublished(plan, store) if manifest is not None else []
+        if missing:
+            url = publish(plan, manifest, store)
+            if "dataset" in missing:
+                sent.append(url)
     return sent
 
 
