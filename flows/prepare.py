@@ -95,16 +95,18 @@ def prepare_source(config: RunConfig, tokenizer_from: str | None = None,
         units = plan_units(plan, config)
         tokenizer_path = build_tokenizer(plan, config, units, to_store)
         tokenizing_since = time.time()
-        try:
-            with api_shared_with_unit_processes() as api_url:
-                runner = unit_runner(config.prepare, len(units), api_url, config.storage.uri)
+        with api_shared_with_unit_processes() as api_url:
+            # Outside the try: a runner that cannot start (no Ray there) tokenized nothing.
+            runner = unit_runner(config.prepare, len(units), api_url, config.storage.uri)
+            try:
                 results = tokenize_units.with_options(task_runner=runner)(plan, units, config, to_store)
-        except BaseException:
-            logger.warning("the finished units of dataset %s stay in %s: a rerun with the same "
-                           "sources and settings redoes only the others. If you change them (a "
-                           "fixed file, other settings), that is another dataset: delete this one",
-                           plan.dataset_id, plan.store_key("") if to_store else plan.dir)
-            raise
+            except BaseException:
+                logger.warning("the finished units of dataset %s stay in %s: a rerun with the "
+                               "same sources and settings redoes only the others. If you change "
+                               "them (a fixed file, other settings), that is another dataset: "
+                               "delete this one",
+                               plan.dataset_id, plan.store_key("") if to_store else plan.dir)
+                raise
         tokenize_s = time.time() - tokenizing_since
         workers = sorted({result.worker for result in results})
         manifest = write_manifest(plan, results, tokenizer_path, config.storage if to_store else None)

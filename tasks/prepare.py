@@ -22,6 +22,7 @@ from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTa
 
 from core.config import DataConfig, PrepareConfig, RunConfig, SourceConfig, StorageConfig
 from core.errors import ConfigError, DataError
+from core.process_exit import die_with_parent
 from goodput.data import prepare as lib
 from storage.manifests import DatasetManifest, MixtureManifest
 from storage.store import store_from_config
@@ -66,12 +67,16 @@ def unit_runner(prepare: PrepareConfig, n_units: int, api_url: str | None,
         workers = max(1, min(prepare.workers or os.cpu_count() or 1, n_units))
         if workers == 1:
             return ThreadPoolTaskRunner(max_workers=1)
-        return ProcessPoolTaskRunner(max_workers=workers, initializer=_unit_process_setup)
+        return ProcessPoolTaskRunner(max_workers=workers, initializer=_unit_process_setup,
+                                     initargs=(os.getpid(),))
     try:
         from prefect_ray import RayTaskRunner
     except ImportError as e:
         raise ConfigError("prepare.runner=ray needs prefect-ray on this machine and every node "
-                          "of the cluster: pip install 'goodput[ray]'") from e
+                          "of the cluster: install the ray extra from the goodput checkout, "
+                          "pip install -e '.[ray]' (goodput is not on PyPI)") from e
+    if prepare.ray_address == "auto":
+        _require_a_running_ray()
     if prepare.ray_address is not None:
         _warn_what_other_machines_cannot_reach(api_url, storage_uri)
     init_kwargs: dict = {"runtime_env": {"env_vars": worker_environment(api_url)},
@@ -82,6 +87,25 @@ def unit_runner(prepare: PrepareConfig, n_units: int, api_url: str | None,
         init_kwargs["address"] = "auto"
         return RayTaskRunner(init_kwargs=init_kwargs)
     return RayTaskRunner(address=prepare.ray_address, init_kwargs=init_kwargs)
+
+
+def _require_a_running_ray() -> None:
+    """prepare.ray_address=auto joins the Ray cluster this machine runs (RAY_ADDRESS, else the
+    last `ray start` here): refused before the flow starts any unit where there is none, which
+    Ray itself says only when the units' runner starts, in its own words."""
+    try:
+        from ray._private.services import get_ray_address_from_environment
+    except ImportError:  # moved in another Ray version: Ray's own error, when it connects
+        return
+    try:
+        get_ray_address_from_environment("auto", None)
+    except ConnectionError:
+        raise ConfigError(
+            "prepare.ray_address=auto finds no running Ray cluster on this machine (no `ray "
+            "start` here, RAY_ADDRESS unset): start one first (`ray start --head`, then `ray "
+            "start --address=HEAD:6379` on the other nodes), or set prepare.ray_address to the "
+            "cluster's address (HEAD:6379), or leave prepare.ray_address unset to run the units "
+            "on a Ray of this machine started for the run") from None
 
 
 def _warn_what_other_machines_cannot_reach(api_url: str | None, storage_uri: str) -> None:
@@ -147,7 +171,15 @@ def api_shared_with_unit_processes() -> Iterator[str | None]:
         yield server.api_url
 
 
-def _unit_process_setup() -> None:
+def _unit_process_setup(pool_owner: int | None = None) -> None:
+    """First thing in each process of the unit pool, which `pool_owner` (a pid) started."""
+    # A pool's processes outlive a parent killed outright (kill -9, the OOM killer): nothing
+    # tells them to stop, and each, re-parented to PID 1, holds its memory (~500 MB) forever.
+    # The kernel kills them with it instead. It follows the thread that started the process:
+    # Prefect's runner starts them from its resolver threads, which live until the pool is
+    # shut down. Linux only; elsewhere nothing.
+    if die_with_parent(signal.SIGKILL) and pool_owner is not None and os.getppid() != pool_owner:
+        os._exit(1)  # the parent died before the request took effect
     # Each unit's process tokenizes on one core: the processes are the parallelism, and
     # tokenizers' own thread pool on top of them would only oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"

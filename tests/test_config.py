@@ -185,7 +185,7 @@ def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(monkeypa
         load_config(None, [override])
     assert f"{field}: {field.split('.')[1]}=" in str(err.value)
     assert f"needs the {package} package" in str(err.value)
-    assert "pip install 'goodput[tracking]'" in str(err.value)
+    assert "pip install -e '.[tracking]'" in str(err.value)
     monkeypatch.delitem(sys.modules, package)
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -174,6 +174,25 @@ def test_a_lost_local_copy_is_found_in_the_store_not_restored(builtin):
     assert DatasetManifest.load(local) == manifest
 
 
+def test_training_publishes_to_its_store_only_what_the_store_lacks(builtin, tmp_path):
+    """A run whose store lacks the dataset gets it (the train flow says so); a store that
+    has the dataset but not the pointer from these settings gets the pointer, and nothing
+    is said to have been published."""
+    from storage.store import store_from_config
+
+    config, manifest = builtin
+    other = config.model_copy(update={"storage": config.storage.model_copy(
+        update={"uri": str(tmp_path / "other")})})
+    store = store_from_config(other.storage)
+    [url] = prep.publish_for_training(other, store)
+    assert url == store.url(f"datasets/{manifest.dataset_id}")
+    assert prep.publish_for_training(other, store) == []
+    pointer = f"datasets/{prep.BY_SETTINGS}/{prep.plan_dataset(other).settings_key}.json"
+    store.delete(pointer)
+    assert prep.publish_for_training(other, store) == []  # the pointer alone: sent, not counted
+    assert store.exists(pointer)
+
+
 def test_damaged_local_shard_is_replaced(builtin, tmp_path):
     config, manifest = builtin
     # A store without the dataset: the damaged file is tokenized again here.
@@ -917,3 +936,99 @@ def test_a_small_corpus_is_cut_into_enough_units_for_every_core():
     assert prep.unit_target_bytes(files(*[1024 * MiB] * 2), 256 * MiB) == 64 * MiB
     assert prep.unit_target_bytes(files(*[1024 * MiB] * 100), 256 * MiB) == 256 * MiB
     assert prep.unit_target_bytes(files(64 * MiB), 1024) == 1024  # asked for: kept
+
+
+_POOL_OF_UNITS_THAT_NEVER_END = """
+import os, sys, time
+from prefect import flow, task
+from core.config import PrepareConfig
+from tasks.prepare import unit_runner
+
+@task
+def unit(directory):  # says where it runs, then works on for longer than any test
+    open(os.path.join(directory, str(os.getpid())), "w").close()
+    time.sleep(600)
+
+@flow
+def units(directory):
+    for future in [unit.submit(directory) for _ in range(2)]:
+        future.wait()
+
+units.with_options(task_runner=unit_runner(PrepareConfig(workers=2), 2, None))(sys.argv[1])
+"""
+
+
+def _gone(pid: int) -> bool:
+    """Whether a process has ended (a zombie no one reaped has ended too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux: the kernel's PR_SET_PDEATHSIG")
+def test_the_unit_pool_s_processes_die_with_a_flow_killed_outright(prefect_api, tmp_path):
+    """`kill -9` (or the OOM killer) of `goodput prepare` left its pool's processes running
+    forever, re-parented to PID 1 with ~500 MB each: now the kernel kills them with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    env = dict(os.environ, PREFECT_API_URL=prefect_api.api_url,
+               PREFECT_HOME=str(prefect_api.home / "client"))
+    flow_process = subprocess.Popen([sys.executable, "-c", _POOL_OF_UNITS_THAT_NEVER_END, str(tmp_path)],
+                                    cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    workers: list[int] = []
+    try:
+        def both_units_running() -> list[int]:
+            assert flow_process.poll() is None, flow_process.stderr.read().decode()[-3000:]
+            pids = [int(p.name) for p in tmp_path.iterdir()]
+            return pids if len(pids) == 2 else []
+
+        workers = wait_for(both_units_running, 120, "two units running", every_s=0.5)
+        assert all(not _gone(pid) for pid in workers)
+        flow_process.kill()  # SIGKILL: no handler, no exit code of its own runs
+        flow_process.wait(10)
+        wait_for(lambda: all(_gone(pid) for pid in workers), 5, "pool processes gone", every_s=0.2)
+    finally:
+        flow_process.kill()
+        for pid in workers:  # a failed run leaves none behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_ray_auto_with_no_ray_running_is_refused_naming_the_field(tmp_path, monkeypatch):
+    """prepare.ray_address=auto with no Ray on the machine printed Ray's own "Could not find
+    any running Ray instance" once the units' runner started."""
+    from ray._private.services import find_gcs_addresses
+
+    from core.config import PrepareConfig
+    from core.errors import ConfigError
+    from tasks.prepare import unit_runner
+
+    if find_gcs_addresses():
+        pytest.skip("a Ray instance runs on this machine: auto would join it")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # where `ray start` notes its address
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"prepare.ray_address=auto finds no running Ray cluster "
+                                          r".*`ray start --head`.*leave prepare.ray_address unset"):
+        unit_runner(PrepareConfig(runner="ray", ray_address="auto"), 4, None)
+
+
+def test_the_install_hints_for_extras_name_this_checkout_not_a_package_on_pypi():
+    """`pip install 'goodput[ray]'` installs someone else's "goodput" from PyPI."""
+    from tests.helpers import REPO
+
+    readme = (REPO / "README.md").read_text()
+    assert "goodput[" not in readme
+    assert "pip install -e '.[ray]'" in readme and "pip install -e '.[tracking]'" in readme
+    for path in ("tasks/prepare.py", "core/config.py"):
+        source = (REPO / path).read_text()
+        assert "goodput[" not in source, path

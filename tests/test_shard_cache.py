@@ -17,7 +17,7 @@ from storage.store import IntegrityError, store_from_config
 from tests.helpers import REPO
 from tests.test_prepare import DOCS, make_config, write_source
 from training.data import DistributedSampleLoader, TokenStream
-from training.shard_cache import ShardCache, disk_usage
+from training.shard_cache import ShardCache, check_cache_limit, disk_usage
 
 LIMIT = 37_400  # bytes: a few of the ~5 kB shards below, far from all of them
 
@@ -112,3 +112,44 @@ print(json.dumps(cache.fetched))
         for shard in shards:
             assert (cache_dir / shard.path).stat().st_size == shard.size
     assert isinstance(ShardCache(cache_dir, manifest).path(shards[0]), type(cache_dir))
+
+
+def test_a_cache_as_large_as_the_dataset_serves_any_shuffle_window(prepared, tmp_path):
+    """A window larger than the dataset reads the dataset: a cache of all its shards' bytes
+    is enough, however large training.shuffle_window_tokens is (the default is 2**28)."""
+    manifest, _, config = prepared
+    dataset_bytes = sum(s.size for shards in manifest.splits.values() for s in shards)
+    huge_window = config.model_copy(update={
+        "training": config.training.model_copy(update={"shuffle_window_tokens": 2**28}),
+        "data": config.data.model_copy(update={"cache_limit": dataset_bytes})})
+    store = store_from_config(config.storage)
+    cache_dir = prep.dataset_for_training(huge_window, store)
+    stream = TokenStream(cache_dir, DatasetManifest.load(cache_dir), "train")
+    loader = DistributedSampleLoader(stream, 32, 4, 0, 1, seed=3, shuffle_window_tokens=2**28)
+    for _ in range(2 * stream.num_samples(32) // 4):  # two epochs, nothing evicted
+        loader.next_batch()
+        assert disk_usage(cache_dir) <= dataset_bytes
+    assert stream.cache.fetched == len(manifest.splits["train"])
+
+    one_byte_short = huge_window.model_copy(update={
+        "data": huge_window.data.model_copy(update={"cache_limit": dataset_bytes - 1,
+                                                    "data_dir": str(tmp_path / "other")})})
+    with pytest.raises(ConfigError, match=rf"data.cache_limit={dataset_bytes - 1:,} bytes cannot hold "
+                                          rf".*the whole of dataset .*raise data.cache_limit to at "
+                                          rf"least {dataset_bytes:,} bytes"):
+        prep.dataset_for_training(one_byte_short, store)
+
+
+def test_a_mix_s_share_of_the_cache_limit_is_named_as_a_share_not_multiplied_back(prepared):
+    """data.cache_limit=1GiB over three streamed sources is 357,913,941 bytes each; three
+    times that is one byte short of what the user set, so it is never echoed as theirs."""
+    manifest, _, _ = prepared
+    dataset_bytes = sum(s.size for shards in manifest.splits.values() for s in shards)
+    share = dataset_bytes // 3 * 3 // 3 - 1  # too small for this source
+    with pytest.raises(ConfigError) as refused:
+        check_cache_limit(share, manifest, 2**28, sharers=3)
+    message = str(refused.value)
+    assert f"data.cache_limit gives each of 3 streamed sources {share:,} bytes" in message
+    assert f"{share * 3:,}" not in message
+    assert f"raise data.cache_limit to at least {dataset_bytes * 3:,} bytes" in message
+    check_cache_limit(dataset_bytes, manifest, 2**28, sharers=3)  # the share holds the source

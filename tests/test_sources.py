@@ -469,3 +469,94 @@ def test_a_utf8_byte_order_mark_is_no_part_of_the_first_record(tmp_path, kind):
     assert read_all([Piece(file=file)]) == DOCS[:20]
     middle = path.stat().st_size // 2  # pieces after the first still read each line once
     assert read_all([Piece(file=file, stop=middle), Piece(file=file, start=middle)]) == DOCS[:20]
+
+
+CARD = b"---\nlicense: mit\nlanguage: [en]\n---\n# My corpus\n\nA dataset card.\n"
+
+
+def test_a_hub_style_folder_gives_its_train_split_and_names_what_it_left_out(tmp_path, caplog):
+    # A folder as the hub (or huggingface-cli download) lays it out: README.md, a dataset card,
+    # and data/<split>-NNNNN-of-NNNNN.parquet. Its test split used to be trained on, and the
+    # card named with a hint to rename it.
+    write(tmp_path / "README.md", CARD)
+    write(tmp_path / "data" / "train-00000-of-00002.parquet", file_bytes("parquet", DOCS[:10]))
+    write(tmp_path / "data" / "train-00001-of-00002.parquet", file_bytes("parquet", DOCS[10:20]))
+    write(tmp_path / "data" / "test-00000-of-00001.parquet", file_bytes("parquet", DOCS[20:30]))
+    with caplog.at_level(logging.INFO, logger="goodput.data.sources"):
+        files = list_source(str(tmp_path))
+    assert [Path(f.uri).name for f in files] == ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
+    assert read_all([Piece(file=f) for f in files]) == DOCS[:20]
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "reading its train split (2 files)" in said
+    assert "left out: split test: 1 file(s), data/test-00000-of-00001.parquet" in said
+    assert "README.md" not in said and "rename" not in said
+    # data.hub_split chooses another split, as for a hub dataset.
+    assert [Path(f.uri).name for f in list_source(str(tmp_path), hub_split="test")] == [
+        "test-00000-of-00001.parquet"]
+    with pytest.raises(DataError, match=r"splits test, train, none of them 'validation': set "
+                                        r"data.hub_split=<one of them>"):
+        list_source(str(tmp_path), hub_split="validation")
+
+
+def test_split_named_files_and_folders_follow_datasets_conventions(tmp_path):
+    by_file = tmp_path / "by_file"
+    write(by_file / "train.jsonl", jsonl_bytes(DOCS[:5]))
+    write(by_file / "valid.jsonl", jsonl_bytes(DOCS[5:7]))
+    write(by_file / "dev.jsonl", jsonl_bytes(DOCS[7:9]))
+    assert read_all([Piece(file=f) for f in list_source(str(by_file))]) == DOCS[:5]
+    by_folder = tmp_path / "by_folder"
+    write(by_folder / "train" / "a.jsonl", jsonl_bytes(DOCS[:5]))
+    write(by_folder / "train" / "b.txt", "\n".join(DOCS[5:8]).encode())
+    write(by_folder / "test" / "a.jsonl", jsonl_bytes(DOCS[8:9]))
+    assert read_all([Piece(file=f) for f in list_source(str(by_folder))]) == DOCS[:8]
+    # Only a test split: none to train on, said so rather than training on the test set.
+    only_test = tmp_path / "only_test"
+    write(only_test / "test.jsonl", jsonl_bytes(DOCS[:5]))
+    with pytest.raises(DataError, match=r"laid out as a Hugging Face dataset .*with the splits test"):
+        list_source(str(only_test))
+
+
+def test_a_dataset_card_s_configs_choose_the_files(tmp_path, caplog):
+    # The card's YAML `configs:` data_files win over file names, as in datasets.load_dataset.
+    write(tmp_path / "README.md", b"---\nconfigs:\n- config_name: default\n  data_files:\n"
+                                  b"  - split: train\n    path: corpus/*.jsonl\n"
+                                  b"  - split: test\n    path: held_out.jsonl\n---\n# card\n")
+    write(tmp_path / "corpus" / "part-a.jsonl", jsonl_bytes(DOCS[:5]))
+    write(tmp_path / "corpus" / "part-b.jsonl", jsonl_bytes(DOCS[5:9]))
+    write(tmp_path / "held_out.jsonl", jsonl_bytes(DOCS[9:12]))
+    write(tmp_path / "scratch.jsonl", jsonl_bytes(DOCS[12:13]))  # in no split of the card
+    with caplog.at_level(logging.INFO, logger="goodput.data.sources"):
+        files = list_source(str(tmp_path))
+    assert read_all([Piece(file=f) for f in files]) == DOCS[:9]
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "split test: 1 file(s), held_out.jsonl; in no split: 1 file(s), scratch.jsonl" in said
+    with pytest.raises(DataError, match=r"has no config 'other'; its configs are \['default'\]: "
+                                        r"set data.hub_config"):
+        list_source(str(tmp_path), hub_config="other")
+
+
+def test_a_folder_without_split_naming_is_read_whole_and_its_card_is_no_file_to_rename(tmp_path, caplog):
+    write(tmp_path / "README.md", CARD)
+    write(tmp_path / "web" / "part-0.jsonl", jsonl_bytes(DOCS[:5]))
+    write(tmp_path / "books.jsonl", jsonl_bytes(DOCS[5:9]))
+    with caplog.at_level(logging.INFO, logger="goodput.data.sources"):
+        files = list_source(str(tmp_path))
+    assert sorted(read_all([Piece(file=f) for f in files])) == sorted(DOCS[:9])
+    assert not [r for r in caplog.records if "left out" in r.getMessage() or "laid out" in r.getMessage()]
+
+
+def test_the_fix_for_a_saved_dataset_below_the_source_folder_names_the_folder_to_load(tmp_path):
+    # load_from_disk('/x/corpus') fails where save_to_disk wrote /x/corpus/hf_saved: the
+    # suggested line must work when pasted.
+    import datasets
+
+    datasets.Dataset.from_dict({"text": DOCS[:5]}).save_to_disk(str(tmp_path / "corpus" / "hf_saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": DOCS[:5]})}).save_to_disk(
+        str(tmp_path / "splits" / "hf_dict"))
+    for folder, saved, split in (("corpus", "corpus/hf_saved", ""), ("splits", "splits/hf_dict", "['train']")):
+        with pytest.raises(DataError) as refused:
+            list_source(str(tmp_path / folder) + "/")
+        suggested = f"datasets.load_from_disk('{tmp_path / saved}'){split}.to_parquet('corpus.parquet')"
+        assert suggested in str(refused.value)
+        loaded = datasets.load_from_disk(str(tmp_path / saved))  # the line as pasted works
+        assert (loaded["train"] if split else loaded)["text"] == DOCS[:5]

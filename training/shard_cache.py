@@ -202,26 +202,46 @@ def _files(directory: Path, pattern: str) -> list[tuple[int, int, Path]]:
     return found
 
 
-def check_cache_limit(limit_bytes: int | None, manifest: DatasetManifest, window_tokens: int,
-                      sharers: int = 1) -> None:
-    """A cache must hold what training reads at once: two shuffle windows' shards (the one
-    being read and the next, fetched ahead; each may straddle a shard at either end), plus
-    the validation split's shard being read. `limit_bytes` is data.cache_limit's share when
-    `sharers` streamed sources of a mix share it."""
-    if limit_bytes is None:
-        return
+def cache_bytes_needed(manifest: DatasetManifest, window_tokens: int) -> int:
+    """The bytes a cache of `manifest`'s dataset must hold to serve training: two shuffle
+    windows' shards (the one being read and the next, fetched ahead; each may straddle a
+    shard at either end), plus the validation split's shard being read; never more than all
+    of the dataset's shards, which a cache of their size holds without evicting any (a
+    window larger than the dataset reads the dataset)."""
     shards = [s for split in manifest.splits.values() for s in split]
     largest = max(s.size for s in shards)
     bytes_per_token = max(s.size / max(1, s.n_tokens) for s in shards)
-    needed = int(2 * window_tokens * bytes_per_token) + 4 * largest
-    if limit_bytes < needed:
-        shared = f" (a share of {sharers} streamed sources)" if sharers > 1 else ""
-        raise ConfigError(
-            f"data.cache_limit={limit_bytes * sharers:,} bytes{shared} cannot hold what training "
-            f"reads at once (two windows of training.shuffle_window_tokens={window_tokens:,} and "
-            f"a few shards of up to {largest:,} bytes{' per source' if sharers > 1 else ''}): "
-            f"raise data.cache_limit to at least {needed * sharers:,} bytes (data.cache_limit="
-            f"{math.ceil(needed * sharers / 2**20)}MiB) or lower training.shuffle_window_tokens")
+    reading = int(2 * window_tokens * bytes_per_token) + 4 * largest
+    return min(reading, sum(s.size for s in shards))
+
+
+def check_cache_limit(limit_bytes: int | None, manifest: DatasetManifest, window_tokens: int,
+                      sharers: int = 1) -> None:
+    """Refuse a cache that cannot hold what training reads at once (cache_bytes_needed).
+    `limit_bytes` is data.cache_limit's share when `sharers` streamed sources of a mix share
+    it evenly: each source's share must hold that source's needs."""
+    if limit_bytes is None:
+        return
+    needed = cache_bytes_needed(manifest, window_tokens)
+    if limit_bytes >= needed:
+        return
+    dataset_bytes = sum(s.size for split in manifest.splits.values() for s in split)
+    if needed == dataset_bytes:
+        what = (f"the whole of dataset {manifest.dataset_id}, {dataset_bytes:,} bytes of shards, "
+                f"no more than two windows of training.shuffle_window_tokens={window_tokens:,} "
+                "and a few shards read")
+    else:
+        largest = max(s.size for split in manifest.splits.values() for s in split)
+        what = (f"two windows of training.shuffle_window_tokens={window_tokens:,} and a few "
+                f"shards of up to {largest:,} bytes of dataset {manifest.dataset_id}")
+    # A share is echoed as it is: data.cache_limit // sharers times sharers is not what was set.
+    given = (f"data.cache_limit gives each of {sharers} streamed sources {limit_bytes:,} bytes, "
+             "which" if sharers > 1 else f"data.cache_limit={limit_bytes:,} bytes")
+    raise ConfigError(
+        f"{given} cannot hold what training reads at once ({what}): raise data.cache_limit to "
+        f"at least {needed * sharers:,} bytes{' (an even share for each source)' if sharers > 1 else ''} "
+        f"(data.cache_limit={math.ceil(needed * sharers / 2**20)}MiB) or lower "
+        "training.shuffle_window_tokens")
 
 
 class _Pending:

@@ -9,7 +9,9 @@ streams one piece's documents in batches of bounded size, whatever the file's si
 
 Formats, from each file's extension unless data.format says: JSON Lines (.jsonl, .json; a
 file holding one JSON array is read whole, up to 256 MiB), parquet, text (.txt, a document
-per line); JSON and text also compressed (.gz, .zst). Every problem with the input raises
+per line); JSON and text also compressed (.gz, .zst). A folder laid out as a Hugging Face
+dataset (files or folders named for splits, `-of-` shard names, a dataset card's configs)
+gives one split of it, found by `datasets`' own rules. Every problem with the input raises
 `DataError` worded for the user; storage trouble stays an OSError, which a retry may cure.
 """
 
@@ -113,7 +115,7 @@ def list_source(source: str, fmt: str = "auto", *, storage=None, hub_config: str
     files: dict[str, SourceFile] = {}
     for part in parts:
         found = (_list_s3(part, source, fmt, storage, field_prefix) if part.startswith("s3://")
-                 else _list_local(part, source, fmt, field_prefix))
+                 else _list_local(part, source, fmt, field_prefix, hub_config, hub_split))
         files.update((f.uri, f) for f in found)
     return [files[uri] for uri in sorted(files)]
 
@@ -134,8 +136,9 @@ def _kind(name: str) -> tuple[str | None, Compression]:
     return FORMAT_OF_EXTENSION.get(ext), compression
 
 
-def _list_local(part: str, source: str, fmt: str, field_prefix: str) -> list[SourceFile]:
-    paths = _expand(part)
+def _list_local(part: str, source: str, fmt: str, field_prefix: str, hub_config: str | None = None,
+                hub_split: str = "train") -> list[SourceFile]:
+    paths = _expand(part, hub_config, hub_split, field_prefix)
     if not paths and os.path.isdir(os.path.expanduser(part)):
         raise DataError(f"{part!r} ({field_prefix}.source={source!r}) holds no files of a known "
                         "format (.jsonl, .ndjson, .json, .parquet, .txt, also .gz or .zst; the "
@@ -152,8 +155,11 @@ def _list_local(part: str, source: str, fmt: str, field_prefix: str) -> list[Sou
     return files
 
 
-def _expand(part: str) -> list[Path]:
-    """The files a path, glob or directory names; a directory gives its files in known formats."""
+def _expand(part: str, hub_config: str | None = None, hub_split: str = "train",
+            field_prefix: str = "data") -> list[Path]:
+    """The files a path, glob or directory names; a directory gives its files in known
+    formats: those of split `hub_split` where it is laid out as a Hugging Face hub dataset
+    (_hub_splits), else all of them."""
     pattern = os.path.expanduser(part)
     if glob.has_magic(pattern):
         matches = [Path(p) for p in glob.glob(pattern, recursive=True)]
@@ -164,12 +170,127 @@ def _expand(part: str) -> list[Path]:
         if path.is_dir():  # hidden files and folders (.git, .cache) hold no corpus
             below = [p for p in path.rglob("*") if p.is_file()
                      and not any(s.startswith(".") for s in p.relative_to(path).parts)]
-            _refuse_saved_dataset(str(path), [p.relative_to(path).as_posix() for p in below])
+            names = [p.relative_to(path).as_posix() for p in below]
+            _refuse_saved_dataset(str(path), names)
+            splits = _hub_splits(path, names, hub_config, field_prefix)
+            if splits is not None:
+                below, names = _take_split(path, below, splits, hub_split or "train", field_prefix)
             files += [p for p in below if _kind(p.name)[0]]
-            _warn_left_out(str(path), [str(p.relative_to(path)) for p in below if not _kind(p.name)[0]])
+            _warn_left_out(str(path), [n for n in names if not _kind(n)[0]
+                                       and not (n == DATASET_CARD and _is_dataset_card(path / n))])
         elif path.is_file():
             files.append(path)
     return [p.resolve() for p in files]
+
+
+# Every split naming `datasets` knows holds one of these (train/training, validation/valid/
+# val/dev/eval, test/testing, the "-of-" of shard names): a folder whose names hold none is
+# read whole without importing `datasets` (a second) and globbing the folder with its patterns.
+_SPLIT_NAME_HINTS = ("train", "val", "dev", "test", "-of-")
+DATASET_CARD = "README.md"
+
+
+def _hub_splits(folder: Path, names: list[str], hub_config: str | None,
+                field_prefix: str) -> dict[str, set[Path]] | None:
+    """A folder's splits where it is laid out as a Hugging Face hub dataset, each split's
+    files (resolved paths), as `datasets.load_dataset(folder)` finds them, by `datasets`' own
+    code: the `configs:` data_files of its dataset card (README.md; the config
+    {field_prefix}.hub_config names, else the card's default), else `datasets`' default
+    patterns (data/<split>-00000-of-00002.* shard names, then files or folders named for
+    splits: train, validation, valid, dev, test, ...). None where it names no splits: a
+    folder `datasets` reads whole, as the train split."""
+    card_patterns = _card_data_files(folder, hub_config, field_prefix)
+    if card_patterns is None and not any(hint in name.lower() for name in names
+                                         for hint in _SPLIT_NAME_HINTS):
+        return None
+    from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
+
+    base, patterns = card_patterns if card_patterns is not None else (folder, None)
+    if patterns is None:
+        try:
+            patterns = get_data_patterns(str(base))
+        except EmptyDatasetError:
+            return None
+        if {str(split): p for split, p in patterns.items()} == {"train": ["**"]}:
+            return None  # no split naming: everything is train
+    try:
+        resolved = DataFilesDict.from_patterns(patterns, base_path=str(base))
+    except FileNotFoundError as e:  # a pattern of the card that matches no file
+        raise DataError(f"{folder}/{DATASET_CARD} (a dataset card) names data files that are not "
+                        f"there ({e}); fix its `configs:` data_files, or name the files to read "
+                        f"with {field_prefix}.source (a file or glob)") from None
+    return {str(split): {Path(f).resolve() for f in files} for split, files in resolved.items()}
+
+
+def _is_dataset_card(path: Path) -> bool:
+    """Whether a README.md is a Hugging Face dataset card: it opens with a YAML header."""
+    with open(path, "rb") as f:
+        return f.read(4) in (b"---\n", b"---\r")
+
+
+def _card_data_files(folder: Path, hub_config: str | None,
+                     field_prefix: str) -> tuple[Path, dict[str, list[str]] | None] | None:
+    """(where its patterns start, {split: patterns}) of the config a folder's dataset card
+    chooses in its YAML header (`configs:` ... `data_files:`), patterns None for a config that
+    gives only a data_dir; None where the card has no configs (or there is no card)."""
+    card = folder / DATASET_CARD
+    if not card.is_file() or not _is_dataset_card(card):  # no YAML header: no configs
+        return None
+    from datasets.data_files import sanitize_patterns
+    from datasets.utils.metadata import MetadataConfigs
+    from huggingface_hub import DatasetCard
+
+    try:
+        configs = MetadataConfigs.from_dataset_card_data(DatasetCard.load(card).data)
+    except Exception as e:  # broken YAML, or configs datasets refuses
+        raise DataError(f"{card} (a dataset card) has a YAML header that datasets cannot read "
+                        f"({e}); fix it, or name the files to read with {field_prefix}.source "
+                        "(a file or glob)") from None
+    if not configs:
+        return None
+    try:
+        name = hub_config or configs.get_default_config_name()
+    except ValueError as e:  # several defaults
+        raise DataError(f"{card}: {e}; choose one with {field_prefix}.hub_config") from None
+    if name not in configs:
+        asked = f"has no config {name!r}" if name else "names no default config"
+        raise DataError(f"{card} (a dataset card) {asked}; its configs are {sorted(configs)}: "
+                        f"set {field_prefix}.hub_config=<one of them>")
+    chosen = configs[name]
+    base = folder / chosen["data_dir"] if chosen.get("data_dir") else folder
+    if chosen.get("data_files") is None:
+        return base, None
+    return base, sanitize_patterns(chosen["data_files"])
+
+
+def _take_split(folder: Path, below: list[Path], splits: dict[str, set[Path]], split: str,
+                field_prefix: str) -> tuple[list[Path], list[str]]:
+    """The files of `split` among a folder's (`below`), and the relative names of those and
+    of the folder's other files that are no dataset metadata (its card, dataset_info.json);
+    the files of other splits, and those in no split, are logged as left out."""
+    from datasets.data_files import FILES_TO_IGNORE
+
+    if split not in splits:
+        raise DataError(f"{folder} is laid out as a Hugging Face dataset (datasets' conventions) "
+                        f"with the splits {', '.join(sorted(splits))}, none of them {split!r}: set "
+                        f"{field_prefix}.hub_split=<one of them>, or name the files to read with "
+                        f"{field_prefix}.source (a file or glob)")
+    taken = [p for p in below if p.resolve() in splits[split]]
+    others = {name: sorted(p.relative_to(folder).as_posix() for p in below if p.resolve() in files)
+              for name, files in splits.items() if name != split}
+    others = {name: files for name, files in others.items() if files}
+    chosen = {p.resolve() for files in splits.values() for p in files}
+    unsplit = sorted(p.relative_to(folder).as_posix() for p in below
+                     if p.resolve() not in chosen and p.name not in FILES_TO_IGNORE)
+    left_out = [f"split {name}: {_some(files)}" for name, files in others.items()]
+    left_out += [f"in no split: {_some(unsplit)}"] if unsplit else []
+    log.info("%s is laid out as a Hugging Face dataset: reading its %s split (%d files)%s",
+             folder, split, len(taken), "; left out: " + "; ".join(left_out) if left_out else "")
+    return taken, [p.relative_to(folder).as_posix() for p in taken]
+
+
+def _some(names: list[str]) -> str:
+    return f"{len(names)} file(s), " + ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
 
 
 def _refuse_saved_dataset(folder: str, names: list[str]) -> None:
@@ -181,11 +302,14 @@ def _refuse_saved_dataset(folder: str, names: list[str]) -> None:
                    or (n.rsplit("/", 1)[-1] == "state.json"
                        and n.removesuffix("state.json") + "dataset_info.json" in found))
     if marks:
+        # load_from_disk takes the folder that holds the marker, which may lie below `folder`.
+        below, marker = marks[0].rpartition("/")[::2]
+        saved = f"{folder.rstrip('/')}/{below}" if below else folder
+        split = "['train']" if marker == "dataset_dict.json" else ""  # a DatasetDict: one split
         raise DataError(f"{folder} holds a dataset saved by datasets' save_to_disk ({marks[0]}): "
                         "Arrow files, which are not read here; write it as parquet and point "
-                        f"data.source there, e.g. datasets.load_from_disk({folder!r})"
-                        ".to_parquet('corpus.parquet') (a DatasetDict: one split of it, "
-                        "load_from_disk(...)['train'].to_parquet(...))")
+                        f"data.source there, e.g. datasets.load_from_disk({saved!r}){split}"
+                        ".to_parquet('corpus.parquet')")
 
 
 def _warn_left_out(folder: str, names: list[str]) -> None:
