@@ -28,7 +28,20 @@ def check_tasks(config: RunConfig) -> dict[str, str]:
         return {}
     from training.downstream import check_task_names  # imports lm-eval only when asked
 
-    return check_task_names(list(config.eval.tasks), config.eval.task_dir)
+    found = check_task_names(list(config.eval.tasks), config.eval.task_dir)
+    metric = config.eval.best_metric
+    task, _, score = metric.partition("/")
+    if score and not metric.startswith("loss/") and task not in found:
+        # Not a task of eval.tasks: a subtask of one of its groups, or a name no report has.
+        try:
+            check_task_names([task], config.eval.task_dir)
+        except ConfigError:
+            raise ConfigError(
+                f"eval.best_metric={metric!r}: {task!r} is neither a task of eval.tasks "
+                f"({', '.join(found)}) nor a task lm-eval knows (a subtask of a group), so no "
+                f"report would have it; name '<task>/<metric>' of eval.tasks, e.g. "
+                f"{next(iter(found))}/acc") from None
+    return found
 
 
 def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = None) -> Path:

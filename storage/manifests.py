@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal, Mapping
+from typing import Any, Literal, Mapping
 
 from pydantic import BaseModel, Field
 
@@ -211,6 +211,11 @@ class EvalReport(BaseModel):
     downstream: dict[str, dict[str, float]] = Field(default_factory=dict)
     # The downstream scores ('<task>/<metric>') that lm-eval says are better lower.
     downstream_lower_is_better: list[str] = Field(default_factory=list)
+    # How the report was made, as a reader compares it with another (eval_hash only tells
+    # equal from different): device, held-out batches, and for eval.tasks the limit, the
+    # few-shot count, the scoring precision that ran (eval.precision resolved) and lm-eval's
+    # version.
+    settings: dict[str, Any] = Field(default_factory=dict)
 
     def scores(self) -> dict[str, float]:
         """Every score of the report by name: loss, perplexity, bits_per_byte, loss/<source>

@@ -60,6 +60,14 @@ def evaluate_checkpoint(config: RunConfig, checkpoint: Path, dataset_dir: Path) 
     bpb = "" if report.bits_per_byte is None else f", {report.bits_per_byte:.4f} bits/byte"
     get_run_logger().info(f"step {report.step}: held-out loss {report.loss:.4f}{per_source}, "
                           f"perplexity {report.perplexity:.2f}{bpb} ({report.tokens_evaluated:,} tokens)")
+    if report.downstream:
+        how = report.settings
+        get_run_logger().info(
+            f"eval.tasks scored on {how.get('device', '?')} in {how.get('precision', '?')} "
+            f"(eval.precision={config.eval.precision}), "
+            f"{how.get('limit') or 'all'} items per task, "
+            f"{'the task default' if how.get('num_fewshot') is None else how['num_fewshot']} "
+            f"few-shot, lm-eval {how.get('lm_eval', '?')}:")
     for name, metrics in report.downstream.items():
         get_run_logger().info(f"{name}: " + ", ".join(f"{m} {v:.4f}" for m, v in metrics.items()))
     return report

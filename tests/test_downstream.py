@@ -9,6 +9,7 @@ same quantity computed directly with the project's model, one item at a time.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import textwrap
@@ -367,6 +368,14 @@ def test_the_evaluation_process_reports_scores_and_bits_per_byte(setup):
     n_bytes = len(setup["tokenizer"].decode(targets).encode())
     assert report.tokens_evaluated == len(targets)
     assert report.bits_per_byte == pytest.approx(report.loss * len(targets) / (math.log(2) * n_bytes))
+    # How it was made, for a reader comparing it with another report: 'auto' resolved.
+    from training.downstream import native_bf16
+
+    assert report.settings == {
+        "device": "cpu", "max_batches": 2, "batch_size": config.eval.batch_size, "seq_len": 64,
+        "tasks": TASKS, "limit": 8, "num_fewshot": None,
+        "precision": "bf16" if native_bf16(torch.device("cpu")) else "fp32",
+        "lm_eval": importlib.metadata.version("lm_eval")}
 
 
 def test_an_unknown_task_is_a_config_error_naming_it(setup):
@@ -450,6 +459,23 @@ def test_task_names_are_checked_without_loading_tasks(setup, names_cache):
     assert "'arc_esy' (did you mean arc_easy" in message and "are not a task" in message
     assert "`lm-eval ls tasks`" in message  # colors_mc is unknown without the task folder
     assert "'colors_mc'" in message
+
+
+def test_a_best_metric_of_no_known_task_is_refused_before_training(setup, names_cache):
+    """eval.best_metric's task outside eval.tasks must at least be a task lm-eval knows (a
+    subtask of a group there): otherwise no report would have it, and best-by-eval retention
+    would keep nothing for it."""
+    from goodput.evaluation import check_tasks
+
+    task_dir = str(setup["task_dir"])
+    ok = load_config(None, ["eval.tasks=[colors_mc]", f"eval.task_dir={task_dir}",
+                            "eval.best_metric=colors_cloze/acc"])
+    assert check_tasks(ok) == {"colors_mc": "eval.task_dir"}
+    wrong = load_config(None, ["eval.tasks=[colors_mc]", f"eval.task_dir={task_dir}",
+                               "eval.best_metric=no_such_task_at_all/acc"])
+    with pytest.raises(ConfigError, match=r"eval.best_metric='no_such_task_at_all/acc': "
+                       r"'no_such_task_at_all' is neither a task of eval.tasks \(colors_mc\)"):
+        check_tasks(wrong)
 
 
 def test_lm_eval_task_names_are_kept_per_lm_eval_version_and_task_files(names_cache):

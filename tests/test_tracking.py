@@ -340,6 +340,41 @@ def test_a_best_metric_no_report_has_is_refused_naming_the_field(metric, message
     assert load_config(None, [*mixed, "eval.best_metric=loss/code"])
 
 
+def test_scores_made_with_other_eval_settings_than_the_runs_get_curves_of_their_own(tmp_path):
+    """A one-off `goodput evaluate eval.limit=12` of a step already evaluated with the run's
+    settings: its scores must not join the run's eval/ curve at the same step."""
+    from core.config import dump_config
+    from storage.manifests import EvalReport
+    from training.evaluate import curves_prefix, eval_curves
+
+    config = small_config(tmp_path, "eval.tasks=[capitals]")
+    one_off = small_config(tmp_path, "eval.tasks=[capitals]", "eval.limit=12", "eval.num_fewshot=2")
+
+    def report(made_with) -> EvalReport:
+        return EvalReport(run_id="r", step=30, checkpoint="c", dataset_id="d", loss=1.0,
+                          perplexity=2.7, tokens_evaluated=1, samples=[], wall_time_s=1.0,
+                          created_at=0.0, eval_hash=made_with.eval_hash())
+
+    assert curves_prefix(config, report(one_off)) == "eval"  # no run saved here: its own
+    config.run_dir.path.mkdir(parents=True)
+    config.run_dir.config_file.write_text(dump_config(config))
+    assert curves_prefix(config, report(config)) == "eval"
+    prefix = curves_prefix(one_off, report(one_off))
+    assert prefix == f"eval-{one_off.eval_hash()[:8]}" and prefix != "eval"
+    assert set(eval_curves(report(one_off), prefix)) == {f"{prefix}/loss", f"{prefix}/perplexity"}
+
+
+def test_a_best_metric_spelt_almost_as_a_task_of_eval_tasks_is_refused_at_load():
+    """A subtask of a group (not in eval.tasks) loads; a typo of a task of eval.tasks does
+    not (the flows' check-eval-tasks refuses the rest: test_downstream)."""
+    from core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"eval.best_metric='capitls/acc': 'capitls' is not in "
+                       r"eval.tasks \(capitals\); did you mean capitals/acc\?"):
+        load_config(None, ["eval.tasks=[capitals]", "eval.best_metric=capitls/acc"])
+    assert load_config(None, ["eval.tasks=[mmlu]", "eval.best_metric=mmlu_anatomy/acc"])
+
+
 def test_scores_lm_eval_marks_lower_is_better_are_ranked_so():
     from storage.manifests import EvalReport, lower_is_better
     from training.downstream import lower_is_better_scores

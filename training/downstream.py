@@ -475,11 +475,22 @@ def downstream_scores(model: Transformer, tokenizer: Tokenizer, eos_id: int, eva
         task_manager=manager, limit=eval_cfg.limit, num_fewshot=eval_cfg.num_fewshot,
         bootstrap_iters=eval_cfg.bootstrap_iters, log_samples=log_samples)
     scores = {task: _metrics(values) for task, values in results["results"].items()}
-    log.info("downstream (%d items per task at most) in %.1f s: %s",
-             eval_cfg.limit or 0, time.perf_counter() - start,
+    settings = scoring_settings(eval_cfg, device)
+    log.info("downstream (%s items per task, %s-shot, %s forward pass on %s) in %.1f s: %s",
+             eval_cfg.limit or "all", "default" if eval_cfg.num_fewshot is None else eval_cfg.num_fewshot,
+             settings["precision"], device.type, time.perf_counter() - start,
              "; ".join(f"{t} " + ", ".join(f"{m} {v:.4f}" for m, v in s.items() if "stderr" not in m)
                        for t, s in scores.items()))
     return scores, results
+
+
+def scoring_settings(eval_cfg, device: torch.device) -> dict:
+    """How eval.tasks are scored on `device`, as an EvalReport records it: the precision
+    that runs (eval.precision 'auto' resolved) beside the settings that choose the items."""
+    return {"tasks": list(eval_cfg.tasks), "limit": eval_cfg.limit,
+            "num_fewshot": eval_cfg.num_fewshot,
+            "precision": "bf16" if uses_bf16(eval_cfg.precision, device) else "fp32",
+            "lm_eval": _lm_eval_version()}
 
 
 def _metrics(values: dict) -> dict[str, float]:

@@ -22,7 +22,8 @@ from core.protocol import copy_id
 from storage.manifests import EvalReport, EvalSample
 from training.checkpoint.reader import load_model
 from training.data import TokenStream, TrainingData, open_training_data, sequential_batches
-from training.downstream import downstream_scores, load_tasks, lower_is_better_scores, use_datasets_cache
+from training.downstream import (downstream_scores, load_tasks, lower_is_better_scores, scoring_settings,
+                                 use_datasets_cache)
 from training.held_out import mix_held_out_loss
 from training.logs import get_logger, setup_worker_logging
 from training.model import Transformer
@@ -89,10 +90,13 @@ def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_c
     samples = generate_samples(model, tokenizer, data.eos_id, eval_cfg.prompts, eval_cfg.num_samples,
                                eval_cfg.sample_tokens, eval_cfg.temperature, eval_cfg.top_k, seed, device)
     downstream, lower_better = {}, []
+    settings = {"device": device.type, "max_batches": eval_cfg.max_batches,
+                "batch_size": eval_cfg.batch_size, "seq_len": seq_len}
     if eval_cfg.tasks:
         downstream, results = downstream_scores(model, tokenizer, data.eos_id, eval_cfg, device,
                                                 loaded=downstream_tasks)
         lower_better = lower_is_better_scores(results)
+        settings.update(scoring_settings(eval_cfg, device))
     return EvalReport(run_id=run_id, step=ckpt.step, checkpoint=str(checkpoint),
                       dataset_id=data.dataset_id, loss=loss, perplexity=math.exp(loss),
                       tokens_evaluated=tokens, samples=samples,
@@ -100,12 +104,26 @@ def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_c
                       copy_id=evaluated_copy,
                       source_losses=source_losses if len(data.sources) > 1 else {},
                       bits_per_byte=bits_per_byte, downstream=downstream,
-                      downstream_lower_is_better=lower_better)
+                      downstream_lower_is_better=lower_better, settings=settings)
 
 
-def eval_curves(report: EvalReport) -> dict[str, float]:
+def eval_curves(report: EvalReport, prefix: str = "eval") -> dict[str, float]:
     """The report's scores as tracking records (eval/...), at its checkpoint's step."""
-    return {f"eval/{name}": value for name, value in report.scores().items()}
+    return {f"{prefix}/{name}": value for name, value in report.scores().items()}
+
+
+def curves_prefix(config, report: EvalReport) -> str:
+    """Where a report's scores go in the run's trackers: `eval/...` when it was made with
+    the run's own eval settings (its config.yaml), else `eval-<settings hash>/...`, so that
+    a one-off `goodput evaluate eval.limit=12 eval.num_fewshot=2` does not join the run's
+    curve at the same steps with scores of another kind."""
+    from core.config import load_config
+
+    try:
+        run_hash = load_config(config.run_dir.config_file).eval_hash()
+    except (OSError, ConfigError):  # no saved config (a run never trained here): its own
+        return "eval"
+    return "eval" if report.eval_hash in (None, run_hash) else f"eval-{report.eval_hash[:8]}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,8 +162,12 @@ def main(argv: list[str] | None = None) -> int:
     # Scores of this run's checkpoints go to its trackers; another run's checkpoint (its
     # report kept under eval/other/) is not this run's curve.
     if Path(args.checkpoint).resolve().parent == config.run_dir.checkpoints.resolve():
+        prefix = curves_prefix(config, report)
+        if prefix != "eval":
+            log.info("these eval settings are not the run's (its config.yaml): the scores go to "
+                     "the trackers as %s/..., not on the run's eval/ curves", prefix)
         trackers = open_trackers(config.tracking, config.run_dir.path, config.run.run_id, job="eval")
-        trackers.log(report.step, eval_curves(report))
+        trackers.log(report.step, eval_curves(report, prefix))
         trackers.close()
     log.info("step %d: loss %.4f, perplexity %.2f, %s bits/byte over %s tokens%s", report.step,
              report.loss, report.perplexity,
