@@ -1,7 +1,8 @@
 """Deployments of every stage, for runs from the Prefect UI and on schedules.
 
 `goodput serve` (this module) serves them from one long-lived process; `prefect.yaml`
-declares the same deployments for `prefect deploy` + a work pool.
+declares the same deployments for `prefect deploy` + a work pool, whose flow runs start in
+the repository by this module's pull step (`enter_repository`).
 
 Two example schedules:
 - nightly evaluation (`eval_cron`): the evaluate deployment with no checkpoint given
@@ -21,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from pathlib import Path
 
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.deployments.runner import RunnerDeployment
@@ -35,6 +37,43 @@ from flows.prepare import prepare
 from flows.train import train
 from goodput.checkpoint_lifecycle import run_finished
 from storage.store import store_from_config
+
+REPO_VARIABLE = "GOODPUT_REPO"
+
+
+def enter_repository() -> dict[str, str]:
+    """prefect.yaml's pull step: start the flow run in this repository (its config files and
+    relative paths), as Prefect's `set_working_directory` step would, and return what that
+    returns: {"directory": the new working directory}.
+
+    The repository is $GOODPUT_REPO where the worker sets it (the Kubernetes job variables
+    do), else the one the installed `flows` package lives in (this file's). Prefect's own
+    step, given "{{ $GOODPUT_REPO }}" from a worker without it, entered "" without a word
+    and the flow run failed later on a file it could not find.
+    """
+    named = os.environ.get(REPO_VARIABLE, "").strip()
+    if named:
+        repo = Path(named).expanduser().absolute()
+        if not _is_goodput_repository(repo):
+            raise ConfigError(
+                f"{REPO_VARIABLE}={named} is not a Goodput repository (it needs prefect.yaml "
+                f"and flows/): set {REPO_VARIABLE} on the worker (or in the work pool's job "
+                "variables, env) to the directory of this repository, or unset it to use the "
+                f"one the installed flows package lives in ({Path(__file__).parents[1]})")
+    else:
+        repo = Path(__file__).resolve().parents[1]
+        if not _is_goodput_repository(repo):
+            raise ConfigError(
+                f"{REPO_VARIABLE} is not set on this worker and the installed flows package "
+                f"({Path(__file__).parent}) is not in a Goodput repository (no prefect.yaml in "
+                f"{repo}): set {REPO_VARIABLE} in the worker's environment (or the work pool's "
+                "job variables, env) to the repository's directory")
+    os.chdir(repo)
+    return {"directory": os.getcwd()}
+
+
+def _is_goodput_repository(directory: Path) -> bool:
+    return (directory / "prefect.yaml").is_file() and (directory / "flows").is_dir()
 
 
 def build_deployments(config: RunConfig, eval_cron: str | None = None,

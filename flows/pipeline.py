@@ -7,6 +7,8 @@ rerunning a pipeline that failed picks up at the failed stage without redoing th
 from __future__ import annotations
 
 from prefect import flow
+from prefect.exceptions import CancelledRun
+from prefect.states import Cancelled
 
 from core.config import RunConfig
 from flows.evaluate import evaluate
@@ -45,7 +47,10 @@ def pipeline(config: RunConfig = RunConfig(), config_file: str | None = None,
     if eval_tasks is not None:
         eval_tasks.result()
     dataset = prepare(config)
-    trained = train(config, worker_logs=worker_logs)
+    try:
+        trained = train(config, worker_logs=worker_logs)
+    except CancelledRun as e:  # this run or its train stage cancelled: the server accepts no other end
+        return Cancelled(message=f"training was cancelled: {e}")
     report = evaluate(config)
     return {"dataset_id": dataset.dataset_id, "final_step": trained["final_step"],
             "eval_loss": report.loss, "perplexity": report.perplexity,

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Annotated
 
 from prefect import flow
+from prefect.exceptions import CancelledRun
+from prefect.logging import get_run_logger
+from prefect.states import Cancelled
 from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import Field
 
 from core.config import RunConfig
-from goodput.checkpoint_lifecycle import new_checkpoints, unsecured_steps
+from goodput.checkpoint_lifecycle import new_checkpoints, secure_checkpoint, unsecured_steps
 from goodput.evaluation import evaluation_due
 from goodput.runs import unfinished_training_counted
-from tasks.control import no_orphan_workers, resolve_config, settle, training_slot
+from storage.store import store_from_config
+from tasks.control import (no_orphan_workers, resolve_config, settle, stop_training_when_cancelled,
+                           training_slot)
 from tasks.credentials import load_credentials, uses_blocks
 from tasks.evaluate import check_eval_tasks, evaluate_validated
 from tasks.layout import check_layout
@@ -49,7 +56,8 @@ class _OneAtATime(ThreadPoolTaskRunner):
 # bound keeps checkpoints that come faster than they verify from piling up processes.
 @flow(name="train", task_runner=ThreadPoolTaskRunner(max_workers=4))
 def train(config: RunConfig = RunConfig(), config_file: str | None = None,
-          overrides: tuple[str, ...] = (), time_limit_s: float | None = None,
+          overrides: tuple[str, ...] = (),
+          time_limit_s: Annotated[float, Field(ge=0)] | None = None,
           worker_logs: WorkerLogs = "rank0") -> dict:
     """Train to `training.max_steps`, resuming from the newest validated checkpoint.
 
@@ -86,9 +94,23 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
         eval_tasks.result()  # a misspelt task fails the run here, not after training
     dataset_dir = dataset.result()
     published = publish_dataset_to_run_store.submit(config)  # beside training, where the store lacks it
+    try:
+        trained = _train(config, dataset_dir, published, time_limit_s, worker_logs, started)
+    except CancelledRun as e:  # from Cancelling, the server accepts Cancelled alone
+        return Cancelled(message=f"training was cancelled: {e}")
+    publish_training_report(config)
+    announce_run_finished(config, trained)
+    return trained
+
+
+def _train(config: RunConfig, dataset_dir, published, time_limit_s: float | None,
+           worker_logs: WorkerLogs, started: float) -> dict:
+    """The train flow's training, once its inputs are checked: launched, every checkpoint
+    secured while it runs, recorded. CancelledRun when it was cancelled."""
     # A flow run that ends unfinished once it holds the run's lease: its time still counts,
     # less its wait for the lease (the time of the run that held it, which counts already).
     with training_slot(config) as lease, no_orphan_workers(), \
+            stop_training_when_cancelled() as cancelled, \
             unfinished_training_counted(config, started + lease.waited_s):
         training = launch_training.with_options(
             retries=config.run.max_attempts - 1, retry_delay_seconds=config.run.retry_delay_s,
@@ -126,15 +148,36 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
                     evaluations.append(evaluating.submit(apply_retention, {"config": config},
                                                          wait_for=[evaluated]))
             settle(secured + evaluations + [published])  # a failed evaluation shows in its task run, not as training's
-            # A task cannot start while the Prefect API is away (a server restart): the
-            # checkpoints it left unjudged or not uploaded are secured now, and their outcome
-            # is the one that counts.
-            secured = [secure(step)[1] for step in unsecured_steps(config)]
-            settle(secured)
-        outcome = training.result()  # raises when the last attempt failed
+            if cancelled.is_set():  # no task runs in a flow run being cancelled
+                _secure_without_tasks(config)
+                secured = []
+            else:
+                # A task cannot start while the Prefect API is away (a server restart): the
+                # checkpoints it left unjudged or not uploaded are secured now, and their
+                # outcome is the one that counts.
+                secured = [secure(step)[1] for step in unsecured_steps(config)]
+                settle(secured)
+        outcome = training.result()  # raises when the last attempt failed (CancelledRun: cancelled)
         for future in secured:
             future.result()
-    trained = record_training(config, outcome, started + lease.waited_s)
-    publish_training_report(config)
-    announce_run_finished(config, trained)
-    return trained
+    return record_training(config, outcome, started + lease.waited_s)
+
+
+def _secure_without_tasks(config: RunConfig) -> None:
+    """What a cancelled training left unsecured (its workers' emergency checkpoint, and
+    checkpoints whose tasks the cancellation kept from running), validated and uploaded in
+    the flow itself: the server lets no task run start in a flow run being cancelled, and
+    without this they waited for the next run, on this machine only. A failure is logged:
+    the next run secures them first."""
+    logger = get_run_logger()
+    steps = unsecured_steps(config)
+    try:
+        store = store_from_config(config.storage)
+        for step in steps:
+            entry = secure_checkpoint(config, step, store)
+            logger.info(f"checkpoint step {step} " + (
+                f"validated and uploaded to {entry.store_url}" if entry.state == "uploaded"
+                else f"{entry.state}: {entry.reason}") + " after the cancellation")
+    except Exception as e:  # noqa: BLE001 - the store away, a verifier that crashed
+        logger.warning(f"checkpoint step(s) {', '.join(map(str, steps))} left for the next run "
+                       f"to secure: {type(e).__name__}: {e}")

@@ -20,6 +20,7 @@ the database listen on 127.0.0.1 unless told otherwise, and the database wants i
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import pwd
 import secrets
@@ -48,6 +49,38 @@ _PG_TOOLS = ("initdb", "pg_ctl", "psql")
 # training flows running. Prefect's default, 5, gives up after about a minute, and a restart
 # on a busy machine (migrations checked, services started) can take longer than that.
 OUTAGE_RETRIES = 7
+# The hash of the prefect.yaml the stack last deployed, kept in its directory: a restart
+# deploys again only when prefect.yaml changed (see PrefectStack.deploy).
+DEPLOYED_HASH_FILE = "prefect-yaml.sha256"
+
+
+def prefect_yaml_hash(prefect_yaml: Path) -> str:
+    return hashlib.sha256(prefect_yaml.read_bytes()).hexdigest()
+
+
+def declared_deployments(prefect_yaml: Path) -> list[str]:
+    """The names of prefect.yaml's deployments."""
+    import yaml
+
+    try:
+        return [d["name"] for d in yaml.safe_load(prefect_yaml.read_text())["deployments"]]
+    except (OSError, yaml.YAMLError, KeyError, TypeError) as e:
+        raise RuntimeError(f"{prefect_yaml}: cannot read its deployments' names ({e}); it needs "
+                           "a `deployments:` list whose entries each have a `name`") from e
+
+
+def deployments_to_deploy(prefect_yaml: Path, deployed_hash: str | None,
+                          on_server: set[str]) -> list[str]:
+    """Which of prefect.yaml's deployments a stack starting up deploys: all of them when
+    prefect.yaml is not the one it last deployed (`deployed_hash`, None when it never did),
+    else only those the server does not have (`on_server`: its deployment names).
+
+    `prefect deploy` replaces a deployment whole, so deploying on every start reset what
+    users changed in the UI since: a schedule switched on, job variables, the work pool."""
+    declared = declared_deployments(prefect_yaml)
+    if deployed_hash != prefect_yaml_hash(prefect_yaml):
+        return declared
+    return [name for name in declared if name not in on_server]
 
 
 def _postgres_bin(tool: str) -> str:
@@ -243,14 +276,42 @@ class PrefectStack:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def start(self, timeout_s: float = 180.0) -> None:
+    def start(self, timeout_s: float = 180.0, say: Callable[[str], None] | None = None) -> None:
+        """Start it all; `say` (default: stderr) tells what the deploy step did."""
         self.postgres.start()
         self.start_server(timeout_s)
         self.prefect("work-pool", "inspect", self.pool, check=False) \
             or self.prefect("work-pool", "create", self.pool, "--type", "process")
-        self.prefect("--no-prompt", "deploy", "--all", cwd=self.repo, timeout=600)
+        self.deploy(say or _say_on_stderr)
         if self.with_worker:
             self.start_worker()
+
+    def deploy(self, say: Callable[[str], None]) -> list[str]:
+        """Deploy what of prefect.yaml is needed (deployments_to_deploy): everything when
+        prefect.yaml changed since the last deploy, else only deployments the server lacks;
+        the others stay as the UI left them. The names deployed."""
+        prefect_yaml = self.repo / "prefect.yaml"
+        hash_file = self.directory / DEPLOYED_HASH_FILE
+        deployed_hash = hash_file.read_text().strip() if hash_file.exists() else None
+        on_server = {d["name"] for d in self.client().post("/deployments/filter", {
+            "deployments": {"name": {"any_": declared_deployments(prefect_yaml)}}}).json()}
+        names = deployments_to_deploy(prefect_yaml, deployed_hash, on_server)
+        if not names:
+            say(f"deployments left as they are on the server (prefect.yaml unchanged since "
+                f"this stack deployed it; changes made in the UI are kept). To deploy "
+                f"prefect.yaml again on purpose, from {self.repo}: PREFECT_API_URL={self.api_url} "
+                f"PREFECT_API_AUTH_STRING=\"$(cat {self.directory / 'api-auth-string'})\" "
+                "prefect --no-prompt deploy --all")
+            return []
+        new_hash = prefect_yaml_hash(prefect_yaml)  # what is deployed, read before deploying
+        if deployed_hash == new_hash:
+            by_name = [arg for name in names for arg in ("--name", name)]
+            self.prefect("--no-prompt", "deploy", *by_name, cwd=self.repo, timeout=600)
+        else:
+            self.prefect("--no-prompt", "deploy", "--all", cwd=self.repo, timeout=600)
+        hash_file.write_text(new_hash + "\n")
+        say(f"deployed {', '.join(names)} from {prefect_yaml}")
+        return names
 
     def start_server(self, timeout_s: float = 180.0) -> None:
         self.server = self._spawn("server", [_prefect(), "server", "start", "--host", self.host,
@@ -296,8 +357,9 @@ class PrefectStack:
             return False
 
     def start_worker(self) -> None:
-        """A process worker on the pool; its flow runs start in the repository
-        (GOODPUT_REPO, prefect.yaml's pull step) with this stack's client environment."""
+        """A process worker on the pool; its flow runs start in the repository (GOODPUT_REPO,
+        read by prefect.yaml's pull step: flows.deployments.enter_repository) with this
+        stack's client environment."""
         self.worker = self._spawn("worker", [_prefect(), "worker", "start", "--pool", self.pool,
                                              "--type", "process"],
                                   GOODPUT_REPO=str(self.repo),
@@ -442,6 +504,10 @@ class StackClient:
             "filter": {"event": {"prefix": [prefix]},
                        "any_resource": {"labels": {"goodput.run-id": [run_id]}}},
             "limit": 50}).json()["events"]
+
+
+def _say_on_stderr(message: str) -> None:
+    print(f"goodput: server: {message}", file=sys.stderr, flush=True)
 
 
 def _prefect() -> str:

@@ -1,8 +1,14 @@
-"""Render the Kubernetes work-pool files under deploy/kubernetes/.
+"""Render the Kubernetes work-pool files: for your cluster into .goodput/kubernetes/, or
+(--template) the committed examples under deploy/kubernetes/.
 
-    python scripts/render_deploy.py                      # the committed defaults
     python scripts/render_deploy.py --image registry.example.com/goodput:1.2 \\
         --namespace ml --gpus 8 --gpu-node-label cloud.google.com/gke-accelerator=nvidia-h100-80gb
+    python scripts/render_deploy.py --template           # refresh deploy/kubernetes/
+
+Every run writes all three files from the options it is given (defaults for the others):
+give every option you need in one command. An image is required: without --template, the
+placeholder image (ghcr.io/example/...) is refused, since a pool deployed with it would
+start pods that cannot pull their image.
 
 - base-job-template.json: Prefect's own Kubernetes base job template (the one bundled with
   the installed Prefect, so it matches the worker's version) plus what a GPU node pool
@@ -27,6 +33,10 @@ from pathlib import Path
 import prefect
 
 REPO = Path(__file__).resolve().parents[1]
+TEMPLATE_DIR = REPO / "deploy" / "kubernetes"  # committed: rendered with --template
+RENDER_DIR = REPO / ".goodput" / "kubernetes"  # a cluster's own render (not committed)
+PLACEHOLDER_REGISTRY = "ghcr.io/example/"  # the examples' image lives nowhere
+PLACEHOLDER_IMAGE = f"{PLACEHOLDER_REGISTRY}goodput:latest"
 PREFECT_METADATA = (Path(prefect.__file__).parent / "server" / "api" / "collections_data"
                     / "views" / "aggregate-worker-metadata.json")
 
@@ -118,9 +128,15 @@ def render(args: argparse.Namespace) -> dict[str, dict]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=REPO / "deploy" / "kubernetes")
-    parser.add_argument("--image", default="ghcr.io/example/goodput:latest",
-                        help="an image with the repository at /opt/goodput and its .venv")
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"where to write the files (default: {RENDER_DIR.relative_to(REPO)}, "
+                             f"or {TEMPLATE_DIR.relative_to(REPO)} with --template)")
+    parser.add_argument("--image", default=None,
+                        help="an image with the repository at /opt/goodput and its .venv "
+                             "(required unless --template)")
+    parser.add_argument("--template", action="store_true",
+                        help=f"render the committed examples: image {PLACEHOLDER_IMAGE} unless "
+                             f"--image is given, into {TEMPLATE_DIR.relative_to(REPO)}")
     parser.add_argument("--namespace", default="goodput")
     parser.add_argument("--gpus", type=int, default=8, help="GPUs per GPU-pool node")
     parser.add_argument("--cpus", type=int, default=64, help="CPU request of a GPU pod")
@@ -137,7 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.template:
+        args.image = args.image or PLACEHOLDER_IMAGE
+        args.out = args.out or TEMPLATE_DIR
+    else:
+        if not args.image or args.image.startswith(PLACEHOLDER_REGISTRY):
+            parser.error(f"--image {args.image or '(not given)'}: give the image your cluster "
+                         "pulls (this repository at /opt/goodput with its .venv), e.g. --image "
+                         "registry.example.com/goodput:1.0; --template renders the committed "
+                         f"examples with the placeholder {PLACEHOLDER_IMAGE}")
+        args.out = args.out or RENDER_DIR
     args.out.mkdir(parents=True, exist_ok=True)
     for name, content in render(args).items():
         (args.out / name).write_text(json.dumps(content, indent=2) + "\n")

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -235,6 +236,60 @@ def no_orphan_workers() -> Iterator[None]:
         # flow run's process 30 s after SIGTERM, hence the shorter allowance.
         stop_live_attempts(grace_s=CANCEL_GRACE_S)
         raise
+
+
+# How often a training flow run asks the API whether it is being cancelled.
+CANCEL_POLL_S = 10.0
+
+
+@contextmanager
+def stop_training_when_cancelled(poll_s: float = CANCEL_POLL_S) -> Iterator[threading.Event]:
+    """Stop this process's training when its flow run (or the flow run it is part of, a
+    pipeline) is being cancelled, whoever started it. Yields an event set once it did.
+
+    Prefect's worker or runner stops a cancelled flow run by killing the process it started
+    itself. One started by a worker since replaced (killed, restarted by `goodput server`),
+    or by `goodput train` against a server, has nobody to kill it: the run stayed Cancelling
+    while training went on to its end, and the server then gave up and marked it Cancelled
+    (5 minutes later in the walk). Here a thread asks for the flow runs' states every
+    `poll_s` and, on a cancellation, stops the attempts (workers get CANCEL_GRACE_S for an
+    emergency checkpoint); the flow then ends Cancelled, the only state the server accepts
+    from a cancelling run. A run whose process is killed first is stopped by
+    no_orphan_workers, as before."""
+    cancelled = threading.Event()
+    ids = {i for i in (flow_run.id, flow_run.root_flow_run_id if flow_run.id else None) if i}
+    if not ids:  # not in a flow run
+        yield cancelled
+        return
+    done = threading.Event()
+    logger = get_run_logger()
+
+    def watch() -> None:
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+        from prefect.client.schemas.objects import StateType
+
+        stopping = {StateType.CANCELLING, StateType.CANCELLED}
+        with get_client(sync_client=True) as client:
+            while not done.wait(poll_s):
+                try:
+                    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                        id=FlowRunFilterId(any_=[UUID(i) for i in ids])))
+                except Exception:  # noqa: BLE001 - the API away (a server restart): ask again
+                    continue
+                if any(run.state is not None and run.state.type in stopping for run in runs):
+                    if not cancelled.is_set():
+                        logger.info(f"this flow run is being cancelled: stopping training (its "
+                                    f"workers get {CANCEL_GRACE_S:.0f} s for an emergency "
+                                    "checkpoint)")
+                        cancelled.set()
+                    stop_live_attempts(grace_s=CANCEL_GRACE_S)  # and one launched since
+
+    thread = threading.Thread(target=watch, name="cancel-watch", daemon=True)
+    thread.start()
+    try:
+        yield cancelled
+    finally:
+        done.set()
 
 
 def settle(futures: list[PrefectFuture]) -> None:

@@ -243,6 +243,63 @@ def test_cli_reports_config_errors_before_starting_anything():
     assert "model: n_heads=3 does not divide dim=128" in proc.stderr
 
 
+def test_a_cancel_nobody_acts_on_stops_training_and_secures_its_checkpoint(prefect_api, tmp_path):
+    """A flow run that no worker or runner of its own can kill (its worker was replaced, or
+    `goodput train` against a server) and that is cancelled from the UI: it used to stay
+    Cancelling while training went on to its end. The flow now sees the cancellation,
+    stops the workers (emergency checkpoint), secures that checkpoint itself (the server
+    runs no task in a cancelling flow run) and ends Cancelled."""
+    import threading
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Cancelling
+
+    from goodput.checkpoint_lifecycle import ledger_of
+    from goodput.runs import read_outcomes
+    from tasks.control import CANCEL_POLL_S
+
+    config = small_config(tmp_path, "run.run_id=cancelled-in-the-ui", "training.max_steps=100000",
+                          "checkpoint.every_steps=100000")
+    from goodput.data.prepare import prepare_dataset
+
+    prepare_dataset(config)
+    ended = {}
+    flow = threading.Thread(target=lambda: ended.update(state=train(config, return_state=True)))
+    flow.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not read_metrics(config.run_dir) and flow.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert read_metrics(config.run_dir), "training did not start"
+        # Its flow run: the one whose id ends as the attempt's id begins.
+        [attempt_dir] = (config.run_dir.path / "attempts").glob("attempt-*")
+        tail = attempt_dir.name.removeprefix("attempt-").split("-")[0]
+        with get_client(sync_client=True) as client:
+            running = FlowRunFilter(state=FlowRunFilterState(
+                type=FlowRunFilterStateType(any_=[StateType.RUNNING])))
+            [run] = [r for r in client.read_flow_runs(flow_run_filter=running)
+                     if str(r.id).endswith(tail)]
+            client.set_flow_run_state(run.id, Cancelling(), force=True)  # the UI's Cancel
+        flow.join(timeout=CANCEL_POLL_S + 120)
+        assert not flow.is_alive(), "the flow run went on training after its cancellation"
+    finally:
+        if flow.is_alive():
+            from infra.torchrun import stop_live_attempts
+
+            for stopping in stop_live_attempts(grace_s=0):
+                stopping.join()
+            flow.join()
+    assert ended["state"].is_cancelled(), ended["state"]
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(run.id).state.is_cancelled()
+    [outcome] = read_outcomes(config)
+    assert outcome["class"] == "cancelled"
+    entries = ledger_of(config).read().entries  # the emergency checkpoint, secured
+    assert entries and entries[max(entries)].state == "uploaded", entries
+
+
 def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
     """No server configured: Ctrl-C in a terminal signals the whole foreground process group.
     It used to kill Prefect's temporary API server too, and the command then hung for minutes
@@ -301,8 +358,10 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
     entries = ledger_of(config).read().entries
     last = max(entries)
     assert last >= 10 and entries[last].state == "uploaded", entries
-    if last > 10:  # (a stop exactly at step 10 has no emergency checkpoint of its own)
-        assert f"checkpoint step {last} validated and uploaded to " in text, text[-3000:]
+    # A deliberate stop: the flow runs end Cancelled, not Crashed (the state automations for
+    # crashes act on); the flow's own tasks secured the emergency checkpoint.
+    assert re.search(r"Flow run '[\w-]+' - Finished in state Cancelled\('training was cancelled", text), text[-3000:]
+    assert "Crashed" not in text, text[-3000:]
 
 
 def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):

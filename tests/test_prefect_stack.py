@@ -23,7 +23,15 @@ import psutil
 import pytest
 
 from infra.launchers import free_port
-from infra.prefect_stack import PrefectStack, StackClient, missing_postgres
+from infra.prefect_stack import (
+    DEPLOYED_HASH_FILE,
+    PrefectStack,
+    StackClient,
+    _prefect,
+    deployments_to_deploy,
+    missing_postgres,
+    prefect_yaml_hash,
+)
 from storage.ledger import Ledger
 from tests.helpers import REPO, small_config, wait_for
 from training.metrics import read_metrics
@@ -128,6 +136,81 @@ def test_the_api_asks_for_the_auth_string_and_listens_on_loopback_only(stack, ap
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "401 Unauthorized" in proc.stderr and "PREFECT_API_AUTH_STRING" in proc.stderr
+
+
+# -- the deployments ------------------------------------------------------------------------
+
+def test_a_starting_stack_deploys_only_what_is_new_or_changed(tmp_path):
+    """All of prefect.yaml when it is not the one last deployed; else only deployments the
+    server lacks (the others keep what the UI changed)."""
+    prefect_yaml = tmp_path / "prefect.yaml"
+    prefect_yaml.write_text("deployments:\n  - name: a\n    entrypoint: f.py:f\n"
+                            "  - name: b\n    entrypoint: f.py:g\n")
+    deployed = prefect_yaml_hash(prefect_yaml)
+    assert deployments_to_deploy(prefect_yaml, None, set()) == ["a", "b"]  # never deployed
+    assert deployments_to_deploy(prefect_yaml, None, {"a", "b"}) == ["a", "b"]
+    assert deployments_to_deploy(prefect_yaml, deployed, {"a", "b"}) == []
+    assert deployments_to_deploy(prefect_yaml, deployed, {"a"}) == ["b"]  # b deleted: back
+    prefect_yaml.write_text(prefect_yaml.read_text().replace("f.py:g", "f.py:h"))
+    assert deployments_to_deploy(prefect_yaml, deployed, {"a", "b"}) == ["a", "b"]
+    prefect_yaml.write_text("deployments: nothing\n")
+    with pytest.raises(RuntimeError, match=r"prefect.yaml: cannot read its deployments' names"):
+        deployments_to_deploy(prefect_yaml, deployed, set())
+
+
+def test_a_restart_keeps_what_the_ui_changed_in_the_deployments(stack, api):
+    """A schedule switched on and job variables edited in the UI (the same API calls) are
+    still there after `goodput server` restarts: prefect.yaml is unchanged since the stack
+    deployed it, so nothing is deployed again, and the stack says how to on purpose."""
+    assert (stack.directory / DEPLOYED_HASH_FILE).read_text().strip() == \
+        prefect_yaml_hash(REPO / "prefect.yaml")
+    deployment = api.deployment("evaluate/goodput-evaluate")
+    [schedule] = api.http.get(f"{api.url}/deployments/{deployment}/schedules").json()
+    assert not schedule["active"]
+    edited = {"stream_output": False, "env": {"EDITED_IN_THE_UI": "1"}}
+    try:
+        api.http.patch(f"{api.url}/deployments/{deployment}/schedules/{schedule['id']}",
+                       json={"active": True}).raise_for_status()
+        api.http.patch(f"{api.url}/deployments/{deployment}",
+                       json={"job_variables": edited}).raise_for_status()
+        said = []
+        stack.stop()
+        stack.start(say=said.append)
+        [schedule] = api.http.get(f"{api.url}/deployments/{deployment}/schedules").json()
+        assert schedule["active"]
+        assert api.http.get(f"{api.url}/deployments/{deployment}").json()["job_variables"] == edited
+        assert len(said) == 1 and "deployments left as they are" in said[0]
+        assert "prefect --no-prompt deploy --all" in said[0]
+    finally:  # as prefect.yaml has them, for the tests after this one
+        api.http.patch(f"{api.url}/deployments/{deployment}/schedules/{schedule['id']}",
+                       json={"active": False}).raise_for_status()
+        api.http.patch(f"{api.url}/deployments/{deployment}",
+                       json={"job_variables": {"stream_output": False}}).raise_for_status()
+
+
+def test_a_worker_without_goodput_repo_runs_flows_in_the_installed_repository(
+        stack, api, workdir, tmp_path):
+    """A worker started elsewhere without GOODPUT_REPO: prefect.yaml's pull step enters the
+    repository of the installed flows package, and the flow run completes. Prefect's own
+    step entered "" (GOODPUT_REPO unset) and the flow run failed on a file not found."""
+    env = {k: v for k, v in stack._env(PREFECT_WORKER_QUERY_SECONDS="1").items()
+           if k != "GOODPUT_REPO"}
+    stack.kill_worker()  # so that this worker takes the run
+    with open(tmp_path / "worker.log", "wb") as log:
+        worker = subprocess.Popen([_prefect(), "worker", "start", "--pool", stack.pool,
+                                   "--type", "process"], env=env, cwd=tmp_path,
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        run = api.trigger("prepare/goodput-prepare",
+                          {"config": form(workdir, "run.run_id=prepare")})  # prepared: quick
+        finished = api.wait_final(run, 300)
+        assert finished["state"]["type"] == "COMPLETED", (
+            finished["state"], (tmp_path / "worker.log").read_text()[-3000:])
+        assert any("enter_repository" in log["message"] for log in api.logs(run))
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        stack.start_worker()
 
 
 # -- load -------------------------------------------------------------------------------------

@@ -184,6 +184,11 @@ def render_kubernetes(tmp_path, *options: str) -> dict[str, dict]:
     return {p.name: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
 
 
+def render_template(tmp_path, *options: str) -> dict[str, dict]:
+    """The committed examples' render: the placeholder image, default namespace."""
+    return render_kubernetes(tmp_path, "--template", *options)
+
+
 def render_job(files: dict[str, dict], variables: str) -> dict:
     """The Job a Kubernetes worker makes of the template and these job variables (the
     template's defaults, then the deployment's job variables), validated as it validates."""
@@ -198,20 +203,20 @@ def render_job(files: dict[str, dict], variables: str) -> dict:
 
 
 def test_kubernetes_files_are_rendered_and_current(tmp_path):
-    rendered = render_kubernetes(tmp_path)
+    rendered = render_template(tmp_path)
     committed = REPO / "deploy" / "kubernetes"
     assert set(rendered) == {"base-job-template.json", "job-variables.json",
                              "job-variables-gpu.json"}
     for name, content in rendered.items():
         assert json.loads((committed / name).read_text()) == content, (
-            f"deploy/kubernetes/{name} is stale: run python scripts/render_deploy.py")
+            f"deploy/kubernetes/{name} is stale: run python scripts/render_deploy.py --template")
 
 
 @pytest.mark.parametrize("variables", ["job-variables.json", "job-variables-gpu.json"])
 def test_kubernetes_job_variables_render_a_job(variables, tmp_path):
     """Validate the job variables against the template's schema, then render the Job the way
     a Kubernetes worker does (the template's defaults, then the deployment's job variables)."""
-    files = render_kubernetes(tmp_path)
+    files = render_template(tmp_path)
     values = files[variables]
     job = render_job(files, variables)
     pod = job["spec"]["template"]["spec"]
@@ -237,14 +242,72 @@ def test_kubernetes_job_variables_render_a_job(variables, tmp_path):
 
 
 def test_kubernetes_job_variables_without_a_shared_volume(tmp_path):
-    files = render_kubernetes(tmp_path, "--volume-claim", "", "--mount-path", "/data")
+    files = render_template(tmp_path, "--volume-claim", "", "--mount-path", "/data")
     pod = render_job(files, "job-variables.json")["spec"]["template"]["spec"]
     assert [v["name"] for v in pod["volumes"]] == ["dshm"]
     assert pod["containers"][0]["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"}]
-    files = render_kubernetes(tmp_path, "--volume-claim", "team-runs", "--mount-path", "/data")
+    files = render_template(tmp_path, "--volume-claim", "team-runs", "--mount-path", "/data")
     pod = render_job(files, "job-variables-gpu.json")["spec"]["template"]["spec"]
     assert pod["volumes"][1]["persistentVolumeClaim"] == {"claimName": "team-runs"}
     assert pod["containers"][0]["volumeMounts"][1] == {"name": "shared", "mountPath": "/data"}
+
+
+def test_a_cluster_render_needs_its_image_and_keeps_every_option_given(tmp_path, capsys):
+    """Without --template the placeholder image is refused (pods could not pull it), and one
+    command renders both job variables files with every option given: a second command with
+    only the GPU options used to write the placeholder image and namespace back."""
+    for no_image in ([], ["--image", "ghcr.io/example/goodput:latest"]):
+        with pytest.raises(SystemExit) as refused:
+            render_kubernetes(tmp_path, *no_image)
+        assert refused.value.code == 2
+        assert "give the image your cluster pulls" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.json"))  # nothing written
+    files = render_kubernetes(tmp_path, "--image", "registry.example.com/goodput:1.0",
+                              "--namespace", "ml", "--gpus", "4",
+                              "--gpu-node-label", "cloud.google.com/gke-accelerator=nvidia-h100-80gb")
+    for variables in ("job-variables.json", "job-variables-gpu.json"):
+        job = render_job(files, variables)
+        assert job["metadata"]["namespace"] == "ml", variables
+        assert job["spec"]["template"]["spec"]["containers"][0]["image"] == \
+            "registry.example.com/goodput:1.0", variables
+    gpu_pod = render_job(files, "job-variables-gpu.json")["spec"]["template"]["spec"]
+    assert gpu_pod["nodeSelector"] == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    assert gpu_pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+
+
+def test_the_pull_step_enters_goodput_repo_or_the_installed_repository(
+        tmp_path, monkeypatch, prefect_api):
+    """prefect.yaml's pull step, run by Prefect as a worker's flow run runs it: $GOODPUT_REPO
+    when set (refused, naming it, when it is not this repository), else the repository the
+    installed flows package lives in. Prefect's set_working_directory, given an unset
+    GOODPUT_REPO, entered "" and the flow run failed later on a file it could not find."""
+    import asyncio
+
+    import yaml
+    from prefect.deployments.steps.core import StepExecutionError, run_steps
+
+    from core.errors import ConfigError
+    from flows.deployments import enter_repository
+
+    pull = yaml.safe_load((REPO / "prefect.yaml").read_text())["pull"]
+    monkeypatch.chdir(tmp_path)  # a worker started elsewhere
+    monkeypatch.delenv("GOODPUT_REPO", raising=False)
+    assert asyncio.run(run_steps(pull))["directory"] == str(REPO)
+    assert Path.cwd() == REPO
+
+    checkout = tmp_path / "checkout"  # another copy of the repository
+    (checkout / "flows").mkdir(parents=True)
+    (checkout / "prefect.yaml").write_text("name: goodput\n")
+    monkeypatch.setenv("GOODPUT_REPO", str(checkout))
+    assert enter_repository() == {"directory": str(checkout)} and Path.cwd() == checkout
+
+    monkeypatch.setenv("GOODPUT_REPO", str(tmp_path))  # not a repository
+    with pytest.raises(ConfigError, match=rf"GOODPUT_REPO={tmp_path} is not a Goodput "
+                                          r"repository \(it needs prefect.yaml and flows/\)"):
+        enter_repository()
+    with pytest.raises(StepExecutionError, match="enter_repository"):
+        asyncio.run(run_steps(pull))
+    assert Path.cwd() == checkout  # not entered
 
 
 def test_worker_logs_keep_rank_0_by_default():
@@ -298,6 +361,21 @@ def test_a_retry_spends_what_is_left_of_the_flow_runs_time_limit():
     assert TimeLimit(60, started=time.time() - 61).passed()
     assert not TimeLimit(60, started=time.time() - 30).passed()
     assert not TimeLimit(None, started=0).passed() and TimeLimit(None).deadline is None
+
+
+def test_a_negative_time_limit_is_refused_by_the_parameter_schema():
+    """The UI form (the deployment's parameter schema) and the flow's own validation refuse
+    time_limit_s < 0; 0 stops right after the first checkpoint, empty trains to the end."""
+    from prefect.exceptions import ParameterTypeError
+    from prefect.utilities.callables import parameter_schema
+
+    field = parameter_schema(train).model_dump()["properties"]["time_limit_s"]
+    assert {"minimum": 0, "type": "number"} in field["anyOf"]
+    with pytest.raises(ParameterTypeError, match="time_limit_s: Input should be greater than "
+                                                 "or equal to 0"):
+        train.validate_parameters({"time_limit_s": -5})
+    assert train.validate_parameters({"time_limit_s": 0})["time_limit_s"] == 0
+    assert train.validate_parameters({})["time_limit_s"] is None
 
 
 # -- served deployments (one `goodput serve` for the class) -----------------------------------
