@@ -1482,7 +1482,12 @@ class RunConfig(_Section):
         tok_unset = {"eos_token"} if self.tokenizer.eos_token is None else set()
         tree = self.model_dump(include=set(keys), exclude={"data": {"data_dir", "cache_limit", *unset},
                                                            "training": per_rank,
-                                                           "model": {"init_from_fingerprint"},
+                                                           # The RoPE table's length, not its
+                                                           # values: a run started with the
+                                                           # file's max_seq_len continues with
+                                                           # the checkpoint's (init_from).
+                                                           "model": {"init_from_fingerprint",
+                                                                     "max_seq_len"},
                                                            "tokenizer": {"sha256", *tok_unset}})
         tree["training"]["global_batch"] = self.global_batch
         # The checkpoint and the tokenizer by what they hold, not where they lie: moved or

@@ -660,24 +660,22 @@ def _let_the_api_record(server: TemporaryServer | None, since: float, timeout_s:
 
 
 class _CtrlCStopsTraining:
-    """While a flow runs here, Ctrl-C itself stops this process's training attempts; the
-    train flow then ends as for any cancellation: the workers' emergency checkpoint secured
-    by its tasks, the flow run Cancelled (CancelledRun out of the flow call). Before, Ctrl-C
-    also interrupted the flow (KeyboardInterrupt), and a server's UI showed a deliberate stop
-    as Crashed, the state automations for crashes act on.
+    """While a flow runs here, Ctrl-C itself stops this process's training attempts, then
+    interrupts the flow as usual (KeyboardInterrupt).
 
-    The workers run in sessions of their own, out of Ctrl-C's reach; started from the
-    signal, the stop depends on no path an exception may take through Prefect's engine: the
-    workers get CANCEL_GRACE_S for an emergency checkpoint and the attempt ends as cancelled
-    (never retried). Until the flow is out, an attempt that the launch task starts after
-    Ctrl-C (it was about to) is stopped as well.
+    The workers run in sessions of their own, out of Ctrl-C's reach. tasks.control's
+    no_orphan_workers stops them only when the KeyboardInterrupt leaves the train flow's body,
+    and in one full test suite run training went on after Ctrl-C with nothing stopping it.
+    Started from the signal, the stop depends on no path the exception may take through
+    Prefect's engine: the workers get CANCEL_GRACE_S for an emergency checkpoint and the
+    attempt ends as cancelled (never retried). Until the flow is out, an attempt that the
+    launch task starts after Ctrl-C (it was about to) is stopped as well.
 
     A second Ctrl-C (a double press is a habit) is told that the workers are still saving;
-    once they are done, it interrupts the flow (KeyboardInterrupt: the command secures the
-    checkpoints itself). A third leaves at once: the workers then stop by themselves
-    (launch.orphan_timeout_s). With no training to stop (prepare, evaluate, a run waiting
-    for its lease), every Ctrl-C interrupts. The command waits for the stop
-    (`wait_for_stop`) before its server stops, and puts Ctrl-C back (`restore`).
+    interrupting the flow's unwinding again tore down the API while the stop still logged to
+    it. A third leaves at once: the workers then stop by themselves (launch.orphan_timeout_s).
+    With no training to stop (prepare, evaluate), every Ctrl-C interrupts. The command waits
+    for the stop (`wait_for_stop`) before its server stops, and puts Ctrl-C back (`restore`).
     """
 
     POLL_S = 0.25
@@ -704,12 +702,8 @@ class _CtrlCStopsTraining:
         # included); the watcher stops the attempts.
         self.interrupted += 1
         stopping = self.attempts_running() or any(thread.is_alive() for thread in self.stops)
-        if not stopping:  # nothing to wait for: interrupt
+        if self.interrupted == 1 or not stopping:  # nothing to wait for: interrupt again
             raise KeyboardInterrupt
-        if self.interrupted == 1:  # the watcher stops training; the flow ends Cancelled
-            os.write(2, b"goodput: stopping: the workers are saving an emergency checkpoint "
-                        b"(then validated and uploaded)\n")
-            return
         if self.interrupted == 2:
             os.write(2, b"goodput: stopping: the workers are saving an emergency checkpoint; "
                         b"Ctrl-C once more leaves without waiting\n")
@@ -907,17 +901,19 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
                 else:
                     result = pipeline(config)
     except KeyboardInterrupt:
-        return _interrupted(args.command, config, ctrl_c)
+        if ctrl_c is not None:
+            ctrl_c.wait_for_stop()
+        if args.command in ("train", "pipeline"):
+            _secure_what_training_left(config, args.command)
+        print(f"goodput: {args.command} interrupted", file=sys.stderr)
+        _say_run_directory(config)
+        return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
     except Exception as e:
-        if type(e).__name__ == "CancelledRun":  # Prefect's (not imported here): the flow ended Cancelled
-            if ctrl_c is not None and ctrl_c.interrupted:  # by Ctrl-C, which stopped training
-                _let_the_api_record(server, began)
-                return _interrupted(args.command, config, ctrl_c)
-            _let_the_api_record(server, began)
+        _let_the_api_record(server, began)
+        if type(e).__name__ == "CancelledRun":  # Prefect's (not imported here): cancelled in the UI
             print(f"goodput: {args.command} cancelled (from the UI or the API): {e}", file=sys.stderr)
             _say_run_directory(config)
             return 1
-        _let_the_api_record(server, began)
         print(f"goodput: {args.command} failed: {e}{_api_advice(e)}", file=sys.stderr)
         _say_run_directory(config)
         return 2 if _the_inputs_fault(e) else 1
@@ -925,16 +921,6 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
     print(json.dumps(result, indent=2, default=str))
     print(f"run directory: {config.run_dir.path.resolve()}")
     return 0
-
-
-def _interrupted(command: str, config: RunConfig, ctrl_c: "_CtrlCStopsTraining | None") -> int:
-    if ctrl_c is not None:
-        ctrl_c.wait_for_stop()
-    if command in ("train", "pipeline"):
-        _secure_what_training_left(config, command)
-    print(f"goodput: {command} interrupted", file=sys.stderr)
-    _say_run_directory(config)
-    return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
 
 
 def _secure_what_training_left(config: RunConfig, command: str) -> None:

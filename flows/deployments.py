@@ -60,6 +60,14 @@ def enter_repository() -> dict[str, str]:
                 f"and flows/): set {REPO_VARIABLE} on the worker (or in the work pool's job "
                 "variables, env) to the directory of this repository, or unset it to use the "
                 f"one the installed flows package lives in ({Path(__file__).parents[1]})")
+        installed = Path(__file__).resolve().parents[1]
+        if _is_goodput_repository(installed) and installed != repo.resolve():
+            # The flow's file would load from one checkout, everything it imports (already
+            # imported by this step) from the other.
+            raise ConfigError(
+                f"{REPO_VARIABLE}={named} is another checkout than the one this worker's Python "
+                f"runs ({installed}): its flows would run with that checkout's code. Start the "
+                f"worker with {repo}'s .venv, or unset {REPO_VARIABLE}")
     else:
         repo = Path(__file__).resolve().parents[1]
         if not _is_goodput_repository(repo):

@@ -7,7 +7,7 @@ rerunning a pipeline that failed picks up at the failed stage without redoing th
 from __future__ import annotations
 
 from prefect import flow
-from prefect.exceptions import CancelledRun
+from prefect.exceptions import Abort, CancelledRun
 from prefect.states import Cancelled
 
 from core.config import RunConfig
@@ -46,12 +46,14 @@ def pipeline(config: RunConfig = RunConfig(), config_file: str | None = None,
     check_layout(config)
     if eval_tasks is not None:
         eval_tasks.result()
-    dataset = prepare(config)
     try:
+        dataset = prepare(config)
         trained = train(config, worker_logs=worker_logs)
-    except CancelledRun as e:  # this run or its train stage cancelled: the server accepts no other end
-        return Cancelled(message=f"training was cancelled: {e}")
-    report = evaluate(config)
+        report = evaluate(config)
+    except (CancelledRun, Abort) as e:
+        # This run or a stage cancelled (a task the server refused in a run being cancelled:
+        # Abort); from Cancelling, the server accepts Cancelled alone.
+        return Cancelled(message=f"cancelled: {e}")
     return {"dataset_id": dataset.dataset_id, "final_step": trained["final_step"],
             "eval_loss": report.loss, "perplexity": report.perplexity,
             "run_dir": str(config.run_dir)}

@@ -7,7 +7,7 @@ import time
 from typing import Annotated
 
 from prefect import flow
-from prefect.exceptions import CancelledRun
+from prefect.exceptions import Abort, CancelledRun
 from prefect.logging import get_run_logger
 from prefect.states import Cancelled
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -17,6 +17,7 @@ from core.config import RunConfig
 from goodput.checkpoint_lifecycle import new_checkpoints, secure_checkpoint, unsecured_steps
 from goodput.evaluation import evaluation_due
 from goodput.runs import unfinished_training_counted
+from infra.torchrun import LeaseWaitGivenUp
 from storage.store import store_from_config
 from tasks.control import (no_orphan_workers, resolve_config, settle, stop_training_when_cancelled,
                            training_slot)
@@ -85,18 +86,21 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
     config = resolve_config(config, config_file, overrides)
     if uses_blocks(config):  # the store's and W&B's keys, from Prefect blocks
         load_credentials(config)
-    # Configuration checks before anything launches: eval.tasks' names (lm-eval's task index,
-    # seconds when not cached) beside the layout check and finding the dataset.
-    eval_tasks = check_eval_tasks.submit(config) if config.eval.tasks else None
-    check_layout(config)  # a layout that cannot run fails here, before anything launches
-    dataset = locate_dataset.submit(config)
-    if eval_tasks is not None:
-        eval_tasks.result()  # a misspelt task fails the run here, not after training
-    dataset_dir = dataset.result()
-    published = publish_dataset_to_run_store.submit(config)  # beside training, where the store lacks it
     try:
+        # Configuration checks before anything launches: eval.tasks' names (lm-eval's task
+        # index, seconds when not cached) beside the layout check and finding the dataset.
+        eval_tasks = check_eval_tasks.submit(config) if config.eval.tasks else None
+        check_layout(config)  # a layout that cannot run fails here, before anything launches
+        dataset = locate_dataset.submit(config)
+        if eval_tasks is not None:
+            eval_tasks.result()  # a misspelt task fails the run here, not after training
+        dataset_dir = dataset.result()
+        published = publish_dataset_to_run_store.submit(config)  # beside training, where the store lacks it
         trained = _train(config, dataset_dir, published, time_limit_s, worker_logs, started)
-    except CancelledRun as e:  # from Cancelling, the server accepts Cancelled alone
+    except (CancelledRun, Abort, LeaseWaitGivenUp) as e:
+        # Cancelled: training stopped, a task (a retry's launch) refused by the server in a
+        # flow run being cancelled, or the wait for the run's lease given up. From
+        # Cancelling, the server accepts Cancelled alone.
         return Cancelled(message=f"training was cancelled: {e}")
     publish_training_report(config)
     announce_run_finished(config, trained)
@@ -109,8 +113,8 @@ def _train(config: RunConfig, dataset_dir, published, time_limit_s: float | None
     secured while it runs, recorded. CancelledRun when it was cancelled."""
     # A flow run that ends unfinished once it holds the run's lease: its time still counts,
     # less its wait for the lease (the time of the run that held it, which counts already).
-    with training_slot(config) as lease, no_orphan_workers(), \
-            stop_training_when_cancelled() as cancelled, \
+    with stop_training_when_cancelled() as cancelled, \
+            training_slot(config, give_up=cancelled) as lease, no_orphan_workers(), \
             unfinished_training_counted(config, started + lease.waited_s):
         training = launch_training.with_options(
             retries=config.run.max_attempts - 1, retry_delay_seconds=config.run.retry_delay_s,

@@ -54,8 +54,19 @@ OUTAGE_RETRIES = 7
 DEPLOYED_HASH_FILE = "prefect-yaml.sha256"
 
 
+# What the deployments are made of besides prefect.yaml: the flows' parameter forms (their
+# signatures, RunConfig's fields and defaults). A pull that changes a form redeploys too.
+FORM_SOURCES = ("flows/*.py", "core/config.py")
+
+
 def prefect_yaml_hash(prefect_yaml: Path) -> str:
-    return hashlib.sha256(prefect_yaml.read_bytes()).hexdigest()
+    """prefect.yaml's hash, with the sources of the forms its deployments show."""
+    digest = hashlib.sha256(prefect_yaml.read_bytes())
+    for pattern in FORM_SOURCES:
+        for path in sorted(prefect_yaml.parent.glob(pattern)):
+            digest.update(f"\0{path.relative_to(prefect_yaml.parent)}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def declared_deployments(prefect_yaml: Path) -> list[str]:

@@ -40,6 +40,10 @@ from infra.launchers import (RDZV_CONF_ENV, NodeLaunch, free_port,  # noqa: F401
                              make_launcher)
 
 
+class LeaseWaitGivenUp(RuntimeError):
+    """A wait for the run's lease ended by the caller (its flow run was cancelled)."""
+
+
 class TrainingFailed(RuntimeError):
     """An attempt that ended without finishing; `failure_class` says what to do about it."""
 
@@ -360,7 +364,10 @@ class RunLease:
                     f"{orphan_after_s:.0f}s passes without one")
         return ""
 
-    def acquire(self, log: Callable[[str], None], every_s: float = 1.0) -> None:
+    def acquire(self, log: Callable[[str], None], every_s: float = 1.0,
+                give_up: threading.Event | None = None) -> None:
+        """Take the lease, waiting while it is held (see blocker); `give_up` set while
+        waiting (the flow run cancelled) ends the wait with LeaseWaitGivenUp."""
         told = ""
         began = time.time()
         while True:
@@ -379,11 +386,15 @@ class RunLease:
             if blocker.split(" (")[0] != told:
                 log(f"waiting: {blocker}")
                 told = blocker.split(" (")[0]
-            time.sleep(every_s)
+            if give_up is not None and give_up.wait(every_s):
+                raise LeaseWaitGivenUp(f"gave up waiting for the run's lease ({blocker})")
+            if give_up is None:
+                time.sleep(every_s)
 
     @contextmanager
-    def held(self, log: Callable[[str], None]) -> Iterator["RunLease"]:
-        self.acquire(log)
+    def held(self, log: Callable[[str], None],
+             give_up: threading.Event | None = None) -> Iterator["RunLease"]:
+        self.acquire(log, give_up=give_up)
         done = threading.Event()
 
         def keep_renewing():

@@ -127,14 +127,15 @@ def lease_holder() -> str:
 
 
 @contextmanager
-def training_slot(config: RunConfig) -> Iterator[RunLease]:
+def training_slot(config: RunConfig, give_up: threading.Event | None = None) -> Iterator[RunLease]:
     """Hold the run's lease (infra.torchrun.RunLease) while training; wait, saying so in the
     log, while another flow run trains the run, or while workers whose flow process was
     killed still train it (they stop by themselves). Yields the lease: its holder's name,
     which every attempt's workers watch, and how long it waited (`waited_s`, time another
     holder's training already counts): if this process dies, they stop within
     launch.orphan_timeout_s, and the next holder records what it could not (its time, its
-    attempts' outcomes: goodput.runs.record_abandoned_training).
+    attempts' outcomes: goodput.runs.record_abandoned_training). `give_up` set while it
+    waits (its flow run cancelled) ends the wait: infra.torchrun.LeaseWaitGivenUp.
 
     A file in the run directory rather than a Prefect concurrency slot: a slot's lease
     lives in the server's memory, so a restarted server forgot it (and killed the flow run
@@ -142,7 +143,7 @@ def training_slot(config: RunConfig) -> Iterator[RunLease]:
     """
     holder = lease_holder()
     logger = get_run_logger()
-    with RunLease(config, holder).held(logger.info) as lease:
+    with RunLease(config, holder).held(logger.info, give_up=give_up) as lease:
         if lease.abandoned is not None and "since" in lease.abandoned:
             _record_abandoned(config, lease.abandoned, logger)
         yield lease
@@ -253,14 +254,18 @@ def stop_training_when_cancelled(poll_s: float = CANCEL_POLL_S) -> Iterator[thre
     while training went on to its end, and the server then gave up and marked it Cancelled
     (5 minutes later in the walk). Here a thread asks for the flow runs' states every
     `poll_s` and, on a cancellation, stops the attempts (workers get CANCEL_GRACE_S for an
-    emergency checkpoint); the flow then ends Cancelled, the only state the server accepts
-    from a cancelling run. A run whose process is killed first is stopped by
-    no_orphan_workers, as before."""
+    emergency checkpoint), and ends a wait for the run's lease (training_slot's `give_up`);
+    the flow then ends Cancelled, the only state the server accepts from a cancelling run. A
+    run whose process is killed first is stopped by no_orphan_workers, as before."""
     cancelled = threading.Event()
-    ids = {i for i in (flow_run.id, flow_run.root_flow_run_id if flow_run.id else None) if i}
-    if not ids:  # not in a flow run
+    if not flow_run.id:  # not in a flow run
         yield cancelled
         return
+    ids = {flow_run.id}
+    try:  # a subflow's root (a pipeline): asked of the API, which may be away for a moment
+        ids.add(flow_run.root_flow_run_id)
+    except Exception:  # noqa: BLE001 - then this flow run's own cancellation is watched
+        pass
     done = threading.Event()
     logger = get_run_logger()
 

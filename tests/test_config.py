@@ -124,8 +124,10 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
 
 def test_config_hash_ignores_paths_and_faults():
     base = load_config(None)
+    # model.max_seq_len too: only the RoPE table's length (a run started with --config FILE
+    # model.init_from=DIR before that took the checkpoint's context continues).
     moved = load_config(None, ["run.runs_dir=/elsewhere", "faults.crash_at_step=3", "data.data_dir=/d",
-                               "storage.uri=s3://bucket/p"])
+                               "storage.uri=s3://bucket/p", "model.max_seq_len=4096"])
     changed = load_config(None, ["training.lr=1e-4"])
     assert base.config_hash() == moved.config_hash()
     assert base.config_hash() != changed.config_hash()

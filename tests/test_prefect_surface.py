@@ -278,8 +278,8 @@ def test_a_cluster_render_needs_its_image_and_keeps_every_option_given(tmp_path,
 def test_the_pull_step_enters_goodput_repo_or_the_installed_repository(
         tmp_path, monkeypatch, prefect_api):
     """prefect.yaml's pull step, run by Prefect as a worker's flow run runs it: $GOODPUT_REPO
-    when set (refused, naming it, when it is not this repository), else the repository the
-    installed flows package lives in. Prefect's set_working_directory, given an unset
+    when set (refused, naming it, when it is not a repository, or another checkout than the
+    worker's code), else the repository the installed flows package lives in. Prefect's set_working_directory, given an unset
     GOODPUT_REPO, entered "" and the flow run failed later on a file it could not find."""
     import asyncio
 
@@ -295,11 +295,17 @@ def test_the_pull_step_enters_goodput_repo_or_the_installed_repository(
     assert asyncio.run(run_steps(pull))["directory"] == str(REPO)
     assert Path.cwd() == REPO
 
-    checkout = tmp_path / "checkout"  # another copy of the repository
-    (checkout / "flows").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GOODPUT_REPO", str(REPO))  # named: the same
+    assert enter_repository() == {"directory": str(REPO)} and Path.cwd() == REPO
+    checkout = tmp_path / "checkout"  # another copy of the repository: its flow files would
+    (checkout / "flows").mkdir(parents=True)  # run with this one's modules
     (checkout / "prefect.yaml").write_text("name: goodput\n")
     monkeypatch.setenv("GOODPUT_REPO", str(checkout))
-    assert enter_repository() == {"directory": str(checkout)} and Path.cwd() == checkout
+    with pytest.raises(ConfigError, match=rf"GOODPUT_REPO={checkout} is another checkout than "
+                                          rf"the one this worker's Python runs \({REPO}\)"):
+        enter_repository()
+    assert Path.cwd() == REPO  # not entered
 
     monkeypatch.setenv("GOODPUT_REPO", str(tmp_path))  # not a repository
     with pytest.raises(ConfigError, match=rf"GOODPUT_REPO={tmp_path} is not a Goodput "
@@ -307,7 +313,7 @@ def test_the_pull_step_enters_goodput_repo_or_the_installed_repository(
         enter_repository()
     with pytest.raises(StepExecutionError, match="enter_repository"):
         asyncio.run(run_steps(pull))
-    assert Path.cwd() == checkout  # not entered
+    assert Path.cwd() == REPO  # not entered
 
 
 def test_worker_logs_keep_rank_0_by_default():

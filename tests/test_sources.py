@@ -498,22 +498,45 @@ def test_a_hub_style_folder_gives_its_train_split_and_names_what_it_left_out(tmp
         list_source(str(tmp_path), hub_split="validation")
 
 
-def test_split_named_files_and_folders_follow_datasets_conventions(tmp_path):
+def test_split_named_files_and_folders_follow_datasets_conventions_in_a_hub_dataset(tmp_path, caplog):
+    """With a dataset card (or the hub's -of- shard names) a folder is split as
+    datasets.load_dataset splits it. Without, it is read whole, as before (its dataset id
+    unchanged), and files named like a held-out split are named in a warning."""
     by_file = tmp_path / "by_file"
     write(by_file / "train.jsonl", jsonl_bytes(DOCS[:5]))
     write(by_file / "valid.jsonl", jsonl_bytes(DOCS[5:7]))
     write(by_file / "dev.jsonl", jsonl_bytes(DOCS[7:9]))
+    with caplog.at_level(logging.WARNING, logger="goodput.data.sources"):
+        assert sorted(read_all([Piece(file=f) for f in list_source(str(by_file))])) == sorted(DOCS[:9])
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "read whole, 2 file(s), dev.jsonl, valid.jsonl included" in said
+    write(by_file / "README.md", CARD)  # now a hub dataset
     assert read_all([Piece(file=f) for f in list_source(str(by_file))]) == DOCS[:5]
     by_folder = tmp_path / "by_folder"
+    write(by_folder / "README.md", CARD)
     write(by_folder / "train" / "a.jsonl", jsonl_bytes(DOCS[:5]))
     write(by_folder / "train" / "b.txt", "\n".join(DOCS[5:8]).encode())
     write(by_folder / "test" / "a.jsonl", jsonl_bytes(DOCS[8:9]))
     assert read_all([Piece(file=f) for f in list_source(str(by_folder))]) == DOCS[:8]
     # Only a test split: none to train on, said so rather than training on the test set.
     only_test = tmp_path / "only_test"
+    write(only_test / "README.md", CARD)
     write(only_test / "test.jsonl", jsonl_bytes(DOCS[:5]))
     with pytest.raises(DataError, match=r"laid out as a Hugging Face dataset .*with the splits test"):
         list_source(str(only_test))
+
+
+def test_a_users_own_corpus_folder_is_read_whole_whatever_its_names(tmp_path):
+    """Names that datasets' patterns would take for splits, in a folder that is no hub
+    dataset: every corpus file is read (scripts and notes are no split of it)."""
+    corpus = tmp_path / "corpus"
+    write(corpus / "part1.jsonl", jsonl_bytes(DOCS[:3]))
+    write(corpus / "part2.jsonl", jsonl_bytes(DOCS[3:6]))
+    write(corpus / "train_notes.jsonl", jsonl_bytes(DOCS[6:8]))
+    write(corpus / "train.py", b"print('hello')\n")
+    write(corpus / "scripts" / "dev-setup.md", b"# setup\n")
+    write(corpus / "crawl-2023-val.jsonl", jsonl_bytes(DOCS[8:10]))
+    assert sorted(read_all([Piece(file=f) for f in list_source(str(corpus))])) == sorted(DOCS[:10])
 
 
 def test_a_dataset_card_s_configs_choose_the_files(tmp_path, caplog):

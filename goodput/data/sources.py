@@ -175,6 +175,8 @@ def _expand(part: str, hub_config: str | None = None, hub_split: str = "train",
             splits = _hub_splits(path, names, hub_config, field_prefix)
             if splits is not None:
                 below, names = _take_split(path, below, splits, hub_split or "train", field_prefix)
+            else:
+                _warn_split_named(str(path), [n for n in names if _kind(n)[0]])
             files += [p for p in below if _kind(p.name)[0]]
             _warn_left_out(str(path), [n for n in names if not _kind(n)[0]
                                        and not (n == DATASET_CARD and _is_dataset_card(path / n))])
@@ -183,11 +185,31 @@ def _expand(part: str, hub_config: str | None = None, hub_split: str = "train",
     return [p.resolve() for p in files]
 
 
-# Every split naming `datasets` knows holds one of these (train/training, validation/valid/
-# val/dev/eval, test/testing, the "-of-" of shard names): a folder whose names hold none is
-# read whole without importing `datasets` (a second) and globbing the folder with its patterns.
-_SPLIT_NAME_HINTS = ("train", "val", "dev", "test", "-of-")
 DATASET_CARD = "README.md"
+# Words of a file or folder name that name a split other than train (datasets' own names).
+_HELD_OUT_WORDS = {"test", "testing", "eval", "evaluation", "valid", "validation", "val", "dev"}
+
+
+def _looks_like_hub_dataset(folder: Path, names: list[str]) -> bool:
+    """A dataset card (README.md with a YAML header) or the hub's shard names
+    (train-00000-of-00002.parquet). Only such a folder is split by `datasets`' conventions:
+    a corpus folder of our users' own (train_notes.jsonl, a dev/ folder, scripts) is read
+    whole, as before, and its dataset id stays what it was."""
+    card = folder / DATASET_CARD
+    return (card.is_file() and _is_dataset_card(card)) or any(
+        "-of-" in Path(name).name for name in names)
+
+
+def _warn_split_named(folder: str, names: list[str]) -> None:
+    """A folder read whole whose files or folders are named like a held-out split
+    (test.jsonl, validation/): they are trained on, which a user may not expect."""
+    held_out = [n for n in names
+                if _HELD_OUT_WORDS & set(re.split(r"[^a-z]+", n.lower().rsplit(".", 1)[0]))]
+    if held_out:
+        log.warning("%s is read whole, %s included: named like a held-out split, these are "
+                    "trained on; to leave them out, give data.source the files to read (a glob), "
+                    "or lay the folder out as a Hugging Face dataset (a dataset card, or "
+                    "<split>-00000-of-00001 file names)", folder, _some(sorted(held_out)))
 
 
 def _hub_splits(folder: Path, names: list[str], hub_config: str | None,
@@ -199,10 +221,9 @@ def _hub_splits(folder: Path, names: list[str], hub_config: str | None,
     patterns (data/<split>-00000-of-00002.* shard names, then files or folders named for
     splits: train, validation, valid, dev, test, ...). None where it names no splits: a
     folder `datasets` reads whole, as the train split."""
-    card_patterns = _card_data_files(folder, hub_config, field_prefix)
-    if card_patterns is None and not any(hint in name.lower() for name in names
-                                         for hint in _SPLIT_NAME_HINTS):
+    if not _looks_like_hub_dataset(folder, names):
         return None
+    card_patterns = _card_data_files(folder, hub_config, field_prefix)
     from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
 
     base, patterns = card_patterns if card_patterns is not None else (folder, None)
@@ -219,7 +240,10 @@ def _hub_splits(folder: Path, names: list[str], hub_config: str | None,
         raise DataError(f"{folder}/{DATASET_CARD} (a dataset card) names data files that are not "
                         f"there ({e}); fix its `configs:` data_files, or name the files to read "
                         f"with {field_prefix}.source (a file or glob)") from None
-    return {str(split): {Path(f).resolve() for f in files} for split, files in resolved.items()}
+    # Only files of formats read here: a split of scripts or images is no split of the corpus.
+    splits = {str(split): {Path(f).resolve() for f in files if _kind(Path(f).name)[0]}
+              for split, files in resolved.items()}
+    return {split: files for split, files in splits.items() if files} or None
 
 
 def _is_dataset_card(path: Path) -> bool:
@@ -281,11 +305,13 @@ def _take_split(folder: Path, below: list[Path], splits: dict[str, set[Path]], s
     others = {name: files for name, files in others.items() if files}
     chosen = {p.resolve() for files in splits.values() for p in files}
     unsplit = sorted(p.relative_to(folder).as_posix() for p in below
-                     if p.resolve() not in chosen and p.name not in FILES_TO_IGNORE)
+                     if p.resolve() not in chosen and p.name not in FILES_TO_IGNORE
+                     and _kind(p.name)[0])
     left_out = [f"split {name}: {_some(files)}" for name, files in others.items()]
     left_out += [f"in no split: {_some(unsplit)}"] if unsplit else []
-    log.info("%s is laid out as a Hugging Face dataset: reading its %s split (%d files)%s",
-             folder, split, len(taken), "; left out: " + "; ".join(left_out) if left_out else "")
+    (log.warning if left_out else log.info)(
+        "%s is laid out as a Hugging Face dataset: reading its %s split (%d files)%s",
+        folder, split, len(taken), "; left out: " + "; ".join(left_out) if left_out else "")
     return taken, [p.relative_to(folder).as_posix() for p in taken]
 
 
