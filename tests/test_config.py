@@ -192,7 +192,7 @@ def test_a_tracker_whose_package_is_missing_is_refused_naming_the_extra(monkeypa
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name == package else find_spec(name, *a))
-    with pytest.raises(ConfigError, match=r"pip install 'goodput\[tracking\]'"):
+    with pytest.raises(ConfigError, match=r"pip install -e '\.\[tracking\]'"):
         load_config(None, [override])
     # Installed (whether or not it is on this machine): accepted.
     monkeypatch.setattr(importlib.util, "find_spec",
