@@ -945,9 +945,7 @@ def _secure_what_training_left(config: RunConfig, command: str) -> None:
         for step in steps:
             entry = lifecycle.secure_checkpoint(config, step, store)
             left.remove(step)
-            print(f"goodput: checkpoint step {step} " + (
-                f"validated and uploaded to {entry.store_url}" if entry.state == "uploaded"
-                else f"{entry.state}: {entry.reason}"), file=sys.stderr)
+            print(f"goodput: {lifecycle.secured_text(step, entry)}", file=sys.stderr)
         lifecycle.apply_retention(config, store)
     except KeyboardInterrupt:
         # Now, as a third Ctrl-C during training's stop does: an upload's transfer threads

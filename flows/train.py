@@ -14,7 +14,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import Field
 
 from core.config import RunConfig
-from goodput.checkpoint_lifecycle import new_checkpoints, secure_checkpoint, unsecured_steps
+from goodput.checkpoint_lifecycle import (new_checkpoints, secure_checkpoint, secured_text,
+                                          unsecured_steps)
 from goodput.evaluation import evaluation_due
 from goodput.runs import unfinished_training_counted
 from infra.torchrun import LeaseWaitGivenUp
@@ -178,10 +179,8 @@ def _secure_without_tasks(config: RunConfig) -> None:
     try:
         store = store_from_config(config.storage)
         for step in steps:
-            entry = secure_checkpoint(config, step, store)
-            logger.info(f"checkpoint step {step} " + (
-                f"validated and uploaded to {entry.store_url}" if entry.state == "uploaded"
-                else f"{entry.state}: {entry.reason}") + " after the cancellation")
+            logger.info(f"{secured_text(step, secure_checkpoint(config, step, store))} after "
+                        "the cancellation")
     except Exception as e:  # noqa: BLE001 - the store away, a verifier that crashed
         logger.warning(f"checkpoint step(s) {', '.join(map(str, steps))} left for the next run "
                        f"to secure: {type(e).__name__}: {e}")

@@ -207,6 +207,14 @@ def secure_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
     return upload_checkpoint(config, step, store) if entry.state == "validated" else entry
 
 
+def secured_text(step: int, entry: LedgerEntry) -> str:
+    """How securing a checkpoint outside the train flow's tasks ended (secure_checkpoint's
+    entry), as the command after Ctrl-C and the flow after a cancellation say it."""
+    return f"checkpoint step {step} " + (
+        f"validated and uploaded to {entry.store_url}" if entry.state == "uploaded"
+        else f"{entry.state}: {entry.reason}")
+
+
 def restore_ledger(config: RunConfig, store) -> None:
     """Merge the store's copy of the ledger into the local one: a new machine starts from
     it, and a machine that trained the run before learns what others did since (without it
