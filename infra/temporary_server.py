@@ -42,6 +42,13 @@ SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
               "PREFECT__SERVER_FINAL": "1"}
 # uvicorn's exit status when the server failed to start.
 STARTUP_FAILURE = 3
+# How soon a client is asked to retry a request the server answered 503 (Service Unavailable):
+# on SQLite that is a write that met another one (SQLITE_BUSY, at once for a read that turned
+# into a write; after PRAGMA busy_timeout's 30 s otherwise). The other write has committed
+# milliseconds later, yet without a Retry-After header Prefect's client waits 2 s, then 4,
+# 8, ...: a whole stage of `make pipeline` took 2 s longer for one such request. Its retry
+# count (PREFECT_CLIENT_MAX_RETRIES) still bounds how often it tries.
+BUSY_RETRY_AFTER_S = "0.5"
 
 
 def _settings_set_in_this_process() -> dict[str, str]:
@@ -129,6 +136,28 @@ class TemporaryServer:
             self.process.wait()
 
 
+class RetrySoonWhenBusy:
+    """ASGI middleware: a 503 response carries `Retry-After: BUSY_RETRY_AFTER_S` unless the
+    app set one itself."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_retry_after(message):
+            if message["type"] == "http.response.start" and message["status"] == 503:
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == b"retry-after" for name, _ in headers):
+                    headers.append((b"retry-after", BUSY_RETRY_AFTER_S.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_retry_after)
+
+
 def _serve_when_told(listener_fd: int) -> int:
     """The server process: import the server, then serve on the inherited socket once the
     command says so; exit quietly at the end of its input."""
@@ -143,6 +172,7 @@ def _serve_when_told(listener_fd: int) -> int:
     # imports them to see whether their block types changed).
     config = uvicorn.Config(create_app, factory=True, log_level="error", lifespan="on")
     config.load()
+    config.loaded_app = RetrySoonWhenBusy(config.loaded_app)
     prefect.plugins.load_prefect_collections()
     listener = socket.socket(fileno=listener_fd)
     if sys.stdin.buffer.readline() != SERVE:

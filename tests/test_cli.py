@@ -185,6 +185,42 @@ def test_the_temporary_server_opens_nothing_until_told_to_serve(tmp_path, monkey
     assert served.process.returncode is not None and not served.healthy()
 
 
+def test_a_client_retries_soon_a_request_the_temporary_server_found_busy(monkeypatch):
+    """A request the server answers 503 (SQLite busy) is retried by Prefect's own client after
+    the server's Retry-After (0.5 s), not its backoff of 2 s, 4 s, ...; a Retry-After the
+    app set itself is kept, and other answers are left as they were."""
+    import anyio
+    import httpx
+    from prefect.client.base import PrefectHttpxAsyncClient
+
+    from infra.temporary_server import RetrySoonWhenBusy
+
+    answers = iter([(503, []), (503, [(b"retry-after", b"3")]), (200, [])])
+
+    async def busy_then_ready(scope, receive, send):
+        status, headers = next(answers)
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    waits = []
+
+    async def record_wait(seconds):
+        waits.append(seconds)
+
+    monkeypatch.setattr(anyio, "sleep", record_wait)
+
+    async def ask():
+        transport = httpx.ASGITransport(app=RetrySoonWhenBusy(busy_then_ready))
+        async with PrefectHttpxAsyncClient(transport=transport, base_url="http://server") as client:
+            response = await client.get("/api/health")
+        return response.status_code, response.headers.get("retry-after")
+
+    assert anyio.run(ask) == (200, None)
+    assert len(waits) == 2
+    assert 0.5 <= waits[0] < 1.0, waits  # the server's 0.5 s, Prefect's jitter above it
+    assert 3.0 <= waits[1] < 4.0, waits  # the app's own Retry-After kept
+
+
 @pytest.mark.parametrize("protected", [False, True], ids=["no-csrf-protection", "csrf-protected"])
 def test_clients_of_the_temporary_server_ask_it_for_csrf_tokens_only_where_it_wants_them(
         tmp_path, monkeypatch, protected):
