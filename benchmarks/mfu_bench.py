@@ -235,9 +235,21 @@ def _on_alarm(signum, frame):
     raise BudgetExceeded()
 
 
+def total_steps(args) -> int:
+    """The warm-up and measured steps, then with --profile N a step to warm the profiler up
+    and N profiled steps (after the measured ones: the profiler slows the steps it records)."""
+    return args.warmup_steps + args.steps + (1 + args.profile if args.profile else 0)
+
+
+def profiled_steps(args) -> tuple[int, int] | None:
+    first = args.warmup_steps + args.steps + 2
+    return (first, first + args.profile - 1) if args.profile else None
+
+
 def config_overrides(run_id: str, size: Size, seq_len: int, micro_batch: int, args, workdir: Path,
                      startup_s: float) -> list[str]:
-    max_steps = args.warmup_steps + args.steps
+    max_steps = total_steps(args)
+    profile = profiled_steps(args)
     return [
         f"run.runs_dir={workdir / 'runs'}", f"run.run_id={run_id}",
         f"storage.uri={workdir / 'store'}", f"data.data_dir={workdir / 'data'}",
@@ -257,15 +269,18 @@ def config_overrides(run_id: str, size: Size, seq_len: int, micro_batch: int, ar
         f"parallelism.mixed_precision={args.mixed_precision}",
         "checkpoint.every_steps=1000000000", "checkpoint.save_at_end=false",
         "checkpoint.async_mode=sync", "launch.kind=local", "launch.max_restarts=0",
+        *([f"profiling.steps={args.profile}", f"profiling.start_step={profile[0]}"] if profile else []),
         *args.set,
     ]
 
 
 def summarize(records: list[dict], warmup: int, tokens_per_step: int, flops_per_token: float,
-              peak: float) -> dict:
-    """Figures over the steps after the warm-up (each needs the record of the step before)."""
+              peak: float, last: int | None = None) -> dict:
+    """Figures over the steps after the warm-up, up to `last` (each needs the record of the
+    step before)."""
     by_step = {r["step"]: r for r in records}
-    measured = [s for s in sorted(by_step) if s > warmup and s - 1 in by_step]
+    measured = [s for s in sorted(by_step) if s > warmup and s - 1 in by_step
+                and (last is None or s <= last)]
     out: dict = {"steps_logged": len(by_step), "steps_measured": len(measured)}
     if by_step:
         first, last = by_step[min(by_step)], by_step[max(by_step)]
@@ -334,7 +349,7 @@ def run_size(name: str, args, workdir: Path, deadline: float, index: int = 0,
             timeout_s=max(1.0, min(180.0, deadline - time.monotonic())))
         say(f"{name}: attention {json.dumps(row['attention'])}")
 
-    max_steps = args.warmup_steps + args.steps
+    max_steps = total_steps(args)
     dataset = token_dataset(workdir / "data" / run_id, size.vocab_size,
                             (max_steps + 1) * tcfg.tokens_per_rank_step + 1)
     config_path = write_run_config(config)
@@ -344,7 +359,10 @@ def run_size(name: str, args, workdir: Path, deadline: float, index: int = 0,
     result = launch(config, config_path, dataset, args, deadline, name, max_steps)
     row["wall_s"] = time.monotonic() - started
     row |= summarize(read_metrics(config.run_dir), args.warmup_steps, row["tokens_per_step"],
-                     facts["flops_per_token"], args.peak_flops)
+                     facts["flops_per_token"], args.peak_flops,
+                     last=args.warmup_steps + args.steps)
+    if profiled_steps(args) is not None:
+        row["profile"] = profile_summary(config.run_dir, *profiled_steps(args), name, args.out)
     if result["class"] == "done" and "mfu" in row:
         row["status"] = "ok"
     else:
@@ -352,6 +370,26 @@ def run_size(name: str, args, workdir: Path, deadline: float, index: int = 0,
         if result["class"] == "done":
             row |= {"failure_class": "no_measure", "error": "no step after the warm-up was logged"}
     return row
+
+
+def profile_summary(run_dir, first: int, last: int, name: str, out: Path | None) -> dict:
+    """Rank 0's profile of steps first..last (training.profiling): its top operators by self
+    time, and its trace copied beside --out (the device's $OUT brings it back)."""
+    from training.profiling import read_top
+
+    directory = run_dir.profile_dir(first, last)
+    if not (directory / "rank0.top.json").is_file():
+        return {"steps": [first, last], "error": f"no profile in {directory}: the run ended first"}
+    top = read_top(directory)
+    summary = {"steps": top["steps"], "time": top["time"], "top": top["operators"][:20]}
+    trace = directory / "rank0.trace.json.gz"
+    if out is not None:
+        copy = out.parent / f"{out.stem}-{name}-rank0.trace.json.gz"
+        shutil.copyfile(trace, copy)
+        summary["trace"] = str(copy)
+    say(f"{name}: profile of steps {first}-{last}, by self {top['time']} time: " + ", ".join(
+        f"{row['name']} {row['self_share']:.1%}" for row in top["operators"][:8]))
+    return summary
 
 
 def guarded(measure, name: str, *args, **kwargs) -> dict:
@@ -508,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
                              "parallelism.activation_checkpointing=selective")
     parser.add_argument("--workdir", type=Path, help="keep datasets and runs here (default: a "
                                                      "temporary folder, removed at the end)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after the measured steps, profile N more (training.profiling): "
+                             "the top operators in the JSON, rank 0's trace beside --out")
     parser.add_argument("--wheels", type=Path, default=WHEELS, help=argparse.SUPPRESS)
     if argv is None and len(sys.argv) == 3 and sys.argv[1] == "--attention-worker":
         print("ATTENTION " + json.dumps(attention_check(json.loads(sys.argv[2]))), flush=True)
@@ -515,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.warmup_steps < 1 or args.steps < 1:
         parser.error("--warmup-steps and --steps must be at least 1 (the first step compiles)")
+    if args.profile < 0:
+        parser.error("--profile takes a number of steps (0: no profile)")
     began = time.monotonic()
     deadline = began + args.budget_s
     # The workers (`python -m training`) import the repository too, wherever the bench started.

@@ -135,6 +135,10 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
+                        help="the layouts to run (on one GPU, --nproc 1 --arms fsdp: the arms "
+                             "are the same with one process)")
+    parser.add_argument("--json", type=Path, help="also write each arm's rounds as JSON here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--arm", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -142,28 +146,32 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    rows: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+    rows: dict[str, list[dict]] = {arm: [] for arm in args.arms}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            order = list(ARMS) if r % 2 == 0 else list(reversed(ARMS))
+            order = list(args.arms) if r % 2 == 0 else list(reversed(args.arms))
             for arm in order:
                 rows[arm].append(run_arm(args, arm, Path(tmp) / f"{arm}-{r}.json"))
                 print(f"round {r + 1} {arm}: {rows[arm][-1]}", file=sys.stderr)
+                if args.json:
+                    args.json.write_text(json.dumps({"args": {k: v for k, v in vars(args).items()
+                                                              if k not in ("json", "worker")},
+                                                     "rounds": rows}, indent=1, default=str))
     print(f"\n{args.nproc} processes ({args.device}), dim {args.dim}, {args.layers} MoE layers of "
           f"{args.experts} experts (top {args.top_k}, width {args.expert_dim}), "
           f"{args.batch} x {args.seq} tokens a step, {args.steps} steps, {args.rounds} rounds\n")
     print("| layout | tokens/s (median of rounds) | vs ddp (per round) | dispatch share of the step |")
     print("| --- | --- | --- | --- |")
-    for arm in ARMS:
+    for arm in args.arms:
         tps = [row["tokens_per_s"] for row in rows[arm]]
-        ratio = [row["tokens_per_s"] / base["tokens_per_s"] for row, base in zip(rows[arm], rows["ddp"])]
-        share = statistics.median(row["dispatch_share"] for row in rows[arm])
-        print(f"| {arm} | {statistics.median(tps):,.0f} | {statistics.median(ratio):.2f} "
-              f"(min {min(ratio):.2f}, max {max(ratio):.2f}) | "
-              f"{share:.1%} |" if arm == "ep" else
-              f"| {arm} | {statistics.median(tps):,.0f} | {statistics.median(ratio):.2f} "
-              f"(min {min(ratio):.2f}, max {max(ratio):.2f}) | — |")
-
+        if "ddp" in rows:
+            ratio = [row["tokens_per_s"] / base["tokens_per_s"] for row, base in zip(rows[arm], rows["ddp"])]
+            vs_ddp = (f"{statistics.median(ratio):.2f} (min {min(ratio):.2f}, max {max(ratio):.2f})")
+        else:
+            vs_ddp = "—"
+        share = (f"{statistics.median(row['dispatch_share'] for row in rows[arm]):.1%}"
+                 if arm == "ep" else "—")
+        print(f"| {arm} | {statistics.median(tps):,.0f} | {vs_ddp} | {share} |")
 
 if __name__ == "__main__":
     main()

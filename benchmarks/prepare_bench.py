@@ -266,6 +266,13 @@ _EMPTY_FLOW_RUN = "from prefect import flow\nflow(name='create-prefect-home')(la
 
 # -- one size -------------------------------------------------------------------------------
 
+def goodput_command() -> list[str]:
+    """The `goodput` console script installed beside this Python, or the same entry point as a
+    module where the repository is not installed (the lent GPU machine's wheels)."""
+    script = Path(sys.executable).with_name("goodput")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "flows.cli"]
+
+
 def bench_size(label: str, size: int, work: Path, cores: int, map_max: int, ray: bool) -> dict:
     from core.config import load_config
     from goodput.data import prepare as prep
@@ -284,11 +291,11 @@ def bench_size(label: str, size: int, work: Path, cores: int, map_max: int, ray:
                  f"run.run_id=bench-{label}", f"tokenizer.vocab_size={VOCAB_SIZE}",
                  f"prepare.workers={cores}", "prepare.progress=false"]
     (root / "prefect").mkdir(parents=True)
-    env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONPATH=str(REPO),
+    env = dict(os.environ, PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
                PREFECT_HOME=str(root / "prefect"))
-    goodput = str(Path(sys.executable).with_name("goodput"))
     home_created = run_measured([sys.executable, "-c", _EMPTY_FLOW_RUN], env, REPO)["written"]
-    first = run_measured([goodput, "prepare", *overrides], env, REPO)
+    first = run_measured([*goodput_command(), "prepare", *overrides], env, REPO)
     summary = json.loads((root / "runs" / f"bench-{label}" / "summary.json").read_text())["prepare"]
     config = load_config(None, overrides)
     plan = prep.plan_dataset(config)
@@ -315,7 +322,7 @@ def bench_size(label: str, size: int, work: Path, cores: int, map_max: int, ray:
     manifest = prep.find_prepared(plan, store)
     prep.publish(plan, manifest, store)
     row["noop_decide_s"] = time.perf_counter() - t
-    row["noop_command_s"] = run_measured([goodput, "prepare", *overrides], env, REPO)["wall_s"]
+    row["noop_command_s"] = run_measured([*goodput_command(), "prepare", *overrides], env, REPO)["wall_s"]
     print(f"[{label}] no-op rerun: decided in {row['noop_decide_s']:.2f}s, command "
           f"{row['noop_command_s']:.1f}s", flush=True)
 
@@ -361,8 +368,7 @@ def bench_ray(label: str, overrides: list[str], env: dict, root: Path, cores: in
         ray_overrides += [f"storage.uri={store_dir}", f"run.run_id=bench-{label}-ray",
                           f"data.data_dir={root / 'ray-data'}",
                           "prepare.runner=ray", f"prepare.ray_address={cluster.address}"]
-        goodput = str(Path(sys.executable).with_name("goodput"))
-        wall = run_measured([goodput, "prepare", *ray_overrides], env, REPO)["wall_s"]
+        wall = run_measured([*goodput_command(), "prepare", *ray_overrides], env, REPO)["wall_s"]
     finally:
         cluster.shutdown()
     summary = json.loads((root / "runs" / f"bench-{label}-ray" / "summary.json").read_text())["prepare"]

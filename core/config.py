@@ -970,6 +970,28 @@ class FaultsConfig(_Section):
         "no manifest), 'after_manifest' (rank 0, committed, not yet in the ledger).")
 
 
+class ProfilingConfig(_Section):
+    """torch.profiler traces of chosen training steps, every rank's, in
+    `<run dir>/profiles/step-A-B/` (training.profiling)."""
+
+    steps: int = Field(0, ge=0, description="Steps in a profile; 0 profiles nothing. The "
+                       "profiled steps run slower: their metrics are not the run's speed.")
+    start_step: int = Field(10, ge=1, description="The first profiled step: past compilation "
+                            "and the first steps' warm-up.")
+    every: int = Field(0, ge=0, description="Profile again every this many steps (0: once); "
+                       "more than profiling.steps.")
+    memory: bool = Field(False, description="Also record tensor allocations (the trace's "
+                         "memory timeline, memory columns in the table).")
+
+    @model_validator(mode="after")
+    def _windows_apart(self) -> "ProfilingConfig":
+        if self.every and self.every <= self.steps:
+            raise ValueError(f"profiling.every={self.every} must exceed profiling.steps="
+                             f"{self.steps}: each profile needs a step before it to warm the "
+                             f"profiler up (e.g. profiling.every={max(100, self.steps + 1)})")
+        return self
+
+
 class RunSection(_Section):
     run_id: str = Field("tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
                         description="Names the run; checkpoints and ledger live under it.")
@@ -1170,6 +1192,7 @@ class RunConfig(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     elastic: ElasticConfig = Field(default_factory=ElasticConfig)
 

@@ -48,6 +48,7 @@ class RunDir:
         attempts/        per attempt: exit records, starts, outcome, torchrun's logs
         faults/          markers of injected faults that fired (each fires once per run)
         eval/            step-XXXXXXXX.json reports
+        profiles/        step-A-B/rank<r>.trace.json.gz and .top.txt (profiling.steps)
         summary.json     what the stages produced, wall time per stage
     """
 
@@ -109,6 +110,10 @@ class RunDir:
 
     def eval_report(self, step: int) -> Path:
         return self.eval_dir / f"step-{step:08d}.json"
+
+    def profile_dir(self, first: int, last: int) -> Path:
+        """The profile of steps first..last (training.profiling), a file per rank."""
+        return self.path / "profiles" / f"step-{first}-{last}"
 
     @property
     def checkpoints(self) -> Path:

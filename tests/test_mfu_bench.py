@@ -32,7 +32,7 @@ def run_bench(tmp_path, *args: str, env: dict | None = None) -> tuple[subprocess
 
 def test_tiny_on_cpu_measures_and_an_unknown_size_is_reported(tmp_path):
     proc, report = run_bench(tmp_path, "--sizes", "tiny", "no-such-size", "--device", "cpu",
-                             "--no-compile")
+                             "--no-compile", "--profile", "2")
     assert proc.returncode == 1, proc.stdout[-3000:]  # one size failed; the bench went on
     tiny, unknown = report["sizes"]
     assert tiny["status"] == "ok", tiny
@@ -51,9 +51,10 @@ def test_tiny_on_cpu_measures_and_an_unknown_size_is_reported(tmp_path):
     assert model["formula_matches_model"] is True
 
     # tokens/s from the trainer's own records: median interval between consecutive steps
-    # after the warm-up; MFU by issue 3's formula.
+    # after the warm-up; MFU by issue 3's formula. The profiled steps come after them (a
+    # step warms the profiler up, two are recorded) and are left out.
     records = {r["step"]: r for r in read_metrics(tiny["run_dir"])}
-    assert sorted(records) == list(range(1, WARMUP + STEPS + 1))
+    assert sorted(records) == list(range(1, WARMUP + STEPS + 1 + 3))
     step_s = statistics.median(records[s]["time"] - records[s - 1]["time"]
                                for s in range(WARMUP + 1, WARMUP + STEPS + 1))
     assert tiny["steps_measured"] == STEPS
@@ -70,6 +71,15 @@ def test_tiny_on_cpu_measures_and_an_unknown_size_is_reported(tmp_path):
     # The model's attention runs with the flash backend alone (on CPU, its CPU kernel).
     assert tiny["attention"]["flash"] == "ok", tiny["attention"]
     assert tiny["attention"]["default_backend"] == "flash"
+
+    # --profile 2: rank 0's top operators and its trace, brought beside --out.
+    profile = tiny["profile"]
+    first = WARMUP + STEPS + 2
+    assert profile["steps"] == [first, first + 1] and profile["time"] == "host"
+    assert any(row["name"] in ("aten::mm", "aten::addmm") for row in profile["top"]), profile
+    assert profile["trace"] == str(tmp_path / "mfu-tiny-rank0.trace.json.gz")
+    assert (tmp_path / "mfu-tiny-rank0.trace.json.gz").stat().st_size > 0
+    assert f"tiny: profile of steps {first}-{first + 1}, by self host time: " in proc.stdout
 
     assert unknown["status"] == "failed" and unknown["failure_class"] == "config"
     assert "unknown size 'no-such-size'" in unknown["error"]
@@ -100,6 +110,9 @@ def test_summary_leaves_out_the_warm_up():
                for s, t in times.items()]
     summary = summarize(records, warmup=2, tokens_per_step=100, flops_per_token=1e9, peak=1e12)
     assert summary["steps_measured"] == 3
+    # Steps after `last` (profiled ones) are left out too.
+    assert summarize(records, warmup=2, tokens_per_step=100, flops_per_token=1e9, peak=1e12,
+                     last=4)["step_time_s"] == pytest.approx(0.375)
     assert summary["step_time_s"] == pytest.approx(0.5)
     assert summary["tokens_per_s"] == pytest.approx(200)
     assert summary["mfu"] == pytest.approx(1e9 * 200 / 1e12)
@@ -133,3 +146,33 @@ def test_the_cuda_paths_script_runs_its_checks_on_cpu(tmp_path, check):
         assert result["max_logit_diff_tied"] <= 1e-5 and result["max_logit_diff_untied_sharded"] <= 1e-5
     else:
         assert result["max_loss_diff"] < 1e-3 and result["resumed_steps"][0] == 11
+
+
+def test_a_layout_benchmarks_workers_get_its_arguments_less_nproc():
+    """torchrun's own parser refuses --nproc even after the script's name (ambiguous with
+    --nproc-per-node): the workers, which need no process count, do not get it."""
+    from benchmarks.torchrun_arm import _without_nproc
+
+    assert _without_nproc(["--device", "cuda", "--nproc", "1", "--arms", "fsdp", "--nproc=2",
+                           "--steps", "5"]) == ["--device", "cuda", "--arms", "fsdp", "--steps", "5"]
+
+
+@pytest.mark.slow  # every part of the device session on this CPU: about 3 minutes on 2 cores
+def test_the_device_session_runs_every_part_at_its_smallest_on_cpu(tmp_path):
+    """benchmarks/device_session.sh --smoke: each part ran and wrote its results, within the
+    session's time, as the lent GPU's single call will (8 files: the device's limit)."""
+    proc = subprocess.run(["bash", str(REPO / "benchmarks" / "device_session.sh"), "--smoke",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for part in ("mfu", "prepare", "mfu_chunks", "loss_chunks", "moe", "cuda_paths"):
+        assert f"=== {part}: exit 0 after" in proc.stdout, proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "cuda_paths.json", "loss_chunks.json", "mfu-tiny-rank0.trace.json.gz", "mfu.json",
+        "mfu_chunks.json", "moe.json", "prepare.json", "session.log"]
+    mfu = json.loads((tmp_path / "mfu.json").read_text())["sizes"][0]
+    assert mfu["status"] == "ok" and mfu["profile"]["top"], mfu
+    chunks = json.loads((tmp_path / "mfu_chunks.json").read_text())["sizes"][0]
+    assert chunks["status"] == "ok"
+    assert json.loads((tmp_path / "moe.json").read_text())["rounds"]["fsdp"][0]["tokens_per_s"] > 0
+    assert all(json.loads((tmp_path / "cuda_paths.json").read_text())[check]["status"] == "ok"
+               for check in ("checkpoint_resume", "init_from"))

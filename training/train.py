@@ -39,6 +39,7 @@ from training.model import Transformer, cross_entropy, model_args_from_config
 from training.moe import set_loss_scale
 from training.moe_balance import ExpertBalance
 from training.parallelize import Layout, clip_grad_norm_, parallelize
+from training.profiling import StepProfiler
 from training.resilience import FaultInjector, Preempted, Resilience
 from training.tracking import open_trackers
 
@@ -141,13 +142,19 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
             log.info("step %d is training.max_steps: nothing to train (a longer run is another "
                      "run.run_id: its schedule is another one)", progress.step)
 
+    profiler = StepProfiler.for_config(config.profiling, config.run_dir, env.rank, env.device,
+                                       env.is_main)
     loss = float("nan")
     stage = loader.stage
     if env.is_main and len(data.sources) > 1:
         log.info("[data] mix stage %d of %d from step %d on: weights %s", stage,
                  len(config.mix_stages()) - 1, progress.step + 1, loader.stage_weights(stage))
     try:
+        if profiler is not None:
+            profiler.start(progress.step)
         while progress.step < tcfg.max_steps:
+            if profiler is not None:  # a profile that ended with the step before is saved here
+                profiler.step(progress.step + 1)
             step_start = time.perf_counter()
             lr = set_lr(optimizers, lr_at(progress.step + 1, tcfg))
             loss_sum = torch.zeros((), device=env.device)
@@ -187,6 +194,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
                 checkpointer.wait(loss)
                 break
 
+        if profiler is not None:
+            profiler.stop()  # a profile the run's end cut short is saved
         checkpointer.close()  # the last checkpoint is committed before the job reports success
     except BaseException as stop:  # the trackers still send or flush what they hold of the steps done
         with contextlib.suppress(Exception):  # never in place of the failure itself
