@@ -14,7 +14,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
@@ -1571,13 +1571,74 @@ def trajectory_differences(run: RunConfig, here: RunConfig, most: int = 4) -> st
     return "; ".join(found[:most]) + (f"; {len(found) - most} more" if len(found) > most else "")
 
 
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The section a field holds (through `X | None`, lists and dicts of it), else None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next(filter(None, map(_section_model, get_args(annotation))), None)
+
+
+def _section_at(path: list) -> type[BaseModel] | None:
+    """RunConfig's section at `path`, a validation error's place (list indices passed over)."""
+    section: type[BaseModel] | None = RunConfig
+    for part in path:
+        if isinstance(part, str):
+            field = section.model_fields.get(part)
+            section = field and _section_model(field.annotation)
+            if section is None:
+                return None
+    return section
+
+
+def config_fields(section: type[BaseModel] | None = None, prefix: str = "") -> list[str]:
+    """The dotted name of every field of RunConfig that holds a value (not a section),
+    e.g. training.max_steps, model.moe.num_experts."""
+    names = []
+    for name, field in (section or RunConfig).model_fields.items():
+        inner = _section_model(field.annotation)
+        names += config_fields(inner, f"{prefix}{name}.") if inner else [f"{prefix}{name}"]
+    return names
+
+
+_GLOBAL_BATCH_NAMES = ("global_batch", "global_batch_size", "global_batch_tokens")
+
+
+def unknown_field_hint(loc: tuple) -> str:
+    """What to say of the unknown field at `loc`: the closest real field(s), by full name."""
+    *where, name = loc
+    name = str(name)
+    everything = " (`goodput show-config` prints every field with its value)"
+    if name.lower() in _GLOBAL_BATCH_NAMES:
+        return ("the global batch is training.micro_batch_size x training.grad_accum_steps x "
+                "the data-parallel degree (parallelism.dp_replicate x parallelism.dp_shard), "
+                f"in samples of training.seq_len tokens: set those{everything}")
+    section = _section_at(where)
+    prefix = "".join(f"{p}." for p in where if isinstance(p, str))
+    close = [prefix + n for n in _closest(name, list(section.model_fields) if section else [])]
+    if not close:  # a field of another section (`lr`), or given without its section
+        leaves = config_fields()
+        close = ([f for f in leaves if f.rsplit(".", 1)[-1] == name]
+                 or [f for f in leaves
+                     if f.rsplit(".", 1)[-1] in _closest(name, {f.rsplit(".", 1)[-1] for f in leaves})])[:3]
+    if not close:
+        return "check the spelling against `goodput show-config`, which prints every field"
+    return f"did you mean {' or '.join(close)}?{everything}"
+
+
+def _closest(name: str, names: Any, cutoff: float = 0.75) -> list[str]:
+    """The names nearest `name` (difflib's ratio), those as near as the nearest within 0.1."""
+    scored = sorted(((difflib.SequenceMatcher(None, name, n).ratio(), n) for n in names),
+                    reverse=True)
+    return [n for score, n in scored[:3] if score >= max(cutoff, scored[0][0] - 0.1)]
+
+
 def _format_error(err: ValidationError, origin: str) -> str:
     lines = [f"invalid configuration ({origin}):"]
     for e in err.errors():
         field = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown field; check the spelling against configs/tiny.yaml"
+            msg = f"unknown field; {unknown_field_hint(e['loc'])}"
         # A check across sections has no place of its own: its message names the fields (as
         # does a section's message that starts with one of its fields).
         lines.append(f"  {field}: {msg}" if field and not msg.startswith(f"{field}.") else f"  {msg}")
@@ -1689,6 +1750,11 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     origin = "defaults"
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            yamls = sorted(y.name for y in p.glob("*.y*ml"))
+            example = "tiny.yaml" if "tiny.yaml" in yamls else yamls[0] if yamls else None
+            raise ConfigError(f"config {p} is a directory: give a YAML file in it" + (
+                f", e.g. --config {p / example} (there: {', '.join(yamls)})" if example else ""))
         if not p.is_file():
             where = "" if p.is_absolute() else f" (in {Path.cwd()})"
             raise ConfigError(f"config file {p} not found{where}; pass an existing YAML file "

@@ -9,7 +9,7 @@
     goodput export CHECKPOINT_DIR --format hf --out DIR   # a transformers model
     goodput plan --config FILE --nodes 4 --gpus-per-node 8 --gpu-memory 80GiB   # layouts
     goodput plan --config FILE                # the cluster the config names (parallelism.*)
-    goodput plan --config FILE --from-run runs/ID   # step time from a run's measured MFU
+    goodput plan --config FILE --from-run .goodput/runs/ID   # step time from a run's measured MFU
     goodput plan --config FILE --explain      # and the arithmetic behind each figure
 
 Ctrl-C stops training (the workers save an emergency checkpoint first) and the command;
@@ -34,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-from core.config import ConfigError, RunConfig, load_config
+from core.config import ConfigError, RunConfig, config_fields, load_config
 from core.errors import DataError
 from core.process_exit import exit_without_teardown
 from infra.prefect_stack import LEASES_ON_DISK
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="goodput", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    parser.commands = sub.choices  # each command's parser, for parse_args' errors
     for name, help_text in [("prepare", "tokenize and shard the dataset, publish it to the store"),
                             ("train", "train with torchrun, validating and uploading checkpoints"),
                             ("evaluate", "held-out loss, perplexity and samples of a checkpoint"),
@@ -189,18 +190,30 @@ def _plan(args: argparse.Namespace) -> int:
                              (("nnodes", args.nodes), ("nproc_per_node", args.gpus_per_node))
                              if value is not None]
         config = planner.with_run_vocab(load_config(args.config, [*args.overrides, *cluster_overrides]))
+        if args.gpu_memory is not None and re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", args.gpu_memory):
+            number = args.gpu_memory.strip()
+            raise ConfigError(f"--gpu-memory {number}: give the memory of one GPU with its unit, "
+                              f"e.g. {number if float(number) > 0 else 80}GiB (or GB, MiB); a "
+                              "number alone would be bytes")
         memory = args.gpu_memory or config.parallelism.device_memory
-        if memory is None and config.parallelism.device == "cpu":  # workers on this machine
-            memory = str(planner.local_device_memory("cpu", config.parallelism.nproc_per_node)[0])
+        par = config.parallelism
+        # GPUs unless the config says CPU: a laptop plans the GPU cluster it will launch on.
+        device = "cpu" if par.device == "cpu" else "cuda"
+        if memory is None and par.device == "cpu":  # workers on this machine
+            memory = str(planner.local_device_memory("cpu", par.nproc_per_node)[0])
+        elif memory is None and par.device == "auto":
+            # As the train flow's check-layout plans it: on the device training resolves
+            # 'auto' to (a local launch: this machine's, CPU on a CPU build of torch), with
+            # that device's memory here.
+            here, _ = planner.run_cluster(config)
+            if here.gpu_memory is not None:
+                device, memory = here.device, str(here.gpu_memory)
         if memory is None:
             raise ConfigError("memory per GPU unknown: pass --gpu-memory (e.g. 80GiB) or set "
                               "parallelism.device_memory in the config (or parallelism.device=cpu "
                               "to plan CPU workers on this machine's memory)")
         if planner.parse_bytes(memory) <= 0:
             raise ConfigError(f"--gpu-memory {memory}: give the memory of one GPU, e.g. 80GiB")
-        par = config.parallelism
-        # GPUs unless the config says CPU: a laptop plans the GPU cluster it will launch on.
-        device = "cpu" if par.device == "cpu" else "cuda"
         flops = (args.gpu_tflops * 1e12 if args.gpu_tflops is not None
                  else config.training.peak_flops_per_device
                  or (planner.H100_FLOPS if device == "cuda" else None))
@@ -777,8 +790,53 @@ def _prefect_defaults() -> None:
     os.environ.setdefault("PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL", "1")
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as build_parser() reads it, with key=value overrides anywhere on it
+    (`show-config a.b=1 --config FILE c.d=2`: argparse alone takes only the first run of
+    them), in the order given. A flag of torchrun's or Megatron's (`--nproc_per_node 2`,
+    `--max-steps 5`) that names a config field is answered with the override to give."""
+    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, extras = parser.parse_known_args(argv)
+    command = parser.commands[args.command]
+    for token in extras:
+        override = _override_for_flag(token, argv) if token.startswith("-") else None
+        if override:
+            command.error(f"{token.split('=')[0]} is not an option of goodput {args.command}: "
+                          f"give the config field as an override: {override}")
+    if not hasattr(args, "overrides") or any(token.startswith("-") for token in extras):
+        if extras:
+            command.error(f"unrecognized arguments: {' '.join(extras)}")
+        return args
+    # (One that is no key=value is refused by load_config, as in the first run, saying why.)
+    args.overrides = [*args.overrides, *extras]  # after the first run of them
+    return args
+
+
+def _override_for_flag(flag: str, argv: list[str]) -> str | None:
+    """`--nproc_per_node` (with `2` after it, or `=2`) -> 'parallelism.nproc_per_node=2': the
+    config fields of that name (hyphens read as underscores), as overrides; None if none."""
+    name, given, value = flag.lstrip("-").partition("=")
+    fields = [f for f in config_fields() if f.rsplit(".", 1)[-1] == name.replace("-", "_")]
+    if not fields:
+        return None
+    if not given:
+        after = argv[argv.index(flag) + 1:][:1]
+        value = (after[0] if after and "=" not in after[0]
+                 and not (after[0].startswith("-") and not _is_number(after[0])) else "VALUE")
+    return " or ".join(f"{field}={value}" for field in fields)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     _dump_stacks_on_sigusr1()
     _prefect_defaults()
     if args.command == "export":  # works on a checkpoint alone, no run configuration

@@ -651,9 +651,11 @@ def _departures(plan: LayoutPlan, cluster: Cluster) -> list[str]:
     d = plan.degrees
     notes = []
     if d["dp_replicate"] > 1 and d["dp_shard"] == 1:
-        notes.append("optimizer state replicated, not sharded (default: dp_shard > 1)")
+        notes.append("optimizer state replicated, not sharded: set parallelism.dp_shard > 1 "
+                     "to shard it")
     if d["pp"] > 1 and cluster.nodes > 1 and not _axis_crosses_nodes(d, "pp", cluster.gpus_per_node):
-        notes.append("pipeline stages inside a node (default: PP across nodes)")
+        notes.append("pipeline stages inside a node, where the planner's default puts PP "
+                     "across nodes")
     return notes
 
 

@@ -174,8 +174,8 @@ class SeaweedFS:
             except _PortTaken:
                 self.stop()
                 if attempt == attempts:
-                    raise RuntimeError(f"SeaweedFS could not bind its ports; log {self.log_path}:\n"
-                                       f"{self._log_tail()}") from None
+                    raise PortsTaken(f"SeaweedFS could not bind its ports; log {self.log_path}:\n"
+                                     f"{self._log_tail()}") from None
             except BaseException:
                 self.stop()
                 raise
@@ -333,6 +333,22 @@ class _PortTaken(Exception):
     """weed could not bind one of the ports chosen for it."""
 
 
+class PortsTaken(RuntimeError):
+    """SeaweedFS did not start: a port given to it (or each fresh choice) was in use."""
+
+
+def _port_in_use(port: int) -> bool:
+    """Whether `port` on the loopback is bound by a server now (as weed binds it: a port
+    left in TIME_WAIT by an earlier server counts as free)."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((HOST, port))
+        except OSError:
+            return True
+    return False
+
+
 def _ensure_bucket(client, bucket: str) -> None:
     """Create `bucket` unless it exists and these keys can use it.
 
@@ -353,6 +369,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket", help="bucket to create if missing")
     args = parser.parse_args(argv)
 
+    def busy() -> str:
+        free = next((p for p in range(args.port + 1, min(args.port + 100, 65536))
+                     if not _port_in_use(p)), None) or _free_ports(1)[0]
+        return (f"{parser.prog}: port {args.port} on {HOST} is in use (another SeaweedFS, or "
+                f"another server): choose another S3 port with --port, e.g. --port {free}")
+
+    if _port_in_use(args.port):
+        print(busy(), file=sys.stderr)
+        return 2
+
     # The keys the user already exported, else fresh ones printed for them to export.
     access_key, secret_key = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
     generated = not (access_key and secret_key)
@@ -362,23 +388,27 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM takes the same way out as Ctrl-C: through the context manager's stop().
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     start = time.monotonic()
-    with SeaweedFS(args.dir, access_key=access_key, secret_key=secret_key, bucket=args.bucket,
-                   s3_port=args.port) as server:
-        print(f"SeaweedFS S3 ready at {server.endpoint_url} in {time.monotonic() - start:.1f}s "
-              f"(data {server.data_dir}, log {server.log_path})")
-        print(f"export AWS_ENDPOINT_URL={server.endpoint_url}")
-        print(f"export AWS_DEFAULT_REGION={REGION}")
-        if generated:
-            print(f"export AWS_ACCESS_KEY_ID={access_key}")
-            print(f"export AWS_SECRET_ACCESS_KEY={secret_key}")
-        else:
-            print("# credentials: the AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY already in your environment")
-        print("Ctrl-C stops it.", flush=True)
-        try:
-            code = server.wait()
-        except KeyboardInterrupt:
-            print("\nstopping SeaweedFS ...", flush=True)
-            return 0
+    try:
+        with SeaweedFS(args.dir, access_key=access_key, secret_key=secret_key, bucket=args.bucket,
+                       s3_port=args.port) as server:
+            print(f"SeaweedFS S3 ready at {server.endpoint_url} in {time.monotonic() - start:.1f}s "
+                  f"(data {server.data_dir}, log {server.log_path})")
+            print(f"export AWS_ENDPOINT_URL={server.endpoint_url}")
+            print(f"export AWS_DEFAULT_REGION={REGION}")
+            if generated:
+                print(f"export AWS_ACCESS_KEY_ID={access_key}")
+                print(f"export AWS_SECRET_ACCESS_KEY={secret_key}")
+            else:
+                print("# credentials: the AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY already in your environment")
+            print("Ctrl-C stops it.", flush=True)
+            try:
+                code = server.wait()
+            except KeyboardInterrupt:
+                print("\nstopping SeaweedFS ...", flush=True)
+                return 0
+    except PortsTaken as e:  # taken since the check above, or one of weed's own ports
+        print(f"{busy()}\n{e}", file=sys.stderr)
+        return 2
     print(f"SeaweedFS exited unexpectedly with code {code}; see {server.log_path}", file=sys.stderr)
     return 1
 

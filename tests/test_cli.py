@@ -501,3 +501,59 @@ def test_the_console_shows_an_error_once_however_prefect_quotes_it(error):
     assert not once.filter(record("prefect.flow_runs", flow_state))
     assert once.filter(record("prefect.flow_runs", "Finished in state Completed()"))
     assert once.filter(record("prefect.task_runs", state))  # a retry's own line still shows
+
+
+def test_overrides_are_taken_anywhere_on_the_command_line(capsys):
+    import yaml
+
+    tiny = str(REPO / "configs/tiny.yaml")
+    assert cli.main(["show-config", "training.max_steps=50", "--config", tiny, "model.dim=64",
+                     "training.max_steps=70"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["model"]["dim"] == 64 and shown["training"]["max_steps"] == 70  # the last wins
+    args = cli.parse_args(["evaluate", "--config", tiny, "eval.limit=5", "--checkpoint", "300",
+                           "eval.max_batches=2"])
+    assert (args.overrides, args.checkpoint, args.config) == (["eval.limit=5", "eval.max_batches=2"],
+                                                              "300", tiny)
+    assert cli.main(["plan", "--config", tiny, "parallelism.device=cpu", "--strict",
+                     "parallelism.nproc_per_node=2", "parallelism.dp_replicate=1",
+                     "parallelism.dp_shard=2"]) == 0
+    assert "dp_shard=2" in capsys.readouterr().out.replace(" ", "")
+    with pytest.raises(SystemExit) as refused:  # an unknown option is still refused
+        cli.parse_args(["show-config", "model.dim=64", "--config", tiny, "--frobnicate"])
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and "usage: goodput show-config" in err
+    assert "unrecognized arguments: --frobnicate" in err
+    assert cli.main(["show-config", "model.dim=64", "--config", tiny, "oops"]) == 2
+    assert "override 'oops' must look like section.field=value" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, override", [
+    (["train", "--nproc_per_node", "2"], "parallelism.nproc_per_node=2"),
+    (["train", "--nproc-per-node", "2"], "parallelism.nproc_per_node=2"),
+    (["train", "--max_steps", "5"], "training.max_steps=5"),
+    (["pipeline", "--config", "configs/tiny.yaml", "--max-steps=5", "model.dim=64"],
+     "training.max_steps=5"),
+    (["plan", "--micro-batch-size", "4"], "training.micro_batch_size=4"),
+])
+def test_a_torchrun_or_megatron_flag_is_answered_with_the_override_to_use(argv, override, capsys):
+    with pytest.raises(SystemExit) as refused:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert refused.value.code == 2
+    assert f"usage: goodput {argv[0]}" in err and "unrecognized arguments" not in err
+    assert f"give the config field as an override: {override}" in err
+
+
+def test_seaweedfs_on_a_busy_port_names_the_option_to_choose_another(tmp_path, capsys):
+    import socket
+
+    from infra import seaweedfs
+
+    with socket.socket() as taken:
+        taken.bind((seaweedfs.HOST, 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code = seaweedfs.main(["--dir", str(tmp_path / "s3"), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"port {port}" in err and "--port" in err and "Traceback" not in err

@@ -340,3 +340,38 @@ def test_an_init_from_override_displaces_the_files_model_moe(tmp_path):
     assert dense.model.moe is None
     with pytest.raises(ConfigError, match="model.moe is set but the checkpoint is a dense Llama"):
         load_config("configs/tiny-moe.yaml", [f"model.init_from={llama}", "model.moe.top_k=2"])
+
+
+@pytest.mark.parametrize("override, says", [
+    ("training.max_step=5", "training.max_step: unknown field; did you mean training.max_steps?"),
+    ("trainig.max_steps=5", "trainig: unknown field; did you mean training?"),
+    ("lr=3e-4", "lr: unknown field; did you mean training.lr?"),
+    ("model.moe.num_expert=8", "model.moe.num_expert: unknown field; did you mean "
+                               "model.moe.num_experts?"),
+    ("global_batch_size=256", "global_batch_size: unknown field; the global batch is "
+                              "training.micro_batch_size x training.grad_accum_steps x the "
+                              "data-parallel degree"),
+    ("training.global_batch=256", "training.global_batch: unknown field; the global batch is "
+                                  "training.micro_batch_size x training.grad_accum_steps"),
+])
+def test_a_misspelled_field_is_answered_with_the_closest_real_one(override, says):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs/tiny.yaml", [override])
+    assert says in str(err.value)
+    assert "goodput show-config" in str(err.value)  # the whole tree; configs/tiny.yaml lacks most
+
+
+def test_a_misspelled_field_in_a_file_is_answered_the_same_way(tmp_path):
+    config = tmp_path / "typo.yaml"
+    config.write_text("training:\n  max_step: 5\nlr: 0.001\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(config)
+    assert "training.max_step: unknown field; did you mean training.max_steps?" in str(err.value)
+    assert "lr: unknown field; did you mean training.lr?" in str(err.value)
+
+
+def test_a_config_directory_is_named_as_one(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config("configs")
+    assert "configs is a directory" in str(err.value) and "not found" not in str(err.value)
+    assert "give a YAML file in it" in str(err.value) and "configs/tiny.yaml" in str(err.value)

@@ -1151,7 +1151,8 @@ def test_search_ranks_valid_layouts_first_and_explains_the_rest():
     order = [(bool(p.departures), -p.tokens_per_s) for p in valid]
     assert order == sorted(order) and not valid[0].departures
     replicated = next(p for p in valid if p.degrees == layout(dp_replicate=4, tp=8))
-    assert replicated.departures == ["optimizer state replicated, not sharded (default: dp_shard > 1)"]
+    assert replicated.departures == [
+        "optimizer state replicated, not sharded: set parallelism.dp_shard > 1 to shard it"]
     assert all(p.memory.peak <= 80 * 2**30 for p in valid)
     assert all(p.degrees["tp"] <= 8 for p in valid)
     assert all(p.problems for p in plans[len(valid):])
@@ -1782,3 +1783,30 @@ def _counting_pack(sizes: dict[int, int], layout):
 
 if __name__ == "__main__":
     probe(json.loads(sys.argv[1]))
+
+
+@pytest.mark.parametrize("memory", ["80", "80.5", " 64 "])
+def test_cli_refuses_a_gpu_memory_without_its_unit(memory, capsys):
+    from flows.cli import main
+
+    code = main(["plan", "--config", str(REPO / "configs/llama3.1-8b.yaml"), "--gpu-memory", memory])
+    err = capsys.readouterr().err
+    assert code == 2 and (f"--gpu-memory {memory.strip()}: give the memory of one GPU with its "
+                          f"unit, e.g. {memory.strip()}GiB") in err
+
+
+@pytest.mark.parametrize("name", ["tiny.yaml", "tiny-moe.yaml"])
+def test_cli_plans_device_auto_on_the_device_training_gets_here(name, capsys):
+    """As check-layout plans it: parallelism.device=auto is what training resolves it to on
+    this machine (CPU workers on a CPU build of torch), with its memory."""
+    from flows.cli import main
+
+    config = load_config(REPO / "configs" / name)
+    assert config.parallelism.device == "auto" and config.launch.kind == "local"
+    here, _ = planner.run_cluster(config)
+    assert main(["plan", "--config", str(REPO / "configs" / name)]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "memory per GPU unknown" not in out
+    if here.device == "cpu":
+        assert "CPU" in out or "cpu" in out
+
