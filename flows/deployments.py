@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 from pathlib import Path
 
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
@@ -141,6 +142,24 @@ def serve_all(config: RunConfig, eval_cron: str | None = None, train_cron: str |
     them over (their parameters, schedules and pull steps replaced), and their worker could no
     longer run them once this process stopped."""
     deployments = build_deployments(config, eval_cron, train_cron, train_time_limit_s)
+    from flows.cli import _flow_runs_recorded_by, _temporary_server
+
+    server = _temporary_server()  # None where PREFECT_API_URL names a server
+    try:
+        with _flow_runs_recorded_by(server):
+            _serve(deployments, on_a_temporary_server=server is not None)
+    except KeyboardInterrupt:  # before the runner started
+        pass
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _serve(deployments: list[RunnerDeployment], on_a_temporary_server: bool) -> None:
+    """Serve `deployments` until SIGTERM or Ctrl-C. A temporary server (infra.temporary_server,
+    in a session of its own) outlives the signal that stops this process: Prefect's own,
+    started in this process group, died of a terminal's Ctrl-C or systemd's SIGTERM to the
+    whole service, and the stop then hung on its port until SIGKILL."""
     taken = on_work_pools(deployments)
     if taken:
         raise ConfigError(
@@ -153,15 +172,21 @@ def serve_all(config: RunConfig, eval_cron: str | None = None, train_cron: str |
     for deployment in deployments:
         runner.add_deployment(deployment)
     names = ", ".join(f"{d.flow_name}/{d.name}" for d in deployments)
-    print(f"goodput serve: serving {names}; trigger them in the UI (Deployments) or with "
-          "`prefect deployment run <flow>/<deployment>`. Ctrl-C or SIGTERM stops serving: "
+    if on_a_temporary_server:
+        print("goodput serve: warning: no Prefect server is configured (PREFECT_API_URL), so "
+              "this serves on a temporary Prefect server that only this process uses and that "
+              "stops with it: it has no UI, and nothing else can trigger the deployments' runs. "
+              "Run `goodput server` and set PREFECT_API_URL to it (or to another Prefect "
+              "server) to trigger them from the UI or the prefect CLI", file=sys.stderr, flush=True)
+        how = "only this process can reach them (see the warning above)"
+    else:
+        how = ("trigger them in the UI (Deployments) or with "
+               "`prefect deployment run <flow>/<deployment>`")
+    print(f"goodput serve: serving {names}; {how}. Ctrl-C or SIGTERM stops serving: "
           "runs in progress are cancelled, their workers saving an emergency checkpoint",
           flush=True)
     signal.signal(signal.SIGINT, runner.handle_sigterm)  # Ctrl-C stops it the same way
-    try:
-        asyncio.run(runner.start())
-    except KeyboardInterrupt:  # before the runner started
-        pass
+    asyncio.run(runner.start())
 
 
 class StopsItsRunsOnSigterm(Runner):

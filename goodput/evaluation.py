@@ -54,25 +54,33 @@ def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = N
 def pick_checkpoint(config: RunConfig, store, checkpoint: str | int | None = None) -> Path | ResumePoint:
     """The checkpoint to evaluate: the run's newest validated one (the one training would
     resume from, storage.ledger.choose_resume), or the given step, or a directory. A
-    FileNotFoundError says why there is none."""
+    ConfigError says why there is none when the input names none (a step not validated, a
+    path that is no checkpoint, a run with nothing validated); a FileNotFoundError when the
+    step is validated but not readable from here yet."""
     if checkpoint is not None and not str(checkpoint).isdigit():
         path = Path(str(checkpoint))
+        if not path.exists():
+            raise ConfigError(f"{path} does not exist: --checkpoint (the evaluate flow's "
+                              f"checkpoint) takes a step number of run '{config.run.run_id}' "
+                              "(its ledger's validated steps) or a checkpoint directory; leave "
+                              "it out to evaluate the newest validated checkpoint")
         if not is_committed(path):
-            raise FileNotFoundError(f"{path} is not a committed checkpoint (no manifest.json)")
+            raise ConfigError(f"{path} is not a committed checkpoint (no manifest.json)")
         return path
     restore_ledger(config, store)
     ledger = ledger_of(config).read()
     if checkpoint is None:
         point = choose_resume(config.run_dir, ledger)
         if point is None:
-            raise FileNotFoundError(f"run '{config.run.run_id}' has no validated checkpoint on this "
-                                    "machine or in the store yet; train it first (goodput train)")
+            raise ConfigError(f"run '{config.run.run_id}' has no validated checkpoint on this "
+                              "machine or in the store yet; train it first (goodput train), or "
+                              "name a run that has one (run.run_id)")
     else:
         entry = ledger.entries.get(int(checkpoint))
         if entry is None or entry.state not in ("validated", "uploaded"):
             state = entry.state if entry else "not in the ledger"
-            raise FileNotFoundError(f"checkpoint step {checkpoint} of run '{config.run.run_id}' "
-                                    f"is {state}; pick one of {ledger.steps('validated', 'uploaded')}")
+            raise ConfigError(f"checkpoint step {checkpoint} of run '{config.run.run_id}' "
+                              f"is {state}; pick one of {ledger.steps('validated', 'uploaded')}")
         point = readable_copy(config.run_dir, entry)
         if point is None:
             raise FileNotFoundError(
@@ -134,7 +142,7 @@ def report_to_reuse(config: RunConfig, store, dataset_id: str,
     evaluate, download, or fail (the stage then runs and says why); nothing is fetched."""
     try:
         picked = pick_checkpoint(config, store, checkpoint)
-    except FileNotFoundError:
+    except (FileNotFoundError, ConfigError):
         return None
     path = picked if isinstance(picked, Path) else picked.local
     return None if path is None else reusable_report(config, path, dataset_id)

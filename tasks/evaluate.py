@@ -18,12 +18,16 @@ from goodput.checkpoint_lifecycle import eval_history, ledger_of
 from storage.ledger import readable_copy
 from storage.manifests import EvalReport
 from storage.store import store_from_config
+from tasks.prepare import retry_if_transient
 from tasks.reporting import artifact_key, publish_goodput
 
 
 @task(name="locate-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
-      tags=["evaluate"])
+      retry_condition_fn=retry_if_transient, tags=["evaluate"])
 def locate_checkpoint(config: RunConfig, checkpoint: str | None) -> Path:
+    """The checkpoint to evaluate, on this machine (evaluation.locate_checkpoint). A step or
+    path that names none, or a run with none validated, is a ConfigError and fails at once;
+    the store unreachable, or a download cut short, is tried again."""
     return evaluation.locate_checkpoint(config, store_from_config(config.storage), checkpoint)
 
 

@@ -772,6 +772,41 @@ def test_a_stopped_serve_cancels_the_runs_it_started(prefect_api, base, dataset,
     assert outcomes[0]["newest_checkpoint"] == outcomes[0]["step"]  # an emergency checkpoint
 
 
+@pytest.mark.parametrize("stop", ["sigterm", "ctrl-c"])
+def test_serve_on_a_temporary_server_says_so_and_stops_at_once(tmp_path, stop):
+    """`goodput serve` with no Prefect server configured serves on a temporary one: it says
+    that nothing else can reach it. SIGTERM to the service (systemd signals every process of
+    it) or Ctrl-C in its terminal (SIGINT to its process group) stops it within seconds, with
+    no traceback: the signal also ended Prefect's own temporary server, its child, and serve
+    then hung on that server's port (ConnectionRefusedError) until SIGKILL."""
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text(dump_config(small_config(tmp_path, "run.run_id=temporary")))
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH")}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve", "--config", str(config_file)],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        wait_for(lambda: "goodput serve: serving" in log_path.read_text(), timeout_s=120,
+                 what="serve started")
+        time.sleep(2)  # serving: the runner polls for runs, its cancellation observer listens
+        os.killpg(proc.pid, signal.SIGTERM if stop == "sigterm" else signal.SIGINT)
+        stopped = time.monotonic()
+        rc = proc.wait(timeout=15)
+        took = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            stop_process_tree(proc)
+    text = log_path.read_text()
+    assert rc == 0 and took < 10, (rc, took, text[-3000:])
+    assert "Traceback" not in text and "ConnectionRefusedError" not in text, text[-3000:]
+    assert "temporary Prefect server" in text and "goodput server" in text, text
+    assert "PREFECT_API_URL" in text, text
+
+
 def test_work_pool_script_deploys_prefect_yaml_and_runs_it(prefect_api, base, dataset, workdir):
     """scripts/work-pool.sh: create the pool, `prefect deploy --all`, a worker; then a run
     with a config file (the prefect.yaml deployments have the plain RunConfig() form)."""

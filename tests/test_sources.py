@@ -142,6 +142,31 @@ def test_listing_errors_name_the_path_and_what_to_do(tmp_path, monkeypatch, sour
     assert f"data.source='{source}'" in str(error.value)
 
 
+@pytest.mark.parametrize("source", [
+    "corpus/", "corpus/train/", "./corpus", "../corpus", "~/corpus", "{abs}/corpus",
+    "corpus.jsonl", "corpus/part-0.parquet", "notes.txt", "rows.json", "table.csv",
+    "shard.arrow", "dump.gz", "dump.zst", "a.jsonl, corpus/"])
+def test_a_missing_local_path_is_refused_as_such_not_sent_to_the_hub(tmp_path, monkeypatch, source):
+    """README's `data.source=corpus/` with no corpus/ here: refused naming the path, where it
+    was looked for and what to do; it was read as a hub dataset id ("Repo id must use
+    alphanumeric chars ...")."""
+    here = tmp_path / "work"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    write(here / "a.jsonl", b'{"text": "t"}\n')
+    source = source.format(abs=tmp_path)
+    missing = [p.strip() for p in source.split(",")][-1]
+    with pytest.raises(DataError) as error:
+        list_source(source)
+    message = str(error.value)
+    assert f"{missing!r} (data.source={source!r}) does not exist" in message, message
+    assert f"looked from {here}" in message and "data.source=builtin" in message, message
+    assert "hub" not in message.lower(), message
+    if missing.endswith("/"):
+        assert "no folder" in message and "create it" in message, message
+
+
 # -- reading ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("kind", "compression"), [

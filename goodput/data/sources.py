@@ -120,11 +120,18 @@ def list_source(source: str, fmt: str = "auto", *, storage=None, hub_config: str
     return [files[uri] for uri in sorted(files)]
 
 
+# Extensions of data files not read here (refused with a word on converting them) and of
+# archives: a name that ends in one names a file, never a hub dataset.
+_FILE_EXTENSIONS = {".csv", ".tsv", ".arrow", ".feather", ".zip", ".tar", ".bz2", ".xz", ".lz4"}
+
+
 def _looks_local(part: str) -> bool:
-    # A hub name ("owner/name") has no extension, no glob characters and no local match.
+    """Whether `part` names local files: a hub name ("owner/name") has no extension of a
+    file, no glob characters, no leading ".", "/" or "~", no trailing "/" and no local match."""
     path = Path(part).expanduser()
     return (glob.has_magic(part) or path.exists() or _kind(part) != (None, "")
-            or part.startswith((".", "/", "~")))
+            or os.path.splitext(part.lower())[1] in _FILE_EXTENSIONS
+            or part.startswith((".", "/", "~")) or part.endswith(("/", os.sep)))
 
 
 def _kind(name: str) -> tuple[str | None, Compression]:
@@ -138,8 +145,17 @@ def _kind(name: str) -> tuple[str | None, Compression]:
 
 def _list_local(part: str, source: str, fmt: str, field_prefix: str, hub_config: str | None = None,
                 hub_split: str = "train") -> list[SourceFile]:
+    pattern = os.path.expanduser(part)
+    if not glob.has_magic(pattern) and not os.path.exists(pattern):
+        folder = part.endswith(("/", os.sep))
+        fixes = ["create it and put the corpus files there" if folder else "fix the path"]
+        fixes += [] if os.path.isabs(pattern) else ["run from the directory it is relative to"]
+        raise DataError(
+            f"{part!r} ({field_prefix}.source={source!r}) does not exist: no "
+            f"{'folder' if folder else 'file or folder'} {os.path.abspath(pattern)} (looked from "
+            f"{os.getcwd()}); {', '.join(fixes)}, or use {field_prefix}.source=builtin")
     paths = _expand(part, hub_config, hub_split, field_prefix)
-    if not paths and os.path.isdir(os.path.expanduser(part)):
+    if not paths and os.path.isdir(pattern):
         raise DataError(f"{part!r} ({field_prefix}.source={source!r}) holds no files of a known "
                         "format (.jsonl, .ndjson, .json, .parquet, .txt, also .gz or .zst; the "
                         "others are named above); convert them, or name them (a file or glob) "
