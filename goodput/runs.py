@@ -20,6 +20,7 @@ from core.files import exclusive_lock, write_atomic
 from core.protocol import FailureClass, RunDir, read_exit_records, read_starts, step_of
 from goodput.accounting import data_wait_share, mix_drawn, summarize_goodput
 from goodput.checkpoint_lifecycle import resume_point, resume_position, set_aside_damaged
+from infra.launchers import SubmitRefused
 from infra.torchrun import AttemptResult, TrainingFailed, run_attempt
 from storage.ledger import DataSkip, Ledger, choose_resume
 
@@ -87,7 +88,9 @@ def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
     elastic job (infra.torchrun.layout_change). `on_progress`: each new heartbeat.
 
     Raises TrainingFailed with the failure class and the retry policy's verdict when the
-    attempt does not finish (a cancelled attempt: class cancelled, never retried). A rollback
+    attempt does not finish (a cancelled attempt: class cancelled, never retried; a job the
+    scheduler refused or could not be reached for, launch.scheduler_unreachable_s: class
+    config, never retried). A rollback
     first records the data window to skip. The run directory's disk full under this process
     (its config, lease or records) is disk_full, never retried: the workers' own record of it
     could not be written there.
@@ -123,9 +126,17 @@ def _attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
         return AttemptResult(0, FailureClass.DONE, "already complete", resume.step, 0.0)
     log(f"attempt {attempt}: resuming from {resume}" if resume else
         f"attempt {attempt}: starting from scratch")
-    result = run_attempt(config, config_path, dataset_dir, attempt, log, on_progress=on_progress,
-                         mtbf_s=observed_mtbf_s(config), stop_after=stop_after,
-                         lease_holder=lease_holder, on_layout_change=on_layout_change)
+    started = time.time()
+    try:
+        result = run_attempt(config, config_path, dataset_dir, attempt, log, on_progress=on_progress,
+                             mtbf_s=observed_mtbf_s(config), stop_after=stop_after,
+                             lease_holder=lease_holder, on_layout_change=on_layout_change)
+    except SubmitRefused as e:  # the scheduler refused the job, or none could be reached
+        failed = AttemptResult(None, FailureClass.CONFIG, str(e), None, time.time() - started)
+        record_outcome(config, attempt, failed, resume.step if resume else 0)
+        log(f"attempt {attempt} ended: config (its job was not submitted); not retrying")
+        raise TrainingFailed(f"training attempt {attempt}: {e}",
+                             FailureClass.CONFIG, retry=False) from None
     outcome = record_outcome(config, attempt, result, resume.step if resume else 0)
     if result.restarts:
         log(f"attempt {attempt}: torchrun restarted the workers {result.restarts} time(s) in-job")

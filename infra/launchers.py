@@ -450,6 +450,36 @@ def _run(argv: list[str], timeout: float = 120.0) -> str:
 SCHEDULER_KILL_WAIT_S = 60.0
 
 
+class SubmitRefused(ConfigError):
+    """The scheduler did not take the attempt's job: it refused it (a setting to fix), or no
+    controller could be found or reached for launch.scheduler_unreachable_s. Another attempt
+    as configured fails the same way, so none is made (failure class config)."""
+
+
+# sbatch's words for a controller it cannot find (no slurm.conf, configless DNS SRV lookup)
+# or cannot reach (refused, timed out, unresolvable host), as against a job it refuses.
+SLURM_UNREACHABLE = re.compile(
+    "|".join(["resolve_ctls_from_dns_srv", "DNS SRV lookup failed",
+              "Could not establish a configuration source", "cannot stat file",
+              "Unable to process configuration file", "Unable to contact slurm controller",
+              "Unable to establish control machine address", "Unable to resolve",
+              "connect failure", "Connection refused", "timed out", "Zero Bytes were transmitted",
+              "Communication connection failure"]), re.IGNORECASE)
+
+# A refusal's words, and the settings that make the option it refuses.
+SLURM_REFUSALS = [
+    ("account", "launch.slurm.account (`sacctmgr show assoc user=$USER` lists yours)"),
+    ("partition", "launch.slurm.partition (`sinfo -s` lists the partitions)"),
+    ("qos", "the --qos in launch.slurm.extra_sbatch"),
+    ("gres|gpu", "launch.slurm.gpus_per_node"),
+    ("processors|node count|node configuration|nodes|cpu",
+     "parallelism.nnodes, launch.slurm.cpus_per_node or launch.slurm.gpus_per_node (more than "
+     "the partition's nodes have: `sinfo -N -l`), or launch.slurm.partition"),
+    ("time", "launch.slurm.time (at most the partition's MaxTime: `sinfo -s`)"),
+    ("option|specification", "launch.slurm.extra_sbatch and the launch.slurm.* fields"),
+]
+
+
 class SchedulerJob:
     """A job the scheduler runs: submitted once, queried every launch.poll_s.
 
@@ -629,9 +659,77 @@ class SlurmLauncher(SchedulerJob):
         path = self.spec.attempt_dir / "sbatch.sh"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(self.script())
-        self.job_id = _run(self.submit_command(path)).strip().split(";")[0]
+        self.job_id = self._submit(path).strip().split(";")[0]
         self.output = self.spec.attempt_dir.resolve() / f"slurm-{self.job_id}.out"
         log(f"submitted Slurm job {self.job_id}: {path}")
+
+    def _submit(self, script: Path) -> str:
+        """sbatch's output for `script`. A controller sbatch cannot find or reach is waited
+        for, submitting again after 1, 2, 4 ... (at most 60) s, for launch.scheduler_unreachable_s
+        in all; then, or at once when sbatch refuses the job, SubmitRefused saying what to fix."""
+        argv = self.submit_command(script)
+        limit = self.spec.launch.scheduler_unreachable_s
+        started, delay, tries = time.monotonic(), 1.0, 0
+        maybe_taken = False  # a submission that timed out may have been taken, its answer lost
+        while True:
+            tries += 1
+            if maybe_taken and (known := self._queued_by_name()):
+                self._log(f"the controller has this attempt's job already ({known}): not "
+                          "submitting it again")
+                return known
+            left = limit - (time.monotonic() - started)
+            try:  # sbatch retries a missing slurm.conf for 60 s itself: no longer than `left`
+                return _run(argv, timeout=max(1.0, min(120.0, left)))
+            except FileNotFoundError:
+                raise SubmitRefused(
+                    "sbatch is not on this host's PATH: launch.kind=slurm submits from where the "
+                    "flow runs, which needs Slurm's client commands (sbatch, squeue, scancel)"
+                ) from None
+            except subprocess.TimeoutExpired as e:
+                said = e.stderr or ""  # what it printed before the timeout (bytes)
+                said = said.decode(errors="replace") if isinstance(said, bytes) else said
+                error = f"sbatch gave no answer within {e.timeout:.0f}s: {said.strip()}"
+            except RuntimeError as e:
+                error = re.split(r" failed \(-?\d+\): ", str(e), maxsplit=1)[-1]  # sbatch's words
+                if not SLURM_UNREACHABLE.search(error):
+                    raise SubmitRefused(self._refusal(error, script)) from None
+            maybe_taken = maybe_taken or "timed out" in error or "no answer" in error
+            waited = time.monotonic() - started
+            if waited + delay > limit:
+                conf = os.environ.get("SLURM_CONF")
+                raise SubmitRefused(
+                    f"sbatch found or reached no Slurm controller in {tries} tries over "
+                    f"{waited:.0f}s (launch.scheduler_unreachable_s={limit:g}): the job was not "
+                    "submitted. "
+                    "Check: " + (f"SLURM_CONF={conf} is this cluster's slurm.conf" if conf else
+                                 "SLURM_CONF is exported in the shell or worker that runs the "
+                                 "flow (it is not set here), or slurm.conf is at its default "
+                                 "place")
+                    + "; slurmctld runs and its host and port (SlurmctldHost, SlurmctldPort) "
+                    f"are reachable from this host (`sinfo` says so). sbatch said: {error}")
+            self._log(f"no Slurm controller to submit to ({waited:.0f}s so far; giving up after "
+                      f"{limit:g}s, launch.scheduler_unreachable_s): submitting again in "
+                      f"{delay:g}s. {error}")
+            time.sleep(delay)
+            delay = min(2 * delay, 60.0)
+
+    def _queued_by_name(self) -> str | None:
+        """The id of a queued job named as this attempt's (unique per attempt), if the
+        controller answers and has one."""
+        try:
+            out = _run(["squeue", "-h", f"--name={self.spec.name}", "-o", "%i"], timeout=30)
+        except (RuntimeError, subprocess.TimeoutExpired, OSError):
+            return None
+        return out.split()[0] if out.split() else None
+
+    @staticmethod
+    def _refusal(said: str, script: Path) -> str:
+        """The message of a job sbatch refused: its words, and the setting that makes them."""
+        field = next((fix for words, fix in SLURM_REFUSALS
+                      if re.search(words, said, re.IGNORECASE)),
+                     "the launch.slurm.* fields and launch.slurm.extra_sbatch")
+        return (f"sbatch refused the training job: {said.strip()}\nFix {field}. The script it "
+                f"was given: {script} (`sbatch --test-only` checks one without submitting it).")
 
     def _queue_state(self) -> str:
         """The job's state in the queue; "" once it has left it. Why a pending job waits is

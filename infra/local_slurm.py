@@ -205,6 +205,9 @@ class LocalSlurm:
             "JobCompType=jobcomp/filetxt", f"JobCompLoc={self.jobcomp}",
             "MpiDefault=none", "MailProg=/bin/true",
             "ReturnToService=2",
+            # sbatch refuses a job no node of its partition can run (more nodes or CPUs than
+            # it has), as on most clusters; without it the job waits forever (PartitionConfig).
+            "EnforcePartLimits=ALL",
             # Start jobs at once (sbatch -> COMPLETED in about a second, not three).
             "SchedulerParameters=batch_sched_delay=0",
             # Seconds between SIGTERM and SIGKILL when a job is cancelled or times out.

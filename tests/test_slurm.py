@@ -11,17 +11,22 @@ lines are checked against fakes in tests/test_launchers.py.
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+from core.config import ConfigError
 from core.protocol import ResumeSpec, read_heartbeat
 from flows.prepare import prepare
 from flows.train import train
 from goodput.runs import read_outcomes, write_run_config
 from infra.launchers import free_port
-from infra.torchrun import run_attempt, stop_live_attempts
+from infra.torchrun import TrainingFailed, run_attempt, stop_live_attempts
 from storage.ledger import Ledger
 from tests.helpers import losses_by_step, small_config, synthetic_dataset, wait_for
 from tests.test_multinode import WORKER_LINE, processes_mentioning
@@ -241,3 +246,91 @@ def test_an_elastic_job_trains_on_when_a_node_is_set_down(tmp_path, dataset, slu
     assert sorted(losses_by_step(config.run_dir)) == list(range(1, 41))
     assert any("resumed from" in line for line in lines), text  # not from scratch
     assert processes_mentioning(str(config.run_dir)) == []
+
+
+def counting_sbatch(tmp_path, monkeypatch) -> Path:
+    """Put a `sbatch` first on PATH that notes each call in a file, then runs the real one;
+    returns the file."""
+    calls = tmp_path / "sbatch-calls"
+    shim = tmp_path / "bin" / "sbatch"
+    shim.parent.mkdir(parents=True)
+    shim.write_text(f'#!/bin/bash\necho "$SLURM_CONF" >> {calls}\n'
+                    f'exec {shutil.which("sbatch")} "$@"\n')
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim.parent}:{os.environ['PATH']}")
+    return calls
+
+
+def sbatch_calls(calls: Path) -> int:
+    return len(calls.read_text().splitlines()) if calls.is_file() else 0
+
+
+def test_no_controller_to_reach_is_waited_for_then_fails_the_run_once_as_config(
+        tmp_path, dataset, slurm, prefect_api, monkeypatch):
+    """The shell of a new user: SLURM_CONF not exported, so sbatch finds no slurm.conf and
+    its DNS SRV lookup for a controller fails. The train flow submits again with a backoff
+    within launch.scheduler_unreachable_s, then fails once, as a configuration error (no
+    further attempts), saying what to check."""
+    if Path("/etc/slurm/slurm.conf").exists() or Path("/etc/slurm-llnl/slurm.conf").exists():
+        pytest.skip("this host has a default slurm.conf: sbatch finds a controller without it")
+    prepare(small_config(tmp_path))
+    calls = counting_sbatch(tmp_path, monkeypatch)
+    monkeypatch.delenv("SLURM_CONF")
+    config = slurm_config(tmp_path, "launch.scheduler_unreachable_s=4")
+    started = time.monotonic()
+    with pytest.raises(TrainingFailed) as failed:
+        train(config)
+    took = time.monotonic() - started
+    message = str(failed.value)
+    assert failed.value.failure_class == "config" and not failed.value.retry, message
+    assert "SLURM_CONF" in message and "slurmctld" in message, message
+    assert "resolve_ctls_from_dns_srv" in message, message  # sbatch's own words
+    assert "launch.scheduler_unreachable_s" in message, message
+    # Backoff 1 s, 2 s (then 4 s would pass the 4 s limit): 3 submissions, one attempt.
+    assert sbatch_calls(calls) == 3, calls.read_text()
+    assert 3 <= took < 60
+    [outcome] = read_outcomes(config)
+    assert outcome["class"] == "config" and outcome["step"] is None
+
+
+def test_a_controller_that_refuses_connections_is_waited_for(tmp_path, dataset, slurm,
+                                                             monkeypatch):
+    """SLURM_CONF names a slurm.conf whose controller port has nobody listening: sbatch's
+    "Unable to contact slurm controller" is retried with a backoff and logged, then the
+    attempt fails as config with the sbatch error and what to check."""
+    conf = tmp_path / "slurm.conf"
+    text = Path(slurm.conf).read_text()
+    conf.write_text(re.sub(r"SlurmctldPort=\d+", f"SlurmctldPort={free_port()}", text)
+                    + "MessageTimeout=1\n")  # sbatch's own connect retries: 1 s, not 10
+    calls = counting_sbatch(tmp_path, monkeypatch)
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    config = slurm_config(tmp_path, "launch.scheduler_unreachable_s=4")
+    lines: list[str] = []
+    with pytest.raises(ConfigError) as failed:
+        attempt(config, dataset, lines)
+    message = str(failed.value)
+    assert "Unable to contact slurm controller" in message and str(conf) in message, message
+    waits = [line for line in lines if "Slurm controller" in line and "submitting again" in line]
+    assert len(waits) == sbatch_calls(calls) - 1 >= 1, lines
+    assert not any(line.startswith("submitted Slurm job") for line in lines)
+
+
+@pytest.mark.parametrize("setting, said, field", [
+    ("launch.slurm.partition=nope", "Invalid partition name", "launch.slurm.partition"),
+    ("parallelism.nnodes=5", "More processors requested than permitted", "parallelism.nnodes"),
+])
+def test_a_job_sbatch_refuses_fails_at_once_naming_the_setting(tmp_path, dataset, slurm,
+                                                               monkeypatch, setting, said, field):
+    """sbatch refusing the job itself is the configuration's fault: one submission, no
+    wait, no retry, sbatch's message and the launch.slurm.* field to fix."""
+    calls = counting_sbatch(tmp_path, monkeypatch)
+    config = slurm_config(tmp_path, setting)
+    lines: list[str] = []
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as failed:
+        attempt(config, dataset, lines)
+    message = str(failed.value)
+    assert said in message and field in message, message
+    assert sbatch_calls(calls) == 1
+    assert time.monotonic() - started < 30
+    assert slurm.queue() == []
