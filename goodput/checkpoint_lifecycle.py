@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 
 from core.config import RunConfig, trajectory_conflicts, trajectory_json
 from core.cpu_priority import at_background_priority
+from core.files import sha256_bytes
 from core.protocol import (
     CHECKPOINT_MANIFEST,
     checkpoint_lock,
@@ -176,9 +177,18 @@ def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
             if not entry.is_about(copy_id(path)):
                 raise CopySuperseded(f"checkpoint step {step} on disk is not the copy that was "
                                      "validated (it was saved again); validate it first")
-            # An earlier copy in the store (this machine's, or another's): its manifest goes
-            # first, so that no reader mixes the copies.
-            if entry.store_url or store.exists(f"{key}/{CHECKPOINT_MANIFEST}"):
+            stored = _stored_copy(store, key)
+            if stored is not None and (stored[1] == copy_id(path) or _adoptable(config, path, stored[0])):
+                # This very copy (an earlier try's upload got as far as the manifest), or a
+                # newer one of the same trajectory another machine uploaded: kept, not replaced.
+                entry = _adopt(ledger, config, step, store, *stored)
+                ledger.push(store)
+                return entry
+            if stored is not None or entry.store_url:
+                # An older copy in the store (this machine's, saved again since): the store's
+                # ledger stops naming it before it is replaced, and its manifest goes first, so
+                # that no reader takes the half-replaced step for a whole one or mixes the copies.
+                ledger.push(store)
                 store.delete(f"{key}/{CHECKPOINT_MANIFEST}")
             # The manifest's digests spare hashing every shard before it goes out; the store checks them.
             known = {f.path: f.sha256 for f in CheckpointManifest.load(path).files}
@@ -228,11 +238,75 @@ def restore_ledger(config: RunConfig, store) -> None:
     try:
         if store.exists(key):
             ledger.merge(store.get_bytes(key))
+            adopt_uploaded_copies(config, store)
     except (ConnectionError, TimeoutError, PermissionError) as e:
         if not ledger.path.is_file():
             raise
         log.warning("could not read the ledger of run %s from the store (%s); going on with "
                     "the local ledger", config.run.run_id, e)
+
+
+def adopt_uploaded_copies(config: RunConfig, store) -> list[int]:
+    """Steps whose local copy gave way to the store's: a copy another machine uploaded of a
+    step this machine also saved, before it (this machine died before uploading its own, the
+    other resumed from an older checkpoint and got there too). The store's copy, of the same
+    trajectory and newer, is the step's (it is what the other machine trained on from); the
+    local one is moved aside ("superseded"), not judged and uploaded over it. A local copy
+    newer than the store's (saved again here since) stays, to be judged and uploaded."""
+    ledger = ledger_of(config)
+    adopted = []
+    for path in config.run_dir.committed_checkpoints():
+        step = step_of(path)
+        entry = ledger.read().entries.get(step)
+        if entry is None or entry.state != "uploaded" or entry.is_about(copy_id(path)):
+            continue
+        key = checkpoint_key(config.run.run_id, step)
+        with _step_lock(config, step):
+            stored = _stored_copy(store, key)
+            entry = ledger.read().entries.get(step)
+            if (stored is None or entry is None or entry.state != "uploaded"
+                    or entry.copy_id != stored[1] or not _adoptable(config, path, stored[0])):
+                continue
+            _adopt(ledger, config, step, store, *stored)
+            adopted.append(step)
+    return adopted
+
+
+def _stored_copy(store, key: str) -> tuple[CheckpointManifest, str] | None:
+    """The manifest of the copy of a checkpoint the store holds under `key`, and its copy id
+    (core.protocol.copy_id: the manifest is uploaded as it is on disk); None: no whole copy."""
+    try:
+        raw = store.get_bytes(f"{key}/{CHECKPOINT_MANIFEST}")
+    except FileNotFoundError:
+        return None
+    return CheckpointManifest.model_validate_json(raw), sha256_bytes(raw)[:16]
+
+
+def _adoptable(config: RunConfig, path: Path, stored: CheckpointManifest) -> bool:
+    """The store's copy of the step of the local copy at `path` is of the run's trajectory
+    and was saved after the local copy (by another machine; clocks agree as the ledger's
+    merge assumes)."""
+    local = CheckpointManifest.load(path)
+    return (stored.step == local.step and stored.created_at > local.created_at
+            and not trajectory_conflicts(stored.trajectory or {}, trajectory_json(config),
+                                         "the store's copy", "in the run"))
+
+
+def _adopt(ledger: Ledger, config: RunConfig, step: int, store, stored: CheckpointManifest,
+           stored_copy: str) -> LedgerEntry:
+    """The store's copy `stored_copy` becomes the step's uploaded copy in the ledger; a
+    different local copy is moved aside (never deleted). Under the step's lock."""
+    path = config.run_dir.checkpoint(step)
+    local = copy_id(path)
+    note = f"the store's copy {stored_copy} adopted"
+    if local == stored_copy:
+        note = "already in the store (an earlier upload of this copy got as far as its manifest)"
+    elif local is not None:
+        aside = set_aside(path, "superseded")
+        note += f"; this machine's copy {local}, saved before it, moved to {aside}"
+    return ledger.record(step, "uploaded", note=note, copy_id=stored_copy,
+                         store_url=store.url(checkpoint_key(config.run.run_id, step)),
+                         loss=stored.loss, tokens_seen=stored.tokens_seen)
 
 
 def run_finished(config: RunConfig, store) -> bool:

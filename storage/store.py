@@ -470,6 +470,65 @@ class S3Store(Store):
 
         self._call("upload to", key, upload)
 
+    def upload_dir(self, local_dir, prefix, **kwargs):
+        """Store.upload_dir, after aborting the multipart uploads into folder `prefix` that an
+        earlier upload started and never finished (abort_unfinished_uploads)."""
+        if not Path(local_dir).is_dir():
+            raise FileNotFoundError(f"no such directory: {local_dir}")
+        try:
+            self.abort_unfinished_uploads(prefix)
+        except (PermissionError, ConnectionError) as e:  # e.g. a policy without ListBucketMultipartUploads
+            log.warning("could not look for unfinished multipart uploads under %s (%s); uploading anyway",
+                        f"{self.uri}/{_folder(prefix)}", e)
+        return super().upload_dir(local_dir, prefix, **kwargs)
+
+    def abort_unfinished_uploads(self, prefix: str) -> tuple[int, int, int]:
+        """Abort the multipart uploads into folder `prefix` that were started before this call
+        and never completed nor aborted; returns (uploads, parts, bytes) abandoned.
+
+        A process killed mid-upload (kill -9, a lost node) leaves its parts stored, billed on
+        AWS until a lifecycle rule removes them; a failure in a living process does not (the
+        managed transfer aborts its upload). Only the uploads listed here are aborted, so
+        upload_dir calls this before its own transfers start: an upload begun after the
+        listing (this one's, or another live uploader's) is never touched.
+        """
+        folder_key = self._folder_key(prefix)
+
+        def list_unfinished() -> list[dict]:
+            found, kwargs = [], {}
+            while True:
+                response = self._client.list_multipart_uploads(Bucket=self.bucket, Prefix=folder_key, **kwargs)
+                found += response.get("Uploads", [])
+                if not response.get("IsTruncated"):
+                    return found
+                kwargs = {"KeyMarker": response["NextKeyMarker"],
+                          "UploadIdMarker": response["NextUploadIdMarker"]}
+
+        def abandon(upload: dict) -> list[int] | None:
+            """The sizes of the aborted upload's parts; None when it ended meanwhile."""
+            ids = {"Bucket": self.bucket, "Key": upload["Key"], "UploadId": upload["UploadId"]}
+            try:
+                pages = self._client.get_paginator("list_parts").paginate(**ids)
+                sizes = [part["Size"] for page in pages for part in page.get("Parts", [])]
+                self._client.abort_multipart_upload(**ids)
+            except botocore.exceptions.ClientError as e:
+                if e.response.get("Error", {}).get("Code") == "NoSuchUpload":
+                    return None  # completed or aborted by its own uploader meanwhile
+                raise
+            return sizes
+
+        listed = self._call("listing of unfinished uploads under", _folder(prefix), list_unfinished)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        aborted = [sizes for upload in listed if (sizes := self._call(
+            "abort of an unfinished upload to", upload["Key"][strip:], lambda u=upload: abandon(u))) is not None]
+        unfinished, parts, size = aborted, sum(map(len, aborted)), sum(map(sum, aborted))
+        if unfinished:
+            log.warning("aborted %d unfinished multipart upload%s under %s, started before this upload "
+                        "by one that never completed (a process killed mid-upload): %d part%s, %d bytes",
+                        len(unfinished), "" if len(unfinished) == 1 else "s", f"{self.uri}/{_folder(prefix)}",
+                        parts, "" if parts == 1 else "s", size)
+        return len(unfinished), parts, size
+
     def get_file(self, key, local_path):
         def download() -> None:
             stored = self._head_digest(key)

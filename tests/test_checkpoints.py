@@ -1049,3 +1049,103 @@ def test_the_stager_keeps_its_buffers_when_torch_closes_it_after_a_save():
     assert len(buffers) == 1
     stager.close()
     assert not stager._state_dict_stager._cached_storage_mapping
+
+
+def _another_machine_uploads_step_20(config, store, tmp_path):
+    """Machine A (`config`) validated step 20 and died before uploading it; machine B, a fresh
+    clone, resumed from the store's step 10 and trained, validated and uploaded its own copy of
+    step 20 (the same trajectory, saved later: a manifest of its own). Returns B's config."""
+    from core.protocol import copy_id
+
+    for step in (10, 20):
+        checkpoints.validate_checkpoint(config, step)
+    checkpoints.upload_checkpoint(config, 10, store)
+    machine_b = small_config(tmp_path / "b", "training.max_steps=20")
+    assert checkpoints.resume_point(machine_b, store).step == 10
+    theirs = machine_b.run_dir.checkpoint(20)
+    shutil.copytree(config.run_dir.checkpoint(20), theirs)
+    manifest = CheckpointManifest.load(theirs)
+    manifest.created_at += 1
+    manifest.save(theirs)
+    assert checkpoints.validate_checkpoint(machine_b, 20).state == "validated"
+    entry = checkpoints.upload_checkpoint(machine_b, 20, store)
+    assert entry.state == "uploaded" and entry.copy_id == copy_id(theirs) != copy_id(config.run_dir.checkpoint(20))
+    return machine_b
+
+
+def _stored_files(store, step):
+    return {k: store.get_bytes(k) for k in store.list(checkpoint_key("test", step))}
+
+
+def test_a_machine_adopts_the_copy_another_uploaded_instead_of_uploading_over_it(run, tmp_path):
+    """A reruns: it learns from the store's ledger that B uploaded step 20. Its own older copy
+    is not validated and uploaded again over B's (1.32 GB for nothing, the store's copy
+    half-replaced meanwhile): B's copy is adopted, A's moved aside, nothing left to secure."""
+    from core.protocol import copy_id
+
+    config, _ = run
+    store = open_store(str(tmp_path / "store"))
+    machine_b = _another_machine_uploads_step_20(config, store, tmp_path)
+    theirs = copy_id(machine_b.run_dir.checkpoint(20))
+    before = _stored_files(store, 20)
+
+    point = checkpoints.resume_point(config, store)  # the rerun on A
+    assert (point.step, point.local) == (20, None)  # B's copy, read from the store
+    entry = checkpoints.ledger_of(config).read().entries[20]
+    assert (entry.state, entry.copy_id) == ("uploaded", theirs)
+    assert "adopted" in entry.history[-1].note and "superseded" in entry.history[-1].note
+    assert not config.run_dir.checkpoint(20).exists()
+    assert [p.name.rsplit("-", 1)[0] for p in (config.run_dir.checkpoints / "superseded").iterdir()] \
+        == ["step-00000020"]  # kept, as every committed copy
+    assert checkpoints.unjudged_steps(config) == [] and checkpoints.unsecured_steps(config) == []
+    assert list(checkpoints.new_checkpoints(config, lambda: False)) == []
+    assert _stored_files(store, 20) == before
+
+
+def test_an_upload_that_finds_a_newer_copy_of_its_step_in_the_store_adopts_it(run, tmp_path):
+    """A's upload task ran before A read the store's ledger (the train flow secures what it
+    finds on disk while the first attempt starts): the store's newer copy of the same
+    trajectory is adopted, not replaced; the store keeps it whole, and its ledger names it."""
+    from core.protocol import copy_id
+
+    config, _ = run
+    store = open_store(str(tmp_path / "store"))
+    machine_b = _another_machine_uploads_step_20(config, store, tmp_path)
+    theirs = copy_id(machine_b.run_dir.checkpoint(20))
+    before = _stored_files(store, 20)
+
+    entry = checkpoints.upload_checkpoint(config, 20, store)
+    assert (entry.state, entry.copy_id) == ("uploaded", theirs)
+    assert not config.run_dir.checkpoint(20).exists()
+    assert _stored_files(store, 20) == before
+    pushed = json.loads(store.get_bytes("runs/test/ledger.json"))["entries"]["20"]
+    assert (pushed["state"], pushed["copy_id"]) == ("uploaded", theirs)
+    assert checkpoints.resume_point(config, store).step == 20
+
+
+def test_while_a_step_saved_again_replaces_its_store_copy_the_stores_ledger_does_not_name_it(
+        run, tmp_path, monkeypatch):
+    """This machine saved step 20 again after uploading it (a newer copy: it replaces the
+    store's). While the files go up, the store holds a half-replaced step; its ledger no
+    longer calls the step uploaded, so no machine resumes from it meanwhile (or after a crash)."""
+    config, _ = run
+    store = open_store(str(tmp_path / "store"))
+    for step in (10, 20):
+        checkpoints.validate_checkpoint(config, step)
+        checkpoints.upload_checkpoint(config, step, store)
+    path = config.run_dir.checkpoint(20)
+    manifest = CheckpointManifest.load(path)
+    manifest.created_at += 1  # saved again, later
+    manifest.save(path)
+    assert checkpoints.validate_checkpoint(config, 20).state == "validated"
+    seen, upload_dir = [], type(store).upload_dir
+
+    def spy(self, *args, **kwargs):
+        seen.append(json.loads(self.get_bytes("runs/test/ledger.json"))["entries"]["20"]["state"])
+        return upload_dir(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(store), "upload_dir", spy)
+    assert checkpoints.upload_checkpoint(config, 20, store).state == "uploaded"
+    assert seen == ["validated"]
+    assert CheckpointManifest.model_validate_json(
+        store.get_bytes(f"{checkpoint_key('test', 20)}/manifest.json")).created_at == manifest.created_at

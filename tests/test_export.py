@@ -397,3 +397,38 @@ def test_a_tokenizer_without_a_known_eos_names_the_dataset_directory_to_give(tmp
     with pytest.raises(ExportError, match="has no token of id 400, the end-of-document id the "
                                           "model trained on"):
         _tokenizer_files(bare, 512, trained_eos_id=400)
+
+
+@pytest.mark.s3
+def test_a_checkpoint_in_the_store_exports_by_its_url(trained, tmp_path, s3_uri, s3_server, capsys):
+    """`goodput export s3://.../checkpoints/step-N`: the model's files are fetched with the
+    store's checks (each against the manifest's sha256, as a resume from the store does) into
+    a temporary directory that goes away; the export equals the local checkpoint's. A damaged
+    stored file is refused, as is a URL of a kind the store does not serve, named unmangled."""
+    from storage import open_store
+
+    checkpoint, _ = trained
+    store = open_store(s3_uri)
+    store.upload_dir(checkpoint, "runs/test/checkpoints/step-00000004")
+    url = f"{s3_uri}/runs/test/checkpoints/step-00000004"
+    assert cli_main(["export", url, "--format", "hf", "--out", str(tmp_path / "from-store")]) == 0, \
+        capsys.readouterr().err
+    assert cli_main(["export", str(checkpoint), "--format", "hf", "--out", str(tmp_path / "local")]) == 0
+    assert ((tmp_path / "from-store" / "model.safetensors").read_bytes()
+            == (tmp_path / "local" / "model.safetensors").read_bytes())
+    config = json.loads((tmp_path / "from-store" / "config.json").read_text())
+    assert config["goodput"]["checkpoint"] == url and config["goodput"]["step"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["from-store", "local"]  # nothing fetched left
+
+    shard = next(k for k in store.list("runs/test/checkpoints/step-00000004") if k.endswith(".distcp"))
+    data = bytearray(store.get_bytes(shard))
+    data[100] ^= 0xFF
+    s3_server.client().put_object(Bucket=store.bucket, Key=f"{store.prefix}/{shard}", Body=bytes(data))
+    assert cli_main(["export", url, "--format", "hf", "--out", str(tmp_path / "damaged")]) == 2
+    err = capsys.readouterr().err
+    assert url in err and "sha256" in err, err
+    with pytest.raises(ExportError, match=r"no committed checkpoint at s3://.*/step-00000005"):
+        export_hf(f"{s3_uri}/runs/test/checkpoints/step-00000005", tmp_path / "missing")
+    with pytest.raises(ExportError, match=r"gs://bucket/runs/x/checkpoints/step-00000004: "):
+        export_hf("gs://bucket/runs/x/checkpoints/step-00000004", tmp_path / "gs")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["from-store", "local"]

@@ -570,3 +570,94 @@ def test_a_damaged_local_ledger_is_set_aside_and_the_stores_copy_takes_its_place
     assert data.steps("validated") == [10] and [(s.start, s.end) for s in data.data_skips] == [(160, 320)]
     [aside] = ledger.path.parent.glob("ledger.json.damaged-*")
     assert f"the ledger {ledger.path} is damaged" in caplog.text and aside.name in caplog.text
+
+
+def _unfinished_uploads(s3_server, store: S3Store, folder: str) -> dict[str, list[int]]:
+    """Multipart uploads under `folder` started and neither completed nor aborted: key -> part sizes."""
+    client = s3_server.client()
+    listed = client.list_multipart_uploads(Bucket=store.bucket, Prefix=f"{store.prefix}/{folder}")
+    return {u["UploadId"]: [p["Size"] for p in client.list_parts(
+                Bucket=store.bucket, Key=u["Key"], UploadId=u["UploadId"]).get("Parts", [])]
+            for u in listed.get("Uploads", [])}
+
+
+def _start_unfinished_upload(s3_server, store: S3Store, key: str, size: int = 5 * MiB) -> str:
+    client = s3_server.client()
+    full = f"{store.prefix}/{key}"
+    upload = client.create_multipart_upload(Bucket=store.bucket, Key=full)["UploadId"]
+    client.upload_part(Bucket=store.bucket, Key=full, UploadId=upload, PartNumber=1, Body=os.urandom(size))
+    return upload
+
+
+_KILLED_MID_UPLOAD = """
+import os, signal, sys
+from storage.store import S3Store, MiB
+store = S3Store(sys.argv[1], part_size=5 * MiB, max_concurrency=1)
+def kill(**_):  # kill -9 once a part of the checkpoint's big file is stored
+    os.kill(os.getpid(), signal.SIGKILL)
+store._client.meta.events.register("after-call.s3.UploadPart", kill)
+store.upload_dir(sys.argv[2], "ckpt/step-00000006")
+"""
+
+
+@pytest.mark.s3
+def test_an_upload_killed_mid_transfer_has_its_parts_aborted_by_the_next_upload_of_the_folder(
+        s3_server, s3_uri, tmp_path, caplog):
+    """kill -9 during a multipart upload leaves its parts stored (and billed, on AWS) with no
+    process left to abort them. The next upload of the same checkpoint folder aborts those
+    started before it, says how much was left, and leaves every other upload alone: one under
+    another folder, and one started after it began (another live uploader's)."""
+    import subprocess
+
+    checkpoint = tmp_path / "step-00000006"
+    write_random(checkpoint / "__0_0.distcp", 12 * MiB + 123)
+    (checkpoint / "manifest.json").write_bytes(b"{}")
+    proc = subprocess.run([sys.executable, "-c", _KILLED_MID_UPLOAD, s3_uri, str(checkpoint)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    store = S3Store(s3_uri, part_size=5 * MiB)
+    left = _unfinished_uploads(s3_server, store, "ckpt/step-00000006/")
+    assert len(left) == 1 and sum(len(p) for p in left.values()) >= 1, left
+    parts, size = sum(len(p) for p in left.values()), sum(sum(p) for p in left.values())
+    elsewhere = _start_unfinished_upload(s3_server, store, "ckpt/step-00000007/__0_0.distcp")
+
+    live = []
+
+    def another_uploader_starts(**_):  # while this upload runs: not this upload's to abort
+        if not live:
+            live.append(_start_unfinished_upload(s3_server, store, "ckpt/step-00000006/__1_0.distcp"))
+
+    store._client.meta.events.register("before-call.s3.CreateMultipartUpload", another_uploader_starts)
+    with caplog.at_level(logging.WARNING, logger="storage.store"):
+        store.upload_dir(checkpoint, "ckpt/step-00000006")
+    assert set(_unfinished_uploads(s3_server, store, "ckpt/step-00000006/")) == set(live)
+    assert set(_unfinished_uploads(s3_server, store, "ckpt/step-00000007/")) == {elsewhere}
+    assert re.search(rf"aborted 1 unfinished multipart upload .*ckpt/step-00000006/.*: {parts} parts?, "
+                     rf"{size} bytes", caplog.text), caplog.text
+    store.verify(checkpoint / "__0_0.distcp", "ckpt/step-00000006/__0_0.distcp")
+    # Nothing of the kind on a local store, and nothing to say where nothing was left.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="storage.store"):
+        open_store(str(tmp_path / "local")).upload_dir(checkpoint, "ckpt/step-00000006")
+        S3Store(s3_uri, part_size=5 * MiB).upload_dir(checkpoint, "ckpt/step-00000008")
+    assert "unfinished" not in caplog.text
+    for upload, key in ((elsewhere, "ckpt/step-00000007/__0_0.distcp"), (live[0], "ckpt/step-00000006/__1_0.distcp")):
+        s3_server.client().abort_multipart_upload(Bucket=store.bucket, Key=f"{store.prefix}/{key}", UploadId=upload)
+
+
+@pytest.mark.s3
+def test_an_upload_that_fails_in_a_living_process_leaves_no_unfinished_multipart_upload(
+        s3_server, s3_uri, tmp_path):
+    """s3transfer aborts the multipart upload of a transfer that fails: no parts stay behind."""
+    store = S3Store(s3_uri, part_size=5 * MiB, retry=FAST_RETRY)
+    src = write_random(tmp_path / "big.bin", 12 * MiB + 123)
+
+    def disk_error_on_part_2(params, **_):
+        if params["PartNumber"] == 2:
+            raise OSError("Input/output error reading the file")
+
+    store._client.meta.events.register("before-parameter-build.s3.UploadPart", disk_error_on_part_2)
+    with pytest.raises(OSError, match="Input/output error"):
+        store.put_file(src, "failed/big.bin")
+    assert _unfinished_uploads(s3_server, store, "failed/") == {}
+    assert not store.exists("failed/big.bin")

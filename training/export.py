@@ -5,6 +5,7 @@ training/hf_weights.py), and with --tokenizer the tokenizer and its settings
 
     goodput export runs/x/checkpoints/step-00000300 --format hf --out exported/ \
         [--tokenizer DATASET_DIR_OR_TOKENIZER_JSON] [--dtype bfloat16] [--force]
+    goodput export s3://bucket/prefix/runs/x/checkpoints/step-00000300 --format hf --out exported/
 
 The result loads with `transformers.LlamaForCausalLM.from_pretrained(out)` (and, with a
 tokenizer, `AutoTokenizer.from_pretrained(out)`). Our model already is a Llama: the same
@@ -15,7 +16,8 @@ into the trainer (model.init_from).
 
 Only the model weights are read (not the optimizer state), whatever layout saved them.
 The checkpoint's files are checked against its manifest first, so a corrupt checkpoint is
-never exported. The output is written to a temporary sibling directory and moved into
+never exported; from the store only the files holding the weights are fetched, each checked
+as it arrives, into a temporary directory beside the output. The output is written to a temporary sibling directory and moved into
 place at the end: a failed export leaves no half-written model behind.
 """
 
@@ -25,18 +27,25 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import uuid
+import warnings
 from pathlib import Path
 from typing import NamedTuple
+from urllib.parse import unquote, urlparse
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from core.files import sha256_file
 from core.hf_llama import SHARD_INDEX, SINGLE_FILE
 from core.protocol import CHECKPOINT_MANIFEST, is_committed
 from storage.manifests import MIXTURE_MANIFEST, CheckpointManifest, MixtureManifest, verify_files
-from training.checkpoint.reader import load_all_tensors, model_state_from
+from training.checkpoint.errors import CheckpointCorrupt, causes
+from training.checkpoint.reader import StoreReader, load_all_tensors, model_state_from
 from training.model import ModelArgs, Transformer
 from training.tokenizer import HF_TOKENIZER_SIDE_FILES
 
@@ -262,7 +271,50 @@ def read_checkpoint(checkpoint: str | Path) -> tuple[CheckpointManifest, dict[st
     return manifest, state
 
 
-def _check_fits(state: dict[str, torch.Tensor], args: ModelArgs, path: Path) -> None:
+def read_checkpoint_from_store(url: str, cache_dir: Path, *, endpoint_url: str | None = None,
+                               region: str | None = None) -> tuple[CheckpointManifest, dict[str, torch.Tensor]]:
+    """read_checkpoint of a checkpoint in the object store, `s3://bucket/.../step-XXXXXXXX`:
+    its manifest, then only the files the model's weights are in (not the optimizer's), each
+    fetched into `cache_dir` and checked against the manifest's sha256, as a resume from the
+    store reads them (training.checkpoint.reader.StoreReader). Without `endpoint_url` and
+    `region` boto3 reads AWS_ENDPOINT_URL and AWS_DEFAULT_REGION, as any AWS tool."""
+    from storage.store import open_store  # boto3 only where the store is read
+
+    root, _, name = url.rstrip("/").rpartition("/")
+    try:
+        store = open_store(root, endpoint_url=endpoint_url, region=region)
+        reader = StoreReader(store, name, cache_dir)
+        state = _load_tensors(reader, prefix="model.")
+    except FileNotFoundError as e:
+        raise ExportError(f"no committed checkpoint at {url} ({e}); give the URL of an uploaded "
+                          "checkpoint, such as s3://BUCKET/PREFIX/runs/RUN/checkpoints/step-00000300") from None
+    except CheckpointCorrupt as e:
+        raise ExportError(f"{url} does not match its manifest ({e.reason}); export another "
+                          "checkpoint") from None
+    except (OSError, ValueError) as e:  # refused credentials, an unreachable endpoint, a bad URL
+        raise ExportError(f"{url}: {e}") from None
+    manifest = reader.manifest
+    _check_fits(model_state_from(state), model_args_of(manifest), url)
+    return manifest, model_state_from(state)
+
+
+def _load_tensors(reader: StoreReader, prefix: str) -> dict:
+    """load_all_tensors through `reader`: the entries under `prefix`, whatever layout saved them."""
+    state = {}
+    for fqn, meta in reader.read_metadata().state_dict_metadata.items():
+        if fqn.startswith(prefix):
+            state[fqn] = (torch.empty(meta.size, dtype=meta.properties.dtype)
+                          if isinstance(meta, TensorStorageMetadata) else None)
+    try:
+        with warnings.catch_warnings():  # single-process load is the point here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except CheckpointException as e:  # the reader's error, wrapped by DCP
+        raise causes(e)[0] from None
+    return state
+
+
+def _check_fits(state: dict[str, torch.Tensor], args: ModelArgs, path: Path | str) -> None:
     """The weights are exactly those of Transformer(args): names and shapes."""
     with torch.device("meta"):  # shapes only: no memory, no init cost
         expected = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
@@ -536,15 +588,32 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
               ignore_tokenizer_mismatch: bool = False) -> dict:
     """Write `checkpoint` to `out` as a LlamaForCausalLM; returns a summary of what was written.
 
+    `checkpoint` is a committed checkpoint directory (a path or file:// URL) or the URL of
+    one in the store (s3://..., read_checkpoint_from_store).
+
     `dtype` (float32, bfloat16, float16) defaults to the dtype the weights were saved in.
     A non-empty `out` is replaced only with `force`, and only when it holds an earlier export.
     A `tokenizer` other than the one the checkpoint records is refused unless
     `ignore_tokenizer_mismatch`.
     """
     out = Path(out).resolve()  # so the staging directory beside it has a name ("." has none)
-    _check_out(out, force, Path(checkpoint).resolve())  # before reading a possibly large checkpoint
+    parsed = urlparse(str(checkpoint))
+    # A URL, not a local directory whose name holds "x://" (Path() would collapse the "//")
+    scheme = parsed.scheme if "://" in str(checkpoint) and not Path(checkpoint).exists() else ""
+    if scheme == "file" and parsed.netloc in ("", "localhost"):
+        checkpoint, scheme = unquote(parsed.path), ""
+    elif scheme and scheme != "s3":
+        raise ExportError(f"{checkpoint}: not a checkpoint directory, and not a URL of the store "
+                          "(s3://BUCKET/PREFIX/runs/RUN/checkpoints/step-XXXXXXXX)")
+    local = None if scheme == "s3" else Path(checkpoint).resolve()
+    _check_out(out, force, local)  # before reading a possibly large checkpoint
     _check_dtype(dtype)
-    manifest, state = read_checkpoint(checkpoint)
+    if local is None:
+        out.parent.mkdir(parents=True, exist_ok=True)  # the weights are fetched beside the export
+        with tempfile.TemporaryDirectory(prefix=f".{out.name}.fetch-", dir=out.parent) as cache:
+            manifest, state = read_checkpoint_from_store(str(checkpoint), Path(cache))
+    else:
+        manifest, state = read_checkpoint(checkpoint)
     problems = export_problems(model_args_of(manifest), state)
     if problems:
         raise ExportError(f"{checkpoint} holds a model with no form transformers loads: "
@@ -552,7 +621,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
                           "block MoE, softmax router, top-k renormalised, no shared experts) or, "
                           "with model.qk_norm, Qwen3-MoE (softmax router, no shared experts); "
                           "neither has a routing bias")
-    provenance = {"checkpoint": str(Path(checkpoint).resolve()), "step": manifest.step,
+    provenance = {"checkpoint": str(local or checkpoint), "step": manifest.step,
                   "tokens_seen": manifest.tokens_seen, "dataset_id": manifest.dataset_id,
                   "config_hash": manifest.config_hash}
     summary = write_hf(model_args_of(manifest), state, out, tokenizer=tokenizer, dtype=dtype,
