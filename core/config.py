@@ -655,8 +655,10 @@ class ParallelismConfig(_Section):
         "fp32 on CPU; 'bf16' on CPU too.")
     device_memory: str | int | None = Field(
         None, description="Memory of one device (a GPU; on CPU, the host memory one worker may "
-        "use), e.g. '80GiB': the train flow checks the layout's estimated peak against it before "
-        "launching. None: measured on this machine when launch.kind=local, else not checked.")
+        "use), e.g. '80GiB': the train flow checks the layout's estimated peak of tensors against "
+        "it before launching. None: measured on this machine when launch.kind=local (CPU "
+        "workers there also count their processes, the save's staging copy and a share of the "
+        "flow's and the verifier's), else not checked.")
 
     @property
     def world_size(self) -> int:

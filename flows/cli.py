@@ -199,15 +199,17 @@ def _plan(args: argparse.Namespace) -> int:
         par = config.parallelism
         # GPUs unless the config says CPU: a laptop plans the GPU cluster it will launch on.
         device = "cpu" if par.device == "cpu" else "cuda"
+        host = False  # CPU workers on this machine's memory: their processes count too
         if memory is None and par.device == "cpu":  # workers on this machine
             memory = str(planner.local_device_memory("cpu", par.nproc_per_node)[0])
+            host = config.launch.kind == "local"
         elif memory is None and par.device == "auto":
             # As the train flow's check-layout plans it: on the device training resolves
             # 'auto' to (a local launch: this machine's, CPU on a CPU build of torch), with
             # that device's memory here.
             here, _ = planner.run_cluster(config)
             if here.gpu_memory is not None:
-                device, memory = here.device, str(here.gpu_memory)
+                device, memory, host = here.device, str(here.gpu_memory), here.host_processes
         if memory is None:
             raise ConfigError("memory per GPU unknown: pass --gpu-memory (e.g. 80GiB) or set "
                               "parallelism.device_memory in the config (or parallelism.device=cpu "
@@ -218,7 +220,7 @@ def _plan(args: argparse.Namespace) -> int:
                  else config.training.peak_flops_per_device
                  or (planner.H100_FLOPS if device == "cuda" else None))
         cluster = planner.Cluster(par.nnodes, par.nproc_per_node, planner.parse_bytes(memory),
-                                  gpu_flops=flops, device=device,
+                                  gpu_flops=flops, device=device, host_processes=host,
                                   intra_node_bandwidth=args.intra_node_gbps * 1e9,
                                   inter_node_bandwidth=args.inter_node_gbps * 1e9)
         if args.compute_efficiency is not None:

@@ -4,11 +4,23 @@
     lost work    steps computed and then thrown away (redone after a crash or rollback), and
                  the in-loop validations that ran at them
     checkpoint   time training was blocked saving checkpoints
-    restart      everything else in the train stage: process start, rendezvous, loading a
-                 checkpoint, in-job (torchrun) restarts, retry delays, teardown
+    hung         attempts that hung: from their last step to the supervisor's kill
+    restart      recovering from failures: from a failed attempt's end to the next attempt's
+                 first step (retry delay, relaunch, rendezvous, loading the checkpoint), and
+                 the gaps an in-job (torchrun) restart left between steps; 0 for a run that
+                 never restarted
+    securing     after the workers of the last attempt finished: validating and uploading the
+                 checkpoints they left (the ledger's last transitions), before the stage ends
+    startup      the rest of the train stage: the flow's own start (config, layout check,
+                 dataset), launching the workers, rendezvous and loading before the first
+                 step, teardown
     evaluation   the evaluate stage, and in-loop validation at steps the model keeps
 
-goodput = productive / total. The parts add up to the total exactly. `degraded_s`, a part of
+goodput = productive / total. The parts add up to the total exactly. Where the records carry
+no times to tell a restart's share (metrics written before records had `time` and `attempt`,
+no attempt outcomes) and a step was trained twice, the time between steps is restart time,
+as it was before start-up and securing had buckets of their own (summary.json files written
+then have no `startup_s` or `securing_s`: their `restart_s` holds both). `degraded_s`, a part of
 productive, is the time of the steps an elastic job trained on fewer workers than configured
 (the world shrunk by lost nodes: each step as long as on the full world, or longer).
 """
@@ -16,6 +28,7 @@ productive, is the time of the steps an elastic job trained on fewer workers tha
 from __future__ import annotations
 
 from core.protocol import FailureClass
+from storage.ledger import Ledger, LedgerData
 from training.metrics import read_metrics, young_daly_interval_s
 
 
@@ -29,8 +42,11 @@ def step_times(record: dict) -> dict[int, float]:
 
 
 def goodput_breakdown(run_dir, train_wall_s: float, eval_wall_s: float = 0.0,
-                      full_world: int | None = None, outcomes: list[dict] = ()) -> dict:
-    """`outcomes`: the attempts' (goodput.runs.read_outcomes), for the time hung ones spent."""
+                      full_world: int | None = None, outcomes: list[dict] = (),
+                      ledger: LedgerData | None = None) -> dict:
+    """`outcomes`: the attempts' (goodput.runs.read_outcomes), for the time hung ones spent
+    and the restarts' times; `ledger`: the run's checkpoint ledger, for the time securing the
+    last checkpoints took."""
     records = read_metrics(run_dir)
     last_run: dict[int, float] = {}
     degraded: dict[int, bool] = {}  # the last run of each step was on fewer workers than full_world
@@ -50,13 +66,69 @@ def goodput_breakdown(run_dir, train_wall_s: float, eval_wall_s: float = 0.0,
     between = max(0.0, train_wall_s - productive - lost - checkpoint - validation)
     # Of the time between steps, what hung attempts spent from their last step to the kill.
     hung = min(between, hung_s(records, outcomes))
-    restart = between - hung
+    securing = min(between - hung, securing_s(outcomes, ledger))
+    left = between - hung - securing
+    timed = restart_s(records, outcomes)
+    if timed is None:  # no times to tell: a run that trained a step twice restarted
+        restarted = lost > 0 or any(b["step"] <= a["step"] for a, b in zip(records, records[1:]))
+        timed = left if restarted else 0.0
+    restart = min(left, timed)
+    startup = left - restart
     evaluation = eval_wall_s + validation
-    total = productive + lost + checkpoint + hung + restart + evaluation
+    total = productive + lost + checkpoint + hung + restart + startup + securing + evaluation
     return {"productive_s": productive, "lost_work_s": lost, "checkpoint_s": checkpoint,
-            "hung_s": hung, "restart_s": restart, "evaluation_s": evaluation, "total_s": total,
+            "hung_s": hung, "restart_s": restart, "startup_s": startup, "securing_s": securing,
+            "evaluation_s": evaluation, "total_s": total,
             "degraded_s": sum(t for step, t in last_run.items() if degraded[step]),
             "goodput": productive / total if total > 0 else None}
+
+
+def _step_start(record: dict) -> float:
+    """When the steps a record stands for began (its time is written after the last)."""
+    return record["time"] - record.get("window_time_s", record["step_time_s"])
+
+
+def restart_s(records: list[dict], outcomes: list[dict]) -> float | None:
+    """Time spent recovering from failures: from each failed attempt's end to the first step
+    of the next attempt of the same train flow run (a later flow run's attempt: from its
+    launch; after a finished or cancelled attempt, none: that is start-up), and in an attempt
+    whose workers torchrun restarted n times (an elastic world's shrinks and grows too), its
+    n longest gaps between steps (less the checkpoint and validation time the records
+    count). None when the records and outcomes carry no times to tell it by."""
+    timed = [r for r in records if "time" in r and "attempt" in r]
+    if not outcomes or not timed:
+        return None
+    by_attempt: dict[str, list[dict]] = {}
+    for record in timed:
+        by_attempt.setdefault(record["attempt"], []).append(record)
+    total, previous = 0.0, None
+    for outcome in outcomes:  # in time order
+        mine = by_attempt.get(outcome.get("attempt"), [])
+        if previous is not None and mine and previous["class"] not in (FailureClass.DONE,
+                                                                       FailureClass.CANCELLED):
+            same_flow_run = (str(previous.get("attempt")).rsplit("-", 1)[0]
+                             == str(outcome.get("attempt")).rsplit("-", 1)[0])
+            launched = outcome["time"] - (outcome.get("wall_time_s") or 0.0)
+            since = previous["time"] if same_flow_run else launched
+            total += max(0.0, _step_start(mine[0]) - since)
+        restarts = outcome.get("restarts") or 0
+        if restarts > 0:
+            gaps = sorted((max(0.0, _step_start(b) - a["time"] - a.get("checkpoint_s", 0.0)
+                               - b.get("checkpoint_s", 0.0) - b.get("val_time_s", 0.0))
+                           for a, b in zip(mine, mine[1:])), reverse=True)
+            total += sum(gaps[:restarts])
+        previous = outcome
+    return total
+
+
+def securing_s(outcomes: list[dict], ledger: LedgerData | None) -> float:
+    """Time the train stage spent after the last attempt's workers finished, validating and
+    uploading the checkpoints they left: to the ledger's last transition after their end."""
+    if not outcomes or ledger is None or outcomes[-1]["class"] != FailureClass.DONE:
+        return 0.0
+    ended = outcomes[-1]["time"]
+    after = [t.at for entry in ledger.entries.values() for t in entry.history if t.at >= ended]
+    return max(after) - ended if after else 0.0
 
 
 def hung_s(records: list[dict], outcomes: list[dict]) -> float:
@@ -133,8 +205,12 @@ def summarize_goodput(config) -> dict:
         attempts[o["class"]] = attempts.get(o["class"], 0) + 1
     in_job = sum(map(failed_restarts, outcomes))  # each one recovered a failure
     failures = failures_of(outcomes)  # a cancelled attempt failed nothing
+    try:
+        ledger = Ledger(config.run_dir).read()
+    except Exception:  # a damaged ledger is the lifecycle's to report: no securing time then
+        ledger = None
     values = goodput_breakdown(config.run_dir, train_wall, eval_wall, config.parallelism.world_size,
-                               outcomes)
+                               outcomes, ledger)
     values["attempts"] = attempts
     values["in_job_restarts"] = in_job
     grows = sum(o.get("grows") or 0 for o in outcomes)

@@ -26,6 +26,7 @@ from core.config import ConfigError, RunConfig, parse_bytes  # noqa: F401 (parse
 from core.hf_llama import given_tokenizer_file
 from core.layout import DEGREES, MESH_DIMS, LayoutError, ParallelDims, Problem, follow_world, pipeline_bubble  # noqa: F401 (API)
 from training.model_args import LOSS_CHUNK_TOKENS, ModelArgs, model_args_from_config
+from training.allocator import THRESHOLD_BYTES, THRESHOLD_ENV
 
 # A layout's degrees in the order of its name (core.layout: ParallelDims.degrees, cp before tp).
 LAYOUT_DEGREES = tuple(ParallelDims().degrees)
@@ -96,6 +97,9 @@ class Cluster:
     comm_overlap: float = COMM_OVERLAP  # share of data-parallel communication hidden
     efficiency_source: str = "default, set on published runs (tests/test_plan.py)"
     memory_bandwidth: float = H100_HBM  # bytes/s of one GPU's memory
+    # CPU workers checked against this machine's own memory (run_cluster): the memory is the
+    # processes', so what they hold beside the training tensors counts too (see "memory").
+    host_processes: bool = False
 
     @property
     def world_size(self) -> int:
@@ -435,14 +439,38 @@ class Memory:
     stage_bytes: float = 0.0
     expert_params: float = 0.0  # of local_params, the routed experts (after EP)
     expert_shard: int = 1  # the ranks their states are sharded over (efsdp under EP)
+    # CPU workers on this machine's memory (Cluster.host_processes); 0 elsewhere:
+    process: float = 0.0  # the worker process itself: interpreter, torch, gloo, data loader
+    staging: float = 0.0  # the async save's copy of this rank's share of the state
+    allocator_kept: float = 0.0  # freed memory glibc keeps in the process (training/allocator.py)
+    machine_share: float = 0.0  # this worker's share of the flow and verifier processes
+    flow_process: float = 0.0  # of which the flow's and the verifier's, whole (explain_table)
+    verifier_process: float = 0.0
 
     @property
     def peak(self) -> float:
+        """The training tensors' peak (what a GPU's memory holds)."""
         backward = self.activations + self.workspace
         if self.grads_live_in_backward:
             backward += self.gradients
         update = self.gradients + self.step_workspace
         return self.weights + self.optimizer + self.buffers + max(backward, update)
+
+    @property
+    def host(self) -> float:
+        """What a CPU worker's process holds beside the tensors."""
+        return self.process + self.staging + self.allocator_kept
+
+    @property
+    def worker(self) -> float:
+        """One worker process's resident peak: the tensors' and the rest it holds."""
+        return self.peak + self.host
+
+    @property
+    def need(self) -> float:
+        """What the device's memory must hold per worker: the tensors on a GPU; on this
+        machine's memory, the worker's process and its share of the machine's processes."""
+        return self.worker + self.machine_share
 
 
 @dataclass
@@ -669,14 +697,14 @@ def search(config: RunConfig, cluster: Cluster, strict: bool | None = None) -> l
     world = cluster.world_size // config.parallelism.cp
     plans = [plan_layout(config, cluster, d, strict, suggest=False) for d in factorisations(world)]
     valid = sorted((p for p in plans if p.ok),
-                   key=lambda p: (bool(p.departures), -(p.tokens_per_s or 0.0), p.memory.peak))
+                   key=lambda p: (bool(p.departures), -(p.tokens_per_s or 0.0), p.memory.need))
     # Of those that cannot run, the one explained when none can is the nearest: short of
     # memory alone (which its fix addresses) before any other problem, fewer problems first,
     # then the smallest peak it could reach with activation checkpointing and the loss in
     # chunks (its fix names what it takes). A layout with no estimate (a stage without a
     # layer, degrees that make no layout) comes last.
     def peak(p: LayoutPlan) -> float:
-        return p.memory.peak if p.memory is not None else math.inf
+        return p.memory.need if p.memory is not None else math.inf
 
     eased: dict[str, float] = {}
     if not valid:
@@ -801,7 +829,11 @@ def run_cluster(config: RunConfig) -> tuple[Cluster, str]:
                                 "machines; set parallelism.device_memory (e.g. 80GiB) to check it")
     # On CPU there is no peak to assume, so no step-time estimate unless the config gives one.
     flops = config.training.peak_flops_per_device or (H100_FLOPS if device == "cuda" else None)
-    return Cluster(par.nnodes, par.nproc_per_node, memory, gpu_flops=flops, device=device), source
+    # Checked against this machine's memory (not a figure the config states per worker), CPU
+    # workers share it with everything else their processes and the flow's hold.
+    host = device == "cpu" and config.launch.kind == "local" and source.startswith("this machine's")
+    return Cluster(par.nnodes, par.nproc_per_node, memory, gpu_flops=flops, device=device,
+                   host_processes=host), source
 
 
 def _run_device(config: RunConfig) -> str:
@@ -970,6 +1002,30 @@ def factorisations(world: int) -> list[dict[str, int]]:
 # Peak = weights + optimizer + buffers + the larger of the backward phase (activations +
 # backward workspace, plus gradients when they live across micro-batches: gradient
 # accumulation, pipeline micro-batches) and the update (gradients + step workspace).
+#
+# On this machine's memory (CPU workers of a local launch, checked against the host memory
+# they share: Cluster.host_processes) the device memory is the processes', and each worker
+# needs, beside that peak (measured 2026-11-29 on a 110M model, FSDP over 2 workers, async
+# saves: the tensors' estimate 1.25 GiB, each worker's resident peak 3.61-3.70 GiB):
+# - process      the worker itself: interpreter, torch, gloo, the data loader
+#   (WORKER_PROCESS_BYTES: a trainer of a 64-dim model peaks at 0.39-0.40 GiB).
+# - staging      an async save's (checkpoint.async_mode thread or process) copy of what this
+#   rank writes: its weights and optimizer state, split among ranks holding the same.
+# - allocator's kept memory  training/allocator.py fixes glibc's trim threshold at
+#   THRESHOLD_BYTES, so up to that much freed memory stays in the process between steps (no
+#   more than it allocated: the tensors' peak and the staging copy); none where launch.env
+#   sets the thresholds.
+# - flow and verifier processes, once per machine, shared by its workers: the flow's
+#   (FLOW_PROCESS_BYTES) and the checkpoint verifier's (VERIFIER_PROCESS_BYTES, plus the
+#   largest group of tensors it reads at once, training.checkpoint.verify.DEFAULT_MAX_BYTES,
+#   or the largest tensor; plus the model's fp32 weights when checkpoint.validate_batches
+#   computes a held-out loss).
+# A worker's resident peak = peak + process + staging + allocator's kept memory; what the
+# check needs per worker adds its share of the flow and verifier processes.
+WORKER_PROCESS_BYTES = 400 * 2**20
+FLOW_PROCESS_BYTES = 300 * 2**20  # its imports alone: 0.15 GiB (no torch on a CPU build)
+VERIFIER_PROCESS_BYTES = 300 * 2**20  # torch and the checkpoint modules: 0.28 GiB
+VERIFY_GROUP_BYTES = 256 * 2**20  # training.checkpoint.verify.DEFAULT_MAX_BYTES (imports torch)
 
 
 @dataclass(frozen=True)
@@ -1024,7 +1080,31 @@ def _ranks(s: _Setup, dims: ParallelDims) -> list[_Rank]:
 
 def _memory(s: _Setup, dims: ParallelDims, checkpointing: str) -> Memory:
     per_rank = [_rank_memory(s, dims, checkpointing, r) for r in _ranks(s, dims)]
-    return max(per_rank, key=lambda mem: mem.peak)
+    if s.cluster.host_processes:
+        per_rank = [_with_host_memory(s, dims, mem) for mem in per_rank]
+    return max(per_rank, key=lambda mem: mem.need)
+
+
+def _with_host_memory(s: _Setup, dims: ParallelDims, mem: Memory) -> Memory:
+    """`mem` with what a CPU worker on this machine holds beside the tensors, and its share of
+    the machine's other processes (see "memory": on this machine's memory)."""
+    config = s.config
+    # Ranks holding the same tensors split what they stage (training/checkpoint/replicas.py).
+    replicas = dims.dp_replicate * (1 if dims.fsdp else dims.cp)
+    staging = ((mem.weights + mem.optimizer) / replicas
+               if config.checkpoint.async_mode != "sync" else 0.0)
+    kept = (0.0 if any(name in config.launch.env for name in THRESHOLD_ENV)
+            else min(THRESHOLD_BYTES, mem.peak + staging))
+    params = s.params.total
+    largest = max(s.params.embedding, s.params.head_matrix, s.args.dim * s.args.ffn_hidden,
+                  s.params.moe.experts / 3 if s.params.moe is not None else 0)
+    verifier = VERIFIER_PROCESS_BYTES + max(VERIFY_GROUP_BYTES, MASTER_BYTES * largest)
+    if config.checkpoint.validate_batches:  # the held-out loss: the model's weights, whole
+        verifier += MASTER_BYTES * params
+    workers = s.cluster.gpus_per_node
+    return replace(mem, process=WORKER_PROCESS_BYTES, staging=staging, allocator_kept=kept,
+                   machine_share=(FLOW_PROCESS_BYTES + verifier) / workers,
+                   flow_process=FLOW_PROCESS_BYTES, verifier_process=verifier)
 
 
 @dataclass(frozen=True)
@@ -1271,17 +1351,17 @@ def _memory_problems(s: _Setup, dims: ParallelDims, mem: Memory) -> list[Problem
         return problems
     # The full count wins a tie: a non-elastic run, or one whose peak no loss raises, reads
     # as before.
-    worst = max(peaks, key=lambda n: (peaks[n][2].peak, n == nodes))
+    worst = max(peaks, key=lambda n: (peaks[n][2].need, n == nodes))
     there, shrunk, need = peaks[worst]
-    if need.peak <= have:
+    if need.need <= have:
         return problems
     problem = _out_of_memory(there, shrunk, need, full=dims)
     if worst == nodes:
         return [problem, *problems]
     fix = problem.fix
-    if peaks[nodes][2].peak <= have:  # the full count fits: so does a narrower range
+    if peaks[nodes][2].need <= have:  # the full count fits: so does a narrower range
         enough = nodes  # the fewest nodes from which every count up to the full one fits
-        while enough - 1 in peaks and peaks[enough - 1][2].peak <= have:
+        while enough - 1 in peaks and peaks[enough - 1][2].need <= have:
             enough -= 1
         fix += (f", or raise the minimum to {enough} nodes (parallelism.nnodes={enough}:{high})"
                 if enough < nodes else f", or do not shrink: parallelism.nnodes={high}")
@@ -1295,7 +1375,7 @@ def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory,
     the full world's layout where `dims` is an elastic run's after losing nodes (the degrees
     a fix names are the config's, which it shrinks from)."""
     have, device = s.cluster.gpu_memory, _device_noun(s.cluster)
-    reason = f"needs {_amount(mem.peak)} per {device}, more than the {_amount(have)} it has"
+    reason = f"needs {_amount(mem.need)} per {device}, more than the {_amount(have)} it has"
     checkpointing = s.config.parallelism.activation_checkpointing
     options = []
     chunked = None
@@ -1326,15 +1406,15 @@ def _out_of_memory(s: _Setup, dims: ParallelDims, mem: Memory,
                 options.append((f"set parallelism.ep={ep} (each MoE layer's experts split {ep} "
                                 "ways)", _memory(s, replace(dims, ep=ep), checkpointing)))
     for text, alternative in options:
-        if alternative.peak <= have:
-            return Problem(reason, f"{text} ({_amount(alternative.peak)})")
+        if alternative.need <= have:
+            return Problem(reason, f"{text} ({_amount(alternative.need)})")
     # No one change is enough: the recomputation and chunking ones together, then what is left.
     if checkpointing != "full" and chunked is not None:
         both = _memory(chunked, dims, "full")
-        if both.peak <= have:
+        if both.need <= have:
             return Problem(reason, "set parallelism.activation_checkpointing=full and "
                                    f"parallelism.loss_chunk_tokens={LOSS_CHUNK_TOKENS} "
-                                   f"({_amount(both.peak)})")
+                                   f"({_amount(both.need)})")
     left = (["lower training.micro_batch_size"] if s.config.training.micro_batch_size > 1 else [])
     left += ["split the model over more tp or pp ranks", f"use more {device}s"]
     return Problem(reason, ", ".join(left[:-1]) + f", or {left[-1]}")
@@ -1788,7 +1868,7 @@ def format_table(plans: list[LayoutPlan], limit: int | None = None) -> str:
     for i, p in enumerate(shown, 1):
         d, mem = p.degrees, p.memory
         mem_cols = ([_gib(mem.weights), _gib(mem.gradients), _gib(mem.optimizer), _gib(mem.buffers),
-                     _gib(mem.activations), _gib(mem.peak)] if mem else ["-"] * 6)
+                     _gib(mem.activations), _gib(mem.need)] if mem else ["-"] * 6)
         rows.append((str(i) if p.ok else "-", *(str(d[k]) for k in LAYOUT_DEGREES), *mem_cols,
                      f"{p.bubble:.1%}", _size(sum(p.comm.values())),
                      f"{p.step_time_s:.3f}" if p.step_time_s is not None else "-",
@@ -1823,6 +1903,15 @@ def explain(p: LayoutPlan, cluster: Cluster) -> str:
                   f"{_gib(mem.workspace)} (backward) / {_gib(mem.step_workspace)} (update)",
                   f"  peak {_gib(mem.peak)} GiB = weights + optimizer + buffers + "
                   f"max({backward}, gradients + update workspace)"]
+        if cluster.host_processes:
+            lines += [f"  beside the tensors (GiB): process {_gib(mem.process)}, checkpoint staging "
+                      f"{_gib(mem.staging)}, allocator's kept memory {_gib(mem.allocator_kept)}; "
+                      f"flow and verifier processes {_gib(mem.machine_share)} (their "
+                      f"{_gib(mem.flow_process + mem.verifier_process)} over "
+                      f"{cluster.gpus_per_node} workers)",
+                      f"  needs {_gib(mem.need)} GiB per {_device_noun(cluster)} = peak + process + "
+                      f"checkpoint staging + allocator's kept memory + flow and verifier processes "
+                      f"(the worker's own resident peak: {_gib(mem.worker)} GiB)"]
     if p.degrees["pp"] > 1:
         lines.append(f"  pipeline: {_pipeline_facts(p)}")
     lines += [f"  {fact}" for fact in _step_facts(p, _device_noun(cluster), cluster)]
@@ -1870,6 +1959,11 @@ def explain_markdown(p: LayoutPlan, cluster: Cluster, source: str) -> str:
                 ("optimizer state", mem.optimizer), ("buffers", mem.buffers),
                 ("activations", mem.activations), ("backward workspace", mem.workspace),
                 ("update workspace", mem.step_workspace), ("**peak**", mem.peak)]
+        if cluster.host_processes:
+            rows += [("process", mem.process), ("checkpoint staging", mem.staging),
+                     ("allocator's kept memory", mem.allocator_kept),
+                     ("flow and verifier processes (this worker's share)", mem.machine_share),
+                     ("**per worker on this machine**", mem.need)]
         lines += [f"## Memory per {noun} (estimate)", "", "| part | GiB |", "|---|---|"]
         lines += [f"| {name} | {_gib(value)} |" for name, value in rows]
         lines.append("")
@@ -1982,6 +2076,20 @@ def explain_table(p: LayoutPlan, cluster: Cluster, config: RunConfig,
          "(the heaviest stage's blocks, one micro-batch) + the loss's", mem.activations),
         ("workspace", "max(loss gradient, one block recomputed)", mem.workspace),
         ("peak", "weights + optimizer + buffers + max(backward, update)", mem.peak))]
+    if cluster.host_processes:
+        async_mode = config.checkpoint.async_mode
+        rows += [(f"memory: {name}", how, f"{_gib(value)} GiB") for name, how, value in (
+            ("process", "the worker's interpreter, torch, gloo and data loader (measured on a "
+             "64-dim model's trainer)", mem.process),
+            ("checkpoint staging", f"checkpoint.async_mode={async_mode}: "
+             + ("weights + optimizer, over the ranks holding the same" if async_mode != "sync"
+                else "none (synchronous saves write from the live tensors)"), mem.staging),
+            ("allocator's kept memory", f"freed memory glibc keeps (training/allocator.py: up to "
+             f"{_gib(THRESHOLD_BYTES)} GiB, no more than peak + staging)", mem.allocator_kept),
+            ("flow and verifier processes", f"(flow {_gib(mem.flow_process)} + verifier "
+             f"{_gib(mem.verifier_process)}) / {cluster.gpus_per_node} workers", mem.machine_share),
+            ("per worker on this machine", "peak + process + checkpoint staging + allocator's kept "
+             "memory + flow and verifier processes", mem.need))]
     if cluster.memory_bandwidth and p.work is not None:
         w, speed = p.work, cluster.compute_efficiency / MATMUL_EFFICIENCY
         peak = cluster.gpu_flops

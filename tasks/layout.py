@@ -40,6 +40,7 @@ def check_layout(config: RunConfig) -> dict:
     if not plan.ok:
         raise ConfigError(planner.failure_message(plan, cluster, source))
     return {"layout": plan.degrees, "device": cluster.device,
-            "peak_bytes": plan.memory.peak, "device_memory_bytes": cluster.gpu_memory,
+            "peak_bytes": plan.memory.peak, "need_bytes": plan.memory.need,
+            "device_memory_bytes": cluster.gpu_memory,
             "memory_source": source, "bubble": plan.bubble, "comm_bytes": plan.comm,
             "warnings": [str(w) for w in plan.warnings]}

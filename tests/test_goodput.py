@@ -272,3 +272,73 @@ def test_a_hung_attempts_time_after_its_last_step_is_its_own_item():
     outcomes = [{"attempt": "a-1", "class": "hang", "time": 125.0},
                 {"attempt": "a-2", "class": "done", "time": 170.0}]
     assert hung_s(records, outcomes) == 24.0
+
+
+# -- start-up and securing the last checkpoints are not restarts --------------------------------
+
+def _ledger(*transitions: tuple[int, str, float]):
+    """A ledger whose checkpoints went through (step, state, at) transitions."""
+    from storage.ledger import LedgerData, LedgerEntry, Transition
+
+    entries = {}
+    for step, state, at in transitions:
+        entry = entries.setdefault(step, LedgerEntry(step=step, state=state))
+        entry.state = state
+        entry.history.append(Transition(state=state, at=at))
+    return LedgerData(run_id="run", entries=entries)
+
+
+def _steps(attempt: str, first: int, last: int, started: float, **extra) -> list[dict]:
+    """Records of steps first..last of one attempt, 1 s each, the first starting at `started`."""
+    return [{"step": s, "step_time_s": 1.0, "attempt": attempt, "time": started + s - first + 1.0,
+             **extra} for s in range(first, last + 1)]
+
+
+def test_a_clean_run_s_start_up_and_securing_of_its_last_checkpoints_are_not_restart_time(tmp_path):
+    """One attempt, no restart (the report: restart_s 91.7 of 303.4 s for such a run). The
+    flow starts at 0 and launches the workers at 20; their first step starts at 50 and the
+    tenth ends at 60; they exit at 61; the flow validates and uploads the last checkpoints
+    until 121 and ends at 122. Securing after the workers finished (61 -> 121) and start-up
+    (everything else between steps: the flow's and the workers') are buckets of their own,
+    restart_s is 0, and the buckets still add up to the wall time."""
+    write_metrics(tmp_path, _steps("f-1", 1, 10, started=50.0))
+    outcomes = [{"attempt": "f-1", "class": "done", "time": 61.0, "wall_time_s": 41.0, "restarts": 0}]
+    ledger = _ledger((5, "validated", 58.0), (10, "validated", 100.0), (10, "uploaded", 121.0))
+    result = goodput_breakdown(tmp_path, train_wall_s=122.0, outcomes=outcomes, ledger=ledger)
+    assert result["productive_s"] == pytest.approx(10.0)
+    assert result["restart_s"] == 0.0
+    assert result["securing_s"] == pytest.approx(60.0)
+    assert result["startup_s"] == pytest.approx(122.0 - 10.0 - 60.0)
+    parts = ("productive_s", "lost_work_s", "checkpoint_s", "hung_s", "restart_s", "startup_s",
+             "securing_s", "evaluation_s")
+    assert sum(result[p] for p in parts) == pytest.approx(result["total_s"]) == pytest.approx(122.0)
+    assert result["goodput"] == pytest.approx(10.0 / 122.0)
+
+
+def test_a_retry_s_time_from_the_failure_to_the_next_first_step_is_restart_time(tmp_path):
+    """Attempt 1 launches at 10, steps 1-5 from 30, crashes at 36 (its checkpoint at step 5
+    committed); attempt 2 launches at 40 (the retry delay) and steps 6-10 from 55, exits at 61;
+    the last checkpoint is uploaded at 71, the flow ends at 71. Restart: 36 -> 55; securing:
+    61 -> 71; start-up the rest (the flow before launching, the first launch, teardown)."""
+    write_metrics(tmp_path, _steps("f-1", 1, 5, started=30.0) + _steps("f-2", 6, 10, started=55.0))
+    outcomes = [{"attempt": "f-1", "class": "retryable", "time": 36.0, "wall_time_s": 26.0, "restarts": 0},
+                {"attempt": "f-2", "class": "done", "time": 61.0, "wall_time_s": 21.0, "restarts": 0}]
+    ledger = _ledger((5, "uploaded", 45.0), (10, "validated", 66.0), (10, "uploaded", 71.0))
+    result = goodput_breakdown(tmp_path, train_wall_s=71.0, outcomes=outcomes, ledger=ledger)
+    assert result["restart_s"] == pytest.approx(55.0 - 36.0)
+    assert result["securing_s"] == pytest.approx(10.0)
+    assert result["startup_s"] == pytest.approx(71.0 - 10.0 - 19.0 - 10.0)
+    assert result["total_s"] == pytest.approx(71.0)
+
+
+def test_an_in_job_restart_s_gap_between_steps_is_restart_time(tmp_path):
+    """torchrun restarted the workers once within the attempt: the gap before the redone step
+    (a resume from step 3's checkpoint) is restart time, the first launch start-up."""
+    records = _steps("f-1", 1, 4, started=10.0) + _steps("f-1", 4, 6, started=30.0)
+    write_metrics(tmp_path, records)
+    outcomes = [{"attempt": "f-1", "class": "done", "time": 34.0, "wall_time_s": 34.0, "restarts": 1}]
+    result = goodput_breakdown(tmp_path, train_wall_s=34.0, outcomes=outcomes)
+    assert result["lost_work_s"] == pytest.approx(1.0)
+    assert result["restart_s"] == pytest.approx(30.0 - 14.0)
+    assert result["startup_s"] == pytest.approx(34.0 - 6.0 - 1.0 - 16.0)
+    assert result["securing_s"] == 0.0

@@ -67,9 +67,11 @@ def test_pipeline_completes_and_learns(finished):
     assert sorted(scalars["train/loss"]) == list(range(1, STEPS + 1))
     assert scalars["eval/loss"] == pytest.approx({STEPS: result["eval_loss"]})
     goodput = summary["goodput"]
-    parts = ("productive_s", "lost_work_s", "checkpoint_s", "restart_s", "evaluation_s")
+    parts = ("productive_s", "lost_work_s", "checkpoint_s", "restart_s", "evaluation_s",
+             "hung_s", "startup_s", "securing_s")
     assert sum(goodput[p] for p in parts) == pytest.approx(goodput["total_s"])
     assert 0 < goodput["goodput"] < 1 and goodput["lost_work_s"] == 0
+    assert goodput["restart_s"] == 0  # one attempt, never restarted
     assert goodput["attempts"] == {"done": 1}
 
     ledger = Ledger(config.run_dir, "clean").read()

@@ -34,6 +34,26 @@ def test_metrics_records_become_tagged_curves():
                               "eval/hellaswag/acc": 0.3}
 
 
+def test_a_cpu_worker_logs_its_peak_resident_memory_as_a_curve():
+    """README lists peak memory among metrics.jsonl's fields: on CPU it is the worker's peak
+    resident set (getrusage's ru_maxrss, the kernel's VmHWM), read once per logged record, and
+    the trackers show it beside CUDA's figure."""
+    import resource
+
+    import torch
+
+    from training.train import device_memory
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+    logged = device_memory(torch.device("cpu"))
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
+    assert set(logged) == {"max_rss_gb"} and before <= logged["max_rss_gb"] <= after
+    status = open("/proc/self/status").read()
+    hwm = int(status.split("VmHWM:")[1].split()[0]) * 1024 / 2**30
+    assert logged["max_rss_gb"] == pytest.approx(hwm, rel=0.05)
+    assert curves({"step": 1, **logged}) == {"memory/max_rss_gb": logged["max_rss_gb"]}
+
+
 def tensorboard_scalars(directory: Path) -> dict[str, dict[int, float]]:
     """Every scalar TensorBoard shows for `directory`, by tag and step."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -43,6 +43,7 @@ TAGS = {
     "flops_per_s_per_device": "perf/flops_per_s_per_device",
     "data_wait_s": "perf/data_wait_s", "data_wait_share": "perf/data_wait_share",
     "checkpoint_s": "checkpoint/stall_s", "max_memory_allocated_gb": "memory/max_allocated_gb",
+    "max_rss_gb": "memory/max_rss_gb",  # a CPU worker's peak resident set (training.train.device_memory)
     "val_loss": "val/loss", "val_bits_per_byte": "val/bits_per_byte",
     "resumed_at_step": "train/resumed_at_step",  # where an attempt resumed: later steps redone
     "world_size": "elastic/world_size",  # drops where an elastic job lost nodes, rises where they joined
