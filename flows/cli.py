@@ -84,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(p)
     p = sub.add_parser("export", help="write a checkpoint as a Hugging Face transformers model "
                                       "(Llama; an MoE model as Qwen3-MoE or Mixtral)")
-    p.add_argument("checkpoint", help="a committed checkpoint directory (step-XXXXXXXX), or its URL in the store (s3://.../checkpoints/step-XXXXXXXX)")
+    p.add_argument("checkpoint", help="a committed checkpoint directory (step-XXXXXXXX), or its "
+                                      "URL in the store (s3://.../checkpoints/step-XXXXXXXX)")
     p.add_argument("--format", choices=["hf"], default="hf",
                    help="hf: safetensors + config.json that transformers' AutoModelForCausalLM "
                         "loads (LlamaForCausalLM; Qwen3MoeForCausalLM or MixtralForCausalLM)")
