@@ -28,6 +28,7 @@ from core.protocol import (
 from goodput.verifier_pool import VerifierCrashed, verify
 from storage.ledger import (
     Ledger,
+    LedgerData,
     LedgerEntry,
     ResumePoint,
     checkpoint_key,
@@ -174,36 +175,44 @@ def upload_checkpoint(config: RunConfig, step: int, store) -> LedgerEntry:
         if entry.state != "uploaded":  # (uploaded: a retry after the push below failed)
             key = checkpoint_key(config.run.run_id, step)
             path = config.run_dir.checkpoint(step)
-            if not entry.is_about(copy_id(path)):
+            copy = copy_id(path)
+            if not entry.is_about(copy):
                 raise CopySuperseded(f"checkpoint step {step} on disk is not the copy that was "
                                      "validated (it was saved again); validate it first")
             stored = _stored_copy(store, key)
-            if stored is not None and (stored[1] == copy_id(path) or _adoptable(config, path, stored[0])):
+            if stored is not None and (stored[1] == copy or (
+                    _uploaded_in_store(config, store, step, stored[1]) and _adoptable(config, path, stored[0]))):
                 # This very copy (an earlier try's upload got as far as the manifest), or a
-                # newer one of the same trajectory another machine uploaded: kept, not replaced.
+                # newer one of the same trajectory another machine uploaded, which the store's
+                # ledger names as the step's uploaded copy: kept, not replaced.
                 entry = _adopt(ledger, config, step, store, *stored)
                 ledger.push(store)
                 return entry
             if stored is not None or entry.store_url:
-                # An older copy in the store (this machine's, saved again since): the store's
-                # ledger stops naming it before it is replaced, and its manifest goes first, so
-                # that no reader takes the half-replaced step for a whole one or mixes the copies.
-                ledger.push(store)
+                # Another copy in the store (older, this machine's saved again since or another
+                # machine's; or one the store's ledger does not name as uploaded, e.g. rejected as
+                # damaged): the store's ledger stops naming it before it is replaced (this copy's
+                # validated entry wins the push, even over a later change of the store's), and
+                # its manifest goes first, so that no reader takes the half-replaced step for a
+                # whole one or mixes the copies.
+                ledger.push(store, ours=(step,))
                 store.delete(f"{key}/{CHECKPOINT_MANIFEST}")
             # The manifest's digests spare hashing every shard before it goes out; the store checks them.
             known = {f.path: f.sha256 for f in CheckpointManifest.load(path).files}
             # Training runs meanwhile: the upload (its transfer threads included) takes the
             # cycles training leaves idle (core.cpu_priority).
             try:
+                # The step's folder has one writer (this upload, under the step's lock and the
+                # run's lease): what a killed earlier upload left unfinished there is aborted.
                 at_background_priority(store.upload_dir, path, key, last=(CHECKPOINT_MANIFEST,),
-                                       known_sha256=known)
+                                       known_sha256=known, abort_unfinished=True)
             except IntegrityError:
                 damaged = at_background_priority(verify_files, path, CheckpointManifest.load(path).files)
                 if not damaged:  # the transfer's or the store's doing: the task retries
                     raise
                 # Still under the step's lock: the copy set aside is the one just checked.
                 return _set_aside_local(ledger, config, step, entry, "; ".join(damaged[:3]))
-            entry = ledger.record(step, "uploaded", store_url=store.url(key))
+            entry = ledger.record(step, "uploaded", store_url=store.url(key), copy_id=copy)
     # Every time, so that the store's ledger (what a new machine resumes from) names this step.
     ledger.push(store)
     return entry
@@ -236,14 +245,23 @@ def restore_ledger(config: RunConfig, store) -> None:
     ledger, key = ledger_of(config), ledger_key(config.run.run_id)
     ledger.set_aside_if_damaged()
     try:
-        if store.exists(key):
-            ledger.merge(store.get_bytes(key))
-            adopt_uploaded_copies(config, store)
+        if not store.exists(key):
+            return
+        ledger.merge(store.get_bytes(key))
     except (ConnectionError, TimeoutError, PermissionError) as e:
         if not ledger.path.is_file():
             raise
         log.warning("could not read the ledger of run %s from the store (%s); going on with "
                     "the local ledger", config.run.run_id, e)
+        return
+    try:
+        adopt_uploaded_copies(config, store)
+    except Exception as e:  # the store gone meanwhile, a stored manifest that does not read, ...
+        # Never stops a resume: a local copy not adopted is judged and uploaded on its own
+        # (upload_checkpoint adopts the store's copy then, where it still may).
+        log.warning("could not adopt the copies of run %s's checkpoints the store's ledger names "
+                    "(%s: %s); going on with the local copies", config.run.run_id,
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
 
 
 def adopt_uploaded_copies(config: RunConfig, store) -> list[int]:
@@ -274,12 +292,30 @@ def adopt_uploaded_copies(config: RunConfig, store) -> list[int]:
 
 def _stored_copy(store, key: str) -> tuple[CheckpointManifest, str] | None:
     """The manifest of the copy of a checkpoint the store holds under `key`, and its copy id
-    (core.protocol.copy_id: the manifest is uploaded as it is on disk); None: no whole copy."""
+    (core.protocol.copy_id: the manifest is uploaded as it is on disk); None: no whole copy
+    (none at all, or a manifest that does not read as one: replaceable, never adopted)."""
     try:
         raw = store.get_bytes(f"{key}/{CHECKPOINT_MANIFEST}")
     except FileNotFoundError:
         return None
-    return CheckpointManifest.model_validate_json(raw), sha256_bytes(raw)[:16]
+    try:
+        return CheckpointManifest.model_validate_json(raw), sha256_bytes(raw)[:16]
+    except ValueError as e:
+        log.warning("%s/%s in the store is not a checkpoint manifest (%s): that copy is "
+                    "replaced, not adopted", key, CHECKPOINT_MANIFEST, str(e).splitlines()[0])
+        return None
+
+
+def _uploaded_in_store(config: RunConfig, store, step: int, stored_copy: str) -> bool:
+    """The store's ledger calls `stored_copy` the step's uploaded copy (as adopt_uploaded_copies
+    requires of the merged ledger): a stored copy it does not name (rejected as damaged since,
+    or never recorded) is replaceable, never adopted."""
+    try:
+        raw = store.get_bytes(ledger_key(config.run.run_id))
+    except FileNotFoundError:
+        return False
+    entry = LedgerData.model_validate_json(raw).entries.get(step)
+    return entry is not None and entry.state == "uploaded" and entry.copy_id == stored_copy
 
 
 def _adoptable(config: RunConfig, path: Path, stored: CheckpointManifest) -> bool:

@@ -162,13 +162,15 @@ class Ledger:
         with self.edit() as current:
             _merge_into(current, LedgerData.model_validate_json(raw))
 
-    def push(self, store) -> None:
+    def push(self, store, ours: tuple[int, ...] = ()) -> None:
         """Mirror the ledger to the store, merged with what the store holds (another machine's
-        progress is never dropped). Holding the lock keeps an older copy from landing last."""
+        progress is never dropped). Holding the lock keeps an older copy from landing last.
+        `ours`: steps whose local entry goes to the store whatever the store's says, however
+        late it changed (the caller is about to replace the step's copy in the store)."""
         key = ledger_key(self.run_id)
         with self.edit() as data:
             if store.exists(key):
-                _merge_into(data, LedgerData.model_validate_json(store.get_bytes(key)))
+                _merge_into(data, LedgerData.model_validate_json(store.get_bytes(key)), keep=ours)
             store.put_bytes(key, data.model_dump_json(indent=2).encode())
 
 
@@ -176,10 +178,10 @@ def _last_change(entry: LedgerEntry) -> float:
     return entry.history[-1].at if entry.history else 0.0
 
 
-def _merge_into(data: LedgerData, other: LedgerData) -> None:
+def _merge_into(data: LedgerData, other: LedgerData, keep: tuple[int, ...] = ()) -> None:
     for step, theirs in other.entries.items():
         ours = data.entries.get(step)
-        if ours is None or _last_change(theirs) > _last_change(ours):
+        if ours is None or (step not in keep and _last_change(theirs) > _last_change(ours)):
             data.entries[step] = theirs
     known = {(skip.start, skip.end, skip.at) for skip in data.data_skips}
     data.data_skips += [skip for skip in other.data_skips if (skip.start, skip.end, skip.at) not in known]

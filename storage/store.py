@@ -163,6 +163,7 @@ class Store(ABC):
         last: tuple[str, ...] = MANIFEST_LAST,
         max_workers: int = 4,
         known_sha256: Mapping[str, str] | None = None,
+        abort_unfinished: bool = False,
     ) -> list[str]:
         """Upload every file under `local_dir` to folder `prefix`; return the keys in upload order.
 
@@ -170,6 +171,9 @@ class Store(ABC):
         visible before its data; if any data file fails, the manifest is not uploaded.
         `known_sha256` maps paths relative to `local_dir` to digests the caller already has
         (a checkpoint manifest's); each is passed to `put_file`, which checks it.
+        `abort_unfinished`: first abort the unfinished multipart uploads under `prefix` (on S3,
+        S3Store.upload_dir; a local store has none), only for a caller that is the folder's
+        sole writer; off by default.
         """
         root = Path(local_dir)
         if not root.is_dir():
@@ -470,16 +474,21 @@ class S3Store(Store):
 
         self._call("upload to", key, upload)
 
-    def upload_dir(self, local_dir, prefix, **kwargs):
-        """Store.upload_dir, after aborting the multipart uploads into folder `prefix` that an
-        earlier upload started and never finished (abort_unfinished_uploads)."""
+    def upload_dir(self, local_dir, prefix, *, abort_unfinished: bool = False, **kwargs):
+        """Store.upload_dir. With `abort_unfinished`, first abort every multipart upload into
+        folder `prefix` that is unfinished when it is listed (abort_unfinished_uploads): those a
+        killed uploader left, but just as well one a live writer of the folder is still
+        sending, whose transfer then fails. So only a caller that is the folder's sole writer
+        asks for it: a checkpoint's upload (one per step, under the run's lease), never a
+        dataset's publishing (workers and machines may be writing shards of it meanwhile)."""
         if not Path(local_dir).is_dir():
             raise FileNotFoundError(f"no such directory: {local_dir}")
-        try:
-            self.abort_unfinished_uploads(prefix)
-        except (PermissionError, ConnectionError) as e:  # e.g. a policy without ListBucketMultipartUploads
-            log.warning("could not look for unfinished multipart uploads under %s (%s); uploading anyway",
-                        f"{self.uri}/{_folder(prefix)}", e)
+        if abort_unfinished:
+            try:
+                self.abort_unfinished_uploads(prefix)
+            except (PermissionError, ConnectionError) as e:  # e.g. a policy without ListBucketMultipartUploads
+                log.warning("could not look for unfinished multipart uploads under %s (%s); uploading anyway",
+                            f"{self.uri}/{_folder(prefix)}", e)
         return super().upload_dir(local_dir, prefix, **kwargs)
 
     def abort_unfinished_uploads(self, prefix: str) -> tuple[int, int, int]:
@@ -488,9 +497,11 @@ class S3Store(Store):
 
         A process killed mid-upload (kill -9, a lost node) leaves its parts stored, billed on
         AWS until a lifecycle rule removes them; a failure in a living process does not (the
-        managed transfer aborts its upload). Only the uploads listed here are aborted, so
-        upload_dir calls this before its own transfers start: an upload begun after the
-        listing (this one's, or another live uploader's) is never touched.
+        managed transfer aborts its upload). Every upload listed here is aborted, whoever
+        started it: S3 cannot tell a dead uploader's from a live one's, so a live writer's
+        upload already under way when the listing is made is aborted too (its transfer fails).
+        Only an upload begun after the listing is never touched: upload_dir(abort_unfinished=
+        True) calls this before its own transfers start, and only for a folder it alone writes.
         """
         folder_key = self._folder_key(prefix)
 

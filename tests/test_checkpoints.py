@@ -1149,3 +1149,117 @@ def test_while_a_step_saved_again_replaces_its_store_copy_the_stores_ledger_does
     assert seen == ["validated"]
     assert CheckpointManifest.model_validate_json(
         store.get_bytes(f"{checkpoint_key('test', 20)}/manifest.json")).created_at == manifest.created_at
+
+
+def test_a_store_copy_rejected_as_damaged_is_replaced_by_a_good_local_copy_not_adopted(run, tmp_path):
+    """B uploaded its copy of step 20; a worker resuming from it found it damaged and the step
+    was rejected, but the store still holds its manifest. A's own older copy, good, is judged
+    again and uploaded over it: a copy the store's ledger does not call the step's uploaded
+    one is never adopted (A's would go aside, and the next resume reject the step again)."""
+    from core.protocol import copy_id
+
+    from tests.helpers import flip_bytes
+
+    config, _ = run
+    store = open_store(str(tmp_path / "store"))
+    machine_b = _another_machine_uploads_step_20(config, store, tmp_path)
+    key = checkpoint_key("test", 20)
+    shard = next(k for k in store.list(key) if k.endswith(".distcp"))
+    damaged = tmp_path / "damaged"
+    store.get_file(shard, damaged)
+    flip_bytes(damaged)
+    store.put_file(damaged, shard)
+    checkpoints.set_aside_damaged(machine_b, 20, from_store=True, reason=f"{shard}: sha256 differs")
+    checkpoints.ledger_of(machine_b).push(store)
+    ours = copy_id(config.run_dir.checkpoint(20))
+
+    point = checkpoints.resume_point(config, store)  # A reruns: its copy judged again
+    assert (point.step, point.local) == (20, config.run_dir.checkpoint(20))
+    entry = checkpoints.upload_checkpoint(config, 20, store)
+    assert (entry.state, entry.copy_id) == ("uploaded", ours)
+    assert config.run_dir.checkpoint(20).exists()
+    assert not (config.run_dir.checkpoints / "superseded").exists()
+    stored = store.get_bytes(f"{key}/manifest.json")
+    assert stored == (config.run_dir.checkpoint(20) / "manifest.json").read_bytes()
+    pushed = json.loads(store.get_bytes("runs/test/ledger.json"))["entries"]["20"]
+    assert (pushed["state"], pushed["copy_id"]) == ("uploaded", ours)
+    fresh = small_config(tmp_path / "c", "training.max_steps=20")  # a new machine reads it whole
+    assert checkpoints.resume_point(fresh, store).step == 20
+    assert verify_files(checkpoints.download_checkpoint(fresh, 20, store),
+                        CheckpointManifest.load(config.run_dir.checkpoint(20)).files) == []
+
+
+def test_replacing_a_store_copy_uploaded_after_this_one_was_validated_unnames_it_first(
+        run, tmp_path, monkeypatch):
+    """A validated its copy of step 20; B then uploaded an older copy of it (the store's
+    ledger changed after A's verdict). A's upload replaces B's copy: while the files go up the
+    store's ledger names A's copy as validated, not B's as uploaded, and at the end the
+    ledgers name the copy that was uploaded."""
+    from core.protocol import copy_id
+
+    config, _ = run
+    store = open_store(str(tmp_path / "store"))
+    for step in (10, 20):
+        assert checkpoints.validate_checkpoint(config, step).state == "validated"
+    checkpoints.upload_checkpoint(config, 10, store)
+    ours = copy_id(config.run_dir.checkpoint(20))
+    machine_b = small_config(tmp_path / "b", "training.max_steps=20")
+    assert checkpoints.resume_point(machine_b, store).step == 10
+    theirs = machine_b.run_dir.checkpoint(20)
+    shutil.copytree(config.run_dir.checkpoint(20), theirs)
+    manifest = CheckpointManifest.load(theirs)
+    manifest.created_at -= 1  # saved before A's
+    manifest.save(theirs)
+    assert checkpoints.validate_checkpoint(machine_b, 20).state == "validated"
+    assert checkpoints.upload_checkpoint(machine_b, 20, store).copy_id == copy_id(theirs) != ours
+    seen, upload_dir = [], type(store).upload_dir
+
+    def spy(self, *args, **kwargs):
+        stored = json.loads(self.get_bytes("runs/test/ledger.json"))["entries"]["20"]
+        seen.append((stored["state"], stored["copy_id"], kwargs.get("abort_unfinished")))
+        return upload_dir(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(store), "upload_dir", spy)
+    entry = checkpoints.upload_checkpoint(config, 20, store)
+    # (a checkpoint upload, one per step under the run's lease, asks to abort what a killed one left)
+    assert seen == [("validated", ours, True)]
+    assert (entry.state, entry.copy_id) == ("uploaded", ours)
+    assert checkpoints.ledger_of(config).read().entries[20].copy_id == ours
+    pushed = json.loads(store.get_bytes("runs/test/ledger.json"))["entries"]["20"]
+    assert (pushed["state"], pushed["copy_id"]) == ("uploaded", ours)
+    assert store.get_bytes(f"{checkpoint_key('test', 20)}/manifest.json") == \
+        (config.run_dir.checkpoint(20) / "manifest.json").read_bytes()
+
+
+def test_adoption_that_fails_does_not_stop_a_resume_nor_blame_the_ledger(run, tmp_path, monkeypatch, caplog):
+    """The store's ledger was read; adopting the copies it names then fails (the store went
+    away, or a stored manifest does not read): said as such, and the resume goes on."""
+    import logging
+
+    config, _ = run
+    store = open_store(str(tmp_path / "store"))
+    _another_machine_uploads_step_20(config, store, tmp_path)
+    manifest_key = f"{checkpoint_key('test', 20)}/manifest.json"
+    get_bytes = type(store).get_bytes
+
+    def gone(self, key):
+        if key == manifest_key:
+            raise ConnectionError("the store went away")
+        return get_bytes(self, key)
+
+    with monkeypatch.context() as patched, caplog.at_level(logging.WARNING, logger="goodput.checkpoints"):
+        patched.setattr(type(store), "get_bytes", gone)
+        checkpoints.restore_ledger(config, store)
+    assert "could not adopt" in caplog.text and "the store went away" in caplog.text
+    assert "could not read the ledger" not in caplog.text
+    assert checkpoints.ledger_of(config).read().entries[20].state == "uploaded"  # merged
+    assert config.run_dir.checkpoint(20).exists()  # not adopted: nothing moved
+
+    # A stored manifest that does not read as one is no copy to adopt: said, nothing moved.
+    caplog.clear()
+    store.put_bytes(manifest_key, b'{"step": "not a manifest"}')
+    with caplog.at_level(logging.WARNING, logger="goodput.checkpoints"):
+        checkpoints.restore_ledger(config, store)
+    assert "is not a checkpoint manifest" in caplog.text
+    assert "could not read the ledger" not in caplog.text
+    assert config.run_dir.checkpoint(20).exists()

@@ -604,9 +604,11 @@ store.upload_dir(sys.argv[2], "ckpt/step-00000006")
 def test_an_upload_killed_mid_transfer_has_its_parts_aborted_by_the_next_upload_of_the_folder(
         s3_server, s3_uri, tmp_path, caplog):
     """kill -9 during a multipart upload leaves its parts stored (and billed, on AWS) with no
-    process left to abort them. The next upload of the same checkpoint folder aborts those
-    started before it, says how much was left, and leaves every other upload alone: one under
-    another folder, and one started after it began (another live uploader's)."""
+    process left to abort them. The next upload of the same checkpoint folder, asking for it
+    (abort_unfinished, as the checkpoint upload does), aborts those started before it, says how
+    much was left, and leaves every other upload alone: one under another folder, and one
+    started after it began (another live uploader's). Without asking (a dataset's shards,
+    which other workers may be writing into the same folder right now) none is touched."""
     import subprocess
 
     checkpoint = tmp_path / "step-00000006"
@@ -620,6 +622,10 @@ def test_an_upload_killed_mid_transfer_has_its_parts_aborted_by_the_next_upload_
     assert len(left) == 1 and sum(len(p) for p in left.values()) >= 1, left
     parts, size = sum(len(p) for p in left.values()), sum(sum(p) for p in left.values())
     elsewhere = _start_unfinished_upload(s3_server, store, "ckpt/step-00000007/__0_0.distcp")
+    with caplog.at_level(logging.WARNING, logger="storage.store"):
+        store.upload_dir(checkpoint, "ckpt/step-00000006")  # not asked: a live writer's may be among them
+    assert _unfinished_uploads(s3_server, store, "ckpt/step-00000006/") == left
+    assert "unfinished" not in caplog.text
 
     live = []
 
@@ -629,7 +635,7 @@ def test_an_upload_killed_mid_transfer_has_its_parts_aborted_by_the_next_upload_
 
     store._client.meta.events.register("before-call.s3.CreateMultipartUpload", another_uploader_starts)
     with caplog.at_level(logging.WARNING, logger="storage.store"):
-        store.upload_dir(checkpoint, "ckpt/step-00000006")
+        store.upload_dir(checkpoint, "ckpt/step-00000006", abort_unfinished=True)
     assert set(_unfinished_uploads(s3_server, store, "ckpt/step-00000006/")) == set(live)
     assert set(_unfinished_uploads(s3_server, store, "ckpt/step-00000007/")) == {elsewhere}
     assert re.search(rf"aborted 1 unfinished multipart upload .*ckpt/step-00000006/.*: {parts} parts?, "
@@ -638,8 +644,8 @@ def test_an_upload_killed_mid_transfer_has_its_parts_aborted_by_the_next_upload_
     # Nothing of the kind on a local store, and nothing to say where nothing was left.
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="storage.store"):
-        open_store(str(tmp_path / "local")).upload_dir(checkpoint, "ckpt/step-00000006")
-        S3Store(s3_uri, part_size=5 * MiB).upload_dir(checkpoint, "ckpt/step-00000008")
+        open_store(str(tmp_path / "local")).upload_dir(checkpoint, "ckpt/step-00000006", abort_unfinished=True)
+        S3Store(s3_uri, part_size=5 * MiB).upload_dir(checkpoint, "ckpt/step-00000008", abort_unfinished=True)
     assert "unfinished" not in caplog.text
     for upload, key in ((elsewhere, "ckpt/step-00000007/__0_0.distcp"), (live[0], "ckpt/step-00000006/__1_0.distcp")):
         s3_server.client().abort_multipart_upload(Bucket=store.bucket, Key=f"{store.prefix}/{key}", UploadId=upload)
