@@ -438,12 +438,36 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 # -- scheduler jobs: slurm, kubernetes ----------------------------------------------------------
 
-def _run(argv: list[str], timeout: float = 120.0) -> str:
-    """A scheduler command; its stdout. Fails with the command's own error message."""
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+class SubmitStopped(Exception):
+    """The attempt was stopped (a cancellation) while its job was being submitted."""
+
+
+def _run(argv: list[str], timeout: float = 120.0, stop: threading.Event | None = None) -> str:
+    """A scheduler command; its stdout. Fails with the command's own error message. With
+    `stop`: killed, raising SubmitStopped, as soon as that is set."""
+    if stop is None:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        stdout, stderr = proc.stdout, proc.stderr
+    else:
+        deadline = time.monotonic() + timeout
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) as proc:
+            while True:
+                try:
+                    stdout, stderr = proc.communicate(
+                        timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+                    break
+                except subprocess.TimeoutExpired as e:
+                    if stop.is_set() or time.monotonic() >= deadline:
+                        proc.kill()
+                        proc.wait()
+                        if stop.is_set():
+                            raise SubmitStopped(f"{argv[0]} stopped: the attempt is being "
+                                                "stopped") from None
+                        raise subprocess.TimeoutExpired(argv, timeout, e.output, e.stderr) from None
     if proc.returncode != 0:
-        raise RuntimeError(f"{shlex.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
-    return proc.stdout
+        raise RuntimeError(f"{shlex.join(argv)} failed ({proc.returncode}): {stderr.strip()}")
+    return stdout
 
 
 # After a forced cancel: how long the scheduler may take to end the job's processes.
@@ -497,6 +521,9 @@ class SchedulerJob:
         self._log: Log = print
         self._next_query = 0.0
         self._failing_since: float | None = None
+        # Set once the job is to be stopped (the live attempt sets its own, before it waits
+        # for start() to end): a submit waiting for its controller gives up at once.
+        self.stop_asked = threading.Event()
 
     def poll(self) -> int | None:
         self.follow_logs()
@@ -561,6 +588,11 @@ def slurm_time_s(text: str) -> int | None:
     else:
         hours, minutes, seconds = 0, parts[0], 0
     return ((days_n * 24 + hours) * 60 + minutes) * 60 + seconds
+
+
+# The least time sbatch is given, also on the last try within launch.scheduler_unreachable_s:
+# a busy controller's answer (the job taken) is not cut off.
+SBATCH_MIN_TIMEOUT_S = 10.0
 
 
 class SlurmLauncher(SchedulerJob):
@@ -666,20 +698,32 @@ class SlurmLauncher(SchedulerJob):
     def _submit(self, script: Path) -> str:
         """sbatch's output for `script`. A controller sbatch cannot find or reach is waited
         for, submitting again after 1, 2, 4 ... (at most 60) s, for launch.scheduler_unreachable_s
-        in all; then, or at once when sbatch refuses the job, SubmitRefused saying what to fix."""
+        in all; then, or at once when sbatch refuses the job, SubmitRefused saying what to fix.
+        A job that may have been taken unanswered is looked up by its name (unique per
+        attempt) before giving up: used if queued, else cancelled by name. `stop_asked` ends
+        the submit at once (SubmitStopped), the job cancelled by name if it may have been taken."""
         argv = self.submit_command(script)
         limit = self.spec.launch.scheduler_unreachable_s
         started, delay, tries = time.monotonic(), 1.0, 0
         maybe_taken = False  # a submission that timed out may have been taken, its answer lost
         while True:
             tries += 1
+            if self.stop_asked.is_set():
+                self._withdraw(maybe_taken)
+                raise SubmitStopped("the attempt was stopped before its job was submitted")
             if maybe_taken and (known := self._queued_by_name()):
                 self._log(f"the controller has this attempt's job already ({known}): not "
                           "submitting it again")
                 return known
             left = limit - (time.monotonic() - started)
-            try:  # sbatch retries a missing slurm.conf for 60 s itself: no longer than `left`
-                return _run(argv, timeout=max(1.0, min(120.0, left)))
+            try:  # sbatch retries a missing slurm.conf for 60 s itself: no longer than `left`,
+                # nor so short that a slow controller's answer is lost
+                return _run(argv, timeout=max(SBATCH_MIN_TIMEOUT_S, min(120.0, left)),
+                            stop=self.stop_asked)
+            except SubmitStopped:
+                self._withdraw(True)  # sbatch was killed on its way: it may have been taken
+                raise SubmitStopped("the attempt was stopped while its job was being "
+                                    "submitted") from None
             except FileNotFoundError:
                 raise SubmitRefused(
                     "sbatch is not on this host's PATH: launch.kind=slurm submits from where the "
@@ -696,6 +740,11 @@ class SlurmLauncher(SchedulerJob):
             maybe_taken = maybe_taken or "timed out" in error or "no answer" in error
             waited = time.monotonic() - started
             if waited + delay > limit:
+                if maybe_taken and (known := self._queued_by_name()):
+                    self._log(f"the controller took this attempt's job ({known}), its answer "
+                              "lost: using it")
+                    return known
+                self._withdraw(maybe_taken)
                 conf = os.environ.get("SLURM_CONF")
                 raise SubmitRefused(
                     f"sbatch found or reached no Slurm controller in {tries} tries over "
@@ -710,8 +759,14 @@ class SlurmLauncher(SchedulerJob):
             self._log(f"no Slurm controller to submit to ({waited:.0f}s so far; giving up after "
                       f"{limit:g}s, launch.scheduler_unreachable_s): submitting again in "
                       f"{delay:g}s. {error}")
-            time.sleep(delay)
+            self.stop_asked.wait(delay)  # the loop's top ends the submit once it is set
             delay = min(2 * delay, 60.0)
+
+    def _withdraw(self, maybe_taken: bool) -> None:
+        """Cancel, by its name, a job a submission that went unanswered may have queued, so
+        that none is left to start later and hold nodes (best effort: logged if it fails)."""
+        if maybe_taken and self._try(["scancel", f"--name={self.spec.name}"], timeout=10.0):
+            self._log(f"cancelled any job named {self.spec.name} (a submission went unanswered)")
 
     def _queued_by_name(self) -> str | None:
         """The id of a queued job named as this attempt's (unique per attempt), if the

@@ -36,8 +36,8 @@ from core.protocol import (ENV_ATTEMPT, ENV_LEASE_HOLDER, ENV_MTBF_S, ENV_ORPHAN
                            ENV_RUN_DIR, ENV_STOP_AFTER, FailureClass, ResumeSpec, in_job_restarts,
                            lease_holder_gone, read_exit_records, read_heartbeat, read_lease,
                            read_starts, write_lease)
-from infra.launchers import (RDZV_CONF_ENV, NodeLaunch, free_port,  # noqa: F401 (free_port: API)
-                             make_launcher)
+from infra.launchers import (RDZV_CONF_ENV, NodeLaunch, SubmitStopped, make_launcher,
+                             free_port)  # noqa: F401 (free_port: API)
 
 
 class LeaseWaitGivenUp(RuntimeError):
@@ -199,7 +199,7 @@ def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt:
     live = _LiveAttempt(launcher, grace_s=config.faults.emergency_save_s)
     try:
         live.start(log)
-        while launcher.poll() is None and not live.stopping:
+        while not live.stopping and launcher.poll() is None:
             time.sleep(poll_s)
             if not launcher.started:  # queued by a scheduler: waiting is not hanging
                 watch.restart()
@@ -432,23 +432,34 @@ class _LiveAttempt:
 
     def __init__(self, launcher, grace_s: float):
         self.launcher, self.grace_s = launcher, grace_s
-        self.stopping = False
+        # Set by stop() before it waits for start(): a launcher's start that waits (a submit
+        # retried while the scheduler's controller is away) sees it and ends at once.
+        self.stop_asked = threading.Event()
+        launcher.stop_asked = self.stop_asked
         self.cancelled = False  # stopped from outside (stop_live_attempts), not by the supervisor
         self._lock = threading.Lock()
         self._code: int | None = None
         with self._registry_lock:
             self._registry.add(self)
 
+    @property
+    def stopping(self) -> bool:
+        return self.stop_asked.is_set()
+
     def start(self, log) -> None:
         """Start the launcher, unless a stop came first; a stop that comes during the start
-        waits for it, so it finds the job to stop."""
+        waits for it, so it finds the job to stop. A stop ends a start still submitting the
+        job (SubmitStopped): the attempt then ends as stopped, as one stopped while running."""
         with self._lock:
             if self._code is not None:
                 raise RuntimeError("the attempt was stopped before it started")
-            self.launcher.start(log)
+            try:
+                self.launcher.start(log)
+            except SubmitStopped as e:
+                log(str(e))
 
     def stop(self, grace_s: float | None = None) -> int:
-        self.stopping = True
+        self.stop_asked.set()
         with self._lock:
             if self._code is None:
                 try:

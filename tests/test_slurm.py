@@ -265,6 +265,26 @@ def sbatch_calls(calls: Path) -> int:
     return len(calls.read_text().splitlines()) if calls.is_file() else 0
 
 
+def answer_lost_sbatch(tmp_path, monkeypatch) -> None:
+    """Put a `sbatch` first on PATH that submits with the real one, then never answers (a
+    controller that took the job while the answer was lost: sbatch times out)."""
+    shim = tmp_path / "bin" / "sbatch"
+    shim.parent.mkdir(parents=True)
+    shim.write_text(f'#!/bin/bash\n{shutil.which("sbatch")} "$@" > /dev/null\nexec sleep 600\n')
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim.parent}:{os.environ['PATH']}")
+
+
+def unreachable_controller(tmp_path, slurm, monkeypatch) -> Path:
+    """SLURM_CONF names a slurm.conf whose controller port has nobody listening; returns it."""
+    conf = tmp_path / "slurm.conf"
+    text = Path(slurm.conf).read_text()
+    conf.write_text(re.sub(r"SlurmctldPort=\d+", f"SlurmctldPort={free_port()}", text)
+                    + "MessageTimeout=1\n")  # sbatch's own connect retries: 1 s, not 10
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    return conf
+
+
 def test_no_controller_to_reach_is_waited_for_then_fails_the_run_once_as_config(
         tmp_path, dataset, slurm, prefect_api, monkeypatch):
     """The shell of a new user: SLURM_CONF not exported, so sbatch finds no slurm.conf and
@@ -298,12 +318,8 @@ def test_a_controller_that_refuses_connections_is_waited_for(tmp_path, dataset, 
     """SLURM_CONF names a slurm.conf whose controller port has nobody listening: sbatch's
     "Unable to contact slurm controller" is retried with a backoff and logged, then the
     attempt fails as config with the sbatch error and what to check."""
-    conf = tmp_path / "slurm.conf"
-    text = Path(slurm.conf).read_text()
-    conf.write_text(re.sub(r"SlurmctldPort=\d+", f"SlurmctldPort={free_port()}", text)
-                    + "MessageTimeout=1\n")  # sbatch's own connect retries: 1 s, not 10
+    conf = unreachable_controller(tmp_path, slurm, monkeypatch)
     calls = counting_sbatch(tmp_path, monkeypatch)
-    monkeypatch.setenv("SLURM_CONF", str(conf))
     config = slurm_config(tmp_path, "launch.scheduler_unreachable_s=4")
     lines: list[str] = []
     with pytest.raises(ConfigError) as failed:
@@ -313,6 +329,69 @@ def test_a_controller_that_refuses_connections_is_waited_for(tmp_path, dataset, 
     waits = [line for line in lines if "Slurm controller" in line and "submitting again" in line]
     assert len(waits) == sbatch_calls(calls) - 1 >= 1, lines
     assert not any(line.startswith("submitted Slurm job") for line in lines)
+
+
+def test_a_submit_waiting_for_the_controller_ends_when_the_attempt_is_stopped(
+        tmp_path, dataset, slurm, monkeypatch):
+    """A cancellation during a controller outage: the submit's backoff (here up to 600 s)
+    ends within seconds, no job is submitted, and the attempt ends cancelled."""
+    unreachable_controller(tmp_path, slurm, monkeypatch)
+    config = slurm_config(tmp_path, "launch.scheduler_unreachable_s=600")
+    lines: list[str] = []
+    thread, results = in_background(attempt, config, dataset, lines)
+    wait_for(lambda: any("submitting again" in line for line in lines), timeout_s=60,
+             what="a wait for the controller", every_s=0.2)
+    started = time.monotonic()
+    for stopping in stop_live_attempts(grace_s=60):
+        stopping.join(timeout=30)
+    thread.join(timeout=10)
+    assert time.monotonic() - started < 5, lines
+    assert results and results[0].failure_class == "cancelled", lines
+    assert not any(line.startswith("submitted Slurm job") for line in lines)
+
+
+def test_a_stop_during_a_submit_whose_answer_is_lost_leaves_no_job_queued(
+        tmp_path, dataset, slurm, monkeypatch):
+    """Stopped while sbatch, its job taken, gives no answer: the job is cancelled by its
+    name, so none is left to start later and hold nodes."""
+    answer_lost_sbatch(tmp_path, monkeypatch)
+    config = slurm_config(tmp_path, "launch.scheduler_unreachable_s=600",
+                          "launch.slurm.extra_sbatch=[--hold]")  # pending: nothing runs
+    lines: list[str] = []
+    thread, results = in_background(attempt, config, dataset, lines)
+    wait_for(slurm.queue, timeout_s=60, what="the job queued", every_s=0.2)
+    started = time.monotonic()
+    for stopping in stop_live_attempts(grace_s=60):
+        stopping.join(timeout=30)
+    thread.join(timeout=10)
+    assert time.monotonic() - started < 15, lines
+    assert results and results[0].failure_class == "cancelled", lines
+    assert slurm.queue() == [], lines
+
+
+def test_a_job_taken_whose_answer_was_lost_is_used_even_on_the_last_try(
+        tmp_path, dataset, slurm, monkeypatch):
+    """sbatch took the job but its answer was lost (it timed out) on the last try within
+    launch.scheduler_unreachable_s: the job found by its name is the attempt's, not left in
+    the queue behind a configuration error."""
+    answer_lost_sbatch(tmp_path, monkeypatch)
+    config = slurm_config(tmp_path, "launch.scheduler_unreachable_s=4",
+                          "launch.slurm.extra_sbatch=[--hold]")  # pending: nothing runs
+    lines: list[str] = []
+    thread, results = in_background(attempt, config, dataset, lines)
+    wait_for(lambda: not thread.is_alive() or any(line.startswith("submitted Slurm job")
+                                                  for line in lines),
+             timeout_s=90, what="the submit's end", every_s=0.2)
+    try:
+        assert any(line.startswith("submitted Slurm job") for line in lines), lines
+        assert slurm.queue() == [job_id(lines)]
+        assert any("its answer lost" in line for line in lines), lines
+    finally:
+        for stopping in stop_live_attempts(grace_s=60):
+            stopping.join(timeout=60)
+        thread.join(timeout=30)
+    assert results and results[0].failure_class == "cancelled", lines
+    assert slurm.queue() == []
 
 
 @pytest.mark.parametrize("setting, said, field", [
