@@ -142,11 +142,11 @@ def serve_all(config: RunConfig, eval_cron: str | None = None, train_cron: str |
     them over (their parameters, schedules and pull steps replaced), and their worker could no
     longer run them once this process stopped."""
     deployments = build_deployments(config, eval_cron, train_cron, train_time_limit_s)
-    from flows.cli import _flow_runs_recorded_by, _temporary_server
+    from flows.local_api import flow_runs_recorded_by, temporary_server
 
-    server = _temporary_server()  # None where PREFECT_API_URL names a server
+    server = temporary_server()  # None where PREFECT_API_URL names a server
     try:
-        with _flow_runs_recorded_by(server):
+        with flow_runs_recorded_by(server):
             _serve(deployments, on_a_temporary_server=server is not None)
     except KeyboardInterrupt:  # before the runner started
         pass

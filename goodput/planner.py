@@ -1860,9 +1860,10 @@ def _size(x: float) -> str:
 
 
 def format_table(plans: list[LayoutPlan], limit: int | None = None) -> str:
-    """One line per layout: memory split in GiB, bubble, communication, estimated step time."""
+    """One line per layout: memory split in GiB (need: the peak, plus on CPU workers what their
+    processes hold beside it), bubble, communication, estimated step time."""
     header = ("rank", "dp_rep", "dp_shard", "cp", "tp", "pp", "weights", "grads", "optim", "buffers",
-              "acts", "peak GiB", "bubble", "comm/step", "step s", "tokens/s", "verdict")
+              "acts", "need GiB", "bubble", "comm/step", "step s", "tokens/s", "verdict")
     rows = []
     shown = plans if limit is None else plans[:limit]
     for i, p in enumerate(shown, 1):

@@ -16,7 +16,8 @@ cd "$(dirname "$0")/.."
 dest=${1:-.goodput/wheels}
 python_version=${2:-3.12}
 python=${PYTHON:-.venv/bin/python}
-pins=$("$python" - <<'EOF'
+pins=$(TARGET_PYTHON="$python_version" "$python" - <<'EOF'
+import os
 import re
 from importlib.metadata import PackageNotFoundError, distribution
 
@@ -68,7 +69,7 @@ def walk(package: str) -> None:
     for text in dist.requires or []:
         requirement = Requirement(text)
         if requirement.marker is None or requirement.marker.evaluate(
-                {"extra": "", "python_version": "3.12", "sys_platform": "linux",
+                {"extra": "", "python_version": os.environ["TARGET_PYTHON"], "sys_platform": "linux",
                  "platform_system": "Linux", "platform_machine": "x86_64"}):
             walk(requirement.name)
 

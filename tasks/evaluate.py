@@ -18,7 +18,7 @@ from goodput.checkpoint_lifecycle import eval_history, ledger_of
 from storage.ledger import readable_copy
 from storage.manifests import EvalReport
 from storage.store import store_from_config
-from tasks.prepare import retry_if_transient
+from tasks.retries import retry_if_transient
 from tasks.reporting import artifact_key, publish_goodput
 
 

@@ -7,7 +7,6 @@ files and other machines where a Prefect cache key would not.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import signal
@@ -21,31 +20,14 @@ from prefect.cache_policies import NO_CACHE
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
 from core.config import DataConfig, PrepareConfig, RunConfig, SourceConfig, StorageConfig
-from core.errors import ConfigError, DataError
+from core.errors import ConfigError
 from core.process_exit import die_with_parent
 from goodput.data import prepare as lib
 from storage.manifests import DatasetManifest, MixtureManifest
 from storage.store import store_from_config
+from tasks.retries import retry_if_transient
 
 TAGS = ["prepare"]
-_NOT_TRANSIENT = {errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EROFS}
-
-
-def retry_if_transient(task, task_run, state) -> bool:
-    """Bad input (DataError, ConfigError), refused credentials and a full or read-only disk
-    fail at once; other errors (a network filesystem, the store, a vanished object) are worth
-    a retry."""
-    try:
-        state.result()
-    except (DataError, ConfigError, PermissionError):
-        return False
-    except OSError as e:
-        return e.errno not in _NOT_TRANSIENT
-    except Exception:
-        return True
-    return True
-
-
 # Reading sources, the store and shards touches disks and networks that fail transiently.
 _io_retries = dict(retries=2, retry_delay_seconds=[2, 10], retry_condition_fn=retry_if_transient)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from core.config import load_config
-from flows import cli
+from flows import cli, local_api
 from goodput.data import prepare as prep
 from storage.store import store_from_config
 from tests.helpers import COMMAND_THEN_MODULES, REPO
@@ -126,16 +126,16 @@ def test_flow_runs_on_the_temporary_server_send_heartbeats_only_where_an_automat
     from prefect.settings import get_current_settings
 
     def heartbeat_frequency_while_the_flows_run():
-        with cli._no_heartbeats_unless_watched():
+        with local_api.no_heartbeats_unless_watched():
             return get_current_settings().flows.heartbeat_frequency
 
     default = get_current_settings().flows.heartbeat_frequency
-    assert default and not cli._heartbeats_watched()
+    assert default and not local_api.heartbeats_watched()
     assert heartbeat_frequency_while_the_flows_run() is None
 
     zombies = EventTrigger(
         match={"prefect.resource.id": "prefect.flow-run.00000000-0000-0000-0000-000000000000"},
-        after={cli.HEARTBEAT_EVENT}, expect={cli.HEARTBEAT_EVENT, "prefect.flow-run.Completed"},
+        after={local_api.HEARTBEAT_EVENT}, expect={local_api.HEARTBEAT_EVENT, "prefect.flow-run.Completed"},
         for_each={"prefect.resource.id"}, posture=Posture.Proactive, threshold=1, within=90)
     with get_client(sync_client=True) as client:
         ids = [client.create_automation(AutomationCore(
@@ -143,10 +143,10 @@ def test_flow_runs_on_the_temporary_server_send_heartbeats_only_where_an_automat
             actions=[ChangeFlowRunState(state=StateType.CRASHED)]))
             for state, enabled in (("off", False), ("on", True))]
         try:
-            assert cli._heartbeats_watched()
+            assert local_api.heartbeats_watched()
             assert heartbeat_frequency_while_the_flows_run() == default
             client.delete_automation(ids.pop())  # the enabled one: a disabled one acts on nothing
-            assert not cli._heartbeats_watched()
+            assert not local_api.heartbeats_watched()
             assert heartbeat_frequency_while_the_flows_run() is None
         finally:
             for automation_id in ids:
@@ -247,7 +247,7 @@ def test_clients_of_the_temporary_server_ask_it_for_csrf_tokens_only_where_it_wa
                              PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED: protected}):
         server = TemporaryServer()
         try:
-            with cli._flow_runs_recorded_by(server):
+            with local_api.flow_runs_recorded_by(server):
                 assert get_current_settings().client.csrf_support_enabled is protected
                 assert os.environ.get("PREFECT_CLIENT_CSRF_SUPPORT_ENABLED") == (
                     None if protected else "false")
@@ -264,7 +264,7 @@ def test_clients_of_the_temporary_server_ask_it_for_csrf_tokens_only_where_it_wa
 # server to record them (in the configuration a `goodput` command gives Prefect), then the stop.
 MANY_QUICK_TASKS = """
 import os, sys, time
-from flows import cli
+from flows import cli, local_api
 from infra.temporary_server import TemporaryServer
 
 cli._prefect_defaults()
@@ -284,7 +284,7 @@ def many(n):
 began = time.time()
 assert many(int(sys.argv[1])) == sum(range(int(sys.argv[1])))
 waited = time.time()
-cli._let_the_api_record(server, began)
+local_api.let_the_api_record(server, began)
 print(f"waited {time.time() - waited:.2f} s")
 server.stop()
 """

@@ -907,7 +907,7 @@ def test_plain_errors_are_not_retried_as_if_transient():
 
     from prefect.states import Failed
 
-    from tasks.prepare import retry_if_transient
+    from tasks.retries import retry_if_transient
 
     def retried(error: BaseException) -> bool:
         return retry_if_transient(None, None, Failed(data=error))
