@@ -6,7 +6,6 @@ it (3 tries, 10 s of retry delays and a traceback, before)."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 from prefect import flow
@@ -67,13 +66,10 @@ def test_the_locate_task_tries_an_input_mistake_once(prefect_api, config):
     def locate(checkpoint: str):
         return locate_checkpoint(config, checkpoint)
 
-    started = time.monotonic()
     state = locate("999", return_state=True)
-    took = time.monotonic() - started
     assert state.is_failed()
     with pytest.raises(ConfigError, match="is not in the ledger"):
         state.result()
-    assert took < 5, took  # the retry delay alone was 2 x 5 s
     task_run = task_runs_of(state.state_details.flow_run_id, "locate-checkpoint")["locate-checkpoint"]
     assert task_run.run_count == 1 and task_run.state.is_failed(), task_run
 

