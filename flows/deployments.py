@@ -142,9 +142,13 @@ def serve_all(config: RunConfig, eval_cron: str | None = None, train_cron: str |
     them over (their parameters, schedules and pull steps replaced), and their worker could no
     longer run them once this process stopped."""
     deployments = build_deployments(config, eval_cron, train_cron, train_time_limit_s)
+    from prefect.settings import PREFECT_API_URL
+
     from flows.local_api import flow_runs_recorded_by, temporary_server
 
-    server = temporary_server()  # None where PREFECT_API_URL names a server
+    # Prefect is imported here: its settings say whether a server is configured (the
+    # environment, a profile, or settings changed in this process).
+    server = None if PREFECT_API_URL.value() else temporary_server()
     try:
         with flow_runs_recorded_by(server):
             _serve(deployments, on_a_temporary_server=server is not None)

@@ -25,6 +25,8 @@ PREFECT_HOME). Started here instead:
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import socket
 import subprocess
@@ -158,6 +160,25 @@ class RetrySoonWhenBusy:
         await self.app(scope, receive, send_with_retry_after)
 
 
+class _NoCancellationTracebacks(logging.Filter):
+    """Drops records of a task cancelled (asyncio.CancelledError): in this server that is its
+    stop, and a service cancelled mid-write (the task-run recorder's flush) logged a 40-line
+    traceback into the output of a command stopped by Ctrl-C."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
+
+
+def _quiet_cancellations() -> None:
+    """The filter on every handler Prefect's logging set up in this process."""
+    quiet = _NoCancellationTracebacks()
+    loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(logger, logging.Logger))]
+    for logger in loggers:
+        for handler in logger.handlers:
+            handler.addFilter(quiet)
+
+
 def _serve_when_told(listener_fd: int) -> int:
     """The server process: import the server, then serve on the inherited socket once the
     command says so; exit quietly at the end of its input."""
@@ -177,6 +198,7 @@ def _serve_when_told(listener_fd: int) -> int:
     listener = socket.socket(fileno=listener_fd)
     if sys.stdin.buffer.readline() != SERVE:
         return 0
+    _quiet_cancellations()
     server = uvicorn.Server(config)  # serves the loaded app
     server.run(sockets=[listener])
     return 0 if server.started else STARTUP_FAILURE

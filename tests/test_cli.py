@@ -76,12 +76,12 @@ def test_a_data_error_through_the_flows_is_its_message_and_exit_status_2(tmp_pat
                           capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
-    assert f"goodput: prepare failed: no files match '{missing}'" in proc.stderr
+    assert f"goodput: prepare failed: '{missing}' (data.source='{missing}') does not exist" in proc.stderr
     assert "Traceback" not in out and "run directory:" not in out
     # Once where it happened (the task run's line), once as the command's answer: not again
     # as each of the two flow runs around it fails (7 times in all, before).
-    assert out.count(f"no files match '{missing}'") == 2, out[-3000:]
-    assert "exception DataError: no files match" in out
+    assert out.count(f"'{missing}' (data.source='{missing}') does not exist") == 2, out[-3000:]
+    assert f"exception DataError: '{missing}'" in out
 
 
 def test_the_flow_runs_when_there_is_something_to_publish_or_a_server_to_show_it(

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from core.config import dump_config
-from flows.cli import HEARTBEAT_EVENT
+from flows.local_api import HEARTBEAT_EVENT
 from flows.pipeline import pipeline
 from flows.train import train
 from storage import open_store

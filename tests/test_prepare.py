@@ -351,7 +351,7 @@ def test_training_finds_the_dataset_when_the_sources_are_gone(tmp_path):
         prep.prepare_dataset(config)
     # Another data setting was never prepared: it says so and what it looked for.
     other = make_config(tmp_path, f"data.source={source}", "data.validation_fraction=0.2")
-    with pytest.raises(DataError, match="no files match.*no dataset was prepared from these"):
+    with pytest.raises(DataError, match="does not exist.*no dataset was prepared from these"):
         prep.locate(other, store)
 
 
