@@ -102,7 +102,7 @@ def test_stopping_an_attempt_signals_the_workers_and_waits_for_the_job_to_end(tm
     config = slurm_config(tmp_path, "training.max_steps=100000", "checkpoint.every_steps=1000")
     lines: list[str] = []
     thread, results = in_background(attempt, config, dataset, lines)
-    wait_for(lambda: trained_to(config) >= 3, timeout_s=180,
+    wait_for(lambda: trained_to(config) >= 3, timeout_s=420,
              what="training on Slurm", every_s=0.2)
     for stopping in stop_live_attempts(grace_s=60):
         stopping.join(timeout=120)
@@ -123,7 +123,7 @@ def test_a_job_whose_workers_ignore_sigterm_is_cancelled_after_the_grace(tmp_pat
                           "faults.hang_at_step=3", "run.hang_timeout_s=900")
     lines: list[str] = []
     thread, results = in_background(attempt, config, dataset, lines)
-    wait_for(lambda: trained_to(config) >= 3, timeout_s=180, what="the frozen step", every_s=0.2)
+    wait_for(lambda: trained_to(config) >= 3, timeout_s=420, what="the frozen step", every_s=0.2)
     started = time.monotonic()
     for stopping in stop_live_attempts(grace_s=5):
         stopping.join(timeout=120)
