@@ -29,16 +29,13 @@ import re
 import shutil
 import tempfile
 import uuid
-import warnings
 from pathlib import Path
 from typing import NamedTuple
 from urllib.parse import unquote, urlparse
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from core.files import sha256_file
 from core.hf_llama import SHARD_INDEX, SINGLE_FILE
@@ -284,7 +281,10 @@ def read_checkpoint_from_store(url: str, cache_dir: Path, *, endpoint_url: str |
     try:
         store = open_store(root, endpoint_url=endpoint_url, region=region)
         reader = StoreReader(store, name, cache_dir)
-        state = _load_tensors(reader, prefix="model.")
+        try:
+            state = model_state_from(load_all_tensors(prefix="model.", reader=reader))
+        except CheckpointException as e:  # the reader's error, wrapped by DCP
+            raise causes(e)[0] from None
     except FileNotFoundError as e:
         raise ExportError(f"no committed checkpoint at {url} ({e}); give the URL of an uploaded "
                           "checkpoint, such as s3://BUCKET/PREFIX/runs/RUN/checkpoints/step-00000300") from None
@@ -294,24 +294,8 @@ def read_checkpoint_from_store(url: str, cache_dir: Path, *, endpoint_url: str |
     except (OSError, ValueError) as e:  # refused credentials, an unreachable endpoint, a bad URL
         raise ExportError(f"{url}: {e}") from None
     manifest = reader.manifest
-    _check_fits(model_state_from(state), model_args_of(manifest), url)
-    return manifest, model_state_from(state)
-
-
-def _load_tensors(reader: StoreReader, prefix: str) -> dict:
-    """load_all_tensors through `reader`: the entries under `prefix`, whatever layout saved them."""
-    state = {}
-    for fqn, meta in reader.read_metadata().state_dict_metadata.items():
-        if fqn.startswith(prefix):
-            state[fqn] = (torch.empty(meta.size, dtype=meta.properties.dtype)
-                          if isinstance(meta, TensorStorageMetadata) else None)
-    try:
-        with warnings.catch_warnings():  # single-process load is the point here
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=reader, no_dist=True)
-    except CheckpointException as e:  # the reader's error, wrapped by DCP
-        raise causes(e)[0] from None
-    return state
+    _check_fits(state, model_args_of(manifest), url)
+    return manifest, state
 
 
 def _check_fits(state: dict[str, torch.Tensor], args: ModelArgs, path: Path | str) -> None:

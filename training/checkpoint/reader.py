@@ -132,10 +132,11 @@ def load_into(reader: VerifiedReader, model_parts, optimizers, extra_template: d
     return {k: v for k, v in state.items() if k not in ("model", "optim")}
 
 
-def load_all_tensors(path: Path, prefix: str = "") -> dict:
+def load_all_tensors(path: Path | None = None, prefix: str = "", reader=None) -> dict:
     """Every entry (under `prefix`) of a DCP checkpoint, loaded in this process whatever
-    layout saved it."""
-    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    layout saved it: the directory `path`, or through a DCP storage `reader` (StoreReader: a
+    checkpoint in the store)."""
+    metadata = (reader or dcp.FileSystemReader(str(path))).read_metadata()
     state = {}
     for fqn, meta in metadata.state_dict_metadata.items():
         if not fqn.startswith(prefix):
@@ -146,7 +147,10 @@ def load_all_tensors(path: Path, prefix: str = "") -> dict:
             state[fqn] = None  # a pickled object; DCP puts the loaded value here
     with warnings.catch_warnings():  # single-process load is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        if reader is None:
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        else:
+            dcp.load(state, storage_reader=reader, no_dist=True)
     return state
 
 
