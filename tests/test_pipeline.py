@@ -305,36 +305,53 @@ def test_a_cancel_nobody_acts_on_stops_training_and_secures_its_checkpoint(prefe
 def test_a_cancel_while_waiting_for_the_runs_lease_ends_the_wait(prefect_api, tmp_path):
     """The same cancel while another holder trains the run: the wait for the lease ends and
     the flow run ends Cancelled (it waited for the holder, possibly hours)."""
+    import logging
     import threading
+    from uuid import UUID
 
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
-    from prefect.client.schemas.objects import StateType
     from prefect.states import Cancelling
 
     from goodput.data.prepare import prepare_dataset
     from infra.torchrun import RunLease
     from tasks.control import CANCEL_POLL_S
 
+    class WaitSeen(logging.Handler):
+        """Set when the flow run (a thread of this process) logs that it waits for the lease:
+        the cancel must reach the wait itself, not the stages before it (on a loaded machine
+        those took a minute)."""
+        def __init__(self):
+            super().__init__()
+            self.seen = threading.Event()
+            self.flow_run_id = None
+
+        def emit(self, record):
+            if "is being trained by another flow run" in record.getMessage():
+                self.flow_run_id = getattr(record, "flow_run_id", None)
+                self.seen.set()
+
     config = small_config(tmp_path, "run.run_id=waiting")
     prepare_dataset(config)
     ended = {}
-    with RunLease(config, "another flow run").held(print):  # held, renewed, by this process
-        flow = threading.Thread(target=lambda: ended.update(state=train(config, return_state=True)))
-        flow.start()
-        running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])))
-        with get_client(sync_client=True) as client:
-            deadline = time.monotonic() + 120
-            runs = []
-            while not runs and time.monotonic() < deadline:
-                time.sleep(0.5)
-                runs = [r for r in client.read_flow_runs(flow_run_filter=running) if r.flow_id
-                        and client.read_flow(r.flow_id).name == "train"]
-            [run] = runs
-            time.sleep(2)  # into the wait
-            client.set_flow_run_state(run.id, Cancelling(), force=True)
-        flow.join(timeout=CANCEL_POLL_S + 60)
-        assert not flow.is_alive(), "the flow run went on waiting after its cancellation"
+    wait_seen = WaitSeen()
+    flow_runs_logger = logging.getLogger("prefect.flow_runs")
+    flow_runs_logger.addHandler(wait_seen)
+    try:
+        with RunLease(config, "another flow run").held(print):  # held, renewed, by this process
+            flow = threading.Thread(
+                target=lambda: ended.update(state=train(config, return_state=True)))
+            flow.start()
+            deadline = time.monotonic() + 600
+            while not wait_seen.seen.wait(0.5) and flow.is_alive() and time.monotonic() < deadline:
+                pass
+            assert wait_seen.seen.is_set(), f"the flow run never waited for the lease: {ended}"
+            time.sleep(1)  # into the wait
+            with get_client(sync_client=True) as client:
+                client.set_flow_run_state(UUID(wait_seen.flow_run_id), Cancelling(), force=True)
+            flow.join(timeout=CANCEL_POLL_S + 60)
+            assert not flow.is_alive(), "the flow run went on waiting after its cancellation"
+    finally:
+        flow_runs_logger.removeHandler(wait_seen)
     assert ended["state"].is_cancelled(), ended["state"]
     assert "gave up waiting for the run's lease" in ended["state"].message
     assert not (config.run_dir.path / "attempts").exists() or not list(
