@@ -1131,6 +1131,38 @@ def test_the_vocabulary_is_padded_so_tensor_parallelism_can_split_it():
         assert (out[0, 4:] < 50).all(), out
 
 
+@pytest.mark.parametrize("shape", [{}, {"n_kv_heads": 1, "qk_norm": True, "qkv_bias": True},
+                                   {"moe": {"num_experts": 4, "top_k": 2}}],
+                         ids=["llama", "gqa-qwen", "moe"])
+def test_generation_keeps_keys_and_values_and_picks_what_the_whole_window_picks(shape):
+    """Transformer.stream runs each new token alone against the kept keys and values; its
+    logits equal those of the whole sequence run again, and past max_seq_len (the window
+    slides) it picks what running the window's last max_seq_len tokens picks."""
+    import torch
+
+    from training.model import KVCache
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, dim=32, n_layers=2, n_heads=2, max_seq_len=12,
+                                  **shape), seed=3).eval()
+    prompt = torch.randint(0, 64, (2, 5))
+    cache, tokens = KVCache(), prompt
+    with torch.no_grad():
+        step = model(prompt, cache=cache)
+        for _ in range(4):
+            whole = model(tokens)
+            assert torch.allclose(step[:, -1], whole[:, -1], atol=1e-5), (step[:, -1] - whole[:, -1]).abs().max()
+            tokens = torch.cat([tokens, whole[:, -1].argmax(-1, keepdim=True)], dim=1)
+            step = model(tokens[:, -1:], cache=cache)
+        assert cache.length == tokens.shape[1]
+
+        expected = prompt  # 20 new tokens: the window slides from the 8th on
+        for _ in range(20):
+            logits = model(expected[:, -12:])[:, -1]
+            expected = torch.cat([expected, logits.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(model.generate(prompt, 20, temperature=0), expected)
+
+
 def test_check_raises_a_config_error_naming_the_fixes():
     config = load_config(None, list(LLAMA2_7B) + ["parallelism.nproc_per_node=8",
                                                    "parallelism.dp_replicate=8"])

@@ -31,6 +31,7 @@ import math
 import os
 import sys
 import time
+from itertools import islice
 from pathlib import Path
 from typing import NamedTuple
 
@@ -264,12 +265,14 @@ def _make_lm_class():
                 # window slid per token gave other text than the hf model on long prompts).
                 context_ids = (self.tok_encode(context) or [self.eot_token_id])[-max(1, self.max_length - max_new):]
                 tokens = torch.tensor([context_ids], device=self.device)
-                start, text = tokens.shape[1], ""
-                for _ in range(max_new):
-                    tokens = self.model.generate(tokens, 1, temperature=0, n_tokens=n_tokens)
-                    if tokens[0, -1].item() == self.eot_token_id:
+                generated, text = [], ""
+                # One token at a time against the kept keys and values (Transformer.stream).
+                for next_id in islice(self.model.stream(tokens, temperature=0, n_tokens=n_tokens),
+                                      max_new):
+                    if next_id.item() == self.eot_token_id:
                         break
-                    text = self.tok_decode(tokens[0, start:].tolist())
+                    generated.append(next_id.item())
+                    text = self.tok_decode(generated)
                     if any(stop in text for stop in until):
                         break
                 for stop in until:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import math
 import zlib
+from itertools import islice
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -96,6 +98,34 @@ def repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.
     return k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
 
 
+class LayerKV:
+    """One layer's keys and values of the positions a generation has run (KVCache)."""
+
+    def __init__(self):
+        self.k = self.v = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add the new positions' keys and values (batch, kv_heads, new, head_dim); returns
+        those of every position so far."""
+        if self.k is not None:
+            k, v = torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+        self.k, self.v = k, v
+        return k, v
+
+
+class KVCache:
+    """What a generation has computed of the positions it ran, by layer: each new token
+    attends to their keys and values instead of the whole sequence being run again
+    (Transformer.stream). `length`: the positions it holds."""
+
+    def __init__(self):
+        self.layers: dict[str, LayerKV] = {}
+        self.length = 0
+
+    def layer(self, name: str) -> LayerKV:
+        return self.layers.setdefault(name, LayerKV())
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -111,7 +141,7 @@ class Attention(nn.Module):
         self.core = CausalAttention()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+                mask: torch.Tensor | None = None, cache: LayerKV | None = None) -> torch.Tensor:
         batch, seq, _ = x.shape
         cos, sin = cos[..., :seq, :], sin[..., :seq, :]
         # Head counts come from the projections' outputs (-1), so the same code runs when
@@ -123,6 +153,10 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(batch, seq, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # generation: the earlier positions' keys and values are kept
+            k, v = cache.append(k, v)
+            # Each new position attends to every earlier one and to the new ones up to itself.
+            mask = torch.ones(seq, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - seq)
         out = self.core(q, k, v, mask=mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -150,9 +184,9 @@ class Block(nn.Module):
         self.feed_forward = None if moe else FeedForward(args)
         self.moe = MoE(args.dim, args.expert_hidden, args.moe_args) if moe else None
 
-    def forward(self, x, cos, sin, mask=None):
-        # mask by keyword: tensor parallelism lays out the positional inputs (x, cos, sin)
-        x = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
+    def forward(self, x, cos, sin, mask=None, cache=None):
+        # mask and cache by keyword: tensor parallelism lays out the positional inputs
+        x = x + self.attention(self.attention_norm(x), cos, sin, mask=mask, cache=cache)
         ffn = self.moe if self.moe is not None else self.feed_forward
         return x + ffn(self.ffn_norm(x))
 
@@ -258,7 +292,7 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                loss_chunk_tokens: int = 0):
+                loss_chunk_tokens: int = 0, cache: KVCache | None = None):
         """tokens: (batch, seq) ids. Returns logits, or the mean cross-entropy with targets:
         with `loss_chunk_tokens`, from the output layer's weight that many tokens at a time,
         never holding the whole batch's logits (linear_cross_entropy).
@@ -269,15 +303,23 @@ class Transformer(nn.Module):
         Packed sequences (evaluation scores several continuations of one context in one
         row): `positions` (batch, seq) is each token's position, `mask` (batch, 1, seq, seq)
         True where a token may attend. Default: positions 0, 1, ... and causal attention.
+
+        Generation (`cache`): `tokens` are the positions after those the cache holds; their
+        keys and values join it.
         """
         # Attention slices the rotary tables to its own sequence length: a pipeline stage
         # with sequence parallelism receives only this rank's part of the sequence.
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_cos, self.rope_sin
+        if cache is not None:
+            positions = torch.arange(cache.length, cache.length + tokens.shape[1],
+                                     device=tokens.device).expand(tokens.shape[0], -1)
         if positions is not None:  # each row's own angles, broadcast over the heads
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
-        for layer in self.layers.values():
-            x = layer(x, cos, sin, mask=mask)
+        for name, layer in self.layers.items():
+            x = layer(x, cos, sin, mask=mask, cache=None if cache is None else cache.layer(name))
+        if cache is not None:
+            cache.length += tokens.shape[1]
         if self.output is None:
             return x
         x = self.norm(x)
@@ -320,11 +362,28 @@ class Transformer(nn.Module):
     def generate(self, tokens: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None,
                  n_tokens: int | None = None) -> torch.Tensor:
-        """Continue `tokens`; only ids below `n_tokens` (the tokenizer's size, when the
-        vocabulary is padded) are ever chosen."""
-        for _ in range(max_new_tokens):
-            context = tokens[:, -self.args.max_seq_len:]
-            logits = self(context)[:, -1, :n_tokens].float()
+        """`tokens` (batch, seq) followed by `max_new_tokens` more (stream)."""
+        new = islice(self.stream(tokens, temperature, top_k, generator, n_tokens), max_new_tokens)
+        return torch.cat([tokens, *new], dim=1)
+
+    @torch.no_grad()
+    def stream(self, tokens: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
+               generator: torch.Generator | None = None,
+               n_tokens: int | None = None) -> Iterator[torch.Tensor]:
+        """Continue `tokens` (batch, seq): yields each next token (batch, 1), for as long as
+        the caller asks. Temperature 0 picks the likeliest; otherwise a sample among the
+        `top_k` likeliest. Only ids below `n_tokens` (the tokenizer's size, when the
+        vocabulary is padded) are ever chosen.
+
+        Each step runs the new token alone against the kept keys and values (KVCache). Past
+        max_seq_len the window slides: each step then runs the last max_seq_len tokens from
+        position 0, as training saw sequences."""
+        window = self.args.max_seq_len
+        cache, new = KVCache(), tokens[:, -window:]
+        while True:
+            if cache.length + new.shape[1] > window:
+                cache, new = KVCache(), tokens[:, -window:]
+            logits = self(new, cache=cache)[:, -1, :n_tokens].float()
             if temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)
             else:
@@ -334,8 +393,8 @@ class Transformer(nn.Module):
                     logits = logits.masked_fill(logits < kth, float("-inf"))
                 probs = F.softmax(logits, dim=-1)
                 next_id = torch.multinomial(probs, num_samples=1, generator=generator)
-            tokens = torch.cat([tokens, next_id], dim=1)
-        return tokens
+            tokens, new = torch.cat([tokens, next_id], dim=1), next_id
+            yield next_id
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
