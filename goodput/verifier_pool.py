@@ -27,6 +27,8 @@ import threading
 import time
 from pathlib import Path
 
+from core.cpu_priority import lower_session_priority
+
 # Hand a request only to a verifier idle for less than this: it exits by itself at 300 s
 # (IDLE_EXIT_S), and one asked as it leaves would look crashed.
 IDLE_REUSE_S = 240.0
@@ -50,6 +52,9 @@ class _Verifier:
             # checkpoint being judged still gets its verdict (the verifier exits when the
             # flow process closes its input).
             start_new_session=True)
+        # Its session's scheduling group too: at an equal share it took as much CPU from
+        # training as a worker, whatever its threads' priority (core.cpu_priority).
+        lower_session_priority(self.process.pid)
         self.idle_since = time.monotonic()
 
     def judge(self, argv: list[str], timeout_s: float) -> dict | None:
