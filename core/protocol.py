@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from core.files import exclusive_lock, sha256_file
+from core.files import exclusive_lock, sha256_bytes, sha256_file
 
 # -- the run directory ----------------------------------------------------------------------
 
@@ -184,6 +184,11 @@ def copy_id(path: str | os.PathLike) -> str | None:
     step again is another copy, judged and uploaded on its own."""
     manifest = Path(path) / CHECKPOINT_MANIFEST
     return sha256_file(manifest)[:16] if manifest.is_file() else None
+
+
+def copy_id_of_manifest(raw: bytes) -> str:
+    """copy_id of the copy whose manifest file holds `raw` (the store's copy, say)."""
+    return sha256_bytes(raw)[:16]
 
 
 # -- failure classes ------------------------------------------------------------------------

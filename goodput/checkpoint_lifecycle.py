@@ -411,30 +411,6 @@ def _set_aside_local(ledger, config: RunConfig, step: int, entry: LedgerEntry | 
     return ledger.record(step, "rejected", note=f"damaged since validation: {reason} (kept at {aside})")
 
 
-def download_checkpoint(config: RunConfig, step: int, store) -> Path:
-    """Fetch an uploaded checkpoint into the local tier; verify it before it becomes visible.
-
-    Under the checkpoint's lock: two flows that need it (overlapping evaluations) download it
-    once, and neither deletes what the other is reading."""
-    path = config.run_dir.checkpoint(step)
-    with _step_lock(config, step):
-        if is_committed(path):
-            return path  # fetched by another flow meanwhile
-        staging = path.with_name(f".download-{path.name}")
-        shutil.rmtree(staging, ignore_errors=True)  # an interrupted download's (the lock is held)
-        try:
-            store.download_dir(checkpoint_key(config.run.run_id, step), staging, last=(CHECKPOINT_MANIFEST,))
-            problems = verify_files(staging, CheckpointManifest.load(staging).files)
-            if problems:
-                raise IOError(f"checkpoint step {step} from the store fails verification: {problems[:3]}")
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        shutil.rmtree(path, ignore_errors=True)  # debris without a manifest, if any
-        staging.rename(path)
-    return path
-
-
 def prune_local(config: RunConfig) -> list[int]:
     """Keep the newest `checkpoint.keep_local` local checkpoints; delete older *uploaded* ones.
 
@@ -458,13 +434,24 @@ def prune_local(config: RunConfig) -> list[int]:
             shutil.rmtree(config.run_dir.checkpoint(step))
         ledger.record(step, "uploaded", note="local copy pruned; store copy kept")
         deleted.append(step)
-    # Files the workers fetched from the store to resume from: once a newer checkpoint is
-    # on local disk, nothing resumes from them.
-    fetched = config.run_dir.fetched_from_store(0).parent
-    for cache in sorted(fetched.glob("step-*")) if local else []:
-        if step_of(cache) < local[-1]:
-            shutil.rmtree(cache, ignore_errors=True)
+    prune_fetched(config)
     return deleted
+
+
+def prune_fetched(config: RunConfig) -> list[int]:
+    """Files fetched from the store (RunDir.fetched_from_store: to resume from, or the
+    weights an evaluation read): a step's are deleted once a newer checkpoint is on local
+    disk (nothing resumes from them then), and beyond the newest `checkpoint.keep_local`
+    steps fetched (a machine that only evaluates would otherwise keep every step's weights).
+    Returns the steps whose files were deleted."""
+    local = [step_of(p) for p in config.run_dir.committed_checkpoints()]
+    fetched = sorted(step_of(cache) for cache in
+                     config.run_dir.fetched_from_store(0).parent.glob("step-*"))
+    older = {step for step in fetched if local and step < local[-1]}
+    beyond = set(fetched[:-config.checkpoint.keep_local])
+    for step in sorted(older | beyond):
+        shutil.rmtree(config.run_dir.fetched_from_store(step), ignore_errors=True)
+    return sorted(older | beyond)
 
 
 def prune_aside(config: RunConfig) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import os
 import subprocess
 import sys
@@ -10,14 +11,17 @@ import time
 from pathlib import Path
 
 from core.config import RunConfig, dump_config
+from core.cpu_priority import lower_session_priority
 from core.errors import ConfigError
 from core.files import sha256_bytes, write_atomic
 from core.protocol import copy_id, is_committed, step_of
-from goodput.checkpoint_lifecycle import download_checkpoint, ledger_of, restore_ledger
+from goodput.checkpoint_lifecycle import ledger_of, prune_fetched, restore_ledger
 from goodput.accounting import summarize_goodput
 from goodput.runs import check_run_config, update_summary
 from storage.ledger import ResumePoint, choose_resume, readable_copy
 from storage.manifests import EvalReport, dataset_id_of
+
+log = logging.getLogger(__name__)
 
 
 def check_tasks(config: RunConfig) -> dict[str, str]:
@@ -45,10 +49,10 @@ def check_tasks(config: RunConfig) -> dict[str, str]:
 
 
 def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = None) -> Path:
-    """A validated checkpoint of the run on this machine (pick_checkpoint's); one that only
-    the store holds any more is downloaded first."""
+    """The checkpoint to evaluate (pick_checkpoint's) as the directory `evaluate` takes
+    (checkpoint_dir): nothing is fetched here."""
     picked = pick_checkpoint(config, store, checkpoint)
-    return picked if isinstance(picked, Path) else on_this_machine(config, picked, store)
+    return picked if isinstance(picked, Path) else checkpoint_dir(config, picked)
 
 
 def pick_checkpoint(config: RunConfig, store, checkpoint: str | int | None = None) -> Path | ResumePoint:
@@ -90,10 +94,23 @@ def pick_checkpoint(config: RunConfig, store, checkpoint: str | int | None = Non
     return point
 
 
-def on_this_machine(config: RunConfig, point: ResumePoint, store) -> Path:
-    """Where a readable copy (storage.ledger.readable_copy) is on this machine: its local
-    copy, or the store's, downloaded first."""
-    return point.local if point.local is not None else download_checkpoint(config, point.step, store)
+def checkpoint_dir(config: RunConfig, point: ResumePoint) -> Path:
+    """The directory `evaluate` takes for a readable copy (storage.ledger.readable_copy):
+    its local copy, or, where only the store's copy is readable from here, the run's
+    directory for its step, absent on this machine: `evaluate` then reads the weights from
+    the store (not the optimizer's state, two thirds of the checkpoint with AdamW)."""
+    return point.local if point.local is not None else config.run_dir.checkpoint(point.step)
+
+
+def evaluated_copy(config: RunConfig, checkpoint: Path) -> str | None:
+    """The copy (core.protocol.copy_id) `evaluate` reads at `checkpoint`: the local one, or,
+    for a step of the run that this machine has no copy of, the store's copy the ledger
+    names uploaded. None: none that can be read."""
+    local = copy_id(checkpoint)
+    if local is not None or Path(checkpoint).resolve().parent != config.run_dir.checkpoints.resolve():
+        return local
+    entry = ledger_of(config).read().entries.get(step_of(checkpoint))
+    return entry.copy_id if entry is not None and entry.state == "uploaded" else None
 
 
 def evaluation_due(config: RunConfig, step: int) -> bool:
@@ -128,7 +145,8 @@ def reusable_report(config: RunConfig, checkpoint: Path, dataset_id: str) -> Eva
         report = EvalReport.model_validate_json(out.read_text())
     except ValueError:  # damaged: evaluated again (evaluate keeps the file aside)
         return None
-    if (report.checkpoint == str(checkpoint) and report.copy_id == copy_id(checkpoint)
+    copy = evaluated_copy(config, checkpoint)
+    if (report.checkpoint == str(checkpoint) and copy is not None and report.copy_id == copy
             and report.eval_hash == config.eval_hash() and report.dataset_id == dataset_id):
         return report
     return None
@@ -138,14 +156,14 @@ def report_to_reuse(config: RunConfig, store, dataset_id: str,
                     checkpoint: str | int | None = None) -> EvalReport | None:
     """What the evaluate stage would do with nothing to evaluate: the reusable report
     (reusable_report) of the checkpoint it picks (pick_checkpoint: the newest validated,
-    a step, or a directory), when that checkpoint is on this machine. None when it would
-    evaluate, download, or fail (the stage then runs and says why); nothing is fetched."""
+    a step, or a directory), on this machine or in the store. None when it would evaluate or
+    fail (the stage then runs and says why); nothing is fetched."""
     try:
         picked = pick_checkpoint(config, store, checkpoint)
     except (FileNotFoundError, ConfigError):
         return None
-    path = picked if isinstance(picked, Path) else picked.local
-    return None if path is None else reusable_report(config, path, dataset_id)
+    path = picked if isinstance(picked, Path) else checkpoint_dir(config, picked)
+    return reusable_report(config, path, dataset_id)
 
 
 def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
@@ -165,12 +183,14 @@ def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
 
 def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background: bool = False) -> EvalReport:
     """Run `python -m training.evaluate` (`background`: beside training, at the lowest CPU
-    priority, on eval.background_device). A report that exists is reused only if it was made of this copy of the
-    checkpoint, on this dataset, with these eval settings; otherwise the checkpoint is
-    evaluated again and the new report replaces it."""
+    priority, on eval.background_device). A report that exists is reused only if it was made
+    of this copy of the checkpoint, on this dataset, with these eval settings; otherwise the
+    checkpoint is evaluated again and the new report replaces it. A step of the run that
+    this machine has no copy of (checkpoint_dir) is read from the store: its weights only."""
     report = reusable_report(config, checkpoint, dataset_id_of(dataset_dir))
     if report is not None:
         return report
+    from_store = not is_committed(checkpoint)
     out = report_path(config, checkpoint)
     new = out.with_name(f".{out.name}.new")  # the report it replaces stays until it exists
     # The evaluation's settings go to the process in a file of its own: the run's
@@ -180,20 +200,37 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
     config_path = out.with_name(f".{out.stem}.config.yaml")
     config_path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(config_path, dump_config(config).encode())
+    argv = [sys.executable, "-m", "training.evaluate", "--checkpoint", str(checkpoint),
+            "--dataset", str(dataset_dir), "--config", str(config_path), "--out", str(new),
+            *(["--background", "--device", config.eval.background_device] if background else []),
+            *(["--from-store"] if from_store else [])]
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "training.evaluate", "--checkpoint", str(checkpoint),
-             "--dataset", str(dataset_dir), "--config", str(config_path), "--out", str(new),
-             *(["--background", "--device", config.eval.background_device] if background else [])],
-            capture_output=True, text=True)
+        # Beside training, in a session of its own with its scheduling group lowered
+        # (core.cpu_priority); it dies with this process, as no Ctrl-C to the terminal's
+        # process group reaches it there.
+        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              start_new_session=background) as proc:
+            if background:
+                lower_session_priority(proc.pid)
+            try:
+                _, stderr = proc.communicate()
+            except BaseException:  # as subprocess.run: the evaluation ends with the caller
+                proc.kill()
+                raise
     finally:
         config_path.unlink(missing_ok=True)
+        if from_store:
+            prune_fetched(config)
     if proc.returncode == 2:  # the exit code of a configuration error (core.protocol)
-        raise ConfigError(proc.stderr.strip().splitlines()[-1].removeprefix("[eval] ")
-                          if proc.stderr.strip() else f"evaluation of {checkpoint}: configuration error")
+        raise ConfigError(stderr.strip().splitlines()[-1].removeprefix("[eval] ")
+                          if stderr.strip() else f"evaluation of {checkpoint}: configuration error")
     if proc.returncode != 0:
         raise RuntimeError(f"evaluation of {checkpoint} failed (exit {proc.returncode}):\n"
-                           f"{proc.stderr.strip()[-2000:]}")
+                           f"{stderr.strip()[-2000:]}")
+    for line in stderr.splitlines():  # what the evaluation fetched, and from where
+        _, found, fetched = line.partition("read the weights from")
+        if found:
+            log.info(f"step {step_of(checkpoint)}: {found}{fetched}")
     keep_aside(out)
     os.replace(new, out)
     return EvalReport.model_validate_json(out.read_text())

@@ -13,6 +13,7 @@ from prefect.logging import get_run_logger
 
 from core.config import RunConfig
 from core.errors import ConfigError
+from core.protocol import is_committed, step_of
 from goodput import evaluation
 from goodput.checkpoint_lifecycle import eval_history, ledger_of
 from storage.ledger import readable_copy
@@ -25,10 +26,14 @@ from tasks.reporting import artifact_key, publish_goodput
 @task(name="locate-checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5,
       retry_condition_fn=retry_if_transient, tags=["evaluate"])
 def locate_checkpoint(config: RunConfig, checkpoint: str | None) -> Path:
-    """The checkpoint to evaluate, on this machine (evaluation.locate_checkpoint). A step or
-    path that names none, or a run with none validated, is a ConfigError and fails at once;
-    the store unreachable, or a download cut short, is tried again."""
-    return evaluation.locate_checkpoint(config, store_from_config(config.storage), checkpoint)
+    """The checkpoint to evaluate (evaluation.locate_checkpoint), logged with where it is
+    read from. A step or path that names none, or a run with none validated, is a
+    ConfigError and fails at once; the store unreachable is tried again."""
+    path = evaluation.locate_checkpoint(config, store_from_config(config.storage), checkpoint)
+    get_run_logger().info(f"evaluating {path}" if is_committed(path) else
+                          f"evaluating step {step_of(path)} from the store's copy (this machine "
+                          "has none): its weights are fetched, not the optimizer's state")
+    return path
 
 
 def _retry_unless_config_error(task, task_run, state) -> bool:
@@ -120,7 +125,7 @@ def evaluate_validated(config: RunConfig, step: int, dataset_dir: Path) -> EvalR
         logger.info(f"checkpoint step {step} is {entry.state if entry else 'unknown'}: not evaluated")
         return None
     try:  # retention may have pruned the local copy while earlier evaluations ran: the store's
-        checkpoint = evaluation.on_this_machine(config, point, store_from_config(config.storage))
+        checkpoint = evaluation.checkpoint_dir(config, point)
         report = evaluation.evaluate(config, checkpoint, dataset_dir, background=True)
     except Exception as e:  # noqa: BLE001 - reported, never a failure of training
         logger.warning(f"evaluation of checkpoint step {step} failed: {e}")

@@ -102,7 +102,8 @@ def flip_bytes(path: Path, count: int = 1) -> None:
 
 
 def corrupt_largest_shard(checkpoint_dir: Path) -> str:
-    """Damage 64 bytes of a checkpoint's largest shard file (the model weights); its name."""
+    """Damage 64 bytes of a checkpoint's largest shard file (with AdamW, a training-state
+    file: the optimizer's moments are twice the weights); its name."""
     shard = max(checkpoint_dir.glob("*.distcp"), key=lambda p: p.stat().st_size)
     flip_bytes(shard, 64)
     return shard.name

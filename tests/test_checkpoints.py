@@ -6,12 +6,14 @@ import re
 import shutil
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from core.protocol import FailureClass, is_committed, set_aside
+from core.protocol import FailureClass, copy_id, is_committed, set_aside
 from goodput import checkpoint_lifecycle as checkpoints
 from goodput.runs import train_attempt
 from infra.torchrun import TrainingFailed
@@ -427,7 +429,7 @@ def test_a_new_machine_evaluates_the_newest_checkpoint_it_can_read(run, tmp_path
 
     shutil.rmtree(config.run_dir)  # a new machine
     assert locate_checkpoint(config, store) == config.run_dir.checkpoint(10)
-    assert is_committed(config.run_dir.checkpoint(10))  # downloaded and verified
+    assert not config.run_dir.checkpoint(10).exists()  # evaluate reads the store's weights
     with pytest.raises(FileNotFoundError, match=r"step 20 .* validated but not uploaded yet.*\[10\]"):
         locate_checkpoint(config, store, 20)
 
@@ -468,32 +470,147 @@ def test_validation_and_upload_run_at_the_lowest_cpu_priority(run, tmp_path, mon
     assert thread_nice() == caller
 
 
-def test_download_into_the_local_tier_is_verified_and_done_once(run, tmp_path):
-    """What an evaluation on a machine without the local copy does; two at once fetch it once
-    and neither deletes what the other reads. A damaged store copy never becomes visible."""
-    from concurrent.futures import ThreadPoolExecutor
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="a kernel with autogroups")
+def test_the_verifier_lowers_the_scheduling_group_of_its_own_session(tmp_path):
+    """Priorities count within a session's group, and each group gets an equal share of a
+    busy CPU: the verifier, in a session of its own, also lowers its group to nice 19 (it
+    took as much CPU as a training worker). A process in the caller's session is left alone:
+    its group is the caller's."""
+    from core.cpu_priority import lower_session_priority
+    from goodput.verifier_pool import _Verifier
 
-    config, _ = run
-    store = open_store(str(tmp_path / "store"))
+    verifier = _Verifier()
+    try:
+        group = open(f"/proc/{verifier.process.pid}/autogroup").read()
+        assert group.split()[-1] == "19", group
+        assert os.getsid(verifier.process.pid) == verifier.process.pid
+    finally:
+        verifier.stop()
+    ours = open("/proc/self/autogroup").read()
+    beside = subprocess.Popen(["sleep", "60"])
+    try:
+        assert not lower_session_priority(beside.pid)
+        assert open("/proc/self/autogroup").read() == ours
+    finally:
+        beside.kill()
+        beside.wait()
+
+
+def with_a_tokenizer(dataset: Path, copy: Path) -> Path:
+    """A copy of the synthetic dataset with a tokenizer: evaluation writes samples as text."""
+    from training.tokenizer import train_tokenizer
+
+    shutil.copytree(dataset, copy)
+    train_tokenizer([f"sample {i} of the words" for i in range(50)], vocab_size=256,
+                    min_frequency=1).save(str(copy / "tokenizer.json"))
+    return copy
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/autogroup"), reason="a kernel with autogroups")
+def test_an_evaluation_beside_training_lowers_its_sessions_group_and_dies_with_the_flow(run, tmp_path):
+    """eval.every_validated's evaluations run beside training: in a session of their own,
+    its scheduling group at nice 19 (as the verifier's), and ended by the kernel when the
+    process that started them dies (no Ctrl-C to the terminal's group reaches them)."""
+    from core.config import dump_config
+
+    config, synthetic = run
+    dataset = with_a_tokenizer(synthetic, tmp_path / "dataset")
+    (tmp_path / "run.yaml").write_text(dump_config(config))
+    flow = subprocess.Popen([sys.executable, "-c", (
+        "import sys; from pathlib import Path; from core.config import load_config; "
+        "from goodput.evaluation import evaluate; "
+        f"evaluate(load_config({str(tmp_path / 'run.yaml')!r}), "
+        f"Path({str(config.run_dir.checkpoint(20))!r}), Path({str(dataset)!r}), background=True)")],
+        cwd=REPO)
+    try:
+        evaluation, deadline = None, time.monotonic() + 120
+        while evaluation is None and time.monotonic() < deadline and flow.poll() is None:
+            for child in Path("/proc").glob("[0-9]*"):
+                try:
+                    if (f"PPid:\t{flow.pid}\n" in (child / "status").read_text()
+                            and b"training.evaluate" in (child / "cmdline").read_bytes()
+                            and (child / "autogroup").read_text().split()[-1] == "19"):
+                        evaluation = int(child.name)  # lowered right after its start
+                except OSError:
+                    continue
+            time.sleep(0.05)
+        assert evaluation is not None, "no evaluation process with its group at nice 19"
+        assert os.getsid(evaluation) == evaluation  # a session of its own
+        flow.kill()  # the flow process dies (kill -9, an OOM kill)
+        flow.wait()
+
+        def ended() -> bool:  # gone, or a zombie its new parent has not reaped yet
+            try:
+                return "State:\tZ" in Path(f"/proc/{evaluation}/status").read_text()
+            except FileNotFoundError:
+                return True
+
+        deadline = time.monotonic() + 30
+        while not ended() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ended(), "the evaluation outlived the process that started it"
+    finally:
+        if flow.poll() is None:
+            flow.kill()
+            flow.wait()
+
+
+def test_a_machine_without_the_copy_evaluates_the_stores_weights_alone(run, tmp_path):
+    """What an evaluation on a machine without the local copy does: it reads the weights'
+    files of the store's copy (each against the manifest), never the optimizer's, scores as
+    the local copy does, and a second evaluation reuses the report without fetching. A
+    damaged stored weights file fails the evaluation and leaves no report."""
+    from goodput import evaluation
+
+    config, synthetic = run
+    dataset = with_a_tokenizer(synthetic, tmp_path / "dataset")
+    store = store_from_config(config.storage)
     for step in (10, 20):
         checkpoints.validate_checkpoint(config, step)
         checkpoints.upload_checkpoint(config, step, store)
-    original = {f.path: f.sha256 for f in CheckpointManifest.load(config.run_dir.checkpoint(20)).files}
-    shutil.rmtree(config.run_dir.checkpoint(20))
-    with ThreadPoolExecutor(2) as pool:
-        paths = list(pool.map(lambda _: checkpoints.download_checkpoint(config, 20, store), range(2)))
-    assert paths == [config.run_dir.checkpoint(20)] * 2
-    assert {f.path: f.sha256 for f in CheckpointManifest.load(paths[0]).files} == original
-    assert verify_checkpoint(paths[0])["ok"]
-    assert not list(config.run_dir.checkpoints.glob(".download-*"))
+    local = evaluation.evaluate(config, config.run_dir.checkpoint(20), dataset)
+    files = {f.path for f in CheckpointManifest.load(config.run_dir.checkpoint(20)).files}
+    weights = {f for f in files if re.fullmatch(r"__\d+_model\.distcp", f)}
+    assert weights and {f for f in files if re.fullmatch(r"__\d+_training\.distcp", f)}
+    ours = copy_id(config.run_dir.checkpoint(20))
 
-    shutil.rmtree(config.run_dir.checkpoint(10))
-    shard = next((tmp_path / "store" / checkpoint_key("test", 10)).glob("*.distcp"))
-    flip_bytes(shard)
-    with pytest.raises(IOError):
-        checkpoints.download_checkpoint(config, 10, store)
-    assert not config.run_dir.checkpoint(10).exists()
-    assert not list(config.run_dir.checkpoints.glob(".download-*"))
+    new_machine = small_config(tmp_path / "b", "training.max_steps=20",
+                               f"storage.uri={config.storage.uri}")
+    checkpoint = evaluation.locate_checkpoint(new_machine, store)
+    assert checkpoint == new_machine.run_dir.checkpoint(20) and not checkpoint.exists()
+    report = evaluation.evaluate(new_machine, checkpoint, dataset)
+    assert (report.step, report.loss, report.copy_id) == (20, local.loss, ours)
+    assert [s.completion for s in report.samples] == [s.completion for s in local.samples]
+    fetched = new_machine.run_dir.fetched_from_store(20)
+    assert {p.name for p in fetched.iterdir()} == weights | {".metadata"}
+    assert not checkpoint.exists()  # no local copy: nothing resumes from half a checkpoint
+    assert evaluation.evaluate(new_machine, checkpoint, dataset) == report  # reused
+
+    shutil.rmtree(fetched)  # a new evaluation of step 10, its stored weights damaged
+    key = checkpoint_key("test", 10)
+    damaged = tmp_path / "damaged"
+    store.get_file(f"{key}/{sorted(weights)[0]}", damaged)
+    flip_bytes(damaged)
+    store.put_file(damaged, f"{key}/{sorted(weights)[0]}")
+    with pytest.raises(RuntimeError, match="sha256 differs"):
+        evaluation.evaluate(new_machine, new_machine.run_dir.checkpoint(10), dataset)
+    assert not new_machine.run_dir.eval_report(10).exists()
+
+
+def test_fetched_weights_are_kept_for_the_newest_steps_only(run):
+    """A machine that only evaluates keeps the files fetched for the newest keep_local steps;
+    once a newer checkpoint is on local disk, none older is kept."""
+    config, _ = run
+    for step in (5, 10, 15, 20, 25):
+        (config.run_dir.fetched_from_store(step)).mkdir(parents=True)
+    shutil.rmtree(config.run_dir.checkpoint(20))
+    assert checkpoints.prune_fetched(config) == [5, 10]  # keep_local=3: 15, 20, 25 kept
+    assert checkpoints.prune_fetched(config) == []
+    cfg = small_config(config.run_dir.path.parent.parent, "training.max_steps=20",
+                       "checkpoint.keep_local=5")
+    for step in (5, 10):
+        (cfg.run_dir.fetched_from_store(step)).mkdir(parents=True)
+    assert checkpoints.prune_fetched(cfg) == [5]  # older than the local step 10
 
 
 def test_a_step_saved_again_is_another_copy_judged_and_uploaded_on_its_own(run, tmp_path):
@@ -503,7 +620,6 @@ def test_a_step_saved_again_is_another_copy_judged_and_uploaded_on_its_own(run, 
     import threading
 
     from core.protocol import checkpoint_lock as step_lock
-    from core.protocol import copy_id
     from training.checkpoint.saving import clear_for_save as _clear_for_save
 
     config, _ = run
@@ -850,18 +966,21 @@ def test_ranks_resume_from_the_store_fetching_only_what_their_plan_reads(tmp_pat
     fetched = {int(m[1]): set(m[2].split(", ")) - {"nothing new"} for m in
                re.finditer(r"rank (\d) fetched (.+) of \d+ files from ", proc.stdout)}
     # Each rank fetches only files its DCP read plan references, and a file another rank of
-    # the node already fetched is reused. Its model and optimizer shards are in its own file;
-    # the small replicated entries (step, data position, RNG) were written once, by
-    # whichever rank DCP's dedup chose, so a rank also reads the files holding those.
+    # the node already fetched is reused. Its model shards are in its own weights file, its
+    # optimizer shards in its own training-state file; the small replicated entries (step,
+    # data position, RNG) were written once, by whichever rank DCP's dedup chose, so a rank
+    # also reads the files holding those.
     stored = dcp.FileSystemReader(str(store.path(checkpoint_key("test", 10)))).read_metadata()
     replicated = {info.relative_path for index, info in stored.storage_data.items()
                   if not index.fqn.startswith(("model.", "optim."))}
+    everything = {".metadata", "__0_model.distcp", "__1_model.distcp", "__0_training.distcp",
+                  "__1_training.distcp"}
     for rank in (0, 1):
-        assert fetched[rank] - {".metadata"} <= {f"__{rank}_0.distcp"} | replicated, rank
-    assert set().union(*fetched.values()) == {".metadata", "__0_0.distcp", "__1_0.distcp"}
-    assert sorted(p.name for p in (config.run_dir / "checkpoints" / ".from-store" /
-                                   "step-00000010").iterdir()) == [".metadata", "__0_0.distcp",
-                                                                  "__1_0.distcp"]
+        assert fetched[rank] - {".metadata"} <= ({f"__{rank}_model.distcp",
+                                                  f"__{rank}_training.distcp"} | replicated), rank
+    assert set().union(*fetched.values()) == everything
+    assert {p.name for p in (config.run_dir / "checkpoints" / ".from-store" /
+                             "step-00000010").iterdir()} == everything
     resumed = losses_by_step(config.run_dir)
     assert sorted(resumed) == list(range(11, 21))
     assert all(resumed[s] == full[s] for s in resumed)
@@ -967,7 +1086,12 @@ def test_a_save_hashes_its_files_as_written_and_skips_the_zip_crc(tmp_path, monk
     monkeypatch.undo()
     manifest = CheckpointManifest.load(path)
     assert manifest.files == list_files(path, exclude=("manifest.json",))  # hashed from disk now
-    assert {f.path for f in manifest.files} == {".metadata", "__0_0.distcp"}  # digests file gone
+    # The weights and the rest in files of their own; the digests file gone.
+    assert {f.path for f in manifest.files} == {".metadata", "__0_model.distcp", "__0_training.distcp"}
+    weights_file = {info.relative_path for index, info in
+                    dcp.FileSystemReader(str(path)).read_metadata().storage_data.items()
+                    if index.fqn.startswith("model.")}
+    assert weights_file == {"__0_model.distcp"}
     assert serialization_config.save.compute_crc32  # torch's default, back in place
 
     storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
@@ -994,9 +1118,9 @@ def test_a_file_that_changed_after_its_write_is_never_committed(tmp_path, change
     def change_a_shard(point, step):
         if point == "before_manifest":
             if change == "deleted":
-                (path / "__0_0.distcp").unlink()
+                (path / "__0_training.distcp").unlink()
             else:
-                with open(path / "__0_0.distcp", "r+b") as f:
+                with open(path / "__0_training.distcp", "r+b") as f:
                     f.truncate(100)
 
     model = torch.nn.Linear(64, 64)
@@ -1009,8 +1133,8 @@ def test_a_file_that_changed_after_its_write_is_never_committed(tmp_path, change
     checkpointer.close()
     assert not is_committed(path)
     assert len(checkpointer.failures) == 1
-    assert ("__0_0.distcp: 100 bytes on disk, but its writer wrote" if change == "truncated"
-            else "__0_0.distcp written but not found") in checkpointer.failures[0]
+    assert ("__0_training.distcp: 100 bytes on disk, but its writer wrote" if change == "truncated"
+            else "__0_training.distcp written but not found") in checkpointer.failures[0]
 
 
 def test_a_hashed_file_is_on_disk_before_dcp_fsyncs_it(tmp_path):
@@ -1055,7 +1179,6 @@ def _another_machine_uploads_step_20(config, store, tmp_path):
     """Machine A (`config`) validated step 20 and died before uploading it; machine B, a fresh
     clone, resumed from the store's step 10 and trained, validated and uploaded its own copy of
     step 20 (the same trajectory, saved later: a manifest of its own). Returns B's config."""
-    from core.protocol import copy_id
 
     for step in (10, 20):
         checkpoints.validate_checkpoint(config, step)
@@ -1081,7 +1204,6 @@ def test_a_machine_adopts_the_copy_another_uploaded_instead_of_uploading_over_it
     """A reruns: it learns from the store's ledger that B uploaded step 20. Its own older copy
     is not validated and uploaded again over B's (1.32 GB for nothing, the store's copy
     half-replaced meanwhile): B's copy is adopted, A's moved aside, nothing left to secure."""
-    from core.protocol import copy_id
 
     config, _ = run
     store = open_store(str(tmp_path / "store"))
@@ -1106,7 +1228,6 @@ def test_an_upload_that_finds_a_newer_copy_of_its_step_in_the_store_adopts_it(ru
     """A's upload task ran before A read the store's ledger (the train flow secures what it
     finds on disk while the first attempt starts): the store's newer copy of the same
     trajectory is adopted, not replaced; the store keeps it whole, and its ledger names it."""
-    from core.protocol import copy_id
 
     config, _ = run
     store = open_store(str(tmp_path / "store"))
@@ -1156,7 +1277,6 @@ def test_a_store_copy_rejected_as_damaged_is_replaced_by_a_good_local_copy_not_a
     was rejected, but the store still holds its manifest. A's own older copy, good, is judged
     again and uploaded over it: a copy the store's ledger does not call the step's uploaded
     one is never adopted (A's would go aside, and the next resume reject the step again)."""
-    from core.protocol import copy_id
 
     from tests.helpers import flip_bytes
 
@@ -1185,7 +1305,8 @@ def test_a_store_copy_rejected_as_damaged_is_replaced_by_a_good_local_copy_not_a
     assert (pushed["state"], pushed["copy_id"]) == ("uploaded", ours)
     fresh = small_config(tmp_path / "c", "training.max_steps=20")  # a new machine reads it whole
     assert checkpoints.resume_point(fresh, store).step == 20
-    assert verify_files(checkpoints.download_checkpoint(fresh, 20, store),
+    store.download_dir(key, tmp_path / "whole")
+    assert verify_files(tmp_path / "whole",
                         CheckpointManifest.load(config.run_dir.checkpoint(20)).files) == []
 
 
@@ -1195,7 +1316,6 @@ def test_replacing_a_store_copy_uploaded_after_this_one_was_validated_unnames_it
     ledger changed after A's verdict). A's upload replaces B's copy: while the files go up the
     store's ledger names A's copy as validated, not B's as uploaded, and at the end the
     ledgers name the copy that was uploaded."""
-    from core.protocol import copy_id
 
     config, _ = run
     store = open_store(str(tmp_path / "store"))

@@ -358,7 +358,7 @@ def test_rejects_what_is_not_a_committed_intact_checkpoint(trained, tmp_path):
 
     corrupt = tmp_path / "step-00000004"
     shutil.copytree(checkpoint, corrupt)
-    shard = next(corrupt.glob("*.distcp"))
+    shard = next(corrupt.glob("*_model.distcp"))  # a file of the weights, which export reads
     flip_bytes(shard)
     with pytest.raises(ExportError, match="does not match its manifest"):
         export_hf(corrupt, tmp_path / "c")
@@ -420,7 +420,8 @@ def test_a_checkpoint_in_the_store_exports_by_its_url(trained, tmp_path, s3_uri,
     assert config["goodput"]["checkpoint"] == url and config["goodput"]["step"] == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["from-store", "local"]  # nothing fetched left
 
-    shard = next(k for k in store.list("runs/test/checkpoints/step-00000004") if k.endswith(".distcp"))
+    shard = next(k for k in store.list("runs/test/checkpoints/step-00000004")
+                 if k.endswith("_model.distcp"))  # a file of the weights, which export fetches
     data = bytearray(store.get_bytes(shard))
     data[100] ^= 0xFF
     s3_server.client().put_object(Bucket=store.bucket, Key=f"{store.prefix}/{shard}", Body=bytes(data))

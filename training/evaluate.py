@@ -2,6 +2,11 @@
 (lm-evaluation-harness, eval.tasks) for one checkpoint, in one process.
 
     python -m training.evaluate --checkpoint DIR --dataset DIR --config run.yaml --out report.json
+
+With `--from-store`, DIR is the run's own checkpoint directory of a step that this machine
+has no copy of: the model's weights are read from the store's copy (the files they are in,
+training.checkpoint.writer.shard_file_name, fetched into the run's `.from-store` cache and
+checked against the manifest, as a resume from the store does); the optimizer's are not.
 """
 
 from __future__ import annotations
@@ -18,8 +23,10 @@ from tokenizers import Tokenizer
 from core.errors import ConfigError
 from core.cpu_priority import lower_thread_priority
 from core.files import write_atomic
+from core.process_exit import die_with_parent
 from core.protocol import copy_id
 from storage.manifests import EvalReport, EvalSample
+from training.checkpoint.errors import CheckpointCorrupt
 from training.checkpoint.reader import load_model
 from training.data import TokenStream, TrainingData, open_training_data, sequential_batches
 from training.downstream import (downstream_scores, load_tasks, lower_is_better_scores, scoring_settings,
@@ -75,12 +82,15 @@ def _target_bytes(stream: TokenStream, tokenizer: Tokenizer, seq_len: int, batch
 
 def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_cfg, seq_len: int,
                         seed: int, device: torch.device | None = None,
-                        downstream_tasks: tuple | None = None) -> EvalReport:
-    """`downstream_tasks`: eval.tasks already loaded (training.downstream.load_tasks)."""
+                        downstream_tasks: tuple | None = None, reader=None) -> EvalReport:
+    """`downstream_tasks`: eval.tasks already loaded (training.downstream.load_tasks);
+    `reader`: where the weights are read instead of the directory `checkpoint` (a
+    StoreReader of its store copy)."""
     start = time.perf_counter()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    evaluated_copy = copy_id(checkpoint)  # before loading: the copy the report speaks of
-    model, ckpt = load_model(checkpoint, device)
+    # Before loading: the copy the report speaks of.
+    evaluated_copy = copy_id(checkpoint) if reader is None else reader.copy_id
+    model, ckpt = load_model(checkpoint, device, reader)
     data = open_training_data(dataset_dir)
     loss, tokens, source_losses = mix_held_out_loss(model, data, seq_len, eval_cfg.batch_size,
                                                     eval_cfg.max_batches, device)
@@ -126,6 +136,18 @@ def curves_prefix(config, report: EvalReport) -> str:
     return "eval" if report.eval_hash in (None, run_hash) else f"eval-{report.eval_hash[:8]}"
 
 
+def store_copy(config, checkpoint: Path):
+    """A reader of the store's copy of the run's checkpoint directory `checkpoint` (a step of
+    the run, which this machine has no copy of)."""
+    from core.protocol import ResumeSpec, step_of
+    from training.checkpoint.reader import open_reader
+
+    if checkpoint.resolve().parent != config.run_dir.checkpoints.resolve():
+        raise ConfigError(f"--from-store reads a checkpoint of run '{config.run.run_id}' "
+                          f"({config.run_dir.checkpoints}/step-N); {checkpoint} is not one")
+    return open_reader(config.run_dir, config.storage, ResumeSpec.store(step_of(checkpoint)))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -137,9 +159,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="run at the lowest CPU priority (beside training)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: the first visible GPU if there is one, else the CPU")
+    parser.add_argument("--from-store", action="store_true",
+                        help="read the weights of the run's checkpoint --checkpoint from the "
+                             "store's copy (this machine has none)")
     args = parser.parse_args(argv)
     if args.background:  # before torch starts its intra-op threads, which inherit it
         lower_thread_priority()
+        # evaluation.evaluate starts it in a session of its own (its scheduling group
+        # lowered), where no Ctrl-C to the terminal's process group reaches it.
+        die_with_parent()
     from core.config import load_config
 
     setup_worker_logging()
@@ -150,12 +178,22 @@ def main(argv: list[str] | None = None) -> int:
         # A wrong task name or missing task data fails before the checkpoint is read.
         tasks = load_tasks(config.eval.tasks, config.eval.task_dir) if config.eval.tasks else None
         device = None if args.device == "auto" else torch.device(args.device)
+        reader = store_copy(config, Path(args.checkpoint)) if args.from_store else None
         report = evaluate_checkpoint(Path(args.checkpoint), Path(args.dataset), config.run.run_id,
                                      config.eval, config.training.seq_len, config.training.seed,
-                                     device=device, downstream_tasks=tasks)
+                                     device=device, downstream_tasks=tasks, reader=reader)
     except ConfigError as e:  # exit 2: a configuration error, never retried (core.protocol)
         log.error("%s", e)
         return 2
+    except CheckpointCorrupt as e:  # never scored: the weights are not the validated ones
+        log.error("%s: not evaluated (it no longer matches the manifest it was validated "
+                  "with); evaluate another step", e)
+        return 1
+    if reader is not None:
+        log.info("read the weights from %s: fetched %s (%.1f MB)%s", reader.source,
+                 ", ".join(reader.fetched) or "nothing new",
+                 sum((reader.local_dir / name).stat().st_size for name in reader.fetched) / 1e6,
+                 "" if reader.fetched else " (the files were in this machine's cache)")
     report = report.model_copy(update={"eval_hash": config.eval_hash()})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, report.model_dump_json(indent=2).encode())

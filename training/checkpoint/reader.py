@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
 from core.files import sha256_file
-from core.protocol import CHECKPOINT_MANIFEST, ResumeSpec, RunDir, is_committed
+from core.protocol import CHECKPOINT_MANIFEST, ResumeSpec, RunDir, copy_id_of_manifest, is_committed
 from storage.ledger import checkpoint_key
 from storage.manifests import CheckpointManifest
 from training.checkpoint.errors import CheckpointCorrupt, causes, describe
@@ -94,8 +94,10 @@ class StoreReader(VerifiedReader):
         if not store.exists(manifest_key):
             raise FileNotFoundError(f"{store.url(manifest_key)} not found: the checkpoint was "
                                     "never uploaded completely")
-        super().__init__(cache_dir, CheckpointManifest.model_validate_json(store.get_bytes(manifest_key)))
+        raw = store.get_bytes(manifest_key)
+        super().__init__(cache_dir, CheckpointManifest.model_validate_json(raw))
         self.store, self.prefix, self.source = store, prefix, store.url(prefix)
+        self.copy_id = copy_id_of_manifest(raw)  # the stored copy's identity (core.protocol.copy_id)
         self.fetched: list[str] = []
 
     def _obtain(self, relative: str) -> None:
@@ -160,11 +162,22 @@ def model_state_from(flat: dict) -> dict:
 
 
 
-def load_model(checkpoint: Path, device: torch.device) -> tuple[Transformer, CheckpointManifest]:
-    """The model of a committed checkpoint, whatever layout trained it, for inference."""
-    manifest = CheckpointManifest.load(checkpoint)
-    model = Transformer.with_weights(ModelArgs(**manifest.model_args),
-                                     model_state_from(load_all_tensors(checkpoint, prefix="model.")))
+def load_model(checkpoint: Path | None, device: torch.device,
+               reader: VerifiedReader | None = None) -> tuple[Transformer, CheckpointManifest]:
+    """The model of a committed checkpoint, whatever layout trained it, for inference: the
+    directory `checkpoint`, or through `reader` (a StoreReader: only the files the weights are
+    in are fetched, training.checkpoint.writer.shard_file_name). A file that does not match
+    the manifest raises CheckpointCorrupt."""
+    if reader is None:
+        manifest = CheckpointManifest.load(checkpoint)
+        weights = load_all_tensors(checkpoint, prefix="model.")
+    else:
+        manifest = reader.manifest
+        try:
+            weights = load_all_tensors(prefix="model.", reader=reader)
+        except CheckpointException as e:  # the reader's error, wrapped by DCP
+            raise causes(e)[0] from None
+    model = Transformer.with_weights(ModelArgs(**manifest.model_args), model_state_from(weights))
     return model.to(device).eval(), manifest
 
 

@@ -9,6 +9,7 @@ import io
 import json
 import multiprocessing
 import os
+import queue
 import sys
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -17,7 +18,7 @@ from typing import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, FileSystem
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -147,8 +148,24 @@ class _HashingFileSystem(FileSystem):
             self.written[Path(new_path).name] = entry.model_copy(update={"path": Path(new_path).name})
 
 
+# What each rank's save writes: the model's weights in one file, the rest of the training
+# state (optimizer, schedule, RNG, data position) in another, `__<rank>_model.distcp` and
+# `__<rank>_training.distcp` (DCP's own writer puts both in `__<rank>_0.distcp`). Whoever
+# needs the weights alone (evaluation, export, from the store) fetches a third of the bytes
+# with AdamW; DCP's reader finds every entry through `.metadata`, whatever the file names.
+MODEL_PREFIX = "model."
+
+
+def shard_file_name(prefix: str, holds_weights: bool) -> str:
+    """The file a rank's entries go to (`prefix`: DCP's `__<rank>_`)."""
+    return f"{prefix}{'model' if holds_weights else 'training'}{DEFAULT_SUFFIX}"
+
+
 class ShardWriter(dcp.FileSystemWriter):
-    """DCP's file writer, changed in two ways that take work off the save:
+    """DCP's file writer, changed in three ways:
+
+    - The model's weights and the rest of the state go to files of their own
+      (shard_file_name): what evaluation and export fetch from the store is the weights.
 
     - Each rank hashes its files as it writes them, and the digests travel to the
       coordinator with DCP's write results; the coordinator writes them to WRITTEN_DIGESTS
@@ -172,8 +189,17 @@ class ShardWriter(dcp.FileSystemWriter):
         self.fs.written.clear()
 
     def write_data(self, plan, planner):
+        # DCP's write_data, with the files chosen by what they hold (its own splits by size
+        # for thread_count > 1, which is 1 here); _write_data writes the queued files.
+        files: queue.Queue = queue.Queue()
+        for holds_weights in (True, False):
+            items = [item for item in plan.items
+                     if item.index.fqn.startswith(MODEL_PREFIX) == holds_weights]
+            if items:
+                name = shard_file_name(plan.storage_data.prefix, holds_weights)
+                files.put((self.fs.concat_path(self.path, name), name, items))
         with serialization_config.patch({"save.compute_crc32": False}):
-            results = super().write_data(plan, planner).wait()  # one thread: written here
+            results = self._write_data(planner, files).wait()  # one thread: written here
         digests = [WriteResult(index=MetadataIndex(_DIGEST_FQN + name), size_in_bytes=entry.size,
                                storage_data=entry)
                    for name, entry in self.fs.written.items()]
