@@ -213,7 +213,7 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
             if background:
                 lower_session_priority(proc.pid)
             try:
-                _, stderr = proc.communicate()
+                stdout, stderr = proc.communicate()
             except BaseException:  # as subprocess.run: the evaluation ends with the caller
                 proc.kill()
                 raise
@@ -227,7 +227,7 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
     if proc.returncode != 0:
         raise RuntimeError(f"evaluation of {checkpoint} failed (exit {proc.returncode}):\n"
                            f"{stderr.strip()[-2000:]}")
-    for line in stderr.splitlines():  # what the evaluation fetched, and from where
+    for line in stdout.splitlines():  # what the evaluation fetched, and from where
         _, found, fetched = line.partition("read the weights from")
         if found:
             log.info(f"step {step_of(checkpoint)}: {found}{fetched}")

@@ -555,7 +555,7 @@ def test_an_evaluation_beside_training_lowers_its_sessions_group_and_dies_with_t
             flow.wait()
 
 
-def test_a_machine_without_the_copy_evaluates_the_stores_weights_alone(run, tmp_path):
+def test_a_machine_without_the_copy_evaluates_the_stores_weights_alone(run, tmp_path, caplog):
     """What an evaluation on a machine without the local copy does: it reads the weights'
     files of the store's copy (each against the manifest), never the optimizer's, scores as
     the local copy does, and a second evaluation reuses the report without fetching. A
@@ -578,8 +578,11 @@ def test_a_machine_without_the_copy_evaluates_the_stores_weights_alone(run, tmp_
                                f"storage.uri={config.storage.uri}")
     checkpoint = evaluation.locate_checkpoint(new_machine, store)
     assert checkpoint == new_machine.run_dir.checkpoint(20) and not checkpoint.exists()
-    report = evaluation.evaluate(new_machine, checkpoint, dataset)
+    with caplog.at_level("INFO", logger="goodput.evaluation"):
+        report = evaluation.evaluate(new_machine, checkpoint, dataset)
     assert (report.step, report.loss, report.copy_id) == (20, local.loss, ours)
+    assert f"step 20: read the weights from {store.url(checkpoint_key('test', 20))}: fetched" \
+        in caplog.text
     assert [s.completion for s in report.samples] == [s.completion for s in local.samples]
     fetched = new_machine.run_dir.fetched_from_store(20)
     assert {p.name for p in fetched.iterdir()} == weights | {".metadata"}

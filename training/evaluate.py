@@ -189,11 +189,14 @@ def main(argv: list[str] | None = None) -> int:
         log.error("%s: not evaluated (it no longer matches the manifest it was validated "
                   "with); evaluate another step", e)
         return 1
-    if reader is not None:
-        log.info("read the weights from %s: fetched %s (%.1f MB)%s", reader.source,
-                 ", ".join(reader.fetched) or "nothing new",
+    if reader is not None and reader.fetched:
+        log.info("read the weights from %s: fetched %s (%.1f MB) into %s", reader.source,
+                 ", ".join(reader.fetched),
                  sum((reader.local_dir / name).stat().st_size for name in reader.fetched) / 1e6,
-                 "" if reader.fetched else " (the files were in this machine's cache)")
+                 reader.local_dir)
+    elif reader is not None:
+        log.info("read the weights from %s: its files were in %s already", reader.source,
+                 reader.local_dir)
     report = report.model_copy(update={"eval_hash": config.eval_hash()})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, report.model_dump_json(indent=2).encode())
