@@ -1,5 +1,6 @@
 """Content checksums: one definition of "the same bytes" for shards, checkpoints, uploads and
-configs; and the file primitives that keep them true (atomic writes, fsync, an exclusive lock)."""
+configs; and the file primitives that keep them true (atomic writes, fsync, an exclusive
+lock, a folder read by some while others may delete it)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -64,6 +66,44 @@ def fsync_dir(path: str | os.PathLike) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextmanager
+def reading_folder(path: str | os.PathLike) -> Iterator[None]:
+    """Hold a shared flock on the folder `path` (created if missing) while files in it are
+    read: delete_folder_unless_read leaves it alone meanwhile."""
+    path = Path(path)
+    while True:
+        path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:  # not the folder a deleter removed while this waited for the lock
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def delete_folder_unless_read(path: str | os.PathLike) -> bool:
+    """Delete the folder `path` unless something reads in it (reading_folder); whether it did."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        shutil.rmtree(path, ignore_errors=True)
+        return True
     finally:
         os.close(fd)
 

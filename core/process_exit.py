@@ -63,3 +63,17 @@ def die_with_parent(sig: int = signal.SIGTERM) -> bool:
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig, 0, 0, 0)
     return True
+
+
+# The pid of the process that started this one, in the environment of a child that must not
+# outlive it (die_with_the_parent_that_started_it).
+PARENT_PID = "GOODPUT_PARENT_PID"
+
+
+def die_with_the_parent_that_started_it(sig: int = signal.SIGTERM) -> None:
+    """die_with_parent, for a child started with PARENT_PID in its environment: a parent that
+    died before the call (the child reparented already) ends the child at once. Call it
+    first thing, before slow imports."""
+    if die_with_parent(sig) and os.environ.get(PARENT_PID, str(os.getppid())) != str(os.getppid()):
+        os._exit(1)
+

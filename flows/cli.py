@@ -308,7 +308,8 @@ def _without_a_flow(command: str, config: RunConfig, checkpoint: str | None = No
       by this very config (goodput.runs.write_run_config refuses one the run's checkpoints do
       not continue, as the flow does);
     - evaluate: that, and a report kept with the run for the checkpoint the stage picks, made
-      of the copy on this machine with these settings on this dataset (evaluation.report_to_reuse);
+      of the copy it reads (this machine's, or the store's the ledger names uploaded) with these
+      settings on this dataset (evaluation.report_to_reuse);
     - pipeline: all three.
 
     Says what it found where, records each stage in summary.json as its flow does, and
@@ -463,12 +464,16 @@ class _CtrlCStopsTraining:
         os._exit(130)
 
     def _stop_training(self) -> None:
+        from goodput.evaluation import stop_background_evaluations
         from infra.torchrun import stop_live_attempts
         from tasks.control import CANCEL_GRACE_S
 
         while not self.done.wait(self.POLL_S):
             if self.interrupted:
                 self.stops += stop_live_attempts(grace_s=CANCEL_GRACE_S)  # each attempt once
+                # The evaluations beside training run in sessions of their own, where the
+                # terminal's SIGINT does not reach them: ended, not waited for.
+                stop_background_evaluations()
 
     def __exit__(self, *exc_info) -> None:
         self.done.set()

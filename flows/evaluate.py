@@ -38,7 +38,7 @@ def evaluate(config: RunConfig = RunConfig(), checkpoint: str | None = None,
     config = resolve_config(config, config_file, overrides)
     if uses_blocks(config):  # the store's and W&B's keys, from Prefect blocks
         load_credentials(config)
-    # A misspelt eval.tasks name fails here, before a checkpoint is downloaded or evaluated.
+    # A misspelt eval.tasks name fails here, before a checkpoint is fetched or evaluated.
     eval_tasks = check_eval_tasks.submit(config) if config.eval.tasks else None
     dataset = locate_dataset.submit(config)
     if eval_tasks is not None:

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 
 from core.config import RunConfig, trajectory_conflicts, trajectory_json
 from core.cpu_priority import at_background_priority
-from core.files import sha256_bytes
+from core.files import delete_folder_unless_read, sha256_bytes
 from core.protocol import (
     CHECKPOINT_MANIFEST,
     checkpoint_lock,
@@ -443,15 +443,15 @@ def prune_fetched(config: RunConfig) -> list[int]:
     weights an evaluation read): a step's are deleted once a newer checkpoint is on local
     disk (nothing resumes from them then), and beyond the newest `checkpoint.keep_local`
     steps fetched (a machine that only evaluates would otherwise keep every step's weights).
-    Returns the steps whose files were deleted."""
+    A step's files that a resume or an evaluation is reading (core.files.reading_folder) are
+    left for a later call. Returns the steps whose files were deleted."""
     local = [step_of(p) for p in config.run_dir.committed_checkpoints()]
     fetched = sorted(step_of(cache) for cache in
                      config.run_dir.fetched_from_store(0).parent.glob("step-*"))
     older = {step for step in fetched if local and step < local[-1]}
     beyond = set(fetched[:-config.checkpoint.keep_local])
-    for step in sorted(older | beyond):
-        shutil.rmtree(config.run_dir.fetched_from_store(step), ignore_errors=True)
-    return sorted(older | beyond)
+    return [step for step in sorted(older | beyond)
+            if delete_folder_unless_read(config.run_dir.fetched_from_store(step))]
 
 
 def prune_aside(config: RunConfig) -> list[str]:

@@ -7,6 +7,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from core.config import RunConfig, dump_config
 from core.cpu_priority import lower_session_priority
 from core.errors import ConfigError
 from core.files import sha256_bytes, write_atomic
+from core.process_exit import PARENT_PID
 from core.protocol import copy_id, is_committed, step_of
 from goodput.checkpoint_lifecycle import ledger_of, prune_fetched, restore_ledger
 from goodput.accounting import summarize_goodput
@@ -22,6 +24,26 @@ from storage.ledger import ResumePoint, choose_resume, readable_copy
 from storage.manifests import EvalReport, dataset_id_of
 
 log = logging.getLogger(__name__)
+
+# Evaluations running beside training (eval.every_validated), in sessions of their own where
+# no Ctrl-C to the terminal's process group reaches them: a stopped or cancelled training
+# ends them (stop_background_evaluations) instead of waiting minutes for their scores.
+_background_lock = threading.Lock()
+_background: dict[subprocess.Popen, bool] = {}  # process -> stopped by stop_background_evaluations
+
+
+def stop_background_evaluations() -> int:
+    """Kill the evaluations this process runs beside training; returns how many. Each one's
+    `evaluate` then raises EvaluationStopped."""
+    with _background_lock:
+        for proc in _background:
+            _background[proc] = True
+            proc.kill()
+        return len(_background)
+
+
+class EvaluationStopped(RuntimeError):
+    """An evaluation beside training ended because the training was stopped."""
 
 
 def check_tasks(config: RunConfig) -> dict[str, str]:
@@ -191,6 +213,9 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
     if report is not None:
         return report
     from_store = not is_committed(checkpoint)
+    if from_store and evaluated_copy(config, checkpoint) is None:
+        raise FileNotFoundError(f"{checkpoint} is not on this machine, and the ledger of run "
+                                f"'{config.run.run_id}' names no uploaded copy of its step")
     out = report_path(config, checkpoint)
     new = out.with_name(f".{out.name}.new")  # the report it replaces stays until it exists
     # The evaluation's settings go to the process in a file of its own: the run's
@@ -203,24 +228,32 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
     argv = [sys.executable, "-m", "training.evaluate", "--checkpoint", str(checkpoint),
             "--dataset", str(dataset_dir), "--config", str(config_path), "--out", str(new),
             *(["--background", "--device", config.eval.background_device] if background else []),
-            *(["--from-store"] if from_store else [])]
+            *(["--from-store", evaluated_copy(config, checkpoint)] if from_store else [])]
     try:
         # Beside training, in a session of its own with its scheduling group lowered
         # (core.cpu_priority); it dies with this process, as no Ctrl-C to the terminal's
         # process group reaches it there.
+        env = {**os.environ, PARENT_PID: str(os.getpid())} if background else None
         with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=background) as proc:
+                              start_new_session=background, env=env) as proc:
             if background:
                 lower_session_priority(proc.pid)
+                with _background_lock:
+                    _background[proc] = False
             try:
                 stdout, stderr = proc.communicate()
             except BaseException:  # as subprocess.run: the evaluation ends with the caller
                 proc.kill()
                 raise
+            finally:
+                with _background_lock:
+                    stopped = _background.pop(proc, False)
     finally:
         config_path.unlink(missing_ok=True)
         if from_store:
             prune_fetched(config)
+    if stopped:
+        raise EvaluationStopped(f"evaluation of {checkpoint} stopped with the training")
     if proc.returncode == 2:  # the exit code of a configuration error (core.protocol)
         raise ConfigError(stderr.strip().splitlines()[-1].removeprefix("[eval] ")
                           if stderr.strip() else f"evaluation of {checkpoint}: configuration error")

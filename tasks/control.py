@@ -46,6 +46,7 @@ from prefect.runtime import deployment, flow_run
 
 from core.config import ConfigError, RunConfig, apply_overrides, config_from_dict, load_config
 from core.errors import DataError
+from goodput.evaluation import stop_background_evaluations
 from goodput.runs import at_step, record_abandoned_training
 from infra.torchrun import RunLease, stop_live_attempts
 
@@ -236,6 +237,7 @@ def no_orphan_workers() -> Iterator[None]:
         # before the attempt's end could start a retry. Prefect's runner kills a cancelled
         # flow run's process 30 s after SIGTERM, hence the shorter allowance.
         stop_live_attempts(grace_s=CANCEL_GRACE_S)
+        stop_background_evaluations()  # and the evaluations beside it, not waited for
         raise
 
 
@@ -288,6 +290,7 @@ def stop_training_when_cancelled(poll_s: float = CANCEL_POLL_S) -> Iterator[thre
                                     "checkpoint)")
                         cancelled.set()
                     stop_live_attempts(grace_s=CANCEL_GRACE_S)  # and one launched since
+                    stop_background_evaluations()
 
     thread = threading.Thread(target=watch, name="cancel-watch", daemon=True)
     thread.start()

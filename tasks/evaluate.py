@@ -127,6 +127,9 @@ def evaluate_validated(config: RunConfig, step: int, dataset_dir: Path) -> EvalR
     try:  # retention may have pruned the local copy while earlier evaluations ran: the store's
         checkpoint = evaluation.checkpoint_dir(config, point)
         report = evaluation.evaluate(config, checkpoint, dataset_dir, background=True)
+    except evaluation.EvaluationStopped as e:  # the training was stopped or cancelled
+        logger.info(str(e))
+        return None
     except Exception as e:  # noqa: BLE001 - reported, never a failure of training
         logger.warning(f"evaluation of checkpoint step {step} failed: {e}")
         return None

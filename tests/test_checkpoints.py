@@ -4,6 +4,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -522,8 +523,9 @@ def test_an_evaluation_beside_training_lowers_its_sessions_group_and_dies_with_t
         f"evaluate(load_config({str(tmp_path / 'run.yaml')!r}), "
         f"Path({str(config.run_dir.checkpoint(20))!r}), Path({str(dataset)!r}), background=True)")],
         cwd=REPO)
+    evaluation = None
     try:
-        evaluation, deadline = None, time.monotonic() + 120
+        deadline = time.monotonic() + 120
         while evaluation is None and time.monotonic() < deadline and flow.poll() is None:
             for child in Path("/proc").glob("[0-9]*"):
                 try:
@@ -553,13 +555,45 @@ def test_an_evaluation_beside_training_lowers_its_sessions_group_and_dies_with_t
         if flow.poll() is None:
             flow.kill()
             flow.wait()
+        if evaluation is not None and Path(f"/proc/{evaluation}").exists():
+            os.kill(evaluation, signal.SIGKILL)  # not to outlive a failed test either
+
+
+def test_a_stopped_training_ends_the_evaluation_beside_it_without_waiting(run, tmp_path):
+    """Ctrl-C or a cancellation stops training; the evaluation beside it (in a session of its
+    own, out of the terminal's reach) is ended too, not waited for."""
+    import threading
+
+    from goodput import evaluation
+
+    config, synthetic = run
+    dataset = with_a_tokenizer(synthetic, tmp_path / "dataset")
+    outcome = {}
+
+    def evaluate():
+        try:
+            evaluation.evaluate(config, config.run_dir.checkpoint(20), dataset, background=True)
+        except BaseException as e:  # noqa: BLE001 - what the test looks at
+            outcome["error"] = e
+
+    flow = threading.Thread(target=evaluate)
+    flow.start()
+    deadline = time.monotonic() + 60
+    while not evaluation._background and flow.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert evaluation.stop_background_evaluations() == 1
+    flow.join(timeout=30)
+    assert not flow.is_alive()
+    assert isinstance(outcome.get("error"), evaluation.EvaluationStopped), outcome
+    assert not evaluation._background and not config.run_dir.eval_report(20).exists()
 
 
 def test_a_machine_without_the_copy_evaluates_the_stores_weights_alone(run, tmp_path, caplog):
     """What an evaluation on a machine without the local copy does: it reads the weights'
     files of the store's copy (each against the manifest), never the optimizer's, scores as
     the local copy does, and a second evaluation reuses the report without fetching. A
-    damaged stored weights file fails the evaluation and leaves no report."""
+    store copy other than the one the ledger names uploaded (being replaced), or a damaged
+    stored weights file, fails the evaluation and leaves no report."""
     from goodput import evaluation
 
     config, synthetic = run
@@ -589,8 +623,16 @@ def test_a_machine_without_the_copy_evaluates_the_stores_weights_alone(run, tmp_
     assert not checkpoint.exists()  # no local copy: nothing resumes from half a checkpoint
     assert evaluation.evaluate(new_machine, checkpoint, dataset) == report  # reused
 
+    key = checkpoint_key("test", 10)  # step 10's store copy, not the one its ledger names
+    manifest = store.get_bytes(f"{key}/manifest.json")
+    (tmp_path / "other.json").write_bytes(manifest + b"\n")
+    store.put_file(tmp_path / "other.json", f"{key}/manifest.json")
+    with pytest.raises(RuntimeError, match="not the copy .* the run's ledger names uploaded"):
+        evaluation.evaluate(new_machine, new_machine.run_dir.checkpoint(10), dataset)
+    (tmp_path / "other.json").write_bytes(manifest)
+    store.put_file(tmp_path / "other.json", f"{key}/manifest.json")
+
     shutil.rmtree(fetched)  # a new evaluation of step 10, its stored weights damaged
-    key = checkpoint_key("test", 10)
     damaged = tmp_path / "damaged"
     store.get_file(f"{key}/{sorted(weights)[0]}", damaged)
     flip_bytes(damaged)
@@ -602,12 +644,17 @@ def test_a_machine_without_the_copy_evaluates_the_stores_weights_alone(run, tmp_
 
 def test_fetched_weights_are_kept_for_the_newest_steps_only(run):
     """A machine that only evaluates keeps the files fetched for the newest keep_local steps;
-    once a newer checkpoint is on local disk, none older is kept."""
+    once a newer checkpoint is on local disk, none older is kept. Files being read (a
+    resume's, an evaluation's) wait for a later call."""
+    from core.files import reading_folder
+
     config, _ = run
     for step in (5, 10, 15, 20, 25):
         (config.run_dir.fetched_from_store(step)).mkdir(parents=True)
     shutil.rmtree(config.run_dir.checkpoint(20))
-    assert checkpoints.prune_fetched(config) == [5, 10]  # keep_local=3: 15, 20, 25 kept
+    with reading_folder(config.run_dir.fetched_from_store(5)):
+        assert checkpoints.prune_fetched(config) == [10]  # keep_local=3: 15, 20, 25 kept
+    assert checkpoints.prune_fetched(config) == [5]
     assert checkpoints.prune_fetched(config) == []
     cfg = small_config(config.run_dir.path.parent.parent, "training.max_steps=20",
                        "checkpoint.keep_local=5")

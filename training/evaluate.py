@@ -3,10 +3,11 @@
 
     python -m training.evaluate --checkpoint DIR --dataset DIR --config run.yaml --out report.json
 
-With `--from-store`, DIR is the run's own checkpoint directory of a step that this machine
-has no copy of: the model's weights are read from the store's copy (the files they are in,
-training.checkpoint.writer.shard_file_name, fetched into the run's `.from-store` cache and
-checked against the manifest, as a resume from the store does); the optimizer's are not.
+With `--from-store COPY_ID`, DIR is the run's own checkpoint directory of a step that this
+machine has no copy of, and COPY_ID the copy its ledger names uploaded. The model's weights
+are read from the store's copy (the files they are in, writer.shard_file_name, fetched into
+the run's `.from-store` cache and checked against the manifest, as a resume from the store
+does); the optimizer's are not.
 """
 
 from __future__ import annotations
@@ -17,13 +18,20 @@ import sys
 import time
 from pathlib import Path
 
+if __name__ == "__main__" and "--background" in sys.argv:
+    # Started beside training in a session of its own (goodput.evaluation), where no Ctrl-C
+    # to the terminal's process group reaches it: it ends with the process that started it,
+    # set before torch's import (seconds), in which that process may die.
+    from core.process_exit import die_with_the_parent_that_started_it
+
+    die_with_the_parent_that_started_it()
+
 import torch
 from tokenizers import Tokenizer
 
 from core.errors import ConfigError
 from core.cpu_priority import lower_thread_priority
 from core.files import write_atomic
-from core.process_exit import die_with_parent
 from core.protocol import copy_id
 from storage.manifests import EvalReport, EvalSample
 from training.checkpoint.errors import CheckpointCorrupt
@@ -136,16 +144,21 @@ def curves_prefix(config, report: EvalReport) -> str:
     return "eval" if report.eval_hash in (None, run_hash) else f"eval-{report.eval_hash[:8]}"
 
 
-def store_copy(config, checkpoint: Path):
+def store_copy(config, checkpoint: Path, copy: str):
     """A reader of the store's copy of the run's checkpoint directory `checkpoint` (a step of
-    the run, which this machine has no copy of)."""
+    the run, which this machine has no copy of), which must be the copy `copy`."""
     from core.protocol import ResumeSpec, step_of
     from training.checkpoint.reader import open_reader
 
     if checkpoint.resolve().parent != config.run_dir.checkpoints.resolve():
         raise ConfigError(f"--from-store reads a checkpoint of run '{config.run.run_id}' "
                           f"({config.run_dir.checkpoints}/step-N); {checkpoint} is not one")
-    return open_reader(config.run_dir, config.storage, ResumeSpec.store(step_of(checkpoint)))
+    reader = open_reader(config.run_dir, config.storage, ResumeSpec.store(step_of(checkpoint)))
+    if reader.copy_id != copy:  # another machine replaced it since the ledger was read
+        raise RuntimeError(f"the store's copy of {reader.source} is {reader.copy_id}, not the "
+                           f"copy {copy} the run's ledger names uploaded: it is being replaced; "
+                           "evaluate again once its upload has finished")
+    return reader
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,15 +172,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="run at the lowest CPU priority (beside training)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: the first visible GPU if there is one, else the CPU")
-    parser.add_argument("--from-store", action="store_true",
+    parser.add_argument("--from-store", metavar="COPY_ID",
                         help="read the weights of the run's checkpoint --checkpoint from the "
-                             "store's copy (this machine has none)")
+                             "store's copy (this machine has none), which must be the copy "
+                             "COPY_ID (the ledger's; core.protocol.copy_id)")
     args = parser.parse_args(argv)
     if args.background:  # before torch starts its intra-op threads, which inherit it
         lower_thread_priority()
-        # evaluation.evaluate starts it in a session of its own (its scheduling group
-        # lowered), where no Ctrl-C to the terminal's process group reaches it.
-        die_with_parent()
     from core.config import load_config
 
     setup_worker_logging()
@@ -178,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         # A wrong task name or missing task data fails before the checkpoint is read.
         tasks = load_tasks(config.eval.tasks, config.eval.task_dir) if config.eval.tasks else None
         device = None if args.device == "auto" else torch.device(args.device)
-        reader = store_copy(config, Path(args.checkpoint)) if args.from_store else None
+        reader = store_copy(config, Path(args.checkpoint), args.from_store) if args.from_store else None
         report = evaluate_checkpoint(Path(args.checkpoint), Path(args.dataset), config.run.run_id,
                                      config.eval, config.training.seq_len, config.training.seed,
                                      device=device, downstream_tasks=tasks, reader=reader)
@@ -191,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if reader is not None and reader.fetched:
         log.info("read the weights from %s: fetched %s (%.1f MB) into %s", reader.source,
-                 ", ".join(reader.fetched),
-                 sum((reader.local_dir / name).stat().st_size for name in reader.fetched) / 1e6,
-                 reader.local_dir)
+                 ", ".join(reader.fetched), reader.fetched_bytes / 1e6, reader.local_dir)
     elif reader is not None:
         log.info("read the weights from %s: its files were in %s already", reader.source,
                  reader.local_dir)

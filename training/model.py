@@ -155,8 +155,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # generation: the earlier positions' keys and values are kept
             k, v = cache.append(k, v)
-            # Each new position attends to every earlier one and to the new ones up to itself.
-            mask = torch.ones(seq, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - seq)
+            if k.shape[2] > seq:  # (else the plain causal mask: the first pass)
+                # Each new position attends to every earlier one and to the new ones up to itself.
+                mask = torch.ones(seq, k.shape[2], dtype=torch.bool, device=x.device).tril(k.shape[2] - seq)
         out = self.core(q, k, v, mask=mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
 
@@ -312,6 +313,8 @@ class Transformer(nn.Module):
         x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         cos, sin = self.rope_cos, self.rope_sin
         if cache is not None:
+            if positions is not None or mask is not None:
+                raise ValueError("a generation's positions and mask follow from its cache")
             positions = torch.arange(cache.length, cache.length + tokens.shape[1],
                                      device=tokens.device).expand(tokens.shape[0], -1)
         if positions is not None:  # each row's own angles, broadcast over the heads

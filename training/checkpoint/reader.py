@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
-from core.files import sha256_file
+from core.files import reading_folder, sha256_file
 from core.protocol import CHECKPOINT_MANIFEST, ResumeSpec, RunDir, copy_id_of_manifest, is_committed
 from storage.ledger import checkpoint_key
 from storage.manifests import CheckpointManifest
@@ -99,6 +99,17 @@ class StoreReader(VerifiedReader):
         self.store, self.prefix, self.source = store, prefix, store.url(prefix)
         self.copy_id = copy_id_of_manifest(raw)  # the stored copy's identity (core.protocol.copy_id)
         self.fetched: list[str] = []
+        self.fetched_bytes = 0
+
+    # The cache folder is held (shared) while DCP reads from it: retention deletes a step's
+    # fetched files only where nothing reads them (goodput.checkpoint_lifecycle.prune_fetched).
+    def read_metadata(self, *args, **kwargs):
+        with reading_folder(self.local_dir):
+            return super().read_metadata(*args, **kwargs)
+
+    def read_data(self, plan, planner):
+        with reading_folder(self.local_dir):
+            return super().read_data(plan, planner)
 
     def _obtain(self, relative: str) -> None:
         if self._whole(relative):
@@ -108,6 +119,7 @@ class StoreReader(VerifiedReader):
             self.store.get_file(f"{self.prefix}/{relative}", dest)
             if self._whole(relative):
                 self.fetched.append(relative)
+                self.fetched_bytes += dest.stat().st_size
                 return
             dest.unlink(missing_ok=True)
         raise self.corrupt(f"{relative}: sha256 differs from the manifest (fetched twice)")

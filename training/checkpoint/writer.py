@@ -182,6 +182,10 @@ class ShardWriter(dcp.FileSystemWriter):
 
     def __init__(self, path):
         super().__init__(path)
+        if not hasattr(self, "_write_data"):
+            raise RuntimeError("this torch's DCP FileSystemWriter has no _write_data, which "
+                               "training.checkpoint.writer.ShardWriter writes through; install "
+                               "a torch the project supports (pyproject.toml)")
         self.fs = _HashingFileSystem()
 
     def reset(self, checkpoint_id=None) -> None:
@@ -189,8 +193,9 @@ class ShardWriter(dcp.FileSystemWriter):
         self.fs.written.clear()
 
     def write_data(self, plan, planner):
-        # DCP's write_data, with the files chosen by what they hold (its own splits by size
-        # for thread_count > 1, which is 1 here); _write_data writes the queued files.
+        # DCP's write_data, with the files chosen by what they hold (it splits by size for
+        # thread_count > 1, which stays 1 here); its _write_data (torch 2.11-2.14) writes the
+        # queued files, each with the writer's threads, transforms and fsync.
         files: queue.Queue = queue.Queue()
         for holds_weights in (True, False):
             items = [item for item in plan.items
