@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from core.files import exclusive_lock, sha256_bytes, sha256_file
+from core.files import exclusive_lock, sha256_bytes
 
 # -- the run directory ----------------------------------------------------------------------
 
@@ -122,6 +122,11 @@ class RunDir:
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step-{step:08d}"
 
+    def holds_checkpoint(self, path: str | os.PathLike) -> bool:
+        """Whether `path` is one of this run's checkpoint directories (checkpoints/step-N),
+        on this machine or not: another run's, or a directory elsewhere, is not."""
+        return Path(path).resolve().parent == self.checkpoints.resolve()
+
     def aside(self, kind: str) -> Path:
         """Where copies moved out of reach of resume are kept: 'rejected' or 'superseded'."""
         return self.checkpoints / kind
@@ -183,7 +188,7 @@ def copy_id(path: str | os.PathLike) -> str | None:
     """Identity of the committed copy at `path` (None: not committed): a save of the same
     step again is another copy, judged and uploaded on its own."""
     manifest = Path(path) / CHECKPOINT_MANIFEST
-    return sha256_file(manifest)[:16] if manifest.is_file() else None
+    return copy_id_of_manifest(manifest.read_bytes()) if manifest.is_file() else None
 
 
 def copy_id_of_manifest(raw: bytes) -> str:

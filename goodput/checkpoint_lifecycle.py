@@ -16,11 +16,12 @@ from typing import Callable, Iterator
 
 from core.config import RunConfig, trajectory_conflicts, trajectory_json
 from core.cpu_priority import at_background_priority
-from core.files import delete_folder_unless_read, sha256_bytes
+from core.files import delete_folder_unless_read
 from core.protocol import (
     CHECKPOINT_MANIFEST,
     checkpoint_lock,
     copy_id,
+    copy_id_of_manifest,
     is_committed,
     set_aside,
     step_of,
@@ -299,7 +300,7 @@ def _stored_copy(store, key: str) -> tuple[CheckpointManifest, str] | None:
     except FileNotFoundError:
         return None
     try:
-        return CheckpointManifest.model_validate_json(raw), sha256_bytes(raw)[:16]
+        return CheckpointManifest.model_validate_json(raw), copy_id_of_manifest(raw)
     except ValueError as e:
         log.warning("%s/%s in the store is not a checkpoint manifest (%s): that copy is "
                     "replaced, not adopted", key, CHECKPOINT_MANIFEST, str(e).splitlines()[0])

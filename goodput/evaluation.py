@@ -129,7 +129,7 @@ def evaluated_copy(config: RunConfig, checkpoint: Path) -> str | None:
     for a step of the run that this machine has no copy of, the store's copy the ledger
     names uploaded. None: none that can be read."""
     local = copy_id(checkpoint)
-    if local is not None or Path(checkpoint).resolve().parent != config.run_dir.checkpoints.resolve():
+    if local is not None or not config.run_dir.holds_checkpoint(checkpoint):
         return local
     entry = ledger_of(config).read().entries.get(step_of(checkpoint))
     return entry.copy_id if entry is not None and entry.state == "uploaded" else None
@@ -151,7 +151,7 @@ def report_path(config: RunConfig, checkpoint: Path) -> Path:
     """Where the report of `checkpoint` goes: eval/step-N.json for a checkpoint of this run;
     a directory of another run gets a report of its own (eval/other/), never this run's."""
     step = step_of(checkpoint)
-    if Path(checkpoint).resolve().parent == config.run_dir.checkpoints.resolve():
+    if config.run_dir.holds_checkpoint(checkpoint):
         return config.run_dir.eval_report(step)
     key = sha256_bytes(str(Path(checkpoint).resolve()).encode())[:12]
     return config.run_dir.eval_dir / "other" / f"{key}-step-{step:08d}.json"
@@ -213,7 +213,8 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
     if report is not None:
         return report
     from_store = not is_committed(checkpoint)
-    if from_store and evaluated_copy(config, checkpoint) is None:
+    store_copy = evaluated_copy(config, checkpoint) if from_store else None
+    if from_store and store_copy is None:
         raise FileNotFoundError(f"{checkpoint} is not on this machine, and the ledger of run "
                                 f"'{config.run.run_id}' names no uploaded copy of its step")
     out = report_path(config, checkpoint)
@@ -228,7 +229,7 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
     argv = [sys.executable, "-m", "training.evaluate", "--checkpoint", str(checkpoint),
             "--dataset", str(dataset_dir), "--config", str(config_path), "--out", str(new),
             *(["--background", "--device", config.eval.background_device] if background else []),
-            *(["--from-store", evaluated_copy(config, checkpoint)] if from_store else [])]
+            *(["--from-store", store_copy] if from_store else [])]
     try:
         # Beside training, in a session of its own with its scheduling group lowered
         # (core.cpu_priority); it dies with this process, as no Ctrl-C to the terminal's

@@ -150,7 +150,7 @@ def store_copy(config, checkpoint: Path, copy: str):
     from core.protocol import ResumeSpec, step_of
     from training.checkpoint.reader import open_reader
 
-    if checkpoint.resolve().parent != config.run_dir.checkpoints.resolve():
+    if not config.run_dir.holds_checkpoint(checkpoint):
         raise ConfigError(f"--from-store reads a checkpoint of run '{config.run.run_id}' "
                           f"({config.run_dir.checkpoints}/step-N); {checkpoint} is not one")
     reader = open_reader(config.run_dir, config.storage, ResumeSpec.store(step_of(checkpoint)))
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     write_atomic(args.out, report.model_dump_json(indent=2).encode())
     # Scores of this run's checkpoints go to its trackers; another run's checkpoint (its
     # report kept under eval/other/) is not this run's curve.
-    if Path(args.checkpoint).resolve().parent == config.run_dir.checkpoints.resolve():
+    if config.run_dir.holds_checkpoint(args.checkpoint):
         prefix = curves_prefix(config, report)
         if prefix != "eval":
             log.info("these eval settings are not the run's (its config.yaml): the scores go to "

@@ -35,13 +35,12 @@ from urllib.parse import unquote, urlparse
 
 import torch
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.api import CheckpointException
 
 from core.files import sha256_file
 from core.hf_llama import SHARD_INDEX, SINGLE_FILE
 from core.protocol import CHECKPOINT_MANIFEST, is_committed
 from storage.manifests import MIXTURE_MANIFEST, CheckpointManifest, MixtureManifest, verify_files
-from training.checkpoint.errors import CheckpointCorrupt, causes
+from training.checkpoint.errors import CheckpointCorrupt
 from training.checkpoint.reader import StoreReader, load_all_tensors, model_state_from
 from training.model import ModelArgs, Transformer
 from training.tokenizer import HF_TOKENIZER_SIDE_FILES
@@ -281,10 +280,7 @@ def read_checkpoint_from_store(url: str, cache_dir: Path, *, endpoint_url: str |
     try:
         store = open_store(root, endpoint_url=endpoint_url, region=region)
         reader = StoreReader(store, name, cache_dir)
-        try:
-            state = model_state_from(load_all_tensors(prefix="model.", reader=reader))
-        except CheckpointException as e:  # the reader's error, wrapped by DCP
-            raise causes(e)[0] from None
+        state = model_state_from(load_all_tensors(prefix="model.", reader=reader))
     except FileNotFoundError as e:
         raise ExportError(f"no committed checkpoint at {url} ({e}); give the URL of an uploaded "
                           "checkpoint, such as s3://BUCKET/PREFIX/runs/RUN/checkpoints/step-00000300") from None

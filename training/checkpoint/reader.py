@@ -149,7 +149,8 @@ def load_into(reader: VerifiedReader, model_parts, optimizers, extra_template: d
 def load_all_tensors(path: Path | None = None, prefix: str = "", reader=None) -> dict:
     """Every entry (under `prefix`) of a DCP checkpoint, loaded in this process whatever
     layout saved it: the directory `path`, or through a DCP storage `reader` (StoreReader: a
-    checkpoint in the store)."""
+    checkpoint in the store), whose own error (CheckpointCorrupt, a store's) is raised as
+    itself, not wrapped by DCP."""
     metadata = (reader or dcp.FileSystemReader(str(path))).read_metadata()
     state = {}
     for fqn, meta in metadata.state_dict_metadata.items():
@@ -164,7 +165,10 @@ def load_all_tensors(path: Path | None = None, prefix: str = "", reader=None) ->
         if reader is None:
             dcp.load(state, checkpoint_id=str(path), no_dist=True)
         else:
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            try:
+                dcp.load(state, storage_reader=reader, no_dist=True)
+            except CheckpointException as e:  # the reader's error, wrapped by DCP
+                raise causes(e)[0] from None
     return state
 
 
@@ -185,10 +189,7 @@ def load_model(checkpoint: Path | None, device: torch.device,
         weights = load_all_tensors(checkpoint, prefix="model.")
     else:
         manifest = reader.manifest
-        try:
-            weights = load_all_tensors(prefix="model.", reader=reader)
-        except CheckpointException as e:  # the reader's error, wrapped by DCP
-            raise causes(e)[0] from None
+        weights = load_all_tensors(prefix="model.", reader=reader)
     model = Transformer.with_weights(ModelArgs(**manifest.model_args), model_state_from(weights))
     return model.to(device).eval(), manifest
 
