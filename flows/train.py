@@ -78,8 +78,9 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
         config_file: A RunConfig YAML file (e.g. configs/tiny.yaml), relative to the
             working directory of the flow run; leave the form at its defaults when set.
         overrides: Field overrides applied last, e.g. ["training.max_steps=600"].
-        time_limit_s: Wall-clock budget of this flow run: past it, training stops right
-            after the next checkpoint and a later run continues. Empty: train to the end.
+        time_limit_s: Wall-clock budget of this flow run: past it, the workers save a
+            checkpoint at their next step and stop (about a step and a save later); a later
+            run continues from it. Empty: train to the end.
         worker_logs: Whose output goes to this log: global rank 0 ("rank0") or every rank
             ("all"); each line is prefixed with its node and rank.
     """
@@ -114,8 +115,10 @@ def _train(config: RunConfig, dataset_dir, published, time_limit_s: float | None
     secured while it runs, recorded. CancelledRun when it was cancelled."""
     # A flow run that ends unfinished once it holds the run's lease: its time still counts,
     # less its wait for the lease (the time of the run that held it, which counts already).
+    logger = get_run_logger()  # also on the thread that secures after a SIGTERM (no context there)
     with stop_training_when_cancelled() as cancelled, \
-            training_slot(config, give_up=cancelled) as lease, no_orphan_workers(), \
+            training_slot(config, give_up=cancelled) as lease, \
+            no_orphan_workers(lambda: _secure_without_tasks(config, logger)), \
             unfinished_training_counted(config, started + lease.waited_s):
         training = launch_training.with_options(
             retries=config.run.max_attempts - 1, retry_delay_seconds=config.run.retry_delay_s,
@@ -154,7 +157,7 @@ def _train(config: RunConfig, dataset_dir, published, time_limit_s: float | None
                                                          wait_for=[evaluated]))
             settle(secured + evaluations + [published])  # a failed evaluation shows in its task run, not as training's
             if cancelled.is_set():  # no task runs in a flow run being cancelled
-                _secure_without_tasks(config)
+                _secure_without_tasks(config, logger)
                 secured = []
             else:
                 # A task cannot start while the Prefect API is away (a server restart): the
@@ -168,13 +171,13 @@ def _train(config: RunConfig, dataset_dir, published, time_limit_s: float | None
     return record_training(config, outcome, started + lease.waited_s)
 
 
-def _secure_without_tasks(config: RunConfig) -> None:
+def _secure_without_tasks(config: RunConfig, logger) -> None:
     """What a cancelled training left unsecured (its workers' emergency checkpoint, and
     checkpoints whose tasks the cancellation kept from running), validated and uploaded in
-    the flow itself: the server lets no task run start in a flow run being cancelled, and
-    without this they waited for the next run, on this machine only. A failure is logged:
-    the next run secures them first."""
-    logger = get_run_logger()
+    the flow itself (or, after the SIGTERM of Prefect's worker or runner, on the thread
+    tasks.control.no_orphan_workers leaves): the server lets no task run start in a flow run
+    being cancelled, and without this they waited for the next run, on this machine only.
+    A failure is logged: the next run secures them first."""
     steps = unsecured_steps(config)
     try:
         store = store_from_config(config.storage)

@@ -7,8 +7,8 @@ when to stop, and that no worker outlives it.
   lives), so a schedule, a manual trigger and a pipeline never train the same run at once,
   and workers whose flow process died stop by themselves. A second flow run waits for the
   lease, then resumes from the ledger (or finds nothing to do).
-- `TimeLimit`: a per-flow-run wall-clock budget; the workers end training right after the
-  first checkpoint they save past it, and the next run continues from that checkpoint.
+- `TimeLimit`: a per-flow-run wall-clock budget; past it the workers save a checkpoint at
+  their next step and stop, and the next run continues from that checkpoint.
 - `switch_off_own_schedule`: a scheduled flow run that finds the run finished switches off
   the schedule that created it, so a continuation schedule stops creating flow runs once
   the token budget is spent.
@@ -33,12 +33,13 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 from uuid import UUID
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
+from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
 from prefect.logging.handlers import APILogHandler
@@ -48,7 +49,7 @@ from core.config import ConfigError, RunConfig, apply_overrides, config_from_dic
 from core.errors import DataError
 from goodput.evaluation import stop_background_evaluations
 from goodput.runs import at_step, record_abandoned_training
-from infra.torchrun import RunLease, stop_live_attempts
+from infra.torchrun import RunLease, attempts_running, stop_live_attempts
 
 
 class UserErrorsWithoutTracebacks(logging.Filter):
@@ -173,11 +174,12 @@ class TimeLimit:
     Prefect retry of the launch task spends what is left of it rather than a fresh one;
     default now). `limit_s=None` is no limit.
 
-    The workers themselves stop at it (GOODPUT_STOP_AFTER = `deadline`): right after the
-    first checkpoint they save past it, whatever its step (their cadence counts from the step
-    they resumed at, which an emergency save leaves anywhere, and `checkpoint.interval:
-    auto` re-plans it). Stopping right after a checkpoint loses no step, unlike killing the
-    job at the deadline, and depends on no polling here.
+    The workers themselves stop at it (GOODPUT_STOP_AFTER = `deadline`): the step after the
+    first one past it is saved, whatever checkpoint.every_steps says, and they stop after
+    it (as Megatron's --exit-duration-in-mins). That loses no step, unlike killing the job at
+    the deadline; it overshoots by about a step and a save, where stopping at the next
+    scheduled checkpoint overshot by up to an interval (a scheduled continuation then ran
+    into the next tick, which was cancelled); and it depends on no polling here.
     """
 
     def __init__(self, limit_s: float | None, started: float | None = None):
@@ -217,7 +219,7 @@ CANCEL_GRACE_S = 20.0
 
 
 @contextmanager
-def no_orphan_workers() -> Iterator[None]:
+def no_orphan_workers(secure_what_training_left: Callable[[], None] | None = None) -> Iterator[None]:
     """Stop this process's training attempts when the flow leaves the block with an exception.
 
     A cancellation reaches the flow as a signal in its main thread; the engine then waits
@@ -226,18 +228,29 @@ def no_orphan_workers() -> Iterator[None]:
     so killing the flow run's process group does not reach them either. Here every live
     attempt is stopped on every node, workers first getting CANCEL_GRACE_S for an emergency
     checkpoint (infra.torchrun.stop_live_attempts, in threads the process waits for before
-    it exits). The exception is re-raised immediately, so Prefect marks the launch task
-    cancelled before it could retry (waiting for the workers here let the retry launch a
-    new attempt).
+    it exits). The attempt ends as cancelled, never retried.
+
+    Prefect's worker or runner cancels a flow run with SIGTERM (SIGKILL 30 s later), as do
+    systemd and Kubernetes when they stop a `goodput train`; the engine starts no task run
+    from then on. On SIGTERM, the attempts' end is waited for here and then
+    `secure_what_training_left` is called: the emergency checkpoint (and any checkpoint whose
+    tasks the cancellation stopped) is validated and uploaded, under the run's lease, with
+    the flow run's log still open, rather than left on this machine's disk for the next run.
+    A Ctrl-C is not waited for here: the command secures after it (flows.cli).
     """
     try:
         yield
-    except BaseException:
-        # Not waiting here: re-raised at once, the cancellation reaches the launch task
-        # before the attempt's end could start a retry. Prefect's runner kills a cancelled
-        # flow run's process 30 s after SIGTERM, hence the shorter allowance.
-        stop_live_attempts(grace_s=CANCEL_GRACE_S)
+    except BaseException as e:
+        stops = stop_live_attempts(grace_s=CANCEL_GRACE_S)
         stop_background_evaluations()  # and the evaluations beside it, not waited for
+        if secure_what_training_left is not None and isinstance(e, TerminationSignal):
+            deadline = time.monotonic() + CANCEL_GRACE_S + 5  # Prefect's SIGKILL comes at 30 s
+            for thread in stops:
+                thread.join(timeout=max(0.0, deadline - time.monotonic()))
+            while attempts_running() and time.monotonic() < deadline:  # one stopped earlier
+                time.sleep(0.2)
+            if not attempts_running():  # still saving: the next run secures what they leave
+                secure_what_training_left()
         raise
 
 

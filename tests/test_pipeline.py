@@ -302,6 +302,44 @@ def test_a_cancel_nobody_acts_on_stops_training_and_secures_its_checkpoint(prefe
     assert entries and entries[max(entries)].state == "uploaded", entries
 
 
+def test_the_sigterm_of_a_cancel_still_secures_the_emergency_checkpoint(prefect_api, tmp_path):
+    """Prefect's worker or runner cancels a flow run it started with SIGTERM (SIGKILL 30 s
+    later); the engine then starts no task run. The flow's process used to stop the workers
+    and exit, leaving their emergency checkpoint unjudged and not uploaded (and missing
+    from the ledger) until the next run on that machine. It is now secured before the
+    process exits. A `goodput train` against the server, sent the same SIGTERM."""
+    from goodput.checkpoint_lifecycle import ledger_of
+    from goodput.data.prepare import prepare_dataset
+    from goodput.runs import read_outcomes
+
+    config = small_config(tmp_path, "run.run_id=terminated", "training.max_steps=100000",
+                          "checkpoint.every_steps=100000")
+    prepare_dataset(config)
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(dump_config(config))
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "train", "--config", str(config_file)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=prefect_api.env(), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not read_metrics(config.run_dir) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert read_metrics(config.run_dir), "training did not start"
+        proc.send_signal(signal.SIGTERM)
+        text = proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            stop_process_tree(proc)
+            proc.communicate()
+    [outcome] = read_outcomes(config)
+    assert outcome["class"] == "cancelled", outcome
+    entries = ledger_of(config).read().entries  # the emergency checkpoint, and nothing else
+    assert list(entries) == [outcome["step"]] and entries[outcome["step"]].state == "uploaded", (
+        entries, text[-3000:])
+    assert f"checkpoint step {outcome['step']} validated and uploaded to " in text, text[-3000:]
+    assert "after the cancellation" in text
+
+
 def test_a_cancel_while_waiting_for_the_runs_lease_ends_the_wait(prefect_api, tmp_path):
     """The same cancel while another holder trains the run: the wait for the lease ends and
     the flow run ends Cancelled (it waited for the holder, possibly hours)."""
