@@ -362,8 +362,8 @@ ENV_ATTEMPT = "GOODPUT_ATTEMPT"  # the launch task's attempt id (plain runs: "0"
 ENV_RUN_DIR = "GOODPUT_RUN_DIR"  # where to leave the exit record even when the config fails to load
 ENV_RESTART_WAIT_S = "GOODPUT_RESTART_WAIT_S"  # after an in-job restart: wait for pending verdicts
 ENV_MTBF_S = "GOODPUT_MTBF_S"  # the run's MTBF so far, for checkpoint.interval=auto
-# A flow run's time limit (Unix time): the trainer stops after the first checkpoint it saves
-# from then on, exiting as done before max_steps (the next flow run continues from it).
+# A flow run's time limit (Unix time): from then on the trainer saves a checkpoint at its next
+# step and stops, exiting as done before max_steps (the next flow run continues from it).
 ENV_STOP_AFTER = "GOODPUT_STOP_AFTER"
 # Who holds the run's lease for these workers (a flow run, or the attempt itself), and how
 # long without a renewal of it before they stop by themselves: their supervisor is gone.

@@ -8,9 +8,9 @@ Two example schedules:
 - nightly evaluation (`eval_cron`): the evaluate deployment with no checkpoint given
   evaluates the newest validated checkpoint of the run (a report that exists is reused);
 - continuing a run until its token budget is spent (`train_cron`, deployment
-  `goodput-train-continue`): every run trains the *same* config for at most
-  `train_time_limit_s`, stopping right after a checkpoint, and the next run resumes from
-  the ledger. The budget is `training.max_steps` (tokens = max_steps x tokens per step);
+  `goodput-train-continue`): every run trains the *same* config for
+  `train_time_limit_s`, then saves a checkpoint at its next step and stops, and the next
+  run resumes from the ledger. The budget is `training.max_steps` (tokens = max_steps x tokens per step);
   it never changes between runs, so neither the config hash nor the LR schedule does.
   The scheduled run that reaches max_steps switches its schedule off
   (`tasks.control.switch_off_own_schedule`), so the schedule stops creating runs; serving

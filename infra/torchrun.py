@@ -157,8 +157,8 @@ def run_attempt(config: RunConfig, config_path: Path, dataset_dir: Path, attempt
     that makes it; None: the attempt takes the lease itself, waiting while another holder or
     orphaned workers train the run.
 
-    `stop_after` (Unix time): the workers end the attempt, as done, right after the first
-    checkpoint they save from then on.
+    `stop_after` (Unix time): from then on the workers save a checkpoint at the next step,
+    whatever the cadence, and end the attempt after it, as done.
 
     `on_progress` receives every new heartbeat (step, loss, tokens/s, ...) as it appears;
     `on_layout_change` each new world of an elastic job (layout_change: before and after).

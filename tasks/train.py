@@ -71,10 +71,11 @@ def launch_training(config: RunConfig, dataset_dir: Path, time_limit_s: float | 
     Cancelled, not Failed.
 
     Each heartbeat updates the progress artifact. `time_limit_s` after `started` (the flow
-    run's start; retries share the budget) the workers stop right after the next checkpoint
-    they save, and the task returns normally with `stopped: "time limit"` (the next flow run
-    continues from there). The first try always launches (it stops at its first checkpoint
-    past the deadline); a retry that begins after the deadline does not. `lease_holder`:
+    run's start; retries share the budget) the workers save a checkpoint at their next step
+    and stop after it, and the task returns normally with `stopped: "time limit"` (the next
+    flow run continues from there). The first try always launches (it stops at its second
+    step when the deadline has passed already); a retry that begins after the deadline does
+    not. `lease_holder`:
     who holds the run's lease (the flow run), watched by the workers.
     """
     logger = get_run_logger()

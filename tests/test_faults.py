@@ -439,10 +439,10 @@ def test_a_config_file_the_workers_cannot_load_ends_the_attempt_as_a_config_erro
 
 
 @pytest.mark.slow  # CI keeps the time limit through test_an_attempt_the_time_limit_stops_...
-def test_the_workers_stop_right_after_the_first_checkpoint_they_save_past_the_deadline(tmp_path):
-    """A flow run's time limit reaches the workers (GOODPUT_STOP_AFTER): both ranks stop
-    together after the first checkpoint saved past it, whatever its step, and the attempt
-    ends as done before max_steps with nothing lost; a deadline still ahead stops nothing."""
+def test_the_workers_save_the_step_after_the_deadline_and_stop(tmp_path):
+    """A flow run's time limit reaches the workers (GOODPUT_STOP_AFTER): past it, both ranks
+    save the next step together, whatever the checkpoint cadence, and stop; the attempt ends
+    as done before max_steps with nothing lost; a deadline still ahead stops nothing."""
     dataset = synthetic_dataset(tmp_path / "dataset")
     config = small_config(tmp_path, "training.max_steps=30", "checkpoint.every_steps=7")
     config_path = write_run_config(config)
@@ -456,13 +456,14 @@ def test_the_workers_stop_right_after_the_first_checkpoint_they_save_past_the_de
         return result, record
 
     result, record = attempt("limit-1", time.time(), ResumeSpec.scratch())  # already past
-    assert (result.step, result.reason, record["reason"]) == (7, "time limit", "time limit")
-    assert [step_of(p) for p in config.run_dir.committed_checkpoints()] == [7]
+    assert (result.step, result.reason, record["reason"]) == (2, "time limit", "time limit")
+    assert [step_of(p) for p in config.run_dir.committed_checkpoints()] == [2]
     # Its last word to the supervisor: a save to wait for (a save's allowance, not a step's).
     assert read_heartbeat(config.run_dir)["phase"] == "checkpoint"
-    # Resumed at 7, its first save is 14, though the deadline passed long before.
+    # Resumed at 2, the deadline long passed: step 3 votes, step 4 is saved (every_steps is 7).
     result, record = attempt("limit-2", time.time() - 3600, ResumeSpec.newest_committed())
-    assert (result.step, record["reason"]) == (14, "time limit")
+    assert (result.step, record["reason"]) == (4, "time limit")
+    assert [step_of(p) for p in config.run_dir.committed_checkpoints()] == [2, 4]
     result, record = attempt("limit-3", time.time() + 3600, ResumeSpec.newest_committed())
     assert (result.step, record["reason"]) == (30, "done")
     steps = [m["step"] for m in read_metrics(config.run_dir)]
@@ -470,9 +471,10 @@ def test_the_workers_stop_right_after_the_first_checkpoint_they_save_past_the_de
 
 
 def test_an_attempt_the_time_limit_stops_logs_the_steps_since_its_last_metrics_record(tmp_path):
-    """training.log_every=5 and a checkpoint every 7 steps: the attempt stopped after step 7
-    logs steps 6-7 as it stops (no later step of it would; the next attempt resumes after
-    them), so the loss curve and the goodput accounting hold every step the model holds."""
+    """training.log_every=5 and a checkpoint every 7 steps: the attempt stopped by the time
+    limit after step 2 (saved off the cadence) logs steps 1-2 as it stops (no later step of
+    it would; the next attempt resumes after them), so the loss curve and the goodput
+    accounting hold every step the model holds."""
     from goodput.accounting import step_times
 
     dataset = synthetic_dataset(tmp_path / "dataset")
@@ -481,11 +483,11 @@ def test_an_attempt_the_time_limit_stops_logs_the_steps_since_its_last_metrics_r
     lines: list[str] = []
     result = run_attempt(config, write_run_config(config), dataset, "limit", lines.append,
                          start=ResumeSpec.scratch(), stop_after=time.time())
-    assert (result.failure_class, result.step) == ("done", 7), "\n".join(lines[-30:])
+    assert (result.failure_class, result.step) == ("done", 2), "\n".join(lines[-30:])
     records = read_metrics(config.run_dir)
-    assert [(r["step"], r["window_steps"]) for r in records] == [(5, 5), (7, 2)]
-    assert sorted(step for r in records for step in step_times(r)) == list(range(1, 8))
-    assert records[-1]["checkpoint_s"] > 0  # the save of step 7 blocked training
+    assert [(r["step"], r["window_steps"]) for r in records] == [(2, 2)]
+    assert sorted(step for r in records for step in step_times(r)) == list(range(1, 3))
+    assert records[-1]["checkpoint_s"] > 0  # the save of step 2 blocked training
 
 
 def test_a_preempted_attempt_logs_the_steps_its_emergency_checkpoint_keeps(tmp_path):
@@ -506,8 +508,8 @@ def test_a_preempted_attempt_logs_the_steps_its_emergency_checkpoint_keeps(tmp_p
 
 def test_pipeline_stages_on_two_nodes_stop_together_at_the_time_limit(tmp_path):
     """A stage per node (PP across nodes, as the planner lays it out), saves in the
-    background: both nodes' workers stop after the first checkpoint past the deadline, which
-    is committed and whole before they exit as done."""
+    background: past the deadline both nodes' workers save the next step and stop, its
+    checkpoint committed and whole before they exit as done."""
     from training.checkpoint.verify import verify_checkpoint
 
     dataset = synthetic_dataset(tmp_path / "dataset")
@@ -518,13 +520,13 @@ def test_pipeline_stages_on_two_nodes_stop_together_at_the_time_limit(tmp_path):
     lines: list[str] = []
     result = run_attempt(config, write_run_config(config), dataset, "limit", lines.append,
                          start=ResumeSpec.scratch(), stop_after=time.time())
-    assert (result.failure_class, result.exit_code, result.step) == ("done", 0, 7), \
+    assert (result.failure_class, result.exit_code, result.step) == ("done", 0, 2), \
         "\n".join(lines[-30:])
     records = read_exit_records(config.run_dir, "limit")
-    assert [(r["rank"], r["reason"], r["step"]) for r in records] == [(0, "time limit", 7),
-                                                                      (1, "time limit", 7)]
+    assert [(r["rank"], r["reason"], r["step"]) for r in records] == [(0, "time limit", 2),
+                                                                      (1, "time limit", 2)]
     [checkpoint] = config.run_dir.committed_checkpoints()
-    assert step_of(checkpoint) == 7 and verify_checkpoint(checkpoint)["ok"]
+    assert step_of(checkpoint) == 2 and verify_checkpoint(checkpoint)["ok"]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])

@@ -6,9 +6,10 @@
   (Preempted); the ranks agree on it at a step boundary, so they save together.
 - A save that failed on any rank stops the run (a run that cannot checkpoint must not go on
   losing its progress).
-- A flow run's time limit (GOODPUT_STOP_AFTER) ends the run, as done, right after the first
-  checkpoint saved past it: at most the steps since that checkpoint are lost (none, unless
-  the next run resumes elsewhere), and the stop waits on no supervisor polling.
+- A flow run's time limit (GOODPUT_STOP_AFTER) ends the run, as done: the first step past
+  it is followed by a checkpoint of the next one, whatever the cadence, and the workers stop
+  after it. No step is lost, the overshoot is about a step and a save (not a checkpoint
+  interval), and the stop waits on no supervisor polling.
 - FaultInjector: `faults.*_at_step`, each firing once per run, to watch all this recover.
   With no fault configured the loop gets `NO_FAULTS`, which does nothing.
 """
@@ -120,11 +121,15 @@ class Resilience:
 
     def after_step(self, step: int, loss: float) -> bool:
         """Fault hooks, then one vote of the ranks: stop on a failed save or a preemption
-        (raising), or at the time limit (returns True: this step's checkpoint is the last)."""
+        (raising), or at the time limit (returns True: this step's checkpoint is the last).
+
+        Past the time limit the next step is saved whatever checkpoint.every_steps says, and
+        training stops after it, as Megatron's --exit-duration-in-mins does: a scheduled run
+        ends about a step and a save past its budget, not up to a checkpoint interval past
+        it (the next tick, cancelled while it still trained, waited a whole period)."""
         self.faults.after_step(step)
         # Every rank saves the same steps; one rank's clock past the deadline is enough.
-        past_deadline = (self.stop_after is not None and self.checkpointer.saved_step == step
-                         and time.time() >= self.stop_after)
+        past_deadline = self.stop_after is not None and time.time() >= self.stop_after
         orphaned = self.lease.orphaned() if self.lease is not None else ""
         preempted, save_failed, time_up, unsupervised = any_rank(
             self.preemption.received, self.checkpointer.failed, past_deadline, bool(orphaned))
@@ -137,6 +142,9 @@ class Resilience:
                 raise Preempted(step)
             log.warning("stopping: %s", orphaned or "rank 0 found the supervisor gone")
             raise Orphaned(step, orphaned or "rank 0 found the supervisor gone")
+        if time_up and self.checkpointer.saved_step != step:
+            self.checkpointer.save_next = True  # the vote is every rank's: all save that step
+            return False
         return time_up
 
 

@@ -47,8 +47,8 @@ log = get_logger("train")
 
 
 def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.newest_committed()) -> dict:
-    """Run (or continue) training to config.training.max_steps, or to the first checkpoint
-    saved past the flow run's deadline (GOODPUT_STOP_AFTER). Returns a small summary."""
+    """Run (or continue) training to config.training.max_steps, or to the checkpoint saved
+    just past the flow run's deadline (GOODPUT_STOP_AFTER). Returns a small summary."""
     tcfg = config.training
     env = init_distributed(config.parallelism)
     dims, accum = layout_dims(config, env)  # an elastic job's world may have shrunk or grown

@@ -104,6 +104,7 @@ class Checkpointer:
         self.saver = Saver(config.checkpoint.async_mode, fault_hook=fault_hook)
         self.schedule = CheckpointSchedule(config, mtbf_s)
         self.saved_step = 0
+        self.save_next = False  # save the next step whatever the schedule (the time limit's)
 
     # -- resume ---------------------------------------------------------------------------
     def load(self, start: ResumeSpec | None) -> str | None:
@@ -172,8 +173,9 @@ class Checkpointer:
         """Save the step just taken when it is due; returns the seconds training was blocked."""
         step = self.progress.step
         self.schedule.step_times.append(step_time_s)
-        if not self.schedule.due(step, self.config.training.max_steps):
+        if not (self.save_next or self.schedule.due(step, self.config.training.max_steps)):
             return 0.0
+        self.save_next = False
         blocked = self._save(loss)
         note = self.schedule.saved(step, blocked)
         if note and self.saver.rank == 0:
