@@ -31,6 +31,9 @@ SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 _SAMPLE_BYTES = 64 * 1024  # of each weights file, twice, in its fingerprint
+_TENSOR_SAMPLE_BYTES = 4096  # of each tensor, twice, in weights_digest
+# safetensors' floating-point dtypes; anything else is a quantized checkpoint's.
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 # ModelConfig field <- config.json key, for the fields that carry over one to one.
 HF_FIELDS = {
@@ -90,6 +93,14 @@ def read_config(directory: str | Path) -> dict[str, Any]:
         raise ConfigError(f"model.init_from: {config_file} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"model.init_from: {config_file} must hold a JSON object")
+    if config.get("quantization_config"):
+        method = (config["quantization_config"] or {}).get("quant_method", "?") \
+            if isinstance(config["quantization_config"], dict) else "?"
+        raise ConfigError(f"model.init_from: {config_file} has a quantization_config (quant_method "
+                          f"{method!r}): a quantized checkpoint. Goodput trains from "
+                          "floating-point weights; dequantize it first (e.g. load it with "
+                          "transformers and save_pretrained it in bfloat16), or start from the "
+                          "model's unquantized release")
     architectures = config.get("architectures") or []
     kind = config.get("model_type")
     if kind not in ARCHITECTURES or (architectures and ARCHITECTURES[kind] not in architectures):
@@ -208,16 +219,64 @@ def stored_tensors(directory: str | Path) -> dict[str, tuple[str, tuple[int, ...
 
 def _safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape, from the header of the safetensors file at `path`."""
+    return {key: tuple(entry["shape"]) for key, entry in _safetensors_entries(path)[0].items()}
+
+
+def _safetensors_entries(path: Path) -> tuple[dict[str, dict], int]:
+    """The header's entries of the safetensors file at `path` (name -> dtype, shape,
+    data_offsets) and where its tensor data starts. Checked against the file: a copy cut
+    short (its header says more data than the file holds) and weights that are not floats
+    (an FP8 or int8 quantized checkpoint, whose scales Goodput's model has no place for) are
+    ConfigErrors here, before any worker starts, not a retried failure in every worker."""
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             length = int.from_bytes(f.read(8), "little")
-            if not 2 <= length <= path.stat().st_size - 8:
+            if not 2 <= length <= size - 8:
                 raise ValueError(f"a header of {length} bytes")
             header = json.loads(f.read(length))
-        return {key: tuple(entry["shape"]) for key, entry in header.items() if key != "__metadata__"}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        entries = {key: entry for key, entry in header.items() if key != "__metadata__"}
+        data_bytes = max((int(entry["data_offsets"][1]) for entry in entries.values()), default=0)
+        for entry in entries.values():
+            tuple(entry["shape"]), entry["dtype"]  # noqa: B018 - present, or not safetensors
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
         raise ConfigError(f"model.init_from: {path} is not a safetensors file ({e}); copy it "
                           "again, or re-save the model with save_pretrained") from None
+    if 8 + length + data_bytes != size:
+        raise ConfigError(
+            f"model.init_from: {path} is {'cut short' if 8 + length + data_bytes > size else 'longer than its header says'}: "
+            f"its header places {data_bytes:,} bytes of tensor data after the header, the file "
+            f"holds {size - 8 - length:,}; copy it again (an interrupted download or copy), or "
+            "re-save the model with save_pretrained")
+    quantized = sorted({entry["dtype"] for entry in entries.values()} - _FLOAT_DTYPES)
+    if quantized:
+        example = next(k for k, e in entries.items() if e["dtype"] in quantized)
+        raise ConfigError(
+            f"model.init_from: {path} stores tensors as {', '.join(quantized)} (e.g. {example}): "
+            "a quantized checkpoint. Goodput trains from floating-point weights (F32, F16, "
+            "BF16); dequantize it first (e.g. load it with transformers and save_pretrained "
+            "it in bfloat16), or start from the model's unquantized release")
+    return entries, 8 + length
+
+
+def weights_digest(directory: str | Path) -> str:
+    """A sample of every tensor's weights (its first and its middle 4 KiB) in the safetensors
+    files of `directory`, hashed with their names: what tells apart two checkpoints of the
+    same model that `fingerprint`'s two samples per file may not (a LoRA merged into a few
+    projections, a fine-tune of some layers). Reads 8 KiB per tensor: well under a second for
+    a 70B model's 723 tensors. Checked once per command (goodput.runs.check_run_config), not
+    in the config hash: the workers read the config too."""
+    digest = hashlib.sha256()
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        entries, start = _safetensors_entries(file)
+        with open(file, "rb") as f:
+            for name in sorted(entries):
+                begin, end = (int(x) for x in entries[name]["data_offsets"])
+                digest.update(f"{file.name}:{name}:{end - begin}".encode())
+                for offset in sorted({begin, begin + (end - begin) // 2}):
+                    f.seek(start + offset)
+                    digest.update(f.read(min(_TENSOR_SAMPLE_BYTES, end - offset)))
+    return digest.hexdigest()[:16]
 
 
 def needed_tensors(kind: str, fields: dict[str, Any]) -> list[str]:

@@ -25,10 +25,23 @@ from infra.torchrun import AttemptResult, TrainingFailed, run_attempt
 from storage.ledger import DataSkip, Ledger, choose_resume
 
 
+# The run directory's record of model.init_from's weights (hf_llama.weights_digest), written
+# with the run's first config.yaml.
+INIT_FROM_RECORD = "init_from.json"
+
+
 def write_run_config(config: RunConfig) -> Path:
     """Write config.yaml; refuse to continue a run whose trajectory-defining config changed."""
     path = check_run_config(config)
     path.parent.mkdir(parents=True, exist_ok=True)
+    record = path.parent / INIT_FROM_RECORD
+    if config.model.init_from and Path(config.model.init_from).is_dir() and not record.is_file():
+        from core import hf_llama
+
+        write_atomic(record, json.dumps({
+            "init_from": config.model.init_from,
+            "fingerprint": config.model.init_from_fingerprint,
+            "weights": hf_llama.weights_digest(config.model.init_from)}, indent=2).encode())
     write_atomic(path, dump_config(config).encode())
     return path
 
@@ -55,7 +68,38 @@ def check_run_config(config: RunConfig) -> Path:
                 f"evaluate that run, give its own config (--config {path}) without overrides "
                 "that change these; to start another, choose a new run.run_id (or delete the "
                 "run directory to start over).")
+        _check_init_from_weights(config, previous)
     return path
+
+
+def _check_init_from_weights(config: RunConfig, previous: RunConfig) -> None:
+    """The config hash names model.init_from by its fingerprint (two samples per weights
+    file: milliseconds, and every worker computes it), which two checkpoints of one model
+    can share: a LoRA merged into a few projections left the run of the original model
+    "already trained", its scores reported for the other. Here, once per command, every
+    tensor's sample (hf_llama.weights_digest) against the run's record of its start."""
+    here = config.model.init_from
+    if not here or not Path(here).is_dir():
+        return  # a run that no longer reads its init_from (moved): nothing to compare
+    from core import hf_llama
+
+    record = config.run_dir.path / INIT_FROM_RECORD
+    try:
+        started_from = json.loads(record.read_text())
+        recorded, where = started_from["weights"], started_from.get("init_from", "?")
+    except (OSError, ValueError, KeyError, TypeError):  # a run from before the record
+        there = previous.model.init_from
+        if not there or not Path(there).is_dir() or Path(there).resolve() == Path(here).resolve():
+            return
+        recorded, where = hf_llama.weights_digest(there), there
+    found = hf_llama.weights_digest(here)
+    if found != recorded:
+        raise ConfigError(
+            f"run '{config.run.run_id}' already exists at {config.run_dir} and was started from "
+            f"other weights than model.init_from={here} holds (a sample of every tensor: "
+            f"{recorded} when it started from {where}, {found} here); its checkpoints and "
+            "scores are not this checkpoint's. Choose a new run.run_id for this checkpoint "
+            "(or delete the run directory to start over).")
 
 
 def _what_keeps_it(run: RunConfig, here: RunConfig) -> str:

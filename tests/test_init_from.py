@@ -353,6 +353,87 @@ def test_a_run_is_tied_to_the_checkpoint_not_to_where_it_lies(tmp_path, monkeypa
         write_run_config(load_config(None, [f"model.init_from={other}", *run]))
 
 
+def test_other_weights_that_share_the_fingerprint_do_not_continue_the_run(tmp_path, checkpoints):
+    """The config hash's fingerprint samples two windows of each weights file; a checkpoint
+    that differs elsewhere (a LoRA merged into a few projections) hashed the same, and the
+    run of the original was taken for its own: "already trained", the original's scores
+    reported. The run records a sample of every tensor when it starts (init_from.json) and
+    refuses other weights; the same weights elsewhere still continue it."""
+    import numpy as np
+
+    from core.hf_llama import _safetensors_entries, fingerprint, weights_digest
+    from goodput.runs import INIT_FROM_RECORD
+
+    original = tmp_path / "hf"
+    shutil.copytree(checkpoints["tied"], original)
+    merged = tmp_path / "merged"
+    shutil.copytree(original, merged)
+    file = merged / "model.safetensors"
+    entries, start = _safetensors_entries(file)
+    size = file.stat().st_size
+    windows = [(size // 2, size // 2 + 64 * 1024), (max(0, size - 64 * 1024), size)]
+
+    def between_the_windows(entry) -> bool:
+        begin, end = (start + int(x) for x in entry["data_offsets"])
+        return all(end <= low or begin >= high for low, high in windows)
+
+    name = next(n for n, e in sorted(entries.items()) if "proj" in n and between_the_windows(e))
+    begin, end = (start + int(x) for x in entries[name]["data_offsets"])
+    with open(file, "r+b") as f:  # the tensor changed in place: every other byte is the same
+        f.seek(begin)
+        weights = np.frombuffer(f.read(end - begin), dtype=np.float32) + 0.5
+        f.seek(begin)
+        f.write(weights.tobytes())
+    assert fingerprint(merged) == fingerprint(original)  # what the config hash sees
+    assert weights_digest(merged) != weights_digest(original)
+
+    run = [f"training.seq_len={SEQ}", f"run.runs_dir={tmp_path / 'runs'}", "run.run_id=hf"]
+    saved = write_run_config(load_config(None, [f"model.init_from={original}", *run]))
+    record = json.loads((saved.parent / INIT_FROM_RECORD).read_text())
+    assert record["weights"] == weights_digest(original) and record["init_from"] == str(original)
+    refused = "run 'hf' already exists .* was started from other weights than model.init_from="
+    with pytest.raises(ConfigError, match=refused):
+        write_run_config(load_config(None, [f"model.init_from={merged}", *run]))
+    # A run from before the record: the weights its saved config names, where they still are.
+    (saved.parent / INIT_FROM_RECORD).unlink()
+    with pytest.raises(ConfigError, match=refused):
+        write_run_config(load_config(None, [f"model.init_from={merged}", *run]))
+    copy = tmp_path / "copy"
+    shutil.copytree(original, copy)
+    assert write_run_config(load_config(None, [f"model.init_from={copy}", *run])) == saved
+    assert json.loads((saved.parent / INIT_FROM_RECORD).read_text())["weights"] == record["weights"]
+
+
+def test_a_checkpoint_cut_short_or_quantized_is_a_config_error(tmp_path, checkpoints):
+    """When the config is read, naming the file and what to do: before, a copy cut short
+    passed the check and failed in every worker as retryable (three attempts, no file
+    named), and FP8 weights loaded as if they were floats, their scales left out."""
+    from safetensors.torch import load_file
+
+    cut = tmp_path / "cut"
+    shutil.copytree(checkpoints["tied"], cut)
+    weights = cut / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ConfigError, match=f"{weights} is cut short: .* copy it again"):
+        load_config(None, [f"model.init_from={cut}", f"training.seq_len={SEQ}"])
+
+    fp8 = tmp_path / "fp8"
+    shutil.copytree(checkpoints["tied"], fp8)
+    tensors = load_file(fp8 / "model.safetensors")
+    name = "model.layers.0.self_attn.q_proj.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    tensors[name.replace("weight", "weight_scale_inv")] = torch.ones(1)
+    save_file(tensors, fp8 / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=rf"stores tensors as F8_E4M3 \(e\.g\. {name}\): a "
+                                          "quantized checkpoint.*dequantize it first"):
+        load_config(None, [f"model.init_from={fp8}", f"training.seq_len={SEQ}"])
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=r"has a quantization_config \(quant_method 'fp8'\)"):
+        load_config(None, [f"model.init_from={fp8}", f"training.seq_len={SEQ}"])
+
+
 def test_a_checkpoint_directory_that_is_gone_is_a_config_error_saying_what_to_do(tmp_path, checkpoints):
     original = tmp_path / "hf"
     shutil.copytree(checkpoints["tied"], original)
