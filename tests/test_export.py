@@ -225,6 +225,51 @@ def test_an_init_from_tokenizers_settings_carry_over_to_the_export(tmp_path, sty
     assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (0, 1, 2)
 
 
+def test_a_second_model_with_the_same_tokenizer_exports_its_own_chat_template(tmp_path):
+    """Two checkpoints with one tokenizer.json share a prepared dataset (its id names
+    tokenizer.json alone), whose side files are the first's. Exported from the second's run
+    with --tokenizer <dataset dir>, the chat template and generation settings are the second
+    model's own (its run's tokenizer.path), and the summary says where they came from; they
+    used to be the first model's, silently."""
+    from goodput.data.prepare import prepare_dataset
+    from goodput.runs import write_run_config
+    from training.export import run_tokenizer_dir, write_hf
+    from training.model import model_args_from_config
+
+    first = save_llama3_style(tmp_path / "first", "hub")
+    second = tmp_path / "second"
+    shutil.copytree(first, second)
+    settings = json.loads((second / "tokenizer_config.json").read_text())
+    settings["chat_template"] = "{{ messages[0]['content'] }}"
+    (second / "tokenizer_config.json").write_text(json.dumps(settings))
+    (second / "generation_config.json").write_text(json.dumps(
+        json.loads((first / "generation_config.json").read_text()) | {"temperature": 0.6, "do_sample": True}))
+    shared = prepare_dataset(small_config(tmp_path, f"model.init_from={first}", "data.max_docs=50"))
+    config = small_config(tmp_path, f"model.init_from={second}", "data.max_docs=50", "run.run_id=second")
+    manifest = prepare_dataset(config)
+    assert manifest.dataset_id == shared.dataset_id
+    dataset = Path(config.data.data_dir) / manifest.dataset_id
+    assert (dataset / "tokenizer_config.json").read_bytes() == (first / "tokenizer_config.json").read_bytes()
+    write_run_config(config)
+    checkpoint = config.run_dir.checkpoint(4)  # one of the run's checkpoints
+    assert run_tokenizer_dir(checkpoint) == second
+
+    def export(out: Path, run_tokenizer) -> dict:
+        args = model_args_from_config(config.model, manifest.vocab_size)
+        return write_hf(args, Transformer(args).state_dict(), out, tokenizer=dataset,
+                        eos_id=manifest.eos_id, tokenizer_sha256=manifest.tokenizer_sha256,
+                        run_tokenizer=run_tokenizer)
+
+    summary = export(tmp_path / "out", run_tokenizer_dir(checkpoint))
+    assert summary["tokenizer_side_files_from"] == str(second)
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").chat_template == settings["chat_template"]
+    assert transformers.GenerationConfig.from_pretrained(tmp_path / "out").temperature == 0.6
+    # The first model's run: the dataset's side files are its own, nothing to say.
+    summary = export(tmp_path / "first-out", first)
+    assert "tokenizer_side_files_from" not in summary
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "first-out").chat_template == CHAT_TEMPLATE
+
+
 @torch.no_grad()
 def test_sharded_and_bfloat16_exports_load(trained, tmp_path):
     checkpoint, _ = trained

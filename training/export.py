@@ -355,6 +355,29 @@ class TokenizerFiles(NamedTuple):
     path: Path  # tokenizer.json
     eos_token: str
     eos_id: int
+    side_dir: Path | None = None  # where its Hugging Face side files lie; None: beside it
+
+
+def run_tokenizer_dir(checkpoint: Path) -> Path | None:
+    """The Hugging Face directory the run of the local `checkpoint` took its tokenizer from
+    (its config.yaml's tokenizer.path: model.init_from's directory by default), where it
+    still is; None for a tokenizer Goodput trained, or a checkpoint outside a run directory.
+
+    A prepared dataset keeps the side files (chat template, generation settings) of the
+    first model that prepared it; its id names tokenizer.json alone, so a second model with
+    the same tokenizer.json and its own chat template shares it. The export takes the
+    run's own."""
+    config_file = checkpoint.parent.parent / "config.yaml"
+    try:
+        import yaml
+
+        given = (yaml.safe_load(config_file.read_text()) or {}).get("tokenizer", {}).get("path")
+    except (OSError, ValueError, AttributeError, yaml.YAMLError):
+        return None
+    if not isinstance(given, str):
+        return None
+    directory = Path(given) if Path(given).is_dir() else Path(given).parent
+    return directory if (directory / "tokenizer.json").is_file() else None
 
 
 def _mixture_tokenizer(directory: Path) -> Path:
@@ -463,7 +486,8 @@ def hf_tokenizer_files(tok: TokenizerFiles, max_len: int) -> tuple[dict[str, str
     stream follow an EOS (GPT-2's convention), and no token pads."""
     from training.tokenizer import read_tokenizer, tokenizer_side_files
 
-    side = {path.name: path for path in tokenizer_side_files(tok.path)}
+    side = {path.name: path for path in tokenizer_side_files((tok.side_dir or tok.path.parent)
+                                                             / "tokenizer.json")}
     if "tokenizer_config.json" not in side:
         ids = {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id, "pad_token_id": None}
         files = {"tokenizer_config.json": _json_text(_tokenizer_config(tok.eos_token, max_len)),
@@ -607,7 +631,8 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
     summary = write_hf(model_args_of(manifest), state, out, tokenizer=tokenizer, dtype=dtype,
                        provenance=provenance, max_shard_bytes=max_shard_bytes,
                        eos_id=manifest.eos_id, tokenizer_sha256=manifest.tokenizer_sha256,
-                       ignore_tokenizer_mismatch=ignore_tokenizer_mismatch)
+                       ignore_tokenizer_mismatch=ignore_tokenizer_mismatch,
+                       run_tokenizer=run_tokenizer_dir(local) if local is not None else None)
     return {**summary, "step": manifest.step}
 
 
@@ -615,17 +640,24 @@ def write_hf(args: ModelArgs, state: dict[str, torch.Tensor], out: str | Path, *
              tokenizer: str | Path | None = None, dtype: str | None = None,
              provenance: dict | None = None,
              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, eos_id: int | None = None,
-             tokenizer_sha256: str | None = None, ignore_tokenizer_mismatch: bool = False) -> dict:
+             tokenizer_sha256: str | None = None, ignore_tokenizer_mismatch: bool = False,
+             run_tokenizer: Path | None = None) -> dict:
     """Write the model `state` (training.model names, whole tensors) of shape `args` to the
     directory `out` (empty, or replaced by the caller's choice) as a LlamaForCausalLM.
     `eos_id`, `tokenizer_sha256`: the end-of-document id and the tokenizer the model trained
-    on, where known."""
+    on, where known. `run_tokenizer`: the Hugging Face directory the run's tokenizer came
+    from (run_tokenizer_dir): where it holds the same tokenizer.json as `tokenizer` and other
+    side files, the export takes its side files (the model's own chat template)."""
     out = Path(out).resolve()
     _check_dtype(dtype)
     target = DTYPES[dtype] if dtype else state["tok_embeddings.weight"].dtype
     tok = (_tokenizer_files(tokenizer, args.vocab_size, (provenance or {}).get("dataset_id"),
                             eos_id, tokenizer_sha256, ignore_tokenizer_mismatch)
            if tokenizer is not None else None)
+    side_files_from = None
+    if tok is not None and run_tokenizer is not None and _other_side_files(tok.path, run_tokenizer):
+        tok = tok._replace(side_dir=run_tokenizer)
+        side_files_from = str(run_tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}")
     staging.mkdir()
@@ -652,4 +684,17 @@ def write_hf(args: ModelArgs, state: dict[str, torch.Tensor], out: str | Path, *
                      if not (args.tie_embeddings and k == "output.weight")
                      and not k.endswith(".expert_bias"))  # a buffer, not a parameter
     return {"out": str(out), "format": "hf", "dtype": str(target).removeprefix("torch."),
-            "parameters": parameters, "files": files}
+            "parameters": parameters, "files": files,
+            **({"tokenizer_side_files_from": side_files_from} if side_files_from else {})}
+
+
+def _other_side_files(tokenizer_json: Path, directory: Path) -> bool:
+    """Whether the Hugging Face `directory` holds the same tokenizer.json as `tokenizer_json`
+    with other side files beside it (names or contents)."""
+    from training.tokenizer import tokenizer_side_files
+
+    theirs = directory / "tokenizer.json"
+    if theirs.resolve() == tokenizer_json.resolve() or sha256_file(theirs) != sha256_file(tokenizer_json):
+        return False
+    contents = lambda files: {p.name: p.read_bytes() for p in files}  # noqa: E731
+    return contents(tokenizer_side_files(theirs)) != contents(tokenizer_side_files(tokenizer_json))
