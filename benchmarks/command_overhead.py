@@ -3,6 +3,7 @@ flow machinery's share of `make pipeline`.
 
     python benchmarks/command_overhead.py [--parts noop,pipeline] [--repeats 5]
                                           [--pipeline-repeats 5] [--config configs/tiny.yaml]
+                                          [--override training.max_steps=1200 ...]
 
 - noop: the config's dataset is prepared once (the library); then `goodput prepare` is run
   --repeats times as a command (median wall time), beside the same command with its
@@ -52,8 +53,11 @@ WITHOUT_CHECK = [sys.executable, "-c", "import flows.cli as cli\n"
                  "cli.run()"]
 
 
+OVERRIDES: list[str] = []  # --override: the same in every arm (e.g. a longer run)
+
+
 def dirs(work: Path) -> list[str]:
-    return [f"run.runs_dir={work / 'runs'}", f"data.data_dir={work / 'data'}",
+    return [*OVERRIDES, f"run.runs_dir={work / 'runs'}", f"data.data_dir={work / 'data'}",
             f"storage.uri={work / 'store'}"]
 
 
@@ -174,7 +178,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="no-op commands per arm")
     parser.add_argument("--pipeline-repeats", type=int, default=5)
     parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every arm, e.g. training.max_steps=1200")
     args = parser.parse_args()
+    OVERRIDES.extend(args.override)
     os.environ["OMP_NUM_THREADS"] = "1"
     root = Path(tempfile.mkdtemp(prefix="goodput-command-overhead-"))
     global PREFECT_HOME
