@@ -18,6 +18,7 @@ checkpoint by what it holds (the run's config hash uses it, not the directory's 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -32,7 +33,7 @@ SHARD_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
 _SAMPLE_BYTES = 64 * 1024  # of each weights file, twice, in its fingerprint
 _TENSOR_SAMPLE_BYTES = 4096  # of each tensor, twice, in weights_digest
-# safetensors' floating-point dtypes; anything else is a quantized checkpoint's.
+# safetensors' floating-point dtypes; a weight in any other is a quantized checkpoint's.
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
 
 # ModelConfig field <- config.json key, for the fields that carry over one to one.
@@ -195,6 +196,11 @@ def stored_tensors(directory: str | Path) -> dict[str, tuple[str, tuple[int, ...
     """Every tensor of the checkpoint in `directory`: HF name -> (file, shape), from the
     index and the safetensors headers only (an 8-byte length, then that much JSON): no
     tensor data is read, so a checkpoint of any size is checked in milliseconds."""
+    return {key: (name, tuple(entry["shape"])) for key, (name, entry) in _stored_entries(directory).items()}
+
+
+def weights_files(directory: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files: those its index lists, or model.safetensors."""
     directory = Path(directory)
     index = directory / SHARD_INDEX
     if index.is_file():
@@ -203,31 +209,27 @@ def stored_tensors(directory: str | Path) -> dict[str, tuple[str, tuple[int, ...
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ConfigError(f"model.init_from: {index} is not a safetensors index with a "
                               f"weight_map ({e}); re-save the model with save_pretrained") from None
-        files = sorted(set(weight_map.values()))
-    else:
-        files = [SINGLE_FILE]
-    found: dict[str, tuple[str, tuple[int, ...]]] = {}
-    for name in files:
-        path = directory / name
+        return [directory / name for name in sorted(set(weight_map.values()))]
+    return [directory / SINGLE_FILE]
+
+
+def _stored_entries(directory: str | Path) -> dict[str, tuple[str, dict]]:
+    """HF name -> (file, its safetensors header entry: dtype, shape, data_offsets)."""
+    found: dict[str, tuple[str, dict]] = {}
+    for path in weights_files(directory):
         if not path.is_file():
             raise ConfigError(f"model.init_from: {path} is missing ({SHARD_INDEX} lists it); copy "
                               "every shard of the checkpoint into the directory")
-        for key, shape in _safetensors_header(path).items():
-            found[key] = (name, shape)
+        for key, entry in _safetensors_entries(path)[0].items():
+            found[key] = (path.name, entry)
     return found
-
-
-def _safetensors_header(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape, from the header of the safetensors file at `path`."""
-    return {key: tuple(entry["shape"]) for key, entry in _safetensors_entries(path)[0].items()}
 
 
 def _safetensors_entries(path: Path) -> tuple[dict[str, dict], int]:
     """The header's entries of the safetensors file at `path` (name -> dtype, shape,
-    data_offsets) and where its tensor data starts. Checked against the file: a copy cut
-    short (its header says more data than the file holds) and weights that are not floats
-    (an FP8 or int8 quantized checkpoint, whose scales Goodput's model has no place for) are
-    ConfigErrors here, before any worker starts, not a retried failure in every worker."""
+    data_offsets) and where its tensor data starts. A copy cut short (its header places
+    more data than the file holds) is a ConfigError here, before any worker starts, not a
+    retried failure in every worker."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -248,14 +250,6 @@ def _safetensors_entries(path: Path) -> tuple[dict[str, dict], int]:
             f"its header places {data_bytes:,} bytes of tensor data after the header, the file "
             f"holds {size - 8 - length:,}; copy it again (an interrupted download or copy), or "
             "re-save the model with save_pretrained")
-    quantized = sorted({entry["dtype"] for entry in entries.values()} - _FLOAT_DTYPES)
-    if quantized:
-        example = next(k for k, e in entries.items() if e["dtype"] in quantized)
-        raise ConfigError(
-            f"model.init_from: {path} stores tensors as {', '.join(quantized)} (e.g. {example}): "
-            "a quantized checkpoint. Goodput trains from floating-point weights (F32, F16, "
-            "BF16); dequantize it first (e.g. load it with transformers and save_pretrained "
-            "it in bfloat16), or start from the model's unquantized release")
     return entries, 8 + length
 
 
@@ -263,11 +257,28 @@ def weights_digest(directory: str | Path) -> str:
     """A sample of every tensor's weights (its first and its middle 4 KiB) in the safetensors
     files of `directory`, hashed with their names: what tells apart two checkpoints of the
     same model that `fingerprint`'s two samples per file may not (a LoRA merged into a few
-    projections, a fine-tune of some layers). Reads 8 KiB per tensor: well under a second for
-    a 70B model's 723 tensors. Checked once per command (goodput.runs.check_run_config), not
-    in the config hash: the workers read the config too."""
+    projections, a fine-tune of some layers), over the files the checkpoint lists
+    (weights_files). Two reads of 4 KiB per tensor: 1,446 for a 70B Llama (about a second
+    on NFS). goodput.runs checks it when a run's config is written, not in the config hash
+    (the workers read the config too), and keeps it with the files' sizes and times, which
+    spare the reads while they hold (weights_stat)."""
+    return _weights_digest(tuple((f, *stat) for f, stat in zip(weights_files(directory),
+                                                               _stats(directory))))
+
+
+def weights_stat(directory: str | Path) -> list[list]:
+    """[name, size, mtime_ns] of each of the checkpoint's weights files."""
+    return [[f.name, *stat] for f, stat in zip(weights_files(directory), _stats(directory))]
+
+
+def _stats(directory: str | Path) -> list[tuple[int, int]]:
+    return [(f.stat().st_size, f.stat().st_mtime_ns) for f in weights_files(directory)]
+
+
+@functools.lru_cache(maxsize=8)  # a command checks its run's config more than once
+def _weights_digest(files: tuple[tuple[Path, int, int], ...]) -> str:
     digest = hashlib.sha256()
-    for file in sorted(Path(directory).glob("*.safetensors")):
+    for file, _, _ in files:
         entries, start = _safetensors_entries(file)
         with open(file, "rb") as f:
             for name in sorted(entries):
@@ -319,7 +330,20 @@ def check_complete(needed, stored: dict, directory: Path) -> None:
 
 
 def _check_weights(directory: Path, needed: list[str]) -> None:
-    check_complete(needed, stored_tensors(directory), directory)
+    """Every tensor the model needs is there, and in floating point: an FP8 or int8
+    checkpoint's weights loaded as floats, their scales left out, gave a model of garbage
+    without a word."""
+    stored = _stored_entries(directory)
+    check_complete(needed, {k: (f, tuple(e["shape"])) for k, (f, e) in stored.items()}, directory)
+    quantized = {name: stored[name] for name in needed if stored[name][1]["dtype"] not in _FLOAT_DTYPES}
+    if quantized:
+        name, (file, entry) = next(iter(quantized.items()))
+        dtypes = sorted({e["dtype"] for _, e in quantized.values()})
+        raise ConfigError(
+            f"model.init_from: {directory / file} stores weights as {', '.join(dtypes)} (e.g. "
+            f"{name}): a quantized checkpoint. Goodput trains from floating-point weights "
+            "(F64, F32, F16, BF16); dequantize it first (e.g. load it with transformers and "
+            "save_pretrained it in bfloat16), or start from the model's unquantized release")
 
 
 def _attends_to_whole_context(config: dict, where: Path) -> None:

@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train-cron", help="cron schedule continuing the run until training.max_steps "
                                         "(deployment goodput-train-continue)")
     p.add_argument("--train-time-limit", type=float, metavar="SECONDS",
-                   help="wall-clock budget of each scheduled training run; it stops after the "
-                        "next checkpoint and the next run continues")
+                   help="wall-clock budget of each scheduled training run; past it the workers "
+                        "save a checkpoint at their next step and stop, and the next run continues")
     p = sub.add_parser("server", help="the production Prefect stack on this machine: PostgreSQL, "
                                       "a Prefect server on it (API auth on), the work pool "
                                       "'goodput', a worker and prefect.yaml's deployments")

@@ -113,13 +113,19 @@ def _train(config: RunConfig, dataset_dir, published, time_limit_s: float | None
            worker_logs: WorkerLogs, started: float) -> dict:
     """The train flow's training, once its inputs are checked: launched, every checkpoint
     secured while it runs, recorded. CancelledRun when it was cancelled."""
-    # A flow run that ends unfinished once it holds the run's lease: its time still counts,
-    # less its wait for the lease (the time of the run that held it, which counts already).
-    logger = get_run_logger()  # also on the thread that secures after a SIGTERM (no context there)
+    logger = get_run_logger()
+    # Outermost to innermost: a flow run that ends unfinished once it holds the run's lease
+    # still counts its time (less its wait for the lease, which the holder before counts),
+    # the stop and the securing after a SIGTERM included; a SIGKILL in those leaves the count
+    # to the next holder (record_abandoned_training), so it is counted once. Evaluations
+    # (eval.every_validated) queue on a thread of their own, one at a time, never holding
+    # the threads that validate and upload; entered before no_orphan_workers, so that a
+    # cancellation stops the evaluation running beside training before that thread is waited for.
     with stop_training_when_cancelled() as cancelled, \
             training_slot(config, give_up=cancelled) as lease, \
-            no_orphan_workers(lambda: _secure_without_tasks(config, logger)), \
-            unfinished_training_counted(config, started + lease.waited_s):
+            unfinished_training_counted(config, started + lease.waited_s), \
+            _OneAtATime() as evaluating, \
+            no_orphan_workers(lambda: _secure_without_tasks(config, logger)):
         training = launch_training.with_options(
             retries=config.run.max_attempts - 1, retry_delay_seconds=config.run.retry_delay_s,
         ).submit(config, dataset_dir, time_limit_s, worker_logs, started, lease.holder)
@@ -141,30 +147,27 @@ def _train(config: RunConfig, dataset_dir, published, time_limit_s: float | None
             return validated, apply_retention.submit(config, wait_for=[uploaded])
 
         secured, evaluations = [], []
-        # Evaluations (eval.every_validated) queue on a thread of their own, one at a time:
-        # however long they take, they never hold the threads that validate and upload.
-        with _OneAtATime() as evaluating:
-            for step in new_checkpoints(config, still_running):
-                announce_committed(config, step)
-                validated, retained = secure(step)
-                secured.append(retained)
-                if evaluation_due(config, step):
-                    evaluated = evaluating.submit(evaluate_validated, {
-                        "config": config, "step": step, "dataset_dir": dataset_dir}, wait_for=[validated])
-                    # Retention again once the score is in (best-by-eval may keep this step),
-                    # on the evaluations' thread.
-                    evaluations.append(evaluating.submit(apply_retention, {"config": config},
-                                                         wait_for=[evaluated]))
-            settle(secured + evaluations + [published])  # a failed evaluation shows in its task run, not as training's
-            if cancelled.is_set():  # no task runs in a flow run being cancelled
-                _secure_without_tasks(config, logger)
-                secured = []
-            else:
-                # A task cannot start while the Prefect API is away (a server restart): the
-                # checkpoints it left unjudged or not uploaded are secured now, and their
-                # outcome is the one that counts.
-                secured = [secure(step)[1] for step in unsecured_steps(config)]
-                settle(secured)
+        for step in new_checkpoints(config, still_running):
+            announce_committed(config, step)
+            validated, retained = secure(step)
+            secured.append(retained)
+            if evaluation_due(config, step):
+                evaluated = evaluating.submit(evaluate_validated, {
+                    "config": config, "step": step, "dataset_dir": dataset_dir}, wait_for=[validated])
+                # Retention again once the score is in (best-by-eval may keep this step),
+                # on the evaluations' thread.
+                evaluations.append(evaluating.submit(apply_retention, {"config": config},
+                                                     wait_for=[evaluated]))
+        settle(secured + evaluations + [published])  # a failed evaluation shows in its task run, not as training's
+        if cancelled.is_set():  # no task runs in a flow run being cancelled
+            _secure_without_tasks(config, logger)
+            secured = []
+        else:
+            # A task cannot start while the Prefect API is away (a server restart): the
+            # checkpoints it left unjudged or not uploaded are secured now, and their
+            # outcome is the one that counts.
+            secured = [secure(step)[1] for step in unsecured_steps(config)]
+            settle(secured)
         outcome = training.result()  # raises when the last attempt failed (CancelledRun: cancelled)
         for future in secured:
             future.result()
@@ -174,16 +177,19 @@ def _train(config: RunConfig, dataset_dir, published, time_limit_s: float | None
 def _secure_without_tasks(config: RunConfig, logger) -> None:
     """What a cancelled training left unsecured (its workers' emergency checkpoint, and
     checkpoints whose tasks the cancellation kept from running), validated and uploaded in
-    the flow itself (or, after the SIGTERM of Prefect's worker or runner, on the thread
-    tasks.control.no_orphan_workers leaves): the server lets no task run start in a flow run
-    being cancelled, and without this they waited for the next run, on this machine only.
-    A failure is logged: the next run secures them first."""
-    steps = unsecured_steps(config)
+    the flow itself, newest first (the emergency checkpoint is the one no task judges; an
+    older step's task may still hold its lock): the server lets no task run start in a flow
+    run being cancelled, and without this they waited for the next run, on this machine
+    only. After a SIGTERM, tasks.control.no_orphan_workers gives this until Prefect's SIGKILL
+    is near. Never raises: a failure is logged, and the next run secures what is left."""
+    steps: list[int] = []
     try:
+        steps = sorted(unsecured_steps(config), reverse=True)
         store = store_from_config(config.storage)
-        for step in steps:
+        for step in list(steps):
             logger.info(f"{secured_text(step, secure_checkpoint(config, step, store))} after "
                         "the cancellation")
-    except Exception as e:  # noqa: BLE001 - the store away, a verifier that crashed
-        logger.warning(f"checkpoint step(s) {', '.join(map(str, steps))} left for the next run "
-                       f"to secure: {type(e).__name__}: {e}")
+            steps.remove(step)
+    except Exception as e:  # noqa: BLE001 - the store away, a verifier that crashed, the ledger
+        logger.warning(f"checkpoint step(s) {', '.join(map(str, sorted(steps))) or '?'} left for the "
+                       f"next run to secure: {type(e).__name__}: {e}")

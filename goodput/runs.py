@@ -35,13 +35,16 @@ def write_run_config(config: RunConfig) -> Path:
     path = check_run_config(config)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = path.parent / INIT_FROM_RECORD
-    if config.model.init_from and Path(config.model.init_from).is_dir() and not record.is_file():
+    here = config.model.init_from
+    # With the run's first config.yaml (again if that write failed), or for a run from before
+    # the record, what check_run_config compared it with.
+    if here and Path(here).is_dir() and (not path.is_file() or not record.is_file()):
         from core import hf_llama
 
         write_atomic(record, json.dumps({
-            "init_from": config.model.init_from,
-            "fingerprint": config.model.init_from_fingerprint,
-            "weights": hf_llama.weights_digest(config.model.init_from)}, indent=2).encode())
+            "init_from": here, "fingerprint": config.model.init_from_fingerprint,
+            "weights": hf_llama.weights_digest(here), "files": hf_llama.weights_stat(here)},
+            indent=2).encode())
     write_atomic(path, dump_config(config).encode())
     return path
 
@@ -76,8 +79,9 @@ def _check_init_from_weights(config: RunConfig, previous: RunConfig) -> None:
     """The config hash names model.init_from by its fingerprint (two samples per weights
     file: milliseconds, and every worker computes it), which two checkpoints of one model
     can share: a LoRA merged into a few projections left the run of the original model
-    "already trained", its scores reported for the other. Here, once per command, every
-    tensor's sample (hf_llama.weights_digest) against the run's record of its start."""
+    "already trained", its scores reported for the other. Here every tensor's sample
+    (hf_llama.weights_digest) against the run's record of its start, unless the record
+    names these very files, unchanged (sizes and modification times): then nothing is read."""
     here = config.model.init_from
     if not here or not Path(here).is_dir():
         return  # a run that no longer reads its init_from (moved): nothing to compare
@@ -87,6 +91,9 @@ def _check_init_from_weights(config: RunConfig, previous: RunConfig) -> None:
     try:
         started_from = json.loads(record.read_text())
         recorded, where = started_from["weights"], started_from.get("init_from", "?")
+        if (Path(where).resolve() == Path(here).resolve()
+                and started_from.get("files") == hf_llama.weights_stat(here)):
+            return
     except (OSError, ValueError, KeyError, TypeError):  # a run from before the record
         there = previous.model.init_from
         if not there or not Path(there).is_dir() or Path(there).resolve() == Path(here).resolve():
@@ -126,7 +133,7 @@ def _what_keeps_it(run: RunConfig, here: RunConfig) -> str:
 def train_attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
                   log: Callable[[str], None], **options) -> AttemptResult:
     """One attempt: resume from the newest validated checkpoint and train to max_steps, or
-    to the first checkpoint saved after `stop_after` (Unix time; the result's reason is then
+    to the checkpoint saved at the step after `stop_after` (Unix time; the result's reason is then
     core.protocol.TIME_LIMIT). `lease_holder`: who holds the run's lease (infra.torchrun's
     RunLease) for it; None: the attempt takes it. `on_layout_change`: each new world of an
     elastic job (infra.torchrun.layout_change). `on_progress`: each new heartbeat.

@@ -218,6 +218,11 @@ def switch_off_own_schedule() -> str | None:
 CANCEL_GRACE_S = 20.0
 
 
+# From a SIGTERM, what stopping the workers and securing their checkpoint may take: Prefect's
+# worker and runner SIGKILL a cancelled flow run's process 30 s after it; the rest unwinds.
+SIGTERM_BUDGET_S = 25.0
+
+
 @contextmanager
 def no_orphan_workers(secure_what_training_left: Callable[[], None] | None = None) -> Iterator[None]:
     """Stop this process's training attempts when the flow leaves the block with an exception.
@@ -233,25 +238,35 @@ def no_orphan_workers(secure_what_training_left: Callable[[], None] | None = Non
     Prefect's worker or runner cancels a flow run with SIGTERM (SIGKILL 30 s later), as do
     systemd and Kubernetes when they stop a `goodput train`; the engine starts no task run
     from then on. On SIGTERM, the attempts' end is waited for here and then
-    `secure_what_training_left` is called: the emergency checkpoint (and any checkpoint whose
-    tasks the cancellation stopped) is validated and uploaded, under the run's lease, with
-    the flow run's log still open, rather than left on this machine's disk for the next run.
-    A Ctrl-C is not waited for here: the command secures after it (flows.cli).
+    `secure_what_training_left` (which must not raise) validates and uploads the emergency
+    checkpoint, with the run's lease still held and the flow run's log open, rather than
+    leaving it on this machine's disk for the next run; all within SIGTERM_BUDGET_S. Past
+    it the signal goes on (a securing still under way goes on in its thread until the
+    process ends) and the next run secures what is left. A Ctrl-C is not waited for here:
+    the command secures after it (flows.cli).
     """
     try:
         yield
     except BaseException as e:
+        deadline = time.monotonic() + SIGTERM_BUDGET_S
         stops = stop_live_attempts(grace_s=CANCEL_GRACE_S)
         stop_background_evaluations()  # and the evaluations beside it, not waited for
         if secure_what_training_left is not None and isinstance(e, TerminationSignal):
-            deadline = time.monotonic() + CANCEL_GRACE_S + 5  # Prefect's SIGKILL comes at 30 s
-            for thread in stops:
-                thread.join(timeout=max(0.0, deadline - time.monotonic()))
-            while attempts_running() and time.monotonic() < deadline:  # one stopped earlier
-                time.sleep(0.2)
-            if not attempts_running():  # still saving: the next run secures what they leave
-                secure_what_training_left()
+            _secure_by(deadline, stops, secure_what_training_left)
         raise
+
+
+def _secure_by(deadline: float, stops: list[threading.Thread], secure: Callable[[], None]) -> None:
+    for thread in stops:
+        thread.join(timeout=max(0.0, deadline - time.monotonic()))
+    while attempts_running() and time.monotonic() < deadline:
+        stop_live_attempts(grace_s=CANCEL_GRACE_S)  # one a retry launched meanwhile
+        time.sleep(0.2)
+    if attempts_running() or deadline - time.monotonic() < 2.0:
+        return  # the workers still saving, or no time left: the next run secures
+    securing = threading.Thread(target=secure, name="secure-after-sigterm", daemon=False)
+    securing.start()
+    securing.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
 # How often a training flow run asks the API whether it is being cancelled.

@@ -424,7 +424,7 @@ def test_a_checkpoint_cut_short_or_quantized_is_a_config_error(tmp_path, checkpo
     tensors[name] = tensors[name].to(torch.float8_e4m3fn)
     tensors[name.replace("weight", "weight_scale_inv")] = torch.ones(1)
     save_file(tensors, fp8 / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ConfigError, match=rf"stores tensors as F8_E4M3 \(e\.g\. {name}\): a "
+    with pytest.raises(ConfigError, match=rf"stores weights as F8_E4M3 \(e\.g\. {name}\): a "
                                           "quantized checkpoint.*dequantize it first"):
         load_config(None, [f"model.init_from={fp8}", f"training.seq_len={SEQ}"])
     config = json.loads((fp8 / "config.json").read_text())

@@ -39,7 +39,8 @@ from safetensors.torch import save_file
 from core.files import sha256_file
 from core.hf_llama import SHARD_INDEX, SINGLE_FILE
 from core.protocol import CHECKPOINT_MANIFEST, is_committed
-from storage.manifests import MIXTURE_MANIFEST, CheckpointManifest, MixtureManifest, verify_files
+from storage.manifests import (DATASET_MANIFEST, MIXTURE_MANIFEST, CheckpointManifest, MixtureManifest,
+                                verify_files)
 from training.checkpoint.errors import CheckpointCorrupt
 from training.checkpoint.reader import StoreReader, load_all_tensors, model_state_from
 from training.model import ModelArgs, Transformer
@@ -655,7 +656,10 @@ def write_hf(args: ModelArgs, state: dict[str, torch.Tensor], out: str | Path, *
                             eos_id, tokenizer_sha256, ignore_tokenizer_mismatch)
            if tokenizer is not None else None)
     side_files_from = None
-    if tok is not None and run_tokenizer is not None and _other_side_files(tok.path, run_tokenizer):
+    # Only for a prepared dataset's copy: side files a user points --tokenizer at are theirs.
+    if (tok is not None and run_tokenizer is not None
+            and (tok.path.parent / DATASET_MANIFEST).is_file()
+            and _other_side_files(tok.path, run_tokenizer)):
         tok = tok._replace(side_dir=run_tokenizer)
         side_files_from = str(run_tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
