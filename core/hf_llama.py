@@ -94,9 +94,9 @@ def read_config(directory: str | Path) -> dict[str, Any]:
         raise ConfigError(f"model.init_from: {config_file} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"model.init_from: {config_file} must hold a JSON object")
-    if config.get("quantization_config"):
-        method = (config["quantization_config"] or {}).get("quant_method", "?") \
-            if isinstance(config["quantization_config"], dict) else "?"
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
         raise ConfigError(f"model.init_from: {config_file} has a quantization_config (quant_method "
                           f"{method!r}): a quantized checkpoint. Goodput trains from "
                           "floating-point weights; dequantize it first (e.g. load it with "
@@ -262,23 +262,20 @@ def weights_digest(directory: str | Path) -> str:
     on NFS). goodput.runs checks it when a run's config is written, not in the config hash
     (the workers read the config too), and keeps it with the files' sizes and times, which
     spare the reads while they hold (weights_stat)."""
-    return _weights_digest(tuple((f, *stat) for f, stat in zip(weights_files(directory),
-                                                               _stats(directory))))
+    directory = Path(directory)
+    return _weights_digest(directory, tuple(map(tuple, weights_stat(directory))))
 
 
 def weights_stat(directory: str | Path) -> list[list]:
-    """[name, size, mtime_ns] of each of the checkpoint's weights files."""
-    return [[f.name, *stat] for f, stat in zip(weights_files(directory), _stats(directory))]
+    """[name, size, mtime_ns] of each of the checkpoint's weights files (weights_files)."""
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in weights_files(directory)]
 
 
-def _stats(directory: str | Path) -> list[tuple[int, int]]:
-    return [(f.stat().st_size, f.stat().st_mtime_ns) for f in weights_files(directory)]
-
-
-@functools.lru_cache(maxsize=8)  # a command checks its run's config more than once
-def _weights_digest(files: tuple[tuple[Path, int, int], ...]) -> str:
+@functools.lru_cache(maxsize=8)  # keyed by the files' stat: a command checks more than once
+def _weights_digest(directory: Path, stat: tuple[tuple[str, int, int], ...]) -> str:
     digest = hashlib.sha256()
-    for file, _, _ in files:
+    for name, _, _ in stat:
+        file = directory / name
         entries, start = _safetensors_entries(file)
         with open(file, "rb") as f:
             for name in sorted(entries):
@@ -337,7 +334,7 @@ def _check_weights(directory: Path, needed: list[str]) -> None:
     check_complete(needed, {k: (f, tuple(e["shape"])) for k, (f, e) in stored.items()}, directory)
     quantized = {name: stored[name] for name in needed if stored[name][1]["dtype"] not in _FLOAT_DTYPES}
     if quantized:
-        name, (file, entry) = next(iter(quantized.items()))
+        name, (file, _) = next(iter(quantized.items()))
         dtypes = sorted({e["dtype"] for _, e in quantized.values()})
         raise ConfigError(
             f"model.init_from: {directory / file} stores weights as {', '.join(dtypes)} (e.g. "

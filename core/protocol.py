@@ -40,6 +40,7 @@ class RunDir:
     """Every path of one run's directory (`<run.runs_dir>/<run.run_id>/`).
 
         config.yaml      the resolved RunConfig the workers read
+        init_from.json   a sample of model.init_from's weights when the run started
         checkpoints/     step-XXXXXXXX/ (DCP + manifest.json), rejected/, superseded/,
                          .from-store/ (files fetched to resume from the store)
         ledger.json      checkpoint states (mirrored to the store)
@@ -74,6 +75,11 @@ class RunDir:
     @property
     def config_file(self) -> Path:
         return self.path / "config.yaml"
+
+    @property
+    def init_from_record(self) -> Path:
+        """model.init_from's weights when the run started (goodput.runs.write_run_config)."""
+        return self.path / "init_from.json"
 
     @property
     def ledger_file(self) -> Path:

@@ -25,26 +25,19 @@ from infra.torchrun import AttemptResult, TrainingFailed, run_attempt
 from storage.ledger import DataSkip, Ledger, choose_resume
 
 
-# The run directory's record of model.init_from's weights (hf_llama.weights_digest), written
-# with the run's first config.yaml.
-INIT_FROM_RECORD = "init_from.json"
-
-
 def write_run_config(config: RunConfig) -> Path:
     """Write config.yaml; refuse to continue a run whose trajectory-defining config changed."""
     path = check_run_config(config)
     path.parent.mkdir(parents=True, exist_ok=True)
-    record = path.parent / INIT_FROM_RECORD
+    record = config.run_dir.init_from_record
     here = config.model.init_from
     # With the run's first config.yaml (again if that write failed), or for a run from before
     # the record, what check_run_config compared it with.
     if here and Path(here).is_dir() and (not path.is_file() or not record.is_file()):
         from core import hf_llama
 
-        write_atomic(record, json.dumps({
-            "init_from": here, "fingerprint": config.model.init_from_fingerprint,
-            "weights": hf_llama.weights_digest(here), "files": hf_llama.weights_stat(here)},
-            indent=2).encode())
+        write_atomic(record, json.dumps({"init_from": here, "weights": hf_llama.weights_digest(here),
+                                         "files": hf_llama.weights_stat(here)}, indent=2).encode())
     write_atomic(path, dump_config(config).encode())
     return path
 
@@ -87,7 +80,7 @@ def _check_init_from_weights(config: RunConfig, previous: RunConfig) -> None:
         return  # a run that no longer reads its init_from (moved): nothing to compare
     from core import hf_llama
 
-    record = config.run_dir.path / INIT_FROM_RECORD
+    record = config.run_dir.init_from_record
     try:
         started_from = json.loads(record.read_text())
         recorded, where = started_from["weights"], started_from.get("init_from", "?")

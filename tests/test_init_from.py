@@ -362,7 +362,6 @@ def test_other_weights_that_share_the_fingerprint_do_not_continue_the_run(tmp_pa
     import numpy as np
 
     from core.hf_llama import _safetensors_entries, fingerprint, weights_digest
-    from goodput.runs import INIT_FROM_RECORD
 
     original = tmp_path / "hf"
     shutil.copytree(checkpoints["tied"], original)
@@ -389,19 +388,20 @@ def test_other_weights_that_share_the_fingerprint_do_not_continue_the_run(tmp_pa
 
     run = [f"training.seq_len={SEQ}", f"run.runs_dir={tmp_path / 'runs'}", "run.run_id=hf"]
     saved = write_run_config(load_config(None, [f"model.init_from={original}", *run]))
-    record = json.loads((saved.parent / INIT_FROM_RECORD).read_text())
+    record_file = load_config(saved).run_dir.init_from_record
+    record = json.loads(record_file.read_text())
     assert record["weights"] == weights_digest(original) and record["init_from"] == str(original)
     refused = "run 'hf' already exists .* was started from other weights than model.init_from="
     with pytest.raises(ConfigError, match=refused):
         write_run_config(load_config(None, [f"model.init_from={merged}", *run]))
     # A run from before the record: the weights its saved config names, where they still are.
-    (saved.parent / INIT_FROM_RECORD).unlink()
+    record_file.unlink()
     with pytest.raises(ConfigError, match=refused):
         write_run_config(load_config(None, [f"model.init_from={merged}", *run]))
     copy = tmp_path / "copy"
     shutil.copytree(original, copy)
     assert write_run_config(load_config(None, [f"model.init_from={copy}", *run])) == saved
-    assert json.loads((saved.parent / INIT_FROM_RECORD).read_text())["weights"] == record["weights"]
+    assert json.loads(record_file.read_text())["weights"] == record["weights"]
 
 
 def test_a_checkpoint_cut_short_or_quantized_is_a_config_error(tmp_path, checkpoints):

@@ -37,8 +37,8 @@ import torch
 from safetensors.torch import save_file
 
 from core.files import sha256_file
-from core.hf_llama import SHARD_INDEX, SINGLE_FILE
-from core.protocol import CHECKPOINT_MANIFEST, is_committed
+from core.hf_llama import SHARD_INDEX, SINGLE_FILE, TOKENIZER_FILE
+from core.protocol import CHECKPOINT_MANIFEST, RunDir, is_committed
 from storage.manifests import (DATASET_MANIFEST, MIXTURE_MANIFEST, CheckpointManifest, MixtureManifest,
                                 verify_files)
 from training.checkpoint.errors import CheckpointCorrupt
@@ -356,7 +356,6 @@ class TokenizerFiles(NamedTuple):
     path: Path  # tokenizer.json
     eos_token: str
     eos_id: int
-    side_dir: Path | None = None  # where its Hugging Face side files lie; None: beside it
 
 
 def run_tokenizer_dir(checkpoint: Path) -> Path | None:
@@ -368,7 +367,7 @@ def run_tokenizer_dir(checkpoint: Path) -> Path | None:
     first model that prepared it; its id names tokenizer.json alone, so a second model with
     the same tokenizer.json and its own chat template shares it. The export takes the
     run's own."""
-    config_file = checkpoint.parent.parent / "config.yaml"
+    config_file = RunDir(checkpoint.parent.parent).config_file
     try:
         import yaml
 
@@ -378,7 +377,7 @@ def run_tokenizer_dir(checkpoint: Path) -> Path | None:
     if not isinstance(given, str):
         return None
     directory = Path(given) if Path(given).is_dir() else Path(given).parent
-    return directory if (directory / "tokenizer.json").is_file() else None
+    return directory if (directory / TOKENIZER_FILE).is_file() else None
 
 
 def _mixture_tokenizer(directory: Path) -> Path:
@@ -487,8 +486,7 @@ def hf_tokenizer_files(tok: TokenizerFiles, max_len: int) -> tuple[dict[str, str
     stream follow an EOS (GPT-2's convention), and no token pads."""
     from training.tokenizer import read_tokenizer, tokenizer_side_files
 
-    side = {path.name: path for path in tokenizer_side_files((tok.side_dir or tok.path.parent)
-                                                             / "tokenizer.json")}
+    side = {path.name: path for path in tokenizer_side_files(tok.path)}
     if "tokenizer_config.json" not in side:
         ids = {"bos_token_id": tok.eos_id, "eos_token_id": tok.eos_id, "pad_token_id": None}
         files = {"tokenizer_config.json": _json_text(_tokenizer_config(tok.eos_token, max_len)),
@@ -660,7 +658,7 @@ def write_hf(args: ModelArgs, state: dict[str, torch.Tensor], out: str | Path, *
     if (tok is not None and run_tokenizer is not None
             and (tok.path.parent / DATASET_MANIFEST).is_file()
             and _other_side_files(tok.path, run_tokenizer)):
-        tok = tok._replace(side_dir=run_tokenizer)
+        tok = tok._replace(path=run_tokenizer / TOKENIZER_FILE)  # the same bytes, its own side files
         side_files_from = str(run_tokenizer)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = out.with_name(f".{out.name}.export-{uuid.uuid4().hex[:8]}")
@@ -697,7 +695,7 @@ def _other_side_files(tokenizer_json: Path, directory: Path) -> bool:
     with other side files beside it (names or contents)."""
     from training.tokenizer import tokenizer_side_files
 
-    theirs = directory / "tokenizer.json"
+    theirs = directory / TOKENIZER_FILE
     if theirs.resolve() == tokenizer_json.resolve() or sha256_file(theirs) != sha256_file(tokenizer_json):
         return False
     contents = lambda files: {p.name: p.read_bytes() for p in files}  # noqa: E731
