@@ -93,6 +93,15 @@ def processes_of(run_dir) -> list[psutil.Process]:
     return found
 
 
+def attempt_of(process: psutil.Process) -> str:
+    """The training attempt a process runs for (GOODPUT_ATTEMPT); "" for one that has ended
+    meanwhile (gone, or a zombie not reaped yet: its environment no longer reads)."""
+    try:
+        return process.environ().get("GOODPUT_ATTEMPT", "")
+    except psutil.Error:
+        return ""
+
+
 def flow_process(flow_run_id: str) -> psutil.Process:
     """The process the worker started for a flow run: of the processes in that flow run's
     environment (its torchrun agents and workers inherit it), the one whose parent is not.
@@ -351,7 +360,7 @@ def test_workers_of_a_killed_flow_process_stop_and_the_next_flow_run_waits_for_t
     killed_at = time.monotonic()
     a_attempt = str(a)[-8:]
     wait_for(lambda: not [p for p in processes_of(run_dir)
-                          if p.environ().get("GOODPUT_ATTEMPT", "").startswith(a_attempt)],
+                          if attempt_of(p).startswith(a_attempt)],
              120, "A's workers to stop by themselves", 0.5)
     assert time.monotonic() - killed_at < 10 + 60  # orphan timeout + the emergency save
     records = [json.loads(p.read_text()) for p in run_dir.glob(f"attempts/attempt-{a_attempt}-*/rank-*.json")]
