@@ -177,6 +177,12 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+# Degrees that fill any cluster: what `goodput plan --search` plans a config with whose own
+# degrees do not fit the cluster the flags describe (it ranks every layout anyway).
+SEARCH_ANY_DEGREES = ("parallelism.dp_replicate=1", "parallelism.dp_shard=-1", "parallelism.tp=1",
+                      "parallelism.pp=1")
+
+
 def _plan(args: argparse.Namespace) -> int:
     """Exit 0 with a table (and the best or given layout explained), 2 when it cannot run.
 
@@ -191,7 +197,19 @@ def _plan(args: argparse.Namespace) -> int:
         cluster_overrides = [f"parallelism.{field}={value}" for field, value in
                              (("nnodes", args.nodes), ("nproc_per_node", args.gpus_per_node))
                              if value is not None]
-        config = planner.with_run_vocab(load_config(args.config, [*args.overrides, *cluster_overrides]))
+        try:
+            config = load_config(args.config, [*args.overrides, *cluster_overrides])
+        except ConfigError:
+            if not args.search:
+                raise
+            # The config's degrees made for another cluster: --search ranks every layout of
+            # this one, whatever they are.
+            try:
+                config = load_config(args.config, [*args.overrides, *SEARCH_ANY_DEGREES,
+                                                   *cluster_overrides])
+            except ConfigError:
+                config = load_config(args.config, [*args.overrides, *cluster_overrides])  # its own error
+        config = planner.with_run_vocab(config)
         if args.gpu_memory is not None and re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", args.gpu_memory):
             number = args.gpu_memory.strip()
             raise ConfigError(f"--gpu-memory {number}: give the memory of one GPU with its unit, "
@@ -342,11 +360,13 @@ def _without_a_flow(command: str, config: RunConfig, checkpoint: str | None = No
     found, mix, dataset, report = decided[0]
     result = {}
     if "prepare" in stages:
-        for source, manifest, where in found:
+        for source, manifest, where, listed in found:
+            how = ("from the same listing and settings" if listed else
+                   "its sources are not here: found by the data settings it was prepared with")
             _say(f"dataset {manifest.dataset_id}" + (f" (source {source.name})" if config.data.sources else "")
-                + f" is already prepared in {where} (from the same listing and settings) and "
-                "published: nothing to tokenize or upload")
-        lib.record_prepare(config, [(source.name, manifest, None, None) for source, manifest, _ in found],
+                + f" is already prepared in {where} ({how}) and published: nothing to tokenize "
+                "or upload")
+        lib.record_prepare(config, [(source.name, manifest, None, None) for source, manifest, *_ in found],
                            started, mix if config.data.sources else None)
         result = _prepared(config, dataset)
     if "train" in stages:
@@ -387,7 +407,7 @@ def _nothing_to_do(stages: tuple[str, ...], config: RunConfig, checkpoint: str |
         found = lib.nothing_to_prepare(config, store)
         if found is None:
             return None
-        mix = lib.mixture_manifest([(source, manifest) for source, manifest, _ in found])
+        mix = lib.mixture_manifest([(source, manifest) for source, manifest, *_ in found])
         dataset = mix if config.data.sources else found[0][1]
         if "train" in stages:
             if not (lifecycle.run_finished(config, store) and not lifecycle.unjudged_steps(config)

@@ -626,8 +626,8 @@ def plan_layout(config: RunConfig, cluster: Cluster, degrees: dict[str, int],
     plan.problems = [p for p in found if strict or not p.advice]
     plan.warnings = [p for p in found if p.advice and not strict]
     plan.bubble = dims.bubble
-    if dims.stage_problem(s.args.n_layers) is not None:
-        return plan  # no stages, nothing to estimate
+    if dims.stage_problem(s.args.n_layers) is not None or (dims.dp_shard * dims.tp) % dims.ep:
+        return plan  # no stages, or experts split over ranks that are not there: nothing to estimate
     plan.stage_layers = dims.stage_layers(s.args.n_layers)
     if dims.pp > 1:
         block, head = _block_and_head_flops(s)

@@ -763,6 +763,24 @@ def test_moe_configs_plan_on_their_hardware(capsys):
     assert plan.memory.expert_params == 3 * 4 * 3 * 7168 * 2048
 
 
+def test_search_of_a_moe_config_ranks_the_layouts_its_ep_fits_on_any_cluster(capsys):
+    """`goodput plan --search` of qwen3-30b-a3b (ep=2, its degrees for one 8-GPU node):
+    layouts whose dp_shard x tp its ep does not divide are listed as unable to run (they
+    raised ZeroDivisionError), and flags for another cluster re-plan its degrees instead of
+    refusing them as not filling it."""
+    from flows.cli import main
+
+    config = load_config("configs/qwen3-30b-a3b.yaml")
+    plans = planner.search(config, planner.Cluster(1, 8, 96 * GIB))
+    split = [p for p in plans if p.degrees["dp_shard"] * p.degrees["tp"] % 2]
+    assert split and all(not p.ok and "parallelism.ep=2 does not divide" in str(p.problems) for p in split)
+    assert plans[0].ok
+    assert main(["plan", "--config", str(REPO / "configs/qwen3-30b-a3b.yaml"), "--nodes", "2",
+                 "--search", "--top", "3"]) == 0
+    out, _ = capsys.readouterr()
+    assert out.splitlines()[1].split()[0] == "1"  # a ranked layout of the 16 GPUs
+
+
 @pytest.mark.parametrize("overrides, message", [
     # 96 of the 2,048 GPUs' ... : ep divides dp_shard but not the 256 experts.
     (["parallelism.nnodes=192", "parallelism.ep=96"],
