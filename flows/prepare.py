@@ -78,18 +78,16 @@ def prepare_source(config: RunConfig, tokenizer_from: str | None = None,
     work units' wall time and where they ran (None, None when found prepared)."""
     logger = get_run_logger()
     plan = plan_dataset(config, tokenizer_from)
-    if plan.files:
+    if plan.files:  # else the sources are not here, and plan-dataset's log says which dataset stands for them
         logger.info("dataset %s from %s (%d files)", plan.dataset_id, plan.source, len(plan.files))
-    else:
-        logger.warning("the sources (%s) are not listable here: using dataset %s, prepared from "
-                       "these data settings before", plan.source, plan.dataset_id)
     to_store = config.prepare.runner == "ray"  # a cluster's machines share the store, not a disk
     found, tokenize_s, workers = find_prepared(plan, config.storage), None, None
     if found is not None:
         manifest, where = found
         # Checked where it lies: a dataset in the store is not downloaded (training streams it).
-        logger.info("dataset %s is already prepared in %s (from the same listing and settings): "
-                    "nothing to tokenize", plan.dataset_id, where)
+        logger.info("dataset %s is already prepared in %s (%s): nothing to tokenize",
+                    plan.dataset_id, where, "from the same listing and settings" if plan.files
+                    else "found by the data settings it was prepared with")
     else:
         require_sources(plan)
         units = plan_units(plan, config)

@@ -145,6 +145,10 @@ class Store(ABC):
         """Every key under folder `prefix`, recursively, relative to the store root, sorted."""
 
     @abstractmethod
+    def sizes(self, prefix: str = "") -> dict[str, int]:
+        """`list(prefix)` with each object's size in bytes, from the same one listing."""
+
+    @abstractmethod
     def delete(self, key: str) -> None: ...
 
     @abstractmethod
@@ -325,6 +329,9 @@ class LocalStore(Store):
                 if not (name.startswith(".") and name.endswith(_PARTIAL_SUFFIX)):
                     keys.append(name if rel_dir == "." else f"{rel_dir}/{name}")
         return sorted(keys)
+
+    def sizes(self, prefix=""):
+        return {key: self.path(key).stat().st_size for key in self.list(prefix)}
 
     def delete(self, key):
         self.path(key).unlink(missing_ok=True)
@@ -591,6 +598,16 @@ class S3Store(Store):
             paginator = self._client.get_paginator("list_objects_v2")
             pages = paginator.paginate(Bucket=self.bucket, Prefix=folder_key)
             return sorted(obj["Key"][strip:] for page in pages for obj in page.get("Contents", []))
+
+        return self._call("listing of", prefix, list_all)
+
+    def sizes(self, prefix=""):
+        folder_key = self._folder_key(prefix)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+
+        def list_all() -> dict[str, int]:
+            pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=folder_key)
+            return {obj["Key"][strip:]: obj["Size"] for page in pages for obj in page.get("Contents", [])}
 
         return self._call("listing of", prefix, list_all)
 

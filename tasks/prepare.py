@@ -190,7 +190,7 @@ def find_prepared(plan: lib.DatasetPlan, storage: StorageConfig) -> tuple[Datase
     """The prepared dataset and where it lies (a directory here, or the store's prefix);
     None when it is neither here nor in the store."""
     store = store_from_config(storage)
-    manifest = lib.find_prepared(plan, store)
+    manifest = lib.find_prepared(plan, store, listing=True)
     return None if manifest is None else (manifest, lib.prepared_location(plan, store))
 
 

@@ -19,6 +19,7 @@ from core.errors import DataError
 from core.files import sha256_file
 from goodput.data import prepare as prep
 from goodput.data.corpus import build_builtin_corpus
+from goodput.data.sources import SourcesNotHere
 from storage.manifests import DatasetManifest
 from storage.shards import read_documents, read_tokens, shard_size, token_dtype, write_shard
 from tests.helpers import flip_bytes, logs_of, subflow_runs, wait_for
@@ -353,6 +354,85 @@ def test_training_finds_the_dataset_when_the_sources_are_gone(tmp_path):
     other = make_config(tmp_path, f"data.source={source}", "data.validation_fraction=0.2")
     with pytest.raises(DataError, match="does not exist.*no dataset was prepared from these"):
         prep.locate(other, store)
+
+
+def test_sources_here_in_part_are_not_taken_for_their_earlier_dataset(tmp_path, monkeypatch):
+    """Only sources that are not here at all are found by their data settings: where a part
+    is here (and may have changed), an earlier dataset of the whole is not used for it."""
+    from storage.store import store_from_config
+
+    monkeypatch.chdir(tmp_path)
+    write_source(tmp_path / "in" / "web", "jsonl", DOCS)
+    write_source(tmp_path / "in" / "books", "jsonl", DOCS[::-1])
+    config = make_config(tmp_path, "data.source=in/web/*.jsonl,in/books/*.jsonl")
+    manifest = prep.prepare_dataset(config)
+    store = store_from_config(config.storage)
+    shutil.move(tmp_path / "in" / "books", tmp_path / "books-away")
+    with pytest.raises(DataError, match="in/books.*The rest of data.source is here") as e:
+        prep.locate(config, store)
+    assert not isinstance(e.value, SourcesNotHere)
+    shutil.move(tmp_path / "in", tmp_path / "in-away")  # nothing here: the earlier dataset
+    assert prep.locate(config, store).dataset_id == manifest.dataset_id
+
+
+def test_a_relative_source_means_the_files_of_its_directory(tmp_path, monkeypatch):
+    """Two machines (working directories) sharing a store, each with its own `corpus/`:
+    neither's dataset stands for the other's sources, and a third without any finds none.
+    A pointer an earlier version wrote (keyed by the source as typed) still serves."""
+    from core.files import canonical_json
+    from storage.store import store_from_config
+
+    prepared = {}
+    for machine, docs in (("a", DOCS), ("d", DOCS[:40])):
+        (tmp_path / machine).mkdir()
+        monkeypatch.chdir(tmp_path / machine)
+        write_source(tmp_path / machine / "corpus", "jsonl", docs)
+        config = make_config(tmp_path / machine, "data.source=corpus/docs.jsonl",
+                             f"storage.uri={tmp_path / 'store'}")
+        prepared[machine] = prep.prepare_dataset(config).dataset_id
+    assert prepared["a"] != prepared["d"]
+    store = store_from_config(config.storage)
+    shutil.rmtree(tmp_path / "a" / "corpus")
+    monkeypatch.chdir(tmp_path / "a")
+    config = make_config(tmp_path / "a", "data.source=corpus/docs.jsonl", f"storage.uri={tmp_path / 'store'}")
+    assert prep.locate(config, store).dataset_id == prepared["a"]  # its own, not d's (the last)
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "b")
+    config = make_config(tmp_path / "b", "data.source=corpus/docs.jsonl", f"storage.uri={tmp_path / 'store'}")
+    with pytest.raises(DataError, match="does not exist.*no dataset was prepared from these"):
+        prep.locate(config, store)
+    store.put_bytes(f"datasets/{prep.BY_SETTINGS}/{prep.settings_key(config, as_typed=True)}.json",
+                    canonical_json({"dataset_id": prepared["a"], "source": "corpus/docs.jsonl"}))
+    assert prep.locate(config, store).dataset_id == prepared["a"]
+
+
+def test_prepare_again_mends_a_dataset_the_store_lost_files_of(tmp_path):
+    """Training stops on a shard the store lost and says to prepare again: prepare uploads
+    it again from a complete copy here, or tokenizes again where there is none."""
+    from storage.store import store_from_config
+
+    source = write_source(tmp_path / "in", "jsonl", DOCS * 4)
+    config = make_config(tmp_path, f"data.source={source}", "data.max_docs=null",
+                         "data.shard_tokens=2048")
+    manifest = prep.prepare_dataset(config)
+    store, plan = store_from_config(config.storage), prep.plan_dataset(config)
+    lost = plan.store_key(manifest.splits["train"][1].path)
+    store.delete(lost)
+    assert prep.store_lacks(plan, manifest, store) == [manifest.splits["train"][1].path]
+    assert prep.nothing_to_prepare(config, store) is None and prep.unpublished(plan, store) == ["dataset"]
+    prep.prepare_dataset(config)
+    assert store.exists(lost) and prep.nothing_to_prepare(config, store) is not None
+    held = store.path(lost)  # cut short (an interrupted copy by hand): lacking too
+    held.write_bytes(held.read_bytes()[:100])
+    assert prep.store_lacks(plan, manifest, store) == [manifest.splits["train"][1].path]
+    store.delete(lost)
+    shutil.rmtree(plan.dir)  # and no copy here: tokenized again
+    again = prep.prepare_dataset(config)
+    assert again.model_dump(exclude={"created_at"}) == manifest.model_dump(exclude={"created_at"})
+    assert store.exists(lost)
+    assert prep.local_dataset_dir(config, again) == plan.dir
+    (plan.dir / "manifest.json").unlink()  # what training's check leaves of a damaged copy
+    assert prep.local_dataset_dir(config, again) is None
 
 
 # -- local files ----------------------------------------------------------------------------

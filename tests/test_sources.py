@@ -593,6 +593,24 @@ def test_a_folder_without_split_naming_is_read_whole_and_its_card_is_no_file_to_
     assert not [r for r in caplog.records if "left out" in r.getMessage() or "laid out" in r.getMessage()]
 
 
+def test_a_hub_dataset_further_down_among_other_corpora_does_not_split_the_folder(tmp_path):
+    """`data.source=corpus/` reads every known file below it. A hub dataset downloaded two
+    folders down (corpus/hub/data/train-00000-of-00001.parquet) beside other corpora does
+    not make the whole folder a hub dataset, whose train split would leave the rest out."""
+    write(tmp_path / "hub" / "data" / "train-00000-of-00001.parquet", file_bytes("parquet", DOCS[:5]))
+    write(tmp_path / "web" / "part-0.jsonl", jsonl_bytes(DOCS[5:9]))
+    write(tmp_path / "books.jsonl", jsonl_bytes(DOCS[9:12]))
+    files = list_source(str(tmp_path))
+    assert sorted(read_all([Piece(file=f) for f in files])) == sorted(DOCS[:12])
+
+
+def test_a_categorical_text_column_is_read_as_its_values(tmp_path):
+    """A parquet column of dictionary-encoded strings (pandas' categorical) is text."""
+    path = tmp_path / "cat.parquet"
+    pq.write_table(pa.table({"text": pa.array(DOCS[:6] * 2).dictionary_encode()}), path)
+    assert read_all([Piece(file=local_file(path, "parquet"))]) == DOCS[:6] * 2
+
+
 def test_the_fix_for_a_saved_dataset_below_the_source_folder_names_the_folder_to_load(tmp_path):
     # load_from_disk('/x/corpus') fails where save_to_disk wrote /x/corpus/hf_saved: the
     # suggested line must work when pasted.

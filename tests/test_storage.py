@@ -81,6 +81,8 @@ def test_list_is_recursive_sorted_and_scoped_to_folders(store):
     assert store.list("ckpt/step-1") == ["ckpt/step-1/a", "ckpt/step-1/sub/b"]
     assert store.list("ckpt/step-1/") == ["ckpt/step-1/a", "ckpt/step-1/sub/b"]
     assert store.list("nothing/here") == []
+    assert store.sizes("ckpt/step-1") == {"ckpt/step-1/a": 13, "ckpt/step-1/sub/b": 17}
+    assert store.sizes("nothing/here") == {}
 
 
 def test_delete_and_delete_prefix(store):

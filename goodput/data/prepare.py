@@ -52,6 +52,8 @@ from goodput.data.corpus import BUILTIN, build_builtin_corpus, builtin_descripti
 from goodput.data.sources import (
     Piece,
     SourceFile,
+    SourcesNotHere,
+    absolute_source,
     content_fingerprint,
     fingerprint,
     list_source,
@@ -89,6 +91,7 @@ class DatasetPlan(BaseModel):
 
     dataset_id: str
     source: str  # one line for humans
+    listed_from: str = ""  # data.source with its local paths absolute (absolute_source)
     local_dir: str
     store_prefix: str
     settings_key: str  # names the data settings, whatever the files hold: the pointer's key
@@ -204,7 +207,8 @@ def plan_dataset(config: RunConfig, tokenizer_from: str | None = None) -> Datase
 def _plan(config: RunConfig, dataset_id: str, files: list[SourceFile],
           tokenizer_from: str | None, eos_token: str | None = None) -> DatasetPlan:
     source = builtin_description() if config.data.source == BUILTIN else config.data.source
-    return DatasetPlan(dataset_id=dataset_id, source=source,
+    listed_from = BUILTIN if config.data.source == BUILTIN else absolute_source(config.data.source)
+    return DatasetPlan(dataset_id=dataset_id, source=source, listed_from=listed_from,
                        local_dir=str(dataset_dir(config, dataset_id)),
                        store_prefix=f"datasets/{dataset_id}",
                        settings_key=settings_key(config, tokenizer_from), files=files,
@@ -260,12 +264,17 @@ def _shard_settings(data: DataConfig) -> dict:
             "on_bad_record": data.on_bad_record}
 
 
-def settings_key(config: RunConfig, tokenizer_from: str | None = None) -> str:
-    """The data and tokenizer settings of one source as written (not what the files hold)."""
+def settings_key(config: RunConfig, tokenizer_from: str | None = None, as_typed: bool = False) -> str:
+    """The data and tokenizer settings of one source (not what the files hold), its local
+    paths absolute: a relative data.source names other files from another directory, and
+    another machine's dataset must not stand for them. `as_typed`: the key of pointers
+    written before, from data.source as it was typed."""
     unset = {"eos_token"} if config.tokenizer.eos_token is None else set()  # as before it was
     tree = config.model_dump(include={"data", "tokenizer"},
                              exclude={"data": {"data_dir", "cache_limit", "sources", "stages"},
                                       "tokenizer": {"sha256", *unset}})
+    if not as_typed and config.data.source != BUILTIN:
+        tree["data"]["source"] = absolute_source(config.data.source)
     if tokenizer_from is not None:
         tree["tokenizer_from"] = tokenizer_from
     return sha256_bytes(canonical_json(tree))[:16]
@@ -303,20 +312,40 @@ def locate(config: RunConfig, store: Store, tokenizer_from: str | None = None) -
     """
     try:
         return plan_dataset(config, tokenizer_from)
-    except DataError as unlisted:
-        key = settings_key(config, tokenizer_from)
-        pointer_key = f"datasets/{BY_SETTINGS}/{key}.json"
-        local = Path(config.data.data_dir) / BY_SETTINGS / f"{key}.json"
-        try:
-            pointer = local.read_bytes() if local.is_file() else store.get_bytes(pointer_key)
-        except FileNotFoundError:
+    except SourcesNotHere as unlisted:
+        pointer = _pointer_by_settings(config, store, tokenizer_from)
+        if pointer is None:
             raise DataError(f"{unlisted}; and no dataset was prepared from these data settings "
                             "(none in the store either)") from unlisted
-        dataset_id = json.loads(pointer)["dataset_id"]
-        # debug: the prepare flow says so in its log (this would print it twice there).
-        log.debug("the sources are not listable here (%s); using dataset %s, prepared from these "
-                 "data settings", unlisted, dataset_id)
+        dataset_id = pointer["dataset_id"]
+        if (config.data.source, dataset_id) not in _said_not_listable:
+            _said_not_listable.add((config.data.source, dataset_id))
+            log.warning("the sources (%s) are not here: using dataset %s, prepared from them "
+                        "with these data settings before (%s)", config.data.source, dataset_id,
+                        unlisted)
         return _plan(config, dataset_id, [], tokenizer_from)
+
+
+_said_not_listable: set[tuple[str, str]] = set()  # once per process: locate runs often
+
+
+def _pointer_by_settings(config: RunConfig, store: Store, tokenizer_from: str | None) -> dict | None:
+    """The pointer `prepare` left from these data settings to their dataset: here, else in
+    the store; a pointer an earlier version wrote under the key of data.source as typed
+    where none is under today's (it names no listed_from: nothing to tell it by)."""
+    keys = [settings_key(config, tokenizer_from)]
+    legacy = settings_key(config, tokenizer_from, as_typed=True)
+    keys += [legacy] if legacy != keys[0] else []
+    for key in keys:
+        local = Path(config.data.data_dir) / BY_SETTINGS / f"{key}.json"
+        try:
+            pointer = json.loads(local.read_bytes() if local.is_file()
+                                 else store.get_bytes(f"datasets/{BY_SETTINGS}/{key}.json"))
+        except FileNotFoundError:
+            continue
+        if key == keys[0] or "listed_from" not in pointer:
+            return pointer
+    return None
 
 
 def require_sources(plan: DatasetPlan) -> None:
@@ -330,11 +359,13 @@ def require_sources(plan: DatasetPlan) -> None:
                         "store that holds the dataset")
 
 
-def find_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest | None:
+def find_prepared(plan: DatasetPlan, store: Store, listing: bool = False) -> DatasetManifest | None:
     """The complete dataset of `plan`, found where it lies: verified on this machine, or its
     manifest in the store; else None. A dataset in the store stays there: nothing here
     downloads it whole (training streams its shards through the cache, dataset_for_training),
-    so a prepare with nothing to do moves nothing."""
+    so a prepare with nothing to do moves nothing. `listing` (prepare's look): the store must
+    also hold every file its manifest lists, or the dataset is prepared again (training
+    found one missing and said to)."""
     manifest = _verified_manifest(plan.dir)
     if manifest is not None:
         log.debug("dataset %s is prepared in %s", plan.dataset_id, plan.dir)  # the flow says where
@@ -342,8 +373,25 @@ def find_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest | None:
     key = plan.store_key(DATASET_MANIFEST)
     if not store.exists(key):
         return None
+    manifest = DatasetManifest.model_validate_json(store.get_bytes(key))
+    lacking = store_lacks(plan, manifest, store) if listing else []
+    if lacking:
+        log.warning("dataset %s in %s lacks %d of the files its manifest lists (%s): it is "
+                    "prepared again", plan.dataset_id, store.url(plan.store_prefix), len(lacking),
+                    ", ".join(lacking[:3]))
+        return None
     log.debug("dataset %s is prepared in %s", plan.dataset_id, store.url(plan.store_prefix))
-    return DatasetManifest.model_validate_json(store.get_bytes(key))
+    return manifest
+
+
+def store_lacks(plan: DatasetPlan, manifest: DatasetManifest, store: Store) -> list[str]:
+    """The shards `manifest` lists that the store's copy of the dataset does not hold at
+    their size (and its tokenizer, if missing), from one listing of its prefix."""
+    held = {key.removeprefix(f"{plan.store_prefix}/"): size
+            for key, size in store.sizes(plan.store_prefix).items()}
+    shards = [(s.path, s.size) for split in manifest.splits.values() for s in split]
+    return ([] if manifest.tokenizer in held else [manifest.tokenizer]) + [
+        path for path, size in shards if held.get(path) != size]
 
 
 def prepared_location(plan: DatasetPlan, store: Store) -> str:
@@ -424,9 +472,9 @@ def local_dataset_dir(config: RunConfig, dataset: DatasetManifest | MixtureManif
     --tokenizer`) where `dataset` lies on this machine, else None. A mix's is written here
     when every source's dataset is complete on this machine; one that streams a source from
     the store has it once training made it (dataset_for_training)."""
-    if not config.data.sources:
+    if not config.data.sources:  # a directory without its manifest is not (or no longer) complete
         directory = dataset_dir(config, dataset.dataset_id)
-        return directory if directory.is_dir() else None
+        return directory if (directory / DATASET_MANIFEST).is_file() else None
     dirs = {source.name: dataset_dir(config, source.dataset_id) for source in dataset.sources}
     if all((d / DATASET_MANIFEST).is_file() for d in dirs.values()):
         return _save_mixture(config, dataset, {name: str(d.resolve()) for name, d in dirs.items()})
@@ -841,7 +889,8 @@ def write_manifest(plan: DatasetPlan, results: list[UnitResult], tokenizer_path:
 
 
 def _pointer(plan: DatasetPlan) -> bytes:
-    return canonical_json({"dataset_id": plan.dataset_id, "source": plan.source})
+    return canonical_json({"dataset_id": plan.dataset_id, "source": plan.source,
+                           "listed_from": plan.listed_from})
 
 
 def _seal_in_store(plan: DatasetPlan, manifest: DatasetManifest, listed: set[str], store: Store) -> None:
@@ -897,7 +946,8 @@ def unpublished(plan: DatasetPlan, store: Store) -> list[str]:
     missing = []
     local = plan.dir / DATASET_MANIFEST  # absent when the dataset was sealed in the store
     key = plan.store_key(DATASET_MANIFEST)
-    if local.is_file() and not (store.exists(key) and store.get_bytes(key) == local.read_bytes()):
+    if local.is_file() and not (store.exists(key) and store.get_bytes(key) == local.read_bytes()
+                                and not store_lacks(plan, DatasetManifest.load(plan.dir), store)):
         missing.append("dataset")
     pointer_key = _pointer_key(plan)
     if plan.files and not (store.exists(pointer_key) and store.get_bytes(pointer_key) == _pointer(plan)):
@@ -926,17 +976,19 @@ def _pointer_key(plan: DatasetPlan) -> str:
     return f"datasets/{BY_SETTINGS}/{plan.settings_key}.json"
 
 
-def nothing_to_prepare(config: RunConfig, store: Store) -> list[tuple[SourceConfig, DatasetManifest, str]] | None:
+def nothing_to_prepare(config: RunConfig, store: Store
+                       ) -> list[tuple[SourceConfig, DatasetManifest, str, bool]] | None:
     """The decision of a prepare with no work: every source's dataset of `config` found
     prepared (`find_prepared`, as the prepare flow finds it) with nothing left to publish,
-    each with where it lies; None when any source has work to do. Lets a command say
-    "already prepared" without starting the flow (and Prefect's server) at all."""
+    each with where it lies and whether its sources were listed here (else it was found by
+    its data settings); None when any source has work to do. Lets a command say "already
+    prepared" without starting the flow (and Prefect's server) at all."""
     found = []
     for source, plan in mix_plans(config, store):
-        manifest = find_prepared(plan, store)
+        manifest = find_prepared(plan, store, listing=True)
         if manifest is None or unpublished(plan, store):
             return None
-        found.append((source, manifest, prepared_location(plan, store)))
+        found.append((source, manifest, prepared_location(plan, store), bool(plan.files)))
     return found
 
 
@@ -972,7 +1024,7 @@ def prepare_dataset(config: RunConfig) -> DatasetManifest | MixtureManifest:
     prepared = []
     for source, plan in mix_plans(config, store):
         source_config = config.source_config(source)
-        manifest = find_prepared(plan, store)
+        manifest = find_prepared(plan, store, listing=True)
         if manifest is None:
             require_sources(plan)
             units = plan_units(plan, source_config)

@@ -36,6 +36,14 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel
 
 from core.errors import DataError
+
+
+class SourcesNotHere(DataError):
+    """Nothing that a source names exists here (no such path, no file matches its glob, no
+    object under its prefix, the hub out of reach). Only then is the dataset found by the
+    data settings it was prepared from (prepare.locate): sources that exist but cannot be
+    listed as given (a broken dataset card, a folder of unknown files), or exist in part, are
+    an error, so a dataset is never taken for sources that changed."""
 from core.files import canonical_json, sha256_bytes
 from core.uris import parse_s3_uri
 from storage.store import ObjectChangedError, open_store
@@ -113,10 +121,21 @@ def list_source(source: str, fmt: str = "auto", *, storage=None, hub_config: str
     if len(parts) == 1 and not parts[0].startswith("s3://") and not _looks_local(parts[0]):
         return [list_hub(parts[0], hub_config, hub_split, revision, field_prefix=field_prefix)]
     files: dict[str, SourceFile] = {}
+    absent: list[SourcesNotHere] = []
     for part in parts:
-        found = (_list_s3(part, source, fmt, storage, field_prefix) if part.startswith("s3://")
-                 else _list_local(part, source, fmt, field_prefix, hub_config, hub_split))
+        try:
+            found = (_list_s3(part, source, fmt, storage, field_prefix) if part.startswith("s3://")
+                     else _list_local(part, source, fmt, field_prefix, hub_config, hub_split))
+        except SourcesNotHere as e:
+            absent.append(e)
+            continue
         files.update((f.uri, f) for f in found)
+    if absent and not files:
+        raise SourcesNotHere("; ".join(str(e) for e in absent))
+    if absent:  # what is here changed with what is not: no earlier dataset stands for it
+        raise DataError(f"{absent[0]}. The rest of {field_prefix}.source is here, so its dataset "
+                        "cannot be the one prepared from all of it before: make every part "
+                        f"reachable, or drop the missing part from {field_prefix}.source")
     return [files[uri] for uri in sorted(files)]
 
 
@@ -132,6 +151,17 @@ def _looks_local(part: str) -> bool:
     return (glob.has_magic(part) or path.exists() or _kind(part) != (None, "")
             or os.path.splitext(part.lower())[1] in _FILE_EXTENSIONS
             or part.startswith((".", "/", "~")) or part.endswith(("/", os.sep)))
+
+
+def absolute_source(source: str) -> str:
+    """`source` with its local parts made absolute (as the listing names their files), so
+    that one string names the same files from any working directory; s3:// URIs and hub
+    names as they are."""
+    parts = [p.strip() for p in source.split(",") if p.strip()]
+    if len(parts) == 1 and not parts[0].startswith("s3://") and not _looks_local(parts[0]):
+        return parts[0]
+    return ",".join(p if p.startswith("s3://") else os.path.abspath(os.path.expanduser(p))
+                    for p in parts)
 
 
 def _kind(name: str) -> tuple[str | None, Compression]:
@@ -150,18 +180,23 @@ def _list_local(part: str, source: str, fmt: str, field_prefix: str, hub_config:
         folder = part.endswith(("/", os.sep))
         fixes = ["create it and put the corpus files there" if folder else "fix the path"]
         fixes += [] if os.path.isabs(pattern) else ["run from the directory it is relative to"]
-        raise DataError(
+        raise SourcesNotHere(
             f"{part!r} ({field_prefix}.source={source!r}) does not exist: no "
             f"{'folder' if folder else 'file or folder'} {os.path.abspath(pattern)} (looked from "
             f"{os.getcwd()}); {', '.join(fixes)}, or use {field_prefix}.source=builtin")
     paths = _expand(part, hub_config, hub_split, field_prefix)
+    if not paths and os.path.isdir(pattern) and not any(
+            p.is_file() for p in Path(pattern).rglob("*")):
+        raise SourcesNotHere(f"{part!r} ({field_prefix}.source={source!r}) is an empty folder, "
+                             f"{os.path.abspath(pattern)}; put the corpus files there, or use "
+                             f"{field_prefix}.source=builtin")
     if not paths and os.path.isdir(pattern):
         raise DataError(f"{part!r} ({field_prefix}.source={source!r}) holds no files of a known "
                         "format (.jsonl, .ndjson, .json, .parquet, .txt, also .gz or .zst; the "
                         "others are named above); convert them, or name them (a file or glob) "
                         f"with {field_prefix}.format")
     if not paths:
-        raise DataError(f"no files match {part!r} ({field_prefix}.source={source!r}, looked from "
+        raise SourcesNotHere(f"no files match {part!r} ({field_prefix}.source={source!r}, looked from "
                         f"{os.getcwd()}); fix the path or glob, or use {field_prefix}.source=builtin")
     files = []
     for path in paths:
@@ -208,12 +243,14 @@ _HELD_OUT_WORDS = {"test", "testing", "eval", "evaluation", "valid", "validation
 
 def _looks_like_hub_dataset(folder: Path, names: list[str]) -> bool:
     """A dataset card (README.md with a YAML header) or the hub's shard names
-    (train-00000-of-00002.parquet). Only such a folder is split by `datasets`' conventions:
-    a corpus folder of our users' own (train_notes.jsonl, a dev/ folder, scripts) is read
-    whole, as before, and its dataset id stays what it was."""
+    (train-00000-of-00002.parquet) in the folder or one folder down (data/, a config's
+    folder), where the hub puts them. Only such a folder is split by `datasets`'
+    conventions: a corpus folder of our users' own (train_notes.jsonl, a dev/ folder,
+    scripts, a downloaded hub dataset further down among other corpora) is read whole, as
+    before, and its dataset id stays what it was."""
     card = folder / DATASET_CARD
     return (card.is_file() and _is_dataset_card(card)) or any(
-        "-of-" in Path(name).name for name in names)
+        "-of-" in Path(name).name and name.count("/") <= 1 for name in names)
 
 
 def _warn_split_named(folder: str, names: list[str]) -> None:
@@ -401,10 +438,10 @@ def _list_s3(uri: str, source: str, fmt: str, storage, field_prefix: str) -> lis
             if not objects and prefix:  # no folder: maybe the key of one object
                 objects = [o for o in store.list_objects(prefix) if o[0] == prefix]
     except FileNotFoundError as e:  # no such bucket
-        raise DataError(f"{field_prefix}.source={source!r}: {e}; fix the bucket name") from None
+        raise SourcesNotHere(f"{field_prefix}.source={source!r}: {e}; fix the bucket name") from None
     if not objects:
         what = "match" if glob.has_magic(prefix) else "under"
-        raise DataError(f"no objects of a known format (.jsonl, .json, .parquet, .txt, also .gz "
+        raise SourcesNotHere(f"no objects of a known format (.jsonl, .json, .parquet, .txt, also .gz "
                         f"or .zst) {what} {uri} ({field_prefix}.source={source!r}); fix the "
                         f"{'glob' if what == 'match' else 'prefix'}")
     return [_source_file(f"s3://{bucket}/{key}", size, etag, fmt, source, field_prefix)
@@ -506,12 +543,12 @@ def _load_hub(name: str, hub_config: str | None, hub_split: str, revision: str |
     try:
         return datasets.load_dataset(name, hub_config, split=hub_split, revision=revision, streaming=True)
     except ConnectionError as e:
-        raise DataError(
+        raise SourcesNotHere(
             f"{f}.source={name!r} is no local file or s3:// URI, so it was read as a Hugging Face "
             f"hub dataset, but the hub is unreachable from here ({e}); use local files "
             f"({f}.source=path/to/*.jsonl) or s3://bucket/prefix, or {f}.source=builtin") from e
-    except Exception as e:  # unknown name, config or split: the hub said no
-        raise DataError(f"cannot open hub dataset {name!r} ({f}.hub_config={hub_config}, "
+    except Exception as e:  # unknown name, config or split; offline, the cache lacks it
+        raise SourcesNotHere(f"cannot open hub dataset {name!r} ({f}.hub_config={hub_config}, "
                         f"{f}.hub_split={hub_split}, {f}.revision={revision}): {e}") from e
 
 
@@ -941,6 +978,8 @@ def _check_text_column(schema: pa.Schema, column: str, uri: str, field_prefix: s
         raise DataError(f"{uri} has no column {column!r}; its columns are {schema.names}: set "
                         f"{field_prefix}.text_column=<one of them>")
     kind = schema.field(column).type
+    if pa.types.is_dictionary(kind):  # a categorical column (pandas): read as its values
+        kind = kind.value_type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
         raise DataError(f"column {column!r} of {uri} holds {kind}, not text; set "
                         f"{field_prefix}.text_column to a text column")
