@@ -190,17 +190,26 @@ def report_to_reuse(config: RunConfig, store, dataset_id: str,
 
 def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
     """Write the evaluate stage's part of summary.json and the report's scores into the
-    ledger; returns that part."""
+    ledger; returns that part. A checkpoint of another run (`goodput evaluate --checkpoint
+    DIR`) leaves this run's summary and ledger as they are: its report is apart, under
+    eval/other/."""
     values = {"step": report.step, "loss": report.loss, "perplexity": report.perplexity,
               "bits_per_byte": report.bits_per_byte,
               "tokens_evaluated": report.tokens_evaluated, "source_losses": report.source_losses,
               "downstream": report.downstream,
               "report": str(report_path(config, Path(report.checkpoint))),
               "wall_time_s": time.time() - started}
+    if not is_this_runs(config, report):
+        return values
     update_summary(config.run_dir, "evaluate", values)
     summarize_goodput(config)
     keep_in_ledger(config, report)
     return values
+
+
+def is_this_runs(config: RunConfig, report: EvalReport) -> bool:
+    """Whether `report` is of one of this run's checkpoints (its report is the run's own)."""
+    return report_path(config, Path(report.checkpoint)) == config.run_dir.eval_report(report.step)
 
 
 def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background: bool = False) -> EvalReport:
@@ -289,7 +298,7 @@ def keep_aside(report_file: Path) -> Path | None:
 
 def keep_in_ledger(config: RunConfig, report: EvalReport) -> None:
     """A report of one of this run's checkpoints: its scores go into the ledger entry."""
-    if report_path(config, Path(report.checkpoint)) == config.run_dir.eval_report(report.step):
+    if is_this_runs(config, report):
         ledger_of(config).record_eval(report.step, report.scores())
 
 

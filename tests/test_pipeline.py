@@ -4,11 +4,13 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,7 @@ from core.config import dump_config
 from flows.local_api import HEARTBEAT_EVENT
 from flows.pipeline import pipeline
 from flows.train import train
+from goodput.checkpoint_lifecycle import ledger_of
 from storage import open_store
 from storage.ledger import Ledger
 from storage.manifests import CheckpointManifest, EvalReport
@@ -485,6 +488,23 @@ def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
     assert logged >= 5 and states == {"COMPLETED": logged}
     events = dict(db.execute("SELECT event, count(*) FROM events GROUP BY event"))
     assert events.get("prefect.flow-run.Completed") and HEARTBEAT_EVENT not in events
+
+
+def test_evaluating_another_runs_checkpoint_leaves_this_runs_summary_and_ledger(finished, tmp_path):
+    """`goodput evaluate --checkpoint DIR` of a checkpoint that is not the run's: its report
+    goes to eval/other/, and the run's summary.json and ledger keep the run's own scores."""
+    from goodput.evaluation import evaluate, record_eval
+    from tasks.train import locate_dataset
+
+    config, _ = finished
+    foreign = tmp_path / "elsewhere" / "step-00000010"
+    shutil.copytree(config.run_dir.checkpoint(10), foreign)
+    summary, ledger = (config.run_dir / "summary.json").read_bytes(), ledger_of(config).read()
+    report = evaluate(config, foreign, locate_dataset(config))
+    values = record_eval(config, report, time.time())
+    assert Path(values["report"]).parent == config.run_dir.eval_dir / "other"
+    assert (config.run_dir / "summary.json").read_bytes() == summary
+    assert ledger_of(config).read() == ledger
 
 
 def test_an_eval_report_is_reused_only_for_the_same_checkpoint_copy_and_settings(finished):
