@@ -19,7 +19,7 @@ import pytest
 from infra.launchers import free_port
 from tests.helpers import losses_by_step, small_config, synthetic_dataset, torchrun_training, wait_for
 from training.metrics import read_metrics
-from training.tracking import MLflowTracker, curves
+from training.tracking import MLflowTracker, curves, mlflow_name, open_trackers
 
 STEPS = 12
 TRACKED = ("training.max_steps=12", "checkpoint.every_steps=4", "eval.every_steps=4", "eval.in_loop_batches=2")
@@ -382,6 +382,26 @@ def test_scores_made_with_other_eval_settings_than_the_runs_get_curves_of_their_
     prefix = curves_prefix(one_off, report(one_off))
     assert prefix == f"eval-{one_off.eval_hash()[:8]}" and prefix != "eval"
     assert set(eval_curves(report(one_off), prefix)) == {f"{prefix}/loss", f"{prefix}/perplexity"}
+    # ... under that name in every tracker (the trackers' tags dropped it: no tracker had them)
+    assert set(curves(eval_curves(report(one_off), prefix))) == {f"{prefix}/loss", f"{prefix}/perplexity"}
+
+
+def test_mlflow_takes_the_scores_of_filtered_lm_eval_metrics(tmp_path):
+    """lm-eval names a filtered metric "exact_match (strict-match)"; MLflow refuses
+    parentheses, and one such name lost the whole batch of the checkpoint's scores."""
+    from mlflow.tracking import MlflowClient
+
+    from core.config import TrackingConfig
+
+    assert mlflow_name("eval/gsm8k/exact_match (strict-match)") == "eval/gsm8k/exact_match/strict-match"
+    assert mlflow_name("eval/t/acc,none[0]") == "eval/t/acc_none_0_"
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    trackers = open_trackers(TrackingConfig(tensorboard=False, mlflow_uri=uri), tmp_path, "r", job="eval")
+    trackers.log(120, {"eval/loss": 5.9, "eval/genfilt/exact_match (strict-match)": 0.25})
+    trackers.close()
+    client = MlflowClient(tracking_uri=uri)
+    [run] = client.search_runs([client.get_experiment_by_name("goodput").experiment_id])
+    assert run.data.metrics == {"eval/loss": 5.9, "eval/genfilt/exact_match/strict-match": 0.25}
 
 
 def test_a_best_metric_spelt_almost_as_a_task_of_eval_tasks_is_refused_at_load():

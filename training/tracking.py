@@ -28,6 +28,7 @@ import hashlib
 import logging
 import math
 import queue
+import re
 import threading
 import time
 import uuid
@@ -49,7 +50,8 @@ TAGS = {
     "world_size": "elastic/world_size",  # drops where an elastic job lost nodes, rises where they joined
 }
 # per-source and evaluation scores; a mixture of experts' loads (training.moe_balance);
-_PREFIXES = {"val_loss/": "val/loss/", "eval/": "eval/", "moe/": "moe/",
+# eval-<settings hash>/: a one-off evaluation's scores (training.evaluate.curves_prefix).
+_PREFIXES = {"val_loss/": "val/loss/", "eval/": "eval/", "eval-": "eval-", "moe/": "moe/",
              "samples/": "data/samples/"}  # a mix's samples drawn from each source
 TRAINER_STEP = "trainer/step"  # the x axis of a W&B evaluation run (WandbTracker)
 
@@ -232,9 +234,18 @@ class MLflowTracker(_Background):
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
-        metrics = [Metric(tag, value, now, step) for step, values in batch for tag, value in values.items()]
+        metrics = [Metric(mlflow_name(tag), value, now, step)
+                   for step, values in batch for tag, value in values.items()]
         for first in range(0, len(metrics), 1000):  # MLflow takes at most 1000 per batch
             client.log_batch(run_id, metrics=metrics[first:first + 1000])
+
+
+def mlflow_name(tag: str) -> str:
+    """`tag` as MLflow takes a metric's name (letters, digits, _ - . / : and spaces): an
+    lm-eval filter named in parentheses ("gsm8k/exact_match (strict-match)") becomes a part of
+    its path ("gsm8k/exact_match/strict-match"), anything else MLflow refuses an "_". One name
+    it refused made MLflow refuse the whole batch, the step's loss included."""
+    return re.sub(r"[^\w\-./: ]", "_", re.sub(r"\s*\(([^()]*)\)", r"/\1", tag))
 
 
 class WandbTracker(_Background):
