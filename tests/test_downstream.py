@@ -346,6 +346,12 @@ def test_generation_cuts_a_long_context_once_as_lm_evals_hf_model_does(setup):
     if eos in generated:
         generated = generated[:generated.index(eos)]
     assert texts[1] == tokenizer.decode(generated)
+    # max_gen_toks' aliases are read as lm-eval's backends read them (max_new_tokens: 3 was
+    # ignored, and 256 tokens generated from a context cut to one token).
+    assert lm.generate_until([SimpleNamespace(args=(short, {"until": ["\n"], "max_new_tokens": 3}))]) == texts[:1]
+    # A generation budget that leaves no room for the prompt is refused, as by the hf model.
+    with pytest.raises(ConfigError, match="up to 256 new tokens .* context of 64 tokens"):
+        lm.generate_until([SimpleNamespace(args=(short, {"until": ["\n"]}))])  # 256 by default
 
 
 def test_the_evaluation_process_reports_scores_and_bits_per_byte(setup):

@@ -251,15 +251,26 @@ def _make_lm_class():
         @torch.no_grad()
         def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
             """Greedy continuation, cut at the first stop string (gen_kwargs `until`) or after
-            `max_gen_toks` tokens (default 256). Sampling settings are ignored: benchmark
-            generation is greedy."""
+            `max_gen_toks` tokens (or its aliases max_new_tokens, max_tokens, ..., read as
+            lm-eval's backends read them; default 256). Sampling settings are ignored:
+            benchmark generation is greedy."""
+            from lm_eval.models.utils import normalize_gen_kwargs
+
             out = []
             n_tokens = self.tokenizer.get_vocab_size()
             for request in requests:
                 context, gen_kwargs = request.args
-                until = gen_kwargs.get("until") or []
-                until = [until] if isinstance(until, str) else list(until)
-                max_new = int(gen_kwargs.get("max_gen_toks", 256))
+                kwargs = normalize_gen_kwargs(gen_kwargs or {}, default_max_gen_toks=256)
+                until = kwargs["until"]
+                until = [until] if isinstance(until, str) else list(until or [])
+                max_new = int(kwargs["max_gen_toks"])
+                if max_new >= self.max_length:  # as lm-eval's hf model refuses it
+                    raise ConfigError(
+                        f"a generation task asks for up to {max_new} new tokens (its "
+                        "generation_kwargs' max_gen_toks; 256 where unset), not fewer than the "
+                        f"model's context of {self.max_length} tokens (model.max_seq_len), "
+                        "which leaves no room for the prompt: set a smaller max_gen_toks in the "
+                        "task's YAML")
                 # The context's last max_length - max_gen_toks tokens, cut once, as lm-eval's
                 # hf model does: the generated tokens then never push it out of the window (a
                 # window slid per token gave other text than the hf model on long prompts).
