@@ -7,6 +7,7 @@ validated before anything starts. Errors name the field and say what to do.
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib.util
 import json
 import math
@@ -1641,6 +1642,9 @@ def _format_error(err: ValidationError, origin: str) -> str:
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = f"unknown field; {unknown_field_hint(e['loc'])}"
+        elif e["type"] == "list_type" and isinstance(e.get("input"), str):
+            items = [i.strip() for i in e["input"].split(",") if i.strip()]
+            msg += f" (got {e['input']!r}); give a list in brackets: '{field}=[{', '.join(items)}]'"
         # A check across sections has no place of its own: its message names the fields (as
         # does a section's message that starts with one of its fields).
         lines.append(f"  {field}: {msg}" if field and not msg.startswith(f"{field}.") else f"  {msg}")
@@ -1770,6 +1774,25 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         origin = str(p)
     tree = apply_overrides(tree, overrides or [])
     return config_from_dict(tree, origin if not overrides else f"{origin} + overrides")
+
+
+def saved_eval_hash(config_file: str | os.PathLike) -> str | None:
+    """The eval_hash of a run's saved config.yaml (RunDir.config_file): the eval settings
+    its own reports are made with. None where it has none (a run never trained here) or it
+    no longer loads."""
+    try:
+        stat = os.stat(config_file)
+    except OSError:
+        return None
+    return _saved_eval_hash(str(config_file), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _saved_eval_hash(config_file: str, mtime_ns: int, size: int) -> str | None:
+    try:
+        return load_config(config_file).eval_hash()
+    except (OSError, ConfigError):
+        return None
 
 
 def config_from_dict(tree: dict, origin: str = "dict") -> RunConfig:

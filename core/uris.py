@@ -39,3 +39,17 @@ def check_bucket(name: str) -> str:
         raise ValueError(f"invalid S3 bucket name {name!r}: use 3 to 63 lowercase letters, digits, "
                          "'.' and '-', starting and ending with a letter or digit")
     return name
+
+
+def local_path_of(location: str) -> str:
+    """`location` as a local path: a file:// URL's path (as the ledger and the upload log
+    name a local store's files), anything else as it is (a path, or a URL of another kind,
+    which the caller refuses or reads). A local path whose name holds "://" stays a path."""
+    from pathlib import Path
+    from urllib.parse import unquote, urlparse
+
+    parsed = urlparse(location)
+    if (parsed.scheme == "file" and "://" in location and parsed.netloc in ("", "localhost")
+            and not Path(location).exists()):
+        return unquote(parsed.path)
+    return location

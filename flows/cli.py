@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         _config_args(p)
         if name == "evaluate":
-            p.add_argument("--checkpoint", help="step number or checkpoint directory "
+            p.add_argument("--checkpoint", help="step number, checkpoint directory or its file:// URL "
                                                 "(default: the newest validated)")
     p = sub.add_parser("serve", help="serve the flows as deployments (Prefect UI, schedules)")
     _config_args(p)

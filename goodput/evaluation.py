@@ -11,11 +11,12 @@ import threading
 import time
 from pathlib import Path
 
-from core.config import RunConfig, dump_config
+from core.config import RunConfig, dump_config, saved_eval_hash
 from core.cpu_priority import lower_session_priority
 from core.errors import ConfigError
 from core.files import sha256_bytes, write_atomic
 from core.process_exit import PARENT_PID
+from core.uris import local_path_of
 from core.protocol import copy_id, is_committed, step_of
 from goodput.checkpoint_lifecycle import ledger_of, prune_fetched, restore_ledger
 from goodput.accounting import summarize_goodput
@@ -84,7 +85,14 @@ def pick_checkpoint(config: RunConfig, store, checkpoint: str | int | None = Non
     path that is no checkpoint, a run with nothing validated); a FileNotFoundError when the
     step is validated but not readable from here yet."""
     if checkpoint is not None and not str(checkpoint).isdigit():
-        path = Path(str(checkpoint))
+        location = local_path_of(str(checkpoint))
+        path = Path(location)
+        if "://" in location and not path.exists():
+            # the store's URL of a step (s3://...): say what to give instead
+            raise ConfigError(f"{checkpoint}: --checkpoint takes a checkpoint directory on this "
+                              f"machine (or its file:// URL), or a step number of run "
+                              f"'{config.run.run_id}', which is read from its store where this "
+                              "machine has no copy; give the step number")
         if not path.exists():
             raise ConfigError(f"{path} does not exist: --checkpoint (the evaluate flow's "
                               f"checkpoint) takes a step number of run '{config.run.run_id}' "
@@ -148,11 +156,16 @@ def evaluation_due(config: RunConfig, step: int) -> bool:
 
 
 def report_path(config: RunConfig, checkpoint: Path) -> Path:
-    """Where the report of `checkpoint` goes: eval/step-N.json for a checkpoint of this run;
-    a directory of another run gets a report of its own (eval/other/), never this run's."""
+    """Where the report of `checkpoint` goes: eval/step-N.json for a checkpoint of this run
+    evaluated with the run's own eval settings (its config.yaml's); with others (a one-off
+    `goodput evaluate eval.limit=4`), eval/settings-<hash>/step-N.json, which leaves the
+    run's report, its ledger scores and the best checkpoint by eval as they were. A
+    directory of another run gets a report of its own (eval/other/), never this run's."""
     step = step_of(checkpoint)
     if config.run_dir.holds_checkpoint(checkpoint):
-        return config.run_dir.eval_report(step)
+        if saved_eval_hash(config.run_dir.config_file) in (None, config.eval_hash()):
+            return config.run_dir.eval_report(step)
+        return config.run_dir.eval_dir / f"settings-{config.eval_hash()[:12]}" / f"step-{step:08d}.json"
     key = sha256_bytes(str(Path(checkpoint).resolve()).encode())[:12]
     return config.run_dir.eval_dir / "other" / f"{key}-step-{step:08d}.json"
 
@@ -191,8 +204,8 @@ def report_to_reuse(config: RunConfig, store, dataset_id: str,
 def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
     """Write the evaluate stage's part of summary.json and the report's scores into the
     ledger; returns that part. A checkpoint of another run (`goodput evaluate --checkpoint
-    DIR`) leaves this run's summary and ledger as they are: its report is apart, under
-    eval/other/."""
+    DIR`), or with other eval settings than the run's, leaves this run's summary and ledger
+    as they are: its report is apart (report_path)."""
     values = {"step": report.step, "loss": report.loss, "perplexity": report.perplexity,
               "bits_per_byte": report.bits_per_byte,
               "tokens_evaluated": report.tokens_evaluated, "source_losses": report.source_losses,
@@ -208,7 +221,7 @@ def record_eval(config: RunConfig, report: EvalReport, started: float) -> dict:
 
 
 def is_this_runs(config: RunConfig, report: EvalReport) -> bool:
-    """Whether `report` is of one of this run's checkpoints (its report is the run's own)."""
+    """Whether `report` is the run's own: of one of its checkpoints, with its eval settings."""
     return report_path(config, Path(report.checkpoint)) == config.run_dir.eval_report(report.step)
 
 
@@ -270,10 +283,13 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
     if proc.returncode != 0:
         raise RuntimeError(f"evaluation of {checkpoint} failed (exit {proc.returncode}):\n"
                            f"{stderr.strip()[-2000:]}")
-    for line in stdout.splitlines():  # what the evaluation fetched, and from where
+    for line in stdout.splitlines():  # what the evaluation fetched, and where its scores went
         _, found, fetched = line.partition("read the weights from")
         if found:
             log.info(f"step {step_of(checkpoint)}: {found}{fetched}")
+        _, apart, where = line.partition("these eval settings are not the run's")
+        if apart:
+            log.info(f"step {step_of(checkpoint)}: {apart}{where}")
     keep_aside(out)
     os.replace(new, out)
     return EvalReport.model_validate_json(out.read_text())

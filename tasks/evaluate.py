@@ -90,6 +90,10 @@ def publish_eval_report(report: EvalReport) -> None:
              else f"{report.bits_per_byte:.4f}"},
             {"metric": "tokens evaluated", "value": f"{report.tokens_evaluated:,}"},
             {"metric": "checkpoint step", "value": str(report.step)}]
+    # How it was made (eval.limit, num_fewshot, precision, ...): a score over a few items
+    # reads like one over the whole task otherwise.
+    rows += [{"metric": f"setting: {name}", "value": str(value)}
+             for name, value in report.settings.items()]
     rows += [{"metric": f"held-out loss of {name}", "value": f"{loss:.4f}"}
              for name, loss in report.source_losses.items()]
     # Downstream scores: one row per task and metric, its stderr beside it.

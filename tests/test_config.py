@@ -37,6 +37,7 @@ def test_overrides_parse_as_yaml_values():
     ("model.n_kv_heads=3", "model", "n_kv_heads=3 does not divide n_heads=4"),
     ("run.run_id=bad/id", "run.run_id", "should match pattern"),
     ("training.lr=fast", "training.lr", "valid number"),
+    ("eval.tasks=capitals,llcont", "eval.tasks", "give a list in brackets: 'eval.tasks=[capitals, llcont]'"),
     ("faults.crash_rank=5", None, "faults.crash_rank=5 is not a rank"),
     ("storage.part_size=1MiB", "storage.part_size", "outside what S3 accepts; choose 5MiB to 5GiB"),
     ("storage.part_size=lots", "storage.part_size", "'lots' is not a memory size"),

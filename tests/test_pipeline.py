@@ -493,7 +493,8 @@ def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
 def test_evaluating_another_runs_checkpoint_leaves_this_runs_summary_and_ledger(finished, tmp_path):
     """`goodput evaluate --checkpoint DIR` of a checkpoint that is not the run's: its report
     goes to eval/other/, and the run's summary.json and ledger keep the run's own scores."""
-    from goodput.evaluation import evaluate, record_eval
+    from core.errors import ConfigError
+    from goodput.evaluation import evaluate, pick_checkpoint, record_eval
     from tasks.train import locate_dataset
 
     config, _ = finished
@@ -505,12 +506,17 @@ def test_evaluating_another_runs_checkpoint_leaves_this_runs_summary_and_ledger(
     assert Path(values["report"]).parent == config.run_dir.eval_dir / "other"
     assert (config.run_dir / "summary.json").read_bytes() == summary
     assert ledger_of(config).read() == ledger
+    # Its file:// URL (as the ledger and the upload log name a local store's copies) is that
+    # directory; a URL of the store's copy asks for the step number instead.
+    assert pick_checkpoint(config, None, foreign.as_uri()) == foreign
+    with pytest.raises(ConfigError, match="give the step number"):
+        pick_checkpoint(config, None, "s3://bucket/runs/clean/checkpoints/step-00000010")
 
 
 def test_an_eval_report_is_reused_only_for_the_same_checkpoint_copy_and_settings(finished):
     """The saved report of a step answers a later evaluation only when nothing it depends on
     changed: other eval settings, or another copy of the step, are evaluated again."""
-    from goodput.evaluation import evaluate
+    from goodput.evaluation import evaluate, record_eval, report_path
     from tasks.train import locate_dataset
 
     config, _ = finished
@@ -521,15 +527,21 @@ def test_an_eval_report_is_reused_only_for_the_same_checkpoint_copy_and_settings
 
     more_samples = config.model_copy(update={"eval": config.eval.model_copy(update={"num_samples": 1})})
     saved_config = config.run_dir.config_file.read_bytes()
+    ledger = ledger_of(config).read()
     second = evaluate(more_samples, checkpoint, dataset_dir)
     assert len(second.samples) == 1 != len(first.samples) and second.created_at > first.created_at
     # A one-off evaluation's settings stay out of the run's config.yaml (they became its
     # defaults), and its own copy of them is gone.
     assert config.run_dir.config_file.read_bytes() == saved_config
     assert not list(config.run_dir.eval_dir.glob(".*config.yaml"))
-    # The report it replaced (scores a user asked for once) is kept, named by its settings.
-    [kept] = (config.run_dir.eval_dir / "earlier").glob(f"step-00000010.{first.eval_hash[:12]}.*.json")
-    assert EvalReport.model_validate_json(kept.read_text()) == first
+    # Its report is apart, named by its settings: the run's report, its scores in the ledger
+    # and so the best checkpoint by eval stay those of the run's own settings.
+    one_off = report_path(more_samples, checkpoint)
+    assert one_off == config.run_dir.eval_dir / f"settings-{more_samples.eval_hash()[:12]}" / "step-00000010.json"
+    assert EvalReport.model_validate_json(config.run_dir.eval_report(10).read_text()) == first
+    record_eval(more_samples, second, time.time())
+    assert ledger_of(config).read() == ledger
+    assert evaluate(more_samples, checkpoint, dataset_dir) == second  # reused where it lies
 
     # The step saved again (an in-job restart re-trains it): another manifest, another copy.
     saved = CheckpointManifest.load(checkpoint)
@@ -538,5 +550,8 @@ def test_an_eval_report_is_reused_only_for_the_same_checkpoint_copy_and_settings
         saved.model_copy(update={"created_at": saved.created_at + 1}).save(checkpoint)
         third = evaluate(more_samples, checkpoint, dataset_dir)
         assert third.copy_id != second.copy_id and third.created_at > second.created_at
+        # The report it replaced (scores a user asked for once) is kept, named by its settings.
+        [kept] = (one_off.parent / "earlier").glob(f"step-00000010.{second.eval_hash[:12]}.*.json")
+        assert EvalReport.model_validate_json(kept.read_text()) == second
     finally:
         (checkpoint / "manifest.json").write_bytes(original)

@@ -454,6 +454,7 @@ class TestServedDeployments:
         assert [(r["step"], r["state"]) for r in ledger] == [(10, "uploaded"), (20, "uploaded")]
         report = {r["metric"]: r["value"] for r in json.loads(artifacts(api, "eval-ui")[0]["data"])}
         assert report["checkpoint step"] == "20" and float(report["perplexity"]) > 1
+        assert report["setting: device"] == "cpu"  # how it was made, beside the scores
         breakdown = {r["metric"]: r["value"] for r in
                      json.loads(artifacts(api, "goodput-ui")[0]["data"])}
         assert 0 < float(breakdown["goodput"]) <= 1 and breakdown["attempts.retryable"] == "1"

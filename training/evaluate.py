@@ -135,13 +135,10 @@ def curves_prefix(config, report: EvalReport) -> str:
     the run's own eval settings (its config.yaml), else `eval-<settings hash>/...`, so that
     a one-off `goodput evaluate eval.limit=12 eval.num_fewshot=2` does not join the run's
     curve at the same steps with scores of another kind."""
-    from core.config import load_config
+    from core.config import saved_eval_hash
 
-    try:
-        run_hash = load_config(config.run_dir.config_file).eval_hash()
-    except (OSError, ConfigError):  # no saved config (a run never trained here): its own
-        return "eval"
-    return "eval" if report.eval_hash in (None, run_hash) else f"eval-{report.eval_hash[:8]}"
+    run_hash = saved_eval_hash(config.run_dir.config_file)  # None: a run never trained here
+    return "eval" if run_hash is None or report.eval_hash in (None, run_hash) else f"eval-{report.eval_hash[:8]}"
 
 
 def store_copy(config, checkpoint: Path, copy: str):

@@ -31,7 +31,7 @@ import tempfile
 import uuid
 from pathlib import Path
 from typing import NamedTuple
-from urllib.parse import unquote, urlparse
+from urllib.parse import urlparse
 
 import torch
 from safetensors.torch import save_file
@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 from core.files import sha256_file
 from core.hf_llama import SHARD_INDEX, SINGLE_FILE, TOKENIZER_FILE
 from core.protocol import CHECKPOINT_MANIFEST, RunDir, is_committed
+from core.uris import local_path_of
 from storage.manifests import (DATASET_MANIFEST, MIXTURE_MANIFEST, CheckpointManifest, MixtureManifest,
                                 verify_files)
 from training.checkpoint.errors import CheckpointCorrupt
@@ -600,12 +601,10 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
     `ignore_tokenizer_mismatch`.
     """
     out = Path(out).resolve()  # so the staging directory beside it has a name ("." has none)
-    parsed = urlparse(str(checkpoint))
+    checkpoint = local_path_of(str(checkpoint))
     # A URL, not a local directory whose name holds "x://" (Path() would collapse the "//")
-    scheme = parsed.scheme if "://" in str(checkpoint) and not Path(checkpoint).exists() else ""
-    if scheme == "file" and parsed.netloc in ("", "localhost"):
-        checkpoint, scheme = unquote(parsed.path), ""
-    elif scheme and scheme != "s3":
+    scheme = urlparse(checkpoint).scheme if "://" in checkpoint and not Path(checkpoint).exists() else ""
+    if scheme and scheme != "s3":
         raise ExportError(f"{checkpoint}: not a checkpoint directory, and not a URL of the store "
                           "(s3://BUCKET/PREFIX/runs/RUN/checkpoints/step-XXXXXXXX)")
     local = None if scheme == "s3" else Path(checkpoint).resolve()
