@@ -517,12 +517,23 @@ def eval_history(config: RunConfig) -> list[EvalReport]:
             and (r.step not in entries or entries[r.step].copy_id in (None, r.copy_id))]
 
 
+_said_no_such_score: set[tuple[str, str]] = set()  # once per process: retention asks often
+
+
 def best_by_eval(config: RunConfig) -> int | None:
     """The step whose report is best by eval.best_metric, among the reports made with the
     current eval settings (reports made otherwise are not compared with them)."""
     metric = config.eval.best_metric
-    reports = [r for r in eval_history(config) if metric in r.scores()]
+    history = eval_history(config)
+    reports = [r for r in history if metric in r.scores()]
     if not reports:
+        if history and (config.run.run_id, metric) not in _said_no_such_score:
+            # A metric name lm-eval's tasks do not report (a typo of the part after the task)
+            # shows only here, once reports exist: retention then keeps no best checkpoint.
+            _said_no_such_score.add((config.run.run_id, metric))
+            log.warning("eval.best_metric=%s is a score no report of run '%s' has (they have: "
+                        "%s): retention keeps no checkpoint as the best by eval; set it to one "
+                        "of those", metric, config.run.run_id, ", ".join(sorted(history[-1].scores())))
         return None
     scored = {r.step: r.scores()[metric] for r in reports}
     return (min if lower_is_better(metric, reports) else max)(scored, key=scored.get)

@@ -453,6 +453,28 @@ def test_scores_of_a_copy_saved_over_do_not_outlive_it(tmp_path):
     assert [r.step for r in eval_history(config)] == [10] and best_by_eval(config) == 10
 
 
+def test_a_best_metric_no_report_has_is_said_once_reports_exist(tmp_path, caplog):
+    """A metric name misspelt after its task (capitals/accc) passes the checks before
+    training (they know task names, not the metrics a task reports): once reports exist,
+    retention says that none has it, and which scores they have."""
+    from goodput.checkpoint_lifecycle import best_by_eval
+    from storage.manifests import EvalReport
+
+    config = small_config(tmp_path, "eval.tasks=[capitals]", "eval.best_metric=capitals/accc")
+    assert best_by_eval(config) is None  # no report yet: nothing to say
+    config.run_dir.eval_dir.mkdir(parents=True)
+    report = EvalReport(run_id="test", step=10, checkpoint="c", dataset_id="d", loss=2.0,
+                        perplexity=7.4, tokens_evaluated=1, samples=[], wall_time_s=0.0,
+                        created_at=0.0, eval_hash=config.eval_hash(),
+                        downstream={"capitals": {"acc": 0.5, "acc_stderr": 0.1}})
+    config.run_dir.eval_report(10).write_text(report.model_dump_json())
+    with caplog.at_level(logging.WARNING, logger="goodput.checkpoints"):
+        assert best_by_eval(config) is None
+        assert best_by_eval(config) is None
+    [said] = [r.getMessage() for r in caplog.records if "best_metric" in r.getMessage()]
+    assert "eval.best_metric=capitals/accc is a score no report" in said and "capitals/acc," in said
+
+
 def test_every_nth_checkpoint_is_chosen_by_the_ledger_across_flow_runs(tmp_path):
     """eval.every_validated=2 evaluates the 2nd, 4th, ... checkpoint of the run, counted in
     the ledger (a rejected copy does not count), not by a counter each flow run restarts."""
