@@ -477,7 +477,13 @@ def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
                           env={**os.environ, "PREFECT_HOME": str(home)})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"run directory: {config.run_dir.path.resolve()}" in proc.stdout
-    report = json.loads((config.run_dir / "eval" / "step-00000020.json").read_text())
+    # eval.num_samples=1 is not the run's setting: its report lies apart from the run's own.
+    from core.config import load_config
+    from goodput.evaluation import report_path
+
+    path = report_path(load_config(config_file, ["eval.num_samples=1"]), config.run_dir.checkpoint(20))
+    assert path.parent.name.startswith("settings-")
+    report = json.loads(path.read_text())
     assert report["step"] == 20 and report["loss"] > 0 and len(report["samples"]) == 1
     assert "Traceback" not in proc.stdout + proc.stderr
     assert "imported: ['prefect']" in proc.stdout

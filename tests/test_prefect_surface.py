@@ -522,8 +522,14 @@ class TestServedDeployments:
                              for line in logs_of(both)), timeout_s=30, what="refusal in the run's logs")
         evaluated = wait_final(good, timeout_s=300)
         assert evaluated.state.is_completed(), evaluated.state.message
-        report = json.loads((base.run_dir.path.parent / "ui" / "eval" / "step-00000010.json")
-                            .read_text())
+        # Its overrides are not the run's eval settings: a report of their own, beside the run's.
+        from core.config import load_config
+        from goodput.evaluation import report_path
+
+        one_off = load_config(config_file, ["eval.num_samples=2"])
+        path = report_path(one_off, one_off.run_dir.checkpoint(10))
+        assert path.parent.name.startswith("settings-")
+        report = json.loads(path.read_text())
         assert report["step"] == 10 and len(report["samples"]) == 2
 
 
