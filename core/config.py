@@ -1776,15 +1776,17 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     return config_from_dict(tree, origin if not overrides else f"{origin} + overrides")
 
 
-def saved_eval_hash(config_file: str | os.PathLike) -> str | None:
-    """The eval_hash of a run's saved config.yaml (RunDir.config_file): the eval settings
-    its own reports are made with. None where it has none (a run never trained here) or it
-    no longer loads."""
+def runs_own_eval_settings(run_dir: RunDir, eval_hash: str | None) -> bool:
+    """Whether eval settings of `eval_hash` are the run's own: those of its saved config.yaml
+    (which `goodput train` and `pipeline` write), or any where it has none here (or it no
+    longer loads). Reports made otherwise (a one-off `goodput evaluate eval.limit=4`) are
+    kept apart from the run's: goodput.evaluation.report_path, training.evaluate.curves_prefix."""
     try:
-        stat = os.stat(config_file)
+        stat = os.stat(run_dir.config_file)
     except OSError:
-        return None
-    return _saved_eval_hash(str(config_file), stat.st_mtime_ns, stat.st_size)
+        return True
+    saved = _saved_eval_hash(str(run_dir.config_file), stat.st_mtime_ns, stat.st_size)
+    return saved is None or eval_hash in (None, saved)
 
 
 @functools.lru_cache(maxsize=16)

@@ -199,7 +199,7 @@ def _plan(args: argparse.Namespace) -> int:
                              if value is not None]
         try:
             config = load_config(args.config, [*args.overrides, *cluster_overrides])
-        except ConfigError:
+        except ConfigError as own:
             if not args.search:
                 raise
             # The config's degrees made for another cluster: --search ranks every layout of
@@ -208,7 +208,7 @@ def _plan(args: argparse.Namespace) -> int:
                 config = load_config(args.config, [*args.overrides, *SEARCH_ANY_DEGREES,
                                                    *cluster_overrides])
             except ConfigError:
-                config = load_config(args.config, [*args.overrides, *cluster_overrides])  # its own error
+                raise own from None
         config = planner.with_run_vocab(config)
         if args.gpu_memory is not None and re.fullmatch(r"\s*[0-9]*\.?[0-9]+\s*", args.gpu_memory):
             number = args.gpu_memory.strip()

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from core.config import RunConfig, dump_config, saved_eval_hash
+from core.config import RunConfig, dump_config, runs_own_eval_settings
 from core.cpu_priority import lower_session_priority
 from core.errors import ConfigError
 from core.files import sha256_bytes, write_atomic
@@ -163,7 +163,7 @@ def report_path(config: RunConfig, checkpoint: Path) -> Path:
     directory of another run gets a report of its own (eval/other/), never this run's."""
     step = step_of(checkpoint)
     if config.run_dir.holds_checkpoint(checkpoint):
-        if saved_eval_hash(config.run_dir.config_file) in (None, config.eval_hash()):
+        if runs_own_eval_settings(config.run_dir, config.eval_hash()):
             return config.run_dir.eval_report(step)
         return config.run_dir.eval_dir / f"settings-{config.eval_hash()[:12]}" / f"step-{step:08d}.json"
     key = sha256_bytes(str(Path(checkpoint).resolve()).encode())[:12]

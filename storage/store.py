@@ -591,15 +591,7 @@ class S3Store(Store):
         return True
 
     def list(self, prefix=""):
-        folder_key = self._folder_key(prefix)
-        strip = len(self.prefix) + 1 if self.prefix else 0
-
-        def list_all() -> list[str]:
-            paginator = self._client.get_paginator("list_objects_v2")
-            pages = paginator.paginate(Bucket=self.bucket, Prefix=folder_key)
-            return sorted(obj["Key"][strip:] for page in pages for obj in page.get("Contents", []))
-
-        return self._call("listing of", prefix, list_all)
+        return sorted(self.sizes(prefix))
 
     def sizes(self, prefix=""):
         folder_key = self._folder_key(prefix)

@@ -261,9 +261,7 @@ def _make_lm_class():
             for request in requests:
                 context, gen_kwargs = request.args
                 kwargs = normalize_gen_kwargs(gen_kwargs or {}, default_max_gen_toks=256)
-                until = kwargs["until"]
-                until = [until] if isinstance(until, str) else list(until or [])
-                max_new = int(kwargs["max_gen_toks"])
+                until, max_new = kwargs["until"], int(kwargs["max_gen_toks"])
                 if max_new >= self.max_length:  # as lm-eval's hf model refuses it
                     raise ConfigError(
                         f"a generation task asks for up to {max_new} new tokens (its "
@@ -274,7 +272,7 @@ def _make_lm_class():
                 # The context's last max_length - max_gen_toks tokens, cut once, as lm-eval's
                 # hf model does: the generated tokens then never push it out of the window (a
                 # window slid per token gave other text than the hf model on long prompts).
-                context_ids = (self.tok_encode(context) or [self.eot_token_id])[-max(1, self.max_length - max_new):]
+                context_ids = (self.tok_encode(context) or [self.eot_token_id])[-(self.max_length - max_new):]
                 tokens = torch.tensor([context_ids], device=self.device)
                 generated, text = [], ""
                 # One token at a time against the kept keys and values (Transformer.stream).

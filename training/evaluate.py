@@ -135,10 +135,9 @@ def curves_prefix(config, report: EvalReport) -> str:
     the run's own eval settings (its config.yaml), else `eval-<settings hash>/...`, so that
     a one-off `goodput evaluate eval.limit=12 eval.num_fewshot=2` does not join the run's
     curve at the same steps with scores of another kind."""
-    from core.config import saved_eval_hash
+    from core.config import runs_own_eval_settings
 
-    run_hash = saved_eval_hash(config.run_dir.config_file)  # None: a run never trained here
-    return "eval" if run_hash is None or report.eval_hash in (None, run_hash) else f"eval-{report.eval_hash[:8]}"
+    return "eval" if runs_own_eval_settings(config.run_dir, report.eval_hash) else f"eval-{report.eval_hash[:8]}"
 
 
 def store_copy(config, checkpoint: Path, copy: str):

@@ -340,7 +340,7 @@ def _pointer_by_settings(config: RunConfig, store: Store, tokenizer_from: str | 
         local = Path(config.data.data_dir) / BY_SETTINGS / f"{key}.json"
         try:
             pointer = json.loads(local.read_bytes() if local.is_file()
-                                 else store.get_bytes(f"datasets/{BY_SETTINGS}/{key}.json"))
+                                 else store.get_bytes(_pointer_store_key(key)))
         except FileNotFoundError:
             continue
         if key == keys[0] or "listed_from" not in pointer:
@@ -973,7 +973,11 @@ def publish_for_training(config: RunConfig, store: Store) -> list[str]:
 
 
 def _pointer_key(plan: DatasetPlan) -> str:
-    return f"datasets/{BY_SETTINGS}/{plan.settings_key}.json"
+    return _pointer_store_key(plan.settings_key)
+
+
+def _pointer_store_key(settings_key: str) -> str:
+    return f"datasets/{BY_SETTINGS}/{settings_key}.json"
 
 
 def nothing_to_prepare(config: RunConfig, store: Store

@@ -36,14 +36,6 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel
 
 from core.errors import DataError
-
-
-class SourcesNotHere(DataError):
-    """Nothing that a source names exists here (no such path, no file matches its glob, no
-    object under its prefix, the hub out of reach). Only then is the dataset found by the
-    data settings it was prepared from (prepare.locate): sources that exist but cannot be
-    listed as given (a broken dataset card, a folder of unknown files), or exist in part, are
-    an error, so a dataset is never taken for sources that changed."""
 from core.files import canonical_json, sha256_bytes
 from core.uris import parse_s3_uri
 from storage.store import ObjectChangedError, open_store
@@ -54,6 +46,15 @@ except ImportError:  # pragma: no cover - orjson is in the venv
     _loads = json.loads
 
 log = logging.getLogger(__name__)
+
+
+class SourcesNotHere(DataError):
+    """Nothing that a source names exists here (no such path, no file matches its glob, no
+    object under its prefix, the hub out of reach). Only then is the dataset found by the
+    data settings it was prepared from (prepare.locate): sources that exist but cannot be
+    listed as given (a broken dataset card, a folder of unknown files), or exist in part, are
+    an error, so a dataset is never taken for sources that changed."""
+
 
 Format = Literal["json", "parquet", "text", "hub"]
 Compression = Literal["", "gzip", "zstd"]
@@ -115,10 +116,10 @@ def list_source(source: str, fmt: str = "auto", *, storage=None, hub_config: str
     """
     if fmt not in ("auto", "json", "parquet", "text"):
         raise ValueError(f"unknown format {fmt!r}: use auto, json, parquet or text")
-    parts = [p.strip() for p in source.split(",") if p.strip()]
+    parts = _parts(source)
     if not parts:
         raise DataError(f"{field_prefix}.source is empty; name files, an s3:// prefix or a hub dataset")
-    if len(parts) == 1 and not parts[0].startswith("s3://") and not _looks_local(parts[0]):
+    if _names_hub_dataset(parts):
         return [list_hub(parts[0], hub_config, hub_split, revision, field_prefix=field_prefix)]
     files: dict[str, SourceFile] = {}
     absent: list[SourcesNotHere] = []
@@ -153,12 +154,21 @@ def _looks_local(part: str) -> bool:
             or part.startswith((".", "/", "~")) or part.endswith(("/", os.sep)))
 
 
+def _parts(source: str) -> list[str]:
+    """The comma-separated parts of a source: paths, globs, s3:// URIs, or one hub name."""
+    return [p.strip() for p in source.split(",") if p.strip()]
+
+
+def _names_hub_dataset(parts: list[str]) -> bool:
+    return len(parts) == 1 and not parts[0].startswith("s3://") and not _looks_local(parts[0])
+
+
 def absolute_source(source: str) -> str:
     """`source` with its local parts made absolute (as the listing names their files), so
     that one string names the same files from any working directory; s3:// URIs and hub
     names as they are."""
-    parts = [p.strip() for p in source.split(",") if p.strip()]
-    if len(parts) == 1 and not parts[0].startswith("s3://") and not _looks_local(parts[0]):
+    parts = _parts(source)
+    if _names_hub_dataset(parts):
         return parts[0]
     return ",".join(p if p.startswith("s3://") else os.path.abspath(os.path.expanduser(p))
                     for p in parts)
