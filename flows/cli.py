@@ -390,6 +390,23 @@ def _without_a_flow(command: str, config: RunConfig, checkpoint: str | None = No
 
 
 PRECHECK_S = 15.0  # what a command's check for work to do may take before its flow decides
+STORE_REACH_S = 20.0  # how long a command waits for a store it cannot connect to (a restart)
+
+
+def _store_out_of_reach(config: RunConfig) -> str | None:
+    """Why the command cannot reach the run's store at all (Store.out_of_reach), else None.
+
+    Every stage reads or writes the store. A wrong storage.endpoint_url, or a store not
+    started, took about 3 minutes to fail: each request retried, each operation, then the
+    task. Said before any flow run, it takes STORE_REACH_S. The endpoint of a credentials
+    block is read in the flow (None here); a flow run's tasks still retry a store that goes
+    away later.
+    """
+    if config.storage.credentials_block:
+        return None
+    from storage.store import store_from_config
+
+    return store_from_config(config.storage).out_of_reach(STORE_REACH_S)
 
 
 def _nothing_to_do(stages: tuple[str, ...], config: RunConfig, checkpoint: str | None) -> tuple | None:
@@ -636,6 +653,10 @@ def main(argv: list[str] | None = None) -> int:
     server = temporary_server()
     ctrl_c = None
     try:
+        unreachable = _store_out_of_reach(config)
+        if unreachable:
+            print(f"goodput: {unreachable}", file=sys.stderr)
+            return 1
         result = _without_a_flow(args.command, config, getattr(args, "checkpoint", None))
         if result is not None:
             print(json.dumps(result, indent=2, default=str))

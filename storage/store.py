@@ -21,7 +21,9 @@ import os
 import random
 import re
 import shutil
+import socket
 import time
+import urllib.request
 import uuid
 import zlib
 from abc import ABC, abstractmethod
@@ -158,6 +160,10 @@ class Store(ABC):
     @abstractmethod
     def verify(self, local_path: str | os.PathLike, key: str) -> None:
         """Raise `IntegrityError` unless `key` holds exactly the bytes of `local_path`."""
+
+    def out_of_reach(self, within_s: float = 0.0) -> str | None:
+        """Why this machine cannot reach the store at all, else None. A local store is here."""
+        return None
 
     def upload_dir(
         self,
@@ -582,6 +588,42 @@ class S3Store(Store):
             return data
 
         return self._call("download of", key, get)
+
+    CONNECT_TIMEOUT_S = 5.0  # an endpoint that takes longer to accept a connection is taken as down
+
+    def out_of_reach(self, within_s: float = 20.0) -> str | None:
+        """Why no connection to the endpoint opens (nothing listens there, its name does not
+        resolve, no answer in CONNECT_TIMEOUT_S), tried again until `within_s` has passed so
+        that a store that is restarting is waited for; None once one opens.
+
+        One TCP connection, no request: it needs no credentials. A wrong endpoint otherwise
+        showed after every request's retries and every operation's (about a minute), times
+        the task's. Where a proxy carries the requests (HTTPS_PROXY and NO_PROXY, as boto3
+        reads them) the endpoint is not dialled: None.
+        """
+        endpoint = urlparse(self._client.meta.endpoint_url)
+        host, port = endpoint.hostname, endpoint.port or (443 if endpoint.scheme == "https" else 80)
+        if urllib.request.getproxies().get(endpoint.scheme) and not urllib.request.proxy_bypass(host):
+            return None
+        started, delay = time.monotonic(), 0.5
+        while True:
+            try:
+                socket.create_connection((host, port), timeout=self.CONNECT_TIMEOUT_S).close()
+                return None
+            except ConnectionRefusedError:
+                why = f"nothing listens on {host}:{port} (connection refused)"
+            except socket.gaierror as e:
+                why = f"the host name {host!r} does not resolve ({e.strerror})"
+            except TimeoutError:
+                why = f"{host}:{port} did not answer within {self.CONNECT_TIMEOUT_S:g} s"
+            except OSError as e:
+                why = f"{host}:{port}: {e.strerror or e}"
+            if time.monotonic() + delay > started + within_s:
+                return (f"the store {self.uri} cannot be reached at {endpoint.geturl()}: {why}, "
+                        f"tried for {time.monotonic() - started:.0f} s. Start the store, or name its endpoint "
+                        "(storage.endpoint_url, or AWS_ENDPOINT_URL; unset: AWS)")
+            time.sleep(delay)
+            delay = min(2 * delay, 5.0)
 
     def exists(self, key):
         try:

@@ -437,6 +437,29 @@ def test_a_store_too_slow_to_answer_leaves_the_decision_to_the_flow(prepared, mo
     assert "the check for work to do took over 0.5 s" in capsys.readouterr().err
 
 
+def test_a_store_that_cannot_be_reached_stops_the_command_before_any_flow_run(tmp_path, monkeypatch,
+                                                                           capsys):
+    """A wrong storage.endpoint_url took about 3 minutes to fail: the check for work to do,
+    then the flow's task, each request and operation retried. Now the command says so after
+    STORE_REACH_S, having started no flow run."""
+    from infra.launchers import free_port
+
+    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
+    monkeypatch.setattr(cli, "STORE_REACH_S", 1.0)
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    overrides = [*small_overrides(tmp_path), "storage.uri=s3://goodput-test/runs",
+                 f"storage.endpoint_url={endpoint}"]
+    started = time.monotonic()
+    assert cli.main(["prepare", *overrides]) == 1
+    assert time.monotonic() - started < 30
+    err = capsys.readouterr().err
+    assert f"goodput: the store s3://goodput-test/runs cannot be reached at {endpoint}: nothing listens" in err
+    assert "Start the store, or name its endpoint (storage.endpoint_url" in err
+    assert not (tmp_path / "prefect-home").exists()  # no flow run: the temporary server never served
+
+
 def test_a_prefect_server_that_cannot_be_reached_is_named_with_what_to_do(tmp_path):
     from infra.launchers import free_port
 

@@ -417,6 +417,30 @@ def test_transient_errors_are_retried_with_backoff_then_reported(monkeypatch):
     assert time.monotonic() - start < 1.5
 
 
+def test_a_store_out_of_reach_is_said_at_once_and_one_that_answers_is_not(s3_server, s3_uri, monkeypatch,
+                                                                          tmp_path):
+    """Store.out_of_reach: one TCP connection to the endpoint, no request and no credentials;
+    the S3 calls' retries took about a minute to say the same."""
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    start = time.monotonic()
+    why = S3Store("s3://bucket/x", endpoint_url=dead, region="us-east-1").out_of_reach(within_s=1.0)
+    assert time.monotonic() - start < 3
+    assert why.startswith(f"the store s3://bucket/x cannot be reached at {dead}: nothing listens on")
+    assert "storage.endpoint_url" in why
+    nameless = S3Store("s3://bucket/x", endpoint_url="http://no-such-host.invalid:8333", region="us-east-1")
+    assert "the host name 'no-such-host.invalid' does not resolve" in nameless.out_of_reach(within_s=0)
+
+    assert open_store(s3_uri).out_of_reach() is None  # SeaweedFS answers
+    assert LocalStore(tmp_path).out_of_reach() is None
+    # Through a proxy boto3 reaches what this machine may not: the endpoint is not dialled.
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:3128")
+    assert S3Store("s3://bucket/x", endpoint_url=dead, region="us-east-1").out_of_reach(within_s=0) is None
+
+
 def test_open_store_accepts_paths_file_uris_and_s3(tmp_path):
     assert open_store(str(tmp_path)).root == tmp_path
     assert open_store(tmp_path.as_uri()).root == tmp_path
