@@ -417,6 +417,7 @@ def test_transient_errors_are_retried_with_backoff_then_reported(monkeypatch):
     assert time.monotonic() - start < 1.5
 
 
+@pytest.mark.s3
 def test_a_store_out_of_reach_is_said_at_once_and_one_that_answers_is_not(s3_server, s3_uri, monkeypatch,
                                                                           tmp_path):
     """Store.out_of_reach: one TCP connection to the endpoint, no request and no credentials;
