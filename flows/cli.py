@@ -349,8 +349,9 @@ def _without_a_flow(command: str, config: RunConfig, checkpoint: str | None = No
     # same and reports it, even started. They get PRECHECK_S; past it, the flow decides.
     check = threading.Thread(target=lambda: decided.append(_nothing_to_do(stages, config, checkpoint)),
                              name="nothing-to-do", daemon=True)
-    check.start()
-    check.join(PRECHECK_S)
+    with _the_checks_warnings():
+        check.start()
+        check.join(PRECHECK_S)
     if check.is_alive():
         _say(f"the check for work to do took over {PRECHECK_S:g} s (is the store slow or "
              "unreachable?): the flow decides")
@@ -445,6 +446,38 @@ def _nothing_to_do(stages: tuple[str, ...], config: RunConfig, checkpoint: str |
 
 def _say(message: str) -> None:
     print(f"goodput: {message}", file=sys.stderr)
+
+
+class _TheChecksWarnings(logging.Handler):
+    """The library's warnings while the command checks for work, before Prefect's console
+    exists: on stderr as `goodput: warning: ...`, and remembered (`said`). Where the flow then
+    runs, its tasks make the same checks and warn again: the console does not show those
+    repeats (_EachErrorOnceOnTheConsole); the flow run's log has them. A folder with a
+    test.jsonl in it was said twice, once as a bare line."""
+
+    LOGGERS = ("goodput", "storage")  # the library loggers the checks log to
+    said: set[str] = set()
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        self.said.add(message)
+        print(f"goodput: {record.levelname.lower()}: {message}", file=sys.stderr)
+
+
+@contextmanager
+def _the_checks_warnings() -> Iterator[None]:
+    handler = _TheChecksWarnings()
+    loggers = [logging.getLogger(name) for name in _TheChecksWarnings.LOGGERS]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
 
 
 class _CtrlCStopsTraining:
@@ -683,7 +716,8 @@ class _EachErrorOnceOnTheConsole(logging.Filter):
     """The terminal shows an error where it happened (the task run, or the flow run that
     raised it), not again as each flow run around it fails: a pipeline's DataError was
     printed 7 times, each 200 characters or more. The flow runs' own logs (the UI) keep
-    theirs; task runs' lines all show (a retry's error may read as the last one did)."""
+    theirs; task runs' lines all show (a retry's error may read as the last one did). Nor
+    does it show again a warning that the command's check printed (_TheChecksWarnings)."""
 
     KEPT = 80  # characters of an error's text that identify it
 
@@ -693,7 +727,7 @@ class _EachErrorOnceOnTheConsole(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         if not record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
-            return True
+            return record.levelno < logging.WARNING or record.getMessage() not in _TheChecksWarnings.said
         message = record.getMessage()
         if record.name.startswith("prefect.flow_runs") and any(t in message for t in self.shown):
             return False

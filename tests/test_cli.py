@@ -460,6 +460,25 @@ def test_a_store_that_cannot_be_reached_stops_the_command_before_any_flow_run(tm
     assert not (tmp_path / "prefect-home").exists()  # no flow run: the temporary server never served
 
 
+def test_a_warning_of_the_commands_check_is_not_shown_again_by_its_flow(tmp_path):
+    """The check for work to do lists the sources, as the flow's plan task does after it: a
+    folder with a test.jsonl was warned about twice on the console, once as a bare line."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for name in ("train.jsonl", "test.jsonl"):
+        (corpus / name).write_text("".join(json.dumps({"text": f"document {i} of {name}"}) + "\n"
+                                           for i in range(200)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "prepare", *small_overrides(tmp_path),
+                           f"data.source={corpus}"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    warned = [line for line in proc.stderr.splitlines() if "test.jsonl included" in line]
+    assert len(warned) == 1 and warned[0].startswith("goodput: warning: "), warned
+    assert "Beginning flow run" in proc.stderr  # the flow ran, and made the same check
+
+
 def test_a_prefect_server_that_cannot_be_reached_is_named_with_what_to_do(tmp_path):
     from infra.launchers import free_port
 
