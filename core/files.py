@@ -9,7 +9,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -109,11 +109,17 @@ def delete_folder_unless_read(path: str | os.PathLike) -> bool:
 
 
 @contextmanager
-def exclusive_lock(path: str | os.PathLike) -> Iterator[None]:
+def exclusive_lock(path: str | os.PathLike, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
     """Hold an exclusive flock on the file `path` (created with its folder). Per open file, so
-    threads of one process exclude each other as processes do."""
+    threads of one process exclude each other as processes do. `on_wait` is called once if
+    another holds it, before this waits for it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with open(path, "a") as lock:  # not "w": taking the lock leaves the file as it was
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if on_wait is not None:
+                on_wait()
+            fcntl.flock(lock, fcntl.LOCK_EX)
         yield

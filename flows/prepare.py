@@ -9,6 +9,7 @@ Ray cluster, writing it straight to the store.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 
 from prefect import flow, get_run_logger
 from prefect.futures import as_completed
@@ -20,6 +21,7 @@ from goodput.data.prepare import (
     UnitResult,
     WorkUnit,
     mix_tokenizer_from,
+    one_prepare_at_a_time,
     require_sources,
 )
 from storage.manifests import DatasetManifest, MixtureManifest
@@ -82,34 +84,38 @@ def prepare_source(config: RunConfig, tokenizer_from: str | None = None,
         logger.info("dataset %s from %s (%d files)", plan.dataset_id, plan.source, len(plan.files))
     to_store = config.prepare.runner == "ray"  # a cluster's machines share the store, not a disk
     found, tokenize_s, workers = find_prepared(plan, config.storage), None, None
-    if found is not None:
-        manifest, where = found
-        # Checked where it lies: a dataset in the store is not downloaded (training streams it).
-        logger.info("dataset %s is already prepared in %s (%s): nothing to tokenize",
-                    plan.dataset_id, where, "from the same listing and settings" if plan.files
-                    else "found by the data settings it was prepared with")
-    else:
-        require_sources(plan)
-        units = plan_units(plan, config)
-        tokenizer_path = build_tokenizer(plan, config, units, to_store)
-        tokenizing_since = time.time()
-        with api_shared_with_unit_processes() as api_url:
-            # Outside the try: a runner that cannot start (no Ray there) tokenized nothing.
-            runner = unit_runner(config.prepare, len(units), api_url, config.storage.uri)
-            try:
-                results = tokenize_units.with_options(task_runner=runner)(plan, units, config, to_store)
-            except BaseException:
-                logger.warning("the finished units of dataset %s stay in %s: a rerun with the "
-                               "same sources and settings redoes only the others. If you change "
-                               "them (a fixed file, other settings), that is another dataset: "
-                               "delete this one",
-                               plan.dataset_id, plan.store_key("") if to_store else plan.dir)
-                raise
-        tokenize_s = time.time() - tokenizing_since
-        workers = sorted({result.worker for result in results})
-        manifest = write_manifest(plan, results, tokenizer_path, config.storage if to_store else None)
-    # Also when found: a dataset prepared here while the store was down still gets uploaded.
-    published = publish(plan, manifest, config.storage)
+    # Two prepares of one dataset at once (a pipeline triggered twice): the second waits.
+    with one_prepare_at_a_time(plan) if found is None else nullcontext(False) as waited:
+        if waited:  # the other prepare had it: it is prepared now, unless that one failed
+            found = find_prepared(plan, config.storage)
+        if found is not None:
+            manifest, where = found
+            # Checked where it lies: a dataset in the store is not downloaded (training streams it).
+            logger.info("dataset %s is already prepared in %s (%s): nothing to tokenize",
+                        plan.dataset_id, where, "from the same listing and settings" if plan.files
+                        else "found by the data settings it was prepared with")
+        else:
+            require_sources(plan)
+            units = plan_units(plan, config)
+            tokenizer_path = build_tokenizer(plan, config, units, to_store)
+            tokenizing_since = time.time()
+            with api_shared_with_unit_processes() as api_url:
+                # Outside the try: a runner that cannot start (no Ray there) tokenized nothing.
+                runner = unit_runner(config.prepare, len(units), api_url, config.storage.uri)
+                try:
+                    results = tokenize_units.with_options(task_runner=runner)(plan, units, config, to_store)
+                except BaseException:
+                    logger.warning("the finished units of dataset %s stay in %s: a rerun with the "
+                                   "same sources and settings redoes only the others. If you change "
+                                   "them (a fixed file, other settings), that is another dataset: "
+                                   "delete this one",
+                                   plan.dataset_id, plan.store_key("") if to_store else plan.dir)
+                    raise
+            tokenize_s = time.time() - tokenizing_since
+            workers = sorted({result.worker for result in results})
+            manifest = write_manifest(plan, results, tokenizer_path, config.storage if to_store else None)
+        # Also when found: a dataset prepared here while the store was down still gets uploaded.
+        published = publish(plan, manifest, config.storage)
     logger.info("dataset %s: %d train tokens in %d shards, %d validation tokens (%s); "
                 "%d records without text dropped, %d bad records skipped; in the store at %s",
                 manifest.dataset_id, manifest.n_tokens("train"), len(manifest.splits["train"]),

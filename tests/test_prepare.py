@@ -1112,3 +1112,33 @@ def test_the_install_hints_for_extras_name_this_checkout_not_a_package_on_pypi()
     for path in ("tasks/prepare.py", "core/config.py"):
         source = (REPO / path).read_text()
         assert "goodput[" not in source, path
+
+
+def test_two_prepares_of_one_dataset_at_once_tokenize_it_once(tmp_path, monkeypatch, caplog):
+    """A second prepare of a dataset being prepared waits for the first (the dataset's lock in
+    data.data_dir), then finds it prepared: eight pipelines triggered together each tokenized
+    the whole corpus."""
+    import threading
+    import time
+
+    config = make_config(tmp_path)
+    tokenized = []
+    tokenize_unit = prep.tokenize_unit
+
+    def slow_tokenize_unit(*args, **kwargs):
+        tokenized.append(args[1])
+        time.sleep(0.5)  # the second prepare starts while the first tokenizes
+        return tokenize_unit(*args, **kwargs)
+
+    monkeypatch.setattr(prep, "tokenize_unit", slow_tokenize_unit)
+    manifests = []
+    with caplog.at_level(logging.INFO, logger="goodput.data.prepare"):
+        first = threading.Thread(target=lambda: manifests.append(prep.prepare_dataset(config)))
+        first.start()
+        wait_for(lambda: tokenized, 60, "a unit tokenized", every_s=0.05)
+        manifests.append(prep.prepare_dataset(config))
+        first.join()
+    units = prep.plan_units(prep.plan_dataset(config), config)
+    assert len(tokenized) == len(units)  # once, by the first
+    assert manifests[0] == manifests[1]
+    assert "is being prepared by another process" in caplog.text

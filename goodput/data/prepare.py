@@ -37,6 +37,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +47,7 @@ from tokenizers import Tokenizer
 
 from core.config import SINGLE_SOURCE, DataConfig, RunConfig, SourceConfig, StorageConfig, parse_bytes
 from core.errors import ConfigError, DataError
-from core.files import canonical_json, sha256_bytes, sha256_file, write_atomic
+from core.files import canonical_json, exclusive_lock, sha256_bytes, sha256_file, write_atomic
 from core.hf_llama import given_tokenizer_file
 from goodput.data.corpus import BUILTIN, build_builtin_corpus, builtin_description
 from goodput.data.sources import (
@@ -357,6 +358,26 @@ def require_sources(plan: DatasetPlan) -> None:
                         f"before, is neither in {plan.dir} nor in the store any more: make the "
                         "sources reachable from this machine, or point storage.uri at the "
                         "store that holds the dataset")
+
+
+@contextmanager
+def one_prepare_at_a_time(plan: DatasetPlan) -> Iterator[bool]:
+    """Hold the dataset's lock (`<data_dir>/.<dataset_id>.lock`) while it is prepared and
+    published; yields whether another prepare held it first (this one waited for it: look
+    for the dataset again). Another prepare of the same dataset on this machine, or on a
+    filesystem it shares, waits for this one. Eight pipelines triggered together each
+    tokenized the whole corpus, the same files written eight times over. Taken only where
+    the dataset was not found prepared: a prepare with nothing to do writes nothing."""
+    waited = []
+
+    def say_waiting() -> None:
+        waited.append(True)
+        log.info("dataset %s is being prepared by another process (lock %s): waiting for it",
+                 plan.dataset_id, lock)
+
+    lock = plan.dir.with_name(f".{plan.dataset_id}.lock")
+    with exclusive_lock(lock, on_wait=say_waiting):
+        yield bool(waited)
 
 
 def find_prepared(plan: DatasetPlan, store: Store, listing: bool = False) -> DatasetManifest | None:
@@ -1029,12 +1050,15 @@ def prepare_dataset(config: RunConfig) -> DatasetManifest | MixtureManifest:
     for source, plan in mix_plans(config, store):
         source_config = config.source_config(source)
         manifest = find_prepared(plan, store, listing=True)
-        if manifest is None:
-            require_sources(plan)
-            units = plan_units(plan, source_config)
-            tokenizer_path = build_tokenizer(plan, source_config, units)
-            results = [tokenize_unit(plan, unit, source_config.data, config.storage) for unit in units]
-            manifest = write_manifest(plan, results, tokenizer_path)
-        publish(plan, manifest, store)
+        with one_prepare_at_a_time(plan) if manifest is None else nullcontext(False) as waited:
+            if waited:  # another prepare had the dataset: prepared it, or failed
+                manifest = find_prepared(plan, store, listing=True)
+            if manifest is None:
+                require_sources(plan)
+                units = plan_units(plan, source_config)
+                tokenizer_path = build_tokenizer(plan, source_config, units)
+                results = [tokenize_unit(plan, unit, source_config.data, config.storage) for unit in units]
+                manifest = write_manifest(plan, results, tokenizer_path)
+            publish(plan, manifest, store)
         prepared.append((source, manifest))
     return prepared[0][1] if not config.data.sources else mixture_manifest(prepared)
