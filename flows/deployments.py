@@ -50,35 +50,67 @@ def enter_repository() -> dict[str, str]:
     The repository is $GOODPUT_REPO where the worker sets it (the Kubernetes job variables
     do), else the one the installed `flows` package lives in (this file's). Prefect's own
     step, given "{{ $GOODPUT_REPO }}" from a worker without it, entered "" without a word
-    and the flow run failed later on a file it could not find.
+    and the flow run failed later on a file it could not find. Neither found: the flow run
+    fails with the reason, in its log and its state (`_fail_the_flow_run`).
     """
+    try:
+        repo = _repository_to_enter()
+    except ConfigError as e:
+        _fail_the_flow_run(str(e))
+        raise
+    os.chdir(repo)
+    return {"directory": os.getcwd()}
+
+
+def _repository_to_enter() -> Path:
     named = os.environ.get(REPO_VARIABLE, "").strip()
-    if named:
-        repo = Path(named).expanduser().absolute()
-        if not _is_goodput_repository(repo):
-            raise ConfigError(
-                f"{REPO_VARIABLE}={named} is not a Goodput repository (it needs prefect.yaml "
-                f"and flows/): set {REPO_VARIABLE} on the worker (or in the work pool's job "
-                "variables, env) to the directory of this repository, or unset it to use the "
-                f"one the installed flows package lives in ({Path(__file__).parents[1]})")
-        installed = Path(__file__).resolve().parents[1]
-        if _is_goodput_repository(installed) and installed != repo.resolve():
-            # The flow's file would load from one checkout, everything it imports (already
-            # imported by this step) from the other.
-            raise ConfigError(
-                f"{REPO_VARIABLE}={named} is another checkout than the one this worker's Python "
-                f"runs ({installed}): its flows would run with that checkout's code. Start the "
-                f"worker with {repo}'s .venv, or unset {REPO_VARIABLE}")
-    else:
-        repo = Path(__file__).resolve().parents[1]
-        if not _is_goodput_repository(repo):
+    installed = Path(__file__).resolve().parents[1]
+    if not named:
+        if not _is_goodput_repository(installed):
             raise ConfigError(
                 f"{REPO_VARIABLE} is not set on this worker and the installed flows package "
                 f"({Path(__file__).parent}) is not in a Goodput repository (no prefect.yaml in "
-                f"{repo}): set {REPO_VARIABLE} in the worker's environment (or the work pool's "
-                "job variables, env) to the repository's directory")
-    os.chdir(repo)
-    return {"directory": os.getcwd()}
+                f"{installed}): set {REPO_VARIABLE} in the worker's environment (or the work "
+                "pool's job variables, env) to the repository's directory")
+        return installed
+    repo = Path(named).expanduser().absolute()
+    if not _is_goodput_repository(repo):
+        raise ConfigError(
+            f"{REPO_VARIABLE}={named} is not a Goodput repository (it needs prefect.yaml "
+            f"and flows/): set {REPO_VARIABLE} on the worker (or in the work pool's job "
+            "variables, env) to the directory of this repository, or unset it to use the "
+            f"one the installed flows package lives in ({Path(__file__).parents[1]})")
+    if _is_goodput_repository(installed) and installed != repo.resolve():
+        # The flow's file would load from one checkout, everything it imports (already
+        # imported by this step) from the other.
+        raise ConfigError(
+            f"{REPO_VARIABLE}={named} is another checkout than the one this worker's Python "
+            f"runs ({installed}): its flows would run with that checkout's code. Start the "
+            f"worker with {repo}'s .venv, or unset {REPO_VARIABLE}")
+    return repo
+
+
+def _fail_the_flow_run(reason: str) -> None:
+    """Say `reason` in the log of the flow run this pull step runs for, and end it Failed
+    with it. Raised alone, it reached neither: the flow run's process printed it where no
+    one reads (stream_output: false) and exited, and the worker reported the run Crashed,
+    "Process exited with status code: 1", naming no cause."""
+    flow_run_id = os.environ.get("PREFECT__FLOW_RUN_ID")
+    if not flow_run_id:  # the step run outside a flow run (a test, by hand)
+        return
+    from datetime import datetime, timezone
+    from logging import ERROR
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import LogCreate
+    from prefect.states import Failed
+
+    with get_client(sync_client=True) as client:
+        client.create_logs([LogCreate(name="goodput.deployments", level=ERROR, message=reason,
+                                      timestamp=datetime.now(timezone.utc),
+                                      flow_run_id=flow_run_id)])
+        # Final: the worker's Crashed, proposed when the process exits, is then refused.
+        client.set_flow_run_state(flow_run_id, Failed(message=reason), force=True)
 
 
 def _is_goodput_repository(directory: Path) -> bool:

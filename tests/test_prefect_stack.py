@@ -222,6 +222,30 @@ def test_a_worker_without_goodput_repo_runs_flows_in_the_installed_repository(
         stack.start_worker()
 
 
+def test_a_worker_whose_goodput_repo_is_wrong_fails_its_flow_runs_saying_why(stack, api, workdir, tmp_path):
+    """GOODPUT_REPO naming no repository: the flow run ends Failed with the reason in its
+    state and its log. The pull step's error went to the flow run's own output, which no one
+    reads (stream_output: false): the run was Crashed, "Process exited with status code: 1"."""
+    env = stack._env(PREFECT_WORKER_QUERY_SECONDS="1", GOODPUT_REPO=str(tmp_path))
+    stack.kill_worker()  # so that this worker takes the run
+    with open(tmp_path / "worker.log", "wb") as log:
+        worker = subprocess.Popen([_prefect(), "worker", "start", "--pool", stack.pool,
+                                   "--type", "process"], env=env, cwd=tmp_path,
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        run = api.trigger("prepare/goodput-prepare", {"config": form(workdir, "run.run_id=prepare")})
+        finished = api.wait_final(run, 300)
+        reason = f"GOODPUT_REPO={tmp_path} is not a Goodput repository (it needs prefect.yaml and flows/)"
+        assert finished["state"]["type"] == "FAILED", (
+            finished["state"], (tmp_path / "worker.log").read_text()[-3000:])
+        assert reason in finished["state"]["message"]
+        assert any(reason in log["message"] for log in api.logs(run))
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        stack.start_worker()
+
+
 # -- load -------------------------------------------------------------------------------------
 
 @pytest.mark.slow  # about 5 min on 2 cores; benchmarks/orchestrator_bench.py runs the same load and counts
