@@ -1048,7 +1048,8 @@ class SshLaunch(_Section):
 class SlurmLaunch(_Section):
     partition: str | None = Field(None, description="sbatch --partition")
     account: str | None = Field(None, description="sbatch --account")
-    time: str = Field("24:00:00", description="sbatch --time: the job's wall-clock limit.")
+    time: str = Field("24:00:00", description="sbatch --time: the job's wall-clock limit, as sbatch "
+                      "takes it: minutes (30), hours:minutes:seconds, days-hours[:minutes].")
     gpus_per_node: int | None = Field(None, ge=1, description="sbatch --gpus-per-node; None "
                                                               "requests no GPUs.")
     cpus_per_node: int | None = Field(None, ge=1, description="sbatch --cpus-per-task (one "
@@ -1058,6 +1059,25 @@ class SlurmLaunch(_Section):
                                                 "e.g. '--qos=high' or '--exclusive'.")
     setup: list[str] = Field(default_factory=list,
                              description="Shell lines run before srun, e.g. 'module load cuda'.")
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _time_as_sbatch_reads_it(cls, value):
+        """sbatch's forms: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+        days-hours:minutes, days-hours:minutes:seconds, or UNLIMITED. A number is minutes, as
+        sbatch reads it (`time: 30` in YAML, `launch.slurm.time=30`); anything else sbatch
+        refused only once the job was submitted."""
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:  # 0: none
+            return str(value)
+        if isinstance(value, str) and (_SLURM_TIME.fullmatch(value.strip())
+                                       or value.strip().upper() in ("UNLIMITED", "INFINITE")):
+            return value.strip()
+        raise ValueError(f"{value!r} is not a Slurm time limit: write minutes (30), "
+                         "hours:minutes:seconds ('4:00:00') or days-hours[:minutes] ('2-12'), as "
+                         "sbatch --time takes it")
+
+
+_SLURM_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}")
 
 
 class KubernetesLaunch(_Section):
@@ -1345,6 +1365,20 @@ class RunConfig(_Section):
                 raise ValueError(f"layout {dims.name} on {nodes} node(s): "
                                  + "; ".join(map(str, problems)))
         return dims, accum
+
+    @model_validator(mode="after")
+    def _one_worker_per_gpu(self) -> "RunConfig":
+        """The GPUs a node gets from the scheduler are its workers', one each: 4 requested for
+        2 workers left two idle (and billed); 2 for 4 workers put two on one GPU."""
+        kind = self.launch.kind
+        gpus = getattr(getattr(self.launch, kind, None), "gpus_per_node", None)
+        workers = self.parallelism.nproc_per_node
+        if gpus and gpus != workers:
+            raise ValueError(
+                f"launch.{kind}.gpus_per_node={gpus} but parallelism.nproc_per_node={workers}: "
+                f"each node runs one worker per GPU; set parallelism.nproc_per_node={gpus} (or "
+                f"launch.{kind}.gpus_per_node={workers})")
+        return self
 
     @model_validator(mode="after")
     def _best_metric_is_scored(self) -> "RunConfig":

@@ -489,6 +489,18 @@ SLURM_UNREACHABLE = re.compile(
               "Unable to establish control machine address", "Unable to resolve",
               "connect failure", "Connection refused", "timed out", "Zero Bytes were transmitted",
               "Communication connection failure"]), re.IGNORECASE)
+# sbatch finding no slurm.conf (none at SLURM_CONF or its default place) and no controller
+# announced in DNS (configless Slurm): a shell or worker without the cluster's configuration.
+NO_SLURM_CONF = re.compile("resolve_ctls_from_dns_srv|DNS SRV lookup failed|"
+                           "Could not establish a configuration source", re.IGNORECASE)
+# Where sbatch looks when SLURM_CONF is not set: Slurm's default (Debian's, and the upstream
+# build's), and what slurmd keeps on a configless cluster's nodes.
+DEFAULT_SLURM_CONFS = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf",
+                       "/usr/local/etc/slurm.conf", "/run/slurm/conf/slurm.conf")
+
+
+def _no_slurm_conf_here() -> bool:
+    return not os.environ.get("SLURM_CONF") and not any(map(os.path.exists, DEFAULT_SLURM_CONFS))
 
 # A refusal's words, and the settings that make the option it refuses.
 SLURM_REFUSALS = [
@@ -587,7 +599,7 @@ def slurm_time_s(text: str) -> int | None:
         hours, (minutes, seconds) = 0, parts
     else:
         hours, minutes, seconds = 0, parts[0], 0
-    return ((days_n * 24 + hours) * 60 + minutes) * 60 + seconds
+    return ((days_n * 24 + hours) * 60 + minutes) * 60 + seconds or None  # 0: no limit
 
 
 # The least time sbatch is given, also on the last try within launch.scheduler_unreachable_s:
@@ -737,6 +749,12 @@ class SlurmLauncher(SchedulerJob):
                 error = re.split(r" failed \(-?\d+\): ", str(e), maxsplit=1)[-1]  # sbatch's words
                 if not SLURM_UNREACHABLE.search(error):
                     raise SubmitRefused(self._refusal(error, script)) from None
+                if NO_SLURM_CONF.search(error) and _no_slurm_conf_here():
+                    # Nothing to wait for: no configuration here, none in DNS. Retried, a
+                    # shell without SLURM_CONF took launch.scheduler_unreachable_s to fail.
+                    raise SubmitRefused(self._no_controller(
+                        "sbatch found no Slurm configuration here (no SLURM_CONF, no slurm.conf "
+                        f"at {', '.join(DEFAULT_SLURM_CONFS)}, no controller in DNS)", error)) from None
             maybe_taken = maybe_taken or "timed out" in error or "no answer" in error
             waited = time.monotonic() - started
             if waited + delay > limit:
@@ -745,22 +763,24 @@ class SlurmLauncher(SchedulerJob):
                               "lost: using it")
                     return known
                 self._withdraw(maybe_taken)
-                conf = os.environ.get("SLURM_CONF")
-                raise SubmitRefused(
+                raise SubmitRefused(self._no_controller(
                     f"sbatch found or reached no Slurm controller in {tries} tries over "
-                    f"{waited:.0f}s (launch.scheduler_unreachable_s={limit:g}): the job was not "
-                    "submitted. "
-                    "Check: " + (f"SLURM_CONF={conf} is this cluster's slurm.conf" if conf else
-                                 "SLURM_CONF is exported in the shell or worker that runs the "
-                                 "flow (it is not set here), or slurm.conf is at its default "
-                                 "place")
-                    + "; slurmctld runs and its host and port (SlurmctldHost, SlurmctldPort) "
-                    f"are reachable from this host (`sinfo` says so). sbatch said: {error}")
+                    f"{waited:.0f}s (launch.scheduler_unreachable_s={limit:g})", error))
             self._log(f"no Slurm controller to submit to ({waited:.0f}s so far; giving up after "
                       f"{limit:g}s, launch.scheduler_unreachable_s): submitting again in "
                       f"{delay:g}s. {error}")
             self.stop_asked.wait(delay)  # the loop's top ends the submit once it is set
             delay = min(2 * delay, 60.0)
+
+    @staticmethod
+    def _no_controller(what: str, error: str) -> str:
+        conf = os.environ.get("SLURM_CONF")
+        return (f"{what}: the job was not submitted. Check: "
+                + (f"SLURM_CONF={conf} is this cluster's slurm.conf" if conf else
+                   "SLURM_CONF is exported in the shell or worker that runs the flow (it is not "
+                   "set here), or slurm.conf is at its default place")
+                + "; slurmctld runs and its host and port (SlurmctldHost, SlurmctldPort) are "
+                f"reachable from this host (`sinfo` says so). sbatch said: {error}")
 
     def _withdraw(self, maybe_taken: bool) -> None:
         """Cancel, by its name, a job a submission that went unanswered may have queued, so

@@ -718,7 +718,9 @@ def classify(run_dir, attempt: str, returncode: int, hung: bool, wall: float,
             return result(failure, reason)
     if scheduler_state in SCHEDULER_ENDINGS:
         return result(*SCHEDULER_ENDINGS[scheduler_state])
-    if scheduler_state == "CANCELLED" and not records:  # (one cancelled mid-run: preempted)
-        return result(FailureClass.CANCELLED, "the scheduler's job was cancelled before any "
-                      "worker ran (scancel, or an administrator): not retried")
+    if scheduler_state == "CANCELLED":  # preemption is PREEMPTED; this was scancel
+        return result(FailureClass.CANCELLED, (
+            "the scheduler's job was cancelled (scancel, by its owner or an administrator)"
+            + (" before any worker ran" if not records else
+               ", the workers saving an emergency checkpoint first") + ": not retried"))
     return result(FailureClass.RETRYABLE, crash_reason(records, list(worker_failures), returncode))

@@ -376,3 +376,31 @@ def test_a_config_directory_is_named_as_one(tmp_path):
         load_config("configs")
     assert "configs is a directory" in str(err.value) and "not found" not in str(err.value)
     assert "give a YAML file in it" in str(err.value) and "configs/tiny.yaml" in str(err.value)
+
+
+def test_a_slurm_time_limit_is_taken_in_sbatch_forms_and_refused_in_others(tmp_path):
+    """`time: 30` is 30 minutes to sbatch (it was refused: "Input should be a valid string");
+    a form sbatch refuses was found only when the job was submitted."""
+    config = tmp_path / "slurm.yaml"
+    config.write_text("launch:\n  kind: slurm\n  slurm:\n    time: 30\n")
+    assert load_config(config).launch.slurm.time == "30"
+    for given in ("1:00:00", "2-12", "2-12:30:00", "45:00", "UNLIMITED", "0"):
+        assert load_config(None, [f"launch.slurm.time={given}"]).launch.slurm.time == given
+    with pytest.raises(ConfigError, match=r"launch.slurm.time: 'banana' is not a Slurm time limit: "
+                                          r"write minutes \(30\), hours:minutes:seconds"):
+        load_config(None, ["launch.slurm.time=banana"])
+
+
+@pytest.mark.parametrize("kind", ["slurm", "kubernetes"])
+def test_the_gpus_a_node_requests_are_its_workers(kind):
+    """4 GPUs requested for 2 workers per node left two idle, without a word."""
+    where = [f"launch.kind={kind}"] + ([
+        "launch.kubernetes.image=goodput:1", "launch.kubernetes.volume_claim=runs",
+        "run.runs_dir=/goodput/runs", "data.data_dir=/goodput/data"] if kind == "kubernetes" else [])
+    with pytest.raises(ConfigError, match=rf"launch.{kind}.gpus_per_node=4 but "
+                                          r"parallelism.nproc_per_node=2: each node runs one "
+                                          r"worker per GPU; set parallelism.nproc_per_node=4"):
+        load_config(None, [*where, f"launch.{kind}.gpus_per_node=4"])
+    assert load_config(None, [*where, f"launch.{kind}.gpus_per_node=2"])
+    # Not launched there: the section's GPUs are not asked for.
+    assert load_config(None, [f"launch.{kind}.gpus_per_node=4"]).launch.kind == "local"

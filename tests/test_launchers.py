@@ -404,7 +404,7 @@ def test_ssh_config_needs_one_host_per_node(tmp_path):
 # -- slurm -------------------------------------------------------------------------------------------
 
 SLURM = ("launch.kind=slurm", "launch.slurm.partition=gpu", "launch.slurm.account=proj7",
-         "launch.slurm.time=02:00:00", "launch.slurm.gpus_per_node=8", "launch.slurm.cpus_per_node=96",
+         "launch.slurm.time=02:00:00", "launch.slurm.gpus_per_node=1", "launch.slurm.cpus_per_node=96",
          "launch.slurm.extra_sbatch=[--exclusive, --qos=high]",
          "launch.slurm.setup=[export FAKE_SETUP_RAN=1]")
 
@@ -419,7 +419,7 @@ def test_slurm_script(tmp_path, fakes):
         "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --time=02:00:00",
         "#SBATCH --no-requeue", f"#SBATCH --signal=TERM@{int(config.faults.emergency_save_s) + 60}",
         "#SBATCH --partition=gpu", "#SBATCH --account=proj7",
-        "#SBATCH --gpus-per-node=8", "#SBATCH --cpus-per-task=96", "#SBATCH --exclusive",
+        "#SBATCH --gpus-per-node=1", "#SBATCH --cpus-per-task=96", "#SBATCH --exclusive",
         "#SBATCH --qos=high"]
     # The workers are told before the time limit, with time for an emergency checkpoint; a
     # limit too short for that leaves it at Slurm's own signal at the limit.
@@ -511,10 +511,15 @@ def test_why_a_slurm_job_waits_is_logged_and_a_job_cancelled_before_it_ran_is_no
     cancelled = classify(tmp_path, "c-1", 143, hung=False, wall=1.0, scheduler_state="CANCELLED")
     assert cancelled.failure_class == FailureClass.CANCELLED
     assert "cancelled before any worker ran" in cancelled.reason
-    # Cancelled while training: the workers' emergency save tells it (preempted, retried).
+    # Cancelled while training (scancel: preemption ends a job PREEMPTED): the workers saved
+    # an emergency checkpoint on its SIGTERM, and the run stops there. It was retried, as a
+    # preemption: `scancel` could not stop a run.
     write_exit_record(tmp_path, "c-2", 0, FailureClass.RETRYABLE, "preempted: emergency checkpoint", 9)
+    scancelled = classify(tmp_path, "c-2", 143, hung=False, wall=1.0, scheduler_state="CANCELLED")
+    assert scancelled.failure_class == FailureClass.CANCELLED
+    assert "the workers saving an emergency checkpoint first: not retried" in scancelled.reason
     assert classify(tmp_path, "c-2", 143, hung=False, wall=1.0,
-                    scheduler_state="CANCELLED").failure_class == FailureClass.RETRYABLE
+                    scheduler_state="PREEMPTED").failure_class == FailureClass.RETRYABLE
 
 
 def test_a_slurm_job_still_queued_is_cancelled_at_once(tmp_path, fakes, monkeypatch):
@@ -577,7 +582,7 @@ def test_a_failing_scheduler_query_is_retried_at_the_next_poll(tmp_path, fakes, 
 # -- kubernetes --------------------------------------------------------------------------------------
 
 K8S = ("launch.kind=kubernetes", "launch.kubernetes.image=registry.example/goodput:1.0",
-       "launch.kubernetes.namespace=ml", "launch.kubernetes.gpus_per_node=8",
+       "launch.kubernetes.namespace=ml", "launch.kubernetes.gpus_per_node=1",
        "launch.kubernetes.volume_claim=shared-runs")
 
 
@@ -609,7 +614,7 @@ def test_jobset_manifest(tmp_path, fakes):
     pod = job["template"]["spec"]
     [container] = pod["containers"]
     assert container["image"] == "registry.example/goodput:1.0"
-    assert container["resources"] == {"limits": {"nvidia.com/gpu": 8}}
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 1}}
     assert container["volumeMounts"] == [{"name": "dshm", "mountPath": "/dev/shm"},
                                          {"name": "shared", "mountPath": str(tmp_path)}]
     assert pod["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}},
@@ -642,7 +647,7 @@ def test_kubernetes_pods_land_on_a_gpu_pool_and_share_the_run(tmp_path, fakes):
     assert pod["nodeSelector"] == {"pool": "h100"}
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["containers"][0]["resources"] == {
-        "limits": {"nvidia.com/gpu": 8, "cpu": 96, "memory": "1800Gi"},
+        "limits": {"nvidia.com/gpu": 1, "cpu": 96, "memory": "1800Gi"},
         "requests": {"cpu": 96, "memory": "1800Gi"}}
     with pytest.raises(ConfigError, match="needs launch.kubernetes.volume_claim"):
         small_config(tmp_path, "launch.kind=kubernetes", "launch.kubernetes.image=x")
