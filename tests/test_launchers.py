@@ -510,7 +510,7 @@ def test_why_a_slurm_job_waits_is_logged_and_a_job_cancelled_before_it_ran_is_no
 
     cancelled = classify(tmp_path, "c-1", 143, hung=False, wall=1.0, scheduler_state="CANCELLED")
     assert cancelled.failure_class == FailureClass.CANCELLED
-    assert "cancelled before any worker ran" in cancelled.reason
+    assert "administrator) before any worker ran: not retried" in cancelled.reason
     # Cancelled while training (scancel: preemption ends a job PREEMPTED): the workers saved
     # an emergency checkpoint on its SIGTERM, and the run stops there. It was retried, as a
     # preemption: `scancel` could not stop a run.
