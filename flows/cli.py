@@ -281,7 +281,10 @@ def _server(args: argparse.Namespace) -> int:
               "(Debian: apt-get install postgresql)", file=sys.stderr)
         return 2
     stack = PrefectStack(args.dir, host=args.host, port=args.port, worker=not args.no_worker)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # stop as on Ctrl-C
+    # Stop as on Ctrl-C: on SIGTERM, and on SIGINT also where the shell started this in the
+    # background (`goodput server &`), which ignores SIGINT: `kill -INT` left it running.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         stack.start()
         auth_file = stack.directory / "api-auth-string"

@@ -412,3 +412,34 @@ def _unix(stamp: str) -> float:
     from datetime import datetime
 
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def test_goodput_server_started_in_the_background_stops_on_sigint(tmp_path_factory):
+    """A shell starts `goodput server &` with SIGINT ignored: `kill -INT` left the whole stack
+    running (only SIGTERM stopped it). It now stops on either, as on Ctrl-C."""
+    if missing_postgres():
+        pytest.skip("PostgreSQL not installed")
+    directory = tempfile.mkdtemp(prefix="goodput-stack-sigint-")
+    try:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "server", "--dir", directory, "--port",
+             str(free_port()), "--no-worker"], cwd=REPO, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as `&` leaves it
+        lines = []
+        for line in server.stdout:  # until it says it is up
+            lines.append(line)
+            if line.startswith("Prefect server on PostgreSQL"):
+                break
+        assert server.poll() is None, "".join(lines)
+        server.send_signal(signal.SIGINT)
+        out, _ = server.communicate(timeout=120)
+        assert server.returncode == 0, "".join(lines) + out
+        assert not psutil.pid_exists(server.pid)
+        assert [p for p in psutil.process_iter(["cmdline"])
+                if directory in " ".join(p.info["cmdline"] or [])] == []  # PostgreSQL too
+    finally:
+        if server.poll() is None:  # SIGINT unanswered: the stack stops on SIGTERM
+            server.terminate()
+            server.wait(timeout=120)
+        shutil.rmtree(directory, ignore_errors=True)
