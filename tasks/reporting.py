@@ -205,13 +205,18 @@ _WORKER_PREFIX = re.compile(r"^\[(?P<node>[^\]\s]+) rank(?P<rank>\d+)\] ")
 def worker_log(log: Callable[[str], None], ranks: WorkerLogs = "rank0") -> Callable[[str], None]:
     """A line sink for the supervisor: keeps global rank 0's lines, or every rank's.
 
-    Lines without a worker prefix (the launcher's and torchrun's own) always pass.
+    Lines without a worker prefix (the launcher's and torchrun's own) always pass. The
+    profiler's trace markers (kineto's "USDT: ... profiler_start" at each window) do not:
+    they say nothing rank 0's "profile of steps ..." line does not.
     """
     def sink(line: str) -> None:
         match = _WORKER_PREFIX.match(line)
-        if ranks == "all" or match is None or match["rank"] == "0":
+        if (ranks == "all" or match is None or match["rank"] == "0") and not _PROFILER_MARKER.search(line):
             log(line)
     return sink
+
+
+_PROFILER_MARKER = re.compile(r"USDT:.*ActivityProfilerHandler\.cpp:\d+\] profiler_(start|stop)$")
 
 
 # -- the report after training ---------------------------------------------------------------

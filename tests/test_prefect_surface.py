@@ -320,7 +320,10 @@ def test_worker_logs_keep_rank_0_by_default():
     kept = []
     sink = worker_log(kept.append)
     for line in ["launch attempt x: torchrun ...", "[node0 rank0] [train] step 1",
-                 "[node0 rank1] [train] step 1", "[node1 rank2] boom", "[node1 rank0x] odd"]:
+                 "[node0 rank1] [train] step 1", "[node1 rank2] boom", "[node1 rank0x] odd",
+                 # kineto's marker at each profile window, as a profiled run printed it
+                 "[node0 rank0] USDT:2026-11-30 07:55:50 4898:4898 "
+                 "SyncActivityProfilerHandler.cpp:52] profiler_start"]:
         sink(line)
     assert kept == ["launch attempt x: torchrun ...", "[node0 rank0] [train] step 1",
                     "[node1 rank0x] odd"]

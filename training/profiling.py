@@ -18,6 +18,7 @@ their step times in metrics.jsonl are not the run's speed.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +30,10 @@ from training.logs import get_logger
 
 log = get_logger("profile")
 TOP_ROWS = 40  # rows of the table; the log names the first few
+# With profiling.every, torch warns at the second window that it clears the first one's
+# events: each window is saved as it ends (on_trace_ready), so that is what is wanted.
+warnings.filterwarnings("ignore", message="Warning: Profiler clears events at the end of each cycle",
+                        category=UserWarning)
 
 
 class StepProfiler:
