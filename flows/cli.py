@@ -697,6 +697,8 @@ def main(argv: list[str] | None = None) -> int:
         if result is not None:
             print(json.dumps(result, indent=2, default=str))
             print(f"run directory: {config.run_dir.path.resolve()}")
+            if args.command in ("train", "pipeline"):
+                _say_how_to_export(config)
             return 0
         # Only the main thread may set a signal handler (main() may be called from another).
         ctrl_c = (_CtrlCStopsTraining() if threading.current_thread() is threading.main_thread()
@@ -798,7 +800,34 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
     let_the_api_record(server, began)
     print(json.dumps(result, indent=2, default=str))
     print(f"run directory: {config.run_dir.path.resolve()}")
+    if args.command in ("train", "pipeline"):
+        _say_how_to_export(config)
     return 0
+
+
+def _say_how_to_export(config: RunConfig) -> None:
+    """After training: the newest good checkpoint (this machine's copy, else the store's),
+    and the command that makes a transformers model of it. A new user found the run
+    directory, DCP files in it, and had to search the README for the rest."""
+    from goodput.runs import read_summary
+    from storage.ledger import Ledger, choose_resume
+
+    try:
+        ledger = Ledger(config.run_dir).read()
+    except (OSError, ValueError):  # no ledger to read: nothing to name
+        return
+    point = choose_resume(config.run_dir, ledger)
+    if point is None:
+        return
+    checkpoint = str(point.local.resolve()) if point.local else ledger.entries[point.step].store_url
+    if not checkpoint:
+        return
+    dataset = read_summary(config.run_dir).get("prepare", {}).get("dataset_id")
+    tokenizer = Path(config.data.data_dir).resolve() / dataset if dataset else None
+    given = f" --tokenizer {tokenizer}" if tokenizer and tokenizer.is_dir() else ""
+    print(f"newest checkpoint: {checkpoint} (step {point.step}); as a Hugging Face model: "
+          f"goodput export {checkpoint} --format hf --out {config.run_dir.path.resolve() / 'hf'}"
+          f"{given}")
 
 
 def _secure_what_training_left(config: RunConfig, command: str) -> None:

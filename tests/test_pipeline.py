@@ -496,6 +496,32 @@ def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
     assert events.get("prefect.flow-run.Completed") and HEARTBEAT_EVENT not in events
 
 
+def test_a_trained_run_names_its_newest_checkpoint_and_the_export_that_works_on_it(finished, tmp_path):
+    """`goodput train` (here with nothing left to do) ends naming the newest checkpoint and
+    the command that makes a transformers model of it; that command, run as printed, works."""
+    import shlex
+
+    config, _ = finished
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text(dump_config(config))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    proc = subprocess.run([sys.executable, "-m", "flows.cli", "train", "--config", str(config_file)],
+                          capture_output=True, text=True, cwd=REPO, timeout=300,
+                          env={**env, "PREFECT_HOME": str(tmp_path / "prefect")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [said] = [line for line in proc.stdout.splitlines() if line.startswith("newest checkpoint: ")]
+    checkpoint = config.run_dir.checkpoint(STEPS).resolve()
+    assert said.startswith(f"newest checkpoint: {checkpoint} (step {STEPS}); as a Hugging Face model: ")
+    export = said.split("as a Hugging Face model: ", 1)[1]
+    argv = shlex.split(export)
+    assert argv[:2] == ["goodput", "export"] and "--tokenizer" in argv
+    argv[argv.index("--out") + 1] = str(tmp_path / "hf")  # not into the run shared by the tests
+    exported = subprocess.run([sys.executable, "-m", "flows.cli", *argv[1:]], capture_output=True,
+                              text=True, cwd=REPO, timeout=300)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
+
+
 def test_evaluating_another_runs_checkpoint_leaves_this_runs_summary_and_ledger(finished, tmp_path):
     """`goodput evaluate --checkpoint DIR` of a checkpoint that is not the run's: its report
     goes to eval/other/, and the run's summary.json and ledger keep the run's own scores."""
