@@ -131,9 +131,10 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     if env.is_main:
         stages = (f" (layers per stage {dims.stage_layers(model_args['n_layers'])})"
                   if dims.pp > 1 else "")
-        log.info("%s parameters, world size %d, layout %s%s, %s tokens/step, steps %d..%d",
+        log.info("%s parameters, world size %d, layout %s%s, %s tokens/step, %s",
                  f"{n_params:,}", env.world_size, dims.name, stages, f"{tokens_per_step:,}",
-                 progress.step + 1, tcfg.max_steps)
+                 f"steps {progress.step + 1}..{tcfg.max_steps}" if progress.step < tcfg.max_steps
+                 else f"trained to step {progress.step}")
         if env.world_size != config.parallelism.world_size:
             log.info("elastic: %d of %d workers, gradient accumulation %d (configured %d): "
                      "the global batch of %d samples is kept", env.world_size,
