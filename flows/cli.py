@@ -510,8 +510,10 @@ class _CtrlCStopsTraining:
 
     def __enter__(self) -> "_CtrlCStopsTraining":
         from infra.torchrun import attempts_running
+        from tasks.control import CtrlC
 
         self.attempts_running = attempts_running  # imported now: not in the signal handler
+        self.pressed = CtrlC  # its flow runs then end Cancelled (tasks.control.cancelled_on_ctrl_c)
         self.done = threading.Event()
         # A daemon: it never holds the process up. The stop threads it starts are not.
         self.watcher = threading.Thread(target=self._stop_training, name="ctrl-c-stops-training",
@@ -525,6 +527,7 @@ class _CtrlCStopsTraining:
         # write here, as taking a lock that the interrupted code holds would deadlock (print
         # included); the watcher stops the attempts.
         self.interrupted += 1
+        self.pressed.pressed = True
         stopping = self.attempts_running() or any(thread.is_alive() for thread in self.stops)
         if self.interrupted == 1 or not stopping:  # nothing to wait for: interrupt again
             raise KeyboardInterrupt
@@ -564,6 +567,7 @@ class _CtrlCStopsTraining:
 
     def restore(self) -> None:
         signal.signal(signal.SIGINT, self.previous)
+        self.pressed.pressed = False  # for a later command in this process (main() in-process)
 
 
 def _dump_stacks_on_sigusr1() -> None:

@@ -8,7 +8,7 @@ from prefect import flow
 
 from core.config import RunConfig
 from storage.manifests import EvalReport
-from tasks.control import resolve_config
+from tasks.control import cancelled_on_ctrl_c, resolve_config
 from tasks.credentials import load_credentials, uses_blocks
 from tasks.evaluate import (
     check_eval_tasks,
@@ -20,7 +20,7 @@ from tasks.evaluate import (
 from tasks.train import locate_dataset
 
 
-@flow(name="evaluate")
+@flow(name="evaluate", on_crashed=[cancelled_on_ctrl_c])
 def evaluate(config: RunConfig = RunConfig(), checkpoint: str | None = None,
              config_file: str | None = None, overrides: tuple[str, ...] = ()) -> EvalReport:
     """Evaluate a checkpoint of the run: held-out loss, perplexity and samples.

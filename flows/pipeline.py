@@ -14,14 +14,14 @@ from core.config import RunConfig
 from flows.evaluate import evaluate
 from flows.prepare import prepare
 from flows.train import train
-from tasks.control import resolve_config
+from tasks.control import cancelled_on_ctrl_c, resolve_config
 from tasks.credentials import load_credentials, uses_blocks
 from tasks.evaluate import check_eval_tasks
 from tasks.layout import check_layout
 from tasks.reporting import WorkerLogs
 
 
-@flow(name="pipeline")
+@flow(name="pipeline", on_crashed=[cancelled_on_ctrl_c])
 def pipeline(config: RunConfig = RunConfig(), config_file: str | None = None,
              overrides: tuple[str, ...] = (), worker_logs: WorkerLogs = "rank0") -> dict:
     """Prepare the dataset, train on it, evaluate the newest checkpoint.

@@ -26,7 +26,7 @@ from goodput.data.prepare import (
 )
 from storage.manifests import DatasetManifest, MixtureManifest
 from storage.store import usable_anywhere
-from tasks.control import resolve_config
+from tasks.control import cancelled_on_ctrl_c, resolve_config
 from tasks.credentials import load_credentials, uses_blocks
 from tasks.prepare import (
     api_shared_with_unit_processes,
@@ -45,7 +45,7 @@ from tasks.prepare import (
 from tasks.reporting import PrepareProgress
 
 
-@flow(name="prepare")
+@flow(name="prepare", on_crashed=[cancelled_on_ctrl_c])
 def prepare(config: RunConfig = RunConfig(), config_file: str | None = None,
             overrides: tuple[str, ...] = ()) -> DatasetManifest | MixtureManifest:
     """Prepare the dataset `config.data` and `config.tokenizer` describe, or find it prepared;
@@ -72,7 +72,7 @@ def prepare(config: RunConfig = RunConfig(), config_file: str | None = None,
     return mix or prepared[0][1]
 
 
-@flow(name="prepare-source")
+@flow(name="prepare-source", on_crashed=[cancelled_on_ctrl_c])
 def prepare_source(config: RunConfig, tokenizer_from: str | None = None,
                    ) -> tuple[DatasetManifest, float | None, list[str] | None]:
     """One source's dataset (`config.data.source`; `tokenizer_from`: the dataset whose
@@ -124,7 +124,7 @@ def prepare_source(config: RunConfig, tokenizer_from: str | None = None,
     return manifest, tokenize_s, workers
 
 
-@flow(name="tokenize-units")
+@flow(name="tokenize-units", on_crashed=[cancelled_on_ctrl_c])
 def tokenize_units(plan: DatasetPlan, units: list[WorkUnit], config: RunConfig,
                    to_store: bool = False) -> list[UnitResult]:
     """Every work unit through the tokenizer on the configured task runner, a bounded number

@@ -20,7 +20,7 @@ from goodput.evaluation import evaluation_due
 from goodput.runs import unfinished_training_counted
 from infra.torchrun import LeaseWaitGivenUp
 from storage.store import store_from_config
-from tasks.control import (no_orphan_workers, resolve_config, settle, stop_training_when_cancelled,
+from tasks.control import (cancelled_on_ctrl_c, no_orphan_workers, resolve_config, settle, stop_training_when_cancelled,
                            training_slot)
 from tasks.credentials import load_credentials, uses_blocks
 from tasks.evaluate import check_eval_tasks, evaluate_validated
@@ -56,7 +56,8 @@ class _OneAtATime(ThreadPoolTaskRunner):
 
 # The launch task holds one thread for the whole run; the others validate and upload. The
 # bound keeps checkpoints that come faster than they verify from piling up processes.
-@flow(name="train", task_runner=ThreadPoolTaskRunner(max_workers=4))
+@flow(name="train", task_runner=ThreadPoolTaskRunner(max_workers=4),
+      on_crashed=[cancelled_on_ctrl_c])
 def train(config: RunConfig = RunConfig(), config_file: str | None = None,
           overrides: tuple[str, ...] = (),
           time_limit_s: Annotated[float, Field(ge=0)] | None = None,

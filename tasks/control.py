@@ -273,6 +273,30 @@ def _secure_by(deadline: float, stops: list[threading.Thread], secure: Callable[
 CANCEL_POLL_S = 10.0
 
 
+class CtrlC:
+    """Whether the user of the `goodput` command in this process pressed Ctrl-C: set by the
+    command's signal handler (a plain attribute, as no lock may be taken there)."""
+
+    pressed = False
+
+
+def cancelled_on_ctrl_c(flow, flow_run, state) -> None:
+    """Every flow's on_crashed hook: a flow run that Ctrl-C in the command's terminal ended
+    is Cancelled, as the UI's Cancel leaves one, not Crashed. Prefect records a
+    KeyboardInterrupt as a crash ("Execution was aborted by an interrupt signal"), so runs
+    the user stopped on purpose, their training saved and stopped as a cancel, read as
+    failures in the UI. A crash of any other cause, or in a process without the command
+    (a worker's), stays Crashed."""
+    if not CtrlC.pressed:
+        return
+    from prefect.states import Cancelled
+
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(flow_run.id, Cancelled(message="stopped by Ctrl-C in the "
+                                                         "terminal of the goodput command"),
+                                  force=True)
+
+
 @contextmanager
 def stop_training_when_cancelled(poll_s: float = CANCEL_POLL_S) -> Iterator[threading.Event]:
     """Stop this process's training when its flow run (or the flow run it is part of, a

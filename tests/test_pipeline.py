@@ -451,6 +451,11 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
     assert "goodput: stopping: the workers are saving an emergency checkpoint" in text
     assert "Logging error" not in text and "Traceback" not in text
     assert (config.run_dir.path / "checkpoints" / "step-00000010").is_dir()
+    # The flow runs Ctrl-C ended are Cancelled, as the UI's Cancel leaves them, not Crashed.
+    db = sqlite3.connect(tmp_path / "prefect" / "prefect.db")
+    states = dict(db.execute("SELECT flow.name, flow_run.state_type FROM flow_run JOIN flow ON flow.id = "
+                             "flow_run.flow_id WHERE flow.name IN ('pipeline', 'train')"))
+    assert states == {"pipeline": "CANCELLED", "train": "CANCELLED"}, states
     # The emergency checkpoint is secured before the command ends, not by the next run.
     from goodput.checkpoint_lifecycle import ledger_of
 
