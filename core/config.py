@@ -812,6 +812,25 @@ class StorageConfig(_Section):
             parse_s3_uri(value)
         return value
 
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_is_a_url(cls, value: str | None) -> str | None:
+        """boto3 refuses one without a scheme ("Invalid endpoint") once a stage opens the
+        store, as a task failure."""
+        if value is None:
+            return value
+        from urllib.parse import urlparse
+
+        try:
+            parsed = urlparse(value)
+            parsed.port  # noqa: B018 - raises on a port out of range
+        except ValueError as e:
+            raise ValueError(f"{value!r} is not a URL ({e})") from None
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"{value!r} is not an S3 endpoint URL: write it with its scheme, "
+                             "e.g. http://127.0.0.1:8333 or https://s3.example.com")
+        return value
+
     @field_validator("part_size")
     @classmethod
     def _part_size_fits_s3(cls, value: str | int) -> str | int:

@@ -197,6 +197,9 @@ def _plan(args: argparse.Namespace) -> int:
         cluster_overrides = [f"parallelism.{field}={value}" for field, value in
                              (("nnodes", args.nodes), ("nproc_per_node", args.gpus_per_node))
                              if value is not None]
+        if args.gpus_per_node is not None:  # a node's GPUs are its workers' (one each)
+            cluster_overrides += [f"launch.{kind}.gpus_per_node={args.gpus_per_node}"
+                                  for kind in ("slurm", "kubernetes")]
         try:
             config = load_config(args.config, [*args.overrides, *cluster_overrides])
         except ConfigError as own:
@@ -410,7 +413,11 @@ def _store_out_of_reach(config: RunConfig) -> str | None:
         return None
     from storage.store import store_from_config
 
-    return store_from_config(config.storage).out_of_reach(STORE_REACH_S)
+    try:
+        store = store_from_config(config.storage)
+    except Exception:  # noqa: BLE001 - a store that cannot even be opened: the flow says why
+        return None
+    return store.out_of_reach(STORE_REACH_S)
 
 
 def _nothing_to_do(stages: tuple[str, ...], config: RunConfig, checkpoint: str | None) -> tuple | None:
@@ -813,6 +820,7 @@ def _say_how_to_export(config: RunConfig) -> None:
     """After training: the newest good checkpoint (this machine's copy, else the store's),
     and the command that makes a transformers model of it. A new user found the run
     directory, DCP files in it, and had to search the README for the rest."""
+    from goodput.data.prepare import MIXES_DIR
     from goodput.runs import read_summary
     from storage.ledger import Ledger, choose_resume
 
@@ -826,12 +834,17 @@ def _say_how_to_export(config: RunConfig) -> None:
     checkpoint = str(point.local.resolve()) if point.local else ledger.entries[point.step].store_url
     if not checkpoint:
         return
+    # export reads a store's URL with the endpoint AWS_ENDPOINT_URL names
+    endpoint = (f"AWS_ENDPOINT_URL={config.storage.endpoint_url} "
+                if "://" in checkpoint and config.storage.endpoint_url else "")
     dataset = read_summary(config.run_dir).get("prepare", {}).get("dataset_id")
-    tokenizer = Path(config.data.data_dir).resolve() / dataset if dataset else None
-    given = f" --tokenizer {tokenizer}" if tokenizer and tokenizer.is_dir() else ""
+    data_dir = Path(config.data.data_dir).resolve()
+    tokenizer = next((d for d in (data_dir / dataset, data_dir / MIXES_DIR / dataset)
+                      if d.is_dir()), None) if dataset else None
+    given = f" --tokenizer {tokenizer}" if tokenizer else ""
     print(f"newest checkpoint: {checkpoint} (step {point.step}); as a Hugging Face model: "
-          f"goodput export {checkpoint} --format hf --out {config.run_dir.path.resolve() / 'hf'}"
-          f"{given}")
+          f"{endpoint}goodput export {checkpoint} --format hf --out "
+          f"{config.run_dir.path.resolve() / 'hf'}{given}")
 
 
 def _secure_what_training_left(config: RunConfig, command: str) -> None:

@@ -105,12 +105,15 @@ def _fail_the_flow_run(reason: str) -> None:
     from prefect.client.schemas.actions import LogCreate
     from prefect.states import Failed
 
-    with get_client(sync_client=True) as client:
-        client.create_logs([LogCreate(name="goodput.deployments", level=ERROR, message=reason,
-                                      timestamp=datetime.now(timezone.utc),
-                                      flow_run_id=flow_run_id)])
-        # Final: the worker's Crashed, proposed when the process exits, is then refused.
-        client.set_flow_run_state(flow_run_id, Failed(message=reason), force=True)
+    try:
+        with get_client(sync_client=True) as client:
+            client.create_logs([LogCreate(name="goodput.deployments", level=ERROR, message=reason,
+                                          timestamp=datetime.now(timezone.utc),
+                                          flow_run_id=flow_run_id)])
+            # Final: the worker's Crashed, proposed when the process exits, is then refused.
+            client.set_flow_run_state(flow_run_id, Failed(message=reason), force=True)
+    except Exception:  # noqa: BLE001 - the API away: the error raised after this still says it
+        pass
 
 
 def _is_goodput_repository(directory: Path) -> bool:

@@ -404,3 +404,14 @@ def test_the_gpus_a_node_requests_are_its_workers(kind):
     assert load_config(None, [*where, f"launch.{kind}.gpus_per_node=2"])
     # Not launched there: the section's GPUs are not asked for.
     assert load_config(None, [f"launch.{kind}.gpus_per_node=4"]).launch.kind == "local"
+
+
+def test_an_s3_endpoint_without_its_scheme_is_refused_with_the_config():
+    """boto3 refused it only once a stage opened the store ("Invalid endpoint")."""
+    with pytest.raises(ConfigError, match=r"storage.endpoint_url: '127.0.0.1:8333' is not an S3 "
+                                          r"endpoint URL: write it with its scheme"):
+        load_config(None, ["storage.endpoint_url=127.0.0.1:8333"])
+    with pytest.raises(ConfigError, match=r"'http://127.0.0.1:99999' is not a URL \(Port out of range"):
+        load_config(None, ["storage.endpoint_url=http://127.0.0.1:99999"])
+    for url in ("http://127.0.0.1:8333", "https://s3.example.com/path", "http://[::1]:8333"):
+        assert load_config(None, [f"storage.endpoint_url={url}"]).storage.endpoint_url == url

@@ -467,6 +467,23 @@ def test_task_names_are_checked_without_loading_tasks(setup, names_cache):
     assert "'colors_mc'" in message
 
 
+def test_a_task_of_the_task_dir_whose_data_file_is_missing_is_named_before_training(tmp_path):
+    """A custom task's data_files not there failed every evaluation of the run, each after
+    training; the check the flows make first names the task, its YAML and the file."""
+    from training.downstream import check_task_names
+
+    task_dir = write_tasks(tmp_path / "tasks")
+    (task_dir / "colors.jsonl").rename(tmp_path / "moved.jsonl")
+    with pytest.raises(ConfigError) as err:
+        check_task_names(["colors_mc"], str(task_dir))
+    message = str(err.value)
+    assert message.startswith(f"eval.tasks: task 'colors_mc' ({task_dir / 'colors_mc.yaml'}) reads "
+                              f"{task_dir / 'colors.jsonl'} (its dataset_kwargs.data_files), which is "
+                              "not here. Fix the path in the task's YAML"), message
+    (tmp_path / "moved.jsonl").rename(task_dir / "colors.jsonl")
+    assert check_task_names(["colors_mc"], str(task_dir)) == {"colors_mc": "eval.task_dir"}
+
+
 def test_a_best_metric_of_no_known_task_is_refused_before_training(setup, names_cache):
     """eval.best_metric's task outside eval.tasks must at least be a task lm-eval knows (a
     subtask of a group there): otherwise no report would have it, and best-by-eval retention

@@ -1255,6 +1255,9 @@ def test_cli_takes_the_cluster_from_the_config_and_flags_override_it(capsys):
     assert code == 0 and "on 4 node(s) x 8 GPUs (80.00 GiB each)" in from_config
     code, from_flags, _ = plan("--nodes", "4", "--gpus-per-node", "8", "--gpu-memory", "80GiB")
     assert code == 0 and from_flags == from_config
+    # Another GPU count per node: the Slurm section's GPUs follow (they are the workers').
+    code, out, err = plan("--gpus-per-node", "4", "parallelism.tp=4")
+    assert code == 0 and "on 4 node(s) x 4 GPUs (80.00 GiB each)" in out, err
     # Flags win over the config (and over overrides of the same fields).
     code, out, _ = plan("--nodes", "2", "--gpu-memory", "40GiB", "parallelism.nnodes=3",
                         "parallelism.device_memory=80GiB")

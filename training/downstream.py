@@ -390,7 +390,15 @@ def check_task_names(tasks: list[str], task_dir: str | None) -> dict[str, str]:
         from lm_eval.tasks import TaskManager
 
         include = str(check_task_dir(task_dir))
-        custom = set(TaskManager(include_path=include, include_defaults=False).all_tasks)
+        manager = TaskManager(include_path=include, include_defaults=False)
+        custom = set(manager.all_tasks)
+        missing = [f"task {name!r} ({_yaml_of(manager, name)}) reads {path} (its dataset_kwargs."
+                   "data_files), which is not here"
+                   for name in tasks if name in custom for path in _missing_data_files(manager, name)]
+        if missing:
+            raise ConfigError("eval.tasks: " + "; ".join(missing) + ". Fix the path in the task's "
+                              "YAML; lm-eval reads a relative one from the evaluation process's "
+                              f"working directory ({os.getcwd()}): write it absolute")
     library: frozenset[str] = frozenset()
     if any(name not in custom for name in tasks):
         library, indexed = _library_task_names()
@@ -400,6 +408,25 @@ def check_task_names(tasks: list[str], task_dir: str | None) -> dict[str, str]:
     if unknown:
         raise unknown_tasks_error(unknown, sorted(custom | library), task_dir)
     return {name: "eval.task_dir" if name in custom else "lm-eval" for name in tasks}
+
+
+def _missing_data_files(manager, name: str) -> list[str]:
+    """The local files a task of eval.task_dir names in dataset_kwargs.data_files (a path, a
+    glob, a list of them, or a split -> those) that match nothing here; a URL is not checked.
+    A missing one failed every evaluation of the run, each after training and loading the
+    checkpoint; now the flows' start says so."""
+    import glob
+
+    entry = manager.task_index.get(name)
+    files = ((getattr(entry, "cfg", None) or {}).get("dataset_kwargs") or {}).get("data_files")
+    given = files.values() if isinstance(files, dict) else [files]
+    paths = [p for value in given for p in (value if isinstance(value, list) else [value])
+             if isinstance(p, str) and "://" not in p]
+    return [p for p in paths if not glob.glob(os.path.expanduser(p))]
+
+
+def _yaml_of(manager, name: str) -> str:
+    return str(getattr(manager.task_index.get(name), "yaml_path", "eval.task_dir"))
 
 
 _LIBRARY_NAMES: dict[tuple, frozenset[str]] = {}  # per process: signature -> names indexed here
