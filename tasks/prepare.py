@@ -75,6 +75,12 @@ def _require_a_running_ray() -> None:
     """prepare.ray_address=auto joins the Ray cluster this machine runs (RAY_ADDRESS, else the
     last `ray start` here): refused before the flow starts any unit where there is none, which
     Ray itself says only when the units' runner starts, in its own words."""
+    import ray
+
+    # prefect_ray leaves `ray` a lazy module until an attribute of it is read; Ray's services
+    # module, imported before that, failed on `ray._private.utils` (AttributeError), so
+    # `auto` crashed whether or not a cluster ran.
+    getattr(ray, "__version__")
     try:
         from ray._private.services import get_ray_address_from_environment
     except ImportError:  # moved in another Ray version: Ray's own error, when it connects

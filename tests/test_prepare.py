@@ -1100,6 +1100,21 @@ def test_ray_auto_with_no_ray_running_is_refused_naming_the_field(tmp_path, monk
     with pytest.raises(ConfigError, match=r"prepare.ray_address=auto finds no running Ray cluster "
                                           r".*`ray start --head`.*leave prepare.ray_address unset"):
         unit_runner(PrepareConfig(runner="ray", ray_address="auto"), 4, None)
+    # As the command meets it: the flows imported first, prefect_ray's lazy `ray` with them.
+    # Ray's services module then failed on ray._private.utils (AttributeError), cluster or not.
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    proc = subprocess.run([sys.executable, "-c", (
+        "import flows.prepare\n"
+        "from core.config import PrepareConfig\n"
+        "from tasks.prepare import unit_runner\n"
+        "unit_runner(PrepareConfig(runner='ray', ray_address='auto'), 4, None)\n")],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "AttributeError" not in proc.stderr, proc.stderr[-3000:]
+    assert "ConfigError: prepare.ray_address=auto finds no running Ray cluster" in proc.stderr
 
 
 def test_the_install_hints_for_extras_name_this_checkout_not_a_package_on_pypi():
