@@ -109,7 +109,8 @@ def prepare_source(config: RunConfig, tokenizer_from: str | None = None,
                                    "same sources and settings redoes only the others. If you change "
                                    "them (a fixed file, other settings), that is another dataset: "
                                    "delete this one",
-                                   plan.dataset_id, plan.store_key("") if to_store else plan.dir)
+                                   plan.dataset_id, f"{usable_anywhere(config.storage).uri.rstrip('/')}/"
+                                   f"{plan.store_key('')}" if to_store else plan.dir)
                     raise
             tokenize_s = time.time() - tokenizing_since
             workers = sorted({result.worker for result in results})
