@@ -295,6 +295,9 @@ def retry_decision(config: RunConfig, outcomes: list[dict]) -> tuple[bool, str]:
     if stalled >= config.run.no_progress_attempts:
         return False, (f"{stalled} attempts in a row committed no checkpoint newer than the one "
                        "they resumed from")
+    if len(outcomes) >= config.run.max_attempts:  # Prefect would not retry: say so, not "retrying"
+        return False, (f"run.max_attempts={config.run.max_attempts} attempts made in this flow "
+                       "run; the next `goodput train` resumes from the newest validated checkpoint")
     return True, ""
 
 

@@ -55,6 +55,11 @@ def test_retry_policy_budgets_per_class_and_no_progress():
     assert retry_decision(config, [_outcome("no_such_class")])[0] is False  # unknown: 0
     stalled = retry_decision(config, [_outcome("retryable", 10, 10), _outcome("rollback", 10, 10)])
     assert stalled[0] is False and "committed no checkpoint newer" in stalled[1]
+    # The flow run's last attempt: Prefect retries no more, and the log said "retrying".
+    last = retry_decision(load_config(None, ["run.max_attempts=2"]),
+                          [_outcome("retryable", 0, 10), _outcome("retryable", 10, 20)])
+    assert last == (False, "run.max_attempts=2 attempts made in this flow run; the next "
+                           "`goodput train` resumes from the newest validated checkpoint")
 
 
 def _committed(run_dir, step):
