@@ -147,9 +147,15 @@ class PrepareProgress:
         # into the log lines; the artifact and the log say the same there.
         self.bar = tqdm(total=n_units, unit="unit", desc=f"prepare {dataset_id}",
                         disable=None if show_bar else True, dynamic_ncols=True)
+        self.logged_at: float | None = None
+
+    LOG_EVERY_S = 30.0  # where no bar is drawn, the log's progress line at most this often
 
     def __call__(self, docs: int, tokens: int, skipped: int, reused: bool = False) -> None:
         self.count(docs, tokens, skipped, reused)
+        line = self.to_log()
+        if line:
+            get_run_logger().info(line)
         self.bar.set_postfix_str(self.describe(with_units=False), refresh=False)
         self.bar.update(1)
         try:
@@ -161,6 +167,20 @@ class PrepareProgress:
                 update_progress_artifact(self.artifact_id, progress, description=self.describe())
         except Exception as e:  # a view of the run: it must never stop preparation
             get_run_logger().warning(f"progress artifact not updated: {e!r}")
+
+    def to_log(self) -> str | None:
+        """The log's line for the unit just counted where no bar is drawn (a log file, a pipe,
+        a worker's flow run): the first unit, then at most every LOG_EVERY_S, and the last.
+        A run there showed only "Task run 'tokenize-unit-N' Finished" lines, with no tokens/s
+        or ETA (and with prepare.runner=ray nothing at all for minutes)."""
+        if not self.bar.disable:
+            return None
+        now = time.monotonic()
+        if (self.logged_at is not None and self.done < self.n_units
+                and now - self.logged_at < self.LOG_EVERY_S):
+            return None
+        self.logged_at = now
+        return f"prepare {self.dataset_id}: {self.describe()}"
 
     def count(self, docs: int, tokens: int, skipped: int, reused: bool = False) -> None:
         """One unit finished (`reused`: an earlier run had done it)."""

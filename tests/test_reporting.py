@@ -37,3 +37,15 @@ def test_the_prepare_progress_times_only_what_this_run_tokenized(monkeypatch):
     said = progress.describe()
     assert "100 tokens/s" in said and "2 done before" in said
     assert said.endswith("ETA 0m30s")  # 3 units left at 10 s each, not 3 x 10 s / 3 units done
+
+    # No bar drawn (a log file, a pipe): the log says it, the first unit, then at most every
+    # LOG_EVERY_S, and the last.
+    assert progress.to_log() == f"prepare d0: {said}"
+    clock[0] += 10.0
+    progress.count(docs=10, tokens=1_000, skipped=0)
+    assert progress.to_log() is None  # 10 s after the last line
+    clock[0] += 25.0
+    progress.count(docs=10, tokens=1_000, skipped=0)
+    assert progress.to_log().startswith("prepare d0: 5 / 6 units")
+    progress.count(docs=10, tokens=1_000, skipped=0)
+    assert progress.to_log().startswith("prepare d0: 6 / 6 units")  # the last, however soon
