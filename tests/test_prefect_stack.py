@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 import httpx
 import psutil
@@ -197,6 +199,23 @@ def test_a_restart_keeps_what_the_ui_changed_in_the_deployments(stack, api):
                        json={"job_variables": {"stream_output": False}}).raise_for_status()
 
 
+@contextmanager
+def a_worker_of_its_own(stack, tmp_path, env: dict[str, str]) -> Iterator[None]:
+    """A process worker started from `tmp_path` with `env`, the stack's own stopped meanwhile
+    so that this one takes the runs; its output in tmp_path/worker.log."""
+    stack.kill_worker()
+    with open(tmp_path / "worker.log", "wb") as log:
+        worker = subprocess.Popen([_prefect(), "worker", "start", "--pool", stack.pool,
+                                   "--type", "process"], env=env, cwd=tmp_path,
+                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        stack.start_worker()
+
+
 def test_a_worker_without_goodput_repo_runs_flows_in_the_installed_repository(
         stack, api, workdir, tmp_path):
     """A worker started elsewhere without GOODPUT_REPO: prefect.yaml's pull step enters the
@@ -204,22 +223,13 @@ def test_a_worker_without_goodput_repo_runs_flows_in_the_installed_repository(
     step entered "" (GOODPUT_REPO unset) and the flow run failed on a file not found."""
     env = {k: v for k, v in stack._env(PREFECT_WORKER_QUERY_SECONDS="1").items()
            if k != "GOODPUT_REPO"}
-    stack.kill_worker()  # so that this worker takes the run
-    with open(tmp_path / "worker.log", "wb") as log:
-        worker = subprocess.Popen([_prefect(), "worker", "start", "--pool", stack.pool,
-                                   "--type", "process"], env=env, cwd=tmp_path,
-                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with a_worker_of_its_own(stack, tmp_path, env):
         run = api.trigger("prepare/goodput-prepare",
                           {"config": form(workdir, "run.run_id=prepare")})  # prepared: quick
         finished = api.wait_final(run, 300)
         assert finished["state"]["type"] == "COMPLETED", (
             finished["state"], (tmp_path / "worker.log").read_text()[-3000:])
         assert any("enter_repository" in log["message"] for log in api.logs(run))
-    finally:
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait()
-        stack.start_worker()
 
 
 def test_a_worker_whose_goodput_repo_is_wrong_fails_its_flow_runs_saying_why(stack, api, workdir, tmp_path):
@@ -227,12 +237,7 @@ def test_a_worker_whose_goodput_repo_is_wrong_fails_its_flow_runs_saying_why(sta
     state and its log. The pull step's error went to the flow run's own output, which no one
     reads (stream_output: false): the run was Crashed, "Process exited with status code: 1"."""
     env = stack._env(PREFECT_WORKER_QUERY_SECONDS="1", GOODPUT_REPO=str(tmp_path))
-    stack.kill_worker()  # so that this worker takes the run
-    with open(tmp_path / "worker.log", "wb") as log:
-        worker = subprocess.Popen([_prefect(), "worker", "start", "--pool", stack.pool,
-                                   "--type", "process"], env=env, cwd=tmp_path,
-                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with a_worker_of_its_own(stack, tmp_path, env):
         run = api.trigger("prepare/goodput-prepare", {"config": form(workdir, "run.run_id=prepare")})
         finished = api.wait_final(run, 300)
         reason = f"GOODPUT_REPO={tmp_path} is not a Goodput repository (it needs prefect.yaml and flows/)"
@@ -240,10 +245,6 @@ def test_a_worker_whose_goodput_repo_is_wrong_fails_its_flow_runs_saying_why(sta
             finished["state"], (tmp_path / "worker.log").read_text()[-3000:])
         assert reason in finished["state"]["message"]
         assert any(reason in log["message"] for log in api.logs(run))
-    finally:
-        os.killpg(worker.pid, signal.SIGKILL)
-        worker.wait()
-        stack.start_worker()
 
 
 # -- load -------------------------------------------------------------------------------------
