@@ -706,10 +706,7 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         result = _without_a_flow(args.command, config, getattr(args, "checkpoint", None))
         if result is not None:
-            print(json.dumps(result, indent=2, default=str))
-            print(f"run directory: {config.run_dir.path.resolve()}")
-            if args.command in ("train", "pipeline"):
-                _say_how_to_export(config)
+            _say_result(args.command, config, result)
             return 0
         # Only the main thread may set a signal handler (main() may be called from another).
         ctrl_c = (_CtrlCStopsTraining() if threading.current_thread() is threading.main_thread()
@@ -809,18 +806,24 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
         _say_run_directory(config)
         return 2 if _the_inputs_fault(e) else 1
     let_the_api_record(server, began)
+    _say_result(args.command, config, result)
+    return 0
+
+
+def _say_result(command: str, config: RunConfig, result: dict) -> None:
+    """A command's result on stdout, with or without a flow run: the JSON, the run directory,
+    and after training the checkpoint to export."""
     print(json.dumps(result, indent=2, default=str))
     print(f"run directory: {config.run_dir.path.resolve()}")
-    if args.command in ("train", "pipeline"):
+    if command in ("train", "pipeline"):
         _say_how_to_export(config)
-    return 0
 
 
 def _say_how_to_export(config: RunConfig) -> None:
     """After training: the newest good checkpoint (this machine's copy, else the store's),
     and the command that makes a transformers model of it. A new user found the run
     directory, DCP files in it, and had to search the README for the rest."""
-    from goodput.data.prepare import MIXES_DIR
+    from goodput.data.prepare import dataset_dir, mixture_dir
     from goodput.runs import read_summary
     from storage.ledger import Ledger, choose_resume
 
@@ -838,10 +841,9 @@ def _say_how_to_export(config: RunConfig) -> None:
     endpoint = (f"AWS_ENDPOINT_URL={config.storage.endpoint_url} "
                 if "://" in checkpoint and config.storage.endpoint_url else "")
     dataset = read_summary(config.run_dir).get("prepare", {}).get("dataset_id")
-    data_dir = Path(config.data.data_dir).resolve()
-    tokenizer = next((d for d in (data_dir / dataset, data_dir / MIXES_DIR / dataset)
-                      if d.is_dir()), None) if dataset else None
-    given = f" --tokenizer {tokenizer}" if tokenizer else ""
+    where = mixture_dir if config.data.sources else dataset_dir
+    tokenizer = where(config, dataset).resolve() if dataset else None
+    given = f" --tokenizer {tokenizer}" if tokenizer and tokenizer.is_dir() else ""
     print(f"newest checkpoint: {checkpoint} (step {point.step}); as a Hugging Face model: "
           f"{endpoint}goodput export {checkpoint} --format hf --out "
           f"{config.run_dir.path.resolve() / 'hf'}{given}")
