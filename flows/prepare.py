@@ -20,7 +20,6 @@ from goodput.data.prepare import (
     DatasetPlan,
     UnitResult,
     WorkUnit,
-    mix_tokenizer_from,
     one_prepare_at_a_time,
     require_sources,
 )
@@ -33,7 +32,7 @@ from tasks.prepare import (
     build_tokenizer,
     find_prepared,
     mix_datasets,
-    plan_dataset,
+    plan_datasets,
     plan_units,
     publish,
     record_prepare,
@@ -61,26 +60,24 @@ def prepare(config: RunConfig = RunConfig(), config_file: str | None = None,
     config = resolve_config(config, config_file, overrides)
     if uses_blocks(config):  # the store's and W&B's keys, from Prefect blocks
         load_credentials(config)
-    prepared, tokenizer_from = [], None
-    for source in config.data.mix():
+    prepared = []
+    for source, plan in plan_datasets(config):
         manifest, tokenize_s, workers = prepare_source.with_options(flow_run_name=f"prepare-{source.name}")(
-            config.source_config(source), tokenizer_from)
+            config.source_config(source), plan)
         prepared.append((source, manifest, tokenize_s, workers))
-        tokenizer_from = mix_tokenizer_from(config, prepared[0][1].dataset_id)
     mix = mix_datasets([(source, manifest) for source, manifest, _, _ in prepared]) if config.data.sources else None
     record_prepare(config, [(s.name, m, t, w) for s, m, t, w in prepared], started, mix)
     return mix or prepared[0][1]
 
 
 @flow(name="prepare-source", on_crashed=[cancelled_on_ctrl_c])
-def prepare_source(config: RunConfig, tokenizer_from: str | None = None,
+def prepare_source(config: RunConfig, plan: DatasetPlan,
                    ) -> tuple[DatasetManifest, float | None, list[str] | None]:
-    """One source's dataset (`config.data.source`; `tokenizer_from`: the dataset whose
-    tokenizer it uses), found prepared or tokenized and published. Returns its manifest, the
-    work units' wall time and where they ran (None, None when found prepared)."""
+    """One source's dataset (`config.data.source`, planned as `plan`), found prepared or
+    tokenized and published. Returns its manifest, the work units' wall time and where they
+    ran (None, None when found prepared)."""
     logger = get_run_logger()
-    plan = plan_dataset(config, tokenizer_from)
-    if plan.files:  # else the sources are not here, and plan-dataset's log says which dataset stands for them
+    if plan.files:  # else the sources are not here, and plan-datasets' log says which dataset stands for them
         logger.info("dataset %s from %s (%d files)", plan.dataset_id, plan.source, len(plan.files))
     to_store = config.prepare.runner == "ray"  # a cluster's machines share the store, not a disk
     found, tokenize_s, workers = find_prepared(plan, config.storage), None, None

@@ -177,12 +177,13 @@ def _unit_process_setup(pool_owner: int | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-@task(name="plan-dataset", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
-def plan_dataset(config: RunConfig, tokenizer_from: str | None = None) -> lib.DatasetPlan:
-    """The plan from the source listing; where the sources are not listable here (deleted
-    after prepare, a worker that never had them), that of the dataset prepared from these
-    data settings, as training finds it (lib.locate)."""
-    return lib.locate(config, store_from_config(config.storage), tokenizer_from)
+@task(name="plan-datasets", cache_policy=NO_CACHE, tags=TAGS, **_io_retries)
+def plan_datasets(config: RunConfig) -> list[tuple[SourceConfig, lib.DatasetPlan]]:
+    """Each source's plan, all listed before any is tokenized (a mix's missing third source
+    is said before hours on the first two). From the source listing; where a source is not
+    listable here (deleted after prepare, a worker that never had it), that of the dataset
+    prepared from its data settings, as training finds it (lib.locate)."""
+    return lib.mix_plans(config, store_from_config(config.storage))
 
 
 @task(name="mix-datasets", cache_policy=NO_CACHE, tags=TAGS)

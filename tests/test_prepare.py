@@ -838,6 +838,20 @@ def test_prefect_flow_runs_units_in_processes_and_writes_the_library_s_bytes(pre
         run.id for run in subflow_runs(parent).values()))), timeout_s=30, what=repr(said), every_s=0.5)
 
 
+def test_a_mix_whose_last_source_is_missing_fails_before_the_first_is_tokenized(prefect_api, tmp_path):
+    """The flow lists every source of a mix first: a missing third source used to be found
+    only after the first two were tokenized (hours on a real corpus)."""
+    from flows.prepare import prepare
+
+    first = write_source(tmp_path / "in" / "a", "jsonl", DOCS)
+    config = make_config(tmp_path, f"data.sources=[{{name: a, weight: 1, source: {first}}}, "
+                                   f"{{name: gone, weight: 1, source: {tmp_path / 'gone'}}}]")
+    with pytest.raises(DataError, match=r"data.sources\[gone\].source"):
+        prepare(config)
+    assert not any(Path(config.data.data_dir).glob("*/manifest.json"))  # the first untouched
+    assert not any(Path(config.data.data_dir).glob("*/*.arrow"))
+
+
 def test_what_the_library_logs_is_in_the_flow_run_s_log(prefect_api, tmp_path):
     """A deployed flow run has no console anyone reads: the library's records (a file of the
     folder left out, the tokenizer trained) are in the flow run's log, where the UI shows it."""
