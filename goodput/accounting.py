@@ -167,6 +167,32 @@ def mix_drawn(run_dir, step: int | None) -> dict | None:
     return {name: {"samples": n, "share": round(n / total, 4)} for name, n in samples.items()}
 
 
+def mix_drawn_by_stage(run_dir, step: int | None, stages: list[tuple[int, dict[str, float]]],
+                       global_batch: int) -> list[dict] | None:
+    """A curriculum's samples drawn from each source within each of its stages up to `step`,
+    beside the stage's weights (mix_drawn's shares run over every stage, so they match none
+    of them). `stages`: RunConfig.mix_stages(). The trainer writes a metrics record at each
+    stage's last step, so the counts are exact. None without stages or records."""
+    if step is None or len(stages) < 2:
+        return None
+    bounds = [first_sample // global_batch for first_sample, _ in stages]  # the step before each
+    by_stage = []
+    for i, (before, (_, weights)) in enumerate(zip(bounds, stages)):
+        if before >= step:
+            break
+        end = min(step, bounds[i + 1]) if i + 1 < len(bounds) else step
+        upto, since = mix_drawn(run_dir, end), mix_drawn(run_dir, before) if before else {}
+        if upto is None:
+            return None
+        samples = {name: got["samples"] - (since or {}).get(name, {}).get("samples", 0)
+                   for name, got in upto.items()}
+        total = sum(samples.values()) or 1
+        by_stage.append({"stage": i, "steps": [before + 1, end], "weights": weights,
+                         "drawn": {name: {"samples": n, "share": round(n / total, 4)}
+                                   for name, n in samples.items()}})
+    return by_stage
+
+
 def checkpoint_interval_advice(run_dir, failures: int, wall_s: float,
                                mtbf_hours: float | None, every_steps: int) -> dict | None:
     """Young/Daly: the interval that minimises expected lost time is sqrt(2 * C * MTBF),

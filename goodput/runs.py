@@ -18,7 +18,7 @@ from core.config import ConfigError, RunConfig, dump_config, load_config, trajec
 from core.errors import DataError
 from core.files import exclusive_lock, write_atomic
 from core.protocol import FailureClass, RunDir, read_exit_records, read_starts, step_of
-from goodput.accounting import data_wait_share, mix_drawn, summarize_goodput
+from goodput.accounting import data_wait_share, mix_drawn, mix_drawn_by_stage, summarize_goodput
 from goodput.checkpoint_lifecycle import resume_point, resume_position, set_aside_damaged
 from infra.launchers import SubmitRefused
 from infra.torchrun import AttemptResult, TrainingFailed, run_attempt
@@ -340,6 +340,8 @@ def record_training(config: RunConfig, outcome: dict, started: float) -> dict:
               "last_attempt": outcome, "wall_time_s": wall,
               "data_wait_share": data_wait_share(config.run_dir),
               "mix_drawn": mix_drawn(config.run_dir, newest.step if newest else None),
+              "mix_drawn_by_stage": mix_drawn_by_stage(config.run_dir, newest.step if newest else None,
+                                                       config.mix_stages(), config.global_batch),
               "ledger": {str(s): e.state for s, e in sorted(ledger.entries.items())}}
 
     def with_total(previous: dict) -> dict:

@@ -294,7 +294,7 @@ def test_training_logs_each_stage_and_records_the_samples_drawn_from_each_source
     """Where the mix changes, the log says so; every metrics record carries the samples drawn
     from each source so far (the realized shares), and the run's summary the shares at its
     newest checkpoint."""
-    from goodput.accounting import mix_drawn
+    from goodput.accounting import mix_drawn, mix_drawn_by_stage
     from tests.helpers import torchrun_training
     from training.metrics import read_metrics
 
@@ -304,7 +304,8 @@ def test_training_logs_each_stage_and_records_the_samples_drawn_from_each_source
                          "data.stages=[{start_step: 5, weights: {code: 1}}]", "run.run_id=staged",
                          "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.max_seq_len=64",
                          "training.micro_batch_size=4", "training.max_steps=8",
-                         "training.warmup_steps=2", "checkpoint.every_steps=8", "launch.max_restarts=0")
+                         "training.warmup_steps=2", "checkpoint.every_steps=8", "launch.max_restarts=0",
+                         "training.log_every=3")
     directory = prep.dataset_for_training(staged, store_from_config(staged.storage))
     proc = torchrun_training(staged, directory)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -322,6 +323,16 @@ def test_training_logs_each_stage_and_records_the_samples_drawn_from_each_source
                                             "books": {"samples": 3, "share": 0.0469}}
     # A checkpoint between two records (training.log_every) takes the one before it.
     assert mix_drawn(staged.run_dir, 9) == mix_drawn(staged.run_dir, 8)
+    # Within each stage, what was drawn against that stage's weights (the summary's figure).
+    assert mix_drawn_by_stage(staged.run_dir, 8, staged.mix_stages(), staged.global_batch) == [
+        {"stage": 0, "steps": [1, 4], "weights": {"web": 0.6, "code": 0.3, "books": 0.1},
+         "drawn": {"web": {"samples": 19, "share": 0.5938}, "code": {"samples": 10, "share": 0.3125},
+                   "books": {"samples": 3, "share": 0.0938}}},
+        {"stage": 1, "steps": [5, 8], "weights": {"web": 0.0, "code": 1.0, "books": 0.0},
+         "drawn": {"web": {"samples": 0, "share": 0.0}, "code": {"samples": 32, "share": 1.0},
+                   "books": {"samples": 0, "share": 0.0}}}]
+    # The record at a stage's last step is written whatever training.log_every says.
+    assert [r["step"] for r in read_metrics(staged.run_dir)] == [3, 4, 6, 8]
 
 
 # -- the pipeline ---------------------------------------------------------------------------

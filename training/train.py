@@ -182,10 +182,13 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
                          data_wait_s=loader.take_wait_s(), save_in_flight=checkpointer.in_flight,
                          validation=validation.maybe_run(progress.step),
                          model_stats={**moe_stats, **loader.mix_figures()})
-            if loader.stage != stage and env.is_main:  # the next step draws by new weights
+            if loader.stage != stage:  # the next step draws by new weights
                 stage = loader.stage
-                log.info("[data] mix stage %d from step %d on: weights %s", stage,
-                         progress.step + 1, loader.stage_weights(stage))
+                # A record at a stage's last step: the summary's shares per stage are exact.
+                metrics.log_window()
+                if env.is_main:
+                    log.info("[data] mix stage %d from step %d on: weights %s", stage,
+                             progress.step + 1, loader.stage_weights(stage))
             if resilience.after_step(progress.step, loss):
                 if env.is_main:
                     log.info("time limit: stopping after the checkpoint of step %d", progress.step)
