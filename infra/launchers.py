@@ -480,19 +480,19 @@ class SubmitRefused(ConfigError):
     as configured fails the same way, so none is made (failure class config)."""
 
 
-# sbatch's words for a controller it cannot find (no slurm.conf, configless DNS SRV lookup)
-# or cannot reach (refused, timed out, unresolvable host), as against a job it refuses.
-SLURM_UNREACHABLE = re.compile(
-    "|".join(["resolve_ctls_from_dns_srv", "DNS SRV lookup failed",
-              "Could not establish a configuration source", "cannot stat file",
-              "Unable to process configuration file", "Unable to contact slurm controller",
-              "Unable to establish control machine address", "Unable to resolve",
-              "connect failure", "Connection refused", "timed out", "Zero Bytes were transmitted",
-              "Communication connection failure"]), re.IGNORECASE)
 # sbatch finding no slurm.conf (none at SLURM_CONF or its default place) and no controller
 # announced in DNS (configless Slurm): a shell or worker without the cluster's configuration.
-NO_SLURM_CONF = re.compile("resolve_ctls_from_dns_srv|DNS SRV lookup failed|"
-                           "Could not establish a configuration source", re.IGNORECASE)
+_NO_SLURM_CONF_SAYS = ["resolve_ctls_from_dns_srv", "DNS SRV lookup failed",
+                       "Could not establish a configuration source"]
+NO_SLURM_CONF = re.compile("|".join(_NO_SLURM_CONF_SAYS), re.IGNORECASE)
+# sbatch's words for a controller it cannot find (those, or a configuration it cannot read)
+# or cannot reach (refused, timed out, unresolvable host), as against a job it refuses.
+SLURM_UNREACHABLE = re.compile(
+    "|".join(_NO_SLURM_CONF_SAYS + [
+        "cannot stat file", "Unable to process configuration file",
+        "Unable to contact slurm controller", "Unable to establish control machine address",
+        "Unable to resolve", "connect failure", "Connection refused", "timed out",
+        "Zero Bytes were transmitted", "Communication connection failure"]), re.IGNORECASE)
 # Where sbatch looks when SLURM_CONF is not set: Slurm's default (Debian's, and the upstream
 # build's), and what slurmd keeps on a configless cluster's nodes.
 DEFAULT_SLURM_CONFS = ("/etc/slurm/slurm.conf", "/etc/slurm-llnl/slurm.conf",
