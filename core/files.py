@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -109,17 +110,40 @@ def delete_folder_unless_read(path: str | os.PathLike) -> bool:
 
 
 @contextmanager
-def exclusive_lock(path: str | os.PathLike, on_wait: Callable[[], None] | None = None) -> Iterator[None]:
+def exclusive_lock(path: str | os.PathLike, on_wait: Callable[[float, str], None] | None = None,
+                   holder: str | None = None, remind_s: float = 300.0) -> Iterator[None]:
     """Hold an exclusive flock on the file `path` (created with its folder). Per open file, so
-    threads of one process exclude each other as processes do. `on_wait` is called once if
-    another holds it, before this waits for it."""
+    threads of one process exclude each other as processes do. `holder` (who takes it: a
+    process, a host) is written into the file while it is held. `on_wait(waited_s, holder)`
+    is called if another holds it, before this waits for it, and every `remind_s` of waiting
+    after that, with what the other wrote as its holder ("" if nothing)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as lock:  # not "w": taking the lock leaves the file as it was
+    with open(path, "a+") as lock:  # not "w": taking the lock leaves the file as it was
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            if on_wait is not None:
-                on_wait()
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            if on_wait is None:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            else:
+                _wait_for_lock(lock, on_wait, remind_s)
+        if holder is not None:
+            lock.truncate(0)
+            lock.write(holder)
+            lock.flush()
         yield
+
+
+def _wait_for_lock(lock, on_wait: Callable[[float, str], None], remind_s: float) -> None:
+    started, said = time.monotonic(), None
+    while True:
+        waited = time.monotonic() - started
+        if said is None or waited - said >= remind_s:
+            lock.seek(0)
+            on_wait(waited, lock.read().strip())
+            said = waited
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(min(1.0, remind_s))

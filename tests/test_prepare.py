@@ -5,7 +5,9 @@ from __future__ import annotations
 import gc
 import logging
 import json
+import os
 import shutil
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -1170,4 +1172,32 @@ def test_two_prepares_of_one_dataset_at_once_tokenize_it_once(tmp_path, monkeypa
     units = prep.plan_units(prep.plan_dataset(config), config)
     assert len(tokenized) == len(units)  # once, by the first
     assert manifests[0] == manifests[1]
-    assert "is being prepared by another process" in caplog.text
+    # The waiting one says who holds the dataset (written into the lock by its holder).
+    assert f"is being prepared by process {os.getpid()} on {socket.gethostname()}, since " in caplog.text
+
+
+def test_a_prepare_waiting_behind_another_says_so_again_while_it_waits(tmp_path):
+    """A prepare that hangs (a dead Ray cluster) holds its dataset's lock without end; the one
+    waiting behind it says again, every remind_s, whom it waits for and what to do."""
+    import subprocess
+    import sys
+
+    from core.files import exclusive_lock
+
+    lock = tmp_path / ".d.lock"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from core.files import exclusive_lock\n"
+        f"with exclusive_lock({str(lock)!r}, holder='process 42 on elsewhere'):\n"
+        "    print('held', flush=True); time.sleep(2.5)")], cwd=Path(__file__).parents[1],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        said = []
+        with exclusive_lock(lock, on_wait=lambda waited, who: said.append((round(waited), who)),
+                            holder="me", remind_s=1.0):
+            assert lock.read_text() == "me"
+        assert said[0] == (0, "process 42 on elsewhere") and len(said) >= 2
+        assert all(who == "process 42 on elsewhere" for _, who in said)
+    finally:
+        holder.kill()
+        holder.wait()

@@ -370,13 +370,21 @@ def one_prepare_at_a_time(plan: DatasetPlan) -> Iterator[bool]:
     the dataset was not found prepared: a prepare with nothing to do writes nothing."""
     waited = []
 
-    def say_waiting() -> None:
+    def say_waiting(waited_s: float, holder: str) -> None:
         waited.append(True)
-        log.info("dataset %s is being prepared by another process (lock %s): waiting for it",
-                 plan.dataset_id, lock)
+        by = f"by {holder}" if holder else "by another process"
+        if waited_s < 1:
+            log.info("dataset %s is being prepared %s (lock %s): waiting for it",
+                     plan.dataset_id, by, lock)
+        else:  # a prepare that hangs (a dead Ray cluster) is waited for without end: say so
+            log.warning("dataset %s: still waiting after %.0f min for its prepare %s (lock %s); "
+                        "if that one hangs, stop it, and this one goes on", plan.dataset_id,
+                        waited_s / 60, by, lock)
 
     lock = plan.dir.with_name(f".{plan.dataset_id}.lock")
-    with exclusive_lock(lock, on_wait=say_waiting):
+    holder = (f"process {os.getpid()} on {socket.gethostname()}, since "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+    with exclusive_lock(lock, on_wait=say_waiting, holder=holder):
         yield bool(waited)
 
 
