@@ -44,6 +44,8 @@ class DatasetManifest(BaseModel):
     tokenizer_sha256: str
     vocab_size: int
     eos_id: int
+    doc_prefix_ids: list[int] = Field(default_factory=list, description="The ids every document "
+                                      "starts with: the tokenizer template's (a BOS), or none.")
     dtype: Literal["uint8", "uint16", "uint32"]
     splits: dict[str, list[ShardInfo]]
     skipped_records: int = Field(0, description="Bad records skipped (data.on_bad_record=skip).")

@@ -317,6 +317,39 @@ def test_packed_scoring_equals_scoring_each_request_whole(setup, tmp_path):
     assert max(row.positions) == 63 and len(row.tokens) < sum(min(64, len(c) + len(t) - 1) for c, t in long_pairs)
 
 
+def test_a_tokenizer_that_starts_texts_with_a_bos_is_scored_as_its_documents_were_trained(setup):
+    """A tokenizer whose template puts a BOS first (Llama's): prepare starts every document
+    with it (training.tokenizer.document_prefix), and so does scoring, once. It used to add
+    the BOS to a rolling text after lm-eval's prefix token (the EOS), and to the continuation
+    of an empty context."""
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, processors
+
+    from training.downstream import project_lm
+    from training.tokenizer import document_prefix
+
+    plain = setup["tokenizer"]
+    eos = plain.token_to_id("<|endoftext|>")
+    tokenizer = Tokenizer.from_str(plain.to_str())
+    used = set(plain.encode(" ".join(sentence(*fact) for fact in FACTS)).ids)
+    bos = max(set(range(1, VOCAB)) - used)  # an id no sentence encodes to stands for the BOS
+    token = tokenizer.id_to_token(bos)
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{token} $A", special_tokens=[(token, bos)])
+    assert document_prefix(tokenizer) == [bos] and document_prefix(plain) == []
+    model, _ = load_model(setup["checkpoint"], torch.device("cpu"))
+    lm = project_lm(model, tokenizer, eos, 2, torch.device("cpu"), doc_prefix_ids=[bos])
+    text = sentence(*FACTS[0])
+    ids = plain.encode(text).ids
+    assert lm.tok_encode(text) == [bos] + ids and lm.tok_encode(text, add_special_tokens=False) == ids
+    (rolling,) = lm.loglikelihood_rolling([SimpleNamespace(args=(text,))])
+    assert rolling == pytest.approx(logprob(model, [bos], ids)[0], abs=1e-4)  # "<s> text", once
+    (empty,) = lm.loglikelihood([SimpleNamespace(args=("", " " + text), task_name="t", doc_id=0)])
+    assert empty[0] == pytest.approx(logprob(model, [bos], plain.encode(" " + text).ids)[0], abs=1e-4)
+    context = "the color of the sky is"
+    assert lm._encode_pair(context, " red") == ([bos] + plain.encode(context).ids, plain.encode(" red").ids)
+
+
 def test_generation_cuts_a_long_context_once_as_lm_evals_hf_model_does(setup):
     """generate_until is greedy and stops at `until`; a context longer than the model's
     window keeps its last max_length - max_gen_toks tokens, cut once (lm-eval's hf model), so

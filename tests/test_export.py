@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -209,6 +210,17 @@ def test_an_init_from_tokenizers_settings_carry_over_to_the_export(tmp_path, sty
     for name in ("tokenizer_config.json", "generation_config.json", *sides):
         assert (dataset / name).read_bytes() == (source / name).read_bytes(), name
     assert manifest.eos_id == 1 and DatasetManifest.load(dataset) == manifest  # intact
+    # Each document starts with the BOS the tokenizer's template puts first, as the model was
+    # trained and as transformers encodes text for it; they were all prepared without it.
+    from storage.shards import read_tokens
+
+    assert manifest.doc_prefix_ids == [0]
+    tokens = np.concatenate([read_tokens(dataset / shard.path) for shard in manifest.splits["train"]])
+    ends = np.flatnonzero(tokens == 1)
+    assert tokens[0] == 0 and len(ends) > 10 and (tokens[ends[:-1] + 1] == 0).all()
+    assert (tokens == 0).sum() == len(ends)
+    plain = prepare_dataset(small_config(tmp_path / "plain", "data.max_docs=50"))
+    assert plain.doc_prefix_ids == []  # Goodput's own tokenizer has no template
 
     args = model_args_from_config(config.model, manifest.vocab_size)
     write_hf(args, Transformer(args).state_dict(), tmp_path / "out", tokenizer=dataset, eos_id=manifest.eos_id,

@@ -1201,3 +1201,15 @@ def test_a_prepare_waiting_behind_another_says_so_again_while_it_waits(tmp_path)
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_an_unreadable_dataset_manifest_is_said_in_one_line(tmp_path, caplog):
+    """An empty manifest.json: one line naming it and what happens next, not pydantic's
+    report with its URL, nor "preparing the dataset again" where the store's copy serves."""
+    (tmp_path / "manifest.json").write_text("")
+    with caplog.at_level(logging.WARNING, logger="goodput.data.prepare"):
+        assert prep._verified_manifest(tmp_path) is None
+    [said] = [r.getMessage() for r in caplog.records]
+    assert said.startswith(f"{tmp_path / 'manifest.json'} is unreadable (") and "\n" not in said
+    assert "pydantic.dev" not in said and "read from the store" in said
+    assert not (tmp_path / "manifest.json").exists()

@@ -63,6 +63,11 @@ class TrainingData:
         return self.sources[0].manifest.eos_id
 
     @property
+    def doc_prefix_ids(self) -> list[int]:
+        """The ids every document of the shards starts with (a BOS, or none)."""
+        return self.sources[0].manifest.doc_prefix_ids
+
+    @property
     def tokenizer_sha256(self) -> str:
         return self.sources[0].manifest.tokenizer_sha256
 

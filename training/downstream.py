@@ -154,23 +154,32 @@ def _make_lm_class():
         """
 
         def __init__(self, model: Transformer, tokenizer: Tokenizer, eos_id: int, batch_size: int,
-                     device: torch.device, precision: str = "fp32"):
+                     device: torch.device, precision: str = "fp32", doc_prefix_ids: tuple = ()):
             super().__init__()
             self.model, self.tokenizer, self.batch_size = model, tokenizer, batch_size
             self._device = device
             self.max_length = model.args.max_seq_len
             self._eot = eos_id
+            self._prefix = list(doc_prefix_ids)
             self._item_keys: list | None = None
             self.autocast_dtype = torch.bfloat16 if uses_bf16(precision, device) else None
 
         @property
         def eot_token_id(self) -> int:
-            # Conditions an empty context and the first token of a rolling document, as
-            # the end of the previous document does in training.
             return self._eot
 
+        @property
+        def prefix_token_id(self) -> int:
+            # Conditions an empty context and the first token of a rolling document as in
+            # training: the document's own start (a BOS) where it has one, else the end of
+            # the document before it.
+            return self._prefix[-1] if self._prefix else self._eot
+
         def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-            return self.tokenizer.encode(string).ids
+            # A text starts as training's documents do (the template's BOS, or nothing);
+            # lm-eval asks for none where it puts prefix_token_id before it itself.
+            ids = self.tokenizer.encode(string, add_special_tokens=False).ids
+            return ids if add_special_tokens is False else self._prefix + ids
 
         def tok_decode(self, tokens: list[int]) -> str:
             return self.tokenizer.decode(tokens)
@@ -237,7 +246,8 @@ def _make_lm_class():
             for n, request in enumerate(requests):
                 (text,) = request.args
                 for context, target in (make_disjoint_window(w) for w in get_rolling_token_windows(
-                        self.tok_encode(text), self.prefix_token_id, self.max_length, context_len=1)):
+                        self.tok_encode(text, add_special_tokens=False), self.prefix_token_id,
+                        self.max_length, context_len=1)):
                     windows.append((None, context, target))
                     owner.append(n)
             scores = self._loglikelihood_tokens(windows, groups=list(range(len(windows))))
@@ -294,11 +304,11 @@ def _make_lm_class():
 
 
 def project_lm(model: Transformer, tokenizer: Tokenizer, eos_id: int, batch_size: int,
-               device: torch.device, precision: str = "fp32"):
+               device: torch.device, precision: str = "fp32", doc_prefix_ids: tuple = ()):
     """An lm_eval.api.model.LM over the project's model and tokenizer (`eos_id`: the token
-    that ended every document in training, the dataset manifest's; `precision`:
-    eval.precision)."""
-    return _make_lm_class()(model, tokenizer, eos_id, batch_size, device, precision)
+    that ended every document in training, `doc_prefix_ids` those that started each, the
+    dataset manifest's; `precision`: eval.precision)."""
+    return _make_lm_class()(model, tokenizer, eos_id, batch_size, device, precision, doc_prefix_ids)
 
 
 def uses_bf16(precision: str, device: torch.device) -> bool:
@@ -498,8 +508,8 @@ def load_tasks(tasks: list[str], task_dir: str | None) -> tuple[object, list]:
 
 
 def downstream_scores(model: Transformer, tokenizer: Tokenizer, eos_id: int, eval_cfg, device: torch.device,
-                      loaded: tuple | None = None,
-                      log_samples: bool = False) -> tuple[dict[str, dict[str, float]], dict]:
+                      loaded: tuple | None = None, log_samples: bool = False,
+                      doc_prefix_ids: tuple = ()) -> tuple[dict[str, dict[str, float]], dict]:
     """Run lm-eval's tasks (eval.tasks; `loaded`: load_tasks' result, if already loaded) on the
     model: task -> metric -> value, and lm-eval's whole results dict (per-item samples with
     log_samples). lm-eval's own default seeds pick the few-shot examples, so scores compare
@@ -509,7 +519,8 @@ def downstream_scores(model: Transformer, tokenizer: Tokenizer, eos_id: int, eva
     start = time.perf_counter()
     manager, tasks = loaded or load_tasks(list(eval_cfg.tasks), eval_cfg.task_dir)
     results = evaluator.simple_evaluate(
-        model=project_lm(model, tokenizer, eos_id, eval_cfg.batch_size, device, eval_cfg.precision),
+        model=project_lm(model, tokenizer, eos_id, eval_cfg.batch_size, device, eval_cfg.precision,
+                         doc_prefix_ids),
         tasks=tasks,
         task_manager=manager, limit=eval_cfg.limit, num_fewshot=eval_cfg.num_fewshot,
         bootstrap_iters=eval_cfg.bootstrap_iters, log_samples=log_samples)

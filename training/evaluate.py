@@ -50,12 +50,14 @@ log = get_logger("eval")
 
 def generate_samples(model: Transformer, tokenizer: Tokenizer, eos_id: int, prompts: list[str],
                      count: int, max_new_tokens: int, temperature: float, top_k: int | None,
-                     seed: int, device: torch.device) -> list[EvalSample]:
+                     seed: int, device: torch.device, doc_prefix_ids: tuple = ()) -> list[EvalSample]:
+    """`doc_prefix_ids`: what starts a document in training (a BOS), before each prompt."""
     generator = torch.Generator(device=device).manual_seed(seed)
     samples = []
     for i in range(count):
         prompt = prompts[i % len(prompts)]
-        ids = tokenizer.encode(prompt).ids or [eos_id]  # an empty prompt: a document's start
+        # A prompt starts as a document did (an empty one: after the last document's end).
+        ids = list(doc_prefix_ids) + tokenizer.encode(prompt, add_special_tokens=False).ids or [eos_id]
         out = model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature,
                              top_k, generator, n_tokens=tokenizer.get_vocab_size())
         samples.append(EvalSample(prompt=prompt, completion=tokenizer.decode(out[0, len(ids):].tolist())))
@@ -106,13 +108,15 @@ def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_c
     bits_per_byte = held_out_bits_per_byte(data, source_losses, tokenizer, seq_len,
                                            eval_cfg.batch_size, eval_cfg.max_batches)
     samples = generate_samples(model, tokenizer, data.eos_id, eval_cfg.prompts, eval_cfg.num_samples,
-                               eval_cfg.sample_tokens, eval_cfg.temperature, eval_cfg.top_k, seed, device)
+                               eval_cfg.sample_tokens, eval_cfg.temperature, eval_cfg.top_k, seed, device,
+                               data.doc_prefix_ids)
     downstream, lower_better = {}, []
     settings = {"device": device.type, "max_batches": eval_cfg.max_batches,
                 "batch_size": eval_cfg.batch_size, "seq_len": seq_len}
     if eval_cfg.tasks:
         downstream, results = downstream_scores(model, tokenizer, data.eos_id, eval_cfg, device,
-                                                loaded=downstream_tasks)
+                                                loaded=downstream_tasks,
+                                                doc_prefix_ids=data.doc_prefix_ids)
         lower_better = lower_is_better_scores(results)
         settings.update(scoring_settings(eval_cfg, device))
     return EvalReport(run_id=run_id, step=ckpt.step, checkpoint=str(checkpoint),

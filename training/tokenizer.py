@@ -100,6 +100,19 @@ def eos_id(tokenizer: Tokenizer, eos_token: str | None = None) -> int:
     return found
 
 
+def document_prefix(tokenizer: Tokenizer) -> list[int]:
+    """The ids the tokenizer's template puts before a text (its post-processor: Llama's and
+    Mistral's BOS); [] for one without (Qwen2's, and every tokenizer Goodput trains). Prepare
+    starts every document with them, as the model was trained (and as transformers encodes),
+    and evaluation starts its texts with them."""
+    plain = tokenizer.encode("a", add_special_tokens=False).ids
+    templated = tokenizer.encode("a").ids
+    for start in range(len(templated) - len(plain) + 1):
+        if templated[start:start + len(plain)] == plain:
+            return templated[:start]
+    return []
+
+
 def stated_eos_token(path: str | Path) -> str | None:
     """The end-of-document token the files beside the tokenizer.json at `path` state: a
     prepared dataset's manifest (the id its shards end with), else a Hugging Face directory's

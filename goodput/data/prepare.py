@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from tokenizers import Tokenizer
 
 from core.config import SINGLE_SOURCE, DataConfig, RunConfig, SourceConfig, StorageConfig, parse_bytes
@@ -66,8 +66,9 @@ from storage.manifests import DATASET_MANIFEST, DatasetManifest, MixSource, Mixt
 from storage.shards import ShardWriter, token_dtype
 from storage.store import Store, store_from_config, usable_anywhere
 from training.shard_cache import check_cache_limit, write_cache_settings
-from training.tokenizer import (HF_TOKENIZER_SIDE_FILES, eos_id, load_tokenizer, read_tokenizer,
-                                stated_eos_token, tokenizer_side_files, train_tokenizer)
+from training.tokenizer import (HF_TOKENIZER_SIDE_FILES, document_prefix, eos_id, load_tokenizer,
+                                read_tokenizer, stated_eos_token, tokenizer_side_files,
+                                train_tokenizer)
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,12 @@ def plan_dataset(config: RunConfig, tokenizer_from: str | None = None) -> Datase
     tokenizer = _tokenizer_settings(config, tokenizer_from)
     if eos_token is not None and _eos_changes_shards(config, eos_token):
         tokenizer["eos_token"] = eos_token
+    if config.tokenizer.path is not None:
+        # A given tokenizer whose template starts texts with a BOS: its documents start with
+        # it (datasets prepared before without it keep their id; these are other shards).
+        prefix = document_prefix(read_tokenizer(given_tokenizer_file(config.tokenizer.path)))
+        if prefix:
+            tokenizer["doc_prefix"] = prefix
     inputs = {"source": listing, "tokenizer": tokenizer,
               "prep": _shard_settings(data) | {"version": PREPARE_VERSION}}
     return _plan(config, sha256_bytes(canonical_json(inputs))[:16], files, tokenizer_from, eos_token)
@@ -597,7 +604,12 @@ def _verified_manifest(directory: Path) -> DatasetManifest | None:
     try:
         manifest = DatasetManifest.load(directory)
     except ValueError as e:
-        log.warning("%s is unreadable (%s); preparing the dataset again", directory / DATASET_MANIFEST, e)
+        # One line, not pydantic's whole report; and it is prepared again only where the
+        # store does not hold the dataset (training then streams the store's).
+        reason = e.errors()[0]["msg"] if isinstance(e, ValidationError) and e.errors() else str(e)
+        log.warning("%s is unreadable (%s): removed; the dataset is read from the store, or "
+                    "prepared again where the store does not hold it", directory / DATASET_MANIFEST,
+                    reason)
         (directory / DATASET_MANIFEST).unlink()
         return None
     expected = {manifest.tokenizer: manifest.tokenizer_sha256}
@@ -800,6 +812,7 @@ def _tokenize(directory: Path, tokenizer_path: Path, tokenizer_sha256: str, eos_
     started = time.perf_counter()
     tokenizer = _unit_tokenizer(tokenizer_path, tokenizer_sha256, eos_token)
     eos, dtype = eos_id(tokenizer, eos_token), token_dtype(tokenizer.get_vocab_size())
+    prefix = document_prefix(tokenizer)  # a BOS, where the tokenizer's template puts one
     made_from = {"tokenizer_sha256": tokenizer_sha256}  # not where the text was: bytes follow content
     writers = {split: ShardWriter(directory, lambda k, s=split: f"{s}-{unit.index:05d}-{k:04d}.arrow",
                                   dtype, data.shard_tokens, made_from) for split in SPLITS}
@@ -810,10 +823,11 @@ def _tokenize(directory: Path, tokenizer_path: Path, tokenizer_sha256: str, eos_
         for split, texts in (("train", [t for t, v in zip(batch, held_out) if not v]),
                              ("validation", [t for t, v in zip(batch, held_out) if v])):
             if texts:
-                # add_special_tokens=False: no BOS/EOS templates a given tokenizer may carry;
-                # the shard format puts exactly one EOS after each document.
+                # add_special_tokens=False: not the template itself, which may also end a text
+                # with an EOS; a document is the template's prefix (a BOS, or nothing), its
+                # text and exactly one EOS.
                 encodings = tokenizer.encode_batch_fast(texts, add_special_tokens=False)
-                writers[split].add([np.array(e.ids + [eos], dtype=dtype) for e in encodings])
+                writers[split].add([np.array(prefix + e.ids + [eos], dtype=dtype) for e in encodings])
     shards = {split: [_shard_info(directory, name, n_tokens, n_docs)
                       for name, n_tokens, n_docs in writer.close()] for split, writer in writers.items()}
     return UnitResult(index=unit.index, key=unit.key(data, tokenizer_sha256), shards=shards,
@@ -893,6 +907,7 @@ def write_manifest(plan: DatasetPlan, results: list[UnitResult], tokenizer_path:
         tokenizer_sha256=sha256_file(tokenizer_path),
         vocab_size=tokenizer.get_vocab_size(),
         eos_id=eos_id(tokenizer, plan.eos_token),
+        doc_prefix_ids=document_prefix(tokenizer),
         dtype=token_dtype(tokenizer.get_vocab_size()),
         splits=splits,
         skipped_records=skipped,
