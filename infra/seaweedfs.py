@@ -361,6 +361,17 @@ def _ensure_bucket(client, bucket: str) -> None:
         client.head_bucket(Bucket=bucket)
 
 
+def saved_keys(data_dir: str | os.PathLike) -> tuple[str, str] | None:
+    """The key pair the server of `data_dir` accepted when it last ran (its identities file),
+    or None."""
+    try:
+        config = json.loads((Path(data_dir) / IDENTITIES_NAME).read_text())
+        credentials = config["identities"][0]["credentials"][0]
+        return credentials["accessKey"], credentials["secretKey"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a server in the foreground until Ctrl-C (or SIGTERM)."""
     parser = argparse.ArgumentParser(prog="python -m infra.seaweedfs", description=__doc__.split("\n\n")[0])
@@ -379,11 +390,14 @@ def main(argv: list[str] | None = None) -> int:
         print(busy(), file=sys.stderr)
         return 2
 
-    # The keys the user already exported, else fresh ones printed for them to export.
+    # The keys the user already exported, else those this data directory's last run served
+    # (a restart must not lock out the commands that run against it: new keys did), else
+    # fresh ones printed for them to export.
     access_key, secret_key = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
     generated = not (access_key and secret_key)
     if generated:
-        access_key, secret_key = "goodput-" + secrets.token_hex(4), secrets.token_urlsafe(24)
+        access_key, secret_key = (saved_keys(args.dir)
+                                  or ("goodput-" + secrets.token_hex(4), secrets.token_urlsafe(24)))
 
     # SIGTERM takes the same way out as Ctrl-C: through the context manager's stop().
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

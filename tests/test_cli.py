@@ -599,3 +599,32 @@ def test_seaweedfs_on_a_busy_port_names_the_option_to_choose_another(tmp_path, c
         code = seaweedfs.main(["--dir", str(tmp_path / "s3"), "--port", str(port)])
     err = capsys.readouterr().err
     assert code == 2 and f"port {port}" in err and "--port" in err and "Traceback" not in err
+
+
+def test_seaweedfs_restarted_on_its_data_directory_keeps_its_keys(tmp_path):
+    """Every start made new keys: a store restarted on the same --dir (the README's command)
+    refused the running pipeline's uploads (InvalidAccessKeyId) until it was restarted too."""
+    import signal
+
+    from infra.seaweedfs import _free_ports
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+
+    def keys_served() -> list[str]:
+        port = _free_ports(1)[0]
+        proc = subprocess.Popen([sys.executable, "-m", "infra.seaweedfs", "--dir", str(tmp_path / "s3"),
+                                 "--port", str(port)], stdout=subprocess.PIPE, text=True, env=env, cwd=REPO)
+        try:
+            lines = []
+            for line in proc.stdout:
+                lines.append(line)
+                if line.startswith("Ctrl-C stops it"):
+                    break
+            return [line.strip() for line in lines if line.startswith("export AWS_") and "KEY" in line]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+
+    first = keys_served()
+    assert len(first) == 2 and first[0].startswith("export AWS_ACCESS_KEY_ID=goodput-")
+    assert keys_served() == first
