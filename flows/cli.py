@@ -826,6 +826,7 @@ def _say_how_to_export(config: RunConfig) -> None:
     from goodput.data.prepare import dataset_dir, mixture_dir
     from goodput.runs import read_summary
     from storage.ledger import Ledger, choose_resume
+    from storage.manifests import CheckpointManifest
 
     try:
         ledger = Ledger(config.run_dir).read()
@@ -840,7 +841,12 @@ def _say_how_to_export(config: RunConfig) -> None:
     # export reads a store's URL with the endpoint AWS_ENDPOINT_URL names
     endpoint = (f"AWS_ENDPOINT_URL={config.storage.endpoint_url} "
                 if "://" in checkpoint and config.storage.endpoint_url else "")
-    dataset = read_summary(config.run_dir).get("prepare", {}).get("dataset_id")
+    # The dataset that trained it (its tokenizer and settings go with the model): named by
+    # the checkpoint; by this run's prepare where only the store holds the checkpoint. After
+    # `goodput train` alone, which records no prepare, the hint had no --tokenizer and the
+    # export, without its tokenizer, wrote EOS as BOS and no pad.
+    dataset = (CheckpointManifest.load(point.local).dataset_id if point.local
+               else read_summary(config.run_dir).get("prepare", {}).get("dataset_id"))
     where = mixture_dir if config.data.sources else dataset_dir
     tokenizer = where(config, dataset).resolve() if dataset else None
     given = f" --tokenizer {tokenizer}" if tokenizer and tokenizer.is_dir() else ""
