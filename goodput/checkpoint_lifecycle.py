@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -157,6 +158,8 @@ def validate_checkpoint(config: RunConfig, step: int, dataset_dir: Path | None =
                 note += f"; held-out loss {result['held_out_loss']:.4f} (training {result['loss']:.4f})"
             return ledger.record(step, "validated", note=note)
         aside = set_aside(path, "rejected")
+        log.warning("checkpoint step %d rejected: %s; kept at %s, never resumed from",
+                    step, result["reason"], aside)
         return ledger.record(step, "rejected", note=f"{result['reason']} (kept at {aside})")
 
 
@@ -370,11 +373,19 @@ def resume_point(config: RunConfig, store) -> ResumePoint | None:
     for step in sorted(unjudged_steps(config), reverse=True):
         if newest is not None and step <= newest.step:
             break
+        # Said: on a busy machine the verdict (at background priority) took over a minute,
+        # and the log said nothing between the failure and the next attempt.
+        log.info("judging checkpoint step %d before resuming: the next attempt starts from it "
+                 "if it is whole", step)
+        judging = time.monotonic()
         try:
-            if validate_checkpoint(config, step).state == "validated":
-                break
+            entry = validate_checkpoint(config, step)
         except VerifierCrashed as e:
             log.warning("%s; not resuming from it", e)
+            continue
+        log.info("checkpoint step %d %s in %.0f s", step, entry.state, time.monotonic() - judging)
+        if entry.state == "validated":
+            break
     return choose_resume(config.run_dir, ledger_of(config).read())
 
 
@@ -398,6 +409,8 @@ def set_aside_damaged(config: RunConfig, step: int, from_store: bool, reason: st
         entry = ledger.read().entries.get(step)
         if from_store:
             shutil.rmtree(config.run_dir.fetched_from_store(step), ignore_errors=True)
+            log.warning("checkpoint step %d rejected: its copy in the store is damaged (%s); "
+                        "never resumed from", step, reason)
             return ledger.record(step, "rejected", note=f"store copy damaged: {reason}")
         return _set_aside_local(ledger, config, step, entry, reason)
 
@@ -407,8 +420,12 @@ def _set_aside_local(ledger, config: RunConfig, step: int, entry: LedgerEntry | 
     """set_aside_damaged's local case, under the step's lock (held by the caller)."""
     aside = set_aside(config.run_dir.checkpoint(step), "rejected")
     if entry is not None and entry.state == "uploaded":
+        log.warning("checkpoint step %d: the local copy is damaged since validation (%s), moved "
+                    "to %s; the store's copy serves", step, reason, aside)
         return ledger.record(step, "uploaded", note=f"local copy damaged ({reason}), moved to "
                                                     f"{aside}; resuming from the store copy")
+    log.warning("checkpoint step %d rejected: damaged since validation (%s); kept at %s, never "
+                "resumed from", step, reason, aside)
     return ledger.record(step, "rejected", note=f"damaged since validation: {reason} (kept at {aside})")
 
 

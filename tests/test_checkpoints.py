@@ -177,12 +177,15 @@ def test_a_checkpoint_of_another_trajectory_is_rejected_and_kept_aside(run):
     assert list((config.run_dir / "checkpoints" / "rejected").glob("step-00000020-*"))
 
 
-def test_flipped_byte_is_rejected_and_kept_aside(run, tmp_path):
+def test_flipped_byte_is_rejected_and_kept_aside(run, tmp_path, caplog):
     config, _ = run
     shard = next(config.run_dir.checkpoint(20).glob("*.distcp"))
     flip_bytes(shard)
-    entry = checkpoints.validate_checkpoint(config, 20)
+    with caplog.at_level("WARNING", logger="goodput.checkpoints"):
+        entry = checkpoints.validate_checkpoint(config, 20)
     assert entry.state == "rejected"
+    # Said, not only written in the ledger: a resume from an older step says why.
+    assert "checkpoint step 20 rejected: checksum" in caplog.text and "never resumed from" in caplog.text
     assert "sha256" in entry.reason and shard.name in entry.reason
     assert not config.run_dir.checkpoint(20).exists()
     assert list((config.run_dir / "checkpoints" / "rejected").glob("step-00000020-*"))
@@ -357,7 +360,7 @@ def test_a_retried_upload_pushes_the_ledger_the_failed_try_could_not(run, tmp_pa
     assert json.loads(store.get_bytes("runs/test/ledger.json"))["entries"]["20"]["state"] == "uploaded"
 
 
-def test_a_checkpoint_damaged_on_disk_after_validation_is_set_aside_not_uploaded(run, tmp_path):
+def test_a_checkpoint_damaged_on_disk_after_validation_is_set_aside_not_uploaded(run, tmp_path, caplog):
     """Its upload finds the stored copy differing from the manifest's digests: the local file
     does too, so the local copy is to blame (the error named the store's copy, and the task
     uploaded it three more times): it is set aside and rejected, and nothing is retried."""
@@ -366,8 +369,10 @@ def test_a_checkpoint_damaged_on_disk_after_validation_is_set_aside_not_uploaded
     assert checkpoints.validate_checkpoint(config, 20).state == "validated"
     shard = next(config.run_dir.checkpoint(20).glob("*.distcp"))
     flip_bytes(shard)
-    entry = checkpoints.upload_checkpoint(config, 20, store)
+    with caplog.at_level("WARNING", logger="goodput.checkpoints"):
+        entry = checkpoints.upload_checkpoint(config, 20, store)
     assert entry.state == "rejected" and "damaged since validation" in entry.reason, entry
+    assert "checkpoint step 20 rejected: damaged since validation" in caplog.text
     assert f"{shard.name}: sha256" in entry.reason
     assert not config.run_dir.checkpoint(20).exists()  # set aside, never loaded
     assert not store.exists(f"{checkpoint_key('test', 20)}/manifest.json")
@@ -820,6 +825,25 @@ def test_readers_refuse_files_that_differ_from_the_manifest(run, tmp_path):
         reader._obtain(shard.name)
     assert remote.value.from_store and not (tmp_path / "cache" / shard.name).exists()
     assert checkpoints.set_aside_damaged(config, 10, True, remote.value.reason).state == "rejected"
+
+
+def test_a_damaged_local_checkpoint_is_not_loaded_for_evaluation(run, tmp_path):
+    """load_model (evaluation's) checks the local files against the manifest, as a read
+    from the store does: a byte changed since validation was scored silently, its report
+    kept as the checkpoint's; a shard cut short failed with DCP's EOFError."""
+    from training.checkpoint.reader import load_model
+
+    config, _ = run
+    copy = tmp_path / "step-00000010"
+    shutil.copytree(config.run_dir.checkpoint(10), copy)
+    load_model(copy, torch.device("cpu"))  # whole: loads
+    weights = sorted(copy.glob("*model*.distcp")) or sorted(copy.glob("*.distcp"))
+    flip_bytes(weights[0])
+    with pytest.raises(CheckpointCorrupt, match=f"{weights[0].name}: sha256 differs"):
+        load_model(copy, torch.device("cpu"))
+    os.truncate(weights[0], 1000)
+    with pytest.raises(CheckpointCorrupt, match=weights[0].name):
+        load_model(copy, torch.device("cpu"))
 
 
 def test_resume_continues_the_exact_loss_curve(trained, tmp_path):
