@@ -15,11 +15,11 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
+                      field_validator, model_validator)
 
 from core.errors import ConfigError, DataError
 from core.files import canonical_json, sha256_bytes, sha256_file
@@ -30,7 +30,17 @@ from core.uris import parse_s3_uri
 
 class _Section(BaseModel):
     # Unknown keys are mistakes (a typo silently ignored would train the wrong model).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # Floats finite: training.lr=inf passed gt=0 and trained three attempts of NaN losses.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def _a_directory(path: str) -> str:
+    """A local directory setting: where it exists, a directory (a file there failed the first
+    write, a traceback ending in "Not a directory"). Created where missing."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"{path} is a file, not a directory: give a directory (it is created "
+                         "if missing)")
+    return path
 
 
 def _is_share(weight: float) -> bool:
@@ -140,7 +150,7 @@ class DataConfig(_Section):
     on_bad_record: Literal["error", "skip"] = Field(
         "error", description="A malformed record (a bad JSON line, a missing text field): "
         "'error' stops with the file and line; 'skip' skips it and counts it in the manifest.")
-    data_dir: str = Field(
+    data_dir: Annotated[str, AfterValidator(_a_directory)] = Field(
         "./.goodput/data", description="Local cache of prepared datasets (one dir per dataset id)."
     )
     cache_limit: str | int | None = Field(
@@ -1017,7 +1027,8 @@ class ProfilingConfig(_Section):
 class RunSection(_Section):
     run_id: str = Field("tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
                         description="Names the run; checkpoints and ledger live under it.")
-    runs_dir: str = Field("./.goodput/runs", description="Local run directories.")
+    runs_dir: Annotated[str, AfterValidator(_a_directory)] = Field(
+        "./.goodput/runs", description="Local run directories.")
     max_attempts: int = Field(6, ge=1, description="Training attempts in one flow run "
                                                    "(1 + Prefect retries), all classes together.")
     retry_budgets: dict[str, int] = Field(
@@ -1706,7 +1717,24 @@ def _format_error(err: ValidationError, origin: str) -> str:
 
 class _ConfigLoader(yaml.SafeLoader):
     """YAML as configs mean it: `2:4` is text (a node range), not YAML 1.1's base-60 number
-    124, which safe_load would silently make of it."""
+    124, which safe_load would silently make of it; a key given twice in one mapping is an
+    error, not the last one silently winning (a second `training:` section replaced the
+    first whole)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges are meant to be overridden
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if isinstance(key, (str, int, float, bool)) and key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark,
+                        f"key {key!r} is given twice (first on line {seen[key] + 1}): keep one",
+                        key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 _BASE_60 = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")
@@ -1722,6 +1750,9 @@ def _load_yaml(text: str) -> Any:
 def parse_override(text: str) -> tuple[list[str], Any]:
     """`training.max_steps=50` -> (['training', 'max_steps'], 50). Values parse as YAML."""
     if "=" not in text:
+        if text.endswith((".yaml", ".yml")) or os.path.isfile(text):
+            raise ConfigError(f"{text!r} is read as an override (section.field=value); to read "
+                              f"a config file, give it as --config {text}")
         raise ConfigError(f"override {text!r} must look like section.field=value "
                           "(e.g. training.max_steps=50)")
     key, raw = text.split("=", 1)
@@ -1819,9 +1850,12 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             raise ConfigError(f"config file {p} not found{where}; pass an existing YAML file "
                               "(e.g. configs/tiny.yaml)")
         try:
-            tree = _load_yaml(p.read_text()) or {}
+            tree = _load_yaml(p.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {p} is not valid YAML: {e}") from e
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {p} is not UTF-8 text ({e.reason} at byte {e.start}): "
+                              "give a YAML file, e.g. configs/tiny.yaml") from None
         if not isinstance(tree, dict):
             raise ConfigError(f"config file {p} must hold a mapping of sections, not {type(tree).__name__}")
         origin = str(p)

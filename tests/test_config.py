@@ -37,6 +37,9 @@ def test_overrides_parse_as_yaml_values():
     ("model.n_kv_heads=3", "model", "n_kv_heads=3 does not divide n_heads=4"),
     ("run.run_id=bad/id", "run.run_id", "should match pattern"),
     ("training.lr=fast", "training.lr", "valid number"),
+    ("training.lr=inf", "training.lr", "finite number"),  # passed gt=0, trained NaN losses
+    ("run.runs_dir=README.md", "run.runs_dir", "README.md is a file, not a directory"),
+    ("data.data_dir=README.md", "data.data_dir", "README.md is a file, not a directory"),
     ("eval.tasks=capitals,llcont", "eval.tasks", "give a list in brackets: 'eval.tasks=[capitals, llcont]'"),
     ("faults.crash_rank=5", None, "faults.crash_rank=5 is not a rank"),
     ("storage.part_size=1MiB", "storage.part_size", "outside what S3 accepts; choose 5MiB to 5GiB"),
@@ -121,6 +124,29 @@ def test_yaml_that_is_not_a_mapping(tmp_path):
     bad.write_text("- just\n- a list\n")
     with pytest.raises(ConfigError, match="mapping of sections"):
         load_config(bad)
+
+
+def test_a_config_file_given_without_config_is_pointed_to_it():
+    with pytest.raises(ConfigError, match="to read a config file, give it as --config configs/tiny.yaml"):
+        load_config(None, ["configs/tiny.yaml"])
+    with pytest.raises(ConfigError, match="must look like section.field=value"):
+        load_config(None, ["training.max_steps"])
+
+
+def test_a_key_given_twice_or_a_file_not_text_is_an_error_naming_it(tmp_path):
+    """A second `run:` section silently replaced the first; a binary file gave a traceback."""
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("run:\n  run_id: a\ntraining:\n  max_steps: 5\nrun:\n  run_id: b\n")
+    with pytest.raises(ConfigError, match=r"key 'run' is given twice \(first on line 1\)"):
+        load_config(twice)
+    merged = tmp_path / "merged.yaml"  # YAML merge keys are meant to be overridden
+    merged.write_text("base: &b {max_steps: 5, lr: 0.001}\ntraining:\n  <<: *b\n  max_steps: 7\n")
+    with pytest.raises(ConfigError, match="base"):  # an unknown section, but read whole
+        load_config(merged)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="binary.yaml is not UTF-8 text"):
+        load_config(binary)
 
 
 def test_config_hash_ignores_paths_and_faults():
