@@ -10,10 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-from core.errors import ConfigError
+from core.errors import ConfigError, DataError
 from goodput.data import prepare as prep
 from storage.manifests import DatasetManifest
-from storage.store import IntegrityError, store_from_config
+from storage.store import store_from_config
 from tests.helpers import REPO
 from tests.test_prepare import DOCS, make_config, write_source
 from training.data import DistributedSampleLoader, TokenStream
@@ -73,7 +73,8 @@ def test_a_damaged_shard_in_the_store_is_an_error_naming_it(prepared):
     shard = manifest.splits["train"][0]
     key = f"datasets/{manifest.dataset_id}/{shard.path}"
     store.put_bytes(key, store.get_bytes(key)[:-10] + b"0123456789")
-    with pytest.raises(IntegrityError, match=f"shard {shard.path} .*prepare it again"):
+    # The same wrong bytes twice: a data error (never retried), not a transfer's
+    with pytest.raises(DataError, match=f"shard {shard.path} .*fetched twice.*prepare it again"):
         TokenStream(cache_dir, manifest, "train").window(0, 10)
     assert not (cache_dir / shard.path).exists()  # never entered the cache
 

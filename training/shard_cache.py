@@ -145,12 +145,19 @@ class ShardCache:
                     f"{self.store.url(key)}: the dataset in the store is damaged; prepare it "
                     "again (goodput prepare)") from gone
             size, sha256 = partial.stat().st_size, sha256_file(partial)
-            if (size, sha256) != (shard.size, shard.sha256):
-                raise IntegrityError(
-                    f"shard {shard.path} of dataset {self.manifest.dataset_id} from "
-                    f"{self.store.url(key)} is {size} bytes with sha256 {sha256[:12]}..., its "
-                    f"manifest says {shard.size} bytes, {shard.sha256[:12]}...: the dataset in the "
-                    "store is damaged; prepare it again (goodput prepare)")
+            if (size, sha256) != (shard.size, shard.sha256):  # a transfer's fault, or the store's
+                self.store.get_file(key, partial)
+                again = partial.stat().st_size, sha256_file(partial)
+                if again != (shard.size, shard.sha256):
+                    # Twice the same wrong bytes: the store's copy is damaged, and another
+                    # attempt reads them again (three were retried, 1.5 minutes): a data error.
+                    error = DataError if again == (size, sha256) else IntegrityError
+                    raise error(
+                        f"shard {shard.path} of dataset {self.manifest.dataset_id} from "
+                        f"{self.store.url(key)} is {again[0]} bytes with sha256 {again[1][:12]}..., "
+                        f"its manifest says {shard.size} bytes, {shard.sha256[:12]}... (fetched "
+                        "twice): the dataset in the store is damaged; prepare it again "
+                        "(goodput prepare)")
             os.replace(partial, local)
             self.fetched += 1
         finally:
