@@ -19,6 +19,7 @@ cannot fix ends the attempt: restarted workers find its record and exit at once 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -469,9 +470,28 @@ def in_job_restarts(run_dir: RunDir | Path, attempt: int | str) -> int:
 
 def write_heartbeat(run_dir: RunDir | Path, **fields) -> None:
     """Rank 0, every step (and at a start, and before a save): the supervisor tells a slow
-    attempt from a hung one by it. `phase`: 'startup', 'step' or 'checkpoint'."""
+    attempt from a hung one by it. `phase`: 'startup', 'step' or 'checkpoint'. It also says
+    where its workers run (workers_gone)."""
     _write_json_atomically(RunDir.of(run_dir).heartbeat_file,
-                           {**fields, "time": time.time(), "pid": os.getpid()})
+                           {**fields, "time": time.time(), "pid": os.getpid(), **_where_workers_run()})
+
+
+@functools.lru_cache(maxsize=1)
+def _where_workers_run() -> dict:
+    import socket
+
+    return {"host": socket.gethostname(), "pid_space": _pid_space(), "agent_pid": os.getppid(),
+            # every worker on this one machine (torchrun's LOCAL_WORLD_SIZE is all of them)
+            "one_machine": os.environ.get("WORLD_SIZE", "1") == os.environ.get("LOCAL_WORLD_SIZE", "1")}
+
+
+def workers_gone(beat: dict) -> bool:
+    """Whether the workers that wrote heartbeat `beat` are known to be dead: they all ran on
+    this machine (as this process sees its pids), and rank 0 and its torchrun agent are gone
+    (the kernel kills an agent's workers with it: training.__main__.die_with_agent). After
+    a kill -9 of a whole training the next waited launch.orphan_timeout_s for them."""
+    return (bool(beat.get("one_machine")) and isinstance(beat.get("agent_pid"), int)
+            and lease_holder_gone(beat) and lease_holder_gone({**beat, "pid": beat["agent_pid"]}))
 
 
 def read_heartbeat(run_dir: RunDir | Path) -> dict | None:

@@ -35,7 +35,7 @@ from core.protocol import (ENV_ATTEMPT, ENV_LEASE_HOLDER, ENV_MTBF_S, ENV_ORPHAN
                            ENV_RESTART_WAIT_S,
                            ENV_RUN_DIR, ENV_STOP_AFTER, FailureClass, ResumeSpec, in_job_restarts,
                            lease_holder_gone, read_exit_records, read_heartbeat, read_lease,
-                           read_starts, write_lease)
+                           read_starts, workers_gone, write_lease)
 from infra.launchers import (RDZV_CONF_ENV, NodeLaunch, SubmitStopped, make_launcher,
                              free_port)  # noqa: F401 (free_port: API)
 
@@ -357,6 +357,8 @@ class RunLease:
         if any(r["rank"] == 0 and r["time"] >= beat["time"]
                for r in read_exit_records(self.run_dir, other)):
             return ""  # its workers have stopped
+        if workers_gone(beat):
+            return ""  # killed outright on this machine, their agent with them
         age = now - beat["time"]
         if age < orphan_after_s + self.save_s:
             return (f"the workers of attempt {other} still train with no supervisor (heartbeat "

@@ -233,6 +233,46 @@ def test_a_lease_runs_out_by_its_holders_orphan_timeout_and_a_dead_local_holder_
                                          pid_space="another-boot/4026531836")
 
 
+def test_workers_killed_outright_on_this_machine_are_not_waited_for(tmp_path):
+    """kill -9 of a whole training (the command, torchrun and its workers): the next waited
+    launch.orphan_timeout_s (2 minutes, then 3 with the emergency save's allowance) for
+    workers that were gone. A heartbeat says where its workers ran: rank 0 and its torchrun
+    agent dead on this machine, every worker on it, is none left."""
+    import socket
+    import time
+
+    from core.protocol import RunDir, _pid_space, workers_gone
+    from infra.torchrun import RunLease
+    from tests.helpers import small_config
+
+    config = small_config(tmp_path, "launch.orphan_timeout_s=120")
+    beat_file = RunDir.of(config.run_dir).heartbeat_file
+    beat_file.parent.mkdir(parents=True, exist_ok=True)
+    dead = [int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                               capture_output=True, text=True, check=True).stdout) for _ in range(2)]
+
+    def beat(pid: int, agent_pid: int, one_machine: bool = True, host: str = socket.gethostname()) -> str:
+        record = {"attempt": "killed-1", "phase": "step", "step": 7, "time": time.time() - 5,
+                  "pid": pid, "agent_pid": agent_pid, "host": host, "pid_space": _pid_space(),
+                  "one_machine": one_machine}
+        beat_file.write_text(json.dumps(record))
+        assert workers_gone(record) == (RunLease(config, "flow run here").blocker() == "")
+        return RunLease(config, "flow run here").blocker()
+
+    assert beat(*dead) == ""  # both gone: nothing to wait for
+    assert "still train with no supervisor" in beat(dead[0], os.getpid())  # the agent lives
+    assert "still train with no supervisor" in beat(os.getpid(), dead[1])  # rank 0 lives
+    assert "still train with no supervisor" in beat(*dead, one_machine=False)  # other nodes' may
+    assert "still train with no supervisor" in beat(*dead, host="elsewhere")
+    # What rank 0 writes: where it runs, its agent (here: the test's parent), one machine.
+    from core.protocol import read_heartbeat, write_heartbeat
+
+    write_heartbeat(config.run_dir, attempt="a", phase="step", step=1)
+    written = read_heartbeat(config.run_dir)
+    assert (written["pid"], written["agent_pid"], written["host"]) == (os.getpid(), os.getppid(), socket.gethostname())
+    assert written["one_machine"] is True and not workers_gone(written)
+
+
 def test_an_elastic_world_growing_back_is_no_failure_in_the_accounting(tmp_path):
     """One node lost (the workers restart on 2 of 4), then let back in (they restart on 4):
     two in-job restarts, one failure. Counted as two, the observed MTBF was halved and the
