@@ -346,9 +346,12 @@ def _check_weights(directory: Path, needed: list[str]) -> None:
 def _attends_to_whole_context(config: dict, where: Path) -> None:
     """training/model.py attends to the whole context: a checkpoint whose layers attend to a
     sliding window (Mistral's and Mixtral's sliding_window; Qwen's use_sliding_window) is
-    refused, one whose window is off loads."""
+    refused, one whose window is off, or spans max_position_embeddings, loads."""
     kind = config["model_type"]
-    if kind in ("mistral", "mixtral") and config.get("sliding_window") is not None:
+    window, context = config.get("sliding_window"), config.get("max_position_embeddings")
+    if isinstance(window, int) and isinstance(context, int) and window >= context:
+        window = None  # a window as wide as the context: the whole context, as here
+    if kind in ("mistral", "mixtral") and window is not None:
         raise ConfigError(f"model.init_from: {where} has sliding_window="
                           f"{config['sliding_window']}; training/model.py attends to the whole "
                           f"context (a {kind} config with sliding_window null loads)")

@@ -799,9 +799,15 @@ def test_relatives_with_a_sliding_window_or_other_parts_are_refused(tmp_path, re
             load_config(None, [f"model.init_from={directory}", f"training.seq_len={SEQ}"])
         return str(err.value)
 
-    assert "has sliding_window=4096; training/model.py attends to the whole context (a mistral " \
-           "config with sliding_window null loads)" in error("mistral", sliding_window=4096)
+    assert f"has sliding_window={SEQ // 2}; training/model.py attends to the whole context (a mistral " \
+           "config with sliding_window null loads)" in error("mistral", sliding_window=SEQ // 2)
     assert "has use_sliding_window=true" in error("qwen2", use_sliding_window=True)
+    # A window as wide as the context (Mistral's 4096 of a 4096 context) attends to it whole.
+    wide = tmp_path / "mistral-wide"
+    shutil.copytree(relatives["mistral"], wide)
+    settings = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**settings, "sliding_window": settings["max_position_embeddings"]}))
+    assert load_config(None, [f"model.init_from={wide}", f"training.seq_len={SEQ}"]).model.init_from
     # Each refusal says what of training/model.py the field asks otherwise, and only that.
     gelu = error("mistral", hidden_act="gelu")
     assert "hidden_act='gelu' (its feed-forward is SwiGLU (hidden_act 'silu'))" in gelu
