@@ -674,9 +674,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         if args.command in ("train", "pipeline"):
-            from goodput.runs import check_run_config
+            from goodput.runs import check_run_config, warn_of_checkpoints_elsewhere
 
             check_run_config(config)  # a run this config would not continue: before anything starts
+            with _the_checks_warnings():  # said once: the train flow's own warning is not repeated
+                warn_of_checkpoints_elsewhere(config)
     except ConfigError as e:
         print(f"goodput: {e}", file=sys.stderr)
         return 2

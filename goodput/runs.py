@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,6 +67,40 @@ def check_run_config(config: RunConfig) -> Path:
                 "run directory to start over).")
         _check_init_from_weights(config, previous)
     return path
+
+
+log = logging.getLogger("goodput.runs")
+
+
+def warn_of_checkpoints_elsewhere(config: RunConfig) -> None:
+    """checkpoints_elsewhere's reason as a warning, where there is one."""
+    elsewhere = checkpoints_elsewhere(config)
+    if elsewhere:
+        log.warning("%s", elsewhere)
+
+
+def checkpoints_elsewhere(config: RunConfig) -> str | None:
+    """Why the run's uploaded checkpoints are not where this config's store would find them
+    (the ledger names them in another store), else None. Pointing a finished run at a new
+    store (storage.uri) uploaded nothing there, silently: a new machine could not resume it
+    from that store."""
+    from storage.store import store_uri
+
+    try:
+        entries = Ledger(config.run_dir).read().entries
+    except (OSError, ValueError):
+        return None
+    here = store_uri(config.storage.uri)
+    elsewhere = sorted(step for step, entry in entries.items() if entry.state == "uploaded"
+                       and entry.store_url and not entry.store_url.startswith(f"{here}/"))
+    if not elsewhere:
+        return None
+    where = entries[elsewhere[-1]].store_url.rsplit("/runs/", 1)[0]
+    return (f"run '{config.run.run_id}' has {len(elsewhere)} checkpoint(s) uploaded to {where} "
+            f"(steps {elsewhere[0]}..{elsewhere[-1]}), not to this config's store {here}: a "
+            f"machine resuming from {here} will not find them. To continue the run where its "
+            f"checkpoints are, set storage.uri to that store; for a run of its own in {here}, "
+            "choose a new run.run_id")
 
 
 def _check_init_from_weights(config: RunConfig, previous: RunConfig) -> None:

@@ -89,6 +89,14 @@ def store_from_config(section) -> Store:
                       max_concurrency=section.max_concurrency)
 
 
+def store_uri(uri: str) -> str:
+    """The URI a store opened on `uri` names itself by (Store.uri), without opening it."""
+    if urlparse(uri).scheme == "s3":
+        bucket, prefix = parse_s3_uri(uri)
+        return f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+    return LocalStore(uri).uri
+
+
 def usable_anywhere(section):
     """A `storage` config section as a process in another working directory must see it (a
     torchrun worker, a Ray task): a local store's root made absolute; s3:// as it is."""

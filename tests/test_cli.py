@@ -628,3 +628,25 @@ def test_seaweedfs_restarted_on_its_data_directory_keeps_its_keys(tmp_path):
     first = keys_served()
     assert len(first) == 2 and first[0].startswith("export AWS_ACCESS_KEY_ID=goodput-")
     assert keys_served() == first
+
+
+def test_a_run_pointed_at_another_store_is_warned_that_its_checkpoints_are_not_there(tmp_path, capsys):
+    """A finished run given a new storage.uri uploaded nothing there, and said nothing: a
+    machine resuming from the new store would not find its checkpoints."""
+    from goodput.runs import checkpoints_elsewhere
+    from storage.ledger import Ledger, checkpoint_key
+    from storage.store import open_store
+
+    old = open_store(str(tmp_path / "old-store"))
+    config = load_config("configs/tiny.yaml", [f"run.runs_dir={tmp_path / 'runs'}",
+                                               f"storage.uri={tmp_path / 'old-store'}"])
+    ledger = Ledger(config.run_dir)
+    for step in (50, 100):
+        ledger.record(step, "uploaded", store_url=old.url(checkpoint_key(config.run.run_id, step)))
+    assert checkpoints_elsewhere(config) is None  # its own store
+    moved = load_config("configs/tiny.yaml", [f"run.runs_dir={tmp_path / 'runs'}",
+                                              "storage.uri=s3://goodput/experiments"])
+    said = checkpoints_elsewhere(moved)
+    assert said.startswith(f"run 'tiny' has 2 checkpoint(s) uploaded to {old.uri} (steps 50..100), "
+                           "not to this config's store s3://goodput/experiments")
+    assert "set storage.uri to that store" in said and "choose a new run.run_id" in said
