@@ -136,6 +136,11 @@ def build_deployments(config: RunConfig, eval_cron: str | None = None,
     if train_cron:
         # Serving again after the run reached its budget must not switch the schedule back on.
         finished = run_finished(config, store_from_config(config.storage))
+        if finished:
+            print(f"goodput serve: run '{config.run.run_id}' already reached training.max_steps="
+                  f"{config.training.max_steps}: goodput-train-continue is served with its "
+                  "schedule off (switch it on in the UI once the run has more to train)",
+                  file=sys.stderr, flush=True)
         deployments.append(train.to_deployment(
             name="goodput-train-continue", tags=[*tags, "continue"],
             description=f"Continue run {config.run.run_id} until training.max_steps, at most "

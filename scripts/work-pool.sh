@@ -9,6 +9,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
+# A .venv shared with another checkout runs that checkout's flows: every flow run would fail
+# on the mismatch (flows/deployments.py), so say it here, before anything is deployed.
+installed=$(python -c 'import flows, pathlib; print(pathlib.Path(flows.__file__).resolve().parents[1])')
+if [ "$installed" != "$(pwd -P)" ]; then
+    echo "work-pool.sh: this .venv runs the flows of $installed, not of $(pwd -P): run the" \
+         "script from $installed, or give this checkout a .venv of its own (make setup)" >&2
+    exit 2
+fi
 export GOODPUT_REPO=${GOODPUT_REPO:-$PWD}
 export PREFECT_SERVER_ANALYTICS_ENABLED=${PREFECT_SERVER_ANALYTICS_ENABLED:-false}
 POOL=goodput  # the pool prefect.yaml's deployments name

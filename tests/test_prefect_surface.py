@@ -861,7 +861,7 @@ def test_work_pool_script_deploys_prefect_yaml_and_runs_it(prefect_api, base, da
         log.close()
 
 
-def test_serving_a_finished_run_again_keeps_its_continuation_schedule_off(tmp_path):
+def test_serving_a_finished_run_again_keeps_its_continuation_schedule_off(tmp_path, capsys):
     from flows.deployments import build_deployments
     from goodput.checkpoint_lifecycle import ledger_of
 
@@ -875,8 +875,11 @@ def test_serving_a_finished_run_again_keeps_its_continuation_schedule_off(tmp_pa
     assert continuation_active()  # nothing trained yet
     ledger_of(config).record(10, "validated")
     assert continuation_active()  # half way
+    assert "schedule off" not in capsys.readouterr().err
     ledger_of(config).record(20, "uploaded")
     assert not continuation_active()  # the budget is spent: serving again must not revive it
+    assert "already reached training.max_steps=20: goodput-train-continue is served with its " \
+           "schedule off" in capsys.readouterr().err  # said, not left for the UI to show
 
 
 def test_serve_refuses_to_take_over_deployments_a_worker_runs(tmp_path, monkeypatch):
