@@ -14,6 +14,7 @@ from core.config import RunConfig
 from flows.evaluate import evaluate
 from flows.prepare import prepare
 from flows.train import train
+from goodput.runs import check_run_config
 from tasks.control import cancelled_on_ctrl_c, resolve_config
 from tasks.credentials import load_credentials, uses_blocks
 from tasks.evaluate import check_eval_tasks
@@ -40,6 +41,9 @@ def pipeline(config: RunConfig = RunConfig(), config_file: str | None = None,
             rank ("all").
     """
     config = resolve_config(config, config_file, overrides)
+    # A config the run's checkpoints do not continue (the UI's form with another max_steps)
+    # fails here, not after the dataset is prepared.
+    check_run_config(config)
     if uses_blocks(config):  # the store's and W&B's keys, from Prefect blocks
         load_credentials(config)
     eval_tasks = check_eval_tasks.submit(config) if config.eval.tasks else None

@@ -17,7 +17,7 @@ from core.config import RunConfig
 from goodput.checkpoint_lifecycle import (new_checkpoints, secure_checkpoint, secured_text,
                                           unsecured_steps)
 from goodput.evaluation import evaluation_due
-from goodput.runs import unfinished_training_counted, warn_of_checkpoints_elsewhere
+from goodput.runs import check_run_config, unfinished_training_counted, warn_of_checkpoints_elsewhere
 from infra.torchrun import LeaseWaitGivenUp
 from storage.store import store_from_config
 from tasks.control import (cancelled_on_ctrl_c, no_orphan_workers, resolve_config, settle, stop_training_when_cancelled,
@@ -89,6 +89,7 @@ def train(config: RunConfig = RunConfig(), config_file: str | None = None,
     config = resolve_config(config, config_file, overrides)
     if uses_blocks(config):  # the store's and W&B's keys, from Prefect blocks
         load_credentials(config)
+    check_run_config(config)  # a config the run's checkpoints do not continue: before anything
     warn_of_checkpoints_elsewhere(config)  # a run pointed at another store: its log says so
     try:
         # Configuration checks before anything launches: eval.tasks' names (lm-eval's task

@@ -248,6 +248,20 @@ def test_cli_reports_config_errors_before_starting_anything():
     assert "model: n_heads=3 does not divide dim=128" in proc.stderr
 
 
+def test_a_pipeline_flow_run_that_would_not_continue_its_run_fails_before_preparing(prefect_api, tmp_path):
+    """A deployment run from the UI with another max_steps for an existing run: refused
+    first, not after its dataset was prepared (the check was in the launch task)."""
+    from core.errors import ConfigError
+    from goodput.runs import write_run_config
+    from tests.helpers import small_config
+
+    write_run_config(small_config(tmp_path))
+    longer = small_config(tmp_path, "training.max_steps=600")
+    with pytest.raises(ConfigError, match="already exists .* with a different data/tokenizer/model"):
+        pipeline(longer)
+    assert not Path(longer.data.data_dir).exists() or not any(Path(longer.data.data_dir).glob("*/manifest.json"))
+
+
 def test_a_cancel_nobody_acts_on_stops_training_and_secures_its_checkpoint(prefect_api, tmp_path):
     """A flow run that no worker or runner of its own can kill (its worker was replaced, or
     `goodput train` against a server) and that is cancelled from the UI: it used to stay
