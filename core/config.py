@@ -1722,19 +1722,30 @@ class _ConfigLoader(yaml.SafeLoader):
     first whole)."""
 
     def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
+        # A mapping another one merged (`<<: *base`) was flattened then, its merged keys put
+        # beside its own: those repeats are meant.
+        if isinstance(node, yaml.MappingNode) and id(node) not in self._flattened:
             seen: dict = {}
             for key_node, _ in node.value:
                 if key_node.tag == "tag:yaml.org,2002:merge":  # `<<:` merges are meant to be overridden
                     continue
                 key = self.construct_object(key_node, deep=True)
-                if isinstance(key, (str, int, float, bool)) and key in seen:
+                typed = (type(key), key)  # 1 and true are two keys
+                if isinstance(key, (str, int, float, bool)) and typed in seen:
                     raise yaml.constructor.ConstructorError(
                         "while reading a mapping", node.start_mark,
-                        f"key {key!r} is given twice (first on line {seen[key] + 1}): keep one",
+                        f"key {key!r} is given twice (first on line {seen[typed] + 1}): keep one",
                         key_node.start_mark)
-                seen[key] = key_node.start_mark.line
+                seen[typed] = key_node.start_mark.line
         return super().construct_mapping(node, deep=deep)
+
+    def flatten_mapping(self, node):
+        super().flatten_mapping(node)
+        self._flattened.add(id(node))
+
+    def __init__(self, stream):
+        super().__init__(stream)
+        self._flattened: set[int] = set()
 
 
 _BASE_60 = re.compile(r"^[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?$")

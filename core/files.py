@@ -111,10 +111,10 @@ def delete_folder_unless_read(path: str | os.PathLike) -> bool:
 
 @contextmanager
 def exclusive_lock(path: str | os.PathLike, on_wait: Callable[[float, str], None] | None = None,
-                   holder: str | None = None, remind_s: float = 300.0) -> Iterator[None]:
+                   holder: Callable[[], str] | None = None, remind_s: float = 300.0) -> Iterator[None]:
     """Hold an exclusive flock on the file `path` (created with its folder). Per open file, so
-    threads of one process exclude each other as processes do. `holder` (who takes it: a
-    process, a host) is written into the file while it is held. `on_wait(waited_s, holder)`
+    threads of one process exclude each other as processes do. `holder()` (who takes it: a
+    process, a host, since when) is written into the file once it is held. `on_wait(waited_s, holder)`
     is called if another holds it, before this waits for it, and every `remind_s` of waiting
     after that, with what the other wrote as its holder ("" if nothing)."""
     path = Path(path)
@@ -129,7 +129,7 @@ def exclusive_lock(path: str | os.PathLike, on_wait: Callable[[float, str], None
                 _wait_for_lock(lock, on_wait, remind_s)
         if holder is not None:
             lock.truncate(0)
-            lock.write(holder)
+            lock.write(holder())
             lock.flush()
         yield
 

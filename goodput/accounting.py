@@ -172,7 +172,8 @@ def mix_drawn_by_stage(run_dir, step: int | None, stages: list[tuple[int, dict[s
     """A curriculum's samples drawn from each source within each of its stages up to `step`,
     beside the stage's weights (mix_drawn's shares run over every stage, so they match none
     of them). `stages`: RunConfig.mix_stages(). The trainer writes a metrics record at each
-    stage's last step, so the counts are exact. None without stages or records."""
+    stage's last step, so the counts are exact (for a run trained before it did, the record
+    before a stage's start stands for it). None without stages or records."""
     if step is None or len(stages) < 2:
         return None
     bounds = [first_sample // global_batch for first_sample, _ in stages]  # the step before each

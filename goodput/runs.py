@@ -80,27 +80,30 @@ def warn_of_checkpoints_elsewhere(config: RunConfig) -> None:
 
 
 def checkpoints_elsewhere(config: RunConfig) -> str | None:
-    """Why the run's uploaded checkpoints are not where this config's store would find them
-    (the ledger names them in another store), else None. Pointing a finished run at a new
+    """Why the run's newest uploaded checkpoint is not where this config's store would find
+    it (the ledger names it in another store), else None. Pointing a finished run at a new
     store (storage.uri) uploaded nothing there, silently: a new machine could not resume it
-    from that store."""
+    from that store. (Older steps left in a store the run moved away from are not warned of:
+    its newest checkpoint is what a resume reads.)"""
+    from storage.ledger import checkpoint_key
     from storage.store import store_uri
 
     try:
         entries = Ledger(config.run_dir).read().entries
     except (OSError, ValueError):
         return None
-    here = store_uri(config.storage.uri)
-    elsewhere = sorted(step for step, entry in entries.items() if entry.state == "uploaded"
-                       and entry.store_url and not entry.store_url.startswith(f"{here}/"))
-    if not elsewhere:
+    uploaded = [entry for _, entry in sorted(entries.items()) if entry.state == "uploaded" and entry.store_url]
+    if not uploaded:
         return None
-    where = entries[elsewhere[-1]].store_url.rsplit("/runs/", 1)[0]
-    return (f"run '{config.run.run_id}' has {len(elsewhere)} checkpoint(s) uploaded to {where} "
-            f"(steps {elsewhere[0]}..{elsewhere[-1]}), not to this config's store {here}: a "
-            f"machine resuming from {here} will not find them. To continue the run where its "
-            f"checkpoints are, set storage.uri to that store; for a run of its own in {here}, "
-            "choose a new run.run_id")
+    newest, here = uploaded[-1], store_uri(config.storage.uri)
+    key = checkpoint_key(config.run.run_id, newest.step)
+    if newest.store_url == f"{here}/{key}":
+        return None
+    there = newest.store_url.removesuffix(f"/{key}")
+    return (f"run '{config.run.run_id}' has its newest checkpoint (step {newest.step}) uploaded to "
+            f"{there}, not to this config's store {here}: a machine resuming from {here} will not "
+            f"find it. To continue the run where its checkpoints are, set storage.uri to that "
+            f"store; for a run of its own in {here}, choose a new run.run_id")
 
 
 def _check_init_from_weights(config: RunConfig, previous: RunConfig) -> None:

@@ -331,6 +331,9 @@ class RunLease:
         self.run_dir, self.holder = config.run_dir, holder
         self.orphan_after_s = config.launch.orphan_timeout_s
         self.save_s = config.faults.emergency_save_s
+        # A save's writer process (checkpoint.async_mode=process) outlives its worker and
+        # finishes the save in flight: killed workers are waited for as before.
+        self.writers_outlive_workers = config.checkpoint.async_mode == "process"
         self.renew_every_s = min(5.0, self.orphan_after_s / 4)
         self.since: float | None = None
         self.waited_s = 0.0  # for another holder, or for workers with none, before taking it
@@ -357,7 +360,7 @@ class RunLease:
         if any(r["rank"] == 0 and r["time"] >= beat["time"]
                for r in read_exit_records(self.run_dir, other)):
             return ""  # its workers have stopped
-        if workers_gone(beat):
+        if workers_gone(beat) and not self.writers_outlive_workers:
             return ""  # killed outright on this machine, their agent with them
         age = now - beat["time"]
         if age < orphan_after_s + self.save_s:

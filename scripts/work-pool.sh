@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 # A .venv shared with another checkout runs that checkout's flows: every flow run would fail
 # on the mismatch (flows/deployments.py), so say it here, before anything is deployed.
-installed=$(python -c 'import flows, pathlib; print(pathlib.Path(flows.__file__).resolve().parents[1])')
+# (From /: run here, Python would import this directory's flows/ whatever the .venv holds.)
+installed=$(cd / && python -c 'import flows, pathlib; print(pathlib.Path(flows.__file__).resolve().parents[1])')
 if [ "$installed" != "$(pwd -P)" ]; then
     echo "work-pool.sh: this .venv runs the flows of $installed, not of $(pwd -P): run the" \
          "script from $installed, or give this checkout a .venv of its own (make setup)" >&2

@@ -647,6 +647,12 @@ def test_a_run_pointed_at_another_store_is_warned_that_its_checkpoints_are_not_t
     moved = load_config("configs/tiny.yaml", [f"run.runs_dir={tmp_path / 'runs'}",
                                               "storage.uri=s3://goodput/experiments"])
     said = checkpoints_elsewhere(moved)
-    assert said.startswith(f"run 'tiny' has 2 checkpoint(s) uploaded to {old.uri} (steps 50..100), "
+    assert said.startswith(f"run 'tiny' has its newest checkpoint (step 100) uploaded to {old.uri}, "
                            "not to this config's store s3://goodput/experiments")
     assert "set storage.uri to that store" in said and "choose a new run.run_id" in said
+    # A store that holds the old one (its parent): still not where a resume looks.
+    parent = load_config("configs/tiny.yaml", [f"run.runs_dir={tmp_path / 'runs'}", f"storage.uri={tmp_path}"])
+    assert checkpoints_elsewhere(parent) is not None
+    # Moved on purpose: the newest checkpoint is in the new store; older ones left behind are fine.
+    ledger.record(150, "uploaded", store_url=f"s3://goodput/experiments/{checkpoint_key('tiny', 150)}")
+    assert checkpoints_elsewhere(moved) is None

@@ -194,6 +194,10 @@ def test_a_mix_shares_the_first_sources_tokenizer_and_adding_a_source_prepares_o
     sources = [(s, manifests[s.name]) for s in config.data.sources] + [(bigger.data.sources[3], other)]
     with pytest.raises(ConfigError, match="math .* another tokenizer than web"):
         prep.mixture_manifest(sources)
+    # The same tokenizer, but documents that start with a BOS beside ones that do not.
+    with_bos = other.model_copy(update={"tokenizer_sha256": manifest.tokenizer_sha256, "doc_prefix_ids": [0]})
+    with pytest.raises(ConfigError, match="math .* starts or ends its documents with other tokens"):
+        prep.mixture_manifest([(s, manifests[s.name]) for s in config.data.sources] + [(bigger.data.sources[3], with_bos)])
 
 
 def test_prepare_names_the_mix_directory_training_reads(mix, monkeypatch, tmp_path):

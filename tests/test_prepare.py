@@ -1187,14 +1187,14 @@ def test_a_prepare_waiting_behind_another_says_so_again_while_it_waits(tmp_path)
     lock = tmp_path / ".d.lock"
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; from core.files import exclusive_lock\n"
-        f"with exclusive_lock({str(lock)!r}, holder='process 42 on elsewhere'):\n"
+        f"with exclusive_lock({str(lock)!r}, holder=lambda: 'process 42 on elsewhere'):\n"
         "    print('held', flush=True); time.sleep(2.5)")], cwd=Path(__file__).parents[1],
         stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
         said = []
         with exclusive_lock(lock, on_wait=lambda waited, who: said.append((round(waited), who)),
-                            holder="me", remind_s=1.0):
+                            holder=lambda: "me", remind_s=1.0):
             assert lock.read_text() == "me"
         assert said[0] == (0, "process 42 on elsewhere") and len(said) >= 2
         assert all(who == "process 42 on elsewhere" for _, who in said)

@@ -389,8 +389,9 @@ def one_prepare_at_a_time(plan: DatasetPlan) -> Iterator[bool]:
                         waited_s / 60, by, lock)
 
     lock = plan.dir.with_name(f".{plan.dataset_id}.lock")
-    holder = (f"process {os.getpid()} on {socket.gethostname()}, since "
-              f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}")
+    def holder() -> str:  # when it was taken, not when this prepare began to wait for it
+        return f"process {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S %Z')}"
+
     with exclusive_lock(lock, on_wait=say_waiting, holder=holder):
         yield bool(waited)
 
@@ -477,12 +478,13 @@ def mixture_manifest(sources: list[tuple[SourceConfig, DatasetManifest]]) -> Mix
     training reads each, MixSource.dir, is filled in by dataset_for_training)."""
     first = sources[0][1]
     for source, manifest in sources[1:]:
-        if (manifest.tokenizer_sha256, manifest.vocab_size, manifest.eos_id) != (
-                first.tokenizer_sha256, first.vocab_size, first.eos_id):
+        if (manifest.tokenizer_sha256, manifest.vocab_size, manifest.eos_id, manifest.doc_prefix_ids) != (
+                first.tokenizer_sha256, first.vocab_size, first.eos_id, first.doc_prefix_ids):
             raise ConfigError(
                 f"data.sources: {source.name} (dataset {manifest.dataset_id}) was tokenized with "
-                f"another tokenizer than {sources[0][0].name} (dataset {first.dataset_id}), or ends "
-                "its documents with another token: a mix "
+                f"another tokenizer than {sources[0][0].name} (dataset {first.dataset_id}), or "
+                "starts or ends its documents with other tokens (one was prepared before documents "
+                "started with the tokenizer's BOS): a mix "
                 "needs one; set tokenizer.path, or leave it unset to use the one trained on the "
                 "first source, and prepare again")
     listed = [[source.name, source.weight, manifest.dataset_id] for source, manifest in sources]
