@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         _config_args(p)
         if name == "evaluate":
             p.add_argument("--checkpoint", help="step number, checkpoint directory or its file:// URL "
-                                                "(default: the newest validated)")
+                                                "(default: the newest validated); `init`: the "
+                                                "model.init_from weights the run starts from")
     p = sub.add_parser("serve", help="serve the flows as deployments (Prefect UI, schedules)")
     _config_args(p)
     p.add_argument("--eval-cron", help="cron schedule for evaluating the newest checkpoint")

@@ -29,7 +29,8 @@ def evaluate(config: RunConfig = RunConfig(), checkpoint: str | None = None,
         config: The run's configuration (the form); used unless `config_file` is set.
         checkpoint: A step number or a checkpoint directory. Empty: the newest validated
             checkpoint, so a schedule evaluates whatever training has reached; a report that
-            exists for that checkpoint is reused.
+            exists for that checkpoint is reused. "init": the model.init_from weights the
+            run starts from (the baseline), as step 0.
         config_file: A RunConfig YAML file, relative to the working directory of the flow
             run; leave the form at its defaults when set.
         overrides: Field overrides applied last, e.g. ["eval.num_samples=5"].

@@ -71,6 +71,14 @@ def check_tasks(config: RunConfig) -> dict[str, str]:
     return found
 
 
+INITIAL = "init"  # --checkpoint init: the run's model.init_from weights, before any step
+
+
+def is_initial(config: RunConfig, checkpoint: Path) -> bool:
+    """Whether `checkpoint` is the run's model.init_from directory (pick_checkpoint's INITIAL)."""
+    return bool(config.model.init_from) and Path(checkpoint) == Path(config.model.init_from)
+
+
 def locate_checkpoint(config: RunConfig, store, checkpoint: str | int | None = None) -> Path:
     """The checkpoint to evaluate (pick_checkpoint's) as the directory `evaluate` takes
     (checkpoint_dir): nothing is fetched here."""
@@ -83,7 +91,17 @@ def pick_checkpoint(config: RunConfig, store, checkpoint: str | int | None = Non
     resume from, storage.ledger.choose_resume), or the given step, or a directory. A
     ConfigError says why there is none when the input names none (a step not validated, a
     path that is no checkpoint, a run with nothing validated); a FileNotFoundError when the
-    step is validated but not readable from here yet."""
+    step is validated but not readable from here yet. INITIAL ("init"): the weights a run
+    with model.init_from starts from (its directory), evaluated as step 0: the baseline."""
+    if checkpoint == INITIAL:
+        if not config.model.init_from:
+            raise ConfigError(f"--checkpoint {INITIAL} evaluates the weights a run starts from "
+                              f"(model.init_from); run '{config.run.run_id}' has none: it starts "
+                              "from random weights")
+        if not Path(config.model.init_from).is_dir():
+            raise ConfigError(f"--checkpoint {INITIAL}: model.init_from={config.model.init_from} "
+                              "is not a directory here")
+        return Path(config.model.init_from)
     if checkpoint is not None and not str(checkpoint).isdigit():
         location = local_path_of(str(checkpoint))
         path = Path(location)
@@ -135,7 +153,9 @@ def checkpoint_dir(config: RunConfig, point: ResumePoint) -> Path:
 def evaluated_copy(config: RunConfig, checkpoint: Path) -> str | None:
     """The copy (core.protocol.copy_id) `evaluate` reads at `checkpoint`: the local one, or,
     for a step of the run that this machine has no copy of, the store's copy the ledger
-    names uploaded. None: none that can be read."""
+    names uploaded. None: none that can be read. The init_from weights: their fingerprint."""
+    if is_initial(config, checkpoint):
+        return config.model.init_from_fingerprint
     local = copy_id(checkpoint)
     if local is not None or not config.run_dir.holds_checkpoint(checkpoint):
         return local
@@ -160,7 +180,10 @@ def report_path(config: RunConfig, checkpoint: Path) -> Path:
     evaluated with the run's own eval settings (its config.yaml's); with others (a one-off
     `goodput evaluate eval.limit=4`), eval/settings-<hash>/step-N.json, which leaves the
     run's report, its ledger scores and the best checkpoint by eval as they were. A
-    directory of another run gets a report of its own (eval/other/), never this run's."""
+    directory of another run gets a report of its own (eval/other/), never this run's; the
+    init_from weights one of theirs, eval/initial/ (a baseline, not a step of the run)."""
+    if is_initial(config, checkpoint):
+        return config.run_dir.eval_dir / "initial" / f"settings-{config.eval_hash()[:12]}.json"
     step = step_of(checkpoint)
     if config.run_dir.holds_checkpoint(checkpoint):
         if runs_own_eval_settings(config.run_dir, config.eval_hash()):
@@ -234,7 +257,8 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
     report = reusable_report(config, checkpoint, dataset_id_of(dataset_dir))
     if report is not None:
         return report
-    from_store = not is_committed(checkpoint)
+    initial = is_initial(config, checkpoint)
+    from_store = not initial and not is_committed(checkpoint)
     store_copy = evaluated_copy(config, checkpoint) if from_store else None
     if from_store and store_copy is None:
         raise FileNotFoundError(f"{checkpoint} is not on this machine, and the ledger of run "
@@ -251,7 +275,8 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
     argv = [sys.executable, "-m", "training.evaluate", "--checkpoint", str(checkpoint),
             "--dataset", str(dataset_dir), "--config", str(config_path), "--out", str(new),
             *(["--background", "--device", config.eval.background_device] if background else []),
-            *(["--from-store", store_copy] if from_store else [])]
+            *(["--from-store", store_copy] if from_store else []),
+            *(["--initial"] if initial else [])]
     try:
         # Beside training, in a session of its own with its scheduling group lowered
         # (core.cpu_priority); it dies with this process, as no Ctrl-C to the terminal's

@@ -30,6 +30,9 @@ def locate_checkpoint(config: RunConfig, checkpoint: str | None) -> Path:
     read from. A step or path that names none, or a run with none validated, is a
     ConfigError and fails at once; the store unreachable is tried again."""
     path = evaluation.locate_checkpoint(config, store_from_config(config.storage), checkpoint)
+    if evaluation.is_initial(config, path):
+        get_run_logger().info(f"evaluating the weights the run starts from (model.init_from={path}), as step 0")
+        return path
     get_run_logger().info(f"evaluating {path}" if is_committed(path) else
                           f"evaluating step {step_of(path)} from the store's copy (this machine "
                           "has none): its weights are fetched, not the optimizer's state")

@@ -490,3 +490,39 @@ def test_a_checkpoint_in_the_store_exports_by_its_url(trained, tmp_path, s3_uri,
     with pytest.raises(ExportError, match=r"gs://bucket/runs/x/checkpoints/step-00000004: "):
         export_hf("gs://bucket/runs/x/checkpoints/step-00000004", tmp_path / "gs")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["from-store", "local"]
+
+
+def test_the_weights_a_run_starts_from_are_evaluated_as_its_baseline(tmp_path):
+    """`goodput evaluate --checkpoint init`: a run with model.init_from evaluated before its
+    first step (its held-out loss on the run's data: the baseline continued pretraining is
+    measured against). There was no way but a run at a learning rate of 1e-30."""
+    import torch.nn.functional as F
+
+    from core.errors import ConfigError
+    from goodput.data.prepare import prepare_dataset
+    from goodput.evaluation import INITIAL, evaluate, pick_checkpoint, report_path
+    from storage.store import store_from_config
+    from training.data import open_training_data, sequential_batches
+
+    source = save_llama3_style(tmp_path / "llama3", "saved")
+    config = small_config(tmp_path, f"model.init_from={source}", "data.max_docs=50", "eval.max_batches=1",
+                          "eval.batch_size=2", "eval.num_samples=1")
+    manifest = prepare_dataset(config)
+    dataset = Path(config.data.data_dir) / manifest.dataset_id
+    store = store_from_config(config.storage)
+    initial = pick_checkpoint(config, store, INITIAL)
+    assert initial == source
+    report = evaluate(config, initial, dataset)
+    assert (report.step, report.checkpoint, report.copy_id) == (0, str(source), config.model.init_from_fingerprint)
+    assert report_path(config, initial).parent.name == "initial" and report_path(config, initial).is_file()
+    # The loss transformers' own model gives on the same held-out batch.
+    hf = transformers.AutoModelForCausalLM.from_pretrained(source, torch_dtype=torch.float32).eval()
+    [(inputs, targets)] = sequential_batches(open_training_data(dataset).sources[0].stream("validation"),
+                                             config.training.seq_len, 2, 1)
+    with torch.no_grad():
+        logits = hf(inputs).logits
+    expected = F.cross_entropy(logits.flatten(0, 1).double(), targets.flatten()).item()
+    assert report.loss == pytest.approx(expected, rel=1e-4)
+    assert evaluate(config, initial, dataset) == report  # kept: evaluated once
+    with pytest.raises(ConfigError, match="has none: it starts from random weights"):
+        pick_checkpoint(small_config(tmp_path / "scratch"), store, INITIAL)

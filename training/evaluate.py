@@ -17,6 +17,7 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if __name__ == "__main__" and "--background" in sys.argv:
     # Started beside training in a session of its own (goodput.evaluation), where no Ctrl-C
@@ -44,6 +45,9 @@ from training.logs import get_logger, setup_worker_logging
 from training.model import Transformer
 from training.tokenizer import read_tokenizer
 from training.tracking import open_trackers
+
+if TYPE_CHECKING:
+    from core.config import RunConfig
 
 log = get_logger("eval")
 
@@ -92,16 +96,23 @@ def _target_bytes(stream: TokenStream, tokenizer: Tokenizer, seq_len: int, batch
 
 def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_cfg, seq_len: int,
                         seed: int, device: torch.device | None = None,
-                        downstream_tasks: tuple | None = None, reader=None) -> EvalReport:
+                        downstream_tasks: tuple | None = None, reader=None,
+                        initial: "RunConfig | None" = None) -> EvalReport:
     """`downstream_tasks`: eval.tasks already loaded (training.downstream.load_tasks);
     `reader`: where the weights are read instead of the directory `checkpoint` (a
-    StoreReader of its store copy)."""
+    StoreReader of its store copy); `initial`: the run's config, whose model.init_from (the
+    directory `checkpoint`) holds the weights the run starts from, evaluated as step 0."""
     start = time.perf_counter()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    # Before loading: the copy the report speaks of.
-    evaluated_copy = copy_id(checkpoint) if reader is None else reader.copy_id
-    model, ckpt = load_model(checkpoint, device, reader)
     data = open_training_data(dataset_dir)
+    if initial is not None:
+        model, step = initial_model(initial, data.vocab_size, device), 0
+        evaluated_copy = initial.model.init_from_fingerprint
+    else:
+        # Before loading: the copy the report speaks of.
+        evaluated_copy = copy_id(checkpoint) if reader is None else reader.copy_id
+        model, ckpt = load_model(checkpoint, device, reader)
+        step = ckpt.step
     loss, tokens, source_losses = mix_held_out_loss(model, data, seq_len, eval_cfg.batch_size,
                                                     eval_cfg.max_batches, device)
     tokenizer = read_tokenizer(data.tokenizer_path)  # prompts encode as text, as documents did
@@ -119,7 +130,7 @@ def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_c
                                                 doc_prefix_ids=data.doc_prefix_ids)
         lower_better = lower_is_better_scores(results)
         settings.update(scoring_settings(eval_cfg, device))
-    return EvalReport(run_id=run_id, step=ckpt.step, checkpoint=str(checkpoint),
+    return EvalReport(run_id=run_id, step=step, checkpoint=str(checkpoint),
                       dataset_id=data.dataset_id, loss=loss, perplexity=math.exp(loss),
                       tokens_evaluated=tokens, samples=samples,
                       wall_time_s=time.perf_counter() - start, created_at=time.time(),
@@ -127,6 +138,17 @@ def evaluate_checkpoint(checkpoint: Path, dataset_dir: Path, run_id: str, eval_c
                       source_losses=source_losses if len(data.sources) > 1 else {},
                       bits_per_byte=bits_per_byte, downstream=downstream,
                       downstream_lower_is_better=lower_better, settings=settings)
+
+
+def initial_model(config: "RunConfig", vocab_size: int, device: torch.device) -> Transformer:
+    """The model a run with model.init_from starts from, before its first step: the
+    config's shape with the Hugging Face checkpoint's weights (as training loads them)."""
+    from training.hf_weights import load_hf_weights
+    from training.model import model_args_from_config
+
+    model = Transformer(model_args_from_config(config.model, vocab_size))
+    load_hf_weights([model], config.model.init_from, config.model.tie_embeddings)
+    return model.to(device).eval()
 
 
 def eval_curves(report: EvalReport, prefix: str = "eval") -> dict[str, float]:
@@ -172,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run at the lowest CPU priority (beside training)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: the first visible GPU if there is one, else the CPU")
+    parser.add_argument("--initial", action="store_true",
+                        help="--checkpoint is the config's model.init_from: evaluate the weights "
+                             "the run starts from, as step 0")
     parser.add_argument("--from-store", metavar="COPY_ID",
                         help="read the weights of the run's checkpoint --checkpoint from the "
                              "store's copy (this machine has none), which must be the copy "
@@ -192,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         reader = store_copy(config, Path(args.checkpoint), args.from_store) if args.from_store else None
         report = evaluate_checkpoint(Path(args.checkpoint), Path(args.dataset), config.run.run_id,
                                      config.eval, config.training.seq_len, config.training.seed,
-                                     device=device, downstream_tasks=tasks, reader=reader)
+                                     device=device, downstream_tasks=tasks, reader=reader,
+                                     initial=config if args.initial else None)
     except ConfigError as e:  # exit 2: a configuration error, never retried (core.protocol)
         log.error("%s", e)
         return 2
