@@ -202,6 +202,8 @@ class NodeProcesses:
                 remaining = sum(c is None for c in codes)
                 if not self.spec.elastic:
                     then = ""
+                elif i == 0:  # the rendezvous's host: the others cannot go on without it
+                    then = "; it hosts the rendezvous, so the attempt ends (and is retried)"
                 elif remaining >= self.spec.min_nodes:
                     then = f"; training goes on on them (elastic.min_nodes={self.spec.min_nodes})"
                 else:

@@ -248,10 +248,14 @@ def _supervise(config: RunConfig, config_path: Path, dataset_dir: Path, attempt:
     if live.cancelled and result.failure_class != FailureClass.DONE:
         result.failure_class, result.reason = FailureClass.CANCELLED, "stopped by a cancellation"
     elif result.failure_class == FailureClass.NODE_LOST and config.elastic_run:
-        lost = len(getattr(launcher, "lost_nodes", []))
-        result.reason = (f"{result.reason}; {lost or 'a'} node(s) lost, and fewer than "
-                         f"elastic.min_nodes={low} remained for elastic.wait_for_replacement_s="
-                         f"{config.elastic.wait_for_replacement_s:g}s")
+        lost = getattr(launcher, "lost_nodes", [])
+        if 0 in lost:  # whatever remained: the rendezvous went with it
+            result.reason = (f"{result.reason}; node 0 lost: it hosts the rendezvous, which the "
+                             "other nodes cannot go on without")
+        else:
+            result.reason = (f"{result.reason}; {len(lost) or 'a'} node(s) lost, and fewer than "
+                             f"elastic.min_nodes={low} remained for elastic.wait_for_replacement_s="
+                             f"{config.elastic.wait_for_replacement_s:g}s")
     return result
 
 

@@ -656,3 +656,17 @@ def test_a_run_pointed_at_another_store_is_warned_that_its_checkpoints_are_not_t
     # Moved on purpose: the newest checkpoint is in the new store; older ones left behind are fine.
     ledger.record(150, "uploaded", store_url=f"s3://goodput/experiments/{checkpoint_key('tiny', 150)}")
     assert checkpoints_elsewhere(moved) is None
+
+
+def test_the_export_hint_is_not_given_for_a_model_export_refuses():
+    """A run of configs/tiny-moe.yaml was told to `goodput export` its checkpoint, which
+    export then refused (routing unlike Mixtral's); the hint now says why instead, in the
+    words export uses."""
+    moe = load_config("configs/tiny-moe.yaml")
+    assert cli._why_not_exportable(moe) == [
+        "model.moe.first_dense_layers=1 (Mixtral: 0)", "model.moe.route_norm=False (Mixtral: True)",
+        "a routing bias (model.moe.bias_update_rate, e.g. its expert_bias tensors), which Mixtral's "
+        "router does not have"]
+    assert cli._why_not_exportable(load_config("configs/tiny-moe.yaml", [
+        "model.qk_norm=true", "model.moe.bias_update_rate=0"])) == []  # exports as Qwen3-MoE
+    assert cli._why_not_exportable(load_config("configs/tiny.yaml")) == []

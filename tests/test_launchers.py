@@ -881,3 +881,20 @@ def test_a_frozen_ssh_node_is_killed_on_its_host_when_the_grace_ends(tmp_path, f
     stat = Path(f"/proc/{worker}/stat")
     assert not stat.exists() or stat.read_text().split()[2] == "Z"
     assert not saved.exists()
+
+
+def test_losing_node_0_of_an_elastic_run_says_the_attempt_ends(tmp_path):
+    """Node 0 hosts the rendezvous: the others cannot go on without it. Its loss was told
+    "training goes on on them", then "fewer than elastic.min_nodes=1 remained"; both wrong."""
+    from infra.launchers import NodeProcesses
+
+    config = small_config(tmp_path, "parallelism.nnodes=1:2", "parallelism.nproc_per_node=1")
+    said = []
+    nodes = NodeProcesses(NodeLaunch.of(config, ["torchrun"], {}, tmp_path, "goodput-test-1"))
+    nodes._log = said.append
+    nodes._note_lost([-9, None])
+    assert said == ["node 0 lost: its torchrun agent ended (killed by signal 9) while 1 node(s) "
+                    "ran; it hosts the rendezvous, so the attempt ends (and is retried)"]
+    nodes._note_lost([-9, -9])
+    assert "training goes on" not in said[1] and said[1].startswith("node 1 lost")
+    assert nodes.lost_nodes == [0, 1]

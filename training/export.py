@@ -45,6 +45,7 @@ from storage.manifests import (DATASET_MANIFEST, MIXTURE_MANIFEST, CheckpointMan
 from training.checkpoint.errors import CheckpointCorrupt
 from training.checkpoint.reader import StoreReader, load_all_tensors, model_state_from
 from training.model import ModelArgs, Transformer
+from training.model_args import hf_architecture, hf_export_problems
 from training.tokenizer import HF_TOKENIZER_SIDE_FILES
 
 # Hugging Face's default shard size ("5GB"); smaller models are one model.safetensors.
@@ -91,15 +92,6 @@ class ExportError(ValueError):
 
 # -- names, config and weights in Hugging Face's terms -----------------------------------------
 
-def hf_architecture(args: ModelArgs) -> str:
-    """The transformers model_type a model exports as: llama, qwen2 (with model.qkv_bias) or
-    qwen3 (with model.qk_norm); for a mixture of experts qwen3_moe (with model.qk_norm) or
-    mixtral. (export_problems says which combinations none of them has.)"""
-    if args.moe is None:
-        return "qwen2" if args.qkv_bias else "qwen3" if args.qk_norm else "llama"
-    return "qwen3_moe" if args.qk_norm else "mixtral"
-
-
 def hf_name(name: str, architecture: str = "llama") -> str:
     """Our parameter name -> the name in a transformers model of `architecture` (e.g.
     layers.3.attention.wq.weight -> model.layers.3.self_attn.q_proj.weight). Stacked experts
@@ -142,26 +134,10 @@ def hf_state_dict(model_state: dict[str, torch.Tensor], dtype: torch.dtype,
 
 
 def export_problems(args: ModelArgs, state: dict[str, torch.Tensor]) -> list[str]:
-    """Why the model has no form transformers loads, if so: a mixture of experts exports as
-    Mixtral or Qwen3-MoE, whose routing is fixed; neither has a routing bias."""
-    from core.hf_llama import MIXTRAL_ROUTING, QWEN3_MOE_ROUTING
-
-    architecture = hf_architecture(args)
-    if args.qkv_bias and (args.qk_norm or args.moe is not None):
-        # Qwen3's attention_bias would put a bias on the output projection too.
-        return ["model.qkv_bias=true with " + ("model.qk_norm" if args.qk_norm else "model.moe")
-                + " (Qwen2 has q/k/v biases but neither q/k norms nor experts)"]
-    if architecture in ("llama", "qwen2", "qwen3"):
-        return []
-    fixed, label = ((MIXTRAL_ROUTING, "Mixtral") if architecture == "mixtral"
-                    else (QWEN3_MOE_ROUTING, "Qwen3-MoE"))
-    moe = vars(args.moe_args)
-    problems = [f"model.moe.{k}={moe[k]} ({label}: {v})" for k, v in fixed.items() if moe[k] != v]
+    """Why the model has no form transformers loads, if so (hf_export_problems), a routing
+    bias read from its weights."""
     biased = [k for k, v in state.items() if k.endswith(".expert_bias") and bool(v.any())]
-    if biased:
-        problems.append(f"a routing bias (model.moe.bias_update_rate, e.g. {biased[0]}), "
-                        f"which {label}'s router does not have")
-    return problems
+    return hf_export_problems(args, biased[0] if biased else None)
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, eos_id: int | None = None,

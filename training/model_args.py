@@ -84,6 +84,39 @@ class ModelArgs:
         return self.moe_args.expert_dim or self.ffn_hidden
 
 
+def hf_architecture(args: ModelArgs) -> str:
+    """The transformers model_type a model exports as: llama, qwen2 (with model.qkv_bias) or
+    qwen3 (with model.qk_norm); for a mixture of experts qwen3_moe (with model.qk_norm) or
+    mixtral. (hf_export_problems says which combinations none of them has.)"""
+    if args.moe is None:
+        return "qwen2" if args.qkv_bias else "qwen3" if args.qk_norm else "llama"
+    return "qwen3_moe" if args.qk_norm else "mixtral"
+
+
+def hf_export_problems(args: ModelArgs, routing_bias: str | None = None) -> list[str]:
+    """Why the model has no form transformers loads, if so: a mixture of experts exports as
+    Mixtral or Qwen3-MoE, whose routing is fixed; neither has a routing bias (`routing_bias`:
+    the name of a tensor holding one, if the weights have it). Without torch: the command's
+    export hint asks it too."""
+    from core.hf_llama import MIXTRAL_ROUTING, QWEN3_MOE_ROUTING
+
+    architecture = hf_architecture(args)
+    if args.qkv_bias and (args.qk_norm or args.moe is not None):
+        # Qwen3's attention_bias would put a bias on the output projection too.
+        return ["model.qkv_bias=true with " + ("model.qk_norm" if args.qk_norm else "model.moe")
+                + " (Qwen2 has q/k/v biases but neither q/k norms nor experts)"]
+    if architecture in ("llama", "qwen2", "qwen3"):
+        return []
+    fixed, label = ((MIXTRAL_ROUTING, "Mixtral") if architecture == "mixtral"
+                    else (QWEN3_MOE_ROUTING, "Qwen3-MoE"))
+    moe = vars(args.moe_args)
+    problems = [f"model.moe.{k}={moe[k]} ({label}: {v})" for k, v in fixed.items() if moe[k] != v]
+    if routing_bias:
+        problems.append(f"a routing bias (model.moe.bias_update_rate, e.g. {routing_bias}), "
+                        f"which {label}'s router does not have")
+    return problems
+
+
 def moe_facts(a: ModelArgs) -> dict:
     """What of model.moe gives weights their shapes and meaning (routing settings may change)."""
     moe = a.moe_args
