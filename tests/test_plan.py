@@ -1863,3 +1863,22 @@ def test_cli_plans_device_auto_on_the_device_training_gets_here(name, capsys):
     if here.device == "cpu":
         assert "CPU" in out or "cpu" in out
 
+
+
+def test_out_of_memory_names_the_save_s_staging_copy_and_no_micro_batch_that_cannot_help():
+    """A 1.2B-parameter model on 2 CPU workers of 12 GiB: tp=2 needs 17.8 GiB, of which the
+    async save's staging copy is 6.9; a smaller micro-batch changes little (gradients and
+    optimizer state dominate). The fix offered was a smaller micro-batch and more tp or pp,
+    none of which fit; synchronous saves do."""
+    config = load_config(str(REPO / "configs/tiny.yaml"), [
+        "model.dim=2048", "model.n_layers=24", "model.n_heads=16", "parallelism.dp_replicate=1",
+        "parallelism.tp=2", "parallelism.device=cpu"])
+    result = planner.plan_layout(config, planner.Cluster(1, 2, 12 * 2**30, device="cpu", host_processes=True),
+                                 layout(tp=2))
+    (problem,) = result.problems
+    assert str(problem).endswith("fix: set checkpoint.async_mode=sync (saves then block training while "
+                                 "they write, but keep no staging copy of the weights and optimizer "
+                                 "state) (11.0 GiB)"), problem
+    tighter = planner.plan_layout(config, planner.Cluster(1, 2, 8 * 2**30, device="cpu", host_processes=True),
+                                  layout(tp=2))
+    assert "micro_batch_size" not in str(tighter.problems[0]), tighter.problems
