@@ -47,6 +47,6 @@ def evaluate(config: RunConfig = RunConfig(), checkpoint: str | None = None,
     dataset_dir = dataset.result()
     path = locate_checkpoint(config, checkpoint)
     report = evaluate_checkpoint(config, path, dataset_dir)
-    publish_eval_report(report)
+    publish_eval_report(config, report)
     record_eval(config, report, started)
     return report

@@ -165,14 +165,17 @@ def evaluated_copy(config: RunConfig, checkpoint: Path) -> str | None:
 
 def evaluation_due(config: RunConfig, step: int) -> bool:
     """Whether checkpoint `step` is one eval.every_validated asks to evaluate: the N-th, 2N-th,
-    ... checkpoint of the run by the ledger (rejected copies not counted), so that the
-    choice holds across retries and flow runs."""
+    ... checkpoint of the run (rejected copies not counted), so that the choice holds across
+    retries and flow runs. Counted from the ledger and the committed checkpoints on disk:
+    the train flow asks as it finds a checkpoint, before the validation tasks of the ones
+    just before it have entered them in the ledger (every_validated=3 evaluated nothing)."""
     every = config.eval.every_validated
     if not every:
         return False
-    earlier = [s for s, entry in ledger_of(config).read().entries.items()
-               if s < step and entry.state != "rejected"]
-    return (len(earlier) + 1) % every == 0
+    entries = ledger_of(config).read().entries
+    rejected = {s for s, entry in entries.items() if entry.state == "rejected"}
+    steps = ({s for s in entries} | {step_of(p) for p in config.run_dir.committed_checkpoints()}) - rejected
+    return (len([s for s in steps if s < step]) + 1) % every == 0
 
 
 def report_path(config: RunConfig, checkpoint: Path) -> Path:
@@ -315,6 +318,11 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
         _, apart, where = line.partition("these eval settings are not the run's")
         if apart:
             log.info(f"step {step_of(checkpoint)}: {apart}{where}")
+    # Its own warnings (worker logging puts them on stderr): scores a tracking server never
+    # got went unsaid when the evaluation succeeded.
+    for line in stderr.splitlines():
+        if line.startswith(("[training.tracking] ", "[eval] ")):
+            log.warning(f"evaluation of {checkpoint}: {line.split('] ', 1)[1]}")
     keep_aside(out)
     os.replace(new, out)
     return EvalReport.model_validate_json(out.read_text())

@@ -86,7 +86,7 @@ def evaluate_checkpoint(config: RunConfig, checkpoint: Path, dataset_dir: Path) 
 
 
 @task(name="publish-eval-report", cache_policy=NO_CACHE, tags=["evaluate"])
-def publish_eval_report(report: EvalReport) -> None:
+def publish_eval_report(config: RunConfig, report: EvalReport) -> None:
     rows = [{"metric": "held-out loss", "value": f"{report.loss:.4f}"},
             {"metric": "perplexity", "value": f"{report.perplexity:.2f}"},
             {"metric": "bits per byte", "value": "n/a" if report.bits_per_byte is None
@@ -107,8 +107,14 @@ def publish_eval_report(report: EvalReport) -> None:
              for metric, value in metrics.items() if not metric.endswith("_stderr")]
     rows += [{"metric": f"sample {i + 1}", "value": f"{s.prompt!r} → {s.completion!r}"}
              for i, s in enumerate(report.samples)]
-    create_table_artifact(table=rows, key=artifact_key("eval", report.run_id),
-                          description=f"Evaluation of {report.run_id} at step {report.step}")
+    checkpoint = Path(report.checkpoint)
+    if config.run_dir.holds_checkpoint(checkpoint):
+        what = f"Evaluation of {report.run_id} at step {report.step}"
+    elif evaluation.is_initial(config, checkpoint):
+        what = f"Evaluation of the weights {report.run_id} starts from ({checkpoint}), before any step"
+    else:  # the UI's latest eval-<run> read as the run's own
+        what = f"Evaluation of {checkpoint} (step {report.step}): not a checkpoint of {report.run_id}"
+    create_table_artifact(table=rows, key=artifact_key("eval", report.run_id), description=what)
 
 
 @task(name="record-eval", cache_policy=NO_CACHE, tags=["evaluate"])

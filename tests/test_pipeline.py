@@ -549,6 +549,26 @@ def test_a_trained_run_names_its_newest_checkpoint_and_the_export_that_works_on_
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
 
 
+def test_an_evaluation_s_own_warnings_reach_the_log(finished, caplog):
+    """Scores that a tracking server never got were said only on the evaluation process's
+    stderr, which a successful evaluation threw away."""
+    import logging
+
+    from goodput.evaluation import evaluate
+    from infra.torchrun import free_port
+    from tasks.train import locate_dataset
+
+    config, _ = finished
+    down = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    elsewhere = config.model_copy(update={  # eval settings of its own: evaluated again
+        "tracking": config.tracking.model_copy(update={"mlflow_uri": down}),
+        "eval": config.eval.model_copy(update={"max_batches": 1, "num_samples": 1})})
+    with caplog.at_level(logging.WARNING, logger="goodput.evaluation"):
+        report = evaluate(elsewhere, config.run_dir.checkpoint(10), locate_dataset.fn(elsewhere))
+    assert report.step == 10
+    assert "never sent" in caplog.text and down in caplog.text, caplog.text
+
+
 def test_evaluating_another_runs_checkpoint_leaves_this_runs_summary_and_ledger(finished, tmp_path):
     """`goodput evaluate --checkpoint DIR` of a checkpoint that is not the run's: its report
     goes to eval/other/, and the run's summary.json and ledger keep the run's own scores."""

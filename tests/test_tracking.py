@@ -492,3 +492,25 @@ def test_every_nth_checkpoint_is_chosen_by_the_ledger_across_flow_runs(tmp_path)
     ledger.record(40, "validated")
     assert evaluation_due(config, 50)
     assert not evaluation_due(small_config(tmp_path), 30)  # every_validated=0: never
+
+
+def test_every_nth_checkpoint_counts_the_ones_not_in_the_ledger_yet(tmp_path):
+    """The train flow asks as it finds a checkpoint, before the validation tasks of the ones
+    just before it have entered them in the ledger: every_validated=3 with checkpoints 10,
+    20, 30 evaluated nothing (walk), and =2 evaluated 10, 15, 20, 25, 30. The committed
+    checkpoints on disk count too."""
+    from goodput.evaluation import evaluation_due
+    from storage.ledger import Ledger
+
+    config = small_config(tmp_path, "eval.every_validated=3")
+    for step in (10, 20):  # committed, not yet judged: only on disk
+        directory = config.run_dir.checkpoint(step)
+        directory.mkdir(parents=True)
+        (directory / "manifest.json").write_text("{}")
+    assert evaluation_due(config, 30)
+    assert not evaluation_due(config, 20) and not evaluation_due(config, 10)
+    Ledger(config.run_dir).record(20, "rejected", note="bad")  # counted in neither
+    directory = config.run_dir.checkpoint(30)
+    directory.mkdir(parents=True)
+    (directory / "manifest.json").write_text("{}")
+    assert not evaluation_due(config, 30) and evaluation_due(config, 40)
