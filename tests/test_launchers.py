@@ -369,7 +369,9 @@ def test_the_trainer_keeps_freed_memory_for_the_next_step():
         return out[0], int(out[1])
 
     kept, faults = a_later_step({})
-    assert kept == "True" and faults < 200, faults
+    # About 100 on a quiet machine, 256 once under CI's load; the pages faulted in anew are
+    # ten times that and more (below).
+    assert kept == "True" and faults < 600, faults
     # glibc's default, as the environment names it: every large block mapped anew
     kept, faults = a_later_step({"MALLOC_MMAP_THRESHOLD_": "131072"})
     assert kept == "False" and faults > 2000, faults
