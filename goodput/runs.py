@@ -25,6 +25,8 @@ from infra.launchers import SubmitRefused
 from infra.torchrun import AttemptResult, TrainingFailed, run_attempt
 from storage.ledger import DataSkip, Ledger, choose_resume
 
+log = logging.getLogger("goodput.runs")
+
 
 def write_run_config(config: RunConfig) -> Path:
     """Write config.yaml; refuse to continue a run whose trajectory-defining config changed."""
@@ -67,9 +69,6 @@ def check_run_config(config: RunConfig) -> Path:
                 "run directory to start over).")
         _check_init_from_weights(config, previous)
     return path
-
-
-log = logging.getLogger("goodput.runs")
 
 
 def warn_of_checkpoints_elsewhere(config: RunConfig) -> None:
