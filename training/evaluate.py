@@ -206,13 +206,9 @@ def main(argv: list[str] | None = None) -> int:
         lower_thread_priority()
     from core.config import load_config
 
-    setup_worker_logging()
-    # The trackers' warnings (scores a server never got) as this process's own lines, which
-    # goodput.evaluation passes on to the flow's log.
-    import logging
-
-    tracking = logging.getLogger("training.tracking")
-    tracking.handlers[:], tracking.propagate = logging.getLogger("goodput").handlers, False
+    # The trackers' warnings too (scores a server never got), as this process's own lines,
+    # which goodput.evaluation passes on to the flow's log.
+    setup_worker_logging(also=("training.tracking",))
     config = load_config(args.config)
     # Before `datasets` is imported (by lm-eval), so it reads only the cache.
     use_datasets_cache(config.eval.offline, config.eval.datasets_cache)

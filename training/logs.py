@@ -39,8 +39,9 @@ class _Below(logging.Filter):
         return record.levelno < self.level
 
 
-def setup_worker_logging(rank: int | None = None) -> None:
-    """Route the `goodput.*` loggers of this process to stdout/stderr (idempotent)."""
+def setup_worker_logging(rank: int | None = None, also: tuple[str, ...] = ()) -> None:
+    """Route the `goodput.*` loggers of this process, and those named in `also`, to
+    stdout/stderr (idempotent)."""
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     several = int(os.environ.get("WORLD_SIZE", "1")) > 1
     prefixed = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE" in os.environ
@@ -51,7 +52,8 @@ def setup_worker_logging(rank: int | None = None) -> None:
     err.setLevel(logging.WARNING)
     for handler in (out, err):
         handler.setFormatter(formatter)
-    root = logging.getLogger("goodput")
-    root.handlers[:] = [out, err]
-    root.setLevel(logging.INFO)
-    root.propagate = False
+    for name in ("goodput", *also):
+        root = logging.getLogger(name)
+        root.handlers[:] = [out, err]
+        root.setLevel(logging.INFO)
+        root.propagate = False
