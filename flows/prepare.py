@@ -93,14 +93,17 @@ def prepare_source(config: RunConfig, plan: DatasetPlan,
                         else "found by the data settings it was prepared with")
         else:
             require_sources(plan)
-            units = plan_units(plan, config)
+            # Passed on as a future: Prefect records it as a reference where a list of units
+            # would be recorded whole among tokenize-units' parameters (refused above 512 KiB).
+            planned_units = plan_units.submit(plan, config)
+            units = planned_units.result()
             tokenizer_path = build_tokenizer(plan, config, units, to_store)
             tokenizing_since = time.time()
             with api_shared_with_unit_processes() as api_url:
                 # Outside the try: a runner that cannot start (no Ray there) tokenized nothing.
                 runner = unit_runner(config.prepare, len(units), api_url, config.storage.uri)
                 try:
-                    results = tokenize_units.with_options(task_runner=runner)(plan, units, config, to_store)
+                    results = tokenize_units.with_options(task_runner=runner)(plan, planned_units, config, to_store)
                 except BaseException:
                     logger.warning("the finished units of dataset %s stay in %s: a rerun with the "
                                    "same sources and settings redoes only the others. If you change "

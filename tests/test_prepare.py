@@ -854,6 +854,35 @@ def test_a_mix_whose_last_source_is_missing_fails_before_the_first_is_tokenized(
     assert not any(Path(config.data.data_dir).glob("*/*.arrow"))
 
 
+def test_a_corpus_of_thousands_of_files_goes_through_the_flow(prefect_api, tmp_path):
+    """Prefect records a flow run's parameters and refuses more than 512 KiB of them: the
+    listing of 3000 files, passed whole to prepare-source and its units to tokenize-units,
+    failed the flow before any was read (422 Unprocessable Entity). The listing stays out of
+    the recorded plan (n_files stands for it) and the units go by reference."""
+    from prefect.client.orchestration import get_client
+
+    from flows.prepare import prepare
+
+    corpus = tmp_path / "in"
+    for i in range(3000):
+        (corpus / f"part{i // 500}").mkdir(parents=True, exist_ok=True)
+        (corpus / f"part{i // 500}" / f"doc{i:05d}.txt").write_text(DOCS[i % len(DOCS)] + "\n")
+    config = make_config(tmp_path, f"data.source={corpus}", "data.max_docs=null", "data.unit_bytes=64KiB")
+    state = prepare(config, return_state=True)
+    assert state.is_completed(), state
+    assert state.result().n_tokens("train") > 0
+    source_run = subflow_runs(state.state_details.flow_run_id)["prepare-source"]
+    units_run = subflow_runs(source_run.id)["tokenize-units"]
+    with get_client(sync_client=True) as client:
+        recorded = {name: client.read_flow_run(run.id).parameters
+                    for name, run in (("prepare-source", source_run), ("tokenize-units", units_run))}
+    assert recorded["prepare-source"]["plan"]["n_files"] == 3000
+    assert "files" not in recorded["prepare-source"]["plan"]
+    assert recorded["tokenize-units"]["units"] == "<PrefectConcurrentFuture>"
+    assert all(len(json.dumps(parameters)) < 20_000 for parameters in recorded.values()), recorded
+
+
+
 def test_what_the_library_logs_is_in_the_flow_run_s_log(prefect_api, tmp_path):
     """A deployed flow run has no console anyone reads: the library's records (a file of the
     folder left out, the tokenizer trained) are in the flow run's log, where the UI shows it."""

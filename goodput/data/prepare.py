@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError, computed_field
 from tokenizers import Tokenizer
 
 from core.config import SINGLE_SOURCE, DataConfig, RunConfig, SourceConfig, StorageConfig, parse_bytes
@@ -97,12 +97,20 @@ class DatasetPlan(BaseModel):
     local_dir: str
     store_prefix: str
     settings_key: str  # names the data settings, whatever the files hold: the pointer's key
-    files: list[SourceFile] = []  # the listing; empty when found through the pointer
+    # The listing (empty when found through the pointer). Left out of the plan's JSON form,
+    # which is what Prefect records of a flow run's parameters: it refuses more than 512 KiB,
+    # a listing of about 2,500 files. n_files stands for it there.
+    files: list[SourceFile] = Field(default=[], exclude=True)
     tokenizer_from: str | None = None  # a mix's later source: the first source's dataset id
     field_prefix: str = "data"  # how errors name the source's fields (DataConfig.field_prefix)
     # A given tokenizer's end-of-document token (given_eos_token); None: the first of
     # EOS_CANDIDATES it has. Set where the plan comes from the listing, as prepare's does.
     eos_token: str | None = None
+
+    @computed_field
+    @property
+    def n_files(self) -> int:
+        return len(self.files)
 
     @property
     def dir(self) -> Path:
