@@ -93,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "loads (LlamaForCausalLM; Qwen3MoeForCausalLM or MixtralForCausalLM)")
     p.add_argument("--out", required=True, help="output directory (must be empty or new)")
     p.add_argument("--tokenizer", help="tokenizer.json, or the directory of the dataset (or mixture) "
-                                       "the run trained on, to include")
+                                       "the run trained on, or that dataset's URL in the store "
+                                       "(s3://BUCKET/PREFIX/datasets/ID), to include")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
                    help="weight dtype (default: as saved)")
     p.add_argument("--force", action="store_true", help="replace an earlier export in --out")
@@ -826,10 +827,12 @@ def _say_how_to_export(config: RunConfig) -> None:
     """After training: the newest good checkpoint (this machine's copy, else the store's),
     and the command that makes a transformers model of it. A new user found the run
     directory, DCP files in it, and had to search the README for the rest."""
+    from core.uris import local_path_of
     from goodput.data.prepare import dataset_dir, mixture_dir
     from goodput.runs import read_summary
     from storage.ledger import Ledger, choose_resume
     from storage.manifests import CheckpointManifest
+    from storage.store import store_uri
 
     try:
         ledger = Ledger(config.run_dir).read()
@@ -841,9 +844,6 @@ def _say_how_to_export(config: RunConfig) -> None:
     checkpoint = str(point.local.resolve()) if point.local else ledger.entries[point.step].store_url
     if not checkpoint:
         return
-    # export reads a store's URL with the endpoint AWS_ENDPOINT_URL names
-    endpoint = (f"AWS_ENDPOINT_URL={config.storage.endpoint_url} "
-                if "://" in checkpoint and config.storage.endpoint_url else "")
     # A model with no transformers form (an MoE routed otherwise than Mixtral or Qwen3-MoE):
     # the hint named an export that `goodput export` then refused.
     unexportable = _why_not_exportable(config)
@@ -857,9 +857,19 @@ def _say_how_to_export(config: RunConfig) -> None:
     # export, without its tokenizer, wrote EOS as BOS and no pad.
     dataset = (CheckpointManifest.load(point.local).dataset_id if point.local
                else read_summary(config.run_dir).get("prepare", {}).get("dataset_id"))
-    where = mixture_dir if config.data.sources else dataset_dir
-    tokenizer = where(config, dataset).resolve() if dataset else None
-    given = f" --tokenizer {tokenizer}" if tokenizer and tokenizer.is_dir() else ""
+    tokenizer = None
+    if dataset:
+        local = (mixture_dir if config.data.sources else dataset_dir)(config, dataset)
+        if local.is_dir():
+            tokenizer = str(local.resolve())
+        elif not config.data.sources:
+            # Trained from the store: no dataset directory here (its shard cache lacks a
+            # Hugging Face tokenizer's side files); export fetches the tokenizer from the store.
+            tokenizer = local_path_of(f"{store_uri(config.storage.uri)}/datasets/{dataset}")
+    given = f" --tokenizer {tokenizer}" if tokenizer else ""
+    # export reads a store's URL with the endpoint AWS_ENDPOINT_URL names
+    endpoint = (f"AWS_ENDPOINT_URL={config.storage.endpoint_url} "
+                if "://" in checkpoint + given and config.storage.endpoint_url else "")
     print(f"newest checkpoint: {checkpoint} (step {point.step}); as a Hugging Face model: "
           f"{endpoint}goodput export {checkpoint} --format hf --out "
           f"{config.run_dir.path.resolve() / 'hf'}{given}")

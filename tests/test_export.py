@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+from core.files import sha256_file
 from flows.cli import main as cli_main
-from storage.manifests import CheckpointManifest
+from storage.manifests import CheckpointManifest, DatasetManifest
 from tests.helpers import flip_bytes, small_config, synthetic_dataset, torchrun_training
 from training.checkpoint.reader import load_all_tensors, model_state_from
 from training.export import ExportError, export_hf, hf_config, hf_state_dict
@@ -464,15 +465,25 @@ def test_a_checkpoint_in_the_store_exports_by_its_url(trained, tmp_path, s3_uri,
     stored file is refused, as is a URL of a kind the store does not serve, named unmangled."""
     from storage import open_store
 
-    checkpoint, _ = trained
+    checkpoint, tokenizer = trained
     store = open_store(s3_uri)
     store.upload_dir(checkpoint, "runs/test/checkpoints/step-00000004")
     url = f"{s3_uri}/runs/test/checkpoints/step-00000004"
-    assert cli_main(["export", url, "--format", "hf", "--out", str(tmp_path / "from-store")]) == 0, \
-        capsys.readouterr().err
-    assert cli_main(["export", str(checkpoint), "--format", "hf", "--out", str(tmp_path / "local")]) == 0
-    assert ((tmp_path / "from-store" / "model.safetensors").read_bytes()
-            == (tmp_path / "local" / "model.safetensors").read_bytes())
+    # Its dataset in the store, as prepare publishes it: a machine that trained from the store
+    # has no dataset directory to give --tokenizer; its URL in the store does as well.
+    manifest = DatasetManifest.load(tokenizer.parent)
+    store.put_file(tokenizer, "datasets/synthetic/tokenizer.json")
+    store.put_bytes("datasets/synthetic/manifest.json", manifest.model_copy(update={
+        "tokenizer_sha256": sha256_file(tokenizer)}).model_dump_json().encode())
+    assert cli_main(["export", url, "--format", "hf", "--out", str(tmp_path / "from-store"),
+                     "--tokenizer", f"{s3_uri}/datasets/synthetic"]) == 0, capsys.readouterr().err
+    assert cli_main(["export", str(checkpoint), "--format", "hf", "--out", str(tmp_path / "local"),
+                     "--tokenizer", str(tokenizer.parent)]) == 0
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "from-store" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
+    with pytest.raises(ExportError, match=r"--tokenizer s3://.*/datasets/gone: no prepared dataset "
+                                          r"there \(no manifest.json\)"):
+        export_hf(url, tmp_path / "no-tokenizer", tokenizer=f"{s3_uri}/datasets/gone")
     config = json.loads((tmp_path / "from-store" / "config.json").read_text())
     assert config["goodput"]["checkpoint"] == url and config["goodput"]["step"] == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["from-store", "local"]  # nothing fetched left

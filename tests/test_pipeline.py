@@ -515,7 +515,7 @@ def test_cli_evaluates_a_given_checkpoint(finished, tmp_path):
     assert events.get("prefect.flow-run.Completed") and HEARTBEAT_EVENT not in events
 
 
-def test_a_trained_run_names_its_newest_checkpoint_and_the_export_that_works_on_it(finished, tmp_path):
+def test_a_trained_run_names_its_newest_checkpoint_and_the_export_that_works_on_it(finished, tmp_path, capsys):
     """`goodput train` (here with nothing left to do) ends naming the newest checkpoint and
     the command that makes a transformers model of it; that command, run as printed, works."""
     import shlex
@@ -547,6 +547,21 @@ def test_a_trained_run_names_its_newest_checkpoint_and_the_export_that_works_on_
                               text=True, cwd=REPO, timeout=300)
     assert exported.returncode == 0, exported.stderr[-3000:]
     assert (tmp_path / "hf" / "config.json").is_file() and (tmp_path / "hf" / "tokenizer.json").is_file()
+
+    # A machine that trained from the store has no dataset directory: the hint named no
+    # --tokenizer, and lm-eval could not load the export. It names the dataset in the store.
+    from flows.cli import _say_how_to_export
+
+    elsewhere = config.model_copy(update={"data": config.data.model_copy(update={"data_dir": str(tmp_path / "empty")})})
+    _say_how_to_export(elsewhere)
+    argv = shlex.split(capsys.readouterr().out.split("as a Hugging Face model: ", 1)[1])
+    dataset = CheckpointManifest.load(checkpoint).dataset_id
+    assert argv[argv.index("--tokenizer") + 1] == str(Path(config.storage.uri).resolve() / "datasets" / dataset)
+    argv[argv.index("--out") + 1] = str(tmp_path / "hf-store")
+    exported = subprocess.run([sys.executable, "-m", "flows.cli", *argv[1:]], capture_output=True,
+                              text=True, cwd=REPO, timeout=300)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert (tmp_path / "hf-store" / "tokenizer.json").read_bytes() == (tmp_path / "hf" / "tokenizer.json").read_bytes()
 
 
 def test_an_evaluation_s_own_warnings_reach_the_log(finished, caplog):

@@ -23,6 +23,7 @@ place at the end: a failed export leaves no half-written model behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -357,6 +358,35 @@ def run_tokenizer_dir(checkpoint: Path) -> Path | None:
     return directory if (directory / TOKENIZER_FILE).is_file() else None
 
 
+def fetch_store_tokenizer(url: str, into: Path) -> Path:
+    """The tokenizer of a dataset in the store (`s3://BUCKET/PREFIX/datasets/<dataset_id>`):
+    its tokenizer.json, checked against the dataset's manifest, with its Hugging Face side
+    files and the manifest (which states the end-of-document id), fetched into `into`; that
+    directory, for _tokenizer_files. A machine that trained from the store has no dataset
+    directory to give --tokenizer. boto3 reads AWS_ENDPOINT_URL, as for the checkpoint."""
+    from storage.manifests import DatasetManifest
+    from storage.store import open_store
+
+    try:
+        store = open_store(url.rstrip("/"))
+        if not store.exists(DATASET_MANIFEST):
+            raise ExportError(f"--tokenizer {url}: no prepared dataset there (no {DATASET_MANIFEST}); "
+                              "give the dataset's URL in the store, such as "
+                              "s3://BUCKET/PREFIX/datasets/<dataset_id>")
+        manifest = DatasetManifest.model_validate_json(store.get_bytes(DATASET_MANIFEST))
+        for name in HF_TOKENIZER_SIDE_FILES:
+            if store.exists(name):
+                store.get_file(name, into / name)
+        store.get_file(manifest.tokenizer, into / TOKENIZER_FILE)
+    except (OSError, ValueError) as e:  # refused credentials, an unreachable endpoint, a bad URL
+        raise ExportError(f"--tokenizer {url}: {e}") from None
+    if sha256_file(into / TOKENIZER_FILE) != manifest.tokenizer_sha256:
+        raise ExportError(f"--tokenizer {url}: its tokenizer differs from its manifest: the "
+                          "dataset in the store is damaged; prepare it again")
+    manifest.save(into)
+    return into
+
+
 def _mixture_tokenizer(directory: Path) -> Path:
     """A mixture's tokenizer (data.sources share one): its first source's dataset's."""
     first = MixtureManifest.load(directory).sources[0]
@@ -389,7 +419,8 @@ def _tokenizer_files(tokenizer: str | Path, vocab_size: int, dataset_id: str | N
         raise ExportError(f"--tokenizer {tokenizer}: no tokenizer.json there; give the directory "
                           f"of the dataset the run trained on (data.data_dir/"
                           f"{dataset_id or '<dataset_id>'}, or data.data_dir/mixes/<id> for "
-                          "data.sources) or its tokenizer.json")
+                          "data.sources), its URL in the store (s3://BUCKET/PREFIX/datasets/"
+                          f"{dataset_id or '<dataset_id>'}) or its tokenizer.json")
     if trained_sha256 and not ignore_mismatch and sha256_file(path) != trained_sha256:
         raise ExportError(
             f"--tokenizer {path} (sha256 {sha256_file(path)[:12]}) is not the tokenizer the "
@@ -586,12 +617,25 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
     local = None if scheme == "s3" else Path(checkpoint).resolve()
     _check_out(out, force, local)  # before reading a possibly large checkpoint
     _check_dtype(dtype)
-    if local is None:
-        out.parent.mkdir(parents=True, exist_ok=True)  # the weights are fetched beside the export
-        with tempfile.TemporaryDirectory(prefix=f".{out.name}.fetch-", dir=out.parent) as cache:
-            manifest, state = read_checkpoint_from_store(str(checkpoint), Path(cache))
-    else:
-        manifest, state = read_checkpoint(checkpoint)
+    out.parent.mkdir(parents=True, exist_ok=True)  # what the store gives is fetched beside the export
+    with contextlib.ExitStack() as fetched:
+        if tokenizer is not None and urlparse(str(tokenizer)).scheme == "s3":  # first: it fails fast
+            tokenizer = fetch_store_tokenizer(str(tokenizer), Path(fetched.enter_context(
+                tempfile.TemporaryDirectory(prefix=f".{out.name}.tokenizer-", dir=out.parent))))
+        if local is None:
+            with tempfile.TemporaryDirectory(prefix=f".{out.name}.fetch-", dir=out.parent) as cache:
+                manifest, state = read_checkpoint_from_store(str(checkpoint), Path(cache))
+        else:
+            manifest, state = read_checkpoint(checkpoint)
+        return _export_read(checkpoint, local, out, manifest, state, tokenizer=tokenizer,
+                            dtype=dtype, max_shard_bytes=max_shard_bytes,
+                            ignore_tokenizer_mismatch=ignore_tokenizer_mismatch)
+
+
+def _export_read(checkpoint: str, local: Path | None, out: Path, manifest: CheckpointManifest,
+                 state: dict[str, torch.Tensor], *, tokenizer: str | Path | None, dtype: str | None,
+                 max_shard_bytes: int, ignore_tokenizer_mismatch: bool) -> dict:
+    """export_hf of a checkpoint read (its `manifest` and model `state`)."""
     problems = export_problems(model_args_of(manifest), state)
     if problems:
         raise ExportError(f"{checkpoint} holds a model with no form transformers loads: "
