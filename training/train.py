@@ -148,8 +148,9 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     loss = float("nan")
     stage = loader.stage
     if env.is_main and len(data.sources) > 1:
-        log.info("[data] mix stage %d of %d from step %d on: weights %s", stage,
-                 len(config.mix_stages()) - 1, progress.step + 1, loader.stage_weights(stage))
+        staged = len(config.mix_stages()) - 1  # data.stages: 0 without a curriculum
+        log.info("[data] mix%s from step %d on: weights %s", f" stage {stage} of {staged}" if staged else "",
+                 progress.step + 1, loader.stage_weights(stage))
     try:
         if profiler is not None:
             profiler.start(progress.step)
