@@ -49,6 +49,9 @@ _PG_TOOLS = ("initdb", "pg_ctl", "psql")
 # training flows running. Prefect's default, 5, gives up after about a minute, and a restart
 # on a busy machine (migrations checked, services started) can take longer than that.
 OUTAGE_RETRIES = 7
+# In the environment of the stack's workers, so of every process they start: the stack's
+# directory. A stopping stack finds its flow runs by it, those of a worker it replaced too.
+STACK_MARK = "GOODPUT_STACK_DIR"
 # The hash of the prefect.yaml the stack last deployed, kept in its directory: a restart
 # deploys again only when prefect.yaml changed (see PrefectStack.deploy).
 DEPLOYED_HASH_FILE = "prefect-yaml.sha256"
@@ -374,7 +377,8 @@ class PrefectStack:
         self.worker = self._spawn("worker", [_prefect(), "worker", "start", "--pool", self.pool,
                                              "--type", "process"],
                                   GOODPUT_REPO=str(self.repo),
-                                  PREFECT_CLIENT_MAX_RETRIES=str(OUTAGE_RETRIES))
+                                  PREFECT_CLIENT_MAX_RETRIES=str(OUTAGE_RETRIES),
+                                  **{STACK_MARK: str(self.directory)})
 
     def kill_server(self) -> None:
         """The server dies at once (SIGKILL), as in a crash; PostgreSQL keeps its data."""
@@ -385,16 +389,14 @@ class PrefectStack:
 
     def cancel_flow_runs(self, timeout_s: float = 120,
                          say: Callable[[str], None] = lambda message: None) -> list[str]:
-        """Cancel the flow runs this stack's worker runs, as the UI's Cancel does (the worker
-        stops each one's process; training saves an emergency checkpoint, the attempt ends
-        cancelled), and wait up to `timeout_s` for them to end. Their ids. Runs of workers on
-        other machines, on the same pool, are theirs: they go on."""
-        import psutil
-
-        if not (self.with_worker and self.worker is not None and self.worker.poll() is None
-                and self.healthy()):
+        """Cancel the flow runs this stack's workers run, as the UI's Cancel does (training
+        saves an emergency checkpoint, the attempt ends cancelled), and wait up to `timeout_s`
+        for them to end. Their ids. Those of a worker the stack replaced too: they outlive it,
+        and each flow run watches for its own cancellation (tasks.control). Runs of other
+        workers on the same pool (other machines, or started by hand) are theirs: they go on."""
+        if not (self.with_worker and self.healthy()):
             return []  # nothing here could stop them: they stop by themselves (orphan timeout)
-        started_here = {str(child.pid) for child in psutil.Process(self.worker.pid).children(recursive=True)}
+        started_here = self._started_by_its_workers()
         client = self.client()
         running = [run["id"] for run in client.post("/flow_runs/filter", {
             "flow_runs": {"state": {"type": {"any_": ["RUNNING", "CANCELLING"]}}},
@@ -413,6 +415,19 @@ class PrefectStack:
             with contextlib.suppress(TimeoutError):
                 client.wait_final(flow_run, max(1.0, deadline - time.monotonic()))
         return running
+
+    def _started_by_its_workers(self) -> set[str]:
+        """The pids of the processes on this machine that this stack's workers started, the
+        running one's and those a replaced worker left (orphans by then, no longer its
+        children): each carries the STACK_MARK its worker was given."""
+        import psutil
+
+        found = set()
+        for process in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):
+                if process.environ().get(STACK_MARK) == str(self.directory):
+                    found.add(str(process.pid))
+        return found
 
     def stop(self, say: Callable[[str], None] = lambda message: None) -> None:
         # Flow runs under way first, while the worker can still stop them: stopped with it,

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -353,11 +354,15 @@ def test_stopping_the_stack_cancels_the_flow_runs_under_way_first(stack, api, wo
     """What `goodput server` does on Ctrl-C or SIGTERM before it stops the worker: each flow
     run under way is cancelled as from the UI, its workers saving an emergency checkpoint.
     Stopped with the stack, training went on unsupervised, and the server, back, called the
-    flow run Crashed with its checkpoints unsecured."""
+    flow run Crashed with its checkpoints unsecured. Also a flow run of a worker the stack
+    replaced (it exited, and `goodput server` started another): no longer a child of the
+    running worker, it was left training with no server."""
     run_dir = workdir / "runs" / "stack-stop"
     flow_run = api.trigger("train/goodput-train", {"config": form(
         workdir, "run.run_id=stack-stop", "training.max_steps=100000", "checkpoint.every_steps=50")})
     wait_for(lambda: trained_to(run_dir) >= 55, 600, "training past the first checkpoint", 0.5)
+    stack.kill_worker()
+    stack.start_worker()
     assert stack.cancel_flow_runs() == [flow_run]
     assert api.flow_run(flow_run)["state"]["type"] == "CANCELLED"
     wait_for(lambda: not processes_of(run_dir), 30, "the run's torchrun and workers to end", 0.5)
@@ -417,14 +422,16 @@ def _unix(stamp: str) -> float:
 
 def test_goodput_server_started_in_the_background_stops_on_sigint(tmp_path_factory):
     """A shell starts `goodput server &` with SIGINT ignored: `kill -INT` left the whole stack
-    running (only SIGTERM stopped it). It now stops on either, as on Ctrl-C."""
+    running (only SIGTERM stopped it). It now stops on either, as on Ctrl-C. PostgreSQL on
+    the port --pg-port names (a free one otherwise: a shared host's firewall had no say)."""
     if missing_postgres():
         pytest.skip("PostgreSQL not installed")
     directory = tempfile.mkdtemp(prefix="goodput-stack-sigint-")
+    pg_port = free_port()
     try:
         server = subprocess.Popen(
             [sys.executable, "-m", "flows.cli", "server", "--dir", directory, "--port",
-             str(free_port()), "--no-worker"], cwd=REPO, stdout=subprocess.PIPE,
+             str(free_port()), "--pg-port", str(pg_port), "--no-worker"], cwd=REPO, stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT, text=True, start_new_session=True,
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as `&` leaves it
         lines = []
@@ -433,6 +440,7 @@ def test_goodput_server_started_in_the_background_stops_on_sigint(tmp_path_facto
             if line.startswith("Prefect server on PostgreSQL"):
                 break
         assert server.poll() is None, "".join(lines)
+        socket.create_connection(("127.0.0.1", pg_port), timeout=10).close()
         server.send_signal(signal.SIGINT)
         out, _ = server.communicate(timeout=120)
         assert server.returncode == 0, "".join(lines) + out
