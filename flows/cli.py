@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1",
                    help="address the server listens on (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=4200)
+    p.add_argument("--pg-port", type=int, default=None,
+                   help="PostgreSQL's port on 127.0.0.1 (default: a free one at each start)")
     p.add_argument("--no-worker", action="store_true",
                    help="no worker here (workers run on other machines)")
     p = sub.add_parser("show-config", help="print the resolved configuration")
@@ -285,7 +287,8 @@ def _server(args: argparse.Namespace) -> int:
         print(f"goodput: server: PostgreSQL not found ({', '.join(missing)}): install it "
               "(Debian: apt-get install postgresql)", file=sys.stderr)
         return 2
-    stack = PrefectStack(args.dir, host=args.host, port=args.port, worker=not args.no_worker)
+    stack = PrefectStack(args.dir, host=args.host, port=args.port, worker=not args.no_worker,
+                         pg_port=args.pg_port)
     # Stop as on Ctrl-C: on SIGTERM, and on SIGINT also where the shell started this in the
     # background (`goodput server &`), which ignores SIGINT: `kill -INT` left it running.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
