@@ -128,7 +128,8 @@ def _train(config: RunConfig, dataset_dir, published, time_limit_s: float | None
             training_slot(config, give_up=cancelled) as lease, \
             unfinished_training_counted(config, started + lease.waited_s), \
             _OneAtATime() as evaluating, \
-            no_orphan_workers(lambda: _secure_without_tasks(config, logger)):
+            no_orphan_workers(lambda: _secure_without_tasks(config, logger),
+                              left_unsecured=lambda: unsecured_steps(config)):
         training = launch_training.with_options(
             retries=config.run.max_attempts - 1, retry_delay_seconds=config.run.retry_delay_s,
         ).submit(config, dataset_dir, time_limit_s, worker_logs, started, lease.holder)

@@ -224,7 +224,8 @@ SIGTERM_BUDGET_S = 25.0
 
 
 @contextmanager
-def no_orphan_workers(secure_what_training_left: Callable[[], None] | None = None) -> Iterator[None]:
+def no_orphan_workers(secure_what_training_left: Callable[[], None] | None = None,
+                      left_unsecured: Callable[[], list[int]] = lambda: []) -> Iterator[None]:
     """Stop this process's training attempts when the flow leaves the block with an exception.
 
     A cancellation reaches the flow as a signal in its main thread; the engine then waits
@@ -242,8 +243,9 @@ def no_orphan_workers(secure_what_training_left: Callable[[], None] | None = Non
     checkpoint, with the run's lease still held and the flow run's log open, rather than
     leaving it on this machine's disk for the next run; all within SIGTERM_BUDGET_S. Past
     it the signal goes on (a securing still under way goes on in its thread until the
-    process ends) and the next run secures what is left. A Ctrl-C is not waited for here:
-    the command secures after it (flows.cli).
+    process ends) and the next run secures what is left, which a warning names
+    (`left_unsecured`: the steps). A Ctrl-C is not waited for here: the command secures
+    after it (flows.cli).
     """
     try:
         yield
@@ -252,21 +254,43 @@ def no_orphan_workers(secure_what_training_left: Callable[[], None] | None = Non
         stops = stop_live_attempts(grace_s=CANCEL_GRACE_S)
         stop_background_evaluations()  # and the evaluations beside it, not waited for
         if secure_what_training_left is not None and isinstance(e, TerminationSignal):
-            _secure_by(deadline, stops, secure_what_training_left)
+            if not _secure_by(deadline, stops, secure_what_training_left):
+                _say_what_is_left(left_unsecured)
         raise
 
 
-def _secure_by(deadline: float, stops: list[threading.Thread], secure: Callable[[], None]) -> None:
+def _secure_by(deadline: float, stops: list[threading.Thread], secure: Callable[[], None]) -> bool:
+    """Whether `secure` ran to its end before `deadline`."""
     for thread in stops:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
     while attempts_running() and time.monotonic() < deadline:
         stop_live_attempts(grace_s=CANCEL_GRACE_S)  # one a retry launched meanwhile
         time.sleep(0.2)
     if attempts_running() or deadline - time.monotonic() < 2.0:
-        return  # the workers still saving, or no time left: the next run secures
+        return False  # the workers still saving, or no time left: the next run secures
     securing = threading.Thread(target=secure, name="secure-after-sigterm", daemon=False)
     securing.start()
     securing.join(timeout=max(0.0, deadline - time.monotonic()))
+    return not securing.is_alive()
+
+
+def _say_what_is_left(left_unsecured: Callable[[], list[int]]) -> None:
+    """A warning naming the checkpoints a stop left unsecured: its log ended with the cancel
+    alone, the emergency checkpoint's fate unsaid (a walk on a loaded machine)."""
+    try:
+        steps = left_unsecured()
+    except Exception:  # noqa: BLE001 - the ledger unreadable: said as unknown
+        steps = None
+    if steps == []:
+        return
+    try:
+        logger = get_run_logger()
+    except Exception:  # noqa: BLE001 - outside a flow run
+        logger = logging.getLogger(__name__)
+    logger.warning("the %g s a stop allows ran out before checkpoint(s) %s were validated and "
+                   "uploaded: they stay on this machine, and the next run of this run id "
+                   "secures them before it resumes", SIGTERM_BUDGET_S,
+                   ", ".join(map(str, steps)) if steps else "of this run")
 
 
 # How often a training flow run asks the API whether it is being cancelled.

@@ -31,6 +31,7 @@ from infra.launchers import (
     node_wrapper,
 )
 from infra.torchrun import run_attempt, stop_live_attempts, torchrun_command, worker_env
+from tasks import control  # at import: Prefect's logging setup, before caplog's handler
 from tests.helpers import REPO, small_config
 
 FAKE_TOOLS = r'''
@@ -568,6 +569,33 @@ def test_another_thread_stops_a_live_attempt(tmp_path, fakes, monkeypatch):
     assert result.exit_code == STOPPED and result.failure_class == "cancelled"
     assert calls(fakes, "scancel") == [["--signal=TERM", "1"]]  # stopped once, not twice
     assert stop_live_attempts() == []  # nothing left to stop
+
+
+def test_a_stop_whose_securing_outlasts_its_time_names_the_checkpoints_left(monkeypatch, caplog):
+    """A cancel's SIGTERM: the emergency checkpoint is validated and uploaded within
+    SIGTERM_BUDGET_S. Past it the next run secures it, and the log says so, naming the
+    steps; on a loaded machine the log had ended with the cancel alone."""
+    import logging
+    import signal
+    import threading
+
+    from prefect.exceptions import TerminationSignal
+
+    monkeypatch.setattr(control, "SIGTERM_BUDGET_S", 3.0)
+    release = threading.Event()
+    with caplog.at_level(logging.WARNING, logger="tasks.control"):
+        with pytest.raises(TerminationSignal):
+            with control.no_orphan_workers(lambda: release.wait(30), left_unsecured=lambda: [25]):
+                raise TerminationSignal(signal.SIGTERM)
+    release.set()
+    [said] = [r.getMessage() for r in caplog.records if "ran out" in r.getMessage()]
+    assert "checkpoint(s) 25 were validated and uploaded" in said and "the next run" in said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tasks.control"):
+        with pytest.raises(TerminationSignal):  # secured in time: nothing to say
+            with control.no_orphan_workers(lambda: None, left_unsecured=lambda: [25]):
+                raise TerminationSignal(signal.SIGTERM)
+    assert not [r for r in caplog.records if "ran out" in r.getMessage()]
 
 
 def test_a_failing_scheduler_query_is_retried_at_the_next_poll(tmp_path, fakes, monkeypatch):
