@@ -391,43 +391,57 @@ class PrefectStack:
                          say: Callable[[str], None] = lambda message: None) -> list[str]:
         """Cancel the flow runs this stack's workers run, as the UI's Cancel does (training
         saves an emergency checkpoint, the attempt ends cancelled), and wait up to `timeout_s`
-        for them to end. Their ids. Those of a worker the stack replaced too: they outlive it,
-        and each flow run watches for its own cancellation (tasks.control). Runs of other
-        workers on the same pool (other machines, or started by hand) are theirs: they go on."""
+        for them to end. Their ids. Those of a worker the stack replaced too: they outlive
+        it, and no worker stops them, so they get the SIGTERM a worker's cancel sends, then
+        their Cancelled state. Runs of other workers on the same pool (other machines, or
+        started by hand) are theirs: they go on."""
         if not (self.with_worker and self.healthy()):
             return []  # nothing here could stop them: they stop by themselves (orphan timeout)
-        started_here = self._started_by_its_workers()
         client = self.client()
-        running = [run["id"] for run in client.post("/flow_runs/filter", {
+        running = {run["id"]: process for run in client.post("/flow_runs/filter", {
             "flow_runs": {"state": {"type": {"any_": ["RUNNING", "CANCELLING"]}}},
             "work_pools": {"name": {"any_": [self.pool]}}}).json()
-            if run.get("infrastructure_pid") in started_here]
+            if (process := self._started_by_its_workers(run.get("infrastructure_pid"))) is not None}
         if not running:
             return []
-        say(f"cancelling {len(running)} flow run(s) of this worker first (training saves an "
-            f"emergency checkpoint; up to {timeout_s:.0f} s; Ctrl-C again stops without waiting)")
+        say(f"cancelling {len(running)} flow run(s) of this stack's workers first (training saves "
+            f"an emergency checkpoint; up to {timeout_s:.0f} s; Ctrl-C again stops without waiting)")
+        worker = self.worker.pid if self.worker is not None and self.worker.poll() is None else None
+        orphans = {flow_run: process for flow_run, process in running.items()
+                   if worker is None or worker not in {p.pid for p in process.parents()}}
         for flow_run in running:
             client.post(f"/flow_runs/{flow_run}/set_state", {"state": {
                 "type": "CANCELLING", "name": "Cancelling",
                 "message": "goodput server is stopping"}, "force": True})
+        for process in orphans.values():
+            with contextlib.suppress(Exception):
+                process.terminate()
         deadline = time.monotonic() + timeout_s
         for flow_run in running:
             with contextlib.suppress(TimeoutError):
                 client.wait_final(flow_run, max(1.0, deadline - time.monotonic()))
-        return running
+        # Their engine, terminated without a worker's intent, calls them Crashed (or leaves
+        # them Cancelling): once the process is gone, Cancelled, as a worker's cancel sets it.
+        for flow_run, process in orphans.items():
+            with contextlib.suppress(Exception):
+                process.wait(max(1.0, deadline - time.monotonic()))
+                if client.flow_run(flow_run)["state"]["type"] != "CANCELLED":
+                    client.post(f"/flow_runs/{flow_run}/set_state", {"state": {
+                        "type": "CANCELLED", "name": "Cancelled",
+                        "message": "goodput server is stopping"}, "force": True})
+        return list(running)
 
-    def _started_by_its_workers(self) -> set[str]:
-        """The pids of the processes on this machine that this stack's workers started, the
-        running one's and those a replaced worker left (orphans by then, no longer its
-        children): each carries the STACK_MARK its worker was given."""
+    def _started_by_its_workers(self, pid: str | None):
+        """The process of a flow run's `infrastructure_pid` where this stack's workers started
+        it on this machine, the running worker or one it replaced (an orphan by then, no longer
+        its child): it carries the STACK_MARK its worker was given. None otherwise."""
         import psutil
 
-        found = set()
-        for process in psutil.process_iter():
-            with contextlib.suppress(psutil.Error, OSError):
-                if process.environ().get(STACK_MARK) == str(self.directory):
-                    found.add(str(process.pid))
-        return found
+        with contextlib.suppress(psutil.Error, OSError, ValueError, TypeError):
+            process = psutil.Process(int(pid))
+            if process.environ().get(STACK_MARK) == str(self.directory):
+                return process
+        return None
 
     def stop(self, say: Callable[[str], None] = lambda message: None) -> None:
         # Flow runs under way first, while the worker can still stop them: stopped with it,
