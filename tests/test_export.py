@@ -481,7 +481,7 @@ def test_a_checkpoint_in_the_store_exports_by_its_url(trained, tmp_path, s3_uri,
                      "--tokenizer", str(tokenizer.parent)]) == 0
     for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (tmp_path / "from-store" / name).read_bytes() == (tmp_path / "local" / name).read_bytes()
-    with pytest.raises(ExportError, match=r"--tokenizer s3://.*/datasets/gone: no prepared dataset "
+    with pytest.raises(ExportError, match=r"^--tokenizer s3://[^ ]*/datasets/gone: no prepared dataset "
                                           r"there \(no manifest.json\)"):
         export_hf(url, tmp_path / "no-tokenizer", tokenizer=f"{s3_uri}/datasets/gone")
     config = json.loads((tmp_path / "from-store" / "config.json").read_text())

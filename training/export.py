@@ -378,6 +378,8 @@ def fetch_store_tokenizer(url: str, into: Path) -> Path:
             if store.exists(name):
                 store.get_file(name, into / name)
         store.get_file(manifest.tokenizer, into / TOKENIZER_FILE)
+    except ExportError:
+        raise
     except (OSError, ValueError) as e:  # refused credentials, an unreachable endpoint, a bad URL
         raise ExportError(f"--tokenizer {url}: {e}") from None
     if sha256_file(into / TOKENIZER_FILE) != manifest.tokenizer_sha256:
