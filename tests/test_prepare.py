@@ -878,9 +878,10 @@ def test_a_corpus_of_thousands_of_files_goes_through_the_flow(prefect_api, tmp_p
                     for name, run in (("prepare-source", source_run), ("tokenize-units", units_run))}
     assert recorded["prepare-source"]["plan"]["n_files"] == 3000
     assert "files" not in recorded["prepare-source"]["plan"]
+    with pytest.raises(ValueError, match="leaves the listing out"):  # not read back as a plan without files
+        prep.DatasetPlan.model_validate(recorded["prepare-source"]["plan"])
     assert recorded["tokenize-units"]["units"] == "<PrefectConcurrentFuture>"
     assert all(len(json.dumps(parameters)) < 20_000 for parameters in recorded.values()), recorded
-
 
 
 def test_what_the_library_logs_is_in_the_flow_run_s_log(prefect_api, tmp_path):

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from pydantic import BaseModel, Field, ValidationError, computed_field
+from pydantic import BaseModel, Field, ValidationError, computed_field, model_validator
 from tokenizers import Tokenizer
 
 from core.config import SINGLE_SOURCE, DataConfig, RunConfig, SourceConfig, StorageConfig, parse_bytes
@@ -111,6 +111,16 @@ class DatasetPlan(BaseModel):
     @property
     def n_files(self) -> int:
         return len(self.files)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _not_from_its_json(cls, data):
+        """A plan's JSON form stands for its listing with n_files: read back, it would be a
+        plan of no files."""
+        if isinstance(data, dict) and data.get("n_files") and not data.get("files"):
+            raise ValueError("a plan's JSON form leaves the listing out (n_files stands for it): "
+                             "it cannot be read back as a plan; plan the dataset again")
+        return data
 
     @property
     def dir(self) -> Path:
