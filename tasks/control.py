@@ -62,7 +62,8 @@ class UserErrorsWithoutTracebacks(logging.Filter):
 
 
 # On the loggers themselves: Prefect's logging setup, run again, keeps a logger's filters.
-for _engine_logger in ("prefect.flow_runs", "prefect.task_runs"):
+# prefect.engine: a worker's flow-run process logs the flow's exception again as it exits.
+for _engine_logger in ("prefect.flow_runs", "prefect.task_runs", "prefect.engine"):
     logging.getLogger(_engine_logger).addFilter(UserErrorsWithoutTracebacks())
 
 
@@ -254,43 +255,50 @@ def no_orphan_workers(secure_what_training_left: Callable[[], None] | None = Non
         stops = stop_live_attempts(grace_s=CANCEL_GRACE_S)
         stop_background_evaluations()  # and the evaluations beside it, not waited for
         if secure_what_training_left is not None and isinstance(e, TerminationSignal):
-            if not _secure_by(deadline, stops, secure_what_training_left):
-                _say_what_is_left(left_unsecured)
+            workers_saving = _secure_by(deadline, stops, secure_what_training_left)
+            if workers_saving is not None:
+                _say_what_is_left(left_unsecured, workers_saving)
         raise
 
 
-def _secure_by(deadline: float, stops: list[threading.Thread], secure: Callable[[], None]) -> bool:
-    """Whether `secure` ran to its end before `deadline`."""
+def _secure_by(deadline: float, stops: list[threading.Thread], secure: Callable[[], None]) -> bool | None:
+    """None where `secure` ran to its end before `deadline`; else whether the workers were
+    still saving when it passed."""
     for thread in stops:
         thread.join(timeout=max(0.0, deadline - time.monotonic()))
     while attempts_running() and time.monotonic() < deadline:
         stop_live_attempts(grace_s=CANCEL_GRACE_S)  # one a retry launched meanwhile
         time.sleep(0.2)
-    if attempts_running() or deadline - time.monotonic() < 2.0:
-        return False  # the workers still saving, or no time left: the next run secures
+    if attempts_running():
+        return True  # the next run secures what they commit
+    if deadline - time.monotonic() < 2.0:
+        return False
     securing = threading.Thread(target=secure, name="secure-after-sigterm", daemon=False)
     securing.start()
     securing.join(timeout=max(0.0, deadline - time.monotonic()))
-    return not securing.is_alive()
+    return False if securing.is_alive() else None
 
 
-def _say_what_is_left(left_unsecured: Callable[[], list[int]]) -> None:
-    """A warning naming the checkpoints a stop left unsecured: its log ended with the cancel
-    alone, the emergency checkpoint's fate unsaid (a walk on a loaded machine)."""
+def _say_what_is_left(left_unsecured: Callable[[], list[int]], workers_saving: bool) -> None:
+    """A warning naming what a stop left unsecured: its log ended with the cancel alone, the
+    emergency checkpoint's fate unsaid (a walk on a loaded machine)."""
     try:
         steps = left_unsecured()
     except Exception:  # noqa: BLE001 - the ledger unreadable: said as unknown
         steps = None
-    if steps == []:
-        return
     try:
         logger = get_run_logger()
     except Exception:  # noqa: BLE001 - outside a flow run
         logger = logging.getLogger(__name__)
-    logger.warning("the %g s a stop allows ran out before checkpoint(s) %s were validated and "
-                   "uploaded: they stay on this machine, and the next run of this run id "
-                   "secures them before it resumes", SIGTERM_BUDGET_S,
-                   ", ".join(map(str, steps)) if steps else "of this run")
+    if workers_saving:
+        logger.warning("the %g s a stop allows ran out while the workers were still saving their "
+                       "emergency checkpoint: the next run of this run id judges what they "
+                       "committed before it resumes", SIGTERM_BUDGET_S)
+    elif steps != []:
+        logger.warning("the %g s a stop allows ran out before checkpoint(s) %s were validated and "
+                       "uploaded: what this process does not finish before it ends, the next run "
+                       "of this run id secures before it resumes", SIGTERM_BUDGET_S,
+                       ", ".join(map(str, steps)) if steps else "of this run")
 
 
 # How often a training flow run asks the API whether it is being cancelled.

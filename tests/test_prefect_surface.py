@@ -523,6 +523,10 @@ class TestServedDeployments:
         # can land after its Failed state.
         wait_for(lambda: any("both the config form and config_file were given" in line
                              for line in logs_of(both)), timeout_s=30, what="refusal in the run's logs")
+        # The flow-run process's exit says it again (prefect.engine), without a traceback.
+        wait_for(lambda: any("exited with unexpected exception" in line for line in logs_of(both)),
+                 timeout_s=30, what="the engine's exit line")
+        assert not any("Traceback (most recent call last)" in line for line in logs_of(both)), logs_of(both)
         evaluated = wait_final(good, timeout_s=300)
         assert evaluated.state.is_completed(), evaluated.state.message
         # Its overrides are not the run's eval settings: a report of their own, beside the run's.
