@@ -20,6 +20,8 @@ when to stop, and that no worker outlives it.
 - `UserErrorsWithoutTracebacks`: a configuration or data error (ConfigError, DataError)
   shows in a flow run's log as its message, which says what to change, without Prefect's
   traceback of the engine around it (two of them a pipeline, about 100 lines each).
+- `TasksThatNeverStarted`: such a task's end is a warning in the log, without Prefect's
+  advice about unwaited futures (the flow waits for them).
 - `LibraryRecordsToTheRun`: what the library logs while a flow runs (a store request
   retried, a file of no known format left out, a ledger the store could not give) is in
   that flow run's log too, where a deployed run's user looks; before, it reached only the
@@ -61,10 +63,27 @@ class UserErrorsWithoutTracebacks(logging.Filter):
         return True
 
 
+class TasksThatNeverStarted(logging.Filter):
+    """A task whose engine could not reach the API before it began (the server restarting)
+    finishes Pending, and Prefect's task engine logs that at ERROR with advice for a flow
+    that returns without waiting for its futures, example code included. Goodput's flows do
+    wait (`settle`), which says what is redone: the record keeps its first line, as a
+    warning."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.msg if isinstance(record.msg, str) else ""
+        if message.startswith("Finished in state Pending(") and "Please wait for all submitted" in message:
+            record.msg = (message.split("\n", 1)[0] + ": the task never started (its engine "
+                          "could not reach the API); the flow says what is redone")
+            record.levelno, record.levelname = logging.WARNING, logging.getLevelName(logging.WARNING)
+        return True
+
+
 # On the loggers themselves: Prefect's logging setup, run again, keeps a logger's filters.
 # prefect.engine: a worker's flow-run process logs the flow's exception again as it exits.
 for _engine_logger in ("prefect.flow_runs", "prefect.task_runs", "prefect.engine"):
     logging.getLogger(_engine_logger).addFilter(UserErrorsWithoutTracebacks())
+logging.getLogger("prefect.task_runs").addFilter(TasksThatNeverStarted())
 
 
 class LibraryRecordsToTheRun(APILogHandler):

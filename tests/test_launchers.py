@@ -598,6 +598,28 @@ def test_a_stop_whose_securing_outlasts_its_time_names_the_checkpoints_left(monk
     assert not [r for r in caplog.records if "ran out" in r.getMessage()]
 
 
+def test_a_task_that_never_started_is_a_warning_without_prefect_s_advice():
+    """After a server restart mid-training, tasks whose engine could not reach the API end
+    Pending, and Prefect's task engine logged each at ERROR with advice to wait for futures
+    (example code included), which the flow does. The record keeps its first line, as a
+    warning; any other task's end is left as it is."""
+    import logging
+
+    logger = logging.getLogger("prefect.task_runs")
+    assert any(isinstance(f, control.TasksThatNeverStarted) for f in logger.filters)
+    seen = []
+    for message in ("Finished in state Pending()\nPlease wait for all submitted tasks to complete "
+                    "before exiting your flow by calling `.wait()` ...", "Finished in state Failed('boom')"):
+        record = logger.makeRecord(logger.name, logging.ERROR, __file__, 0, message, (), None)
+        assert control.TasksThatNeverStarted().filter(record)
+        seen.append(record)
+    pending, failed = seen
+    assert (pending.levelname, pending.getMessage()) == (
+        "WARNING", "Finished in state Pending(): the task never started (its engine could not "
+                   "reach the API); the flow says what is redone")
+    assert (failed.levelname, failed.getMessage()) == ("ERROR", "Finished in state Failed('boom')")
+
+
 def test_a_failing_scheduler_query_is_retried_at_the_next_poll(tmp_path, fakes, monkeypatch):
     """squeue failing now and then (slurmctld busy) does not end a healthy attempt."""
     monkeypatch.setenv("FAKE_SQUEUE_FLAKY", "1")  # every other squeue fails
