@@ -6,6 +6,7 @@ validated before anything starts. Errors name the field and say what to do.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
 import importlib.util
@@ -1522,7 +1523,23 @@ class RunConfig(_Section):
         try:
             self.tokenizer.sha256 = sha256_file(hf_llama.given_tokenizer_file(self.tokenizer.path))
         except DataError:  # not there (any more): a saved config keeps the sha256 it had
-            pass
+            copy = self._prepared_copy_of_the_tokenizer()
+            if copy is not None:
+                self.tokenizer.path = str(copy)
+
+    def _prepared_copy_of_the_tokenizer(self) -> Path | None:
+        """Where tokenizer.path is gone (model.init_from's directory moved once the run had
+        checkpoints of its own), a dataset prepared with it: it keeps the same tokenizer.json
+        (by the sha256 the run's config.yaml recorded) and its Hugging Face side files. A
+        resume, an evaluation or a prepare of such a run failed on the missing directory."""
+        if self.tokenizer.sha256 is None:
+            return None
+        data_dir = Path(self.data.data_dir)
+        for tokenizer_json in sorted([*data_dir.glob("*/tokenizer.json"), *data_dir.glob("cache/*/tokenizer.json")]):
+            with contextlib.suppress(OSError):
+                if sha256_file(tokenizer_json) == self.tokenizer.sha256:
+                    return tokenizer_json.parent.absolute()
+        return None
 
     # -- derived paths -----------------------------------------------------------------
     @property

@@ -145,6 +145,10 @@ def given_tokenizer_file(path: str | Path) -> Path:
     """tokenizer.path as a file: a tokenizer.json, or the one in a Hugging Face tokenizer
     directory (save_pretrained of a fast tokenizer writes it, as beside a checkpoint)."""
     found = Path(path).expanduser()
+    if not found.exists():
+        raise DataError(f"tokenizer.path={path} does not exist (moved, or not mounted here?); give "
+                        f"its new place, or a prepared dataset's directory holding the same "
+                        f"{TOKENIZER_FILE} (a run's own config finds one in data.data_dir itself)")
     if found.is_dir():
         found = found / TOKENIZER_FILE
     if not found.is_file():

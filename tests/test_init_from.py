@@ -353,6 +353,29 @@ def test_a_run_is_tied_to_the_checkpoint_not_to_where_it_lies(tmp_path, monkeypa
         write_run_config(load_config(None, [f"model.init_from={other}", *run]))
 
 
+def test_a_run_whose_checkpoint_directory_moved_reads_its_tokenizer_from_its_dataset(tmp_path, checkpoints):
+    """The run's config.yaml names model.init_from's directory as tokenizer.path. Once it had
+    moved, `goodput evaluate`, `train` and `prepare` of the run failed on it ("no
+    tokenizer.json there"), against the README's word that it may move. The dataset prepared
+    with it keeps the same tokenizer.json (the sha256 config.yaml recorded): it stands in."""
+    from goodput.data.prepare import plan_dataset, prepare_dataset
+
+    original = tmp_path / "hf"
+    shutil.copytree(checkpoints["tied"], original)
+    config = small_config(tmp_path, f"model.init_from={original}", f"training.seq_len={SEQ}",
+                          "data.max_docs=50")
+    manifest = prepare_dataset(config)
+    saved = write_run_config(config)
+    shutil.move(original, tmp_path / "moved")
+    reread = load_config(saved)
+    assert Path(reread.tokenizer.path) == (Path(config.data.data_dir) / manifest.dataset_id).absolute()
+    assert reread.config_hash() == config.config_hash()
+    assert plan_dataset(reread).dataset_id == manifest.dataset_id
+    shutil.rmtree(Path(config.data.data_dir) / manifest.dataset_id)  # no copy left: said plainly
+    with pytest.raises(Exception, match=r"tokenizer.path=.*/hf does not exist \(moved, or not mounted here\?\)"):
+        plan_dataset(load_config(saved))
+
+
 def test_other_weights_that_share_the_fingerprint_do_not_continue_the_run(tmp_path, checkpoints):
     """The config hash's fingerprint samples two windows of each weights file; a checkpoint
     that differs elsewhere (a LoRA merged into a few projections) hashed the same, and the
