@@ -805,8 +805,8 @@ def _run_flow(args: argparse.Namespace, config: RunConfig, server: TemporaryServ
         return 130  # 128 + SIGINT, as a shell reports a command Ctrl-C ended
     except Exception as e:
         let_the_api_record(server, began)
-        if type(e).__name__ == "CancelledRun":  # Prefect's (not imported here): cancelled in the UI
-            print(f"goodput: {args.command} cancelled (from the UI or the API): {e}", file=sys.stderr)
+        if type(e).__name__ == "CancelledRun":  # Prefect's (not imported here): the UI, the API, scancel
+            print(f"goodput: {args.command} cancelled: {e}", file=sys.stderr)
             _say_run_directory(config)
             return 1
         print(f"goodput: {args.command} failed: {e}{_api_advice(e)}", file=sys.stderr)

@@ -228,7 +228,8 @@ def _attempt(config: RunConfig, dataset_dir: Path, store, attempt: str,
         with contextlib.suppress(Exception):  # never in place of the cancellation
             summarize_goodput(config)
         log(f"attempt {attempt} cancelled {at_step(result.step)}: not retrying")
-        raise TrainingFailed(f"training attempt {attempt} was cancelled {at_step(result.step)}",
+        raise TrainingFailed(f"training attempt {attempt} was cancelled {at_step(result.step)}: "
+                             f"{result.reason}",
                              FailureClass.CANCELLED, result.step, retry=False)
     if result.failure_class == FailureClass.ROLLBACK:
         skip = skip_data_before(config, store, result)

@@ -542,7 +542,8 @@ class SchedulerJob:
     def poll(self) -> int | None:
         self.follow_logs()
         if self.code is None and time.monotonic() >= self._next_query:
-            self._next_query = time.monotonic() + self.spec.launch.poll_s
+            asked = time.monotonic()
+            self._next_query = asked + self.spec.launch.poll_s
             try:
                 self.code = self.query()
                 if self._failing_since is not None:
@@ -551,7 +552,8 @@ class SchedulerJob:
                 self._failing_since = None
             except (RuntimeError, subprocess.TimeoutExpired, ValueError) as e:
                 now = time.monotonic()
-                self._failing_since = self._failing_since or now
+                # From the first failed query's start: squeue itself retries for about 20 s.
+                self._failing_since = self._failing_since or asked
                 limit = self.spec.launch.scheduler_unreachable_s
                 if now - self._failing_since > limit:
                     raise RuntimeError(f"the scheduler has not answered for {limit:.0f}s "

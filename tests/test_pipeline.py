@@ -461,6 +461,8 @@ def test_ctrl_c_stops_the_cli_on_prefects_temporary_api(tmp_path):
     assert "goodput: pipeline interrupted" in text
     assert re.search(r"attempt \S+ cancelled at step \d+: not retrying", text), text[-3000:]
     assert re.search(r"launch-training-\w+' - Finished in state Cancelled\('training attempt", text)
+    # What cancelled it (a scancel says so too; the command had called every cancel the UI's).
+    assert re.search(r"was cancelled at step \d+: stopped by a cancellation", text), text[-3000:]
     assert "SignalException" not in text  # torchrun's traceback of its SIGTERM: one line
     assert "goodput: stopping: the workers are saving an emergency checkpoint" in text
     assert "Logging error" not in text and "Traceback" not in text
