@@ -620,7 +620,7 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
     _check_out(out, force, local)  # before reading a possibly large checkpoint
     _check_dtype(dtype)
     out.parent.mkdir(parents=True, exist_ok=True)  # what the store gives is fetched beside the export
-    with contextlib.ExitStack() as fetched:
+    with contextlib.ExitStack() as fetched:  # the tokenizer's copy, until write_hf has read it
         if tokenizer is not None and urlparse(str(tokenizer)).scheme == "s3":  # first: it fails fast
             tokenizer = fetch_store_tokenizer(str(tokenizer), Path(fetched.enter_context(
                 tempfile.TemporaryDirectory(prefix=f".{out.name}.tokenizer-", dir=out.parent))))
@@ -629,30 +629,21 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
                 manifest, state = read_checkpoint_from_store(str(checkpoint), Path(cache))
         else:
             manifest, state = read_checkpoint(checkpoint)
-        return _export_read(checkpoint, local, out, manifest, state, tokenizer=tokenizer,
-                            dtype=dtype, max_shard_bytes=max_shard_bytes,
-                            ignore_tokenizer_mismatch=ignore_tokenizer_mismatch)
-
-
-def _export_read(checkpoint: str, local: Path | None, out: Path, manifest: CheckpointManifest,
-                 state: dict[str, torch.Tensor], *, tokenizer: str | Path | None, dtype: str | None,
-                 max_shard_bytes: int, ignore_tokenizer_mismatch: bool) -> dict:
-    """export_hf of a checkpoint read (its `manifest` and model `state`)."""
-    problems = export_problems(model_args_of(manifest), state)
-    if problems:
-        raise ExportError(f"{checkpoint} holds a model with no form transformers loads: "
-                          f"{'; '.join(problems)}. Mixtures of experts export as Mixtral (every "
-                          "block MoE, softmax router, top-k renormalised, no shared experts) or, "
-                          "with model.qk_norm, Qwen3-MoE (softmax router, no shared experts); "
-                          "neither has a routing bias")
-    provenance = {"checkpoint": str(local or checkpoint), "step": manifest.step,
-                  "tokens_seen": manifest.tokens_seen, "dataset_id": manifest.dataset_id,
-                  "config_hash": manifest.config_hash}
-    summary = write_hf(model_args_of(manifest), state, out, tokenizer=tokenizer, dtype=dtype,
-                       provenance=provenance, max_shard_bytes=max_shard_bytes,
-                       eos_id=manifest.eos_id, tokenizer_sha256=manifest.tokenizer_sha256,
-                       ignore_tokenizer_mismatch=ignore_tokenizer_mismatch,
-                       run_tokenizer=run_tokenizer_dir(local) if local is not None else None)
+        problems = export_problems(model_args_of(manifest), state)
+        if problems:
+            raise ExportError(f"{checkpoint} holds a model with no form transformers loads: "
+                              f"{'; '.join(problems)}. Mixtures of experts export as Mixtral (every "
+                              "block MoE, softmax router, top-k renormalised, no shared experts) or, "
+                              "with model.qk_norm, Qwen3-MoE (softmax router, no shared experts); "
+                              "neither has a routing bias")
+        provenance = {"checkpoint": str(local or checkpoint), "step": manifest.step,
+                      "tokens_seen": manifest.tokens_seen, "dataset_id": manifest.dataset_id,
+                      "config_hash": manifest.config_hash}
+        summary = write_hf(model_args_of(manifest), state, out, tokenizer=tokenizer, dtype=dtype,
+                           provenance=provenance, max_shard_bytes=max_shard_bytes,
+                           eos_id=manifest.eos_id, tokenizer_sha256=manifest.tokenizer_sha256,
+                           ignore_tokenizer_mismatch=ignore_tokenizer_mismatch,
+                           run_tokenizer=run_tokenizer_dir(local) if local is not None else None)
     return {**summary, "step": manifest.step}
 
 
