@@ -831,7 +831,7 @@ def _say_how_to_export(config: RunConfig) -> None:
     and the command that makes a transformers model of it. A new user found the run
     directory, DCP files in it, and had to search the README for the rest."""
     from core.uris import local_path_of
-    from goodput.data.prepare import dataset_dir, mixture_dir
+    from goodput.data.prepare import dataset_dir, dataset_store_prefix, mixture_dir
     from goodput.runs import read_summary
     from storage.ledger import Ledger, choose_resume
     from storage.manifests import CheckpointManifest
@@ -868,7 +868,7 @@ def _say_how_to_export(config: RunConfig) -> None:
         elif not config.data.sources:
             # Trained from the store: no dataset directory here (its shard cache lacks a
             # Hugging Face tokenizer's side files); export fetches the tokenizer from the store.
-            tokenizer = local_path_of(f"{store_uri(config.storage.uri)}/datasets/{dataset}")
+            tokenizer = local_path_of(f"{store_uri(config.storage.uri)}/{dataset_store_prefix(dataset)}")
     given = f" --tokenizer {tokenizer}" if tokenizer else ""
     # export reads a store's URL with the endpoint AWS_ENDPOINT_URL names
     endpoint = (f"AWS_ENDPOINT_URL={config.storage.endpoint_url} "

@@ -236,7 +236,7 @@ def _plan(config: RunConfig, dataset_id: str, files: list[SourceFile],
     listed_from = BUILTIN if config.data.source == BUILTIN else absolute_source(config.data.source)
     return DatasetPlan(dataset_id=dataset_id, source=source, listed_from=listed_from,
                        local_dir=str(dataset_dir(config, dataset_id)),
-                       store_prefix=f"datasets/{dataset_id}",
+                       store_prefix=dataset_store_prefix(dataset_id),
                        settings_key=settings_key(config, tokenizer_from), files=files,
                        tokenizer_from=tokenizer_from, field_prefix=config.data.field_prefix,
                        eos_token=eos_token)
@@ -513,6 +513,11 @@ def mixture_manifest(sources: list[tuple[SourceConfig, DatasetManifest]]) -> Mix
                  for source, manifest in sources])
 
 
+def dataset_store_prefix(dataset_id: str) -> str:
+    """Where a prepared dataset lies in the store (its manifest, tokenizer and shards)."""
+    return f"datasets/{dataset_id}"
+
+
 def dataset_dir(config: RunConfig, dataset_id: str) -> Path:
     """Where a prepared dataset lies on this machine (its manifest, tokenizer and shards)."""
     return Path(config.data.data_dir) / dataset_id
@@ -687,7 +692,8 @@ def build_tokenizer(plan: DatasetPlan, config: RunConfig, units: list[WorkUnit],
             _copy_side_files(first, plan.dir)
             write_atomic(path, first.read_bytes())
         else:
-            store_from_config(config.storage).get_file(f"datasets/{plan.tokenizer_from}/{TOKENIZER_FILE}", path)
+            store_from_config(config.storage).get_file(
+                f"{dataset_store_prefix(plan.tokenizer_from)}/{TOKENIZER_FILE}", path)
         return str(path)
     start = time.perf_counter()
     texts = _sample_texts(units, config, parse_bytes(config.tokenizer.sample_bytes))
