@@ -79,7 +79,13 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     """Rows of expert e (a run of counts[e] rows of x) times w[e].T, for every expert at once.
 
     torch's grouped_mm where it runs (CUDA with bf16; on CPU in fp32 too when every row is a
-    multiple of 16 bytes), else one matmul per expert: the same products either way."""
+    multiple of 16 bytes), else one matmul per expert: the same products either way. Under
+    autocast both operands are cast to its dtype first, as autocast casts a matmul's: it does
+    not know grouped_mm, and the fp32 weights beside bf16 rows would leave the fast kernel
+    out on CUDA (and run it in fp32 on CPU)."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w = x.to(dtype), w.to(dtype)
     if use_grouped_mm(x, w):
         offsets = counts.cumsum(0).to(torch.int32)
         return F.grouped_mm(x, w.transpose(-2, -1), offs=offsets)
