@@ -652,13 +652,21 @@ class ParallelismConfig(_Section):
                           "them until backward (ZeRO-2-like, more memory, less communication).")
     activation_checkpointing: Literal["none", "selective", "full"] = Field("none")
     compile: bool = Field(False, description="torch.compile each transformer block, and the loss.")
+    compile_mode: Literal["default", "reduce-overhead", "max-autotune",
+                          "max-autotune-no-cudagraphs"] = Field(
+        "default", description="torch.compile's mode for the blocks, with compile: "
+        "'reduce-overhead' replays each block's kernels as a CUDA graph (on a GPU; where a "
+        "small model's step waits on the host launching kernels), 'max-autotune' also tries "
+        "Triton matmuls (minutes of compile). The loss keeps the default: a CUDA graph would "
+        "copy its logits in.")
     loss_chunk_tokens: int = Field(
         0, ge=0, description="The output layer and the loss computed this many tokens at a "
         "time, their gradients at once (a fused linear cross-entropy): the whole micro-batch's "
         "logits and their fp32 copy are never held, e.g. 16 x 1024 tokens x a 50k vocabulary: "
         "3.3 GB of fp32 logits, against 0.2 GB at 1024. It keeps the output weight's fp32 "
         "gradient from forward to backward instead (vocab x dim x 4 bytes): worth it when a "
-        "micro-batch has more tokens than about dim. Runs eagerly under compile. 0: the whole "
+        "micro-batch has more tokens than about dim. Runs eagerly under compile, and costs time "
+        "on a GPU (an H200: 1.5x the head's at 1024): for a step that does not fit otherwise. 0: the whole "
         "micro-batch at once. Not with tp > 1 or pp > 1, whose output layer and loss are "
         "split their own way.")
     mixed_precision: Literal["auto", "fp32", "bf16"] = Field(
@@ -713,6 +721,24 @@ class ParallelismConfig(_Section):
                              f"(here tp={self.tp}, pp={self.pp}): under tensor parallelism the "
                              "output layer is split over the vocabulary, and a pipeline's last "
                              "stage computes the loss in its schedule; set loss_chunk_tokens=0")
+        return self
+
+    @model_validator(mode="after")
+    def _cuda_graphs_where_measured(self) -> "ParallelismConfig":
+        if self.compile_mode != "reduce-overhead":
+            return self
+        others = {name: value for name, value in (("dp_shard", self.dims().dp_shard), ("tp", self.tp),
+                                                  ("pp", self.pp), ("cp", self.cp), ("ep", self.ep))
+                  if value != 1}
+        if self.activation_checkpointing != "none":
+            others["activation_checkpointing"] = self.activation_checkpointing
+        if others:
+            raise ValueError(
+                "compile_mode=reduce-overhead (a CUDA graph per block) runs on one GPU or with "
+                "DDP (dp_replicate), not with "
+                f"{', '.join(f'{k}={v}' for k, v in others.items())}: their hooks, collectives "
+                "and recomputation run inside a block, between the kernels its graph replays. "
+                "Use compile_mode=default there")
         return self
 
     @model_validator(mode="after")

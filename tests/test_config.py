@@ -58,6 +58,9 @@ def test_overrides_parse_as_yaml_values():
      "model.rope_scaling", "high_freq_factor=1.0 must exceed low_freq_factor=4.0"),
     ("model.rope_scaling.factor=8", "model.rope_scaling.low_freq_factor", "Field required"),
     ("model.ffn_dim_multiplier=0", "model.ffn_dim_multiplier", "greater than 0"),
+    ("parallelism.compile_mode=fast", "parallelism.compile_mode", "'reduce-overhead'"),
+    ("parallelism.compile_mode=reduce-overhead parallelism.dp_shard=2 parallelism.nproc_per_node=2",
+     "parallelism", "not with dp_shard=2: their hooks, collectives"),
     ("model.tie_embeddings=true parallelism.pp=2 training.micro_batch_size=4", None,
      "model.tie_embeddings=true shares the embedding matrix with the output layer, but pp=2 puts "
      "them on different pipeline stages; set parallelism.pp=1"),

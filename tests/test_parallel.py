@@ -264,6 +264,30 @@ def test_a_model_given_its_weights_draws_no_initial_values_and_computes_the_same
                                  trained.state_dict())
 
 
+def test_compile_mode_reaches_every_block_and_the_loss_keeps_the_default(monkeypatch, tmp_path):
+    # parallelism.compile_mode=reduce-overhead: each block a CUDA graph on a GPU. The loss
+    # stays in the default mode (a graph would copy the whole logits into its own buffer).
+    import torch
+
+    from core.layout import ParallelDims
+    from training.model import Transformer, model_args_from_config
+    from training.parallelize import Layout, _checkpoint_and_compile, _precision_and_loss
+
+    modes = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kwargs: modes.append(kwargs.get("mode")))
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: compiled.append(kwargs) or fn)
+    config = small_config(tmp_path, "parallelism.compile=true", "parallelism.compile_mode=reduce-overhead")
+    model = Transformer(model_args_from_config(config.model, 512))
+    _checkpoint_and_compile(model, config.parallelism)
+    assert modes == ["reduce-overhead"] * config.model.n_layers
+    _precision_and_loss(Layout(None, ParallelDims(), [model]), config.parallelism, torch.device("cpu"))
+    assert compiled == [{}]
+    modes.clear()
+    _checkpoint_and_compile(model, small_config(tmp_path, "parallelism.compile=true").parallelism)
+    assert modes == [None] * config.model.n_layers  # torch.compile's own default
+
+
 @pytest.mark.parametrize("autocast", [False, True])
 def test_the_loss_in_chunks_equals_the_loss_of_the_whole_logits(autocast):
     # training.model.linear_cross_entropy against cross_entropy(F.linear(...)): the loss and

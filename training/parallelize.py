@@ -405,8 +405,9 @@ def _checkpoint_and_compile(model: nn.Module, par_cfg) -> nn.Module:
             if par_cfg.activation_checkpointing == "full" or i % 2 == 0:
                 model.layers[name] = checkpoint_wrapper(model.layers[name], preserve_rng_state=False)
     if par_cfg.compile:
+        mode = None if par_cfg.compile_mode == "default" else par_cfg.compile_mode
         for block in model.layers.values():
-            block.compile()
+            block.compile(mode=mode)
     return model
 
 

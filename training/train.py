@@ -147,6 +147,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
                                        env.is_main)
     loss = float("nan")
     stage = loader.stage
+    par = config.parallelism
+    cuda_graphs = par.compile and par.compile_mode == "reduce-overhead" and env.device.type == "cuda"
     if env.is_main and len(data.sources) > 1:
         staged = len(config.mix_stages()) - 1  # data.stages: 0 without a curriculum
         log.info("[data] mix%s from step %d on: weights %s", f" stage {stage} of {staged}" if staged else "",
@@ -160,6 +162,8 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
             step_start = time.perf_counter()
             lr = set_lr(optimizers, lr_at(progress.step + 1, tcfg))
             loss_sum = torch.zeros((), device=env.device)
+            if cuda_graphs:  # the blocks' graphs' outputs of the step before are not read again
+                torch.compiler.cudagraph_mark_step_begin()
             for micro in range(accum):
                 inputs, targets = to_device(loader.next_batch(), env.device)
                 loss_sum += forward_backward(layout, inputs, targets, env.device,
