@@ -6,18 +6,23 @@
 #   bash benchmarks/device_session.sh --smoke        # each part at its smallest, on this CPU
 #
 # Parts, in order of what the issues need most; each has a time limit of its own, writes its
-# results to $OUT (or --out DIR) whatever happened, and the next part runs regardless:
-#   mfu.json (+ mfu-gpt2-124m-rank0.trace.json.gz)  the 124M step's MFU, then 3 profiled
-#                                                   steps (top kernels in the JSON, the trace)
-#   mfu_chunks.json      the same with parallelism.loss_chunk_tokens=1024 (the head and loss
-#                        in chunks: issue 37, item 2)
-#   loss_chunks.json     the head alone, whole against chunks, bf16 (time and peak memory)
+# results to $OUT (or --out DIR) whatever happened, and the next part runs regardless (the
+# device brings back 8 files at most: these are 8):
+#   mfu.json (+ mfu-gpt2-124m-rank0.trace.json.gz)  the 124M step's MFU (micro-batch 64),
+#                                                   then 3 profiled steps (top kernels in the
+#                                                   JSON, the trace)
 #   prepare.json         `goodput prepare` of a 500 MB corpus on the machine's 16 cores
 #                        against raw encode_batch and datasets.map(num_proc=16) (item 4)
-#   moe.json             the mixture-of-experts model trained on the GPU (bf16, NCCL)
-#   cuda_paths.json      async checkpoint staging and resume on CUDA; init_from's logits
-#                        (passed on the H100 on 26 Nov: last, in whatever time is left)
-#   session.log          every part's output, with the card (nvidia-smi) first
+#   mfu_graphs.json      the same with parallelism.compile_mode=reduce-overhead (each block a
+#                        CUDA graph: 45.0% against 44.7% without, on 30 Nov)
+#   mfu_mb32.json        the same at micro-batch 32, the size's figure until 30 Nov
+#   moe.json             the mixture-of-experts model trained on the GPU (bf16, NCCL); in
+#                        the log, moe_kernels.py: grouped_mm against a matmul per expert
+#   mfu_1b.json          the ~1B model, its 52% kept?
+#   session.log          every part's output, with the card (nvidia-smi) first; the head
+#                        alone, whole against chunks (loss_chunks_bench.py), last
+# cuda_paths.py (async checkpoint staging and resume on CUDA; init_from's logits) passed on
+# the H100 on 26 Nov and is left out: run it alone when CUDA code there changes.
 # Results belong in benchmarks/RESULTS.md with this command and the card.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -86,20 +91,30 @@ if [ "$smoke" = 1 ]; then
     chunks=(--tokens 512 --dim 64 --vocab 512 --chunks 0 128 --repeats 2)
     prepare=(--sizes 2MB --cores 2)
     moe=(--device cpu --nproc 1 --rounds 1 --steps 5 --dim 64 --layers 2 --heads 4 --expert-dim 128 --vocab 512 --seq 64)
+    moe_kernels=(--device cpu --tokens 1024 --dim 64 --hidden 128 --repeats 2)
+    mfu_1b=(--sizes tiny --device cpu --no-compile --warmup-steps 2 --steps 3)
+    small_batch=2
 else
     device=cuda
     mfu=(--sizes gpt2-124m --device cuda)
     chunks=(--device cuda --bf16)
     prepare=(--sizes 500MB --cores 16)
     moe=(--device cuda --nproc 1 --rounds 1 --steps 20 --dim 1024 --layers 8 --heads 16 --expert-dim 2048 --vocab 32000 --seq 1024 --batch 16)
+    moe_kernels=(--device cuda)
+    mfu_1b=(--sizes 1b --device cuda)
+    small_batch=32
 fi
 
-part mfu 170 "$python" benchmarks/mfu_bench.py "${mfu[@]}" --profile 3 --budget-s 160 \
+part mfu 130 "$python" benchmarks/mfu_bench.py "${mfu[@]}" --profile 3 --budget-s 120 \
     --out "$out/mfu.json"
-part prepare 200 "$python" benchmarks/prepare_bench.py "${prepare[@]}" --json "$out/prepare.json"
-part mfu_chunks 120 "$python" benchmarks/mfu_bench.py "${mfu[@]}" --no-attention-check \
-    --set parallelism.loss_chunk_tokens=1024 --budget-s 110 --out "$out/mfu_chunks.json"
-part loss_chunks 40 bash -c "$python benchmarks/loss_chunks_bench.py ${chunks[*]} >'$out/loss_chunks.json'"
+part prepare 170 "$python" benchmarks/prepare_bench.py "${prepare[@]}" --json "$out/prepare.json"
+part mfu_graphs 80 "$python" benchmarks/mfu_bench.py "${mfu[@]}" --no-attention-check \
+    --set parallelism.compile_mode=reduce-overhead --budget-s 75 --out "$out/mfu_graphs.json"
+part mfu_mb32 80 "$python" benchmarks/mfu_bench.py "${mfu[@]}" --no-attention-check \
+    --micro-batch "$small_batch" --budget-s 75 --out "$out/mfu_mb32.json"
 part moe 45 bash -c "$python benchmarks/moe_bench.py ${moe[*]} --arms fsdp --json '$out/moe.json'"
-part cuda_paths 90 "$python" benchmarks/cuda_paths.py --device "$device" --out "$out/cuda_paths.json"
+part moe_kernels 25 "$python" benchmarks/moe_kernels.py "${moe_kernels[@]}"
+part mfu_1b 80 "$python" benchmarks/mfu_bench.py "${mfu_1b[@]}" --no-attention-check \
+    --budget-s 75 --out "$out/mfu_1b.json"
+part loss_chunks 30 "$python" benchmarks/loss_chunks_bench.py "${chunks[@]}"
 echo "=== done: $(ls "$out" | tr '\n' ' ')" | tee -a "$log"
