@@ -569,6 +569,10 @@ def parse_bytes(text: str) -> int:
     return int(float(number) * base ** " KMGT".index(prefix.upper() or " "))
 
 
+# torch.compile's modes that replay CUDA graphs (torch._inductor.list_mode_options).
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")
+
+
 class ParallelismConfig(_Section):
     """Where the workers run and how the model is laid out over them.
 
@@ -657,8 +661,10 @@ class ParallelismConfig(_Section):
         "default", description="torch.compile's mode for the blocks, with compile: "
         "'reduce-overhead' replays each block's kernels as a CUDA graph (on a GPU; where a "
         "small model's step waits on the host launching kernels), 'max-autotune' also tries "
-        "Triton matmuls (minutes of compile). The loss keeps the default: a CUDA graph would "
-        "copy its logits in.")
+        "Triton matmuls (minutes of compile) and uses CUDA graphs too, "
+        "'max-autotune-no-cudagraphs' without them. The loss keeps the default: a CUDA graph "
+        "would copy its logits in. CUDA graphs: one GPU, without gradient accumulation, "
+        "FSDP, TP, PP, CP, EP, MoE or activation checkpointing.")
     loss_chunk_tokens: int = Field(
         0, ge=0, description="The output layer and the loss computed this many tokens at a "
         "time, their gradients at once (a fused linear cross-entropy): the whole micro-batch's "
@@ -723,22 +729,29 @@ class ParallelismConfig(_Section):
                              "stage computes the loss in its schedule; set loss_chunk_tokens=0")
         return self
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether the blocks are compiled into CUDA graphs (on a GPU): the modes that use them."""
+        return self.compile and self.compile_mode in CUDA_GRAPH_MODES
+
     @model_validator(mode="after")
     def _cuda_graphs_where_measured(self) -> "ParallelismConfig":
-        if self.compile_mode != "reduce-overhead":
+        if not self.cuda_graphs:
             return self
-        others = {name: value for name, value in (("dp_shard", self.dims().dp_shard), ("tp", self.tp),
-                                                  ("pp", self.pp), ("cp", self.cp), ("ep", self.ep))
-                  if value != 1}
+        resolved = self.dims()
+        others = [f"{name}={raw}" + (f" ({value} here)" if raw != value else "")
+                  for name, raw, value in (("dp_shard", self.dp_shard, resolved.dp_shard),
+                                           ("tp", self.tp, self.tp), ("pp", self.pp, self.pp),
+                                           ("cp", self.cp, self.cp), ("ep", self.ep, self.ep))
+                  if value != 1]
         if self.activation_checkpointing != "none":
-            others["activation_checkpointing"] = self.activation_checkpointing
+            others.append(f"activation_checkpointing={self.activation_checkpointing}")
         if others:
             raise ValueError(
-                "compile_mode=reduce-overhead (a CUDA graph per block) runs on one GPU or with "
-                "DDP (dp_replicate), not with "
-                f"{', '.join(f'{k}={v}' for k, v in others.items())}: their hooks, collectives "
-                "and recomputation run inside a block, between the kernels its graph replays. "
-                "Use compile_mode=default there")
+                f"compile_mode={self.compile_mode} (a CUDA graph per block) has run on one GPU "
+                f"only, not with {', '.join(others)}: their hooks, collectives and recomputation "
+                "run inside a block, between the kernels its graph replays. Use "
+                "compile_mode=default or max-autotune-no-cudagraphs there")
         return self
 
     @model_validator(mode="after")
@@ -1303,6 +1316,26 @@ class RunConfig(_Section):
                              "the minimum once (drop elastic.min_nodes, or give nnodes as a count)")
         elastic["min_nodes"] = low
         return {**tree, "parallelism": {**tree["parallelism"], "nnodes": high}, "elastic": elastic}
+
+    @model_validator(mode="after")
+    def _cuda_graphs_without_accumulation_or_moe(self) -> "RunConfig":
+        par = self.parallelism
+        if not par.cuda_graphs:
+            return self
+        if self.training.grad_accum_steps > 1:
+            # A graph's replay for the next micro-batch would write over the buffers that
+            # hold the previous one's gradients.
+            raise ValueError(
+                f"parallelism.compile_mode={par.compile_mode} (CUDA graphs) with "
+                f"training.grad_accum_steps={self.training.grad_accum_steps}: the next "
+                "micro-batch's graph would write over the gradients kept from the last; raise "
+                "training.micro_batch_size instead, or use parallelism.compile_mode=default")
+        if self.model.moe is not None:
+            raise ValueError(
+                f"parallelism.compile_mode={par.compile_mode} (CUDA graphs) with model.moe: a "
+                "mixture of experts' blocks have shapes that follow the routing, and a graph "
+                "is recorded per shape; use parallelism.compile_mode=default")
+        return self
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "RunConfig":

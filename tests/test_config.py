@@ -59,8 +59,12 @@ def test_overrides_parse_as_yaml_values():
     ("model.rope_scaling.factor=8", "model.rope_scaling.low_freq_factor", "Field required"),
     ("model.ffn_dim_multiplier=0", "model.ffn_dim_multiplier", "greater than 0"),
     ("parallelism.compile_mode=fast", "parallelism.compile_mode", "'reduce-overhead'"),
-    ("parallelism.compile_mode=reduce-overhead parallelism.dp_shard=2 parallelism.nproc_per_node=2",
-     "parallelism", "not with dp_shard=2: their hooks, collectives"),
+    ("parallelism.compile=true parallelism.compile_mode=reduce-overhead parallelism.dp_shard=-1 "
+     "parallelism.nproc_per_node=2", "parallelism", "not with dp_shard=-1 (2 here): their hooks"),
+    ("parallelism.compile=true parallelism.compile_mode=max-autotune training.grad_accum_steps=2",
+     None, "the next micro-batch's graph would write over the gradients kept from the last"),
+    ("parallelism.compile=true parallelism.compile_mode=reduce-overhead model.moe.num_experts=4 "
+     "model.moe.top_k=2", None, "(CUDA graphs) with model.moe"),
     ("model.tie_embeddings=true parallelism.pp=2 training.micro_batch_size=4", None,
      "model.tie_embeddings=true shares the embedding matrix with the output layer, but pp=2 puts "
      "them on different pipeline stages; set parallelism.pp=1"),
@@ -444,3 +448,17 @@ def test_an_s3_endpoint_without_its_scheme_is_refused_with_the_config():
         load_config(None, ["storage.endpoint_url=http://127.0.0.1:99999"])
     for url in ("http://127.0.0.1:8333", "https://s3.example.com/path", "http://[::1]:8333"):
         assert load_config(None, [f"storage.endpoint_url={url}"]).storage.endpoint_url == url
+
+
+def test_cuda_graph_modes_are_checked_only_where_they_run():
+    # compile_mode is torch.compile's: without parallelism.compile it is not used at all.
+    sharded = ["parallelism.dp_shard=2", "parallelism.nproc_per_node=2"]
+    assert not load_config("configs/tiny.yaml", ["parallelism.compile_mode=reduce-overhead", *sharded]
+                           ).parallelism.cuda_graphs
+    assert not load_config("configs/tiny.yaml", ["parallelism.compile=true", *sharded,
+                                                 "parallelism.compile_mode=max-autotune-no-cudagraphs"]
+                           ).parallelism.cuda_graphs
+    # dp_shard=-1 on one worker is no sharding
+    assert load_config("configs/tiny.yaml", ["parallelism.compile=true", "parallelism.dp_shard=-1",
+                                             "parallelism.nproc_per_node=1",
+                                             "parallelism.compile_mode=max-autotune"]).parallelism.cuda_graphs

@@ -52,6 +52,12 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
     tcfg = config.training
     env = init_distributed(config.parallelism)
     dims, accum = layout_dims(config, env)  # an elastic job's world may have shrunk or grown
+    cuda_graphs = config.parallelism.cuda_graphs and env.device.type == "cuda"
+    if cuda_graphs and accum > 1:  # the config refuses it; an elastic shrink can come to it
+        raise ConfigError(f"parallelism.compile_mode={config.parallelism.compile_mode} (CUDA "
+                          f"graphs) on {env.world_size} workers needs gradient accumulation "
+                          f"{accum} to keep the global batch, which CUDA graphs cannot run; "
+                          "use parallelism.compile_mode=default")
     torch.manual_seed(tcfg.seed)
 
     data = open_training_data(dataset_dir)
@@ -121,7 +127,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
         metrics.writer.trackers = open_trackers(config.tracking, config.run_dir.path, config.run.run_id,
                                                 progress.step if retried else None, flat_config(config),
                                                 [earlier[step] for step in sorted(earlier)])
-    validation = HeldOutInLoop(config, data, layout, env.device, accum)
+    validation = HeldOutInLoop(config, data, layout, env.device, accum, eager=cuda_graphs)
     stop_after = os.environ.get(ENV_STOP_AFTER)
     holder, orphan_after = os.environ.get(ENV_LEASE_HOLDER), os.environ.get(ENV_ORPHAN_AFTER_S)
     lease = (LeaseWatch(config.run_dir, holder, float(orphan_after))
@@ -147,8 +153,6 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
                                        env.is_main)
     loss = float("nan")
     stage = loader.stage
-    par = config.parallelism
-    cuda_graphs = par.compile and par.compile_mode == "reduce-overhead" and env.device.type == "cuda"
     if env.is_main and len(data.sources) > 1:
         staged = len(config.mix_stages()) - 1  # data.stages: 0 without a curriculum
         log.info("[data] mix%s from step %d on: weights %s", f" stage {stage} of {staged}" if staged else "",
@@ -263,8 +267,12 @@ class HeldOutInLoop:
     over the first eval.in_loop_batches validation batches of each source, split over the
     data-parallel ranks; every rank takes part (FSDP gathers, pipeline stages pass activations)."""
 
-    def __init__(self, config: RunConfig, data, layout: Layout, device: torch.device, accum: int):
+    def __init__(self, config: RunConfig, data, layout: Layout, device: torch.device, accum: int,
+                 eager: bool = False):
         self.every, self.data, self.layout, self.device = config.eval.every_steps, data, layout, device
+        # Under CUDA graphs the blocks run their own code here: a forward with no backward
+        # after it would start a new generation of graphs over the training step's buffers.
+        self.stance = (lambda: torch.compiler.set_stance("force_eager")) if eager else nullcontext
         self.seq_len, self.micro_batch = config.training.seq_len, config.training.micro_batch_size
         self.batches, self.accum = config.eval.in_loop_batches, accum  # pipeline_loss's share
         # Opened and sized now: a split too small fails before training, not at step every_steps.
@@ -275,7 +283,8 @@ class HeldOutInLoop:
         if not self.every or step % self.every:
             return None
         started = time.perf_counter()
-        losses = {name: self._loss(stream, self.per_rank[name]) for name, stream in self.streams.items()}
+        with self.stance():
+            losses = {name: self._loss(stream, self.per_rank[name]) for name, stream in self.streams.items()}
         found = {"val_loss": self.data.weighted_by_mix(losses)}
         if len(losses) > 1:
             found.update({f"val_loss/{name}": loss for name, loss in losses.items()})
