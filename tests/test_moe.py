@@ -88,11 +88,15 @@ def test_under_autocast_the_grouped_matmul_runs_in_its_dtype_as_a_matmul_would(m
         expected = torch.cat([x[:3] @ w[0].T, x[3:10] @ w[2].T, x[10:] @ w[3].T])
     assert seen == [(torch.bfloat16, torch.bfloat16)] and out.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(out, expected)
-    # the weights get their gradients in their own dtype:
-    w.requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        grouped_mm(x, w, counts).float().sum().backward()
-    assert w.grad.dtype == torch.float32
+    # The weights get their gradients in their own dtype, those a matmul per expert gives.
+    grads = []
+    for multiply in (grouped_mm, grouped_mm_loop):
+        weight = w.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            multiply(x, weight, counts).float().square().sum().backward()
+        grads.append(weight.grad)
+    assert grads[0].dtype == torch.float32
+    torch.testing.assert_close(grads[0], grads[1])
 
 
 def test_the_balance_loss_trains_as_if_added_to_the_loss_and_is_one_when_balanced():

@@ -72,6 +72,8 @@ class GroupedExperts(nn.Module):
 def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                   w2: torch.Tensor) -> torch.Tensor:
     """Each expert's SwiGLU over its own rows of x (sorted by expert, `counts` rows each)."""
+    if torch.is_autocast_enabled(x.device.type):  # x cast once, not once per matmul (grouped_mm)
+        x = x.to(torch.get_autocast_dtype(x.device.type))
     return grouped_mm(F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts), w2, counts)
 
 
