@@ -12,7 +12,8 @@
 #                                                   then 3 profiled steps (top kernels in the
 #                                                   JSON, the trace)
 #   prepare.json         `goodput prepare` of a 500 MB corpus on the machine's 16 cores
-#                        against raw encode_batch and datasets.map(num_proc=16) (item 4)
+#                        against raw encode_batch and datasets.map(num_proc=16) (item 4),
+#                        with the work units' timeline (benchmarks/prepare_timeline.py)
 #   mfu_graphs.json      the same with parallelism.compile_mode=reduce-overhead (each block a
 #                        CUDA graph: 45.0% against 44.7% without, on 30 Nov)
 #   mfu_mb32.json        the same at micro-batch 32, the size's figure until 30 Nov
@@ -105,16 +106,16 @@ else
     small_batch=32
 fi
 
-part mfu 130 "$python" benchmarks/mfu_bench.py "${mfu[@]}" --profile 3 --budget-s 120 \
+part mfu 100 "$python" benchmarks/mfu_bench.py "${mfu[@]}" --profile 3 --budget-s 95 \
     --out "$out/mfu.json"
-part prepare 170 "$python" benchmarks/prepare_bench.py "${prepare[@]}" --json "$out/prepare.json"
-part mfu_graphs 80 "$python" benchmarks/mfu_bench.py "${mfu[@]}" --no-attention-check \
-    --set parallelism.compile_mode=reduce-overhead --budget-s 75 --out "$out/mfu_graphs.json"
-part mfu_mb32 80 "$python" benchmarks/mfu_bench.py "${mfu[@]}" --no-attention-check \
-    --micro-batch "$small_batch" --budget-s 75 --out "$out/mfu_mb32.json"
-part moe 45 bash -c "$python benchmarks/moe_bench.py ${moe[*]} --arms fsdp --json '$out/moe.json'"
-part moe_kernels 25 "$python" benchmarks/moe_kernels.py "${moe_kernels[@]}"
-part mfu_1b 80 "$python" benchmarks/mfu_bench.py "${mfu_1b[@]}" --no-attention-check \
-    --budget-s 75 --out "$out/mfu_1b.json"
-part loss_chunks 30 "$python" benchmarks/loss_chunks_bench.py "${chunks[@]}"
+part prepare 210 "$python" benchmarks/prepare_bench.py "${prepare[@]}" --json "$out/prepare.json"
+part mfu_graphs 60 "$python" benchmarks/mfu_bench.py "${mfu[@]}" --no-attention-check \
+    --set parallelism.compile_mode=reduce-overhead --budget-s 55 --out "$out/mfu_graphs.json"
+part mfu_mb32 60 "$python" benchmarks/mfu_bench.py "${mfu[@]}" --no-attention-check \
+    --micro-batch "$small_batch" --budget-s 55 --out "$out/mfu_mb32.json"
+part moe 35 bash -c "$python benchmarks/moe_bench.py ${moe[*]} --arms fsdp --json '$out/moe.json'"
+part moe_kernels 15 "$python" benchmarks/moe_kernels.py "${moe_kernels[@]}"
+part mfu_1b 65 "$python" benchmarks/mfu_bench.py "${mfu_1b[@]}" --no-attention-check \
+    --budget-s 60 --out "$out/mfu_1b.json"
+part loss_chunks 25 "$python" benchmarks/loss_chunks_bench.py "${chunks[@]}"
 echo "=== done: $(ls "$out" | tr '\n' ' ')" | tee -a "$log"

@@ -319,6 +319,11 @@ def bench_size(label: str, size: int, work: Path, cores: int, map_max: int, ray:
            "written": first["written"], "output_bytes": output, "at_peak": first["at_peak"],
            "prefect_home_bytes": prefect_home, "prefect_home_created_bytes": home_created,
            "written_beyond_output": max(0, first["written"] - output)}
+    # Where the tokenizing time went: the unit processes' start, the units, the gaps between.
+    from benchmarks.prepare_timeline import timeline
+
+    row["unit_timeline"] = timeline(root / "prefect")
+    print(f"[{label}] units: {json.dumps(row['unit_timeline'])}", flush=True)
     print(f"[{label}] prepare: {first['wall_s']:.0f}s, {tokens:,} tokens, "
           f"{row['tokens_per_s']:,.0f} tokens/s, peak RSS {first['peak_rss'] / 2**20:.0f} MiB, "
           f"written {first['written'] / 1e6:.0f} MB (output {output / 1e6:.0f} MB, Prefect's "

@@ -26,11 +26,12 @@ def seconds(text: str) -> float:
 
 def timeline(prefect_home: Path) -> dict:
     db = sqlite3.connect(f"file:{prefect_home / 'prefect.db'}?mode=ro", uri=True)
-    flow = db.execute("SELECT id, start_time, end_time FROM flow_run WHERE name LIKE 'tokenize-units%'"
-                      " OR flow_id IN (SELECT id FROM flow WHERE name = 'tokenize-units')"
+    flow = db.execute("SELECT id, start_time, end_time FROM flow_run"
+                      " WHERE flow_id IN (SELECT id FROM flow WHERE name = 'tokenize-units')"
+                      " AND start_time IS NOT NULL AND end_time IS NOT NULL"
                       " ORDER BY start_time DESC LIMIT 1").fetchone()
     if flow is None:
-        raise SystemExit(f"no tokenize-units flow run in {prefect_home / 'prefect.db'}")
+        raise SystemExit(f"no finished tokenize-units flow run in {prefect_home / 'prefect.db'}")
     flow_id, began, ended = flow[0], seconds(flow[1]), seconds(flow[2])
     units = sorted((seconds(s), seconds(e)) for s, e in db.execute(
         "SELECT start_time, end_time FROM task_run WHERE flow_run_id = ? AND name LIKE 'tokenize-unit-%'"
@@ -38,7 +39,7 @@ def timeline(prefect_home: Path) -> dict:
     if not units:
         raise SystemExit("the tokenize-units flow run has no finished units")
     # Each unit after the first `workers` starts when a worker is free: pair it with the end it
-    # followed (the earliest end not yet taken before its start).
+    # followed (the earliest end before its start not yet taken by an earlier start).
     starts = sorted(s for s, _ in units)
     ends = sorted(e for _, e in units)
     workers = max(sum(1 for s, e in units if s <= t < e) for t in starts)
@@ -46,14 +47,14 @@ def timeline(prefect_home: Path) -> dict:
     for start in starts[workers:]:
         before = [e for e in free if e <= start]
         if before:
-            end = max(before)
+            end = min(before)
             free.remove(end)
             gaps.append(start - end)
     busy = sum(e - s for s, e in units)
     span = ended - began
     return {"units": len(units), "workers": workers, "flow_run_s": span,
             "first_unit_start_s": starts[0] - began,
-            "last_unit_start_s": starts[min(workers, len(starts)) - 1] - began,
+            "first_wave_last_start_s": starts[min(workers, len(starts)) - 1] - began,
             "unit_s": {"median": statistics.median(e - s for s, e in units),
                        "min": min(e - s for s, e in units), "max": max(e - s for s, e in units)},
             "handoff_gap_s": {"median": statistics.median(gaps) if gaps else None,

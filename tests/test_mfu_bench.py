@@ -164,15 +164,18 @@ def test_the_device_session_runs_every_part_at_its_smallest_on_cpu(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "benchmarks" / "device_session.sh"), "--smoke",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for part in ("mfu", "prepare", "mfu_chunks", "loss_chunks", "moe", "cuda_paths"):
+    for part in ("mfu", "prepare", "mfu_graphs", "mfu_mb32", "moe", "moe_kernels", "mfu_1b",
+                 "loss_chunks"):
         assert f"=== {part}: exit 0 after" in proc.stdout, proc.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "cuda_paths.json", "loss_chunks.json", "mfu-tiny-rank0.trace.json.gz", "mfu.json",
-        "mfu_chunks.json", "moe.json", "prepare.json", "session.log"]
+        "mfu-tiny-rank0.trace.json.gz", "mfu.json", "mfu_1b.json", "mfu_graphs.json",
+        "mfu_mb32.json", "moe.json", "prepare.json", "session.log"]
     mfu = json.loads((tmp_path / "mfu.json").read_text())["sizes"][0]
     assert mfu["status"] == "ok" and mfu["profile"]["top"], mfu
-    chunks = json.loads((tmp_path / "mfu_chunks.json").read_text())["sizes"][0]
-    assert chunks["status"] == "ok"
+    for arm in ("mfu_graphs", "mfu_mb32", "mfu_1b"):
+        assert json.loads((tmp_path / f"{arm}.json").read_text())["sizes"][0]["status"] == "ok", arm
     assert json.loads((tmp_path / "moe.json").read_text())["rounds"]["fsdp"][0]["tokens_per_s"] > 0
-    assert all(json.loads((tmp_path / "cuda_paths.json").read_text())[check]["status"] == "ok"
-               for check in ("checkpoint_resume", "init_from"))
+    prepare = json.loads((tmp_path / "prepare.json").read_text())[0]
+    assert prepare["unit_timeline"]["units"] >= 1 and prepare["unit_timeline"]["first_unit_start_s"] >= 0
+    log = (tmp_path / "session.log").read_text()
+    assert '"grouped_mm_path": "grouped_mm"' in log  # moe_kernels: torch's kernel on this CPU
