@@ -72,8 +72,7 @@ class GroupedExperts(nn.Module):
 def expert_swiglu(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                   w2: torch.Tensor) -> torch.Tensor:
     """Each expert's SwiGLU over its own rows of x (sorted by expert, `counts` rows each)."""
-    if torch.is_autocast_enabled(x.device.type):  # x cast once, not once per matmul (grouped_mm)
-        x = x.to(torch.get_autocast_dtype(x.device.type))
+    x = autocast_operand(x)  # once here, not in each of the two matmuls that read it
     return grouped_mm(F.silu(grouped_mm(x, w1, counts)) * grouped_mm(x, w3, counts), w2, counts)
 
 
@@ -85,13 +84,17 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     autocast both operands are cast to its dtype first, as autocast casts a matmul's: it does
     not know grouped_mm, and the fp32 weights beside bf16 rows would leave the fast kernel
     out on CUDA (and run it in fp32 on CPU)."""
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x, w = x.to(dtype), w.to(dtype)
+    x, w = autocast_operand(x), autocast_operand(w)
     if use_grouped_mm(x, w):
         offsets = counts.cumsum(0).to(torch.int32)
         return F.grouped_mm(x, w.transpose(-2, -1), offs=offsets)
     return grouped_mm_loop(x, w, counts)
+
+
+def autocast_operand(t: torch.Tensor) -> torch.Tensor:
+    """`t` as autocast hands a matmul its operands: in autocast's dtype where it is on."""
+    device = t.device.type
+    return t.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else t
 
 
 def grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

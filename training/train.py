@@ -272,7 +272,7 @@ class HeldOutInLoop:
         self.every, self.data, self.layout, self.device = config.eval.every_steps, data, layout, device
         # Under CUDA graphs the blocks run their own code here: a forward with no backward
         # after it would start a new generation of graphs over the training step's buffers.
-        self.stance = (lambda: torch.compiler.set_stance("force_eager")) if eager else nullcontext
+        self.eager = eager
         self.seq_len, self.micro_batch = config.training.seq_len, config.training.micro_batch_size
         self.batches, self.accum = config.eval.in_loop_batches, accum  # pipeline_loss's share
         # Opened and sized now: a split too small fails before training, not at step every_steps.
@@ -283,7 +283,7 @@ class HeldOutInLoop:
         if not self.every or step % self.every:
             return None
         started = time.perf_counter()
-        with self.stance():
+        with torch.compiler.set_stance("force_eager") if self.eager else nullcontext():
             losses = {name: self._loss(stream, self.per_rank[name]) for name, stream in self.streams.items()}
         found = {"val_loss": self.data.weighted_by_mix(losses)}
         if len(losses) > 1:
