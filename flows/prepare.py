@@ -1,9 +1,10 @@
 """The prepare flow: list sources -> tokenizer -> work units (in parallel) -> manifest -> store,
 once per source of a mix (the first source's tokenizer serves them all).
 
-Work units run in a process pool on this machine (one unit at a time: in the flow's own
-process) and write the dataset here (then it is uploaded), or with prepare.runner=ray on a
-Ray cluster, writing it straight to the store.
+Work units run in a pool of processes on this machine that import only the library (their
+task runs stay in the flow's process; one unit at a time: in the flow's own process) and
+write the dataset here (then it is uploaded), or with prepare.runner=ray on a Ray cluster,
+writing it straight to the store.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from prefect import flow, get_run_logger
 from prefect.futures import as_completed
 
 from core.config import RunConfig
-from core.process_exit import stop_pool_processes_left
 from goodput.data.prepare import (
     DatasetPlan,
     UnitResult,
@@ -23,6 +23,7 @@ from goodput.data.prepare import (
     one_prepare_at_a_time,
     require_sources,
 )
+from goodput.data.unit_processes import stop_units
 from storage.manifests import DatasetManifest, MixtureManifest
 from storage.store import usable_anywhere
 from tasks.control import cancelled_on_ctrl_c, resolve_config
@@ -39,6 +40,7 @@ from tasks.prepare import (
     tokenize_unit,
     unit_runner,
     units_in_flight,
+    warm_unit_processes,
     write_manifest,
 )
 from tasks.reporting import PrepareProgress
@@ -97,6 +99,8 @@ def prepare_source(config: RunConfig, plan: DatasetPlan,
             # would be recorded whole among tokenize-units' parameters (refused above 512 KiB).
             planned_units = plan_units.submit(plan, config)
             units = planned_units.result()
+            if not to_store:  # their library imported while the tokenizer is built
+                warm_unit_processes(config.prepare, len(units))
             tokenizer_path = build_tokenizer(plan, config, units, to_store)
             tokenizing_since = time.time()
             with api_shared_with_unit_processes() as api_url:
@@ -151,10 +155,9 @@ def tokenize_units(plan: DatasetPlan, units: list[WorkUnit], config: RunConfig,
     except Exception:
         raise  # a unit that failed: the others in flight finish, and a rerun keeps their work
     except BaseException:
-        # Ctrl-C or a cancel: the units in flight stop now. The pool's processes ignore
-        # Ctrl-C (each printed Prefect's traceback of it, about 150 lines in all), and the
-        # runner's exit would wait for their units to finish (minutes for 256 MiB units).
-        stop_pool_processes_left()
+        # Ctrl-C or a cancel: the units in flight stop now, not when the runner's exit has
+        # waited for them.
+        stop_units()
         raise
     finally:
         progress.close()

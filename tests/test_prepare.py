@@ -819,19 +819,34 @@ def test_prefect_flow_matches_the_library_and_reruns_for_free(prefect_api, built
 
 def test_prefect_flow_runs_units_in_processes_and_writes_the_library_s_bytes(prefect_api, tmp_path):
     """Many work units through the flow's process pool: the same shards, byte for byte, as
-    the library's one-at-a-time run; the second run finds it all done, and says so."""
+    the library's one-at-a-time run, tokenized in processes other than the flow's, and what
+    the library logs there in the flow run's log; the second run finds it all done, and says
+    so."""
     from flows.prepare import prepare
 
-    source = write_source(tmp_path / "in", "jsonl", DOCS * 20)
-    overrides = (f"data.source={source}", "data.max_docs=null", "data.unit_bytes=16KiB",
-                 "data.shard_tokens=2048", "tokenizer.vocab_size=300", "prepare.workers=2")
+    write_source(tmp_path / "in", "jsonl", DOCS * 20)
+    bad = tmp_path / "in" / "bad.jsonl"
+    bad.write_text(json.dumps({"text": DOCS[0]}) + "\n{not json\n")
+    overrides = (f"data.source={tmp_path / 'in'}", "data.max_docs=null", "data.unit_bytes=16KiB",
+                 "data.shard_tokens=2048", "tokenizer.vocab_size=300", "prepare.workers=2",
+                 "data.on_bad_record=skip")
     library = prep.prepare_dataset(make_config(tmp_path / "library", *overrides))
     config = make_config(tmp_path / "flow", *overrides)
-    manifest = prepare(config)
+    state = prepare(config, return_state=True)
+    manifest = state.result()
     assert manifest.model_dump(exclude={"created_at"}) == library.model_dump(exclude={"created_at"})
     assert len({s.path.split("-")[1] for s in manifest.splits["train"]}) >= 4  # units
+    assert manifest.skipped_records == 1
     summary = json.loads(config.run_dir.summary_file.read_text())["prepare"]
     assert summary["tokens"]["train"] == manifest.n_tokens("train") and summary["tokenize_s"] > 0
+    workers = {int(worker.rsplit(":", 1)[1]) for worker in summary["workers"]}
+    assert len(workers) == 2 and os.getpid() not in workers, summary["workers"]
+    # The warning was logged in a unit's process: it is in the flow run's log all the same.
+    said = f"skipping bad records in {bad}"
+    parent = state.state_details.flow_run_id
+    runs = subflow_runs(parent)
+    wait_for(lambda: any(said in line for line in logs_of(*(run.id for run in subflow_runs(
+        runs["prepare-source"].id).values()))), timeout_s=30, what=repr(said), every_s=0.5)
     again = prepare(config, return_state=True)
     assert again.result() == manifest
     said = f"dataset {manifest.dataset_id} is already prepared"
@@ -1065,22 +1080,17 @@ def test_a_small_corpus_is_cut_into_enough_units_for_every_core():
 
 
 _POOL_OF_UNITS_THAT_NEVER_END = """
-import os, sys, time
-from prefect import flow, task
-from core.config import PrepareConfig
-from tasks.prepare import unit_runner
+import sys, threading, time
+from multiprocessing import active_children, forkserver
+from goodput.data.unit_processes import UnitProcesses
 
-@task
-def unit(directory):  # says where it runs, then works on for longer than any test
-    open(os.path.join(directory, str(os.getpid())), "w").close()
+with UnitProcesses(2) as pool:
+    for _ in range(2):  # units that work on for longer than any test
+        threading.Thread(target=pool.run, args=(time.sleep, 600), daemon=True).start()
+    while len(active_children()) < 2:
+        time.sleep(0.05)
+    print(forkserver._forkserver._forkserver_pid, *[p.pid for p in active_children()], flush=True)
     time.sleep(600)
-
-@flow
-def units(directory):
-    for future in [unit.submit(directory) for _ in range(2)]:
-        future.wait()
-
-units.with_options(task_runner=unit_runner(PrepareConfig(workers=2), 2, None))(sys.argv[1])
 """
 
 
@@ -1093,10 +1103,11 @@ def _gone(pid: int) -> bool:
         return True
 
 
-@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="Linux: the kernel's PR_SET_PDEATHSIG")
-def test_the_unit_pool_s_processes_die_with_a_flow_killed_outright(prefect_api, tmp_path):
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_the_unit_pool_s_processes_die_with_a_flow_killed_outright():
     """`kill -9` (or the OOM killer) of `goodput prepare` left its pool's processes running
-    forever, re-parented to PID 1 with ~500 MB each: now the kernel kills them with it."""
+    forever, re-parented to PID 1 with ~500 MB each: now they end with it, and the fork
+    server they were forked from after them."""
     import os
     import signal
     import subprocess
@@ -1104,19 +1115,14 @@ def test_the_unit_pool_s_processes_die_with_a_flow_killed_outright(prefect_api, 
 
     from tests.helpers import REPO
 
-    env = dict(os.environ, PREFECT_API_URL=prefect_api.api_url,
-               PREFECT_HOME=str(prefect_api.home / "client"))
-    flow_process = subprocess.Popen([sys.executable, "-c", _POOL_OF_UNITS_THAT_NEVER_END, str(tmp_path)],
-                                    cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    flow_process = subprocess.Popen([sys.executable, "-c", _POOL_OF_UNITS_THAT_NEVER_END], cwd=REPO,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     workers: list[int] = []
     try:
-        def both_units_running() -> list[int]:
-            assert flow_process.poll() is None, flow_process.stderr.read().decode()[-3000:]
-            pids = [int(p.name) for p in tmp_path.iterdir()]
-            return pids if len(pids) == 2 else []
-
-        workers = wait_for(both_units_running, 120, "two units running", every_s=0.5)
-        assert all(not _gone(pid) for pid in workers)
+        line = flow_process.stdout.readline()
+        assert line, flow_process.stderr.read()[-3000:]
+        workers = [int(pid) for pid in line.split()]  # the fork server, then the pool's two
+        assert len(workers) == 3 and all(not _gone(pid) for pid in workers)
         flow_process.kill()  # SIGKILL: no handler, no exit code of its own runs
         flow_process.wait(10)
         wait_for(lambda: all(_gone(pid) for pid in workers), 5, "pool processes gone", every_s=0.2)
@@ -1127,6 +1133,77 @@ def test_the_unit_pool_s_processes_die_with_a_flow_killed_outright(prefect_api, 
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_unit_processes_run_the_library_where_it_was_called_from_and_log_here(tmp_path, monkeypatch, caplog):
+    """The pool's processes come from a fork server started earlier, maybe by another flow in
+    another directory: a unit runs with the environment and directory of the pool's owner at
+    the pool's start, its records come back to the caller's loggers, its errors as they were."""
+    import multiprocessing
+
+    from goodput.data.unit_processes import UnitProcesses, UnitTraceback, warm_up
+
+    warm_up()  # before the directory and the environment change
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "loaded-from-a-block")
+    with UnitProcesses(2) as pool, caplog.at_level(logging.INFO, logger="goodput"):
+        assert pool.run(os.getpid) in {p.pid for p in multiprocessing.active_children()}
+        assert pool.run(os.getcwd) == str(tmp_path)
+        assert pool.run(os.getenv, "AWS_ACCESS_KEY_ID") == "loaded-from-a-block"
+        assert pool.run(os.getenv, "TOKENIZERS_PARALLELISM") == "false"  # one core each
+        pool.run(logging.getLogger("goodput.data.sources").warning, "skipping %d bad records", 3)
+        assert ("goodput.data.sources", logging.WARNING, "skipping 3 bad records") in caplog.record_tuples
+        with pytest.raises(ValueError, match="invalid literal") as raised:
+            pool.run(int, "x")
+        assert isinstance(raised.value.__cause__, UnitTraceback)
+        assert "invalid literal" in str(raised.value.__cause__)  # its process's traceback
+
+
+def test_a_unit_whose_process_dies_fails_and_its_retry_runs_in_a_new_pool():
+    """A unit's process killed (the OOM killer) fails that unit, retried like any transient
+    failure, in a new pool (a broken pool failed every unit after it); one stopped on purpose
+    (Ctrl-C: stop_units) fails without a retry."""
+    import multiprocessing
+    import signal
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from goodput.data.unit_processes import UnitProcessDied, UnitProcesses, UnitsStopped, stop_units
+    from tasks.retries import retry_if_transient
+
+    def failed_with(error: BaseException) -> SimpleNamespace:
+        def result():
+            raise error
+        return SimpleNamespace(result=result)
+
+    def run_in_thread(pool: UnitProcesses) -> list:
+        outcome = []
+
+        def run():
+            try:
+                pool.run(time.sleep, 60)
+            except Exception as e:
+                outcome.append(e)
+
+        threading.Thread(target=run, daemon=True).start()
+        wait_for(lambda: multiprocessing.active_children(), 30, "the unit's process", every_s=0.05)
+        return outcome
+
+    with UnitProcesses(1) as pool:
+        outcome = run_in_thread(pool)
+        [process] = multiprocessing.active_children()
+        os.kill(process.pid, signal.SIGKILL)
+        [died] = wait_for(lambda: outcome, 30, "the unit failed", every_s=0.05)
+        assert isinstance(died, UnitProcessDied) and "prepare.workers" in str(died)
+        assert retry_if_transient(None, None, failed_with(died))
+        assert pool.run(os.getpid) != process.pid  # the retry's new pool
+
+        outcome = run_in_thread(pool)
+        stop_units()
+        [stopped] = wait_for(lambda: outcome, 30, "the unit stopped", every_s=0.05)
+        assert isinstance(stopped, UnitsStopped)
+        assert not retry_if_transient(None, None, failed_with(stopped))
 
 
 def test_the_install_hints_for_extras_name_this_checkout_not_a_package_on_pypi():
