@@ -4,10 +4,13 @@
     python benchmarks/prepare_timeline.py /tmp/ph         # then this, on that PREFECT_HOME
 
 Reads the temporary server's database (PREFECT_HOME/prefect.db) and prints, for the newest
-`tokenize-units` flow run: when its first unit started after the flow run began (the unit
-processes' start: spawn, imports, the task engine), the units' own time, the gaps between a
-unit's end and the next unit's start, the tail after the last unit, and how busy the pool was
-(the units' time over workers x the flow run's span). Prints one JSON object.
+`tokenize-units` flow run: when its first unit started after the flow run began, the units'
+own time, the gaps between a unit's end and the next unit's start, the tail after the last
+unit, and how busy the pool was (the units' time over workers x the flow run's span). Prints
+one JSON object. The units' task runs run on threads of the flow's process and start at once;
+the first ones' time includes their processes' start (forked from the fork server, which may
+still be importing the library). Until 30 Nov (fifteenth session), Prefect's process pool ran
+them, and the first start was the processes' start (spawn, imports, the task engine).
 """
 
 from __future__ import annotations

@@ -179,9 +179,11 @@ class UnitTaskRunner(ThreadPoolTaskRunner):
         self._processes = unit_processes.UnitProcesses(self._max_workers).__enter__()
         return self
 
-    def __exit__(self, *exc_info) -> None:
+    def __exit__(self, exc_type, exc_value, traceback) -> None:
+        if exc_type is not None and not issubclass(exc_type, Exception):
+            unit_processes.stop_units()  # Ctrl-C (again, while a failure winds down): now
         try:
-            super().__exit__(*exc_info)  # the units running finish first
+            super().__exit__(exc_type, exc_value, traceback)  # else the units running finish first
         finally:
             processes, self._processes = self._processes, None
             if processes is not None:

@@ -141,6 +141,11 @@ class Watcher(threading.Thread):
         return self.result
 
 
+def imported_here(module: str) -> bool:
+    """Whether this process has imported `module` (asked of another process, by pickle)."""
+    return module in sys.modules
+
+
 def thread_nice() -> int:
     """The calling thread's nice value (Linux keeps one per thread; core.cpu_priority)."""
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

@@ -1119,6 +1119,9 @@ def test_the_unit_pool_s_processes_die_with_a_flow_killed_outright():
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     workers: list[int] = []
     try:
+        import select
+
+        assert select.select([flow_process.stdout], [], [], 120)[0], "the pool did not start in 120 s"
         line = flow_process.stdout.readline()
         assert line, flow_process.stderr.read()[-3000:]
         workers = [int(pid) for pid in line.split()]  # the fork server, then the pool's two
@@ -1159,13 +1162,67 @@ def test_unit_processes_run_the_library_where_it_was_called_from_and_log_here(tm
         assert "invalid literal" in str(raised.value.__cause__)  # its process's traceback
 
 
-def test_a_unit_whose_process_dies_fails_and_its_retry_runs_in_a_new_pool():
+_A_DEPLOYMENT_S_MAIN = """
+import prefect.engine  # a deployment's flow run is `python -m prefect.engine`
+from goodput.data.unit_processes import UnitProcesses
+from tests.helpers import imported_here
+
+if __name__ == "__main__":
+    with UnitProcesses(1) as pool:
+        print(pool.run(imported_here, "prefect"), pool.run(imported_here, "goodput.data.prepare"))
+"""
+
+
+def test_unit_processes_import_the_library_not_the_caller_s_main(tmp_path):
+    """multiprocessing has a new process import its caller's __main__ first; in a deployment's
+    flow run that is Prefect (seconds per process). A unit process leaves it out."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    (tmp_path / "deployment_main.py").write_text(_A_DEPLOYMENT_S_MAIN)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    done = subprocess.run([sys.executable, "-m", "deployment_main"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["False", "True"]
+
+
+def _unit_in_flight(pool, tmp_path: Path, name: str) -> tuple[list, object]:
+    """A unit that reads a FIFO no one writes: it is in flight once the FIFO has a reader (the
+    unit's process, blocked in it). Returns what its run raised (filled in once it ends) and
+    the FIFO's write end, to close when done."""
+    import threading
+    import time
+
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    outcome = []
+
+    def run():
+        try:
+            pool.run(Path.read_bytes, fifo)
+        except Exception as e:
+            outcome.append(e)
+
+    threading.Thread(target=run, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while True:  # opening a FIFO's write end without blocking succeeds once a reader has it
+        try:
+            return outcome, os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            assert time.monotonic() < deadline, f"{name}: no unit process read it in 30 s"
+            time.sleep(0.05)
+
+
+def test_a_unit_whose_process_dies_fails_alone_and_its_retry_runs_in_a_new_process(tmp_path):
     """A unit's process killed (the OOM killer) fails that unit, retried like any transient
-    failure, in a new pool (a broken pool failed every unit after it); one stopped on purpose
-    (Ctrl-C: stop_units) fails without a retry."""
+    failure, in a new process; the others run on (concurrent.futures' pool failed every unit
+    in flight, and Prefect's stayed broken for every unit after). Units stopped on purpose
+    (Ctrl-C: stop_units) fail without a retry, in flight or not started."""
     import multiprocessing
     import signal
-    import threading
     import time
     from types import SimpleNamespace
 
@@ -1177,33 +1234,33 @@ def test_a_unit_whose_process_dies_fails_and_its_retry_runs_in_a_new_pool():
             raise error
         return SimpleNamespace(result=result)
 
-    def run_in_thread(pool: UnitProcesses) -> list:
-        outcome = []
+    others = {p.pid for p in multiprocessing.active_children()}
+    writers = []
+    try:
+        with UnitProcesses(3) as pool:
+            (first, w1), (second, w2) = (_unit_in_flight(pool, tmp_path, n) for n in ("a", "b"))
+            writers += [w1, w2]
+            ours = [p.pid for p in multiprocessing.active_children() if p.pid not in others]
+            assert len(ours) == 2
+            os.kill(ours[0], signal.SIGKILL)
+            [died] = wait_for(lambda: first + second, 30, "a unit failed", every_s=0.05)
+            assert isinstance(died, UnitProcessDied), died
+            assert "was killed by SIGKILL (the OOM killer?)" in str(died) and "prepare.workers" in str(died)
+            assert retry_if_transient(None, None, failed_with(died))
+            assert pool.run(os.getpid) not in ours  # the retry's new process
+            time.sleep(0.5)
+            assert len(first + second) == 1  # the other unit runs on
 
-        def run():
-            try:
-                pool.run(time.sleep, 60)
-            except Exception as e:
-                outcome.append(e)
-
-        threading.Thread(target=run, daemon=True).start()
-        wait_for(lambda: multiprocessing.active_children(), 30, "the unit's process", every_s=0.05)
-        return outcome
-
-    with UnitProcesses(1) as pool:
-        outcome = run_in_thread(pool)
-        [process] = multiprocessing.active_children()
-        os.kill(process.pid, signal.SIGKILL)
-        [died] = wait_for(lambda: outcome, 30, "the unit failed", every_s=0.05)
-        assert isinstance(died, UnitProcessDied) and "prepare.workers" in str(died)
-        assert retry_if_transient(None, None, failed_with(died))
-        assert pool.run(os.getpid) != process.pid  # the retry's new pool
-
-        outcome = run_in_thread(pool)
-        stop_units()
-        [stopped] = wait_for(lambda: outcome, 30, "the unit stopped", every_s=0.05)
-        assert isinstance(stopped, UnitsStopped)
-        assert not retry_if_transient(None, None, failed_with(stopped))
+            stop_units()
+            [stopped] = wait_for(lambda: [e for e in first + second if e is not died], 30,
+                                 "the other unit stopped", every_s=0.05)
+            assert isinstance(stopped, UnitsStopped), stopped
+            assert not retry_if_transient(None, None, failed_with(stopped))
+            with pytest.raises(UnitsStopped):  # and none starts after it
+                pool.run(os.getpid)
+    finally:
+        for writer in writers:
+            os.close(writer)
 
 
 def test_the_install_hints_for_extras_name_this_checkout_not_a_package_on_pypi():

@@ -9,11 +9,15 @@ processes. They are forked from multiprocessing's fork server, which imports thi
 the next pool in the same process (the next source of a mix) at once.
 
 What the library logs in a unit comes back with its result and is logged again on the
-caller's thread, where Prefect sends it to the unit's task run's log.
+caller's thread, where Prefect sends it to the unit's task run's log. A process that dies (the
+OOM killer, a signal) fails only the unit it ran, and Ctrl-C (`stop_units`) ends the units in
+flight at once.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import multiprocessing
 import os
@@ -25,11 +29,12 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from multiprocessing import spawn
+from multiprocessing.connection import wait
+from multiprocessing.context import ForkServerContext, ForkServerProcess
 from typing import Any
 
 from core.process_exit import stop_pool_processes_left
@@ -39,7 +44,37 @@ PRELOAD = ["goodput.data.prepare"]
 # The library's loggers: their lowest level in the caller is what the processes record.
 LIBRARY_LOGGERS = ("goodput", "storage", "training", "core")
 
-log = logging.getLogger(__name__)
+
+def _without_the_callers_main(get_preparation_data: Callable[[str], dict]) -> Callable[[str], dict]:
+    """multiprocessing has a new process import the caller's __main__ again (as __mp_main__)
+    before it runs anything; a unit process needs only the library. Where the caller is a
+    deployment's flow run (`python -m prefect.engine`), that main is Prefect itself: seconds
+    in every process. Left out for this module's processes, which it names."""
+    def preparation_data(name: str) -> dict:
+        data = get_preparation_data(name)
+        if name.startswith(_PROCESS_NAME):
+            data.pop("init_main_from_name", None)
+            data.pop("init_main_from_path", None)
+        return data
+    return preparation_data
+
+
+_PROCESS_NAME = "goodput-unit-process"
+if not hasattr(spawn.get_preparation_data, "__wrapped__"):  # once, whatever reloads this module
+    spawn.get_preparation_data = functools.wraps(spawn.get_preparation_data)(
+        _without_the_callers_main(spawn.get_preparation_data))
+
+
+class _UnitProcess(ForkServerProcess):
+    _counter = itertools.count(1)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.name = f"{_PROCESS_NAME}-{next(self._counter)}"
+
+
+class _UnitContext(ForkServerContext):
+    Process = _UnitProcess
 
 
 def warm_up() -> None:
@@ -54,8 +89,11 @@ def warm_up() -> None:
 
 
 class UnitProcessDied(RuntimeError):
-    """A process of the pool died in the middle of a unit: killed (the OOM killer, a signal) or
-    crashed. The pool is replaced; a retry of the unit runs in a new process."""
+    """The process running a unit died before it returned: killed (the OOM killer, a signal)
+    or crashed. Only that unit fails; its retry runs in a new process."""
+
+
+_STOPPED = "the unit was stopped (Ctrl-C, or the run cancelled)"
 
 
 class UnitsStopped(RuntimeError):
@@ -64,64 +102,75 @@ class UnitsStopped(RuntimeError):
 
 
 class UnitTraceback(Exception):
-    """Where a unit's exception was raised, in its process (as concurrent.futures says it)."""
+    """Where a unit's exception was raised, in its process."""
 
     def __str__(self) -> str:
         return "\n" + self.args[0]
 
 
 class UnitProcesses:
-    """A pool of `workers` processes forked from the fork server; `run` calls a function of
-    the library in one of them. Use it as a context manager: its exit stops the processes."""
+    """Up to `workers` processes forked from the fork server, each running one unit at a time,
+    kept from unit to unit (a unit's tokenizer stays loaded); `run` calls a function of the
+    library in an idle one, or in a new one. A process that dies fails only the unit it ran
+    (concurrent.futures' pool fails every unit in flight with it, and noticed the death of a
+    process it had started on demand only at its next result). Use it as a context manager:
+    its exit ends the processes."""
 
     def __init__(self, workers: int):
         if workers < 1:
             raise ValueError(f"a pool of {workers} processes")
         self.workers = workers
         self._lock = threading.Lock()
-        self._executor: ProcessPoolExecutor | None = None
+        self._slots = threading.BoundedSemaphore(workers)
+        self._idle: list[_Worker] = []
+        self._all: set[_Worker] = set()
+        self._open = False
         self._stopping = False
 
     def __enter__(self) -> UnitProcesses:
         warm_up()
-        self._executor = self._new_executor()
+        self._open = True
         _pools.add(self)
         return self
 
     def __exit__(self, *exc_info) -> None:
         _pools.discard(self)
         with self._lock:
-            executor, self._executor = self._executor, None
-        if executor is not None:
-            executor.shutdown(wait=True, cancel_futures=True)
-
-    def _new_executor(self) -> ProcessPoolExecutor:
-        # The fork server was started with this process's environment and directory of that
-        # moment; a later flow in the same process (a worker's, a test session's) may have
-        # others: credentials loaded from blocks, a relative data.data_dir.
-        return ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("forkserver"),
-                                   initializer=_process_setup,
-                                   initargs=(os.getpid(), dict(os.environ), os.getcwd()))
+            self._open = False
+            workers, self._idle = list(self._all), []
+        for worker in workers:
+            worker.end()
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) in a process of the pool: its result, or its exception raised here (with
         its process's traceback as the cause). `fn` and the arguments go by pickle: a
-        module-level function and plain data."""
-        with self._lock:
-            executor = self._executor
-        if executor is None:
+        module-level function and plain data. Waits for a process while `workers` are busy."""
+        if not self._open:
             raise RuntimeError("UnitProcesses.run outside its `with` block")
         level = min(logging.getLogger(name).getEffectiveLevel() for name in LIBRARY_LOGGERS)
-        try:
-            outcome: _Outcome = executor.submit(_call, fn, args, level).result()
-        except BrokenProcessPool:
-            if self._stopping:
-                raise UnitsStopped("the unit's process was stopped (Ctrl-C, or the run cancelled)") from None
-            self._replace(executor)
-            raise UnitProcessDied(
-                f"a process of the prepare pool died while running {getattr(fn, '__name__', fn)} "
-                "(killed: out of memory, or by a signal?); a new pool takes the retries. If it "
-                "happens again, lower prepare.workers or data.unit_bytes") from None
+        with self._slots:
+            worker = self._take()
+            try:
+                outcome = worker.call(fn, args, level)
+            except _Died as died:
+                with self._lock:
+                    self._all.discard(worker)
+                if self._stopping:
+                    raise UnitsStopped(_STOPPED) from None
+                raise UnitProcessDied(
+                    f"the process running {getattr(fn, '__name__', fn)} {died}. Its retry runs in "
+                    "a new process. If it happens again, lower prepare.workers or data.unit_bytes") from None
+            except BaseException:  # arguments that do not pickle, an interrupt: its answer,
+                with self._lock:   # if any, must not reach the next caller
+                    self._all.discard(worker)
+                worker.kill()
+                raise
+            with self._lock:
+                if self._open and not self._stopping:
+                    self._idle.append(worker)
+                    worker = None
+            if worker is not None:  # the pool ended meanwhile
+                worker.end()
         for record in outcome.records:
             logger = logging.getLogger(record.name)
             if logger.isEnabledFor(record.levelno):
@@ -130,13 +179,79 @@ class UnitProcesses:
             raise outcome.error from UnitTraceback(outcome.traceback)
         return outcome.value
 
-    def _replace(self, broken: ProcessPoolExecutor) -> None:
-        """A new pool for the units still to run; once, however many were in flight."""
+    def _take(self) -> _Worker:
         with self._lock:
-            if self._executor is not broken or self._stopping:
-                return
-            self._executor = self._new_executor()
-        broken.shutdown(wait=False, cancel_futures=True)
+            if self._stopping:
+                raise UnitsStopped(_STOPPED)
+            while self._idle:
+                worker = self._idle.pop()
+                if worker.process.exitcode is None:
+                    return worker
+                self._all.discard(worker)  # killed while idle
+        # The fork server was started with this process's environment and directory of that
+        # moment; a later flow in the same process (a worker's, a test session's) may have
+        # others: credentials loaded from blocks, a relative data.data_dir.
+        worker = _Worker(os.getpid(), dict(os.environ), os.getcwd())
+        with self._lock:
+            self._all.add(worker)
+            stopping = self._stopping
+        if stopping:  # stop() came while it started
+            worker.kill()
+            raise UnitsStopped(_STOPPED)
+        return worker
+
+    def stop(self) -> None:
+        """End the units in flight now, and refuse the next ones (UnitsStopped)."""
+        with self._lock:
+            self._stopping = True
+            workers = list(self._all)
+        for worker in workers:
+            worker.kill()
+
+
+class _Died(Exception):
+    pass
+
+
+class _Worker:
+    """One process of the pool and its end of the pipe to it."""
+
+    def __init__(self, owner: int, environment: dict[str, str], directory: str):
+        self.connection, theirs = multiprocessing.Pipe()
+        self.process = _UnitContext().Process(target=_serve, args=(theirs, owner, environment, directory),
+                                              daemon=True)
+        self.process.start()
+        theirs.close()
+
+    def call(self, fn: Callable[..., Any], args: tuple, level: int) -> _Outcome:
+        try:
+            self.connection.send((fn, args, level))
+            # The answer, or the process's end, whichever comes first.
+            wait([self.connection, self.process.sentinel])
+            return self.connection.recv()
+        except (EOFError, OSError, ValueError):  # ValueError: the pool ended, its pipe closed
+            self.process.join(5)
+            raise _Died(_how_it_ended(self.process.exitcode)) from None
+
+    def end(self) -> None:
+        """Let it finish and go: it ends at the pipe's end; killed if it has not in 5 s."""
+        self.connection.close()
+        self.process.join(5)
+        self.kill()
+
+    def kill(self) -> None:
+        if self.process.exitcode is None:
+            self.process.kill()  # its unit, if any, is abandoned: a retry starts it over
+
+
+def _how_it_ended(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "stopped answering"
+    if exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        why = " (the OOM killer?)" if exitcode == -signal.SIGKILL else ""
+        return f"was killed by {name}{why}"
+    return f"ended with exit code {exitcode} before it returned (its error, if any, is on stderr)"
 
 
 _pools: weakref.WeakSet[UnitProcesses] = weakref.WeakSet()
@@ -162,9 +277,9 @@ def current() -> UnitProcesses | None:
 def stop_units() -> None:
     """Stop the units in flight in this process's pools now (Ctrl-C, a cancel), and any other
     multiprocessing child left: their units fail with UnitsStopped. Their processes ignore
-    Ctrl-C, and a pool's exit waits for the units it runs (minutes for 256 MiB units)."""
+    Ctrl-C, and the task runner's exit would wait for their units (minutes for 256 MiB ones)."""
     for pool in list(_pools):
-        pool._stopping = True
+        pool.stop()
     stop_pool_processes_left()
 
 
@@ -186,14 +301,41 @@ class _Recorder(logging.Handler):
         self.records: list[logging.LogRecord] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        record.msg, record.args = record.getMessage(), None
-        if record.exc_info:
-            record.exc_text = logging.Formatter().formatException(record.exc_info)
-            record.exc_info = None
-        self.records.append(record)
+        try:
+            kept = logging.makeLogRecord({name: getattr(record, name) for name in _RECORD_FIELDS})
+            kept.msg, kept.args = record.getMessage(), None  # its arguments may not pickle
+            if record.exc_info:
+                kept.exc_text = logging.Formatter().formatException(record.exc_info)
+            kept.stack_info = record.stack_info
+            self.records.append(kept)
+        except Exception:
+            self.handleError(record)  # a malformed call: said on stderr, as logging does
+
+
+# A record's own fields, not what `extra=` added (which may not pickle).
+_RECORD_FIELDS = ("name", "levelno", "levelname", "pathname", "filename", "module", "lineno",
+                  "funcName", "created", "msecs", "relativeCreated", "thread", "threadName",
+                  "process", "processName")
 
 
 _recorder = _Recorder()
+
+
+def _serve(connection, owner: int, environment: dict[str, str], directory: str) -> None:
+    """A process of the pool: calls as they come, until the pipe's end."""
+    _process_setup(owner, environment, directory)
+    while True:
+        try:
+            fn, args, level = connection.recv()
+        except EOFError:
+            return
+        outcome = _call(fn, args, level)
+        try:
+            connection.send(outcome)
+        except Exception as e:  # a value or a record that does not pickle
+            connection.send(_Outcome(error=RuntimeError(f"{getattr(fn, '__name__', fn)}'s outcome "
+                                                        f"cannot be sent back: {e}"),
+                                     records=[]))
 
 
 def _process_setup(owner: int, environment: dict[str, str], directory: str) -> None:
@@ -230,7 +372,9 @@ def _end_with(owner: int) -> None:
             os._exit(1)
     else:
         def watch() -> None:
-            select.select([owner_fd], [], [])
+            poller = select.poll()  # not select(): it fails on a descriptor past 1023
+            poller.register(owner_fd, select.POLLIN)
+            poller.poll()
             os._exit(1)
     threading.Thread(target=watch, name="goodput-end-with-owner", daemon=True).start()
 
