@@ -181,9 +181,13 @@ class UnitTaskRunner(ThreadPoolTaskRunner):
 
     def __exit__(self, exc_type, exc_value, traceback) -> None:
         if exc_type is not None and not issubclass(exc_type, Exception):
-            unit_processes.stop_units()  # Ctrl-C (again, while a failure winds down): now
+            unit_processes.stop_units()  # Ctrl-C, a cancel: the units in flight end now
         try:
             super().__exit__(exc_type, exc_value, traceback)  # else the units running finish first
+        except BaseException as e:  # Ctrl-C while they finish (after a unit failed)
+            if not isinstance(e, Exception):
+                unit_processes.stop_units()
+            raise
         finally:
             processes, self._processes = self._processes, None
             if processes is not None:

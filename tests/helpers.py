@@ -146,6 +146,17 @@ def imported_here(module: str) -> bool:
     return module in sys.modules
 
 
+class RebuiltNowhereElse:
+    """An argument that pickles here and cannot be rebuilt in another process."""
+
+    def __reduce__(self):
+        return _refuse_to_be_rebuilt, ()
+
+
+def _refuse_to_be_rebuilt():
+    raise RuntimeError("this argument cannot be rebuilt in another process")
+
+
 def thread_nice() -> int:
     """The calling thread's nice value (Linux keeps one per thread; core.cpu_priority)."""
     return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

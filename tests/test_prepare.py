@@ -1263,6 +1263,40 @@ def test_a_unit_whose_process_dies_fails_alone_and_its_retry_runs_in_a_new_proce
             os.close(writer)
 
 
+def test_units_stop_even_after_the_fork_server_died_and_bad_arguments_are_an_error(tmp_path):
+    """multiprocessing learns a unit process's end through the fork server, and took every
+    one for ended once that server died: Ctrl-C then left the units running (minutes). An
+    argument the process cannot rebuild is the unit's error, not its process's death."""
+    import multiprocessing
+    import signal
+    from multiprocessing import forkserver
+
+    from goodput.data.unit_processes import UnitProcesses, UnitsStopped
+    from tests.helpers import RebuiltNowhereElse
+
+    writers = []
+    try:
+        with UnitProcesses(2) as pool:
+            first_pid = pool.run(os.getpid)
+            with pytest.raises(RuntimeError, match="cannot be rebuilt in another process"):
+                pool.run(str, RebuiltNowhereElse())
+            assert pool.run(os.getpid) == first_pid  # the same process serves on
+
+            stopped, writer = _unit_in_flight(pool, tmp_path, "a")
+            writers.append(writer)
+            os.kill(forkserver._forkserver._forkserver_pid, signal.SIGKILL)
+            pool.stop()
+            [error] = wait_for(lambda: stopped, 30, "the unit stopped", every_s=0.05)
+            assert isinstance(error, UnitsStopped), error
+        assert not multiprocessing.active_children() or all(
+            not p.name.startswith("goodput-unit-process") for p in multiprocessing.active_children())
+    finally:
+        for writer in writers:
+            os.close(writer)
+    with UnitProcesses(1) as pool:  # a new fork server serves the next pool
+        assert pool.run(os.getpid) != first_pid
+
+
 def test_the_install_hints_for_extras_name_this_checkout_not_a_package_on_pypi():
     """`pip install 'goodput[ray]'` installs someone else's "goodput" from PyPI."""
     from tests.helpers import REPO

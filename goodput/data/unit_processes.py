@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from multiprocessing import spawn
 from multiprocessing.connection import wait
 from multiprocessing.context import ForkServerContext, ForkServerProcess
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from core.process_exit import stop_pool_processes_left
@@ -96,6 +97,11 @@ class UnitProcessDied(RuntimeError):
 _STOPPED = "the unit was stopped (Ctrl-C, or the run cancelled)"
 
 
+class UnitProcessesCannotStart(RuntimeError):
+    """No process can be started for the units (the fork server failed to import the library):
+    not a failure a retry mends."""
+
+
 class UnitsStopped(RuntimeError):
     """The unit's process was stopped on purpose (`stop_units`: Ctrl-C, a cancel): not a
     failure to retry."""
@@ -134,12 +140,19 @@ class UnitProcesses:
         return self
 
     def __exit__(self, *exc_info) -> None:
+        """Idle processes end at their pipe's end; one still running a unit (a caller that was
+        not waited for) is killed after 5 s."""
         _pools.discard(self)
         with self._lock:
             self._open = False
-            workers, self._idle = list(self._all), []
+            workers, self._idle, self._all = list(self._all), [], set()
         for worker in workers:
-            worker.end()
+            worker.connection.close()
+        deadline = time.monotonic() + 5
+        for worker in workers:
+            worker.process.join(max(0.0, deadline - time.monotonic()))
+            worker.kill()
+            worker.close()
 
     def run(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args) in a process of the pool: its result, or its exception raised here (with
@@ -148,29 +161,29 @@ class UnitProcesses:
         if not self._open:
             raise RuntimeError("UnitProcesses.run outside its `with` block")
         level = min(logging.getLogger(name).getEffectiveLevel() for name in LIBRARY_LOGGERS)
+        payload = ForkingPickler.dumps((fn, args, level))  # what does not pickle fails here
         with self._slots:
             worker = self._take()
             try:
-                outcome = worker.call(fn, args, level)
+                outcome = worker.call(payload)
             except _Died as died:
-                with self._lock:
-                    self._all.discard(worker)
-                if self._stopping:
+                self._drop(worker)
+                if self._stopping or not self._open:
                     raise UnitsStopped(_STOPPED) from None
                 raise UnitProcessDied(
                     f"the process running {getattr(fn, '__name__', fn)} {died}. Its retry runs in "
                     "a new process. If it happens again, lower prepare.workers or data.unit_bytes") from None
-            except BaseException:  # arguments that do not pickle, an interrupt: its answer,
-                with self._lock:   # if any, must not reach the next caller
-                    self._all.discard(worker)
-                worker.kill()
+            except BaseException:  # an interrupt, an answer that does not unpickle: what the
+                worker.kill()       # process would say next must not reach the next caller
+                self._drop(worker)
                 raise
             with self._lock:
                 if self._open and not self._stopping:
                     self._idle.append(worker)
                     worker = None
             if worker is not None:  # the pool ended meanwhile
-                worker.end()
+                worker.kill()
+                self._drop(worker)
         for record in outcome.records:
             logger = logging.getLogger(record.name)
             if logger.isEnabledFor(record.levelno):
@@ -181,24 +194,39 @@ class UnitProcesses:
 
     def _take(self) -> _Worker:
         with self._lock:
-            if self._stopping:
+            if self._stopping or not self._open:
                 raise UnitsStopped(_STOPPED)
             while self._idle:
                 worker = self._idle.pop()
-                if worker.process.exitcode is None:
+                if worker.alive():
                     return worker
                 self._all.discard(worker)  # killed while idle
+                worker.close()
         # The fork server was started with this process's environment and directory of that
         # moment; a later flow in the same process (a worker's, a test session's) may have
         # others: credentials loaded from blocks, a relative data.data_dir.
-        worker = _Worker(os.getpid(), dict(os.environ), os.getcwd())
+        try:
+            worker = _Worker(os.getpid(), dict(os.environ), os.getcwd())
+        except Exception as e:  # the fork server did not start, or died: its error is on stderr
+            raise UnitProcessesCannotStart(
+                f"no process could be started for the work units ({type(e).__name__}: {e}); the "
+                f"fork server's own error, importing {', '.join(PRELOAD)}, is above on stderr") from e
         with self._lock:
             self._all.add(worker)
-            stopping = self._stopping
-        if stopping:  # stop() came while it started
+            stopping = self._stopping or not self._open
+        if stopping:  # stop() or the pool's end came while it started
             worker.kill()
+            self._drop(worker)
             raise UnitsStopped(_STOPPED)
         return worker
+
+    def _drop(self, worker: _Worker) -> None:
+        with self._lock:
+            self._all.discard(worker)
+            if worker in self._idle:
+                self._idle.remove(worker)
+        worker.process.join(0)  # reaped, if it has ended
+        worker.close()
 
     def stop(self) -> None:
         """End the units in flight now, and refuse the next ones (UnitsStopped)."""
@@ -222,26 +250,47 @@ class _Worker:
                                               daemon=True)
         self.process.start()
         theirs.close()
-
-    def call(self, fn: Callable[..., Any], args: tuple, level: int) -> _Outcome:
+        # The process is the fork server's child: multiprocessing learns its end through the
+        # fork server, and takes every one for ended (exit code 255) if that server dies. A
+        # pidfd follows the process itself (Linux 5.3); elsewhere, multiprocessing's sentinel.
         try:
-            self.connection.send((fn, args, level))
+            self._pidfd: int | None = os.pidfd_open(self.process.pid)
+        except (AttributeError, OSError):
+            self._pidfd = None
+
+    def call(self, payload: bytes) -> _Outcome:
+        try:
+            self.connection.send_bytes(payload)
             # The answer, or the process's end, whichever comes first.
-            wait([self.connection, self.process.sentinel])
-            return self.connection.recv()
+            wait([self.connection, self._ended_handle()])
+            answer = self.connection.recv_bytes()
         except (EOFError, OSError, ValueError):  # ValueError: the pool ended, its pipe closed
+            self.kill()
             self.process.join(5)
             raise _Died(_how_it_ended(self.process.exitcode)) from None
+        return pickle.loads(answer)
 
-    def end(self) -> None:
-        """Let it finish and go: it ends at the pipe's end; killed if it has not in 5 s."""
-        self.connection.close()
-        self.process.join(5)
-        self.kill()
+    def _ended_handle(self):
+        return self._pidfd if self._pidfd is not None else self.process.sentinel
+
+    def alive(self) -> bool:
+        return not wait([self._ended_handle()], timeout=0)
 
     def kill(self) -> None:
-        if self.process.exitcode is None:
-            self.process.kill()  # its unit, if any, is abandoned: a retry starts it over
+        """Its unit, if any, is abandoned: a retry starts it over."""
+        if self._pidfd is not None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        elif self.process.exitcode is None:
+            self.process.kill()
+
+    def close(self) -> None:
+        self.connection.close()
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 def _how_it_ended(exitcode: int | None) -> str:
@@ -326,16 +375,21 @@ def _serve(connection, owner: int, environment: dict[str, str], directory: str) 
     _process_setup(owner, environment, directory)
     while True:
         try:
-            fn, args, level = connection.recv()
-        except EOFError:
+            request = connection.recv_bytes()
+        except (EOFError, OSError):  # the owner closed its end, or ended
             return
-        outcome = _call(fn, args, level)
+        try:
+            fn, args, level = pickle.loads(request)
+        except Exception as e:  # a function or an argument this process cannot rebuild
+            outcome = _Outcome(error=_picklable(e), traceback="".join(traceback.format_exception(e)))
+        else:
+            outcome = _call(fn, args, level)
         try:
             connection.send(outcome)
+        except OSError:
+            return
         except Exception as e:  # a value or a record that does not pickle
-            connection.send(_Outcome(error=RuntimeError(f"{getattr(fn, '__name__', fn)}'s outcome "
-                                                        f"cannot be sent back: {e}"),
-                                     records=[]))
+            connection.send(_Outcome(error=RuntimeError(f"the unit's outcome cannot be sent back: {e}")))
 
 
 def _process_setup(owner: int, environment: dict[str, str], directory: str) -> None:
