@@ -167,23 +167,21 @@ class UnitProcesses:
             try:
                 outcome = worker.call(payload)
             except _Died as died:
-                self._drop(worker)
+                self._discard(worker)
                 if self._stopping or not self._open:
                     raise UnitsStopped(_STOPPED) from None
                 raise UnitProcessDied(
                     f"the process running {getattr(fn, '__name__', fn)} {died}. Its retry runs in "
                     "a new process. If it happens again, lower prepare.workers or data.unit_bytes") from None
             except BaseException:  # an interrupt, an answer that does not unpickle: what the
-                worker.kill()       # process would say next must not reach the next caller
-                self._drop(worker)
+                self._discard(worker)  # process would say next must not reach the next caller
                 raise
             with self._lock:
                 if self._open and not self._stopping:
                     self._idle.append(worker)
                     worker = None
             if worker is not None:  # the pool ended meanwhile
-                worker.kill()
-                self._drop(worker)
+                self._discard(worker)
         for record in outcome.records:
             logger = logging.getLogger(record.name)
             if logger.isEnabledFor(record.levelno):
@@ -215,12 +213,13 @@ class UnitProcesses:
             self._all.add(worker)
             stopping = self._stopping or not self._open
         if stopping:  # stop() or the pool's end came while it started
-            worker.kill()
-            self._drop(worker)
+            self._discard(worker)
             raise UnitsStopped(_STOPPED)
         return worker
 
-    def _drop(self, worker: _Worker) -> None:
+    def _discard(self, worker: _Worker) -> None:
+        """Out of the pool, and ended (killed if it was still running)."""
+        worker.kill()
         with self._lock:
             self._all.discard(worker)
             if worker in self._idle:
@@ -381,7 +380,7 @@ def _serve(connection, owner: int, environment: dict[str, str], directory: str) 
         try:
             fn, args, level = pickle.loads(request)
         except Exception as e:  # a function or an argument this process cannot rebuild
-            outcome = _Outcome(error=_picklable(e), traceback="".join(traceback.format_exception(e)))
+            outcome = _failed(e)
         else:
             outcome = _call(fn, args, level)
         try:
@@ -449,9 +448,13 @@ def _call(fn: Callable[..., Any], args: tuple, level: int) -> _Outcome:
     try:
         outcome = _Outcome(value=fn(*args))
     except Exception as e:
-        outcome = _Outcome(error=_picklable(e), traceback="".join(traceback.format_exception(e)))
+        outcome = _failed(e)
     outcome.records, _recorder.records = _recorder.records, []
     return outcome
+
+
+def _failed(error: Exception) -> _Outcome:
+    return _Outcome(error=_picklable(error), traceback="".join(traceback.format_exception(error)))
 
 
 def _picklable(error: Exception) -> Exception:
