@@ -1,29 +1,33 @@
 #!/usr/bin/env bash
 # What only a lent GPU can show (issues 3, 36, 37), in one device call of under 10 minutes.
 #
-#   bash scripts/gpu_wheels.sh                       # here, once: what the image lacks (50 MB)
+#   bash scripts/gpu_wheels.sh                       # here, once: what the image lacks (60 MB)
 #   device run: bash benchmarks/device_session.sh    # carry [".goodput/wheels"], timeout_s 600
 #   bash benchmarks/device_session.sh --smoke        # each part at its smallest, on this CPU
 #
 # Parts, in order of what the issues need most; each has a time limit of its own, writes its
 # results to $OUT (or --out DIR) whatever happened, and the next part runs regardless (the
-# device brings back 8 files at most: these are 8):
+# device brings back 8 files at most: these are 7):
 #   mfu.json (+ mfu-gpt2-124m-rank0.trace.json.gz)  the 124M step's MFU (micro-batch 64),
 #                                                   then 3 profiled steps (top kernels in the
 #                                                   JSON, the trace)
 #   prepare.json         `goodput prepare` of a 500 MB corpus on the machine's 16 cores
 #                        against raw encode_batch and datasets.map(num_proc=16) (item 4),
 #                        with the work units' timeline (benchmarks/prepare_timeline.py)
-#   mfu_graphs.json      the same with parallelism.compile_mode=reduce-overhead (each block a
-#                        CUDA graph: 45.0% against 44.7% without, on 30 Nov)
-#   mfu_mb32.json        the same at micro-batch 32, the size's figure until 30 Nov
+#   eval.json            evaluation on the GPU (issue 37 item 1, never run on one before):
+#                        eval_bench.py --part backends --device cuda, a 97.5M checkpoint, three
+#                        tasks at eval.limit=200 under lm-eval's hf model, the path before
+#                        issue 37, ProjectLM fp32 and bf16 (what eval.precision=auto picks
+#                        there); seconds, scores and log-likelihood differences
 #   moe.json             the mixture-of-experts model trained on the GPU (bf16, NCCL); in
 #                        the log, moe_kernels.py: grouped_mm against a matmul per expert
 #   mfu_1b.json          the ~1B model, its 52% kept?
-#   session.log          every part's output, with the card (nvidia-smi) first; the head
-#                        alone, whole against chunks (loss_chunks_bench.py), last
+#   session.log          every part's output, with the card (nvidia-smi) first
 # cuda_paths.py (async checkpoint staging and resume on CUDA; init_from's logits) passed on
-# the H100 on 26 Nov and is left out: run it alone when CUDA code there changes.
+# the H100 on 26 Nov and is left out: run it alone when CUDA code there changes. So are, after
+# their figures on the H200 on 30 Nov: the 124M step at micro-batch 32 (its figure until then),
+# with CUDA graphs (parallelism.compile_mode=reduce-overhead: 45.0% against 44.7%, within
+# noise), and the output layer's loss in chunks (loss_chunks_bench.py: it does not pay there).
 # Results belong in benchmarks/RESULTS.md with this command and the card.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -68,8 +72,8 @@ part() {
     echo "=== $name: exit $status after $((SECONDS - began))s" | tee -a "$log"
 }
 
-# What the image lacks (pydantic, boto3, Prefect, datasets), from the carried wheels.
-if ! "$python" -c "import pydantic, boto3, prefect, datasets" 2>/dev/null; then
+# What the image lacks (pydantic, boto3, Prefect, datasets, lm-eval), from the carried wheels.
+if ! "$python" -c "import pydantic, boto3, prefect, datasets, lm_eval" 2>/dev/null; then
     site=/tmp/goodput-site-device
     if "$python" -m pip install --quiet --no-index --no-deps --no-compile \
             --disable-pip-version-check --upgrade --target "$site" .goodput/wheels/*.whl >>"$log" 2>&1; then
@@ -89,33 +93,28 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ "$smoke" = 1 ]; then
     device=cpu
     mfu=(--sizes tiny --device cpu --no-compile --warmup-steps 2 --steps 3)
-    chunks=(--tokens 512 --dim 64 --vocab 512 --chunks 0 128 --repeats 2)
+    evaluation=(--device cpu --model tiny --limit 8 --tasks piqa,lambada)
     prepare=(--sizes 2MB --cores 2)
     moe=(--device cpu --nproc 1 --rounds 1 --steps 5 --dim 64 --layers 2 --heads 4 --expert-dim 128 --vocab 512 --seq 64)
     moe_kernels=(--device cpu --tokens 1024 --dim 64 --hidden 128 --repeats 2)
     mfu_1b=(--sizes tiny --device cpu --no-compile --warmup-steps 2 --steps 3)
-    small_batch=2
 else
     device=cuda
     mfu=(--sizes gpt2-124m --device cuda)
-    chunks=(--device cuda --bf16)
+    evaluation=(--device cuda --model 100m --limit 200 --tasks hellaswag,lambada,winogrande)
     prepare=(--sizes 500MB --cores 16)
     moe=(--device cuda --nproc 1 --rounds 1 --steps 20 --dim 1024 --layers 8 --heads 16 --expert-dim 2048 --vocab 32000 --seq 1024 --batch 16)
     moe_kernels=(--device cuda)
     mfu_1b=(--sizes 1b --device cuda)
-    small_batch=32
 fi
 
 part mfu 100 "$python" benchmarks/mfu_bench.py "${mfu[@]}" --profile 3 --budget-s 95 \
     --out "$out/mfu.json"
 part prepare 210 "$python" benchmarks/prepare_bench.py "${prepare[@]}" --json "$out/prepare.json"
-part mfu_graphs 60 "$python" benchmarks/mfu_bench.py "${mfu[@]}" --no-attention-check \
-    --set parallelism.compile_mode=reduce-overhead --budget-s 55 --out "$out/mfu_graphs.json"
-part mfu_mb32 60 "$python" benchmarks/mfu_bench.py "${mfu[@]}" --no-attention-check \
-    --micro-batch "$small_batch" --budget-s 55 --out "$out/mfu_mb32.json"
+part eval 150 "$python" benchmarks/eval_bench.py --part backends "${evaluation[@]}" \
+    --out "$out/eval.json"
 part moe 35 bash -c "$python benchmarks/moe_bench.py ${moe[*]} --arms fsdp --json '$out/moe.json'"
 part moe_kernels 15 "$python" benchmarks/moe_kernels.py "${moe_kernels[@]}"
 part mfu_1b 65 "$python" benchmarks/mfu_bench.py "${mfu_1b[@]}" --no-attention-check \
     --budget-s 60 --out "$out/mfu_1b.json"
-part loss_chunks 25 "$python" benchmarks/loss_chunks_bench.py "${chunks[@]}"
 echo "=== done: $(ls "$out" | tr '\n' ' ')" | tee -a "$log"

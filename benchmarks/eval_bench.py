@@ -43,6 +43,13 @@ that interval meets the time an evaluate-validated task ran (from the Prefect AP
 the median step time with evaluations off, with them on (all steps, and the steps taken
 while one ran), their ratios, and how many evaluations overlapped training.
 
+Part `backends` (issue 37): each task under lm-eval's own `hf` model (on the checkpoint
+exported by `goodput export --format hf`), ProjectLM before issue 37 (every request whole),
+ProjectLM now (an item's requests packed) in fp32 and under bf16 autocast, in this one
+process: seconds, scores, and the largest difference of a request's log-likelihood between
+them. `--device cuda` runs all four on one GPU, where bf16 is what `eval.precision=auto`
+picks (benchmarks/device_session.sh).
+
 Asserts nothing. Markdown tables on stdout, for benchmarks/RESULTS.md; --out writes JSON.
 """
 
@@ -395,13 +402,13 @@ BACKENDS = {  # name -> what it is, for the table
 
 
 def export_hf(checkpoint: Path, dataset_dir: Path, out: Path) -> Path:
-    """The checkpoint as a transformers model, through the CLI a user runs."""
+    """The checkpoint as a transformers model, through the CLI a user runs (its module: where
+    the repository is not installed, as on a lent GPU machine, there is no `goodput` script)."""
     import subprocess
 
     if not (out / "config.json").is_file():
-        goodput = Path(sys.executable).with_name("goodput")
-        subprocess.run([str(goodput), "export", str(checkpoint), "--format", "hf", "--out", str(out),
-                        "--tokenizer", str(dataset_dir)], check=True, cwd=REPO)
+        subprocess.run([sys.executable, "-m", "flows.cli", "export", str(checkpoint), "--format", "hf",
+                        "--out", str(out), "--tokenizer", str(dataset_dir)], check=True, cwd=REPO)
     return out
 
 
@@ -412,24 +419,25 @@ def run_backend(name: str, task_names: list[str], manager, args, checkpoint: Pat
     import torch
     from lm_eval import evaluator
 
+    device = torch.device(args.device)
     started = time.perf_counter()
     if name == "lm-eval hf":
         from lm_eval.models.huggingface import HFLM
 
-        lm = HFLM(pretrained=str(hf_dir), device="cpu", batch_size=args.batch_size, dtype="float32")
+        lm = HFLM(pretrained=str(hf_dir), device=args.device, batch_size=args.batch_size, dtype="float32")
     else:
         from storage.manifests import DatasetManifest
         from training.checkpoint.reader import load_model
         from training.downstream import project_lm
         from training.tokenizer import read_tokenizer
 
-        model, _ = load_model(checkpoint, torch.device("cpu"))
+        model, _ = load_model(checkpoint, device)
         tokenizer = read_tokenizer(dataset_dir / "tokenizer.json")
         eos = DatasetManifest.load(dataset_dir).eos_id
         if name == "goodput before":
-            lm = whole_requests_lm(model.eval(), tokenizer, eos, args.batch_size, torch.device("cpu"))
+            lm = whole_requests_lm(model.eval(), tokenizer, eos, args.batch_size, device)
         else:
-            lm = project_lm(model.eval(), tokenizer, eos, args.batch_size, torch.device("cpu"),
+            lm = project_lm(model.eval(), tokenizer, eos, args.batch_size, device,
                             precision="bf16" if name == "goodput bf16" else "fp32")
     results = evaluator.simple_evaluate(
         model=lm, tasks=task_names, task_manager=manager, limit=args.limit, bootstrap_iters=0,
@@ -493,9 +501,10 @@ def compare_backends(args, workdir: Path, dataset_dir: Path, task_dir: Path) -> 
     manager = task_manager_for(names, str(task_dir))
     counts = input_tokens(task_dir, args.tasks, args.limit, dataset_dir, config.model.max_seq_len)
     backends = list(BACKENDS)
-    print(f"\n## backends: {args.model} ({params / 1e6:.1f}M parameters), eval.limit={args.limit}, "
-          f"batch size {args.batch_size}, torch threads {torch.get_num_threads()}; load before "
-          f"{os.getloadavg()[0]:.2f}", flush=True)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    print(f"\n## backends: {args.model} ({params / 1e6:.1f}M parameters) on {device}, eval.limit="
+          f"{args.limit}, batch size {args.batch_size}, torch threads {torch.get_num_threads()}; load "
+          f"before {os.getloadavg()[0]:.2f}", flush=True)
     # Each task alone, then (where more than one) all of them in one evaluation, as a user runs
     # them: the model loaded and lm-eval set up once.
     together = ["all"] if len(args.tasks) > 1 else []
@@ -526,8 +535,8 @@ def compare_backends(args, workdir: Path, dataset_dir: Path, task_dir: Path) -> 
                       "scores": {b: runs[task][b][0]["scores"][name] for b in backends},
                       "stderrs": runs[task]["goodput"][0]["stderrs"].get(name, {}),
                       "max_ll_diff": diffs, "bf16_max_ll_diff": _max_ll_diff(bf16, now, name)}
-    return {"model": args.model, "params": params, "limit": args.limit, "batch_size": args.batch_size,
-            "threads": torch.get_num_threads(), "repeats": args.repeats, "tasks": rows,
+    return {"model": args.model, "params": params, "device": device, "limit": args.limit,
+            "batch_size": args.batch_size, "threads": torch.get_num_threads(), "repeats": args.repeats, "tasks": rows,
             "load_1min_after": os.getloadavg()[0]}
 
 
@@ -566,7 +575,8 @@ def backends_table(result: dict) -> str:
     packed = sum(r["tokens_packed"] for r in per_task.values())
     items, requests = sum(r["items"] for r in per_task.values()), sum(r["requests"] for r in per_task.values())
     sizes = [items, f"{requests:,}", f"{whole:,} / {packed:,}"]
-    lines = [f"Model {result['model']} ({result['params'] / 1e6:.1f}M parameters), eval.limit={result['limit']}, "
+    lines = [f"Model {result['model']} ({result['params'] / 1e6:.1f}M parameters) on "
+             f"{result.get('device', 'cpu')}, eval.limit={result['limit']}, "
              f"batch size {result['batch_size']}, torch threads {result['threads']}, median of "
              f"{result['repeats']} run(s) per task and backend, backends in turn; load (1 min) "
              f"{result['load_1min_after']:.2f} at the end",
@@ -750,6 +760,9 @@ def main() -> None:
                         help="OMP_NUM_THREADS of the flow process, so of the evaluation processes")
     parser.add_argument("--repeats", type=int, default=1,
                         help="part train: off/on pairs, in turn; part backends: runs per task and backend")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="part backends: where every backend scores (cuda: one GPU; there "
+                             "'goodput bf16' is what eval.precision=auto picks)")
     parser.add_argument("--threads", type=int, default=0,
                         help="part backends: torch threads of every backend (default: torch's)")
     parser.add_argument("--workdir", type=Path, default=None)
@@ -759,6 +772,9 @@ def main() -> None:
     unknown = [t for t in args.tasks if t not in TASKS]
     if unknown:
         parser.error(f"--tasks: unknown {unknown}; choose from {list(TASKS)}")
+    if args.device == "cuda" and args.part != "backends":
+        parser.error("--device cuda is for --part backends (part eval runs `goodput evaluate`'s "
+                     "path, which takes the GPU where there is one)")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="eval-bench-"))

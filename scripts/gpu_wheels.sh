@@ -2,11 +2,12 @@
 # Wheels of the Python packages the lent GPU machines' image lacks, for the benchmarks run there.
 #
 # That image has torch, numpy, pyarrow, PyYAML, tokenizers and transformers, but not pydantic
-# (core.config), boto3 (storage/), Prefect nor datasets (benchmarks/prepare_bench.py runs
-# `goodput prepare` and datasets.map), and it cannot reach a package index. Run this where
-# PyPI is reachable: it downloads the versions installed in .venv of what those need (their
-# whole dependency closure, less what the image holds), built for the GPU machine's Python
-# (3.12, x86-64 Linux), into .goodput/wheels (ignored by git; about 50 MB, under the device's
+# (core.config), boto3 (storage/), Prefect, datasets (benchmarks/prepare_bench.py runs
+# `goodput prepare` and datasets.map) nor lm-eval (eval_bench.py --part backends --device
+# cuda), and it cannot reach a package index. Run this where PyPI is reachable: it downloads
+# the versions installed in .venv of what those need (their whole dependency closure, less
+# what the image holds), built for the GPU machine's Python (3.12, x86-64 Linux), into
+# .goodput/wheels (ignored by git; about 60 MB: with the working tree, under the device's
 # 64 MiB a call). Carry that folder to the device; benchmarks/device_session.sh, mfu_bench.py
 # and cuda_paths.py install them there before they start:
 #
@@ -23,7 +24,10 @@ from importlib.metadata import PackageNotFoundError, distribution
 
 from packaging.requirements import Requirement
 
-NEEDED = ["pydantic", "boto3", "prefect", "datasets"]
+NEEDED = ["pydantic", "boto3", "prefect", "datasets", "lm_eval"]
+# lm-eval's dependencies that come as source only, for metrics and caches evaluation here never
+# uses (rouge, word2number, sqlitedict's response cache): left out, with what only they need.
+SOURCE_ONLY = {"rouge-score", "word2number", "sqlitedict"}
 # The lent machines' image ('cuda', as the device tool's KINDS.md listed it on 2026-11-17): what
 # it holds is not downloaded (torch and the CUDA libraries above all).
 IMAGE = set("""absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio
@@ -59,7 +63,7 @@ found: dict[str, str] = {}
 
 
 def walk(package: str) -> None:
-    if name(package) in found or name(package) in IMAGE:
+    if name(package) in found or name(package) in IMAGE or name(package) in SOURCE_ONLY:
         return
     try:
         dist = distribution(package)
