@@ -52,6 +52,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from infra.torchrun import AGENT_MODULE  # noqa: E402
 from tests.helpers import (Watcher, agents_not_hosting, committed,  # noqa: E402
                            corrupt_largest_shard)
 
@@ -130,7 +131,7 @@ def worker_pids(config) -> dict[int, int]:
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            if config_file.encode() not in cmdline or b"torch.distributed.run" in cmdline:
+            if config_file.encode() not in cmdline or AGENT_MODULE.encode() in cmdline:
                 continue
             environ = dict(line.split(b"=", 1) for line in (entry / "environ").read_bytes().split(b"\0")
                            if b"=" in line)

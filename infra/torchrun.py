@@ -67,6 +67,10 @@ class AttemptResult:
     worlds: list[int] = field(default_factory=list)  # world size of each start (elastic: changes)
 
 
+# torchrun itself (torch.distributed.run), exiting without Python's teardown (1 s an attempt).
+AGENT_MODULE = "infra.torchrun_agent"
+
+
 def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path, attempt: str,
                      start: ResumeSpec = ResumeSpec.validated()) -> list[str]:
     """The torchrun command line, the same on every node. The rendezvous endpoint and each
@@ -78,7 +82,7 @@ def torchrun_command(config: RunConfig, config_path: Path, dataset_dir: Path, at
     par = config.parallelism
     low, high = config.node_range
     return [
-        config.launch.python or sys.executable, "-m", "torch.distributed.run",
+        config.launch.python or sys.executable, "-m", AGENT_MODULE,
         # Elastic: torchrun's rendezvous admits any count of the range (RDZV_CONF_ENV says
         # how long it waits for more), and restarts the workers when membership changes.
         f"--nnodes={low}:{high}" if low < high else f"--nnodes={par.nnodes}",

@@ -35,12 +35,6 @@ from pathlib import Path
 from typing import BinaryIO, TypeVar
 from urllib.parse import unquote, urlparse
 
-import boto3
-import botocore.exceptions
-from botocore.config import Config
-from s3transfer.manager import TransferConfig, TransferManager
-from s3transfer.utils import ChunksizeAdjuster
-
 from core.files import fsync_dir, sha256_bytes, sha256_file
 from core.uris import check_bucket, check_key, parse_s3_uri  # noqa: F401 (check_bucket: API)
 
@@ -393,12 +387,28 @@ _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTim
                     "ServiceUnavailable"}
 # A request whose body does not match its checksum (CRC32, Content-MD5 or the signed sha256).
 _DAMAGED_CODES = {"BadDigest", "XAmzContentSHA256Mismatch"}
-_CONNECTION_ERRORS = (botocore.exceptions.HTTPClientError, botocore.exceptions.ConnectionError)
+_CONNECTION_ERRORS: tuple[type[Exception], ...] = ()  # botocore's, set by _import_boto
 _CREDENTIALS_HINT = (
     "credentials come from the standard AWS chain: AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
     "(and AWS_SESSION_TOKEN), else the profile named by AWS_PROFILE in ~/.aws/credentials, "
     "else an instance or container role"
 )
+
+
+def _import_boto() -> None:
+    """boto3, botocore and s3transfer into this module, at the first S3 store: importing them
+    took 0.5 s of the start of every process that imports storage (training workers, the
+    verifier, each CLI command), most of which never talk to S3. Every use below is in an
+    S3Store, after its __init__ called this."""
+    global boto3, botocore, Config, TransferConfig, TransferManager, ChunksizeAdjuster
+    global _CONNECTION_ERRORS
+    import boto3
+    import botocore.exceptions
+    from botocore.config import Config
+    from s3transfer.manager import TransferConfig, TransferManager
+    from s3transfer.utils import ChunksizeAdjuster
+
+    _CONNECTION_ERRORS = (botocore.exceptions.HTTPClientError, botocore.exceptions.ConnectionError)
 
 
 def _root_cause(exc: BaseException) -> BaseException:
@@ -443,6 +453,7 @@ class S3Store(Store):
         request_attempts: int = 5,
         retry: RetryPolicy = RetryPolicy(),
     ):
+        _import_boto()
         self.bucket, self.prefix = parse_s3_uri(uri)
         self.uri = f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
         self.retry = retry

@@ -260,6 +260,8 @@ def spawn_ranks(worker, world: int, *args, timeout_s: float = 180) -> dict[int, 
 def agents_not_hosting(config: RunConfig) -> list[int]:
     """The pids of the run's torchrun agents other than node 0's (those started with
     PET_RDZV_CONF=is_host=0), found in /proc."""
+    from infra.torchrun import AGENT_MODULE
+
     found = []
     for entry in Path("/proc").iterdir():
         try:
@@ -269,7 +271,7 @@ def agents_not_hosting(config: RunConfig) -> list[int]:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if (b"torch.distributed.run" in cmdline and str(config.run_dir.path).encode() in cmdline
+        if (AGENT_MODULE.encode() in cmdline and str(config.run_dir.path).encode() in cmdline
                 and any(e.startswith(b"PET_RDZV_CONF=is_host=0") for e in environ)):
             found.append(int(entry.name))
     return found

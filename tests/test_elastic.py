@@ -21,9 +21,10 @@ from training.metrics import read_metrics
 from storage.manifests import CheckpointManifest
 from infra.launchers import LocalLauncher, NodeLaunch, SlurmLauncher, pod_lost
 from goodput.accounting import goodput_breakdown
-from infra.torchrun import layout_change, run_attempt, torchrun_command, worker_env
+from infra.torchrun import AGENT_MODULE, layout_change, run_attempt, torchrun_command, worker_env
 from tasks.reporting import TrainingProgress
 from tests.helpers import Watcher, committed, losses_by_step, small_config, synthetic_dataset
+from tests.test_multinode import WORKER_LINE, processes_mentioning
 from tests.test_launchers import (attempt, calls, fakes, launch_config,  # noqa: F401
                                   node_records, set_k8s)
 
@@ -257,7 +258,7 @@ def agents_of(config, is_host: int) -> list[int]:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if (b"torch.distributed.run" in cmdline and any(str(config.run_dir.path).encode() in a
+        if (AGENT_MODULE.encode() in cmdline and any(str(config.run_dir.path).encode() in a
                                                        for a in cmdline + environ)
                 and any(e.startswith(f"PET_RDZV_CONF=is_host={is_host}".encode()) for e in environ)):
             found.append(int(entry.name))
@@ -303,7 +304,21 @@ def uninterrupted(tmp_path_factory, dataset):
                           "parallelism.nproc_per_node=2", "run.run_id=whole")
     result, lines = train(config, dataset)
     assert result.failure_class == "done" and result.worlds == [4], "\n".join(lines[-40:])
-    return losses_by_step(config.run_dir), final_manifest(config, STEPS)
+    return losses_by_step(config.run_dir), final_manifest(config, STEPS), (config, result, lines)
+
+
+def test_two_local_nodes_of_two_workers_train(uninterrupted):
+    config, result, lines = uninterrupted[2]
+    assert result.failure_class == "done" and result.step == STEPS, "\n".join(lines[-40:])
+    assert sorted(r["rank"] for r in result.records) == [0, 1, 2, 3]
+    # Two torchrun nodes, each with its own rendezvous role, and worker lines prefixed.
+    assert [line.split(":")[0] for line in lines if line.startswith("node ")] == ["node 0", "node 1"]
+    assert any(WORKER_LINE.match(line) and "[train] done" in line for line in lines)
+    assert uninterrupted[1].world_size == 4
+    # Per-rank log files next to the attempt's exit records: 2 nodes x 2 local ranks.
+    logs = config.run_dir.attempt("a1") / "torchrun"
+    assert len(list(logs.glob("*/attempt_0/[01]/stdout.log"))) == 4
+    assert processes_mentioning(str(config.run_dir)) == []
 
 
 def test_a_lost_node_shrinks_the_world_in_the_job_and_the_run_matches(tmp_path, dataset,

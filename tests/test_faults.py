@@ -8,14 +8,22 @@ from pathlib import Path
 import pytest
 
 from core.config import load_config
-from core.protocol import (ResumeSpec, RunDir, read_exit_records, read_heartbeat, read_starts,
-                           step_of)
+from core.protocol import (ResumeSpec, RunDir, copy_id, read_exit_records, read_heartbeat,
+                           read_starts, step_of)
 from flows.prepare import prepare
 from flows.train import train
 from goodput.runs import read_outcomes, read_summary, retry_decision, write_run_config
 from infra.torchrun import run_attempt
 from storage.ledger import Ledger
-from tests.helpers import losses_by_step, small_config, synthetic_dataset
+from storage.store import open_store
+from tests.helpers import (
+    Watcher,
+    committed,
+    corrupt_largest_shard,
+    losses_by_step,
+    small_config,
+    synthetic_dataset,
+)
 from training.data import DistributedSampleLoader, TokenStream
 from training.metrics import read_metrics
 from training.resilience import LossGuard
@@ -280,6 +288,7 @@ def clean(workdir):
 
 
 @pytest.mark.chaos
+@pytest.mark.slow  # CI: test_a_shard_corrupted_after_commit_..., an in-job restart from step 10 too
 def test_a_killed_worker_is_restarted_in_job_from_the_newest_validated_checkpoint(workdir, clean):
     config = small_config(workdir, "run.run_id=injob", "launch.max_restarts=1",
                           "faults.crash_at_step=15", "faults.crash_rank=1")
@@ -299,6 +308,51 @@ def test_a_killed_worker_is_restarted_in_job_from_the_newest_validated_checkpoin
     goodput = read_summary(config.run_dir)["goodput"]
     assert goodput["attempts"] == {"done": 1} and goodput["in_job_restarts"] == 1
     assert goodput["lost_work_s"] > 0 and 0 < goodput["goodput"] < 1  # steps 11-15 ran twice
+
+
+@pytest.mark.chaos
+def test_a_shard_corrupted_after_commit_is_rejected_and_never_resumed_from(workdir, clean):
+    """(The in-job restart of CI; from tests/test_chaos.py, to share this module's runs.)
+    Bytes of a shard of checkpoint 20 flip right after its commit, before validation;
+    a worker is killed at step 25. Validation rejects 20, and the in-job restart resumes
+    from 10, the newest validated checkpoint, and trains to the end. Its new save of step 20
+    is another copy: judged on its own, validated and uploaded."""
+    config = small_config(workdir, "run.run_id=corrupt", "launch.max_restarts=1",
+                          "faults.crash_at_step=25", "faults.crash_rank=1")
+    path = config.run_dir.checkpoint(20)
+
+    watcher = Watcher(lambda: committed(config, 20), lambda: corrupt_largest_shard(path))
+    watcher.start()
+    try:
+        assert train(config)["final_step"] == STEPS
+    finally:
+        shard = watcher.check()
+    # One Prefect attempt: torchrun restarted the workers once and they finished the job.
+    [outcome] = read_outcomes(config)
+    assert (outcome["class"], outcome["restarts"]) == ("done", 1)
+    assert [r["restart"] for r in read_exit_records(config.run_dir, outcome["attempt"])] == [1, 1]
+    assert [s["restart"] for s in read_starts(config.run_dir, outcome["attempt"])] == [0, 1]
+    entry = Ledger(config.run_dir, "corrupt").read().entries[20]
+    [rejected] = [t for t in entry.history if t.state == "rejected"]
+    assert "checksum" in rejected.note and shard in rejected.note
+    [aside] = (config.run_dir.checkpoints / "rejected").iterdir()
+    assert aside.name.startswith("step-00000020") and aside.name in rejected.note
+    assert [t.state for t in entry.history] == ["committed", "rejected", "committed", "validated",
+                                                "uploaded"]
+    assert entry.history[2].note == "saved again after a rejected copy"
+    assert entry.copy_id == copy_id(path) != copy_id(aside)
+    # Never resumed from: after the crash at step 25 training went on from step 11.
+    steps = [m["step"] for m in read_metrics(config.run_dir)]
+    assert steps == list(range(1, 26)) + list(range(11, STEPS + 1))
+    ledger = Ledger(config.run_dir, "corrupt").read()
+    assert ledger.steps("uploaded") == [10, 20, 30]
+    store = open_store(config.storage.uri)
+    assert store.get_bytes("runs/corrupt/checkpoints/step-00000020/manifest.json") == (
+        path / "manifest.json").read_bytes()  # the new copy, not the corrupted one
+    assert losses_by_step(config.run_dir) == clean
+    goodput = read_summary(config.run_dir)["goodput"]
+    assert goodput["attempts"] == {"done": 1} and goodput["in_job_restarts"] == 1
+    assert goodput["lost_work_s"] > 0 and 0 < goodput["goodput"] < 1  # steps 11-25 ran twice
 
 
 @pytest.mark.chaos
@@ -475,50 +529,21 @@ def test_the_workers_save_the_step_after_the_deadline_and_stop(tmp_path):
     assert steps == list(range(1, 31)), "no step trained twice, none skipped"
 
 
-def test_an_attempt_the_time_limit_stops_logs_the_steps_since_its_last_metrics_record(tmp_path):
-    """training.log_every=5 and a checkpoint every 7 steps: the attempt stopped by the time
-    limit after step 2 (saved off the cadence) logs steps 1-2 as it stops (no later step of
-    it would; the next attempt resumes after them), so the loss curve and the goodput
-    accounting hold every step the model holds."""
-    from goodput.accounting import step_times
-
-    dataset = synthetic_dataset(tmp_path / "dataset")
-    config = small_config(tmp_path, "training.max_steps=10", "checkpoint.every_steps=7",
-                          "training.log_every=5")
-    lines: list[str] = []
-    result = run_attempt(config, write_run_config(config), dataset, "limit", lines.append,
-                         start=ResumeSpec.scratch(), stop_after=time.time())
-    assert (result.failure_class, result.step) == ("done", 2), "\n".join(lines[-30:])
-    records = read_metrics(config.run_dir)
-    assert [(r["step"], r["window_steps"]) for r in records] == [(2, 2)]
-    assert sorted(step for r in records for step in step_times(r)) == list(range(1, 3))
-    assert records[-1]["checkpoint_s"] > 0  # the save of step 2 blocked training
-
-
-def test_a_preempted_attempt_logs_the_steps_its_emergency_checkpoint_keeps(tmp_path):
-    """As at the time limit: the steps since the last metrics record are in the emergency
-    checkpoint, and the next attempt resumes after them, so this attempt logs them."""
-    dataset = synthetic_dataset(tmp_path / "dataset")
-    config = small_config(tmp_path, "training.max_steps=10", "training.log_every=5",
-                          "faults.sigterm_at_step=7")
-    lines: list[str] = []
-    result = run_attempt(config, write_run_config(config), dataset, "preempt", lines.append,
-                         start=ResumeSpec.scratch())
-    assert result.failure_class == "retryable", "\n".join(lines[-30:])
-    saved_at = step_of(config.run_dir.committed_checkpoints()[-1])  # the signal lands in 7 or 8
-    assert saved_at in (7, 8)
-    records = read_metrics(config.run_dir)
-    assert [(r["step"], r["window_steps"]) for r in records] == [(5, 5), (saved_at, saved_at - 5)]
-
-
 def test_pipeline_stages_on_two_nodes_stop_together_at_the_time_limit(tmp_path):
     """A stage per node (PP across nodes, as the planner lays it out), saves in the
     background: past the deadline both nodes' workers save the next step and stop, its
-    checkpoint committed and whole before they exit as done."""
+    checkpoint committed and whole before they exit as done.
+
+    training.log_every=5 and a checkpoint every 7 steps: the attempt stopped after step 2
+    (saved off the cadence) logs steps 1-2 as it stops (no later step of it would; the next
+    attempt resumes after them), so the loss curve and the goodput accounting hold every
+    step the model holds."""
+    from goodput.accounting import step_times
     from training.checkpoint.verify import verify_checkpoint
 
     dataset = synthetic_dataset(tmp_path / "dataset")
     config = small_config(tmp_path, "training.max_steps=10", "checkpoint.every_steps=7",
+                          "training.log_every=5",
                           "parallelism.nnodes=2", "parallelism.nproc_per_node=1",
                           "parallelism.dp_replicate=1", "parallelism.pp=2",
                           "checkpoint.async_mode=thread")
@@ -532,6 +557,10 @@ def test_pipeline_stages_on_two_nodes_stop_together_at_the_time_limit(tmp_path):
                                                                       (1, "time limit", 2)]
     [checkpoint] = config.run_dir.committed_checkpoints()
     assert step_of(checkpoint) == 2 and verify_checkpoint(checkpoint)["ok"]
+    metrics = read_metrics(config.run_dir)
+    assert [(r["step"], r["window_steps"]) for r in metrics] == [(2, 2)]
+    assert sorted(step for r in metrics for step in step_times(r)) == list(range(1, 3))
+    assert metrics[-1]["checkpoint_s"] > 0  # the save of step 2 blocked training
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])

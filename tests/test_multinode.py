@@ -51,22 +51,6 @@ def processes_mentioning(text: str) -> list[int]:
     return found
 
 
-def test_two_local_nodes_of_two_workers_train(tmp_path, dataset):
-    config = small_config(tmp_path, *SHORT, "parallelism.nnodes=2", "parallelism.nproc_per_node=2")
-    result, lines = train(config, dataset)
-    assert result.failure_class == "done" and result.step == STEPS, "\n".join(lines[-40:])
-    assert sorted(r["rank"] for r in result.records) == [0, 1, 2, 3]
-    # Two torchrun nodes, each with its own rendezvous role, and worker lines prefixed.
-    assert [line.split(":")[0] for line in lines if line.startswith("node ")] == ["node 0", "node 1"]
-    assert any(WORKER_LINE.match(line) and "[train] done" in line for line in lines)
-    manifest = json.loads((config.run_dir / "checkpoints" / f"step-{STEPS:08d}" / "manifest.json").read_text())
-    assert manifest["world_size"] == 4
-    # Per-rank log files next to the attempt's exit records: 2 nodes x 2 local ranks.
-    logs = config.run_dir.attempt("a1") / "torchrun"
-    assert len(list(logs.glob("*/attempt_0/[01]/stdout.log"))) == 4
-    assert processes_mentioning(str(config.run_dir)) == []
-
-
 def test_a_failing_node_stops_the_others_and_every_node_restarts(tmp_path, dataset):
     config = small_config(tmp_path, *SHORT, "checkpoint.every_steps=2", "parallelism.nnodes=2",
                           "parallelism.nproc_per_node=1", "faults.crash_at_step=2",

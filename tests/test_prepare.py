@@ -78,6 +78,31 @@ def builtin(tmp_path_factory):
 
 # -- shard format ---------------------------------------------------------------------------
 
+def test_the_builtin_corpus_is_built_once_per_installation_and_copied_into_each_data_dir(
+        tmp_path, monkeypatch):
+    from goodput.data import corpus
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    first = build_builtin_corpus(tmp_path / "a" / "sources")
+    assert first.parent == tmp_path / "a" / "sources"
+    assert (tmp_path / "cache" / "goodput" / first.name).read_bytes() == first.read_bytes()
+
+    def parsed_again(stdlib):
+        raise AssertionError("the stdlib was parsed again")
+
+    monkeypatch.setattr(corpus, "builtin_texts", parsed_again)
+    second = build_builtin_corpus(tmp_path / "b" / "sources")  # another data directory: a copy
+    assert second.name == first.name and second.read_bytes() == first.read_bytes()
+    assert not second.is_symlink()
+
+    # A cache that cannot be written (here a file where its folder would be): built in place.
+    monkeypatch.setattr(corpus, "builtin_texts", lambda stdlib: iter(["a document"]))
+    (tmp_path / "blocked").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "blocked"))
+    third = build_builtin_corpus(tmp_path / "c" / "sources")
+    assert third.read_text() == '{"text": "a document"}\n'
+
+
 def test_token_dtype_is_the_smallest_that_fits():
     assert [token_dtype(n) for n in (256, 257, 65536, 65537)] == ["uint8", "uint16", "uint16", "uint32"]
 

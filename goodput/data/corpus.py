@@ -32,17 +32,38 @@ def builtin_description() -> str:
 def build_builtin_corpus(workdir: str | os.PathLike) -> Path:
     """A jsonl corpus (one {"text": ...} per line) of the documentation Python ships.
 
-    Built once per Python installation and kept in `workdir`: the stdlib does not change
-    under a given interpreter, and parsing it takes a few seconds.
+    Kept in `workdir` (data.data_dir's sources/, which every machine of a run may read) and
+    built once per Python installation: the stdlib does not change under a given interpreter,
+    and parsing it takes 4-10 s on 2 cores, so a build goes to the user's cache
+    (`$XDG_CACHE_HOME/goodput`, else ~/.cache/goodput) and each new data directory copies it.
+    Where that cache cannot be written, the build goes to `workdir` alone.
     """
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     key = sha256_bytes(f"{BUILTIN_VERSION}\0{sys.version}\0{stdlib}".encode())[:12]
     path = Path(workdir) / f"builtin-{key}.jsonl"
-    if not path.exists():
+    if path.exists():
+        return path
+    cached = _user_cache_dir() / path.name
+    try:
+        if not cached.exists():
+            _write_corpus(cached, stdlib)
         path.parent.mkdir(parents=True, exist_ok=True)
-        lines = [json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in builtin_texts(stdlib)]
-        write_atomic(path, "".join(lines).encode())
+        write_atomic(path, cached.read_bytes())  # 2.7 MB: a copy, never a link into the cache
+    except OSError:  # a read-only or full home: build where the run keeps its data
+        if not path.exists():
+            _write_corpus(path, stdlib)
     return path
+
+
+def _user_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "goodput"
+
+
+def _write_corpus(path: Path, stdlib: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [json.dumps({"text": text}, ensure_ascii=False) + "\n" for text in builtin_texts(stdlib)]
+    write_atomic(path, "".join(lines).encode())
 
 
 def builtin_texts(stdlib: Path) -> Iterator[str]:
