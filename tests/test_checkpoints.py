@@ -34,6 +34,7 @@ from tests.helpers import (
 from training.checkpoint.errors import CheckpointCorrupt
 from training.checkpoint.reader import StoreReader, VerifiedReader, load_all_tensors
 from training.checkpoint.verify import verify_checkpoint
+from training.metrics import read_metrics
 
 
 @pytest.fixture(scope="module")
@@ -69,20 +70,6 @@ def test_training_commits_checkpoints_that_verify(run):
     assert checkpoints.validate_checkpoint(config, 20).state == "validated"
 
 
-def test_checkpoint_without_manifest_is_never_resumed(run, tmp_path):
-    config, dataset = run
-    (config.run_dir.checkpoint(20) / "manifest.json").unlink()  # killed mid-commit
-    assert [p.name for p in config.run_dir.committed_checkpoints()] == ["step-00000010"]
-    store = open_store(str(tmp_path / "store"))
-    assert checkpoints.resume_point(config, store).local == config.run_dir.checkpoint(10)
-    # Plain torchrun's --resume auto agrees, and saving step 20 again clears the debris.
-    proc = torchrun_training(config, dataset, resume="auto")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "resumed from" in proc.stdout and "step-00000010" in proc.stdout
-    assert "in-job restart" not in proc.stdout  # a second plain run is no restart of the first
-    assert verify_checkpoint(config.run_dir.checkpoint(20))["ok"]
-
-
 def test_rerunning_a_finished_run_says_there_is_nothing_to_train(run):
     config, dataset = run
     proc = torchrun_training(config, dataset, resume="auto")
@@ -92,19 +79,27 @@ def test_rerunning_a_finished_run_says_there_is_nothing_to_train(run):
     assert "done: step 20 (no step to train)" in out and "loss nan" not in out
 
 
-def test_resuming_on_data_prepared_anew_says_so(run, tmp_path):
-    """The same config can prepare other data (changed sources or tokenizer files): the run
-    resumes on it, and the log says which dataset and end-of-document token it left."""
+def test_a_checkpoint_without_manifest_is_never_resumed_and_data_prepared_anew_is_said(run, tmp_path):
+    """Step 20 lost its manifest (killed mid-commit): never resumed, by the launch task's
+    resume point or by plain torchrun's --resume auto, and saving step 20 again clears the
+    debris. The same config can prepare other data (changed sources or tokenizer files): the
+    run resumes on it, and the log says which dataset and end-of-document token it left."""
     from storage.manifests import DatasetManifest
 
     config, dataset = run
-    (config.run_dir.checkpoint(20) / "manifest.json").unlink()
+    (config.run_dir.checkpoint(20) / "manifest.json").unlink()  # killed mid-commit
+    assert [p.name for p in config.run_dir.committed_checkpoints()] == ["step-00000010"]
+    store = open_store(str(tmp_path / "store"))
+    assert checkpoints.resume_point(config, store).local == config.run_dir.checkpoint(10)
     reprepared = shutil.copytree(dataset, tmp_path / "reprepared")
     manifest = DatasetManifest.load(reprepared)
     manifest.dataset_id, manifest.eos_id = "reprepared", 1
     manifest.save(reprepared)
     proc = torchrun_training(config, reprepared, resume="auto")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resumed from" in proc.stdout and "step-00000010" in proc.stdout
+    assert "in-job restart" not in proc.stdout  # a second plain run is no restart of the first
+    assert verify_checkpoint(config.run_dir.checkpoint(20))["ok"]
     assert re.search(r"step-00000010 was trained on dataset synthetic; this attempt reads dataset "
                      r"reprepared, whose documents end with token 1 where the checkpoint's ended "
                      r"with 0 .* continues at sample \d+ of the new data", proc.stdout + proc.stderr)
@@ -846,6 +841,7 @@ def test_a_damaged_local_checkpoint_is_not_loaded_for_evaluation(run, tmp_path):
         load_model(copy, torch.device("cpu"))
 
 
+@pytest.mark.slow  # CI: the resume leg of test_async_saves_commit_the_same_state[process]
 def test_resume_continues_the_exact_loss_curve(trained, tmp_path):
     root, dataset = trained
     full = losses_by_step(small_config(root, "training.max_steps=20").run_dir)
@@ -938,14 +934,15 @@ def test_restarted_workers_never_take_a_copy_saved_after_its_step_was_validated(
     assert newest_validated(config.run_dir, wait_s=0) == ResumeSpec.directory(config.run_dir.checkpoint(10))
 
 
-@pytest.mark.parametrize("mode", ["thread", "process"])
+@pytest.mark.parametrize("mode", [pytest.param("thread", marks=pytest.mark.slow),  # CI: process,
+                                  "process"])  # where the risk lies (the writer's own process)
 def test_the_emergency_save_survives_the_sigterm_that_asks_for_it(trained, tmp_path, mode):
     """torchrun stops a worker by signalling its whole process group, which in process mode
     holds DCP's writer process too: the writer must outlive the signal, or the emergency
     checkpoint (and every step since the last one) is lost."""
     root, dataset = trained
     config = small_config(tmp_path, "training.max_steps=20", f"checkpoint.async_mode={mode}",
-                          "faults.sigterm_at_step=13")
+                          "faults.sigterm_at_step=13", "training.log_every=5")
     proc = torchrun_training(config, dataset)
     assert "emergency save failed" not in proc.stdout + proc.stderr, proc.stdout[-3000:] + proc.stderr[-3000:]
     committed = [p.name for p in config.run_dir.committed_checkpoints()]
@@ -953,6 +950,11 @@ def test_the_emergency_save_survives_the_sigterm_that_asks_for_it(trained, tmp_p
     # torchrun's forwarding of it is slow (a loaded machine), always before the 20th.
     assert committed[0] == "step-00000010" and 13 <= int(committed[1].removeprefix("step-")) < 20, \
         (committed, proc.stdout[-3000:], proc.stderr[-3000:])
+    # As at the time limit: the steps since the last metrics record are in the emergency
+    # checkpoint, and the next attempt resumes after them, so this attempt logs them.
+    saved_at = int(committed[1].removeprefix("step-"))
+    records = read_metrics(config.run_dir)
+    assert [(r["step"], r["window_steps"]) for r in records] == [(5, 5), (10, 5), (saved_at, saved_at - 10)]
     assert all(verify_checkpoint(p)["ok"] for p in config.run_dir.committed_checkpoints())
     # What the supervisor saw last: a save under way (its allowance), not a stalled step.
     beat = json.loads((config.run_dir / "heartbeat.json").read_text())

@@ -16,6 +16,7 @@ import pytest
 
 from core.config import ConfigError
 from flows.pipeline import pipeline
+from storage.ledger import Ledger
 from storage.store import store_from_config
 from tasks.credentials import AWS_VARIABLES
 from tests.helpers import REPO, logs_of, small_config, subflow_runs
@@ -77,6 +78,11 @@ def test_a_pipeline_takes_its_keys_from_blocks_and_writes_them_nowhere(
         Bucket=s3_server.bucket, Prefix=prefix) for o in page.get("Contents", [])]
     assert keys and not [k for k in keys if leaks(
         client.get_object(Bucket=s3_server.bucket, Key=k)["Body"].read())]
+    # The whole pipeline on S3 (test_pipeline_with_an_s3_store, slow, does it with keys from
+    # the environment): the dataset published there, every checkpoint uploaded, the ledger.
+    assert f"{prefix}/datasets/{state.result()['dataset_id']}/manifest.json" in keys
+    assert f"{prefix}/runs/test/ledger.json" in keys
+    assert Ledger(config.run_dir, "test").read().steps("uploaded") == [2, 4]
 
     flow_runs = [state.state_details.flow_run_id,
                  *(run.id for run in subflow_runs(state.state_details.flow_run_id).values())]

@@ -417,6 +417,7 @@ def test_the_evaluation_process_reports_scores_and_bits_per_byte(setup):
         "lm_eval": importlib.metadata.version("lm_eval")}
 
 
+@pytest.mark.slow  # two lm-eval indexes; CI: test_the_evaluation_process_exits_with_a_config_error
 def test_an_unknown_task_is_a_config_error_naming_it(setup):
     with pytest.raises(ConfigError) as err:
         load_tasks(["colors_mcq"], str(setup["task_dir"]))
@@ -474,6 +475,28 @@ def names_cache(tmp_path, monkeypatch):
     return tmp_path / "cache" / "goodput"
 
 
+@pytest.fixture(scope="module")
+def library_index(tmp_path_factory):
+    """lm-eval's task names indexed once for the module (seconds each time): what
+    training.downstream keeps per process, {signature: names}."""
+    import training.downstream as downstream
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("names")))
+        patch.setattr(downstream, "_LIBRARY_NAMES", {})
+        downstream.library_task_names()
+        return dict(downstream._LIBRARY_NAMES)
+
+
+@pytest.fixture
+def names_known(names_cache, library_index, monkeypatch):
+    """As names_cache, but lm-eval's names indexed in this process already (the module's)."""
+    import training.downstream as downstream
+
+    monkeypatch.setattr(downstream, "_LIBRARY_NAMES", dict(library_index))
+    return names_cache
+
+
 def test_task_names_are_checked_without_loading_tasks(setup, names_cache):
     from training.downstream import check_task_names
 
@@ -517,7 +540,7 @@ def test_a_task_of_the_task_dir_whose_data_file_is_missing_is_named_before_train
     assert check_task_names(["colors_mc"], str(task_dir)) == {"colors_mc": "eval.task_dir"}
 
 
-def test_a_best_metric_of_no_known_task_is_refused_before_training(setup, names_cache):
+def test_a_best_metric_of_no_known_task_is_refused_before_training(setup, names_known):
     """eval.best_metric's task outside eval.tasks must at least be a task lm-eval knows (a
     subtask of a group there): otherwise no report would have it, and best-by-eval retention
     would keep nothing for it."""
@@ -560,7 +583,8 @@ def test_lm_eval_task_names_are_kept_per_lm_eval_version_and_task_files(names_ca
     assert library_task_names() == names
 
 
-def test_flows_refuse_an_unknown_task_before_anything_launches(prefect_api, setup, tmp_path, names_cache):
+def test_flows_refuse_an_unknown_task_before_anything_launches(prefect_api, setup, tmp_path,
+                                                                names_known):
     from flows.evaluate import evaluate as evaluate_flow
     from flows.pipeline import pipeline
     from flows.train import train

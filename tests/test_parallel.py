@@ -98,11 +98,19 @@ LAYOUTS_2 = {
     # part), through FSDP's gathered weights.
     "fsdp-chunked-loss": ("parallelism.dp_replicate=1", "parallelism.dp_shard=2",
                           "training.micro_batch_size=2", "parallelism.loss_chunk_tokens=48"),
+    # Both in one run: recomputed blocks, then the loss in chunks (CI's one run of each).
+    "fsdp-ac-chunked-loss": ("parallelism.dp_replicate=1", "parallelism.dp_shard=2",
+                             "training.micro_batch_size=2", "parallelism.activation_checkpointing=full",
+                             "parallelism.loss_chunk_tokens=48"),
 }
 
 
-# CI's bounded set leaves out the schedules and splits another layout already covers.
-SLOW_2 = {"pp-gpipe", "pp-lighter-last"}
+# CI's bounded set leaves out the schedules and splits another layout already covers:
+# fsdp and tp train under clipping (test_with_clipping_active_...), 1f1b is pp-uneven's
+# schedule, interleaved-1f1b runs at three stages per rank (test_interleaved_...), activation
+# checkpointing and the chunked loss run together.
+SLOW_2 = {"pp-gpipe", "pp-lighter-last", "fsdp", "tp", "pp-1f1b", "pp-interleaved", "fsdp-ac",
+          "fsdp-chunked-loss"}
 
 
 @pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow) if name in SLOW_2
@@ -151,7 +159,9 @@ def test_with_clipping_active_fsdp_and_tp_train_the_single_process_curve(tmp_pat
                                        steps=12), single)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS_4)
+# FSDP x TP on four processes is the first leg of test_checkpoints_reshard_across_layouts.
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=pytest.mark.slow) if name == "fsdp-tp"
+                                    else name for name in LAYOUTS_4])
 def test_four_process_layouts_match_single_process(layout, tmp_path, dataset, reference):
     assert_same_curve(run_training(tmp_path, dataset, 4, *LAYOUTS_4[layout], steps=STEPS_4),
                       reference(STEPS_4))

@@ -166,6 +166,7 @@ def test_a_command_with_nothing_to_do_starts_no_flow_run(finished, tmp_path, mon
 
 
 @pytest.mark.s3
+@pytest.mark.slow  # CI: test_a_pipeline_takes_its_keys_from_blocks_..., the same pipeline on S3
 def test_pipeline_with_an_s3_store(prefect_api, s3_server, s3_uri, tmp_path):
     config = small_config(tmp_path, "run.run_id=s3run", f"storage.uri={s3_uri}",
                           f"storage.endpoint_url={s3_server.endpoint_url}", "training.max_steps=20")
@@ -214,6 +215,7 @@ def test_training_needs_only_the_store_once_the_data_is_prepared(prefect_api, tm
     assert prepare(config) == manifest
 
 
+@pytest.mark.slow  # CI: test_prepare's test_training_publishes_to_its_store_only_what_the_store_lacks
 def test_training_publishes_a_dataset_its_store_lacks(prefect_api, tmp_path):
     """Prepared with one storage.uri and trained with another: the run's checkpoints go to
     the second store, and so does the dataset now (it stayed on the first machine, and a

@@ -313,31 +313,6 @@ def test_training_goes_on_through_a_server_restart(stack, api, workdir):
     assert down_at < back_at
 
 
-def test_a_killed_worker_leaves_its_flow_runs_training(stack, api, workdir):
-    """The worker dies (SIGKILL) while its flow run trains, and is started again, as `goodput
-    server` does: the flow run goes on and ends Completed with every checkpoint secured. Its
-    output used to be piped to the worker; the first log line after the worker's death ended
-    it (Crashed), its torchrun workers training on unsupervised."""
-    run_dir = workdir / "runs" / "worker-killed"
-    flow_run = api.trigger("train/goodput-train", {"config": form(
-        workdir, "run.run_id=worker-killed", "training.max_steps=1000", "checkpoint.every_steps=50")})
-    wait_for(lambda: trained_to(run_dir) >= 55, 600, "training past the first checkpoint", 0.5)
-    # Its output goes nowhere the worker holds: with a pipe to it, rich's broken-pipe
-    # handler raised SystemExit in whichever thread logged first (the main one: Crashed;
-    # the one reading torchrun's output: training on, unread).
-    flow = flow_process(flow_run).pid
-    assert {os.readlink(f"/proc/{flow}/fd/{fd}") for fd in (1, 2)} == {"/dev/null"}
-    stack.kill_worker()
-    step = trained_to(run_dir)
-    wait_for(lambda: trained_to(run_dir) >= step + 110, 300, "two more checkpoints", 0.5)
-    assert api.flow_run(flow_run)["state"]["type"] == "RUNNING"
-    stack.start_worker()
-    finished = api.wait_final(flow_run, 600)
-    failures = [log["message"][-1500:] for log in api.logs(flow_run) if log["level"] >= 40]
-    assert finished["state"]["type"] == "COMPLETED", (finished["state"], failures[-5:])
-    assert Ledger(run_dir).read().steps("uploaded") == list(range(50, 1001, 50))
-
-
 def test_the_stack_starts_a_stopped_database_again(stack, api):
     """PostgreSQL stopped under the stack: `goodput server`'s watch (keep_up) starts it
     again on its port, and the server with it (its connections died; its health check, which
@@ -350,18 +325,34 @@ def test_the_stack_starts_a_stopped_database_again(stack, api):
     assert stack.keep_up() == []  # all up: nothing to do
 
 
-def test_stopping_the_stack_cancels_the_flow_runs_under_way_first(stack, api, workdir):
-    """What `goodput server` does on Ctrl-C or SIGTERM before it stops the worker: each flow
+def test_a_killed_worker_leaves_its_flow_runs_training_and_stopping_the_stack_cancels_them(
+        stack, api, workdir):
+    """The worker dies (SIGKILL) while its flow run trains, and is started again, as `goodput
+    server` does: the flow run goes on training and securing its checkpoints. Its output
+    used to be piped to the worker; the first log line after the worker's death ended it
+    (Crashed), its torchrun workers training on unsupervised.
+
+    Then what `goodput server` does on Ctrl-C or SIGTERM before it stops the worker: each flow
     run under way is cancelled as from the UI, its workers saving an emergency checkpoint.
     Stopped with the stack, training went on unsupervised, and the server, back, called the
-    flow run Crashed with its checkpoints unsecured. Also a flow run of a worker the stack
-    replaced (it exited, and `goodput server` started another): no longer a child of the
-    running worker, it was left training with no server."""
+    flow run Crashed with its checkpoints unsecured. The flow run here is one of a worker the
+    stack replaced: no longer a child of the running worker, it was left training with no
+    server."""
     run_dir = workdir / "runs" / "stack-stop"
     flow_run = api.trigger("train/goodput-train", {"config": form(
         workdir, "run.run_id=stack-stop", "training.max_steps=100000", "checkpoint.every_steps=50")})
     wait_for(lambda: trained_to(run_dir) >= 55, 600, "training past the first checkpoint", 0.5)
+    # Its output goes nowhere the worker holds: with a pipe to it, rich's broken-pipe
+    # handler raised SystemExit in whichever thread logged first (the main one: Crashed;
+    # the one reading torchrun's output: training on, unread).
+    flow = flow_process(flow_run).pid
+    assert {os.readlink(f"/proc/{flow}/fd/{fd}") for fd in (1, 2)} == {"/dev/null"}
     stack.kill_worker()
+    step = trained_to(run_dir)
+    wait_for(lambda: trained_to(run_dir) >= step + 110, 300, "two more checkpoints", 0.5)
+    assert api.flow_run(flow_run)["state"]["type"] == "RUNNING"
+    wait_for(lambda: Ledger(run_dir).read().steps("uploaded")[:3] == [50, 100, 150], 120,
+             "the checkpoints saved while the worker was away uploaded", 0.5)
     stack.start_worker()
     assert stack.cancel_flow_runs() == [flow_run]
     assert api.flow_run(flow_run)["state"]["type"] == "CANCELLED"

@@ -158,9 +158,16 @@ def test_a_pending_job_is_cancelled_at_once(tmp_path, dataset, slurm):
     assert "cancelled Slurm job" in "\n".join(lines)
 
 
-def test_the_controller_restarting_mid_job_does_not_end_the_attempt(tmp_path, dataset, slurm):
+def test_the_controller_restarting_mid_job_does_not_end_the_attempt(tmp_path, dataset, slurm,
+                                                                    monkeypatch):
     """slurmctld stopped while the job trains: squeue fails for a while (the job runs on
     without its controller), the launcher keeps asking, and the attempt finishes."""
+    # The launcher's queries give up on the absent controller in 2 s (MessageTimeout), not
+    # in 18 (10 s and a retry): the controller is back while the job still trains. A job
+    # that ended in the outage stays in the queue a minute after the restart.
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(Path(slurm.conf).read_text() + "MessageTimeout=2\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
     config = slurm_config(tmp_path, "training.max_steps=40", "checkpoint.every_steps=20")
     lines: list[str] = []
     thread, results = in_background(attempt, config, dataset, lines)
@@ -202,10 +209,23 @@ def test_failures_on_slurm_are_classed_from_what_slurm_reports_and_each_retry_re
             return True
         return False
 
+    def end_the_frozen_job_at_its_time_limit():
+        # Slurm's smallest limit is a minute, checked every 30 s: instead of waiting out the
+        # rest of it, the limit drops to 0 once the worker froze, as an administrator may
+        # (`scontrol update JobId=... TimeLimit=...`); Slurm ends the job as TIMEOUT all the same.
+        if not (run_dir.fault_markers / "hang_at_step-6.fired").exists():
+            return False
+        for job in slurm.queue():
+            slurm.run("scontrol", "update", f"JobId={job}", "TimeLimit=0", check=False)
+        return True
+
     watcher, _ = in_background(wait_for, set_n2_down_in_the_third_attempt, 600,
                                "the third attempt at step 9", 0.2)
+    limiter, _ = in_background(wait_for, end_the_frozen_job_at_its_time_limit, 600,
+                               "the worker frozen at step 6", 0.2)
     trained = train(config)
     watcher.join(timeout=10)
+    limiter.join(timeout=10)
     assert trained["final_step"] == 20
     outcomes = read_outcomes(config)
     assert [o["class"] for o in outcomes] == ["retryable", "retryable", "node_lost", "done"], outcomes

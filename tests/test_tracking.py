@@ -90,16 +90,53 @@ def wandb_history(run_file: Path) -> list[dict]:
     return rows
 
 
-def test_training_logs_to_tensorboard_and_wandb_and_validates_in_the_loop(tmp_path):
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    pytest.importorskip("mlflow.server", reason="the MLflow server (pip install mlflow)")
+    tmp_path = tmp_path_factory.mktemp("mlflow")
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
+         "--default-artifact-root", str(tmp_path / "artifacts"), "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:  # ready: it answers an API call (its database is up)
+        try:
+            with urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/search?max_results=1",
+                                        timeout=5) as answer:
+                if answer.status == 200:
+                    break
+        except OSError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("the MLflow server did not start within 90 s")
+    yield url
+    os.killpg(proc.pid, 9)
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory, mlflow_server):
+    """One run tracked by TensorBoard, W&B (offline) and the MLflow server, whose first
+    attempt dies at step 10 (rank 0, after the checkpoint of step 8) and whose second resumes
+    and finishes (its config; the tests below read what each backend shows)."""
+    tmp_path = tmp_path_factory.mktemp("tracked")
     dataset = synthetic_dataset(tmp_path / "dataset")
-    tracked = (*TRACKED, "tracking.wandb_project=goodput-test", "tracking.wandb_mode=offline")
-    crashing = small_config(tmp_path, *tracked, "faults.crash_at_step=10")
-    first = torchrun_training(crashing, dataset)
-    assert first.returncode != 0  # rank 0 died at step 10, after the checkpoint of step 8
+    tracked = (*TRACKED, "tracking.wandb_project=goodput-test", "tracking.wandb_mode=offline",
+               f"tracking.mlflow_uri={mlflow_server}")
+    first = torchrun_training(small_config(tmp_path, *tracked, "faults.crash_at_step=10"), dataset)
+    assert first.returncode != 0
     config = small_config(tmp_path, *tracked)
     resumed = torchrun_training(config, dataset)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return config
 
+
+def test_training_logs_to_tensorboard_and_wandb_and_validates_in_the_loop(tracked_run):
+    config = tracked_run
     # metrics.jsonl: the in-loop held-out loss every 4 steps, its time outside the step's.
     records = read_metrics(config.run_dir)
     assert [r["step"] for r in records if "val_loss" in r] == [4, 8, 12]
@@ -199,42 +236,11 @@ def test_a_tracking_server_that_is_down_never_slows_the_trainer(caplog):
     assert "never sent" in caplog.text and down in caplog.text
 
 
-@pytest.fixture
-def mlflow_server(tmp_path):
-    pytest.importorskip("mlflow.server", reason="the MLflow server (pip install mlflow)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-         "--backend-store-uri", f"sqlite:///{tmp_path / 'mlflow.db'}",
-         "--default-artifact-root", str(tmp_path / "artifacts"), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:  # ready: it answers an API call (its database is up)
-        try:
-            with urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/search?max_results=1",
-                                        timeout=5) as answer:
-                if answer.status == 200:
-                    break
-        except OSError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        pytest.fail("the MLflow server did not start within 90 s")
-    yield url
-    os.killpg(proc.pid, 9)
-    proc.wait()
-
-
-def test_training_logs_to_a_real_mlflow_server_and_a_resume_continues_its_run(tmp_path, mlflow_server):
+def test_training_logs_to_a_real_mlflow_server_and_a_resume_continues_its_run(tracked_run,
+                                                                              mlflow_server):
     from mlflow.tracking import MlflowClient
 
-    dataset = synthetic_dataset(tmp_path / "dataset")
-    tracked = (*TRACKED, f"tracking.mlflow_uri={mlflow_server}", "tracking.tensorboard=false")
-    assert torchrun_training(small_config(tmp_path, *tracked, "faults.crash_at_step=10"), dataset).returncode != 0
-    config = small_config(tmp_path, *tracked)
-    resumed = torchrun_training(config, dataset)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    config = tracked_run
     client = MlflowClient(tracking_uri=mlflow_server)
     runs = client.search_runs([client.get_experiment_by_name("goodput").experiment_id],
                               "tags.`goodput.run_id` = 'test'")
