@@ -501,8 +501,10 @@ def compare_backends(args, workdir: Path, dataset_dir: Path, task_dir: Path) -> 
     manager = task_manager_for(names, str(task_dir))
     counts = input_tokens(task_dir, args.tasks, args.limit, dataset_dir, config.model.max_seq_len)
     backends = list(BACKENDS)
-    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"\n## backends: {args.model} ({params / 1e6:.1f}M parameters) on {device}, eval.limit="
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    if args.device == "cuda":  # CUDA's context and cuBLAS handle now, not in the first timing
+        (torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")).sum().item()
+    print(f"\n## backends: {args.model} ({params / 1e6:.1f}M parameters) on {device_name}, eval.limit="
           f"{args.limit}, batch size {args.batch_size}, torch threads {torch.get_num_threads()}; load "
           f"before {os.getloadavg()[0]:.2f}", flush=True)
     # Each task alone, then (where more than one) all of them in one evaluation, as a user runs
@@ -535,7 +537,7 @@ def compare_backends(args, workdir: Path, dataset_dir: Path, task_dir: Path) -> 
                       "scores": {b: runs[task][b][0]["scores"][name] for b in backends},
                       "stderrs": runs[task]["goodput"][0]["stderrs"].get(name, {}),
                       "max_ll_diff": diffs, "bf16_max_ll_diff": _max_ll_diff(bf16, now, name)}
-    return {"model": args.model, "params": params, "device": device, "limit": args.limit,
+    return {"model": args.model, "params": params, "device": device_name, "limit": args.limit,
             "batch_size": args.batch_size, "threads": torch.get_num_threads(), "repeats": args.repeats, "tasks": rows,
             "load_1min_after": os.getloadavg()[0]}
 
