@@ -18,6 +18,12 @@ from typing import BinaryIO
 _CHUNK = 4 * 1024 * 1024
 
 
+def user_cache_dir() -> Path:
+    """Where goodput keeps what it derives once per user and installation (lm-eval's task
+    names, the builtin corpus): $XDG_CACHE_HOME/goodput, else ~/.cache/goodput."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "goodput"
+
+
 def sha256_file(path: str | os.PathLike) -> str:
     """Hex sha256 of a file, read in chunks so large shards never sit in memory."""
     digest = hashlib.sha256()

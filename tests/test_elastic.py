@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -297,24 +298,33 @@ RUN = (f"training.max_steps={STEPS}", "training.warmup_steps=2", "checkpoint.eve
        "run.hang_min_s=120")
 
 
+class Uninterrupted(NamedTuple):
+    losses: dict[int, float]
+    manifest: CheckpointManifest  # of the last step
+    config: object
+    result: object  # run_attempt's AttemptResult
+    lines: list[str]
+
+
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, dataset):
+def uninterrupted(tmp_path_factory, dataset) -> Uninterrupted:
     """The same run on 2 nodes x 2 workers, nothing lost: the losses to match."""
     config = small_config(tmp_path_factory.mktemp("whole"), *RUN, "parallelism.nnodes=2",
                           "parallelism.nproc_per_node=2", "run.run_id=whole")
     result, lines = train(config, dataset)
     assert result.failure_class == "done" and result.worlds == [4], "\n".join(lines[-40:])
-    return losses_by_step(config.run_dir), final_manifest(config, STEPS), (config, result, lines)
+    return Uninterrupted(losses_by_step(config.run_dir), final_manifest(config, STEPS), config,
+                         result, lines)
 
 
 def test_two_local_nodes_of_two_workers_train(uninterrupted):
-    config, result, lines = uninterrupted[2]
+    config, result, lines = uninterrupted.config, uninterrupted.result, uninterrupted.lines
     assert result.failure_class == "done" and result.step == STEPS, "\n".join(lines[-40:])
     assert sorted(r["rank"] for r in result.records) == [0, 1, 2, 3]
     # Two torchrun nodes, each with its own rendezvous role, and worker lines prefixed.
     assert [line.split(":")[0] for line in lines if line.startswith("node ")] == ["node 0", "node 1"]
     assert any(WORKER_LINE.match(line) and "[train] done" in line for line in lines)
-    assert uninterrupted[1].world_size == 4
+    assert uninterrupted.manifest.world_size == 4
     # Per-rank log files next to the attempt's exit records: 2 nodes x 2 local ranks.
     logs = config.run_dir.attempt("a1") / "torchrun"
     assert len(list(logs.glob("*/attempt_0/[01]/stdout.log"))) == 4
@@ -336,11 +346,11 @@ def test_a_lost_node_shrinks_the_world_in_the_job_and_the_run_matches(tmp_path, 
     assert any(line.startswith("layout changed: 2 -> 1 node(s), world 4 -> 2") and
                "dp_replicate=2 x dp_shard=1 x cp=1 x tp=1 x pp=1 x accumulation 2" in line
                for line in lines), text
-    losses, whole = losses_by_step(config.run_dir), uninterrupted[0]
+    losses, whole = losses_by_step(config.run_dir), uninterrupted.losses
     assert sorted(losses) == list(range(1, STEPS + 1))
     for step, loss in whole.items():
         assert loss == pytest.approx(losses[step], rel=1e-4), step
-    end, whole_end = final_manifest(config, STEPS), uninterrupted[1]
+    end, whole_end = final_manifest(config, STEPS), uninterrupted.manifest
     assert end.world_size == 2 and whole_end.world_size == 4
     assert (end.data_position, end.tokens_seen) == (whole_end.data_position, whole_end.tokens_seen)
     assert end.data_position == STEPS * config.global_batch  # no sample skipped or repeated

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from core.errors import ConfigError
-from core.files import write_atomic
+from core.files import user_cache_dir, write_atomic
 from training.logs import get_logger
 from training.model import Transformer
 
@@ -466,8 +466,7 @@ def _library_task_names(refresh: bool = False) -> tuple[frozenset[str], bool]:
                 stat = os.stat(os.path.join(folder, file))
                 count, newest, size = count + 1, max(newest, stat.st_mtime_ns), size + stat.st_size
     signature = (_lm_eval_version(), str(root), count, newest, size)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "goodput" / (
-        f"lm-eval-{signature[0]}-task-names.json")
+    cache = user_cache_dir() / f"lm-eval-{signature[0]}-task-names.json"
     if not refresh:
         if signature in _LIBRARY_NAMES:
             return _LIBRARY_NAMES[signature], True

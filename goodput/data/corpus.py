@@ -14,7 +14,7 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
-from core.files import sha256_bytes, write_atomic
+from core.files import sha256_bytes, user_cache_dir, write_atomic
 
 BUILTIN = "builtin"
 BUILTIN_VERSION = 1  # bump when the builtin corpus builder would write different text
@@ -35,7 +35,7 @@ def build_builtin_corpus(workdir: str | os.PathLike) -> Path:
     Kept in `workdir` (data.data_dir's sources/, which every machine of a run may read) and
     built once per Python installation: the stdlib does not change under a given interpreter,
     and parsing it takes 4-10 s on 2 cores, so a build goes to the user's cache
-    (`$XDG_CACHE_HOME/goodput`, else ~/.cache/goodput) and each new data directory copies it.
+    (core.files.user_cache_dir) and each new data directory copies it.
     Where that cache cannot be written, the build goes to `workdir` alone.
     """
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -43,7 +43,7 @@ def build_builtin_corpus(workdir: str | os.PathLike) -> Path:
     path = Path(workdir) / f"builtin-{key}.jsonl"
     if path.exists():
         return path
-    cached = _user_cache_dir() / path.name
+    cached = user_cache_dir() / path.name
     try:
         if not cached.exists():
             _write_corpus(cached, stdlib)
@@ -53,11 +53,6 @@ def build_builtin_corpus(workdir: str | os.PathLike) -> Path:
         if not path.exists():
             _write_corpus(path, stdlib)
     return path
-
-
-def _user_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "goodput"
 
 
 def _write_corpus(path: Path, stdlib: Path) -> None:
