@@ -666,6 +666,9 @@ def _is_number(text: str) -> bool:
     return True
 
 
+FLOW_COMMANDS = ("prepare", "train", "evaluate", "pipeline")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     _dump_stacks_on_sigusr1()
@@ -676,6 +679,10 @@ def main(argv: list[str] | None = None) -> int:
         return _plan(args)
     if args.command == "server":
         return _server(args)
+    # A flow command's temporary server starts importing now (about 5 s of a core before it
+    # answers), beside the config's checks and the nothing-to-do check: it stops at once
+    # where it is not needed.
+    server = temporary_server() if args.command in FLOW_COMMANDS else None
     try:
         config = load_config(args.config, args.overrides)
         if args.command in ("train", "pipeline"):
@@ -684,7 +691,11 @@ def main(argv: list[str] | None = None) -> int:
             check_run_config(config)  # a run this config would not continue: before anything starts
             with _the_checks_warnings():  # said once: the train flow's own warning is not repeated
                 warn_of_checkpoints_elsewhere(config)
-    except ConfigError as e:
+    except BaseException as e:
+        if server is not None:
+            server.stop()
+        if not isinstance(e, ConfigError):
+            raise
         print(f"goodput: {e}", file=sys.stderr)
         return 2
     if args.command == "show-config":
@@ -703,8 +714,6 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
 
-    # The four flow commands. The temporary server starts importing now, beside the check.
-    server = temporary_server()
     ctrl_c = None
     try:
         unreachable = _store_out_of_reach(config)

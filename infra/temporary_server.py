@@ -39,9 +39,15 @@ from core.process_exit import die_with_parent
 
 SERVE = b"serve\n"
 # What Prefect's own temporary server runs with (SubprocessASGIServer._run_uvicorn_command):
-# no UI, the services of an ephemeral server.
+# no UI, the services of an ephemeral server. And no block types registered at its start:
+# that registration is for the UI's catalogue (a server without a UI has none), and to see
+# whether a type changed it imports every installed collection (prefect-aws and its boto3,
+# prefect-ray, ...): 0.7 s of the 5.3 s this server took to answer, each command waiting for
+# it. A block saved from Python registers its own type (Block.save); `prefect server start`
+# on the same database registers them all as before.
 SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
-              "PREFECT__SERVER_FINAL": "1"}
+              "PREFECT__SERVER_FINAL": "1", "PREFECT_SERVER_REGISTER_BLOCKS_ON_START": "false",
+              "PREFECT_SERVER_MEMOIZE_BLOCK_AUTO_REGISTRATION": "false"}
 # uvicorn's exit status when the server failed to start.
 STARTUP_FAILURE = 3
 # How soon a client is asked to retry a request the server answered 503 (Service Unavailable):
@@ -183,18 +189,14 @@ def _serve_when_told(listener_fd: int) -> int:
     """The server process: import the server, then serve on the inherited socket once the
     command says so; exit quietly at the end of its input."""
     import uvicorn
-    import prefect.plugins
     from prefect.server.api.server import create_app
 
     # What the server's start does before it opens the database, done while the command is
-    # still deciding (0.6 s of its 1.0 s from serve to answering): uvicorn's logging set up,
-    # then the app built (its factory call, which sets up Prefect's logging over it), and
-    # the installed collections imported (prefect-aws, prefect-ray, ...: the lifespan
-    # imports them to see whether their block types changed).
+    # still deciding: uvicorn's logging set up, then the app built (its factory call, which
+    # sets up Prefect's logging over it).
     config = uvicorn.Config(create_app, factory=True, log_level="error", lifespan="on")
     config.load()
     config.loaded_app = RetrySoonWhenBusy(config.loaded_app)
-    prefect.plugins.load_prefect_collections()
     listener = socket.socket(fileno=listener_fd)
     if sys.stdin.buffer.readline() != SERVE:
         return 0

@@ -180,6 +180,12 @@ def test_the_temporary_server_opens_nothing_until_told_to_serve(tmp_path, monkey
         with urllib.request.urlopen(f"{served.api_url}/health", timeout=10) as response:
             assert response.read() == b"true"
         assert (tmp_path / "prefect.db").exists()
+        # No block types registered at its start (nor the collections imported to see them):
+        # a server without a UI has no catalogue to fill.
+        request = urllib.request.Request(f"{served.api_url}/block_types/filter", data=b"{}",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert json.loads(response.read()) == []
     finally:
         served.stop()
     assert served.process.returncode is not None and not served.healthy()
