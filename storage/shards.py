@@ -67,7 +67,7 @@ def write_packed_shard(path: str | os.PathLike, values: np.ndarray, lengths: Seq
         raise ValueError(f"{n_tokens} tokens do not fit in one shard (limit {_MAX_LIST_OFFSET}); "
                          "write more, smaller shards (lower data.shard_tokens)")
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
-    tokens = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))  # a view of `values`
+    tokens = pa.ListArray.from_arrays(_arrow_view(offsets), _arrow_view(values))
     batch = pa.record_batch([tokens], names=[COLUMN], metadata=metadata)
 
     # Streamed into the file, not built in memory first: a shard of hundreds of MB then
@@ -75,6 +75,15 @@ def write_packed_shard(path: str | os.PathLike, values: np.ndarray, lengths: Seq
     with atomic_file(path) as f, pa.ipc.new_file(f, batch.schema) as writer:
         writer.write_batch(batch)
     return n_tokens, len(lengths)
+
+
+def _arrow_view(array: np.ndarray) -> pa.Array:
+    """`array` as an Arrow array over the same memory (a contiguous one is not copied).
+    Not pa.array(): given a NumPy array, it imports pandas to ask whether it is one (0.5 s
+    of each process that writes shards, 1.0 s of a unit's tokenization on a busy machine)."""
+    array = np.ascontiguousarray(array)
+    return pa.Array.from_buffers(pa.from_numpy_dtype(array.dtype), len(array),
+                                 [None, pa.py_buffer(array)])
 
 
 class ShardWriter:

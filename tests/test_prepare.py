@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +26,7 @@ from goodput.data.corpus import build_builtin_corpus
 from goodput.data.sources import SourcesNotHere
 from storage.manifests import DatasetManifest
 from storage.shards import read_documents, read_tokens, shard_size, token_dtype, write_shard
-from tests.helpers import flip_bytes, logs_of, subflow_runs, wait_for
+from tests.helpers import REPO, flip_bytes, logs_of, subflow_runs, wait_for
 from training.tokenizer import load_tokenizer, read_tokenizer, train_tokenizer
 
 
@@ -101,6 +103,17 @@ def test_the_builtin_corpus_is_built_once_per_installation_and_copied_into_each_
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "blocked"))
     third = build_builtin_corpus(tmp_path / "c" / "sources")
     assert third.read_text() == '{"text": "a document"}\n'
+
+
+def test_writing_a_shard_does_not_import_pandas(tmp_path):
+    """pa.array() of a NumPy array imports pandas to ask whether it is one: 0.5 s of every
+    process that writes shards, on the way to training."""
+    script = ("import sys; from storage.shards import write_shard; "
+              f"write_shard({str(tmp_path / 's.arrow')!r}, [[1, 2, 0], [3, 0]], 'uint16'); "
+              "print('pandas' in sys.modules)")
+    imported = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    assert imported == "False"
 
 
 def test_token_dtype_is_the_smallest_that_fits():
