@@ -21,6 +21,9 @@ flow machinery's share of `make pipeline`.
 Every arm runs in a directory of its own under a temporary root, with no Prefect server
 configured (PREFECT_API_URL unset), on one PREFECT_HOME there whose database is created
 first (`prefect server database upgrade`), as a user's ~/.prefect is after a first command.
+With `--server dedicated` the commands use a `goodput server` (PostgreSQL, no worker)
+started first under that root instead, as a team's clients do (PREFECT_API_URL set): the
+flow machinery without the temporary server's start.
 A pipeline command's wall time is split by its own log: until its first flow run begins
 (imports, the temporary server's start), the flow runs, and after the last one ends
 (recording, the server's stop).
@@ -64,13 +67,42 @@ def dirs(work: Path) -> list[str]:
 PREFECT_HOME: Path  # set by main(): one for every arm, its database made first
 
 
+SERVER_ENV: dict[str, str] = {}  # --server dedicated: its URL and auth string
+
+
 def environment() -> dict[str, str]:
     env = {name: value for name, value in os.environ.items()
-           if name not in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH")}
+           if name not in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PREFECT_PROFILE",
+                           "PREFECT_PROFILES_PATH")}
     # The temporary server logs each request it answers 503: counted per pipeline.
     return env | {"PREFECT_HOME": str(PREFECT_HOME), "OMP_NUM_THREADS": "1",
                   "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TOKENIZERS_PARALLELISM": "false",
-                  "PREFECT_API_LOG_RETRYABLE_ERRORS": "true"}
+                  "PREFECT_API_LOG_RETRYABLE_ERRORS": "true"} | SERVER_ENV
+
+
+def dedicated_server(root: Path) -> subprocess.Popen:
+    """`goodput server --no-worker` under `root`, its URL and auth string in SERVER_ENV once
+    it answers."""
+    from infra.torchrun import free_port
+
+    log = root / "server.log"
+    root.chmod(0o711)  # PostgreSQL runs as its own user: it must reach its directory here
+    server = subprocess.Popen([*GOODPUT, "server", "--dir", str(root / "server"), "--no-worker",
+                               "--port", str(free_port()), "--pg-port", str(free_port())],
+                              cwd=REPO, env=environment(), stdout=log.open("w"),
+                              stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        said = re.search(r"export PREFECT_API_URL=(\S+)", log.read_text())
+        if said:
+            SERVER_ENV["PREFECT_API_URL"] = said.group(1)
+            SERVER_ENV["PREFECT_API_AUTH_STRING"] = (root / "server" / "api-auth-string").read_text().strip()
+            return server
+        if server.poll() is not None:
+            break
+        time.sleep(0.5)
+    server.terminate()
+    raise SystemExit(f"goodput server did not start:\n{log.read_text()[-3000:]}")
 
 
 def run(cmd: list[str]) -> tuple[float, float, float, str]:
@@ -178,6 +210,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="no-op commands per arm")
     parser.add_argument("--pipeline-repeats", type=int, default=5)
     parser.add_argument("--config", default="configs/tiny.yaml")
+    parser.add_argument("--server", choices=("temporary", "dedicated"), default="temporary",
+                        help="the commands' Prefect server: each one's temporary server (no "
+                             "server configured, as `make pipeline` runs), or a `goodput "
+                             "server` started first")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every arm, e.g. training.max_steps=1200")
     args = parser.parse_args()
@@ -189,7 +225,9 @@ def main() -> None:
     PREFECT_HOME.mkdir()
     subprocess.run([str(Path(sys.executable).with_name("prefect")), "server", "database",
                     "upgrade", "-y"], env=environment(), check=True, capture_output=True)
-    print(f"machine: {platform.node()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}", flush=True)
+    server = dedicated_server(root) if args.server == "dedicated" else None
+    print(f"machine: {platform.node()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; "
+          f"server: {SERVER_ENV.get('PREFECT_API_URL', 'temporary')}", flush=True)
     try:
         results = {}
         if "noop" in args.parts:
@@ -200,6 +238,9 @@ def main() -> None:
         print(json.dumps(results, indent=2))
         print(f"load at the end: {os.getloadavg()[0]:.1f}")
     finally:
+        if server is not None:
+            server.terminate()
+            server.wait(120)
         shutil.rmtree(root, ignore_errors=True)
 
 
