@@ -7,14 +7,24 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . .venv/bin/activate
-if ! python -c "import torch" 2>/dev/null; then
+# (Found, not imported: importing torch took 2-3 s of every `make pipeline`.)
+if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     pip install -q "torch>=2.11,<2.15"
   else
     pip install -q torch==2.13.0
   fi
 fi
-pip install -q -e ".[test]"
+# Installed again only when pyproject.toml changed since (its hash kept in the venv) or the
+# install is broken: pip's resolve alone took 19 s of every `make pipeline`. The code itself
+# is installed editable: a change to it needs no install. GOODPUT_REINSTALL=1 forces one.
+installed_from=.venv/.goodput-installed-from
+wanted_install="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+if [ "${GOODPUT_REINSTALL:-0}" = 1 ] || [ "$(cat "$installed_from" 2>/dev/null)" != "$wanted_install" ] \
+    || ! (cd / && "$VIRTUAL_ENV/bin/python" -c "import flows.cli, pytest" 2>/dev/null); then
+  pip install -q -e ".[test]"
+  echo "$wanted_install" > "$installed_from"
+fi
 # System packages the tests start for real, installed only where that is possible without
 # asking: as root with apt (CI). Elsewhere the tests that need them are skipped, saying why.
 #   chromium, chromium-driver: the test that screenshots the Prefect UI
