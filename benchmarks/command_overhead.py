@@ -42,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -80,29 +81,14 @@ def environment() -> dict[str, str]:
                   "PREFECT_API_LOG_RETRYABLE_ERRORS": "true"} | SERVER_ENV
 
 
-def dedicated_server(root: Path) -> subprocess.Popen:
-    """`goodput server --no-worker` under `root`, its URL and auth string in SERVER_ENV once
-    it answers."""
+def dedicated_server(root: Path):
+    """A `goodput server` stack (PostgreSQL, the Prefect server, no worker) under `root`,
+    not yet started: entered, its clients' settings go into SERVER_ENV."""
+    from infra.prefect_stack import PrefectStack
     from infra.torchrun import free_port
 
-    log = root / "server.log"
     root.chmod(0o711)  # PostgreSQL runs as its own user: it must reach its directory here
-    server = subprocess.Popen([*GOODPUT, "server", "--dir", str(root / "server"), "--no-worker",
-                               "--port", str(free_port()), "--pg-port", str(free_port())],
-                              cwd=REPO, env=environment(), stdout=log.open("w"),
-                              stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        said = re.search(r"export PREFECT_API_URL=(\S+)", log.read_text())
-        if said:
-            SERVER_ENV["PREFECT_API_URL"] = said.group(1)
-            SERVER_ENV["PREFECT_API_AUTH_STRING"] = (root / "server" / "api-auth-string").read_text().strip()
-            return server
-        if server.poll() is not None:
-            break
-        time.sleep(0.5)
-    server.terminate()
-    raise SystemExit(f"goodput server did not start:\n{log.read_text()[-3000:]}")
+    return PrefectStack(root / "server", port=free_port(), worker=False, pg_port=free_port())
 
 
 def run(cmd: list[str]) -> tuple[float, float, float, str]:
@@ -225,23 +211,26 @@ def main() -> None:
     PREFECT_HOME.mkdir()
     subprocess.run([str(Path(sys.executable).with_name("prefect")), "server", "database",
                     "upgrade", "-y"], env=environment(), check=True, capture_output=True)
-    server = dedicated_server(root) if args.server == "dedicated" else None
+    try:
+        with dedicated_server(root) if args.server == "dedicated" else nullcontext() as stack:
+            if stack is not None:
+                SERVER_ENV.update(stack.client_env())
+            measure(args, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, root: Path) -> None:
     print(f"machine: {platform.node()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; "
           f"server: {SERVER_ENV.get('PREFECT_API_URL', 'temporary')}", flush=True)
-    try:
-        results = {}
-        if "noop" in args.parts:
-            results["noop"] = noop(args.config, root, args.repeats)
-            print(json.dumps(results["noop"]), flush=True)
-        if "pipeline" in args.parts:
-            results["pipeline"] = pipeline(args.config, root, args.pipeline_repeats)
-        print(json.dumps(results, indent=2))
-        print(f"load at the end: {os.getloadavg()[0]:.1f}")
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(120)
-        shutil.rmtree(root, ignore_errors=True)
+    results = {}
+    if "noop" in args.parts:
+        results["noop"] = noop(args.config, root, args.repeats)
+        print(json.dumps(results["noop"]), flush=True)
+    if "pipeline" in args.parts:
+        results["pipeline"] = pipeline(args.config, root, args.pipeline_repeats)
+    print(json.dumps(results, indent=2))
+    print(f"load at the end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":
