@@ -787,7 +787,9 @@ class TrainingConfig(_Section):
         description="Peak FLOP/s of one device, for the MFU estimate. None: known GPUs are "
         "looked up; on CPU MFU is left out.",
     )
-    log_every: int = Field(1, ge=1, description="Log metrics every N steps.")
+    log_every: int = Field(1, ge=1, description="Log metrics every N steps (and at the last "
+                           "step, and at each step a checkpoint is saved: each record stands "
+                           "for the steps since the one before).")
 
     @property
     def tokens_per_rank_step(self) -> int:
@@ -1035,11 +1037,14 @@ class FaultsConfig(_Section):
     save_crash_at_step: int | None = Field(
         None, ge=1, description="Inject: kill a worker (SIGKILL) while the checkpoint of this "
         "step is being saved, at faults.save_crash_point.")
-    save_crash_point: Literal["staging", "writing", "before_manifest", "after_manifest"] = Field(
+    save_crash_point: Literal["staging", "writing", "before_manifest", "while_committing",
+                              "after_manifest"] = Field(
         "writing", description="Where in the save: 'staging' (rank faults.crash_rank's copy of "
         "the state fails, no kill; background saves only), 'writing' (rank faults.crash_rank, "
         "shards in flight; background saves only), 'before_manifest' (rank 0, shards durable, "
-        "no manifest), 'after_manifest' (rank 0, committed, not yet in the ledger).")
+        "no manifest), 'while_committing' (rank faults.crash_rank, not 0, shards durable, "
+        "while rank 0 commits: a node lost at the commit), 'after_manifest' (rank 0, "
+        "committed, not yet in the ledger).")
 
 
 class ProfilingConfig(_Section):
@@ -1365,6 +1370,10 @@ class RunConfig(_Section):
         if self.faults.crash_rank >= self.parallelism.world_size:
             raise ValueError(f"faults.crash_rank={self.faults.crash_rank} is not a rank of "
                              f"world size {self.parallelism.world_size}")
+        if (self.faults.save_crash_at_step is not None and self.faults.crash_rank == 0
+                and self.faults.save_crash_point == "while_committing"):
+            raise ValueError("faults.save_crash_point=while_committing kills another rank while "
+                             "rank 0 commits: set faults.crash_rank to a rank other than 0")
         if self.model.init_from and self.tokenizer.path is None:
             # A checkpoint's embeddings mean the ids of its own tokenizer (tokenizer.json,
             # which save_pretrained of a tokenizer writes beside the model).

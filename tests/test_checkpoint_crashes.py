@@ -15,6 +15,7 @@ from storage.ledger import Ledger
 from storage.store import store_from_config
 from tests.helpers import losses_by_step, small_config, synthetic_dataset, torchrun_training
 from training.checkpoint.verify import verify_checkpoint
+from training.metrics import read_metrics
 
 STEPS = 20
 
@@ -74,6 +75,32 @@ def test_kill_during_a_background_save(baseline, tmp_path, point, resumed_from):
         f"step-{s:08d}" for s in (5, 10, 15, 20)]  # the debris was replaced by a real save
     assert all(verify_checkpoint(p)["ok"] for p in config.run_dir.committed_checkpoints())
     assert losses_by_step(config.run_dir) == clean
+
+
+@pytest.mark.chaos
+def test_a_rank_lost_while_rank_0_commits_keeps_the_record_of_the_committed_step(baseline, tmp_path):
+    """Rank 1 dies while rank 0 commits the synchronous save of step 10: the checkpoint is
+    committed and the next attempt resumes after step 10, so rank 0 must have written step
+    10's record before its next collective (which fails), or nobody ever would. A
+    checkpointed step is recorded whatever training.log_every says, for the same reason."""
+    root, dataset, clean = baseline
+    config = config_for(tmp_path, "lost-at-commit", "faults.save_crash_at_step=10",
+                        "faults.save_crash_point=while_committing", "faults.crash_rank=1",
+                        "training.log_every=4")
+    lines: list[str] = []
+    with pytest.raises(TrainingFailed) as failed:
+        attempt(config, dataset, "lost-1", lines)
+    assert failed.value.retry, "\n".join(lines[-40:])
+    assert config.run_dir.committed_checkpoints()[-1] == config.run_dir.checkpoint(10)
+    windows = [(r["step"], r["window_steps"]) for r in read_metrics(config.run_dir)]
+    assert windows == [(4, 4), (5, 1), (8, 3), (10, 2)], "\n".join(lines[-40:])
+
+    result = attempt(config, dataset, "lost-2", lines)
+    assert result.failure_class == "done"
+    assert "resuming from step-00000010" in "\n".join(lines)
+    losses = losses_by_step(config.run_dir)
+    assert sorted(losses) == [4, 5, 8, 10, 12, 15, 16, 20]
+    assert losses == {step: clean[step] for step in losses}
 
 
 @pytest.fixture

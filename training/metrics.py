@@ -52,9 +52,9 @@ class MetricsWriter:
 
 class StepMetrics:
     """What the loop reports after each step: a heartbeat every step, a metrics record every
-    `log_every` steps (and at the last). A record accounts for every step since the previous
-    one (`window_steps`, `window_time_s`, `checkpoint_s`, `data_wait_s`), so goodput counts
-    every step's time, not only the logged ones. `data_wait_s` is time inside the steps spent
+    `log_every` steps (and at the last, and at each checkpointed step). A record accounts for
+    every step since the previous one (`window_steps`, `window_time_s`, `checkpoint_s`,
+    `data_wait_s`), so goodput counts every step's time, not only the logged ones. `data_wait_s` is time inside the steps spent
     waiting for batches; `data_wait_share` its share of the window's step time."""
 
     def __init__(self, writer: MetricsWriter, *, attempt: str, max_steps: int, log_every: int,
@@ -71,9 +71,11 @@ class StepMetrics:
     def step(self, step: int, *, loss: float, lr: float, grad_norm: float, tokens_seen: int,
              step_time_s: float, checkpoint_s: float, save_in_flight: bool,
              data_wait_s: float = 0.0, validation: dict | None = None,
-             model_stats: dict | None = None) -> None:
+             checkpointed: bool = False, model_stats: dict | None = None) -> None:
         """`validation`: the in-loop held-out losses measured after this step (and
         `val_time_s`, outside the step's time); a step with them is always logged.
+        `checkpointed`: a checkpoint of this step was saved (or started); such a step is always
+        logged, as an attempt that resumes from it never logs the steps up to it.
         `model_stats`: the step's own figures of the model (a mixture of experts' loads) and
         of its data (a mix's samples drawn from each source)."""
         tokens_per_s = self.tokens_per_step / step_time_s
@@ -89,7 +91,7 @@ class StepMetrics:
                           "save_in_flight": save_in_flight,
                           # the workers this step ran on: an elastic job's shrinks and grows
                           "world_size": self.world_size, **(model_stats or {})}
-        if step % self.log_every == 0 or step == self.max_steps or validation:
+        if step % self.log_every == 0 or step == self.max_steps or validation or checkpointed:
             self._log(validation or {})
         self.writer.heartbeat(step=step, loss=loss, tokens_per_s=tokens_per_s,
                               step_time_s=step_time_s, data_wait_share=data_wait_s / step_time_s,

@@ -200,7 +200,7 @@ class FaultInjector:
     def in_save(self, point: str, step: int) -> None:
         """Checkpointer fault hook: kill this worker at `point` of the save of `step` (or,
         at "staging", fail its copy of the state)."""
-        rank = self.faults.crash_rank if point in ("staging", "writing") else 0
+        rank = self.faults.crash_rank if point in ("staging", "writing", "while_committing") else 0
         if point == self.faults.save_crash_point and self._fire_once(
                 f"save_crash_{point}", self.faults.save_crash_at_step, step, rank):
             if point == "staging":

@@ -185,11 +185,15 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
             progress.step += 1
             progress.tokens_seen += tokens_per_step
             step_time = time.perf_counter() - step_start - stall  # checkpoint stall kept out
+            # The held-out losses before the save: from rank 0's commit of a checkpoint to its
+            # record of the step, no collective runs (a node lost then must not take the record
+            # of a step the next attempt will not train again); checkpointer.settle() below.
+            validated = validation.maybe_run(progress.step)
             stall += checkpointer.maybe_save(loss, step_time)
             metrics.step(progress.step, loss=loss, lr=lr, grad_norm=grad_norm,
                          tokens_seen=progress.tokens_seen, step_time_s=step_time, checkpoint_s=stall,
                          data_wait_s=loader.take_wait_s(), save_in_flight=checkpointer.in_flight,
-                         validation=validation.maybe_run(progress.step),
+                         validation=validated, checkpointed=checkpointer.saved_step == progress.step,
                          model_stats={**moe_stats, **loader.mix_figures()})
             if loader.stage != stage:  # the next step draws by new weights
                 stage = loader.stage
@@ -198,6 +202,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
                 if env.is_main:
                     log.info("[data] mix stage %d from step %d on: weights %s", stage,
                              progress.step + 1, loader.stage_weights(stage))
+            checkpointer.settle()
             if resilience.after_step(progress.step, loss):
                 if env.is_main:
                     log.info("time limit: stopping after the checkpoint of step %d", progress.step)

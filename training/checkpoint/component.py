@@ -5,6 +5,7 @@
     checkpointer.load(start)          the model, optimizer, progress, data order and RNG saved there
     checkpointer.before_update()      before optimizer.step(): a background save has copied the weights
     checkpointer.maybe_save(loss)     after the step: save when the schedule says so
+    checkpointer.settle()             once the step is recorded: every rank waits for its commit
     checkpointer.emergency_save(loss) on preemption: save this step now, and wait for it
     checkpointer.close()              after the last step: the last save is committed, on every rank
 
@@ -88,7 +89,7 @@ class CheckpointSchedule:
 
 class Checkpointer:
     """See the module docstring. `fault_hook(point, step)` lets fault injection fail or kill a
-    save at "staging", "writing", "before_manifest" and "after_manifest"; `announce()` tells
+    save at each point of saving.Saver's (staging to after_manifest); `announce()` tells
     the supervisor a save (or a wait for one) is under way, which gives it a save's allowance
     before it counts as a hang, not a step's."""
 
@@ -182,6 +183,11 @@ class Checkpointer:
             log.info("%s", note)
         return blocked
 
+    def settle(self) -> None:
+        """Call once the step's record is written: the ranks wait for rank 0's commit of a
+        synchronous save here (Saver.settle)."""
+        self.saver.settle()
+
     def emergency_save(self, loss: float) -> None:
         """Preempted: save this step now (unless it is saved), within the launcher's grace
         period, at normal priority; wait until it is committed. Raises CheckpointFailed."""
@@ -189,6 +195,7 @@ class Checkpointer:
         if self.saved_step != self.progress.step:
             self._save(loss, urgent=True)
         self.saver.wait()
+        self.saver.settle()
         if self.saver.failures:
             raise CheckpointFailed("emergency save failed: " + "; ".join(self.saver.failures),
                                    self.saver.disk_full)

@@ -56,8 +56,8 @@ class Saver:
     further) is moved aside first.
 
     `fault_hook(point, step)` is called at "staging" (it may raise OSError to fail the copy),
-    "writing", "before_manifest" and "after_manifest" so chaos tests can fail or kill the
-    process at each point of a save.
+    "writing", "before_manifest", "while_committing" (on the other ranks) and "after_manifest"
+    so chaos tests can fail or kill the process at each point of a save.
     """
 
     def __init__(self, mode: str = "sync", fault_hook: Callable[[str, int], None] | None = None):
@@ -78,6 +78,7 @@ class Saver:
             atexit.register(kill_writer_processes)
         self._pending: threading.Thread | None = None
         self._staging: Future | None = None
+        self._unsettled = False  # a synchronous save's commit not yet waited for by every rank
         self.failures: list[str] = []
         self.disk_full = False
 
@@ -104,7 +105,7 @@ class Saver:
                 self._commit(path, manifest_fields)
             except Exception as e:  # rank 0 alone: reported, and the ranks agree on it next step
                 self._failed(path, e)
-            _barrier()
+            self._unsettled = True  # the other ranks wait for the commit in settle()
             return time.perf_counter() - started
         # Only what this rank writes is staged (a synchronous save stages nothing: DCP's own
         # dedup picks the writers there).
@@ -170,9 +171,10 @@ class Saver:
         log.error("save of %s failed, not committed: %s", path.name, self.failures[-1])
 
     def _commit(self, path: Path, manifest_fields: dict) -> None:
-        if self.rank != 0:
-            return
         step = manifest_fields["step"]
+        if self.rank != 0:
+            self.fault_hook("while_committing", step)
+            return
         self.fault_hook("before_manifest", step)
         files = list_files(path, exclude=(CHECKPOINT_MANIFEST, WRITTEN_DIGESTS),
                            known=written_digests(path))
@@ -194,8 +196,22 @@ class Saver:
             self._pending = None
         return True
 
+    def settle(self) -> None:
+        """After a synchronous save: every rank waits here until rank 0 committed it, so no
+        rank goes on (a fault, an exit) while the commit may still be lost.
+
+        Apart from `save` so that rank 0 records the step first (metrics.jsonl; the trainer
+        runs no collective between the save and this): a node lost once the checkpoint is
+        committed fails rank 0 in its next collective, and had that been here the step's record
+        would be lost with it, while the next attempt resumes after the step and never trains
+        it again."""
+        if self._unsettled:
+            self._unsettled = False
+            _barrier()
+
     def close(self) -> None:
         """Wait for the save in flight and release the staging buffers."""
+        self.settle()
         self.wait()
         if self.stager is not None:
             self.stager.close()
