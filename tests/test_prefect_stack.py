@@ -370,7 +370,7 @@ def test_workers_of_a_killed_flow_process_stop_and_the_next_flow_run_waits_for_t
     training beside them, then resumes from a checkpoint and finishes."""
     run_dir = workdir / "runs" / "orphans"
     config = form(workdir, "run.run_id=orphans", "training.max_steps=100000",
-                  "checkpoint.every_steps=40", "launch.orphan_timeout_s=10")
+                  "checkpoint.every_steps=40", "launch.orphan_timeout_s=10", "training.log_every=7")
     a = api.trigger("train/goodput-train", {"config": config})
     wait_for(lambda: trained_to(run_dir) >= 45, 600, "A training past a checkpoint", 0.5)
     b = api.trigger("train/goodput-train", {"config": config, "time_limit_s": 1})
@@ -398,6 +398,9 @@ def test_workers_of_a_killed_flow_process_stop_and_the_next_flow_run_waits_for_t
     [a_outcome] = [json.loads(p.read_text())
                    for p in run_dir.glob(f"attempts/attempt-{a_attempt}-*/outcome.json")]
     assert a_outcome["class"] == "orphaned" and a_outcome["step"] >= 45, a_outcome
+    # The steps since A's last record (training.log_every=7) are in its emergency checkpoint,
+    # which B resumed after: A logged them as it stopped, so the records tile the run.
+    assert a_steps[-1]["step"] == b_steps[0]["step"] - b_steps[0]["window_steps"], (a_steps[-1], b_steps[0])
     assert any("vanished without letting it go" in log["message"] for log in api.logs(b))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["goodput"]["attempts"].get("orphaned") == 1

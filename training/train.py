@@ -217,7 +217,10 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
         checkpointer.close()  # the last checkpoint is committed before the job reports success
     except BaseException as stop:  # the trackers still send or flush what they hold of the steps done
         with contextlib.suppress(Exception):  # never in place of the failure itself
-            if isinstance(stop, Preempted):  # its emergency checkpoint keeps the unlogged steps
+            # A checkpoint of this step (a preemption's or an orphan's emergency save, one
+            # whose settle another rank's loss failed) keeps the unlogged steps: the next
+            # attempt resumes after them, so this one logs them.
+            if checkpointer.saved_step == progress.step:
                 metrics.log_window()
             metrics.writer.close("KILLED" if isinstance(stop, (Preempted, KeyboardInterrupt))
                                  else "FAILED")
