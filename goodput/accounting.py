@@ -199,10 +199,14 @@ def checkpoint_interval_advice(run_dir, failures: int, wall_s: float,
     """Young/Daly: the interval that minimises expected lost time is sqrt(2 * C * MTBF),
     with C the measured checkpoint cost and MTBF configured or observed in this run."""
     records = read_metrics(run_dir)
-    saves = [r["checkpoint_s"] for r in records if r.get("checkpoint_s")]
-    if not saves or not records:
+    stalls = [r["checkpoint_s"] for r in records if r.get("checkpoint_s")]
+    if not stalls or not records:
         return None
-    cost = sum(saves) / len(saves)
+    # Per save: a background save stalls training in two records, its step's (the start) and
+    # the next one's (the wait for its copy of the weights). Older metrics (without
+    # "checkpointed") give the mean per record that holds a stall.
+    saves = sum(1 for r in records if r.get("checkpointed")) or len(stalls)
+    cost = sum(stalls) / saves
     times = [t for r in records for t in step_times(r).values()]
     step_time = sum(times) / len(times)
     if mtbf_hours:

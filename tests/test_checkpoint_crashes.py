@@ -78,7 +78,9 @@ def test_kill_during_a_background_save(baseline, tmp_path, point, resumed_from):
 
 
 @pytest.mark.chaos
-def test_a_rank_lost_while_rank_0_commits_keeps_the_record_of_the_committed_step(baseline, tmp_path):
+@pytest.mark.parametrize("interval", ["fixed", "auto"])  # auto: the ranks agree on the next one
+def test_a_rank_lost_while_rank_0_commits_keeps_the_record_of_the_committed_step(baseline, tmp_path,
+                                                                                interval):
     """Rank 1 dies while rank 0 commits the synchronous save of step 10: the checkpoint is
     committed and the next attempt resumes after step 10, so rank 0 must have written step
     10's record before its next collective (which fails), or nobody ever would. A
@@ -86,7 +88,7 @@ def test_a_rank_lost_while_rank_0_commits_keeps_the_record_of_the_committed_step
     root, dataset, clean = baseline
     config = config_for(tmp_path, "lost-at-commit", "faults.save_crash_at_step=10",
                         "faults.save_crash_point=while_committing", "faults.crash_rank=1",
-                        "training.log_every=4")
+                        "training.log_every=4", f"checkpoint.interval={interval}")
     lines: list[str] = []
     with pytest.raises(TrainingFailed) as failed:
         attempt(config, dataset, "lost-1", lines)

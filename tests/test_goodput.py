@@ -35,6 +35,24 @@ def test_every_step_counts_when_only_every_nth_is_logged(tmp_path):
     assert result["goodput"] == pytest.approx(15.0 / 30.0)
 
 
+def test_the_checkpoint_interval_advice_counts_a_background_saves_stall_once_per_save(tmp_path):
+    """A background save stalls training twice: at its step (starting it) and in the next
+    step's wait for its copy of the weights, logged in two records. The advice's cost is per
+    save (records marked checkpointed), not per record with a stall."""
+    from goodput.accounting import checkpoint_interval_advice
+
+    records = [{"step": s, "step_time_s": 1.0, "checkpointed": s in (5, 10),
+                "checkpoint_s": {5: 0.2, 6: 0.3, 10: 0.2, 11: 0.3}.get(s, 0.0)} for s in range(1, 13)]
+    write_metrics(tmp_path, records)
+    advice = checkpoint_interval_advice(tmp_path, failures=0, wall_s=12.0, mtbf_hours=1.0,
+                                        every_steps=5)
+    assert advice["checkpoint_cost_s"] == pytest.approx(0.5)
+    assert advice["optimal_interval_s"] == pytest.approx((2 * 0.5 * 3600) ** 0.5)
+    # Metrics from before the mark: the mean over the records that hold a stall.
+    write_metrics(tmp_path, [{k: v for k, v in r.items() if k != "checkpointed"} for r in records])
+    assert checkpoint_interval_advice(tmp_path, 0, 12.0, 1.0, 5)["checkpoint_cost_s"] == pytest.approx(0.25)
+
+
 def test_records_without_windows_count_one_step_each(tmp_path):
     """Metrics written with log_every=1 (or before windows were recorded)."""
     write_metrics(tmp_path, [{"step": s, "step_time_s": 0.5} for s in (1, 2, 3, 2, 3)])

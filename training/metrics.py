@@ -89,6 +89,7 @@ class StepMetrics:
                           # rank 0's background save was still writing or hashing when this
                           # step ended: the step shared the CPU with it (benchmarks/ measures it)
                           "save_in_flight": save_in_flight,
+                          "checkpointed": checkpointed,  # a save of this step began (its count)
                           # the workers this step ran on: an elastic job's shrinks and grows
                           "world_size": self.world_size, **(model_stats or {})}
         if step % self.log_every == 0 or step == self.max_steps or validation or checkpointed:
@@ -99,9 +100,9 @@ class StepMetrics:
                               attempt=self.attempt, phase="step")
 
     def log_window(self) -> None:
-        """Log the steps since the last record now: an attempt that stops before max_steps
-        (the time limit, a preemption) takes no later step whose record would stand for
-        them, and its last checkpoint keeps them (the next attempt does not train them again)."""
+        """Log the steps since the last record now: before an emergency save keeps them (the
+        attempt takes no later step whose record would stand for them, and the next attempt
+        does not train them again), and at a mix stage's last step."""
         if self.window_steps:
             self._log({})
 

@@ -114,7 +114,7 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
         # The supervisor passes the run's MTBF so far; a plain run has only the configured one.
         mtbf_s=float(os.environ.get(ENV_MTBF_S) or (config.faults.mtbf_hours or 0) * 3600),
         fault_hook=faults.in_save,
-        announce=lambda loss: metrics.saving(progress.step, loss))
+        announce=lambda loss: metrics.saving(progress.step, loss), record_steps=metrics.log_window)
     resumed_from = checkpointer.load(start)
     if resumed_from and env.is_main:
         log.info("resumed from %s at step %d", resumed_from, progress.step)
@@ -206,7 +206,6 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
             if resilience.after_step(progress.step, loss):
                 if env.is_main:
                     log.info("time limit: stopping after the checkpoint of step %d", progress.step)
-                metrics.log_window()  # the steps since the last record: no later step logs them
                 # Announced: the supervisor then allows a save's time (checkpoint_timeout_s),
                 # not a step's, for a background save still committing.
                 checkpointer.wait(loss)
@@ -216,12 +215,9 @@ def train(config: RunConfig, dataset_dir: Path, resume: ResumeSpec = ResumeSpec.
             profiler.stop()  # a profile the run's end cut short is saved
         checkpointer.close()  # the last checkpoint is committed before the job reports success
     except BaseException as stop:  # the trackers still send or flush what they hold of the steps done
+        # (Every step a checkpoint keeps is recorded by now: a checkpointed step at once, the
+        # steps an emergency save keeps before it commits them.)
         with contextlib.suppress(Exception):  # never in place of the failure itself
-            # A checkpoint of this step (a preemption's or an orphan's emergency save, one
-            # whose settle another rank's loss failed) keeps the unlogged steps: the next
-            # attempt resumes after them, so this one logs them.
-            if checkpointer.saved_step == progress.step:
-                metrics.log_window()
             metrics.writer.close("KILLED" if isinstance(stop, (Preempted, KeyboardInterrupt))
                                  else "FAILED")
         raise

@@ -96,15 +96,18 @@ class Checkpointer:
     def __init__(self, config: RunConfig, model_parts: list, optimizers: list, progress: Progress,
                  loader, manifest_fields: dict, *, mtbf_s: float = 0.0,
                  fault_hook: Callable[[str, int], None] | None = None,
-                 announce: Callable[[float], None] = lambda loss: None):
+                 announce: Callable[[float], None] = lambda loss: None,
+                 record_steps: Callable[[], None] = lambda: None):
         self.config, self.run_dir = config, config.run_dir
         self.model_parts, self.optimizers = model_parts, optimizers
         self.progress, self.loader = progress, loader
         self.manifest_fields = manifest_fields  # what every save's manifest records besides progress
         self.announce = announce
+        self.record_steps = record_steps  # the metrics record of the steps since the last one
         self.saver = Saver(config.checkpoint.async_mode, fault_hook=fault_hook)
         self.schedule = CheckpointSchedule(config, mtbf_s)
         self.saved_step = 0
+        self._replan_cost: float | None = None  # the blocking cost of the save settle() re-plans from
         self.save_next = False  # save the next step whatever the schedule (the time limit's)
 
     # -- resume ---------------------------------------------------------------------------
@@ -178,20 +181,28 @@ class Checkpointer:
             return 0.0
         self.save_next = False
         blocked = self._save(loss)
-        note = self.schedule.saved(step, blocked)
-        if note and self.saver.rank == 0:
-            log.info("%s", note)
+        self._replan_cost = blocked
         return blocked
 
     def settle(self) -> None:
         """Call once the step's record is written: the ranks wait for rank 0's commit of a
-        synchronous save here (Saver.settle)."""
+        synchronous save here (Saver.settle), then agree on the next interval (interval: auto,
+        a collective). No collective runs between a commit and the record of its step."""
         self.saver.settle()
+        if self._replan_cost is not None:
+            note = self.schedule.saved(self.progress.step, self._replan_cost)
+            self._replan_cost = None
+            if note and self.saver.rank == 0:
+                log.info("%s", note)
 
     def emergency_save(self, loss: float) -> None:
         """Preempted: save this step now (unless it is saved), within the launcher's grace
         period, at normal priority; wait until it is committed. Raises CheckpointFailed."""
         self.announce(loss)
+        # Recorded before the save commits them: the next attempt resumes after these steps,
+        # and a rank lost at the commit fails this one in the barrier after it (under NCCL
+        # it never returns from there).
+        self.record_steps()
         if self.saved_step != self.progress.step:
             self._save(loss, urgent=True)
         self.saver.wait()
