@@ -54,8 +54,9 @@ class StepMetrics:
     """What the loop reports after each step: a heartbeat every step, a metrics record every
     `log_every` steps (and at the last, and at each checkpointed step). A record accounts for
     every step since the previous one (`window_steps`, `window_time_s`, `checkpoint_s`,
-    `data_wait_s`), so goodput counts every step's time, not only the logged ones. `data_wait_s` is time inside the steps spent
-    waiting for batches; `data_wait_share` its share of the window's step time."""
+    `data_wait_s`), so goodput counts every step's time, not only the logged ones.
+    `data_wait_s` is time inside the steps spent waiting for batches; `data_wait_share` its
+    share of the window's step time."""
 
     def __init__(self, writer: MetricsWriter, *, attempt: str, max_steps: int, log_every: int,
                  tokens_per_step: int, flops_per_token: float, world_size: int,
