@@ -1033,7 +1033,8 @@ class FaultsConfig(_Section):
     hang_at_step: int | None = Field(
         None, ge=1, description="Inject: freeze a worker (SIGSTOP, rank faults.crash_rank) at this step.")
     sigterm_at_step: int | None = Field(
-        None, ge=1, description="Inject: SIGTERM every worker (a preemption) at this step.")
+        None, ge=1, description="Inject: SIGTERM every worker (a preemption) at this step; the "
+        "emergency checkpoint is this step's (with faults.save_crash_at_step, a crash in it).")
     save_crash_at_step: int | None = Field(
         None, ge=1, description="Inject: kill a worker (SIGKILL) while the checkpoint of this "
         "step is being saved, at faults.save_crash_point.")

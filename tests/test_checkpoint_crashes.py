@@ -105,6 +105,34 @@ def test_a_rank_lost_while_rank_0_commits_keeps_the_record_of_the_committed_step
     assert losses == {step: clean[step] for step in losses}
 
 
+@pytest.mark.chaos
+def test_a_rank_lost_while_the_emergency_save_commits_keeps_its_steps(baseline, tmp_path):
+    """Preempted at step 13: while rank 0 commits the emergency checkpoint, rank 1 dies (a
+    node lost as the job is stopped). The checkpoint is committed and the next attempt resumes
+    after step 13, so steps 11-13 must be on record before that commit: rank 0 fails in the
+    barrier after it and records nothing more."""
+    root, dataset, clean = baseline
+    config = config_for(tmp_path, "lost-at-emergency-commit", "faults.sigterm_at_step=13",
+                        "faults.save_crash_at_step=13", "faults.save_crash_point=while_committing",
+                        "faults.crash_rank=1", "training.log_every=4")
+    lines: list[str] = []
+    with pytest.raises(TrainingFailed) as failed:
+        attempt(config, dataset, "lost-1", lines)
+    assert failed.value.retry, "\n".join(lines[-40:])
+    assert [p.name for p in config.run_dir.committed_checkpoints()] == [
+        "step-00000005", "step-00000010", "step-00000013"], "\n".join(lines[-40:])
+    windows = [(r["step"], r["window_steps"]) for r in read_metrics(config.run_dir)]
+    assert windows == [(4, 4), (5, 1), (8, 3), (10, 2), (12, 2), (13, 1)], "\n".join(lines[-40:])
+
+    result = attempt(config, dataset, "lost-2", lines)
+    assert result.failure_class == "done"
+    assert "resuming from step-00000013" in "\n".join(lines)
+    assert [o["resumed_from"] for o in read_outcomes(config)] == [0, 13]
+    losses = losses_by_step(config.run_dir)
+    assert sorted(losses) == [4, 5, 8, 10, 12, 13, 15, 16, 20]
+    assert losses == {step: clean[step] for step in losses}
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A tmpfs mount point the test sizes itself (needs root, as in CI)."""

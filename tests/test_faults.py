@@ -361,9 +361,10 @@ def test_preemption_saves_and_resumes_to_the_same_losses(workdir, clean):
     assert train(config)["final_step"] == STEPS
     outcomes = read_outcomes(config)
     assert [o["class"] for o in outcomes] == ["retryable", "done"]
-    # The signal lands during step 13 or 14; the ranks agree on it at a step boundary.
+    # The signal lands during step 13 (the injection waits until torchrun passed it on); the
+    # ranks agree on it at that step's end.
     saved_at = outcomes[0]["step"]
-    assert saved_at in (13, 14) and saved_at % 10  # not a regular checkpoint step
+    assert saved_at == 13  # not a regular checkpoint step
     assert f"emergency checkpoint at step {saved_at}" in outcomes[0]["reason"]
     assert outcomes[1]["resumed_from"] == saved_at  # the emergency checkpoint, validated
     assert losses_by_step(config.run_dir) == clean

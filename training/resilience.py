@@ -33,6 +33,9 @@ from training.logs import get_logger
 
 log = get_logger("faults")
 
+# faults.sigterm_at_step: how long rank 0 waits for torchrun to pass the injected signal on.
+PASSED_ON_WITHIN_S = 10.0
+
 
 class RollbackRequested(Exception):
     """A bad step (non-finite or spiking loss): resume from before it and skip its data."""
@@ -127,7 +130,7 @@ class Resilience:
         training stops after it, as Megatron's --exit-duration-in-mins does: a scheduled run
         ends about a step and a save past its budget, not up to a checkpoint interval past
         it (the next tick, cancelled while it still trained, waited a whole period)."""
-        self.faults.after_step(step)
+        self.faults.after_step(step, self.preemption)
         # Every rank saves the same steps; one rank's clock past the deadline is enough.
         past_deadline = self.stop_after is not None and time.time() >= self.stop_after
         orphaned = self.lease.orphaned() if self.lease is not None else ""
@@ -210,7 +213,7 @@ class FaultInjector:
             log.info("killing rank %d during the save of step %d (%s)", self.rank, step, point)
             self._kill_self(f"save_crash_at_step={step} (save_crash_point={point})", step)
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int, preemption: PreemptionFlag) -> None:
         if self._fire_once("crash_at_step", self.faults.crash_at_step, step, self.faults.crash_rank):
             log.info("killing rank %d (pid %d) at step %d", self.rank, os.getpid(), step)
             self._kill_self(f"crash_at_step={step}", step)
@@ -223,6 +226,16 @@ class FaultInjector:
             target = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid()
             log.info("SIGTERM to pid %d at step %d", target, step)
             os.kill(target, signal.SIGTERM)
+            # Waited for here, so that the ranks learn of it in this step's vote: the emergency
+            # checkpoint is this step's, not the next one's when torchrun passes the signal on
+            # slowly (a fault that fires during that save, save_crash_at_step, needs its step).
+            deadline = time.monotonic() + PASSED_ON_WITHIN_S
+            while not preemption.received and time.monotonic() < deadline:
+                time.sleep(0.01)
+            if not preemption.received:
+                log.warning("the injected SIGTERM has not reached rank %d %.0f s after it was "
+                            "sent: the ranks learn of it at a later step", self.rank,
+                            PASSED_ON_WITHIN_S)
 
 
 class _NoFaults:
@@ -234,7 +247,7 @@ class _NoFaults:
     def in_save(self, point: str, step: int) -> None:
         pass
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int, preemption: PreemptionFlag) -> None:
         pass
 
 
