@@ -106,15 +106,18 @@ def test_a_rank_lost_while_rank_0_commits_keeps_the_record_of_the_committed_step
 
 
 @pytest.mark.chaos
-def test_a_rank_lost_while_the_emergency_save_commits_keeps_its_steps(baseline, tmp_path):
+@pytest.mark.parametrize("mode", ["sync",  # CI: the barrier after the commit is where it fails
+                                  pytest.param("thread", marks=pytest.mark.slow)])
+def test_a_rank_lost_while_the_emergency_save_commits_keeps_its_steps(baseline, tmp_path, mode):
     """Preempted at step 13: while rank 0 commits the emergency checkpoint, rank 1 dies (a
     node lost as the job is stopped). The checkpoint is committed and the next attempt resumes
-    after step 13, so steps 11-13 must be on record before that commit: rank 0 fails in the
-    barrier after it and records nothing more."""
+    after step 13, so steps 11-13 must be on record before that commit: with synchronous
+    saves rank 0 fails in the barrier after it and records nothing more."""
     root, dataset, clean = baseline
     config = config_for(tmp_path, "lost-at-emergency-commit", "faults.sigterm_at_step=13",
                         "faults.save_crash_at_step=13", "faults.save_crash_point=while_committing",
-                        "faults.crash_rank=1", "training.log_every=4")
+                        "faults.crash_rank=1", "training.log_every=4",
+                        f"checkpoint.async_mode={mode}")
     lines: list[str] = []
     with pytest.raises(TrainingFailed) as failed:
         attempt(config, dataset, "lost-1", lines)
