@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -627,8 +628,11 @@ def test_a_failing_scheduler_query_is_retried_at_the_next_poll(tmp_path, fakes, 
     lines: list[str] = []
     result = attempt(config, lines=lines)
     assert result.failure_class == "done" and result.exit_code == 0
-    assert any("scheduler query failed (0s so far" in line and "Socket timed out" in line
-               for line in lines)
+    # Counted from the failed query's start: the fake squeue's own run (a Python start, over
+    # 0.5 s on a loaded machine) may round it up to a second, never more than a few.
+    failed = [int(m.group(1)) for line in lines if "Socket timed out" in line
+              for m in [re.search(r"scheduler query failed \((\d+)s so far", line)] if m]
+    assert failed and max(failed) <= 5, lines[-20:]
 
 
 # -- kubernetes --------------------------------------------------------------------------------------
