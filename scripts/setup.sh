@@ -25,15 +25,12 @@ if [ "${GOODPUT_REINSTALL:-0}" = 1 ] || [ "$(cat "$installed_from" 2>/dev/null)"
   pip install -q -e ".[test]"
   echo "$wanted_install" > "$installed_from"
 fi
-# Goodput's own modules byte-compiled here, as pip compiles everything it installs: where
+# Goodput's own modules byte-compiled, as pip compiles what it installs: where
 # PYTHONDONTWRITEBYTECODE is set (these machines, many containers) every process compiled
-# them again at import, 0.2 s of each torchrun worker and 0.4 s of each command. Checked by
-# the source's hash, not its time and size: a file saved while it was being compiled, or
-# edited within the same second to the same size, is compiled at import as before, never
-# served stale. (The package list is pyproject.toml's packages.find.)
-# Only a speed-up: a module with a syntax error, or a checkout this user cannot write to,
-# still gets its error where it is imported. Skipped (0.4 s) when no module changed since.
-packages=(core goodput flows tasks training storage infra)
+# them at import, 0.2 s of each torchrun worker and 0.4 s of each command. Checked by the
+# source's hash, so an edit made during or after the compile is never served stale. Only a
+# speed-up: it never fails the setup (a module's syntax error shows where it is imported).
+packages=(core goodput flows tasks training storage infra)  # pyproject.toml's packages.find
 compiled_at=.venv/.goodput-compiled
 if [ ! -e "$compiled_at" ] || [ -n "$(find "${packages[@]}" -name '*.py' -newer "$compiled_at" -print -quit)" ]; then
   touch "$compiled_at"  # first: a module saved during the compile is compiled again next time
