@@ -6,6 +6,7 @@ import gc
 import logging
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -280,16 +281,29 @@ def test_a_dataset_in_the_store_is_found_there_and_never_downloaded(tmp_path, ca
     assert prep.dataset_for_training(local, store).parent.name == "cache"  # training streams it
 
 
-def test_training_is_told_whether_a_dataset_was_never_prepared_or_is_damaged(tmp_path):
+def test_training_is_told_whether_a_dataset_was_never_prepared_or_is_damaged(tmp_path, monkeypatch):
     """What train and evaluate ask (require_prepared): a missing dataset and a damaged one
-    (with no store copy to restore) are configuration errors that say which, never retried."""
+    (with no store copy to restore) are configuration errors that say which, never retried.
+    A missing one names where it was looked for; with relative paths (a run's config.yaml
+    given from another directory), that they start where the command runs."""
     from core.config import ConfigError
     from storage.store import store_from_config
 
     config = make_config(tmp_path)
     plan, store = prep.plan_dataset(config), store_from_config(config.storage)
-    with pytest.raises(ConfigError, match="is not prepared; run `goodput prepare`"):
+    with pytest.raises(ConfigError, match=re.escape(
+            f"is not prepared (not in {plan.dir}, nor in the store at "
+            f"{store.url(plan.store_prefix)}); run `goodput prepare` (or the pipeline) first")
+            + "$"):
         prep.require_prepared(plan, store)
+    monkeypatch.chdir(tmp_path)
+    relative = make_config(Path("elsewhere"))
+    with pytest.raises(ConfigError, match=re.escape(
+            f"not in {tmp_path / 'elsewhere' / 'data' / plan.dataset_id}, nor in the store at "
+            f"file://{tmp_path / 'elsewhere' / 'store'}/datasets/{plan.dataset_id}); run "
+            "`goodput prepare` (or the pipeline) first, or run the command where the config's "
+            "relative paths start")):
+        prep.require_prepared(prep.plan_dataset(relative), store_from_config(relative.storage))
     manifest = prep.prepare_dataset(config)
     assert prep.require_prepared(plan, store) == manifest
     shutil.rmtree(config.storage.uri)  # no copy in the store to restore from

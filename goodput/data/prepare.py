@@ -461,10 +461,16 @@ def require_prepared(plan: DatasetPlan, store: Store) -> DatasetManifest:
     had_manifest = (plan.dir / DATASET_MANIFEST).is_file()
     manifest = find_prepared(plan, store)
     if manifest is None:
+        # Where it was looked for, resolved: a relative data.data_dir or storage.uri is read
+        # from the directory the command runs in, and a run's config.yaml given from another
+        # directory looks there.
         state = ("is damaged: its files no longer match its manifest (the log names them)"
-                 if had_manifest else "is not prepared")
+                 if had_manifest else f"is not prepared (not in {plan.dir.resolve()}, nor in "
+                                      f"the store at {store.url(plan.store_prefix)})")
+        elsewhere = ("" if had_manifest or plan.dir.is_absolute() else
+                     ", or run the command where the config's relative paths start")
         raise ConfigError(f"dataset {plan.dataset_id} of this config {state}; run `goodput "
-                          "prepare` (or the pipeline) first")
+                          f"prepare` (or the pipeline) first{elsewhere}")
     return manifest
 
 
