@@ -14,6 +14,7 @@ from core.config import RunConfig
 from flows.evaluate import evaluate
 from flows.prepare import prepare
 from flows.train import train
+from goodput.evaluation import evaluation_follows
 from goodput.runs import check_run_config
 from tasks.control import cancelled_on_ctrl_c, resolve_config
 from tasks.credentials import load_credentials, uses_blocks
@@ -52,7 +53,8 @@ def pipeline(config: RunConfig = RunConfig(), config_file: str | None = None,
         eval_tasks.result()
     try:
         dataset = prepare(config)
-        trained = train(config, worker_logs=worker_logs)
+        with evaluation_follows():  # the evaluation's process starts as training finishes
+            trained = train(config, worker_logs=worker_logs)
         report = evaluate(config)
     except (CancelledRun, Abort) as e:
         # This run or a stage cancelled (a task the server refused in a run being cancelled:

@@ -16,7 +16,7 @@ from pydantic import Field
 from core.config import RunConfig
 from goodput.checkpoint_lifecycle import (new_checkpoints, secure_checkpoint, secured_text,
                                           unsecured_steps)
-from goodput.evaluation import evaluation_due
+from goodput.evaluation import evaluation_due, is_evaluation_following, start_evaluation_process
 from goodput.runs import check_run_config, unfinished_training_counted, warn_of_checkpoints_elsewhere
 from infra.torchrun import LeaseWaitGivenUp
 from storage.store import store_from_config
@@ -162,6 +162,12 @@ def _train(config: RunConfig, dataset_dir, published, time_limit_s: float | None
                 # on the evaluations' thread.
                 evaluations.append(evaluating.submit(apply_retention, {"config": config},
                                                      wait_for=[evaluated]))
+        if is_evaluation_following() and _completed(training):
+            # Training has finished. The pipeline's evaluation comes next: its process
+            # imports while the last checkpoints are secured and the report is made, on the
+            # cores training no longer uses. (Started at the last step's commit instead, it
+            # slowed that step's validation, which the flow waits for, by as much as it gained.)
+            start_evaluation_process()
         settle(secured + evaluations + [published])  # a failed evaluation shows in its task run, not as training's
         if cancelled.is_set():  # no task runs in a flow run being cancelled
             _secure_without_tasks(config, logger)
@@ -176,6 +182,16 @@ def _train(config: RunConfig, dataset_dir, published, time_limit_s: float | None
         for future in secured:
             future.result()
     return record_training(config, outcome, started + lease.waited_s)
+
+
+def _completed(future) -> bool:
+    """Whether the task run of a future that is done ended Completed, by the future's own
+    final state (the API's may not have it yet)."""
+    try:
+        future.wait(timeout=0)
+    except Exception:  # noqa: BLE001 - raised again where its result is asked for
+        return False
+    return future.state.is_completed()
 
 
 def _secure_without_tasks(config: RunConfig, logger) -> None:

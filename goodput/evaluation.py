@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
 import io
+import json
 import logging
 import os
 import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 from core.config import RunConfig, dump_config, runs_own_eval_settings
@@ -45,6 +49,82 @@ def stop_background_evaluations() -> int:
 
 class EvaluationStopped(RuntimeError):
     """An evaluation beside training ended because the training was stopped."""
+
+
+# -- the evaluation process, started before its checkpoint is known -------------------------
+#
+# A new evaluation process spends about 2.5 s of a core importing torch and the model's modules
+# before it reads a checkpoint: most of a small model's evaluation. Where one is known to
+# follow (the pipeline, once training has finished), the process is started then and imports
+# while the train flow writes its report; `evaluate` hands it its arguments (`python -m
+# training.evaluate --when-told`).
+
+_evaluation_follows: ContextVar[bool] = ContextVar("evaluation_follows", default=False)
+_started_lock = threading.Lock()
+_started: tuple[subprocess.Popen, dict[str, str]] | None = None  # the process, its environment
+
+
+@contextmanager
+def evaluation_follows():
+    """Within it, a train flow that finishes starts the evaluation's process
+    (start_evaluation_process): the pipeline evaluates next."""
+    token = _evaluation_follows.set(True)
+    try:
+        yield
+    finally:
+        _evaluation_follows.reset(token)
+
+
+def is_evaluation_following() -> bool:
+    return _evaluation_follows.get()
+
+
+def start_evaluation_process() -> None:
+    """Start the process that this process's next evaluation (not one beside training) runs
+    in, so that it imports now. Unused, it is stopped when this process exits, or exits by
+    itself once its input closes."""
+    global _started
+    with _started_lock:
+        if _started is not None and _started[0].poll() is None:
+            return
+        process = subprocess.Popen([sys.executable, "-m", "training.evaluate", "--when-told"],
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True)
+        _started = (process, dict(os.environ))
+
+
+def _started_evaluation(argv: list[str]) -> subprocess.Popen | None:
+    """The started process, told to run `argv` (past its interpreter, `-m` and module), if it
+    is still waiting and was started in this environment (torch read it at its import); else
+    None, and one started in another environment is stopped."""
+    global _started
+    with _started_lock:
+        started, _started = _started, None
+    if started is None:
+        return None
+    process, environment = started
+    request = json.dumps({"cwd": os.getcwd(), "argv": argv[3:]}) + "\n"
+    if process.poll() is None and environment == dict(os.environ):
+        try:
+            process.stdin.write(request)
+            process.stdin.flush()
+            return process
+        except (BrokenPipeError, ValueError):  # it ended meanwhile: a new one is started
+            pass
+    _stop_started(process)
+    return None
+
+
+def _stop_started(process: subprocess.Popen) -> None:
+    process.kill()
+    process.communicate()
+
+
+@atexit.register
+def _stop_unused_evaluation() -> None:
+    with _started_lock:
+        if _started is not None:
+            _stop_started(_started[0])
 
 
 def check_tasks(config: RunConfig) -> dict[str, str]:
@@ -285,8 +365,11 @@ def evaluate(config: RunConfig, checkpoint: Path, dataset_dir: Path, background:
         # (core.cpu_priority); it dies with this process, as no Ctrl-C to the terminal's
         # process group reaches it there.
         env = {**os.environ, PARENT_PID: str(os.getpid())} if background else None
-        with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              start_new_session=background, env=env) as proc:
+        started = None if background else _started_evaluation(argv)
+        if started is not None:
+            log.debug(f"step {step_of(checkpoint)}: evaluated in the process started before")
+        with started or subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         text=True, start_new_session=background, env=env) as proc:
             if background:
                 lower_session_priority(proc.pid)
                 with _background_lock:

@@ -642,6 +642,48 @@ def test_a_machine_without_the_copy_evaluates_the_stores_weights_alone(run, tmp_
     assert not new_machine.run_dir.eval_report(10).exists()
 
 
+def test_an_evaluation_runs_in_the_process_started_before_its_checkpoint_was_known(
+        run, tmp_path, monkeypatch):
+    """The pipeline starts its evaluation's process as training ends, to import while the
+    train flow finishes: the evaluation then runs there and scores as a new process does.
+    One started in another environment than the evaluation's (torch read it at its import)
+    is stopped, not used; one never used exits once its input closes."""
+    from goodput import evaluation
+
+    config, synthetic = run
+    dataset = with_a_tokenizer(synthetic, tmp_path / "dataset")
+    new_processes = []
+    popen = subprocess.Popen
+
+    def counted(*args, **kwargs):
+        new_processes.append(args[0])
+        return popen(*args, **kwargs)
+
+    evaluation.start_evaluation_process()
+    started, _ = evaluation._started
+    monkeypatch.setattr(evaluation.subprocess, "Popen", counted)
+    monkeypatch.chdir(tmp_path)  # its requests carry the caller's working directory
+    told = evaluation.evaluate(config, config.run_dir.checkpoint(20), dataset)
+    assert new_processes == [] and started.returncode == 0 and evaluation._started is None
+    config.run_dir.eval_report(20).unlink()
+    anew = evaluation.evaluate(config, config.run_dir.checkpoint(20), dataset)
+    assert len(new_processes) == 1 and "--when-told" not in new_processes[0]
+    assert (told.loss, told.bits_per_byte, [s.completion for s in told.samples]) == \
+        (anew.loss, anew.bits_per_byte, [s.completion for s in anew.samples])
+
+    monkeypatch.setattr(evaluation.subprocess, "Popen", popen)
+    evaluation.start_evaluation_process()
+    started, _ = evaluation._started
+    monkeypatch.setattr(evaluation.subprocess, "Popen", counted)
+    monkeypatch.setenv("GOODPUT_SET_AFTER_IT_STARTED", "1")
+    evaluation.evaluate(config, config.run_dir.checkpoint(10), dataset)
+    assert len(new_processes) == 2 and started.returncode == -signal.SIGKILL
+
+    unused = subprocess.run([sys.executable, "-m", "training.evaluate", "--when-told"], input="",
+                            capture_output=True, text=True, timeout=120)
+    assert (unused.returncode, unused.stdout, unused.stderr) == (0, "", "")
+
+
 def test_fetched_weights_are_kept_for_the_newest_steps_only(run):
     """A machine that only evaluates keeps the files fetched for the newest keep_local steps;
     once a newer checkpoint is on local disk, none older is kept. Files being read (a

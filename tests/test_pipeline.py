@@ -18,6 +18,7 @@ from core.config import dump_config
 from flows.local_api import HEARTBEAT_EVENT
 from flows.pipeline import pipeline
 from flows.train import train
+from goodput import evaluation
 from goodput.checkpoint_lifecycle import ledger_of
 from storage import open_store
 from storage.ledger import Ledger
@@ -43,8 +44,17 @@ def workdir(tmp_path_factory):
 def finished(prefect_api, workdir):
     """One uninterrupted pipeline run of the small config (shared by the tests below)."""
     config = small_config(workdir, "run.run_id=clean", "checkpoint.validate_batches=2")
-    result = pipeline(config)
+    with pytest.MonkeyPatch.context() as patch:
+        told = evaluation._started_evaluation
+        patch.setattr(evaluation, "_started_evaluation",
+                      lambda argv: EVALUATION_PROCESSES.append(told(argv)) or EVALUATION_PROCESSES[-1])
+        result = pipeline(config)
     return config, result
+
+
+# What the pipeline's evaluation ran in: the process its train flow started as training
+# ended, or None (a new one).
+EVALUATION_PROCESSES: list = []
 
 
 def test_pipeline_completes_and_learns(finished):
@@ -90,6 +100,11 @@ def test_pipeline_completes_and_learns(finished):
 
 
 @pytest.mark.slow  # CI keeps a crash's retry in the UI run and the fault tests
+def test_the_pipeline_evaluates_in_the_process_started_as_training_ended(finished):
+    """Its imports (torch, the model's) overlap the end of the train flow."""
+    assert [process is not None and process.returncode for process in EVALUATION_PROCESSES] == [0]
+
+
 def test_crash_resumes_to_the_same_losses(finished, workdir):
     clean_config, _ = finished
     config = small_config(workdir, "run.run_id=crashy", "faults.crash_at_step=15",
