@@ -576,3 +576,20 @@ class LeaseWatch:
             return (f"no word from the supervisor for {now - self.renewed_at:.0f}s "
                     "(launch.orphan_timeout_s): it is gone")
         return ""
+
+
+# -- a request to a process that imported first and serves when asked -----------------------
+# (the verifier's `--serve`, goodput.verifier_pool; the evaluation's `--when-told`,
+# goodput.evaluation): one JSON line, the options its main() parses and the directory its
+# relative paths mean something in.
+
+def request_line(argv: list[str]) -> str:
+    """The request for `argv`, made in this process's working directory."""
+    return json.dumps({"cwd": os.getcwd(), "argv": argv}) + "\n"
+
+
+def take_request(line: str) -> list[str]:
+    """The options of a request_line, once in the working directory it was made in."""
+    request = json.loads(line)
+    os.chdir(request["cwd"])
+    return request["argv"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import io
-import json
 import logging
 import os
 import subprocess
@@ -21,7 +20,7 @@ from core.errors import ConfigError
 from core.files import sha256_bytes, write_atomic
 from core.process_exit import PARENT_PID
 from core.uris import local_path_of
-from core.protocol import copy_id, is_committed, step_of
+from core.protocol import copy_id, is_committed, request_line, step_of
 from goodput.checkpoint_lifecycle import ledger_of, prune_fetched, restore_ledger
 from goodput.accounting import summarize_goodput
 from goodput.runs import check_run_config, update_summary
@@ -103,7 +102,7 @@ def _started_evaluation(argv: list[str]) -> subprocess.Popen | None:
     if started is None:
         return None
     process, environment = started
-    request = json.dumps({"cwd": os.getcwd(), "argv": argv[3:]}) + "\n"
+    request = request_line(argv[3:])
     if process.poll() is None and environment == dict(os.environ):
         try:
             process.stdin.write(request)

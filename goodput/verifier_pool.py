@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from core.cpu_priority import lower_session_priority
+from core.protocol import request_line
 
 # Hand a request only to a verifier idle for less than this: it exits by itself at 300 s
 # (IDLE_EXIT_S), and one asked as it leaves would look crashed.
@@ -60,7 +61,7 @@ class _Verifier:
     def judge(self, argv: list[str], timeout_s: float) -> dict | None:
         """The verdict line's dict, or None if the process ended first; TimeoutError past
         `timeout_s`."""
-        request = (json.dumps({"cwd": os.getcwd(), "argv": argv}) + "\n").encode()
+        request = request_line(argv).encode()
         try:
             while request:  # an unbuffered pipe may take part of it at a time
                 request = request[os.write(self.process.stdin.fileno(), request):]

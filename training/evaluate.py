@@ -13,9 +13,7 @@ does); the optimizer's are not.
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -35,7 +33,7 @@ from tokenizers import Tokenizer
 from core.errors import ConfigError
 from core.cpu_priority import lower_thread_priority
 from core.files import write_atomic
-from core.protocol import copy_id
+from core.protocol import copy_id, take_request
 from storage.manifests import EvalReport, EvalSample
 from training.checkpoint.errors import CheckpointCorrupt
 from training.checkpoint.reader import load_model
@@ -265,10 +263,9 @@ def main_when_told() -> int:
     line = sys.stdin.readline()
     if not line.strip():
         return 0
-    request = json.loads(line)
-    os.chdir(request["cwd"])
-    sys.argv[1:] = request["argv"]
-    return main(request["argv"])
+    argv = take_request(line)
+    sys.argv[1:] = argv
+    return main(argv)
 
 
 if __name__ == "__main__":

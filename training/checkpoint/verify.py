@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import select
 import sys
 import warnings
@@ -43,7 +42,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from core.cpu_priority import lower_thread_priority
 from core.process_exit import exit_without_teardown
-from core.protocol import CHECKPOINT_MANIFEST, is_committed, step_of
+from core.protocol import CHECKPOINT_MANIFEST, is_committed, step_of, take_request
 from storage.manifests import CheckpointManifest, verify_files
 from training.checkpoint.reader import load_all_tensors, model_state_from
 
@@ -212,9 +211,7 @@ def serve(parser: argparse.ArgumentParser) -> int:
         line = sys.stdin.readline()
         if not line:
             break
-        request = json.loads(line)
-        os.chdir(request["cwd"])  # relative paths mean what they meant to the one asking
-        args = parser.parse_args(request["argv"])
+        args = parser.parse_args(take_request(line))  # relative paths as the one asking meant them
         if args.path is None:
             parser.error("a request names a checkpoint directory")
         print(json.dumps(_verdict(args)), flush=True)
