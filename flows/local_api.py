@@ -78,9 +78,35 @@ def _import_flows() -> None:
         pass
 
 
+def lasting_ui() -> tuple[str, str]:
+    """Where the flow runs a temporary server records can be seen once the command has ended:
+    the UI of `prefect server start` (its host and port from Prefect's settings, or the user's
+    own PREFECT_UI_URL), and the database both use (PREFECT_HOME's SQLite file, or
+    PREFECT_API_DATABASE_CONNECTION_URL's)."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if "ui_url" in settings.model_fields_set:  # set by the user, not derived from the API's
+        ui_url = settings.ui_url
+    else:
+        host = settings.server.api.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        host = f"[{host}]" if ":" in host else host
+        ui_url = f"http://{host}:{settings.server.api.port}"
+    connection_url = settings.server.database.connection_url
+    connection_url = connection_url.get_secret_value() if connection_url else ""
+    if connection_url.startswith("sqlite") and ":///" in connection_url:
+        database = connection_url.split(":///", 1)[1]
+    elif connection_url:
+        database = "the database of PREFECT_API_DATABASE_CONNECTION_URL"
+    else:
+        database = str(settings.home / "prefect.db")
+    return ui_url, database
+
+
 # The settings a command's clients of its temporary server get (in-process and in the
 # environment of its child processes), restored after.
-CLIENT_SETTINGS = ("PREFECT_API_URL", "PREFECT_CLIENT_CSRF_SUPPORT_ENABLED")
+CLIENT_SETTINGS = ("PREFECT_API_URL", "PREFECT_CLIENT_CSRF_SUPPORT_ENABLED", "PREFECT_UI_URL")
 
 
 @contextmanager
@@ -96,11 +122,14 @@ def flow_runs_recorded_by(server: TemporaryServer | None) -> Iterator[None]:
         yield
         return
     timeout_s = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or 120)
-    print(f"goodput: Prefect's temporary server on {server.url} records this command's flow runs "
-         "(none configured: `goodput server` runs a dedicated one)")
     previous = {name: os.environ.get(name) for name in CLIENT_SETTINGS}
     try:
         server.serve(timeout_s, while_it_starts=_import_flows)
+        ui_url, database = lasting_ui()
+        print(f"goodput: no Prefect server configured: a temporary one ({server.url}, no UI, "
+              f"for this command only) records its flow runs in {database}; "
+              f"`prefect server start` shows them there after, at {ui_url} "
+              "(`goodput server` runs a dedicated server)")
         # Prefect read its settings when the flows imported it, without this URL: those are
         # the settings it returns to after the command (main() called again in-process).
         from prefect.context import _temporary_global_settings_context, get_settings_context
@@ -108,10 +137,13 @@ def flow_runs_recorded_by(server: TemporaryServer | None) -> Iterator[None]:
             PREFECT_API_URL,
             PREFECT_CLIENT_CSRF_SUPPORT_ENABLED,
             PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED,
+            PREFECT_UI_URL,
             temporary_settings,
         )
 
-        settings = {PREFECT_API_URL: server.api_url}
+        # Prefect links each flow run to a UI derived from the API's address: here that is
+        # the temporary server, which has no UI and is gone once the command ends.
+        settings = {PREFECT_API_URL: server.api_url, PREFECT_UI_URL: ui_url}
         # The server has the command's settings: without CSRF protection (Prefect's default),
         # each new client would ask it for a token and be told it needs none (16 requests in
         # a pipeline).

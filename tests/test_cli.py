@@ -65,10 +65,16 @@ def test_a_data_error_through_the_flows_is_its_message_and_exit_status_2(tmp_pat
     """A user's error (here a source path that matches nothing) reaches the terminal as its
     message, which says what to change, without Prefect's tracebacks around it (about 200
     lines) and once, not once per flow run around it; it ends the command as a configuration
-    error does: status 2, no run directory named where none was made."""
+    error does: status 2, no run directory named where none was made.
+
+    Its flow runs, on the command's temporary server, are linked to where they can be seen
+    after it: the UI of `prefect server start` on the same database (its port from Prefect's
+    settings), not the temporary server, which has no UI and is gone."""
     env = {name: value for name, value in os.environ.items()
-           if name not in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH")}
+           if name not in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH",
+                           "PREFECT_UI_URL")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PREFECT_SERVER_API_PORT"] = "4311"
     missing = tmp_path / "missing.jsonl"
     proc = subprocess.run([sys.executable, "-m", "flows.cli", "prepare", f"data.source={missing}",
                            f"run.runs_dir={tmp_path / 'runs'}", f"data.data_dir={tmp_path / 'data'}",
@@ -82,6 +88,11 @@ def test_a_data_error_through_the_flows_is_its_message_and_exit_status_2(tmp_pat
     # as each of the two flow runs around it fails (7 times in all, before).
     assert out.count(f"'{missing}' (data.source='{missing}') does not exist") == 2, out[-3000:]
     assert f"exception DataError: '{missing}'" in out
+    assert (f"records its flow runs in {tmp_path / 'prefect-home' / 'prefect.db'}; `prefect "
+            "server start` shows them there after, at http://127.0.0.1:4311") in out
+    links = [line.split("View at ", 1)[1] for line in out.splitlines() if "View at " in line]
+    assert links and all(link.startswith("http://127.0.0.1:4311/runs/flow-run/")
+                         for link in links), links
 
 
 def test_the_flow_runs_when_there_is_something_to_publish_or_a_server_to_show_it(
