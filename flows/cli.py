@@ -858,10 +858,11 @@ def _say_how_to_export(config: RunConfig) -> None:
         return
     # A model with no transformers form (an MoE routed otherwise than Mixtral or Qwen3-MoE):
     # the hint named an export that `goodput export` then refused.
-    unexportable = _why_not_exportable(config)
+    unexportable, overrides = _why_not_exportable(config)
     if unexportable:
         print(f"newest checkpoint: {checkpoint} (step {point.step}); not exportable as a Hugging "
-              f"Face model: {'; '.join(unexportable)} (see README, Mixture of experts)")
+              f"Face model: {'; '.join(unexportable)}. Trained with {' '.join(overrides)}, the "
+              "same model would be (see README, Mixture of experts)")
         return
     # The dataset that trained it (its tokenizer and settings go with the model): named by
     # the checkpoint; by this run's prepare where only the store holds the checkpoint. After
@@ -887,16 +888,18 @@ def _say_how_to_export(config: RunConfig) -> None:
           f"{config.run_dir.path.resolve() / 'hf'}{given}")
 
 
-def _why_not_exportable(config: RunConfig) -> list[str]:
-    """What keeps the run's model from a transformers form (training.model_args'
-    hf_export_problems, from the config: a routing bias is assumed where one is trained)."""
+def _why_not_exportable(config: RunConfig) -> tuple[list[str], list[str]]:
+    """What keeps the run's model from a transformers form, and the overrides that would
+    have trained it into one (training.model_args' hf_export_problems and
+    hf_exportable_overrides, from the config: a routing bias is assumed where one is
+    trained). ([], []) where it has one."""
     if config.model.moe is None and not config.model.qkv_bias:
-        return []
-    from training.model_args import hf_export_problems, model_args_from_config
+        return [], []
+    from training.model_args import hf_export_problems, hf_exportable_overrides, model_args_from_config
 
     args = model_args_from_config(config.model, config.model.vocab_size or 0)
     bias = "its expert_bias tensors" if config.model.moe and config.model.moe.bias_update_rate > 0 else None
-    return hf_export_problems(args, bias)
+    return hf_export_problems(args, bias), hf_exportable_overrides(args, bias)
 
 
 def _secure_what_training_left(config: RunConfig, command: str) -> None:

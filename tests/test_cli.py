@@ -678,12 +678,23 @@ def test_a_run_pointed_at_another_store_is_warned_that_its_checkpoints_are_not_t
 def test_the_export_hint_is_not_given_for_a_model_export_refuses():
     """A run of configs/tiny-moe.yaml was told to `goodput export` its checkpoint, which
     export then refused (routing unlike Mixtral's); the hint now says why instead, in the
-    words export uses."""
+    words export uses, and the fewest overrides that would train one that exports: Qwen3-MoE
+    allows its dense first block and unnormalised top-k, so two, not Mixtral's three."""
     moe = load_config("configs/tiny-moe.yaml")
-    assert cli._why_not_exportable(moe) == [
+    assert cli._why_not_exportable(moe) == ([
         "model.moe.first_dense_layers=1 (Mixtral: 0)", "model.moe.route_norm=False (Mixtral: True)",
         "a routing bias (model.moe.bias_update_rate, e.g. its expert_bias tensors), which Mixtral's "
-        "router does not have"]
+        "router does not have"], ["model.qk_norm=true", "model.moe.bias_update_rate=0"])
     assert cli._why_not_exportable(load_config("configs/tiny-moe.yaml", [
-        "model.qk_norm=true", "model.moe.bias_update_rate=0"])) == []  # exports as Qwen3-MoE
-    assert cli._why_not_exportable(load_config("configs/tiny.yaml")) == []
+        "model.qk_norm=true", "model.moe.bias_update_rate=0"])) == ([], [])  # exports as Qwen3-MoE
+    # As near as Qwen3-MoE (one override each): Mixtral's, which adds no weights (q/k norms).
+    assert cli._why_not_exportable(load_config("configs/tiny-moe.yaml", [
+        "model.moe.first_dense_layers=0", "model.moe.bias_update_rate=0"]))[1] == [
+        "model.moe.route_norm=true"]
+    deepseek = load_config("configs/deepseek-v3.yaml")
+    assert cli._why_not_exportable(deepseek)[1] == [
+        "model.moe.shared_experts=0", "model.moe.first_dense_layers=0", "model.moe.score_func=softmax",
+        "model.moe.route_scale=1.0", "model.moe.bias_update_rate=0"]
+    assert cli._why_not_exportable(load_config("configs/tiny.yaml")) == ([], [])
+    assert cli._why_not_exportable(load_config("configs/tiny.yaml", [
+        "model.qkv_bias=true", "model.qk_norm=true"]))[1] == ["model.qkv_bias=false"]

@@ -60,8 +60,10 @@ def test_ep2_matches_one_process_and_its_checkpoint_resumes_in_one_process(tmp_p
             "moe/aux_loss", "moe/dead_experts"} <= set(records[-1])
     from training.export import ExportError, export_hf
 
-    # Not a Mixtral (a dense first block, a routing bias): the export says so, naming why.
-    with pytest.raises(ExportError, match=r"model.moe.first_dense_layers=1 \(Mixtral: 0\).*routing bias"):
+    # Not a Mixtral (a dense first block, a routing bias): the export says so, naming why and
+    # what would have trained one that exports.
+    with pytest.raises(ExportError, match=r"model.moe.first_dense_layers=1 \(Mixtral: 0\).*routing bias"
+                       r".*Trained with model.qk_norm=true .*model.moe.bias_update_rate=0, the same model"):
         export_hf(RunDir.of(run_dir).checkpoint(STEPS), tmp_path / "hf")
     (run_dir / "metrics.jsonl").unlink()
     # The experts (sharded over EP ranks) and the routing bias come back whole in one process.

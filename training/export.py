@@ -46,7 +46,7 @@ from storage.manifests import (DATASET_MANIFEST, MIXTURE_MANIFEST, CheckpointMan
 from training.checkpoint.errors import CheckpointCorrupt
 from training.checkpoint.reader import StoreReader, load_all_tensors, model_state_from
 from training.model import ModelArgs, Transformer
-from training.model_args import hf_architecture, hf_export_problems
+from training.model_args import hf_architecture, hf_export_problems, hf_exportable_overrides
 from training.tokenizer import HF_TOKENIZER_SIDE_FILES
 
 # Hugging Face's default shard size ("5GB"); smaller models are one model.safetensors.
@@ -122,7 +122,7 @@ def hf_state_dict(model_state: dict[str, torch.Tensor], dtype: torch.dtype,
                   tied: bool = False, architecture: str = "llama") -> dict[str, torch.Tensor]:
     """The tensors of a transformers model file of `architecture`. With tied embeddings the
     output layer is the embedding matrix, which transformers stores once (as
-    model.embed_tokens.weight). The routing bias has no counterpart (export_problems)."""
+    model.embed_tokens.weight). The routing bias has no counterpart (export_refusal)."""
     tensors = {}
     for name, tensor in model_state.items():
         if (tied and name == "output.weight") or name.endswith(".expert_bias"):
@@ -134,11 +134,18 @@ def hf_state_dict(model_state: dict[str, torch.Tensor], dtype: torch.dtype,
     return tensors
 
 
-def export_problems(args: ModelArgs, state: dict[str, torch.Tensor]) -> list[str]:
-    """Why the model has no form transformers loads, if so (hf_export_problems), a routing
-    bias read from its weights."""
+def export_refusal(args: ModelArgs, state: dict[str, torch.Tensor]) -> str | None:
+    """Why the model has no form transformers loads, if so (hf_export_problems, a routing
+    bias read from its weights), and with what overrides it would have trained into one."""
     biased = [k for k, v in state.items() if k.endswith(".expert_bias") and bool(v.any())]
-    return hf_export_problems(args, biased[0] if biased else None)
+    problems = hf_export_problems(args, biased[0] if biased else None)
+    if not problems:
+        return None
+    overrides = hf_exportable_overrides(args, biased[0] if biased else None)
+    return (f"{'; '.join(problems)}. Mixtures of experts export as Mixtral (every block MoE, "
+            "softmax router, top-k renormalised, no shared experts) or, with model.qk_norm, "
+            "Qwen3-MoE (softmax router, no shared experts); neither has a routing bias. Trained "
+            f"with {' '.join(overrides)}, the same model would export")
 
 
 def hf_config(args: ModelArgs, dtype: torch.dtype, eos_id: int | None = None,
@@ -629,13 +636,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, *, tokenizer: str | Path 
                 manifest, state = read_checkpoint_from_store(str(checkpoint), Path(cache))
         else:
             manifest, state = read_checkpoint(checkpoint)
-        problems = export_problems(model_args_of(manifest), state)
-        if problems:
-            raise ExportError(f"{checkpoint} holds a model with no form transformers loads: "
-                              f"{'; '.join(problems)}. Mixtures of experts export as Mixtral (every "
-                              "block MoE, softmax router, top-k renormalised, no shared experts) or, "
-                              "with model.qk_norm, Qwen3-MoE (softmax router, no shared experts); "
-                              "neither has a routing bias")
+        refusal = export_refusal(model_args_of(manifest), state)
+        if refusal:
+            raise ExportError(f"{checkpoint} holds a model with no form transformers loads: {refusal}")
         provenance = {"checkpoint": str(local or checkpoint), "step": manifest.step,
                       "tokens_seen": manifest.tokens_seen, "dataset_id": manifest.dataset_id,
                       "config_hash": manifest.config_hash}

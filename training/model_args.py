@@ -117,6 +117,31 @@ def hf_export_problems(args: ModelArgs, routing_bias: str | None = None) -> list
     return problems
 
 
+def hf_exportable_overrides(args: ModelArgs, routing_bias: str | None = None) -> list[str]:
+    """For a model with no transformers form (hf_export_problems): the fewest overrides with
+    which the same model would have trained into one, Qwen3-MoE's or Mixtral's, e.g.
+    ["model.qk_norm=true", "model.moe.bias_update_rate=0"] for configs/tiny-moe.yaml, whose
+    first dense block and unnormalised top-k Mixtral lacks. [] where it has one."""
+    from core.hf_llama import MIXTRAL_ROUTING, QWEN3_MOE_ROUTING
+
+    if not hf_export_problems(args, routing_bias):
+        return []
+    fixes = ["model.qkv_bias=false"] if args.qkv_bias else []
+    if args.moe is None:
+        return fixes
+    moe = vars(args.moe_args)
+    # Mixtral first: of two as near, the one that adds no weights (q/k norms) to the model.
+    routes = [] if args.qk_norm else [(MIXTRAL_ROUTING, [])]  # Mixtral has no q/k norms
+    routes.append((QWEN3_MOE_ROUTING, [] if args.qk_norm else ["model.qk_norm=true"]))
+
+    def value(v) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    return min((fixes + first + [f"model.moe.{k}={value(v)}" for k, v in fixed.items() if moe[k] != v]
+                + (["model.moe.bias_update_rate=0"] if routing_bias else [])
+                for fixed, first in routes), key=len)
+
+
 def moe_facts(a: ModelArgs) -> dict:
     """What of model.moe gives weights their shapes and meaning (routing settings may change)."""
     moe = a.moe_args
