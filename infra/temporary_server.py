@@ -26,11 +26,13 @@ PREFECT_HOME). Started here instead:
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -175,6 +177,37 @@ class _NoCancellationTracebacks(logging.Filter):
         return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
+def collect_garbage_off_the_event_loop(every_s: float = 1.0) -> threading.Thread:
+    """Python's cycle collector run by a thread of its own every `every_s`, never by the
+    thread that happens to allocate, which in a server is mostly its event loop.
+
+    On SQLite a statement that failed ("database is locked", which the server answers 503)
+    leaves its cursor in a reference cycle with the exception's traceback (SQLAlchemy's
+    aiosqlite adapter does not close it). Freeing such a cursor resets its statement, which
+    takes its connection's lock. If that connection is meanwhile waiting for the write lock
+    (another write of the server's, in its aiosqlite thread), and the transaction holding the
+    write lock needs the event loop to commit, a collection on the event loop waits for the
+    waiting write and the write for the event loop: the server froze until SQLite gave up,
+    after Prefect's 60 s busy timeout, and the request that had waited failed (benchmarks/
+    RESULTS.md, "the 60 s stall found"; it froze the tests' server too). On a thread of its
+    own the collection waits there while the event loop commits. sqlite3 lets go of the GIL
+    while it waits for the lock, so nothing else waits.
+
+    The objects alive now (the imported server and its app) are moved out of the
+    collector's sight (gc.freeze): each collection looks only at what came since."""
+    gc.freeze()
+    gc.disable()
+
+    def collect() -> None:
+        while True:
+            time.sleep(every_s)
+            gc.collect()
+
+    collector = threading.Thread(target=collect, name="garbage-collector", daemon=True)
+    collector.start()
+    return collector
+
+
 def _quiet_cancellations() -> None:
     """The filter on every handler Prefect's logging set up in this process."""
     quiet = _NoCancellationTracebacks()
@@ -201,6 +234,7 @@ def _serve_when_told(listener_fd: int) -> int:
     if sys.stdin.buffer.readline() != SERVE:
         return 0
     _quiet_cancellations()
+    collect_garbage_off_the_event_loop()
     server = uvicorn.Server(config)  # serves the loaded app
     server.run(sockets=[listener])
     return 0 if server.started else STARTUP_FAILURE

@@ -20,7 +20,14 @@ import pytest
 from infra.prefect_stack import LEASES_ON_DISK
 from infra.torchrun import free_port
 
-PREFECT = str(Path(sys.executable).with_name("prefect"))
+# `prefect server start`, its garbage collected off its event loop as goodput's temporary
+# server's is (infra.temporary_server.collect_garbage_off_the_event_loop, after the imports):
+# on SQLite a collection on the loop froze this server for 60 s, and a test's flow run,
+# whose request timed out meanwhile, came back without its result.
+PREFECT_SERVER_START = [sys.executable, "-c", "import prefect.cli, prefect.server.api.server; "
+                        "from infra.temporary_server import collect_garbage_off_the_event_loop; "
+                        "collect_garbage_off_the_event_loop(); prefect.cli.app()",
+                        "server", "start"]
 
 
 @dataclass
@@ -55,7 +62,7 @@ def prefect_server(tmp_path_factory) -> PrefectServer:
     )
     host, port = url.removeprefix("http://").split(":")
     with open(server.log, "w") as log:
-        proc = subprocess.Popen([PREFECT, "server", "start", "--host", host, "--port", port],
+        proc = subprocess.Popen([*PREFECT_SERVER_START, "--host", host, "--port", port],
                                 env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:

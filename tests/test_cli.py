@@ -238,6 +238,72 @@ def test_a_client_retries_soon_a_request_the_temporary_server_found_busy(monkeyp
     assert 3.0 <= waits[1] < 4.0, waits  # the app's own Retry-After kept
 
 
+# A server's lot on SQLite, with sqlite3 alone: the cursor of a write that failed ("database
+# is locked") left in a reference cycle; the same connection then waits for the write lock
+# in a thread of its own (aiosqlite's) while the main thread (the event loop) holds the
+# other connection's write, which it commits a moment later.
+WRITE_WHILE_THE_CURSOR_IS_COLLECTED = """
+import gc, sqlite3, sys, threading, time, weakref
+from infra.temporary_server import collect_garbage_off_the_event_loop
+
+if sys.argv[1] == "off-the-loop":  # its first collection halfway through the write's wait
+    collect_garbage_off_the_event_loop(every_s=0.5)
+path = sys.argv[2]
+with sqlite3.connect(path) as setup:
+    setup.execute("PRAGMA journal_mode=WAL")
+    setup.execute("CREATE TABLE t (x)")
+waiting = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=0.05)
+holding = sqlite3.connect(path, isolation_level=None)
+holding.execute("BEGIN IMMEDIATE")
+holding.execute("INSERT INTO t VALUES (1)")
+failed = waiting.cursor()
+try:
+    failed.execute("INSERT INTO t VALUES (2)")
+except sqlite3.OperationalError:
+    pass
+waiting.execute("PRAGMA busy_timeout = 3000")
+freed = weakref.ref(failed)
+cycle = [failed]
+cycle.append(cycle)
+del failed, cycle
+outcome = []
+
+def write():
+    try:
+        waiting.execute("INSERT INTO t VALUES (3)")
+        outcome.append("written")
+    except sqlite3.OperationalError as e:
+        outcome.append(str(e))
+
+writer = threading.Thread(target=write)
+writer.start()
+time.sleep(0.3)  # the writer waits for the lock
+if sys.argv[1] == "on-the-loop":
+    gc.collect()  # as an allocation here would set it off
+else:
+    time.sleep(0.6)  # the collector's thread meets the cursor meanwhile
+holding.execute("COMMIT")
+writer.join()
+time.sleep(0.2)
+print(outcome[0], "freed" if freed() is None else "kept")
+"""
+
+
+@pytest.mark.parametrize("collected", ["on-the-loop", "off-the-loop"])
+def test_a_failed_statements_cursor_collected_off_the_event_loop_stalls_no_write(tmp_path, collected):
+    """Why the temporary server collects garbage on a thread of its own
+    (collect_garbage_off_the_event_loop): collected on the thread that must commit, the
+    failed statement's cursor waited for its connection, which waited for that commit, until
+    SQLite's busy timeout failed the write (the server froze 60 s, then answered 503). Off
+    that thread the write waits only for the commit, and the cursor is freed all the same."""
+    proc = subprocess.run([sys.executable, "-c", WRITE_WHILE_THE_CURSOR_IS_COLLECTED, collected,
+                           str(tmp_path / "server.db")], capture_output=True, text=True, cwd=REPO,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = "database is locked freed" if collected == "on-the-loop" else "written freed"
+    assert proc.stdout.strip() == expected, proc.stdout + proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("protected", [False, True], ids=["no-csrf-protection", "csrf-protected"])
 def test_clients_of_the_temporary_server_ask_it_for_csrf_tokens_only_where_it_wants_them(
         tmp_path, monkeypatch, protected):
