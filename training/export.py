@@ -137,11 +137,11 @@ def hf_state_dict(model_state: dict[str, torch.Tensor], dtype: torch.dtype,
 def export_refusal(args: ModelArgs, state: dict[str, torch.Tensor]) -> str | None:
     """Why the model has no form transformers loads, if so (hf_export_problems, a routing
     bias read from its weights), and with what overrides it would have trained into one."""
-    biased = [k for k, v in state.items() if k.endswith(".expert_bias") and bool(v.any())]
-    problems = hf_export_problems(args, biased[0] if biased else None)
+    biased = next((k for k, v in state.items() if k.endswith(".expert_bias") and bool(v.any())), None)
+    problems = hf_export_problems(args, biased)
     if not problems:
         return None
-    overrides = hf_exportable_overrides(args, biased[0] if biased else None)
+    overrides = hf_exportable_overrides(args, biased)
     return (f"{'; '.join(problems)}. Mixtures of experts export as Mixtral (every block MoE, "
             "softmax router, top-k renormalised, no shared experts) or, with model.qk_norm, "
             "Qwen3-MoE (softmax router, no shared experts); neither has a routing bias. Trained "
