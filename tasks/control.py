@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 import time
 from contextlib import contextmanager
@@ -361,7 +362,11 @@ def stop_training_when_cancelled(poll_s: float = CANCEL_POLL_S) -> Iterator[thre
     `poll_s` and, on a cancellation, stops the attempts (workers get CANCEL_GRACE_S for an
     emergency checkpoint), and ends a wait for the run's lease (training_slot's `give_up`);
     the flow then ends Cancelled, the only state the server accepts from a cancelling run. A
-    run whose process is killed first is stopped by no_orphan_workers, as before."""
+    run whose process is killed first is stopped by no_orphan_workers, as before.
+
+    A SIGINT to a flow-run process that a runner or worker started (Ctrl-C in the terminal
+    of `goodput serve` or `prefect worker start` reaches their whole process group) stops
+    training the same way, within SIGINT_POLL_S (`_SigintCancels`)."""
     cancelled = threading.Event()
     if not flow_run.id:  # not in a flow run
         yield cancelled
@@ -374,33 +379,85 @@ def stop_training_when_cancelled(poll_s: float = CANCEL_POLL_S) -> Iterator[thre
     done = threading.Event()
     logger = get_run_logger()
 
-    def watch() -> None:
+    sigint = _SigintCancels()
+
+    def being_cancelled(client, stopping) -> bool:
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        try:
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                id=FlowRunFilterId(any_=[UUID(i) for i in ids])))
+        except Exception:  # noqa: BLE001 - the API away (a server restart): ask again
+            return False
+        return any(run.state is not None and run.state.type in stopping for run in runs)
+
+    def watch() -> None:
         from prefect.client.schemas.objects import StateType
 
         stopping = {StateType.CANCELLING, StateType.CANCELLED}
+        next_ask = time.monotonic() + poll_s
         with get_client(sync_client=True) as client:
-            while not done.wait(poll_s):
-                try:
-                    runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                        id=FlowRunFilterId(any_=[UUID(i) for i in ids])))
-                except Exception:  # noqa: BLE001 - the API away (a server restart): ask again
-                    continue
-                if any(run.state is not None and run.state.type in stopping for run in runs):
-                    if not cancelled.is_set():
-                        logger.info(f"this flow run is being cancelled: stopping training (its "
-                                    f"workers get {CANCEL_GRACE_S:.0f} s for an emergency "
-                                    "checkpoint)")
-                        cancelled.set()
-                    stop_live_attempts(grace_s=CANCEL_GRACE_S)  # and one launched since
-                    stop_background_evaluations()
+            while not done.wait(min(poll_s, SIGINT_POLL_S)):
+                if not sigint.pressed:
+                    if time.monotonic() < next_ask:
+                        continue
+                    next_ask = time.monotonic() + poll_s
+                    if not being_cancelled(client, stopping):
+                        continue
+                if not cancelled.is_set():
+                    why = ("SIGINT (Ctrl-C in the terminal of the process that started this "
+                           "flow run)" if sigint.pressed else "this flow run is being cancelled")
+                    logger.info(f"{why}: stopping training (its workers get {CANCEL_GRACE_S:.0f} "
+                                "s for an emergency checkpoint)")
+                    cancelled.set()
+                stop_live_attempts(grace_s=CANCEL_GRACE_S)  # and one launched since
+                stop_background_evaluations()
 
     thread = threading.Thread(target=watch, name="cancel-watch", daemon=True)
     thread.start()
     try:
-        yield cancelled
+        with sigint:
+            yield cancelled
     finally:
         done.set()
+
+
+# How soon a SIGINT to a flow-run process stops its training.
+SIGINT_POLL_S = 0.25
+
+
+class _SigintCancels:
+    """While entered in a flow-run process's main thread, SIGINT sets `pressed` instead of
+    raising KeyboardInterrupt; stop_training_when_cancelled's thread then stops training as
+    for a cancel. A second SIGINT raises as usual.
+
+    Ctrl-C in the terminal of `goodput serve` (or of a Prefect worker) reaches its flow-run
+    processes with it, in its process group. The KeyboardInterrupt then left the train flow
+    wherever it was: no_orphan_workers stopped the workers but did not wait for them (the
+    `goodput` command, which secures after a Ctrl-C, is not there), the runner's SIGTERM
+    ended the flow, and the process exited before the launch task's thread recorded the
+    attempt's outcome (a CI run: the attempt without its cancelled outcome). Not entered
+    where SIGINT already has a handler of its own (the `goodput` command's), nor outside the
+    main thread."""
+
+    def __init__(self):
+        self.pressed = False  # a plain attribute: the handler may take no lock
+        self.previous = None
+
+    def __enter__(self) -> "_SigintCancels":
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self.previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __exit__(self, *exc_info) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGINT, self.previous)
 
 
 def settle(futures: list[PrefectFuture]) -> None:

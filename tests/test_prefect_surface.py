@@ -783,6 +783,10 @@ def test_a_stopped_serve_cancels_the_runs_it_started(prefect_api, base, dataset,
             stop_process_tree(proc)
     text = log_path.read_text()
     assert f"{'SIGTERM' if stop == 'sigterm' else 'SIGINT'}: cancelling the flow runs this process started" in text
+    if stop == "ctrl-c":  # the flow-run process, in serve's process group, had it too: no
+        # KeyboardInterrupt out of the flow before the attempt's outcome was recorded
+        assert "SIGINT (Ctrl-C in the terminal of the process that started this flow run): " \
+               "stopping training" in text, text[-3000:]
     assert read_run(run).state.is_cancelled(), (read_run(run).state, text[-3000:])
     assert not worker_processes(str(run)[-8:]), "workers left training"
     outcomes = [json.loads(p.read_text()) for p in (run_dir / "attempts").glob("*/outcome.json")]
