@@ -364,9 +364,9 @@ def stop_training_when_cancelled(poll_s: float = CANCEL_POLL_S) -> Iterator[thre
     the flow then ends Cancelled, the only state the server accepts from a cancelling run. A
     run whose process is killed first is stopped by no_orphan_workers, as before.
 
-    A SIGINT to a flow-run process that a runner or worker started (Ctrl-C in the terminal
-    of `goodput serve` or `prefect worker start` reaches their whole process group) stops
-    training the same way, within SIGINT_POLL_S (`_SigintCancels`)."""
+    A SIGINT stops training the same way, within SIGINT_POLL_S (`_SigintCancels`): Ctrl-C in
+    the terminal of `goodput serve` or `prefect worker start` reaches the flow-run processes
+    in their process group; a script or notebook that calls the flow gets it itself."""
     cancelled = threading.Event()
     if not flow_run.id:  # not in a flow run
         yield cancelled
@@ -405,8 +405,9 @@ def stop_training_when_cancelled(poll_s: float = CANCEL_POLL_S) -> Iterator[thre
                     if not being_cancelled(client, stopping):
                         continue
                 if not cancelled.is_set():
-                    why = ("SIGINT (Ctrl-C in the terminal of the process that started this "
-                           "flow run)" if sigint.pressed else "this flow run is being cancelled")
+                    why = ("SIGINT (Ctrl-C, here or in the terminal of the process that "
+                           "started this flow run)" if sigint.pressed
+                           else "this flow run is being cancelled")
                     logger.info(f"{why}: stopping training (its workers get {CANCEL_GRACE_S:.0f} "
                                 "s for an emergency checkpoint)")
                     cancelled.set()
@@ -437,8 +438,8 @@ class _SigintCancels:
     `goodput` command, which secures after a Ctrl-C, is not there), the runner's SIGTERM
     ended the flow, and the process exited before the launch task's thread recorded the
     attempt's outcome (a CI run: the attempt without its cancelled outcome). Not entered
-    where SIGINT already has a handler of its own (the `goodput` command's), nor outside the
-    main thread."""
+    where SIGINT already has a handler of its own (the `goodput` command's, which stops
+    training itself), nor outside the main thread."""
 
     def __init__(self):
         self.pressed = False  # a plain attribute: the handler may take no lock

@@ -785,13 +785,51 @@ def test_a_stopped_serve_cancels_the_runs_it_started(prefect_api, base, dataset,
     assert f"{'SIGTERM' if stop == 'sigterm' else 'SIGINT'}: cancelling the flow runs this process started" in text
     if stop == "ctrl-c":  # the flow-run process, in serve's process group, had it too: no
         # KeyboardInterrupt out of the flow before the attempt's outcome was recorded
-        assert "SIGINT (Ctrl-C in the terminal of the process that started this flow run): " \
-               "stopping training" in text, text[-3000:]
+        assert "SIGINT (Ctrl-C, here or in the terminal of the process that started this " \
+               "flow run): stopping training" in text, text[-3000:]
     assert read_run(run).state.is_cancelled(), (read_run(run).state, text[-3000:])
     assert not worker_processes(str(run)[-8:]), "workers left training"
     outcomes = [json.loads(p.read_text()) for p in (run_dir / "attempts").glob("*/outcome.json")]
     assert [o["class"] for o in outcomes] == ["cancelled"], outcomes
     assert outcomes[0]["newest_checkpoint"] == outcomes[0]["step"]  # an emergency checkpoint
+
+
+def test_ctrl_c_in_a_script_that_calls_the_train_flow_stops_it_as_a_cancel(prefect_api, base, dataset,
+                                                                           workdir):
+    """A script (or a notebook, or a flow-run process whose worker's terminal had Ctrl-C) calls
+    the train flow and gets a SIGINT, with nobody to cancel the run on the server: training
+    stops as for a cancel (the workers' emergency checkpoint, validated and uploaded; the
+    attempt's outcome cancelled) and the flow returns Cancelled. The KeyboardInterrupt used to
+    leave the flow wherever it was, without waiting for the workers or recording the attempt."""
+    config_file = workdir / "script.yaml"
+    config_file.write_text(dump_config(base))
+    run_dir = base.run_dir.path.parent / "script-ctrl-c"
+    log_path = workdir / "script-ctrl-c.log"
+    script = ("from flows.train import train\n"
+              f"state = train(config_file={str(config_file)!r}, overrides=['run.run_id=script-ctrl-c', "
+              "'training.max_steps=100000', 'checkpoint.every_steps=20'], return_state=True)\n"
+              "print('the flow returned', state.type.value, flush=True)\n")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=prefect_api.env(),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: any(m["step"] > 20 for m in read_metrics(run_dir)), timeout_s=300,
+                 what="training past its first checkpoint")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            stop_process_tree(proc)
+    text = log_path.read_text()
+    assert "SIGINT (Ctrl-C, here or in the terminal of the process that started this flow run): " \
+           "stopping training" in text, text[-3000:]
+    assert "the flow returned CANCELLED" in text, text[-3000:]
+    outcomes = [json.loads(p.read_text()) for p in (run_dir / "attempts").glob("*/outcome.json")]
+    assert [o["class"] for o in outcomes] == ["cancelled"], outcomes
+    emergency = outcomes[0]["step"]
+    assert outcomes[0]["newest_checkpoint"] == emergency
+    assert emergency in Ledger(run_dir).read().steps("uploaded")
+    assert not worker_processes(outcomes[0]["attempt"].split("-")[0]), "workers left training"
 
 
 # CI: SIGTERM; Ctrl-C reaches the same stop (test_a_stopped_serve_cancels_the_runs_it_started[ctrl-c])
