@@ -1114,6 +1114,11 @@ def test_a_checkpoint_of_another_model_is_a_config_error_not_a_crash_to_retry(tm
     saved = small_config(tmp_path, "training.max_steps=10", "model.vocab_multiple_of=1")
     assert torchrun_training(saved, dataset).returncode == 0
     (saved.run_dir / "config.yaml").unlink()  # as if written before the field existed
+    # Both runs are attempt "0" here (a launcher gives each attempt its own id): the first
+    # run's records go, or a rank that torchrun stops before it writes its own (the other
+    # failed first) would show the first run's "done" (a CI run under load).
+    for record in saved.run_dir.attempt("0").glob("rank-*.json"):
+        record.unlink()
 
     proc = torchrun_training(small_config(tmp_path, "training.max_steps=20"), dataset)
     assert proc.returncode != 0
