@@ -428,9 +428,11 @@ SIGINT_POLL_S = 0.25
 
 
 class _SigintCancels:
-    """While entered in a flow-run process's main thread, SIGINT sets `pressed` instead of
-    raising KeyboardInterrupt; stop_training_when_cancelled's thread then stops training as
-    for a cancel. A second SIGINT raises as usual.
+    """While entered in the main thread of a process that runs a flow (a flow-run process, a
+    script), SIGINT sets `pressed` instead of raising KeyboardInterrupt;
+    stop_training_when_cancelled's thread then stops training as for a cancel. A second
+    SIGINT raises as usual. A process that ignores SIGINT (started in the background by a
+    script) keeps ignoring it.
 
     Ctrl-C in the terminal of `goodput serve` (or of a Prefect worker) reaches its flow-run
     processes with it, in its process group. The KeyboardInterrupt then left the train flow
