@@ -323,6 +323,8 @@ def _say_what_is_left(left_unsecured: Callable[[], list[int]], workers_saving: b
 
 # How often a training flow run asks the API whether it is being cancelled.
 CANCEL_POLL_S = 10.0
+# How soon a SIGINT to a process running the train flow stops its training.
+SIGINT_POLL_S = 0.25
 
 
 class CtrlC:
@@ -381,33 +383,32 @@ def stop_training_when_cancelled(poll_s: float = CANCEL_POLL_S) -> Iterator[thre
 
     sigint = _SigintCancels()
 
-    def being_cancelled(client, stopping) -> bool:
+    def being_cancelled(client) -> bool:
         from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+        from prefect.client.schemas.objects import StateType
 
         try:
             runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
                 id=FlowRunFilterId(any_=[UUID(i) for i in ids])))
         except Exception:  # noqa: BLE001 - the API away (a server restart): ask again
             return False
-        return any(run.state is not None and run.state.type in stopping for run in runs)
+        return any(run.state is not None and run.state.type in (StateType.CANCELLING, StateType.CANCELLED)
+                   for run in runs)
 
     def watch() -> None:
-        from prefect.client.schemas.objects import StateType
-
-        stopping = {StateType.CANCELLING, StateType.CANCELLED}
         next_ask = time.monotonic() + poll_s
         with get_client(sync_client=True) as client:
             while not done.wait(min(poll_s, SIGINT_POLL_S)):
-                if not sigint.pressed:
-                    if time.monotonic() < next_ask:
-                        continue
+                if sigint.pressed:
+                    why = "SIGINT (Ctrl-C, here or in the terminal of the process that started this flow run)"
+                elif time.monotonic() >= next_ask:
                     next_ask = time.monotonic() + poll_s
-                    if not being_cancelled(client, stopping):
+                    if not being_cancelled(client):
                         continue
+                    why = "this flow run is being cancelled"
+                else:
+                    continue
                 if not cancelled.is_set():
-                    why = ("SIGINT (Ctrl-C, here or in the terminal of the process that "
-                           "started this flow run)" if sigint.pressed
-                           else "this flow run is being cancelled")
                     logger.info(f"{why}: stopping training (its workers get {CANCEL_GRACE_S:.0f} "
                                 "s for an emergency checkpoint)")
                     cancelled.set()
@@ -421,10 +422,6 @@ def stop_training_when_cancelled(poll_s: float = CANCEL_POLL_S) -> Iterator[thre
             yield cancelled
     finally:
         done.set()
-
-
-# How soon a SIGINT to a flow-run process stops its training.
-SIGINT_POLL_S = 0.25
 
 
 class _SigintCancels:
