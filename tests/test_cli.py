@@ -304,6 +304,41 @@ def test_a_failed_statements_cursor_collected_off_the_event_loop_stalls_no_write
     assert proc.stdout.strip() == expected, proc.stdout + proc.stderr[-2000:]
 
 
+# The collector's thread, watched through gc.callbacks while the main thread makes cyclic
+# garbage (as a server's requests do): which thread collects, and which generations.
+COLLECTIONS_WHILE_ALLOCATING = """
+import gc, json, threading, time
+from infra.temporary_server import collect_garbage_off_the_event_loop
+
+kept = [[object() for _ in range(100)] for _ in range(2000)]  # as a server's app
+seen = []
+gc.callbacks.append(lambda phase, info: phase == "start" and seen.append(
+    (threading.current_thread().name, info["generation"])))
+collect_garbage_off_the_event_loop(every_s=0.02, full_every_s=0.5)
+deadline = time.monotonic() + 1.6
+while time.monotonic() < deadline:
+    cycle = [object() for _ in range(50)]
+    cycle.append(cycle)
+    del cycle
+    time.sleep(0.0005)
+print(json.dumps(seen))
+"""
+
+
+def test_the_collectors_thread_collects_young_garbage_often_and_the_whole_heap_seldom():
+    """collect_garbage_off_the_event_loop: no collection on the thread that allocates; the
+    young generations each `every_s`, the whole heap once per `full_every_s`. A whole-heap
+    pass every second was 16% of a core for an idle server (benchmarks/RESULTS.md)."""
+    proc = subprocess.run([sys.executable, "-c", COLLECTIONS_WHILE_ALLOCATING], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout)
+    assert {thread for thread, _ in seen} == {"garbage-collector"}, seen
+    full = sum(1 for _, generation in seen if generation == 2)
+    young = sum(1 for _, generation in seen if generation < 2)
+    assert 1 <= full <= 4 and young >= 3 * full, seen  # 1.6 s: at most one per 0.5 s
+
+
 @pytest.mark.parametrize("protected", [False, True], ids=["no-csrf-protection", "csrf-protected"])
 def test_clients_of_the_temporary_server_ask_it_for_csrf_tokens_only_where_it_wants_them(
         tmp_path, monkeypatch, protected):
