@@ -7,8 +7,17 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 . .venv/bin/activate
+# Before any install, a pip whose resolver is fast: resolving ".[test]" (239 packages) took
+# 180 s of a core with pip 23.2, what Python 3.11's venv brings, and 34 s with pip 26.3,
+# which chose the same versions. Checked without running pip, so a setup with nothing to
+# install pays nothing; where no index answers, the pip at hand installs, only slower.
+recent_pip() {
+  python -c "import importlib.metadata as m, sys; sys.exit(int(m.version('pip').split('.')[0]) < 26)" \
+    || pip install -q "pip>=26,<27" || echo "setup: pip not upgraded; installing with $(pip --version)"
+}
 # (Found, not imported: importing torch took 2-3 s of every `make pipeline`.)
 if ! python -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)"; then
+  recent_pip
   if command -v nvidia-smi >/dev/null 2>&1; then
     pip install -q "torch>=2.11,<2.15"
   else
@@ -22,6 +31,7 @@ installed_from=.venv/.goodput-installed-from
 wanted_install="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [ "${GOODPUT_REINSTALL:-0}" = 1 ] || [ "$(cat "$installed_from" 2>/dev/null)" != "$wanted_install" ] \
     || ! (cd / && "$VIRTUAL_ENV/bin/python" -c "import flows.cli, pytest" 2>/dev/null); then
+  recent_pip
   pip install -q -e ".[test]"
   echo "$wanted_install" > "$installed_from"
 fi
