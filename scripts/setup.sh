@@ -11,6 +11,7 @@ PYTHON=${PYTHON:-python3}
 # 180 s of a core with pip 23.2, what Python 3.11's venv brings, and 34 s with pip 26.3,
 # which chose the same versions. Checked without running pip, so a setup with nothing to
 # install pays nothing; where no index answers, the pip at hand installs, only slower.
+# Capped at the series measured: a newer one already in the venv is kept as it is.
 recent_pip() {
   python -c "import importlib.metadata as m, sys; sys.exit(int(m.version('pip').split('.')[0]) < 26)" \
     || pip install -q "pip>=26,<27" || echo "setup: pip not upgraded; installing with $(pip --version)"
