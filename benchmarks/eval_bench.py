@@ -48,7 +48,9 @@ exported by `goodput export --format hf`), ProjectLM before issue 37 (every requ
 ProjectLM now (an item's requests packed) in fp32 and under bf16 autocast, in this one
 process: seconds, scores, and the largest difference of a request's log-likelihood between
 them. `--device cuda` runs all four on one GPU, where bf16 is what `eval.precision=auto`
-picks (benchmarks/device_session.sh).
+picks (benchmarks/device_session.sh). `--float64-reference` also scores each task once with
+the path before in float64 (untimed) and reports how far each fp32 path is from it: which
+path's rounding a difference between two of them is.
 
 Asserts nothing. Markdown tables on stdout, for benchmarks/RESULTS.md; --out writes JSON.
 """
@@ -345,15 +347,24 @@ def eval_table(result: dict) -> str:
 
 # --- part backends ---------------------------------------------------------------------------
 
-def whole_requests_lm(model, tokenizer, eos_id: int, batch_size: int, device):
+def whole_requests_lm(model, tokenizer, eos_id: int, batch_size: int, device, float64: bool = False):
     """ProjectLM as it was before issue 37, the baseline of part backends and of
     tests/test_downstream.py: every request scored whole in its own row (a multiple-choice
-    item's context read once per choice), rolling texts one at a time."""
+    item's context read once per choice), rolling texts one at a time.
+
+    `float64`: the same scoring with a float64 copy of the model, its softmax and sums in
+    float64 too: the reference that the fp32 paths' rounding is measured against."""
+    import copy
+
     import torch
     import torch.nn.functional as F
     from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
     from training.downstream import _make_lm_class
+
+    dtype = torch.float64 if float64 else torch.float32
+    if float64:
+        model = copy.deepcopy(model).double()
 
     class WholeRequestsLM(_make_lm_class()):
         @torch.no_grad()
@@ -371,7 +382,7 @@ def whole_requests_lm(model, tokenizer, eos_id: int, batch_size: int, device):
                 batch = torch.zeros(len(rows), width, dtype=torch.long)
                 for r, (_, inputs, _) in enumerate(rows):
                     batch[r, :len(inputs)] = torch.tensor(inputs)
-                logprobs = F.log_softmax(self.model(batch.to(self.device)).float(), dim=-1)
+                logprobs = F.log_softmax(self.model(batch.to(self.device)).to(dtype), dim=-1)
                 for r, (i, inputs, continuation) in enumerate(rows):
                     n = len(continuation)
                     scored = logprobs[r, len(inputs) - n:len(inputs)]
@@ -399,6 +410,9 @@ BACKENDS = {  # name -> what it is, for the table
     "goodput bf16": "the same under bf16 autocast (eval.precision=bf16; what 'auto' picks on a CPU "
                     "with AVX512-BF16 or AMX, and on a GPU)",
 }
+# --float64-reference: the path before in float64, untimed, what each backend's rounding is
+# measured against (the issue's "within 1e-4 of today's path" meets today's own fp32 error).
+REFERENCE = "float64 reference"
 
 
 def export_hf(checkpoint: Path, dataset_dir: Path, out: Path) -> Path:
@@ -434,8 +448,9 @@ def run_backend(name: str, task_names: list[str], manager, args, checkpoint: Pat
         model, _ = load_model(checkpoint, device)
         tokenizer = read_tokenizer(dataset_dir / "tokenizer.json")
         eos = DatasetManifest.load(dataset_dir).eos_id
-        if name == "goodput before":
-            lm = whole_requests_lm(model.eval(), tokenizer, eos, args.batch_size, device)
+        if name in ("goodput before", REFERENCE):
+            lm = whole_requests_lm(model.eval(), tokenizer, eos, args.batch_size, device,
+                                   float64=name == REFERENCE)
         else:
             lm = project_lm(model.eval(), tokenizer, eos, args.batch_size, device,
                             precision="bf16" if name == "goodput bf16" else "fp32")
@@ -537,6 +552,11 @@ def compare_backends(args, workdir: Path, dataset_dir: Path, task_dir: Path) -> 
                       "scores": {b: runs[task][b][0]["scores"][name] for b in backends},
                       "stderrs": runs[task]["goodput"][0]["stderrs"].get(name, {}),
                       "max_ll_diff": diffs, "bf16_max_ll_diff": _max_ll_diff(bf16, now, name)}
+        if args.float64_reference:
+            reference = run_backend(REFERENCE, [name], manager, args, checkpoint, hf_dir, dataset_dir)
+            print(f"  {task} / {REFERENCE}: {reference['seconds']:.1f} s (untimed in the tables)", flush=True)
+            rows[task]["max_ll_error"] = {b: _max_ll_diff(runs[task][b][0], reference, name)
+                                          for b in ("goodput", "goodput before", "lm-eval hf")}
     return {"model": args.model, "params": params, "device": device_name, "limit": args.limit,
             "batch_size": args.batch_size, "threads": torch.get_num_threads(), "repeats": args.repeats, "tasks": rows,
             "load_1min_after": os.getloadavg()[0]}
@@ -619,6 +639,14 @@ def backends_table(result: dict) -> str:
     lines.append(_table_row(["all, each alone, summed", *_bf16_timings(total), "", "", ""]))
     if together:
         lines.append(_table_row(["all in one evaluation", *_bf16_timings(together), "", "", ""], bold=True))
+    if any("max_ll_error" in row for row in per_task.values()):
+        lines += ["", f"Each fp32 path against the {REFERENCE} (the path before with the model, its "
+                  "softmax and sums in float64), the largest |Δ log-lik| of a request:", "",
+                  "| task | goodput | goodput before | lm-eval hf |", "|---|---|---|---|"]
+        for task, row in per_task.items():
+            if "max_ll_error" in row:
+                lines.append(_table_row([task, *(f"{row['max_ll_error'][b]:.1e}"
+                                                 for b in ("goodput", "goodput before", "lm-eval hf"))]))
     return "\n".join(lines)
 
 
@@ -767,6 +795,10 @@ def main() -> None:
                              "'goodput bf16' is what eval.precision=auto picks)")
     parser.add_argument("--threads", type=int, default=0,
                         help="part backends: torch threads of every backend (default: torch's)")
+    parser.add_argument("--float64-reference", action="store_true",
+                        help="part backends: also score each task once in float64 (the path "
+                             "before, untimed; about 3x its time) and report each path's "
+                             "largest log-likelihood difference from it")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = parser.parse_args()
