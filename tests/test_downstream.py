@@ -218,15 +218,18 @@ def test_scores_above_chance_and_equal_a_direct_computation(setup):
 
 
 def write_more_tasks(folder: Path) -> Path:
-    """Two more shapes: winogrande's partial scoring (two contexts, one continuation scored
-    after each) and multiple choice over a context longer than the model's max_seq_len
-    (64), whose start is cut."""
+    """Three more shapes: winogrande's partial scoring (two contexts, one continuation scored
+    after each), multiple choice over a context longer than the model's max_seq_len (64),
+    whose start is cut, and rolling log-likelihoods of a text longer than max_seq_len that the
+    model finds unlikely (the story's words backwards, about 100 tokens: two windows, sums
+    of several hundred)."""
     folder.mkdir(parents=True, exist_ok=True)
     data = folder / "more.jsonl"
     story = " ".join(sentence(*fact) for fact in FACTS[:6])  # about 50 tokens
     data.write_text("".join(json.dumps({
         "sentence": f"the color of the _ is {color}", "option1": thing, "option2": FACTS[(i + 5) % len(FACTS)][0],
         "answer": "1", "long": f"{story} {story} the color of the {thing} is", "choices": COLORS,
+        "backwards": " ".join(reversed(f"{story} {thing} {story}".split())),
         "label": COLORS.index(color)}) + "\n" for i, (thing, color) in enumerate(FACTS)))
     common = f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
     (folder / "colors_partial.yaml").write_text(
@@ -239,6 +242,10 @@ def write_more_tasks(folder: Path) -> Path:
         f"task: colors_long\n{common}output_type: multiple_choice\ndoc_to_text: \"{{{{long}}}}\"\n"
         "doc_to_choice: choices\ndoc_to_target: label\n"
         "metric_list:\n  - {metric: acc, aggregation: mean, higher_is_better: true}\n")
+    (folder / "colors_backwards.yaml").write_text(
+        f"task: colors_backwards\n{common}output_type: loglikelihood_rolling\ndoc_to_text: \"\"\n"
+        "doc_to_target: \"{{backwards}}\"\n"
+        "metric_list:\n  - {metric: word_perplexity, aggregation: weighted_perplexity, higher_is_better: false}\n")
     return folder
 
 
@@ -258,7 +265,7 @@ def test_packed_scoring_equals_scoring_each_request_whole(setup, tmp_path):
 
     task_dir = write_tasks(tmp_path / "tasks")
     write_more_tasks(task_dir)
-    names = [*TASKS, "colors_partial", "colors_long"]
+    names = [*TASKS, "colors_partial", "colors_long", "colors_backwards"]
     tokenizer, eos = setup["tokenizer"], setup["tokenizer"].token_to_id("<|endoftext|>")
     model, _ = load_model(setup["checkpoint"], torch.device("cpu"))
     results = {}
@@ -270,13 +277,15 @@ def test_packed_scoring_equals_scoring_each_request_whole(setup, tmp_path):
             bootstrap_iters=0, log_samples=True, random_seed=0, numpy_random_seed=0,
             torch_random_seed=0, fewshot_random_seed=0)
     packed, whole = results["packed"], results["whole"]
+
+    def lls(sample) -> list[float]:
+        return [r[0] if isinstance(r, (list, tuple)) else r for r in sample["filtered_resps"]]
+
     for task in names:
         assert len(packed["samples"][task]) == len(FACTS)
         for a, b in zip(packed["samples"][task], whole["samples"][task]):
             assert a["doc_id"] == b["doc_id"]
-            lls = [r[0] if isinstance(r, (list, tuple)) else r for r in a["filtered_resps"]]
-            assert lls == pytest.approx([r[0] if isinstance(r, (list, tuple)) else r for r in b["filtered_resps"]],
-                                        abs=1e-4, rel=0)
+            assert lls(a) == pytest.approx(lls(b), abs=1e-4, rel=0)
         for metric, value in whole["results"][task].items():
             if metric.startswith(("acc,", "acc_norm,")):
                 assert packed["results"][task][metric] == value, (task, metric)
