@@ -797,7 +797,7 @@ def main() -> None:
                         help="part backends: torch threads of every backend (default: torch's)")
     parser.add_argument("--float64-reference", action="store_true",
                         help="part backends: also score each task once in float64 (the path "
-                             "before, untimed; about 3x its time) and report each path's "
+                             "before, untimed; about twice its time) and report each path's "
                              "largest log-likelihood difference from it")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
