@@ -105,12 +105,13 @@ def timed(fn, cpu: list[float] | None = None) -> float:
 
 
 def peak_rss_mb_of_one_upload(local: Path, endpoint: str) -> float:
-    """Peak RSS of a fresh Python process that opens the store and uploads `local` once."""
-    script = (f"import resource, sys; sys.path.insert(0, {str(REPO)!r}); "
+    """Peak RSS of a fresh Python process that opens the store and uploads `local` once: its
+    own VmHWM (getrusage's ru_maxrss would carry this process's peak across the exec)."""
+    script = (f"import sys; sys.path.insert(0, {str(REPO)!r}); "
               "from benchmarks.upload_bench import store_upload; from storage.store import open_store; "
               f"store_upload(open_store('s3://{BUCKET}', endpoint_url={endpoint!r}, region={REGION!r}), "
               f"__import__('pathlib').Path({str(local)!r}), 'rss'); "
-              "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+              "print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
     out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
     return int(out.split()[-1]) / 1024
 

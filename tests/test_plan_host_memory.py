@@ -5,6 +5,8 @@ verifier), not only the training tensors. GPU plans are unchanged."""
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 
 from core.config import load_config
@@ -111,7 +113,8 @@ def test_a_small_run_s_workers_peak_near_their_estimate(tmp_path):
     """A live check of the parts that do not scale with the model (the worker process itself):
     2 CPU workers of a small model with async saves, under plain torchrun; rank 0's logged
     peak resident set (metrics.jsonl's max_rss_gb, training.train.device_memory) is within
-    20% of the planner's per-worker estimate (measured 2026-11-29: 0.39-0.40 GiB against 0.40)."""
+    20% of the planner's per-worker estimate (measured: 0.39-0.40 GiB on the development
+    machine, 0.49 GiB on a CI machine, 2026-12-03; the estimate 0.45)."""
     from tests.helpers import small_config, synthetic_dataset, torchrun_training
     from training.metrics import read_metrics
 
@@ -123,4 +126,5 @@ def test_a_small_run_s_workers_peak_near_their_estimate(tmp_path):
     measured = max(r["max_rss_gb"] for r in read_metrics(config.run_dir)) * GIB
     plan, cluster, _ = planner.check_run(config)
     assert cluster.host_processes
-    assert measured == pytest.approx(plan.memory.worker, rel=0.2), (measured / GIB, plan.memory.worker / GIB)
+    assert measured == pytest.approx(plan.memory.worker, rel=0.2), (
+        measured / GIB, plan.memory.worker / GIB, platform.release())

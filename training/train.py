@@ -433,12 +433,27 @@ def global_loss(layout: Layout, local: torch.Tensor) -> torch.Tensor:
 def device_memory(device: torch.device) -> dict:
     """Peak memory so far, read once per metrics record: on GPU what tensors held (the
     allocator's own count: no device sync); on CPU the worker's peak resident set (the
-    kernel's VmHWM, as getrusage reports it in KiB on Linux): tensors, staging copies, the
-    allocator's kept memory and the process itself, what goodput plan estimates per worker."""
+    kernel's VmHWM): tensors, staging copies, the allocator's kept memory and the process
+    itself, what goodput plan estimates per worker."""
     if device.type != "cuda":
-        import resource
-        import sys
-
-        kib = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes
-        return {"max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib / 2**30}
+        return {"max_rss_gb": peak_resident_bytes() / 2**30}
     return {"max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30}
+
+
+def peak_resident_bytes() -> int:
+    """This process's own peak resident set. Linux's /proc/self/status VmHWM, not getrusage's
+    ru_maxrss: the kernel carries the peak of the process that exec'd us into ru_maxrss, so a
+    worker whose launcher (torchrun's agent, an srun step) once held more reports the
+    launcher's figure (a torchrun worker's starts at the agent's 0.22 GiB)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # no procfs (macOS): the peak as getrusage gives it
+        pass
+    import resource
+    import sys
+
+    kib = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib
