@@ -146,3 +146,22 @@ def peak_flops(device_name: str, configured: float | None) -> float | None:
         if fragment in device_name:
             return flops
     return None
+
+
+def peak_resident_bytes() -> int:
+    """This process's own peak resident set. Linux's /proc/self/status VmHWM, not getrusage's
+    ru_maxrss: the kernel carries the peak of the process that exec'd us into ru_maxrss, so a
+    worker whose launcher (torchrun's agent, an srun step) once held more reports the
+    launcher's figure (a torchrun worker's starts at the agent's 0.22 GiB)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:  # no procfs (macOS): the peak as getrusage gives it
+        pass
+    import resource
+    import sys
+
+    kib = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib

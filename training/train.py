@@ -34,7 +34,7 @@ from training.data import DistributedSampleLoader, open_training_data
 from training.distributed import Dist, init_distributed
 from training.hf_weights import load_hf_weights
 from training.logs import get_logger
-from training.metrics import MetricsWriter, StepMetrics, peak_flops, read_metrics
+from training.metrics import MetricsWriter, StepMetrics, peak_flops, peak_resident_bytes, read_metrics
 from training.model import Transformer, cross_entropy, model_args_from_config
 from training.moe import set_loss_scale
 from training.moe_balance import ExpertBalance
@@ -438,22 +438,3 @@ def device_memory(device: torch.device) -> dict:
     if device.type != "cuda":
         return {"max_rss_gb": peak_resident_bytes() / 2**30}
     return {"max_memory_allocated_gb": torch.cuda.max_memory_allocated(device) / 2**30}
-
-
-def peak_resident_bytes() -> int:
-    """This process's own peak resident set. Linux's /proc/self/status VmHWM, not getrusage's
-    ru_maxrss: the kernel carries the peak of the process that exec'd us into ru_maxrss, so a
-    worker whose launcher (torchrun's agent, an srun step) once held more reports the
-    launcher's figure (a torchrun worker's starts at the agent's 0.22 GiB)."""
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:  # no procfs (macOS): the peak as getrusage gives it
-        pass
-    import resource
-    import sys
-
-    kib = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * kib
