@@ -1009,7 +1009,8 @@ def factorisations(world: int) -> list[dict[str, int]]:
 # saves: the tensors' estimate 1.25 GiB, each worker's resident peak 3.61-3.70 GiB):
 # - process      the worker itself: interpreter, torch, gloo, the data loader
 #   (WORKER_PROCESS_BYTES: a trainer of a 64-dim model peaked at 0.39-0.40 GiB here, and
-#   0.49 GiB on a CI machine, 2026-12-03; the constant sits between them).
+#   0.49 GiB on a CI machine, 2026-12-03, read through getrusage, which may carry the
+#   launcher's peak (training.metrics.peak_resident_bytes); the constant sits between them).
 # - staging      an async save's (checkpoint.async_mode thread or process) copy of what this
 #   rank writes: its weights and optimizer state, split among ranks holding the same.
 # - allocator's kept memory  training/allocator.py fixes glibc's trim threshold at
