@@ -106,14 +106,15 @@ def timed(fn, cpu: list[float] | None = None) -> float:
 
 def peak_rss_mb_of_one_upload(local: Path, endpoint: str) -> float:
     """Peak RSS of a fresh Python process that opens the store and uploads `local` once: its
-    own VmHWM (getrusage's ru_maxrss would carry this process's peak across the exec)."""
+    own (training.metrics.peak_resident_bytes), not this process's carried across the exec."""
     script = (f"import sys; sys.path.insert(0, {str(REPO)!r}); "
               "from benchmarks.upload_bench import store_upload; from storage.store import open_store; "
+              "from training.metrics import peak_resident_bytes; "
               f"store_upload(open_store('s3://{BUCKET}', endpoint_url={endpoint!r}, region={REGION!r}), "
               f"__import__('pathlib').Path({str(local)!r}), 'rss'); "
-              "print(open('/proc/self/status').read().split('VmHWM:')[1].split()[0])")
+              "print(peak_resident_bytes())")
     out = subprocess.run([sys.executable, "-c", script], check=True, capture_output=True, text=True).stdout
-    return int(out.split()[-1]) / 1024
+    return int(out.split()[-1]) / 2**20
 
 
 def main() -> None:
