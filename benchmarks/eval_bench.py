@@ -413,6 +413,7 @@ BACKENDS = {  # name -> what it is, for the table
 # --float64-reference: the path before in float64, untimed, what each backend's rounding is
 # measured against (the "within 1e-4 of today's path" meets today's own fp32 error).
 REFERENCE = "float64 reference"
+REFERENCE_COMPARED = ("goodput", "goodput before", "lm-eval hf")  # the fp32 paths
 
 
 def export_hf(checkpoint: Path, dataset_dir: Path, out: Path) -> Path:
@@ -556,7 +557,7 @@ def compare_backends(args, workdir: Path, dataset_dir: Path, task_dir: Path) -> 
             reference = run_backend(REFERENCE, [name], manager, args, checkpoint, hf_dir, dataset_dir)
             print(f"  {task} / {REFERENCE}: {reference['seconds']:.1f} s (untimed in the tables)", flush=True)
             rows[task]["max_ll_error"] = {b: _max_ll_diff(runs[task][b][0], reference, name)
-                                          for b in ("goodput", "goodput before", "lm-eval hf")}
+                                          for b in REFERENCE_COMPARED}
     return {"model": args.model, "params": params, "device": device_name, "limit": args.limit,
             "batch_size": args.batch_size, "threads": torch.get_num_threads(), "repeats": args.repeats, "tasks": rows,
             "load_1min_after": os.getloadavg()[0]}
@@ -642,11 +643,11 @@ def backends_table(result: dict) -> str:
     if any("max_ll_error" in row for row in per_task.values()):
         lines += ["", f"Each fp32 path against the {REFERENCE} (the path before with the model, its "
                   "softmax and sums in float64), the largest |Δ log-lik| of a request:", "",
-                  "| task | goodput | goodput before | lm-eval hf |", "|---|---|---|---|"]
+                  _table_row(["task", *REFERENCE_COMPARED]), "|---|---|---|---|"]
         for task, row in per_task.items():
             if "max_ll_error" in row:
                 lines.append(_table_row([task, *(f"{row['max_ll_error'][b]:.1e}"
-                                                 for b in ("goodput", "goodput before", "lm-eval hf"))]))
+                                                 for b in REFERENCE_COMPARED)]))
     return "\n".join(lines)
 
 
